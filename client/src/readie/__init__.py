@@ -1,0 +1,1 @@
+"""readie: run untrusted Python in gVisor sandboxes restored from checkpoints."""

@@ -1,0 +1,57 @@
+"""``python -u -m readie_executor``: the startup sequence of the executor spec."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+from ._checkpoint import CaptureError, checkpoint_and_wait
+from ._server import ServeError, bind_listener, serve_forever
+from ._settings import Mode, Settings, SettingsError
+
+# Exit codes: 2 for settings the executor cannot start with (as the spec asks),
+# 3 for a capture that cannot reach its checkpoint.
+EXIT_BAD_SETTINGS = 2
+EXIT_CAPTURE_FAILED = 3
+
+
+def main() -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="readie_executor: %(message)s")
+    try:
+        settings = Settings.from_environ(os.environ)
+        if settings.mode is Mode.CAPTURE:
+            try:
+                preimport(settings.preimport)
+                restored_environ = checkpoint_and_wait(sys.stdin.buffer, sys.stdout)
+            except CaptureError as exc:
+                return _fail(f"capture failed: {exc}", EXIT_CAPTURE_FAILED)
+            # The frozen environment is the capture's; only the new sandbox's counts.
+            os.environ.clear()
+            os.environ.update(restored_environ)
+            settings = Settings.from_environ(os.environ)
+            if settings.mode is Mode.MEASURE:
+                return 0
+        listener = bind_listener(settings.socket_path)
+    except (SettingsError, ServeError) as exc:
+        return _fail(str(exc), EXIT_BAD_SETTINGS)
+    serve_forever(listener, settings.chunk_size)
+    return 0
+
+
+def preimport(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:
+            raise CaptureError(f"cannot pre-import {name!r}: {type(exc).__name__}: {exc}") from None
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"readie_executor: {message}\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The executor's socket: one connection at a time, one call at a time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+from ._calls import run_call
+from .protocol import FramingError, MessageReader
+from .sockets import receive_message, send_message
+
+log = logging.getLogger("readie_executor")
+
+# A sandbox holds one interpreter that runs one call at a time; a second
+# caller waits in the kernel's queue rather than in ours.
+LISTEN_BACKLOG = 1
+# sun_path is 108 bytes on Linux, and the path needs its terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+class ServeError(Exception):
+    """The socket cannot be set up."""
+
+
+def bind_listener(path: Path) -> socket.socket:
+    encoded = os.fsencode(path)
+    if len(encoded) > MAX_SOCKET_PATH:
+        raise ServeError(
+            f"socket path {path} is {len(encoded)} bytes; a Unix socket path may have at most "
+            f"{MAX_SOCKET_PATH}: use a shorter EXECUTOR_DIR"
+        )
+    try:
+        path.unlink()  # a stale socket from an earlier executor would make bind fail
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ServeError(f"cannot remove stale socket {path}: {exc}") from None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(encoded)
+        listener.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        listener.close()
+        raise ServeError(f"cannot listen on {path}: {exc}") from None
+    return listener
+
+
+def serve_forever(listener: socket.socket, chunk_size: int) -> None:
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            serve_connection(connection, chunk_size)
+
+
+def serve_connection(connection: socket.socket, chunk_size: int) -> None:
+    """Answer requests on one connection until the peer hangs up or breaks the framing."""
+    reader = MessageReader()
+    while True:
+        try:
+            request = receive_message(connection, reader)
+        except (FramingError, OSError) as exc:
+            log.warning("dropping connection: %s", exc)
+            return
+        if request is None:
+            return
+        response = run_call(request)
+        try:
+            send_message(connection, response, chunk_size)
+        except OSError as exc:
+            log.warning("peer left before the response was sent: %s", exc)
+            return

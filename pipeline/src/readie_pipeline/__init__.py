@@ -1,0 +1,1 @@
+"""readie capture pipeline: rootfs, checkpoints and the manifest workers trust."""

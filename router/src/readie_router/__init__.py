@@ -1,0 +1,1 @@
+"""readie router: gRPC front end and the pool JSONL protocol."""

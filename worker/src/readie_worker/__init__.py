@@ -1,0 +1,1 @@
+"""readie worker: restores gVisor sandboxes from checkpoints and runs jobs in them."""
