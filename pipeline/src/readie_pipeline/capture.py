@@ -1,0 +1,256 @@
+"""``make capture``: freeze executors with their imports done, and time them.
+
+For each planned checkpoint: start the executor in capture mode under runsc,
+wait for its announcement, check the template (one OS thread, no descriptors
+beyond stdio), ``runsc checkpoint`` it, then time restores (measure mode, and
+to a serving socket) against cold starts with the same imports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import structlog
+
+from readie_executor._checkpoint import READY_MARKER
+from readie_executor.protocol import PROTOCOL_VERSION
+from readie_worker import runsc as runsc_module
+from readie_worker.bundle import EXECUTOR_ARGV, SandboxSpec, capture_env, family_fingerprint, serve_env
+from readie_worker.errors import SandboxSetupError
+from readie_worker.manifest import (
+    MANIFEST_NAME,
+    Checkpoint,
+    Manifest,
+    ManifestError,
+    file_sha256,
+    read_manifest,
+    write_manifest,
+)
+from readie_worker.runsc import Runsc
+from readie_worker.sandbox import RunscCold, RunscRestore, SandboxDir, hand_over, launch
+
+from .plan import CheckpointPlan, Plan
+from .rootfs import Rootfs, ensure_rootfs
+
+log = structlog.get_logger("readie.capture")
+
+# Pre-importing pandas under ptrace takes ~2-3 s; a minute means something hangs.
+CAPTURE_POINT_TIMEOUT_S = 120.0
+# A template may hold stdin, stdout and stderr, nothing else: any other
+# descriptor would be shared by every sandbox restored from it.
+ALLOWED_FDS = frozenset({0, 1, 2})
+MAX_TEMPLATE_THREADS = 1
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    output: Path
+    runs: int = 3
+    only: tuple[str, ...] = ()
+
+
+Report = Callable[[str], None]
+
+
+def capture(plan: Plan, options: CaptureOptions, report: Report) -> Manifest:
+    selected = plan.select(list(options.only))
+    rootfs = ensure_rootfs(plan, report)
+    runsc = Runsc(root=options.output / ".runsc-state")
+    runsc.sweep()
+    version = runsc_module.version()
+    fingerprint = family_fingerprint(rootfs.path, plan.mounts, runsc.flags)
+    previous = _previous_entries(options.output, version, fingerprint, rootfs.fingerprint)
+    with _scratch_dir() as scratch:
+        captured = {c.name: capture_one(c, plan, rootfs, runsc, options, scratch, report) for c in selected}
+    manifest = Manifest(
+        executor_protocol=PROTOCOL_VERSION,
+        runsc_version=version,
+        runsc_flags=runsc.flags,
+        spec_fingerprint=fingerprint,
+        rootfs=rootfs.path,
+        rootfs_fingerprint=rootfs.fingerprint,
+        python=rootfs.python,
+        executor_argv=EXECUTOR_ARGV,
+        mount_plan=plan.mounts,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        checkpoints={**previous, **captured},
+    )
+    write_manifest(manifest, options.output / MANIFEST_NAME)
+    return manifest
+
+
+def capture_one(
+    checkpoint: CheckpointPlan,
+    plan: Plan,
+    rootfs: Rootfs,
+    runsc: Runsc,
+    options: CaptureOptions,
+    scratch: Path,
+    report: Report,
+) -> Checkpoint:
+    name = checkpoint.name
+    image_dir = options.output / name
+    staging = options.output / f".{name}.new"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with _step(report, name, "capture point"):
+        sandbox = SandboxDir.create(scratch)
+        spec = SandboxSpec(
+            rootfs=rootfs.path,
+            executor_dir=sandbox.executor_dir,
+            env=capture_env(plan.mounts, checkpoint.preimport),
+            plan=plan.mounts,
+            unused_slot_source=sandbox.unused_slots,
+        )
+        spec.write(sandbox.path)
+        process = runsc.start_detached(["run", "--detach", "--bundle", str(sandbox.path), sandbox.id], sandbox.log_path)
+        try:
+            try:
+                census = json.loads(runsc_module.wait_for_line(process.stdout, READY_MARKER.encode(), CAPTURE_POINT_TIMEOUT_S))
+            except SandboxSetupError as exc:
+                raise CaptureError(f"checkpoint {name!r}: {exc}: {_tail(sandbox.log_path)}") from None
+            verify_template(name, census)
+            with _step(report, name, "checkpoint"):
+                runsc.run("checkpoint", f"--image-path={staging}", sandbox.id)
+        finally:
+            runsc.destroy(sandbox.id)
+            process.stdin.close()  # type: ignore[union-attr]
+            process.stdout.close()  # type: ignore[union-attr]
+    image = staging / "checkpoint.img"
+    staged = Checkpoint(
+        name=name,
+        preimport=checkpoint.preimport,
+        image_path=staging.resolve(),
+        size_bytes=image.stat().st_size,
+        sha256=file_sha256(image),
+        restore_p50_ms=0.0,
+        cold_start_p50_ms=0.0,
+        restore_to_socket_p50_ms=0.0,
+    )
+    common = dict(runsc=runsc, rootfs=rootfs.path, plan=plan.mounts, base_env=capture_env(plan.mounts, checkpoint.preimport))
+    restore = RunscRestore(checkpoint=staged, **common)  # type: ignore[arg-type]
+    with _step(report, name, f"restore x{options.runs} (measure mode)"):
+        restore_ms = [_time_measure_restore(restore, scratch) for _ in range(options.runs)]
+    with _step(report, name, f"restore to socket x{options.runs}"):
+        socket_ms = [_time_to_socket(restore, scratch, checkpoint.preimport) for _ in range(options.runs)]
+    with _step(report, name, f"cold start to socket x{options.runs}"):
+        cold_ms = [_time_to_socket(RunscCold(**common), scratch, checkpoint.preimport) for _ in range(options.runs)]  # type: ignore[arg-type]
+    shutil.rmtree(image_dir, ignore_errors=True)
+    staging.rename(image_dir)
+    return replace(
+        staged,
+        image_path=image_dir.resolve(),
+        restore_p50_ms=round(statistics.median(restore_ms), 1),
+        cold_start_p50_ms=round(statistics.median(cold_ms), 1),
+        restore_to_socket_p50_ms=round(statistics.median(socket_ms), 1),
+    )
+
+
+def verify_template(name: str, census: dict[str, list[dict[str, object]]]) -> None:
+    """Refuse a template that would carry extra threads or descriptors into every sandbox."""
+    threads = census.get("threads", [])
+    fds = census.get("fds", [])
+    problems = []
+    if len(threads) > MAX_TEMPLATE_THREADS:
+        names = ", ".join(f"{t.get('name')} (tid {t.get('tid')})" for t in threads[1:])
+        problems.append(f"{len(threads) - 1} thread(s) beyond the main one: {names}")
+    extra = [fd for fd in fds if fd.get("fd") not in ALLOWED_FDS]
+    if extra:
+        names = ", ".join(f"fd {fd.get('fd')} -> {fd.get('target')}" for fd in extra)
+        problems.append(f"open descriptor(s) beyond stdio: {names}")
+    if problems:
+        raise CaptureError(f"checkpoint {name!r} rejected: the template has " + "; ".join(problems))
+
+
+def _time_measure_restore(restore: RunscRestore, scratch: Path) -> float:
+    sandbox = SandboxDir.create(scratch)
+    started = time.monotonic()
+    process = restore.start(sandbox, {})
+    try:
+        hand_over(process, {**serve_env(()), "EXECUTOR_DIR": restore.executor_dir(sandbox), "EXECUTOR_MODE": "measure"})
+        assert process.stdout is not None
+        if process.stdout.read():  # measure mode prints nothing and exits: EOF is the end of the restore
+            raise CaptureError(f"measure-mode executor printed to stdout: {_tail(sandbox.log_path)}")
+        return (time.monotonic() - started) * 1000
+    finally:
+        restore.destroy(sandbox, process)
+        process.stdin.close()  # type: ignore[union-attr]
+        process.stdout.close()  # type: ignore[union-attr]
+        shutil.rmtree(sandbox.path, ignore_errors=True)
+
+
+def _time_to_socket(launcher: RunscRestore | RunscCold, scratch: Path, preimport: tuple[str, ...]) -> float:
+    sandbox = launch(launcher, scratch, serve_env(preimport))
+    try:
+        return sandbox.ready_ms
+    finally:
+        sandbox.destroy()
+
+
+def _previous_entries(output: Path, version: str, fingerprint: str, rootfs_fingerprint: str) -> dict[str, Checkpoint]:
+    """Checkpoints of an earlier run that stay valid beside the ones captured now."""
+    try:
+        old = read_manifest(output / MANIFEST_NAME)
+    except ManifestError:
+        return {}
+    if (old.runsc_version, old.spec_fingerprint, old.rootfs_fingerprint) != (version, fingerprint, rootfs_fingerprint):
+        return {}
+    return dict(old.checkpoints)
+
+
+@contextmanager
+def _scratch_dir() -> Iterator[Path]:
+    # Socket paths are limited to 107 bytes, so sandboxes live under a short temp dir.
+    path = Path(tempfile.mkdtemp(prefix="rdc-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def _step(report: Report, checkpoint: str, step: str) -> Iterator[None]:
+    report(f"[{checkpoint}] {step} …")
+    started = time.monotonic()
+    yield
+    report(f"[{checkpoint}] {step}: {time.monotonic() - started:.2f} s")
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-1500:].strip()
+    except OSError:
+        return ""
+
+
+def format_table(manifest: Manifest) -> str:
+    rows = [("checkpoint", "preimport", "image MB", "restore ms", "restore→socket ms", "cold→socket ms", "cold/restore")]
+    for c in manifest.checkpoints.values():
+        ratio = c.cold_start_p50_ms / c.restore_to_socket_p50_ms if c.restore_to_socket_p50_ms else float("nan")
+        rows.append((
+            c.name,
+            ",".join(c.preimport) or "-",
+            f"{c.size_bytes / 1e6:.1f}",
+            f"{c.restore_p50_ms:.0f}",
+            f"{c.restore_to_socket_p50_ms:.0f}",
+            f"{c.cold_start_p50_ms:.0f}",
+            f"{ratio:.1f}x",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+

@@ -1,0 +1,52 @@
+"""``readie capture`` and ``readie rootfs``: the offline half, with progress on the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from readie_worker.errors import ReadieError
+from readie_worker.logs import configure_logging
+
+from .capture import CaptureError, CaptureOptions, capture, format_table
+from .plan import DEFAULT_PLAN, PlanError, load_plan
+from .rootfs import RootfsError, ensure_rootfs
+
+DEFAULT_OUTPUT = Path("build/checkpoints")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="readie", description="readie's capture pipeline")
+    commands = parser.add_subparsers(dest="command", required=True)
+    rootfs = commands.add_parser("rootfs", help="build (or reuse) the sandbox rootfs")
+    rootfs.add_argument("--plan", type=Path, default=DEFAULT_PLAN, help="checkpoint plan (TOML)")
+    cap = commands.add_parser("capture", help="capture the planned checkpoints and write manifest.json")
+    cap.add_argument("--plan", type=Path, default=DEFAULT_PLAN, help="checkpoint plan (TOML)")
+    cap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where images and manifest.json go")
+    cap.add_argument("--only", action="append", default=[], metavar="NAME", help="capture only this checkpoint")
+    cap.add_argument("--runs", type=int, default=3, help="timed restores and cold starts per checkpoint")
+    args = parser.parse_args(argv)
+    configure_logging()
+    started = time.monotonic()
+    try:
+        plan = load_plan(args.plan)
+        if args.command == "rootfs":
+            built = ensure_rootfs(plan, _report)
+            _report(f"rootfs ready: {built.path} (python {built.python}, {built.fingerprint[:23]}…)")
+            return 0
+        if args.runs < 1:
+            parser.error("--runs must be at least 1")
+        manifest = capture(plan, CaptureOptions(args.output, args.runs, tuple(args.only)), _report)
+    except (PlanError, RootfsError, CaptureError, ReadieError) as exc:
+        _report(f"capture failed: {exc}")
+        return 1
+    _report(f"wrote {args.output / 'manifest.json'} in {time.monotonic() - started:.1f} s\n")
+    sys.stdout.write(format_table(manifest) + "\n")
+    return 0
+
+
+def _report(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,92 @@
+"""The checkpoint plan (``pipeline/checkpoints.toml``): parsed strictly, refused loudly."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from readie_worker.bundle import MountPlan
+
+DEFAULT_PLAN = Path(__file__).with_name("checkpoints.toml")
+# Checkpoint names become directory names and pool names.
+_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# Slot counts bound the mounts in every sandbox's spec.
+MAX_SLOTS = 16
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    name: str
+    preimport: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    requirements: tuple[str, ...]
+    mounts: MountPlan
+    checkpoints: tuple[CheckpointPlan, ...]
+
+    def select(self, names: list[str] | None) -> tuple[CheckpointPlan, ...]:
+        if not names:
+            return self.checkpoints
+        known = {c.name: c for c in self.checkpoints}
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise PlanError(f"no checkpoint named {', '.join(unknown)} in the plan (have {', '.join(known)})")
+        return tuple(known[name] for name in names)
+
+
+def load_plan(path: Path = DEFAULT_PLAN) -> Plan:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise PlanError(f"{path}: {exc}") from None
+    where = str(path)
+    _only(raw, {"site", "mounts", "checkpoints"}, where)
+    site = raw.get("site", {})
+    _only(site, {"requirements"}, f"{where} [site]")
+    requirements = _strings(site.get("requirements", []), f"{where} [site].requirements")
+    mounts_raw = raw.get("mounts", {})
+    _only(mounts_raw, {"read_slots", "write_slots", "package_slots"}, f"{where} [mounts]")
+    counts = {key: _slots(mounts_raw.get(key, default), f"{where} [mounts].{key}")
+              for key, default in (("read_slots", 4), ("write_slots", 4), ("package_slots", 2))}
+    checkpoints = []
+    for name, table in raw.get("checkpoints", {}).items():
+        if not _NAME.match(name):
+            raise PlanError(f"{where}: checkpoint name {name!r} must match {_NAME.pattern}")
+        _only(table, {"preimport"}, f"{where} [checkpoints.{name}]")
+        modules = _strings(table.get("preimport", []), f"{where} [checkpoints.{name}].preimport")
+        bad = [m for m in modules if not _MODULE.match(m)]
+        if bad:
+            raise PlanError(f"{where} [checkpoints.{name}].preimport: not module names: {', '.join(bad)}")
+        checkpoints.append(CheckpointPlan(name, tuple(dict.fromkeys(modules))))
+    if not checkpoints:
+        raise PlanError(f"{where}: the plan lists no checkpoints")
+    return Plan(tuple(requirements), MountPlan(counts["read_slots"], counts["write_slots"], counts["package_slots"]), tuple(checkpoints))
+
+
+def _only(table: object, allowed: set[str], where: str) -> None:
+    if not isinstance(table, dict):
+        raise PlanError(f"{where}: must be a table")
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise PlanError(f"{where}: unknown key {', '.join(unknown)}")
+
+
+def _strings(value: object, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise PlanError(f"{where}: must be a list of non-empty strings")
+    return value
+
+
+def _slots(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SLOTS:
+        raise PlanError(f"{where}: must be an integer from 0 to {MAX_SLOTS}")
+    return value

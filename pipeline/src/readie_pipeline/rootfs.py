@@ -1,0 +1,204 @@
+"""The sandbox's own root filesystem, built once per fingerprint of its inputs.
+
+Two layers, each cached under ``$READIE_CACHE`` (default ``~/.cache/readie``)
+by the fingerprint of what went into it, so a fresh clone reuses them and a
+change rebuilds only what it touches:
+
+* ``base/<fp>``: Debian bookworm minbase from debootstrap, with its python3;
+* ``rootfs/<fp>``: a hard-linked copy of the base plus ``/opt/readie/site``
+  (cloudpickle, ``readie_executor``, the packages checkpoints pre-import).
+
+A layer counts only once its stamp file exists and names its fingerprint:
+the stamp is written last, so an interrupted build is never mistaken for a
+finished one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import readie_executor
+from readie_worker.bundle import EXECUTOR_DIR
+
+from .plan import Plan
+
+SUITE = "bookworm"
+VARIANT = "minbase"
+INCLUDE = ("python3", "ca-certificates")
+# Bump when the build steps change in a way the inputs below do not show.
+BUILD_RECIPE = 1
+STAMP = "readie-layer.json"
+# Old rootfs layers kept besides the current one; each holds ~150 MB of site packages.
+KEEP_OLD_LAYERS = 2
+# debootstrap downloads ~100 MB; on a slow mirror it can take minutes.
+DEBOOTSTRAP_TIMEOUT_S = 20 * 60
+INSTALL_TIMEOUT_S = 10 * 60
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("READIE_CACHE") or Path.home() / ".cache" / "readie")
+
+
+@dataclass(frozen=True)
+class Rootfs:
+    path: Path  # the directory given to runsc as root.path
+    fingerprint: str
+    python: str  # version of the sandbox's own python3
+
+
+def base_fingerprint() -> str:
+    return _fingerprint({"suite": SUITE, "variant": VARIANT, "include": INCLUDE, "recipe": BUILD_RECIPE})
+
+
+def rootfs_fingerprint(plan: Plan) -> str:
+    return _fingerprint(
+        {
+            "base": base_fingerprint(),
+            "requirements": plan.requirements,
+            "mounts": plan.mounts.to_json(),
+            "executor": _tree_digest(Path(readie_executor.__file__).parent),
+            "recipe": BUILD_RECIPE,
+        }
+    )
+
+
+def ensure_rootfs(plan: Plan, report: Callable[[str], None] | None = None) -> Rootfs:
+    """Return the rootfs for ``plan``, building whatever layer is missing."""
+    cache = cache_dir()
+    base = _layer(cache / "base" / base_fingerprint()[7:23], base_fingerprint(), _build_base, report)
+    fingerprint = rootfs_fingerprint(plan)
+    layer = _layer(
+        cache / "rootfs" / fingerprint[7:23],
+        fingerprint,
+        lambda target: _build_site(base / "rootfs", target, plan),
+        report,
+    )
+    _prune(cache / "rootfs", keep=layer)
+    return Rootfs(layer / "rootfs", fingerprint, _sandbox_python_version(layer / "rootfs"))
+
+
+def _layer(
+    directory: Path,
+    fingerprint: str,
+    build: Callable[[Path], None],
+    report: Callable[[str], None] | None,
+) -> Path:
+    stamp = directory / STAMP
+    if _stamp_matches(stamp, fingerprint):
+        return directory
+    if directory.exists():
+        shutil.rmtree(directory)  # a half-built or foreign layer is never trusted
+    staging = directory.with_name(f".staging-{directory.name}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    started = time.monotonic()
+    if report:
+        report(f"building {directory.parent.name} layer {directory.name} (fingerprint {fingerprint[:23]}…)")
+    try:
+        build(staging)
+        (staging / STAMP).write_text(json.dumps({"fingerprint": fingerprint, "built_at": time.time()}))
+        staging.rename(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if report:
+        report(f"built {directory.parent.name} layer in {time.monotonic() - started:.1f} s")
+    return directory
+
+
+def _stamp_matches(stamp: Path, fingerprint: str) -> bool:
+    try:
+        return json.loads(stamp.read_text()).get("fingerprint") == fingerprint
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _build_base(staging: Path) -> None:
+    target = staging / "rootfs"
+    _run(
+        ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(INCLUDE)}", SUITE, str(target)],
+        staging / "debootstrap.log",
+        DEBOOTSTRAP_TIMEOUT_S,
+    )
+    # Nothing of the build host may show inside a sandbox.
+    (target / "etc" / "hostname").write_text("readie\n")
+    (target / "etc" / "hosts").write_text("127.0.0.1 localhost readie\n::1 localhost\n")
+    (target / "etc" / "resolv.conf").write_text("")
+    (target / "etc" / "machine-id").write_text("")
+    for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+        for entry in (target / cache).glob("*"):
+            if entry.is_file():
+                entry.unlink()
+
+
+def _build_site(base_rootfs: Path, staging: Path, plan: Plan) -> None:
+    target = staging / "rootfs"
+    # Hard links: the base is never written after it is stamped, so sharing is safe and instant.
+    _run(["cp", "-al", str(base_rootfs), str(target)], staging / "copy.log", INSTALL_TIMEOUT_S)
+    site = target / "opt" / "readie" / "site"
+    site.mkdir(parents=True)
+    _run(
+        ["uv", "pip", "install", "--quiet", "--python", sys.executable, "--target", str(site), *plan.requirements],
+        staging / "install.log",
+        INSTALL_TIMEOUT_S,
+    )
+    # runsc would create missing mount points itself, on the host side of the rootfs.
+    for destination, _ in plan.mounts.slots():
+        (target / destination.relative_to("/")).mkdir(parents=True, exist_ok=True)
+    (target / EXECUTOR_DIR.relative_to("/")).mkdir(parents=True, exist_ok=True)
+    shutil.copytree(
+        Path(readie_executor.__file__).parent,
+        site / "readie_executor",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+
+
+def _sandbox_python_version(rootfs: Path) -> str:
+    candidates = sorted((rootfs / "usr" / "lib").glob("python3.*"))
+    names = [path.name.removeprefix("python") for path in candidates if path.name[7:].isdigit()]
+    return names[-1] if names else "unknown"
+
+
+def _prune(layers: Path, keep: Path) -> None:
+    others = [p for p in layers.iterdir() if p.is_dir() and p != keep and not p.name.startswith(".")]
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in others[KEEP_OLD_LAYERS:]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _run(args: list[str], log_path: Path, timeout: float) -> None:
+    with open(log_path, "wb") as log_file:
+        try:
+            completed = subprocess.run(args, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RootfsError(f"{args[0]} timed out after {timeout:.0f} s; see {log_path}") from None
+        except FileNotFoundError:
+            raise RootfsError(f"{args[0]} is not installed (apt-get install -y debootstrap; pip install uv)") from None
+    if completed.returncode != 0:
+        tail = log_path.read_text(errors="replace")[-1500:]
+        raise RootfsError(f"{' '.join(args[:3])} … exited {completed.returncode}:\n{tail}")
+
+
+class RootfsError(RuntimeError):
+    pass
+
+
+def _fingerprint(inputs: object) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def _tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

@@ -1,0 +1,35 @@
+"""readie's error hierarchy: one base, a few families.
+
+Mapped to pool error types and gRPC status codes in exactly one place each
+(the router's boundary), never ad hoc.
+"""
+
+from __future__ import annotations
+
+
+class ReadieError(Exception):
+    """Base of every error readie raises on purpose."""
+
+
+class RequestError(ReadieError):
+    """A request was refused before anything ran. ``field`` names the culprit when there is one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class SandboxSetupError(ReadieError):
+    """A sandbox could not be made ready: restore, cold start, mounts, socket."""
+
+
+class PoolWorkerError(ReadieError):
+    """The worker (or the sandbox under a job) failed in a way that is not the job's doing."""
+
+
+class ManifestError(SandboxSetupError):
+    """The checkpoint manifest cannot be trusted as a whole."""
+
+
+class CheckpointUnusable(SandboxSetupError):
+    """One checkpoint of an otherwise good manifest cannot be used (missing or corrupt image)."""

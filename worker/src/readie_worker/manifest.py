@@ -1,0 +1,215 @@
+"""The checkpoint manifest: what the pipeline wrote and what a worker may trust.
+
+Loading rules, strictest first:
+
+* no manifest at all: cold starts only (not an error);
+* an ``executor_protocol`` other than ours (absent counts as 1): refused,
+  naming both versions, because a restored executor that speaks another
+  framing connects and then hangs;
+* a different runsc version or spec fingerprint: the checkpoints are dropped
+  (``strict``: refused), because restore needs the runsc and the mount shape
+  that made them;
+* a missing or corrupt image: that checkpoint alone is unusable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from readie_executor.protocol import PROTOCOL_VERSION
+
+from .bundle import MountPlan
+from .errors import CheckpointUnusable, ManifestError
+
+MANIFEST_NAME = "manifest.json"
+# A manifest lists a handful of checkpoints; anything near this is not one.
+MAX_MANIFEST_BYTES = 1024 * 1024
+_HASH_BLOCK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    preimport: tuple[str, ...]
+    image_path: Path  # absolute; stored relative to the manifest's directory
+    size_bytes: int
+    sha256: str
+    restore_p50_ms: float  # runsc restore until the measure-mode executor exits
+    cold_start_p50_ms: float  # runsc run, imports and all, until the socket answers
+    restore_to_socket_p50_ms: float
+
+
+@dataclass(frozen=True)
+class Manifest:
+    executor_protocol: int
+    runsc_version: str
+    runsc_flags: tuple[str, ...]
+    spec_fingerprint: str
+    rootfs: Path
+    rootfs_fingerprint: str
+    python: str
+    executor_argv: tuple[str, ...]
+    mount_plan: MountPlan
+    created_at: str
+    checkpoints: Mapping[str, Checkpoint]
+
+    def to_json(self, base: Path) -> dict[str, Any]:
+        return {
+            "executor_protocol": self.executor_protocol,
+            "runsc_version": self.runsc_version,
+            "runsc_flags": list(self.runsc_flags),
+            "spec_fingerprint": self.spec_fingerprint,
+            "rootfs": str(self.rootfs),
+            "rootfs_fingerprint": self.rootfs_fingerprint,
+            "python": self.python,
+            "executor_argv": list(self.executor_argv),
+            "mount_plan": self.mount_plan.to_json(),
+            "created_at": self.created_at,
+            "checkpoints": [
+                {**asdict(c), "preimport": list(c.preimport), "image_path": os.path.relpath(c.image_path, base)}
+                for c in self.checkpoints.values()
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoints:
+    """The outcome of loading: usable checkpoints, and why the others are not."""
+
+    manifest: Manifest | None
+    usable: Mapping[str, Checkpoint] = field(default_factory=dict)
+    problems: Mapping[str, str] = field(default_factory=dict)  # checkpoint name, or "*" for all
+
+
+def write_manifest(manifest: Manifest, path: Path) -> None:
+    """Write atomically: a reader sees the old manifest or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(manifest.to_json(path.parent), indent=2, sort_keys=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_manifest(path: Path) -> Manifest:
+    """Parse and check the version; raise ManifestError for anything unusable as a whole."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path}: {size} bytes is not a manifest (limit {MAX_MANIFEST_BYTES})")
+        raw = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path}: cannot read the checkpoint manifest: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path}: the checkpoint manifest is not a JSON object")
+    version = raw.get("executor_protocol", 1)
+    if version != PROTOCOL_VERSION:
+        raise ManifestError(protocol_mismatch_message(path, version))
+    try:
+        return _parse(raw, path.parent)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{path}: malformed checkpoint manifest: {type(exc).__name__}: {exc}") from None
+
+
+def protocol_mismatch_message(path: Path, found: object) -> str:
+    return (
+        f"{path}: checkpoints were built for executor protocol {found}, but this worker speaks "
+        f"executor protocol {PROTOCOL_VERSION}; rebuild them with the current pipeline (make capture)"
+    )
+
+
+def load_checkpoints(
+    path: Path,
+    *,
+    runsc_version: str,
+    spec_fingerprint: str,
+    strict: bool = False,
+    verify_images: bool = True,
+) -> LoadedCheckpoints:
+    if not path.exists():
+        return LoadedCheckpoints(None, problems={"*": f"no manifest at {path}: cold starts only"})
+    manifest = read_manifest(path)
+    mismatch = []
+    if manifest.runsc_version != runsc_version:
+        mismatch.append(f"runsc version {manifest.runsc_version!r} != installed {runsc_version!r}")
+    if manifest.spec_fingerprint != spec_fingerprint:
+        mismatch.append(f"spec fingerprint {manifest.spec_fingerprint} != expected {spec_fingerprint}")
+    if mismatch:
+        reason = f"{path}: checkpoints dropped: " + "; ".join(mismatch) + " (rebuild with make capture)"
+        if strict:
+            raise ManifestError(reason)
+        return LoadedCheckpoints(manifest, problems={"*": reason})
+    usable: dict[str, Checkpoint] = {}
+    problems: dict[str, str] = {}
+    for name, checkpoint in manifest.checkpoints.items():
+        try:
+            if verify_images:
+                verify_image(checkpoint)
+        except CheckpointUnusable as exc:
+            problems[name] = str(exc)
+        else:
+            usable[name] = checkpoint
+    return LoadedCheckpoints(manifest, usable, problems)
+
+
+def verify_image(checkpoint: Checkpoint) -> None:
+    image = checkpoint.image_path / "checkpoint.img"
+    try:
+        digest = file_sha256(image)
+    except OSError as exc:
+        raise CheckpointUnusable(f"checkpoint {checkpoint.name!r}: image missing: {exc}") from None
+    if digest != checkpoint.sha256:
+        raise CheckpointUnusable(
+            f"checkpoint {checkpoint.name!r}: image {image} is corrupt "
+            f"(sha256 {digest}, manifest says {checkpoint.sha256})"
+        )
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(_HASH_BLOCK):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
+    checkpoints = {}
+    for entry in raw["checkpoints"]:
+        checkpoint = Checkpoint(
+            name=str(entry["name"]),
+            preimport=tuple(str(name) for name in entry["preimport"]),
+            image_path=(base / str(entry["image_path"])).resolve(),
+            size_bytes=int(entry["size_bytes"]),
+            sha256=str(entry["sha256"]),
+            restore_p50_ms=float(entry["restore_p50_ms"]),
+            cold_start_p50_ms=float(entry["cold_start_p50_ms"]),
+            restore_to_socket_p50_ms=float(entry["restore_to_socket_p50_ms"]),
+        )
+        checkpoints[checkpoint.name] = checkpoint
+    return Manifest(
+        executor_protocol=int(raw["executor_protocol"]),
+        runsc_version=str(raw["runsc_version"]),
+        runsc_flags=tuple(str(flag) for flag in raw["runsc_flags"]),
+        spec_fingerprint=str(raw["spec_fingerprint"]),
+        rootfs=Path(str(raw["rootfs"])),
+        rootfs_fingerprint=str(raw["rootfs_fingerprint"]),
+        python=str(raw["python"]),
+        executor_argv=tuple(str(arg) for arg in raw["executor_argv"]),
+        mount_plan=MountPlan.from_json(raw["mount_plan"]),
+        created_at=str(raw["created_at"]),
+        checkpoints=checkpoints,
+    )
