@@ -33,8 +33,10 @@ from readie_worker.manifest import (
     ManifestError,
     file_sha256,
     read_manifest,
+    verify_image,
     write_manifest,
 )
+from readie_worker.errors import CheckpointUnusable
 from readie_worker.runsc import Runsc
 from readie_worker.sandbox import RunscCold, RunscRestore, SandboxDir, hand_over, launch
 
@@ -60,6 +62,7 @@ class CaptureOptions:
     output: Path
     runs: int = 3
     only: tuple[str, ...] = ()
+    force: bool = False  # recapture even checkpoints that are up to date
 
 
 Report = Callable[[str], None]
@@ -73,8 +76,13 @@ def capture(plan: Plan, options: CaptureOptions, report: Report) -> Manifest:
     version = runsc_module.version()
     fingerprint = family_fingerprint(rootfs.path, plan.mounts, runsc.flags)
     previous = _previous_entries(options.output, version, fingerprint, rootfs.fingerprint)
+    captured: dict[str, Checkpoint] = {}
     with _scratch_dir() as scratch:
-        captured = {c.name: capture_one(c, plan, rootfs, runsc, options, scratch, report) for c in selected}
+        for checkpoint in selected:
+            if not options.force and _up_to_date(previous.get(checkpoint.name), checkpoint):
+                report(f"[{checkpoint.name}] up to date (rootfs, runsc and spec unchanged; --force recaptures)")
+                continue
+            captured[checkpoint.name] = capture_one(checkpoint, plan, rootfs, runsc, options, scratch, report)
     manifest = Manifest(
         executor_protocol=PROTOCOL_VERSION,
         runsc_version=version,
@@ -198,6 +206,16 @@ def _time_to_socket(launcher: RunscRestore | RunscCold, scratch: Path, preimport
         return sandbox.ready_ms
     finally:
         sandbox.destroy()
+
+
+def _up_to_date(previous: Checkpoint | None, planned: CheckpointPlan) -> bool:
+    if previous is None or previous.preimport != planned.preimport:
+        return False
+    try:
+        verify_image(previous)
+    except CheckpointUnusable:
+        return False
+    return True
 
 
 def _previous_entries(output: Path, version: str, fingerprint: str, rootfs_fingerprint: str) -> dict[str, Checkpoint]:

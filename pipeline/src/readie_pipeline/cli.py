@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where images and manifest.json go")
     cap.add_argument("--only", action="append", default=[], metavar="NAME", help="capture only this checkpoint")
     cap.add_argument("--runs", type=int, default=3, help="timed restores and cold starts per checkpoint")
+    cap.add_argument("--force", action="store_true", help="recapture checkpoints that are up to date")
     args = parser.parse_args(argv)
     configure_logging()
     started = time.monotonic()
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.runs < 1:
             parser.error("--runs must be at least 1")
-        manifest = capture(plan, CaptureOptions(args.output, args.runs, tuple(args.only)), _report)
+        manifest = capture(plan, CaptureOptions(args.output, args.runs, tuple(args.only), args.force), _report)
     except (PlanError, RootfsError, CaptureError, ReadieError) as exc:
         _report(f"capture failed: {exc}")
         return 1

@@ -33,9 +33,9 @@ from readie_executor.protocol import MessageReader
 from readie_executor.sockets import receive_message, send_message
 
 from . import _reaper
-from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec
+from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec, capture_env, serve_env
 from .errors import PoolWorkerError, SandboxSetupError
-from .manifest import Checkpoint
+from .manifest import Checkpoint, Manifest
 from .runsc import Runsc, RunscError
 
 log = structlog.get_logger("readie.sandbox")
@@ -345,3 +345,25 @@ class LocalProcess:
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None:
         process.kill()
         process.wait()
+
+
+def checkpoint_factory(
+    runsc: Runsc,
+    manifest: Manifest,
+    checkpoint: Checkpoint,
+    run_dir: Path,
+    env: Mapping[str, str] | None = None,
+) -> SandboxFactory:
+    """Sandboxes restored from ``checkpoint``, cold-started from the same rootfs if a restore fails."""
+    common = dict(
+        runsc=runsc,
+        rootfs=manifest.rootfs,
+        plan=manifest.mount_plan,
+        base_env=capture_env(manifest.mount_plan, checkpoint.preimport),
+    )
+    return SandboxFactory(
+        primary=RunscRestore(checkpoint=checkpoint, **common),  # type: ignore[arg-type]
+        fallback=RunscCold(**common),  # type: ignore[arg-type]
+        run_dir=run_dir,
+        env=serve_env(checkpoint.preimport) if env is None else env,
+    )

@@ -1,0 +1,40 @@
+# readie: `make run` and `make test` do all their own set-up on a fresh Debian machine.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+export UV_PYTHON_DOWNLOADS := never
+PYTHON_VERSION := 3.11
+UV := uv
+RUN := $(UV) run --frozen --python $(PYTHON_VERSION)
+CHECKPOINTS := build/checkpoints
+
+.PHONY: help setup deps rootfs capture test test-fast fixtures run clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup: ## install what the host lacks (runsc, debootstrap, uv); needs root
+	@bash scripts/setup-host.sh
+
+deps: setup ## create the workspace venv from uv.lock
+	$(UV) sync --frozen --python $(PYTHON_VERSION)
+
+rootfs: deps ## build (or reuse from ~/.cache/readie) the sandbox rootfs
+	$(RUN) readie rootfs
+
+capture: deps ## capture the planned checkpoints into build/checkpoints (skips up-to-date ones)
+	$(RUN) readie capture --output $(CHECKPOINTS)
+
+fixtures: deps ## regenerate fixtures/frames.golden.json
+	$(RUN) python fixtures/generate_golden.py
+
+test: capture ## run every test, gVisor ones included
+	$(RUN) pytest
+
+test-fast: deps ## run the tests that need no gVisor
+	$(RUN) pytest -m "not runsc"
+
+run: capture ## set up everything, then run the demo job
+	$(RUN) python examples/executor_demo.py
+
+clean: ## remove build/ (the rootfs cache in ~/.cache/readie stays)
+	rm -rf build

@@ -1,0 +1,77 @@
+"""Fixtures shared by every package's tests.
+
+gVisor tests (marker ``runsc``) need runsc, root and the checkpoints from
+``make capture``. Outside CI they are skipped with the reason when those are
+missing; in CI (``CI`` set) a missing prerequisite is an error, never a skip,
+so a green CI always means the sandboxes really ran.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from readie_worker import runsc as runsc_module
+from readie_worker.bundle import family_fingerprint
+from readie_worker.manifest import MANIFEST_NAME, LoadedCheckpoints, load_checkpoints, read_manifest
+from readie_worker.runsc import Runsc
+
+REPO = Path(__file__).resolve().parent
+CHECKPOINTS = Path(os.environ.get("READIE_CHECKPOINTS", REPO / "build" / "checkpoints"))
+
+
+def _missing_prerequisite() -> str | None:
+    if not runsc_module.available():
+        return "runsc is not installed or we are not root"
+    if not (CHECKPOINTS / MANIFEST_NAME).exists():
+        return f"no checkpoints at {CHECKPOINTS} (run make capture)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = _missing_prerequisite()
+    if missing is None:
+        return
+    gvisor_tests = [item for item in items if "runsc" in item.keywords]
+    if gvisor_tests and os.environ.get("CI"):
+        raise pytest.UsageError(f"{len(gvisor_tests)} gVisor tests cannot run in CI: {missing}")
+    for item in gvisor_tests:
+        item.add_marker(pytest.mark.skip(reason=f"gVisor test: {missing}"))
+
+
+@pytest.fixture(scope="session")
+def runsc() -> Iterator[Runsc]:
+    """A runsc state dir of the test session's own; it must be empty at the end."""
+    root = Path(tempfile.mkdtemp(prefix="readie-test-state-"))
+    client = Runsc(root=root)
+    yield client
+    leftovers = client.list_ids()
+    client.sweep()
+    shutil.rmtree(root, ignore_errors=True)
+    assert leftovers == [], f"tests leaked runsc containers: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def checkpoints(runsc: Runsc) -> LoadedCheckpoints:
+    manifest = read_manifest(CHECKPOINTS / MANIFEST_NAME)
+    loaded = load_checkpoints(
+        CHECKPOINTS / MANIFEST_NAME,
+        runsc_version=runsc_module.version(),
+        spec_fingerprint=family_fingerprint(manifest.rootfs, manifest.mount_plan, runsc.flags),
+        strict=True,
+    )
+    assert not loaded.problems, loaded.problems
+    return loaded
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir short enough for Unix socket paths (107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

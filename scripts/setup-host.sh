@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 machine lacks for readie: gVisor's runsc and
+# debootstrap from Debian, uv from PyPI. Idempotent: does nothing when present.
+set -euo pipefail
+
+need_apt=()
+command -v runsc >/dev/null || need_apt+=(runsc)
+command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+command -v docker-compose >/dev/null || need_apt+=(docker-compose)
+if ((${#need_apt[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "setup: need root to install ${need_apt[*]} (readie runs runsc as root)" >&2
+    exit 1
+  fi
+  echo "setup: apt-get install ${need_apt[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # No recommends: runsc would pull in a Docker engine we never use.
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+if ! command -v uv >/dev/null; then
+  echo "setup: pip install uv" >&2
+  python3 -m pip install --quiet uv
+fi
+
+# The host Python must match the sandbox's (Debian bookworm: 3.11), because
+# cloudpickle payloads only cross between equal minor versions.
+if ! uv python find 3.11 >/dev/null 2>&1; then
+  echo "setup: no Python 3.11 on this host; readie's client must match the sandbox's 3.11" >&2
+  exit 1
+fi
