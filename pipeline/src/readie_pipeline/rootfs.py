@@ -163,9 +163,13 @@ def _build_site(base_rootfs: Path, staging: Path, plan: Plan) -> None:
 
 
 def _sandbox_python_version(rootfs: Path) -> str:
-    candidates = sorted((rootfs / "usr" / "lib").glob("python3.*"))
-    names = [path.name.removeprefix("python") for path in candidates if path.name[7:].isdigit()]
-    return names[-1] if names else "unknown"
+    """The rootfs's python3 version, from dpkg's records (e.g. 3.11.2 of 3.11.2-6+deb12u6)."""
+    status = (rootfs / "var" / "lib" / "dpkg" / "status").read_text(errors="replace")
+    for stanza in status.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in stanza.splitlines() if ": " in line)
+        if fields.get("Package") == "python3-minimal":
+            return fields.get("Version", "unknown").split("-", 1)[0]
+    return "unknown"
 
 
 def _prune(layers: Path, keep: Path) -> None:

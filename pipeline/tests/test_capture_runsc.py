@@ -1,0 +1,67 @@
+"""The capture pipeline end to end under real runsc (base checkpoint: seconds, not minutes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from readie_executor.protocol import PROTOCOL_VERSION
+from readie_pipeline.capture import CaptureError, CaptureOptions, capture
+from readie_pipeline.plan import CheckpointPlan, load_plan
+from readie_worker.manifest import MANIFEST_NAME, file_sha256
+from readie_worker.runsc import Runsc
+
+pytestmark = pytest.mark.runsc
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return load_plan()
+
+
+def test_capture_writes_a_complete_manifest_and_leaves_no_container(plan, tmp_path):
+    lines: list[str] = []
+    manifest = capture(plan, CaptureOptions(tmp_path, runs=1, only=("base",)), lines.append)
+
+    raw = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert raw["executor_protocol"] == PROTOCOL_VERSION
+    assert raw["runsc_version"].startswith("runsc version")
+    assert "--platform=ptrace" in raw["runsc_flags"] and "--network=none" in raw["runsc_flags"]
+    assert raw["spec_fingerprint"].startswith("sha256:")
+    assert raw["rootfs_fingerprint"].startswith("sha256:")
+    assert raw["python"].startswith("3.11")
+    assert raw["executor_argv"] == ["/usr/bin/python3", "-u", "-m", "readie_executor"]
+    assert raw["created_at"]
+    [entry] = raw["checkpoints"]
+    assert entry["name"] == "base" and entry["preimport"] == [] and entry["image_path"] == "base"
+    image = tmp_path / "base" / "checkpoint.img"
+    assert entry["size_bytes"] == image.stat().st_size > 0
+    assert entry["sha256"] == file_sha256(image)
+    for timing in ("restore_p50_ms", "restore_to_socket_p50_ms", "cold_start_p50_ms"):
+        assert entry[timing] > 0
+    assert manifest.checkpoints["base"].sha256 == entry["sha256"]
+
+    # Progress names the checkpoint, the step and how long it took.
+    assert any(line.startswith("[base] checkpoint:") and line.endswith(" s") for line in lines)
+    assert any(line.startswith("[base] restore x1 (measure mode):") for line in lines)
+    assert Runsc(root=tmp_path / ".runsc-state").list_ids() == []
+    assert not list(tmp_path.glob(".*.new"))
+
+
+def test_an_up_to_date_checkpoint_is_not_captured_again(plan, tmp_path):
+    capture(plan, CaptureOptions(tmp_path, runs=1, only=("base",)), lambda line: None)
+    before = (tmp_path / "base" / "checkpoint.img").stat().st_mtime_ns
+    lines: list[str] = []
+    capture(plan, CaptureOptions(tmp_path, runs=1, only=("base",)), lines.append)
+    assert any("[base] up to date" in line for line in lines)
+    assert (tmp_path / "base" / "checkpoint.img").stat().st_mtime_ns == before
+
+
+def test_a_failing_preimport_is_a_capture_error_naming_the_package(plan, tmp_path):
+    broken = dataclasses.replace(plan, checkpoints=(CheckpointPlan("broken", ("no_such_package_xyz",)),))
+    with pytest.raises(CaptureError, match="no_such_package_xyz"):
+        capture(broken, CaptureOptions(tmp_path, runs=1), lambda line: None)
+    assert Runsc(root=tmp_path / ".runsc-state").list_ids() == []
+    assert not (tmp_path / MANIFEST_NAME).exists()
