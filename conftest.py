@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from readie_pipeline.plan import load_plan
+from readie_pipeline.rootfs import rootfs_fingerprint
 from readie_worker import runsc as runsc_module
 from readie_worker.bundle import family_fingerprint
 from readie_worker.manifest import MANIFEST_NAME, LoadedCheckpoints, load_checkpoints, read_manifest
@@ -59,6 +61,12 @@ def runsc() -> Iterator[Runsc]:
 @pytest.fixture(scope="session")
 def checkpoints(runsc: Runsc) -> LoadedCheckpoints:
     manifest = read_manifest(CHECKPOINTS / MANIFEST_NAME)
+    current = rootfs_fingerprint(load_plan())
+    if manifest.rootfs_fingerprint != current:
+        pytest.fail(
+            f"checkpoints in {CHECKPOINTS} were captured from another rootfs (the executor or the plan "
+            "changed since): run make capture (make test does)"
+        )
     loaded = load_checkpoints(
         CHECKPOINTS / MANIFEST_NAME,
         runsc_version=runsc_module.version(),

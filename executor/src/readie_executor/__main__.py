@@ -18,7 +18,7 @@ EXIT_CAPTURE_FAILED = 3
 
 
 def main() -> int:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="readie_executor: %(message)s")
+    _configure_logging()
     try:
         settings = Settings.from_environ(os.environ)
         if settings.mode is Mode.CAPTURE:
@@ -46,6 +46,17 @@ def preimport(modules: tuple[str, ...]) -> None:
             importlib.import_module(name)
         except BaseException as exc:
             raise CaptureError(f"cannot pre-import {name!r}: {type(exc).__name__}: {exc}") from None
+
+
+def _configure_logging() -> None:
+    # Our own logger only: the root logger stays the user's, so a called
+    # function's logging output lands in its captured output, not here.
+    logger = logging.getLogger("readie_executor")
+    handler = logging.StreamHandler(sys.__stderr__)
+    handler.setFormatter(logging.Formatter("readie_executor: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _fail(message: str, code: int) -> int:

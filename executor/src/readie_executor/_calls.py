@@ -18,6 +18,14 @@ import cloudpickle
 MAX_CAPTURED_OUTPUT = 16 * 1024 * 1024
 TRUNCATION_MARKER = "\n[readie: output truncated at {limit} characters]\n"
 RESOLV_CONF = "/etc/resolv.conf"
+# A function carrying this attribute (set to True) that returns bytes is
+# answered with those bytes as they are, not with a pickled envelope. Code jobs
+# (readie_executor.jobs.run_job) use it so that the worker, which must never
+# unpickle what comes out of a sandbox, gets plain JSON. This adds no risk:
+# job code runs in this process and could tamper with the executor to send
+# any bytes anyway, so the worker treats the response as hostile JSON either
+# way, and the marked function is chosen by whoever sent the request.
+RAW_RESPONSE_ATTRIBUTE = "__readie_raw_response__"
 
 
 class InvalidRequest(Exception):
@@ -38,8 +46,17 @@ def run_call(request: bytes) -> bytes:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt are answers too
             envelope = failure(type(exc).__name__, _safe_str(exc), _format_traceback(exc), output)
         else:
+            if isinstance(value, bytes) and _wants_raw_response(func):
+                return value  # the bytes are the whole answer; output captured around it is dropped
             envelope = {"ok": True, "value": value, "output": output.texts()}
     return _dump(envelope, output)
+
+
+def _wants_raw_response(func: Callable[..., Any]) -> bool:
+    try:
+        return getattr(func, RAW_RESPONSE_ATTRIBUTE, False) is True
+    except BaseException:  # a callable with a hostile __getattr__ gets the usual envelope
+        return False
 
 
 def decode_request(request: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:

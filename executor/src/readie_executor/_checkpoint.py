@@ -91,8 +91,10 @@ def parse_handover(line: bytes) -> dict[str, str]:
     except ValueError as exc:
         raise CaptureError(f"handover line is not JSON: {exc}") from None
     env = handover.get("env") if isinstance(handover, dict) else None
+    # A NUL cannot be in an environment variable: os.environ would raise mid-update.
     if not isinstance(env, dict) or not all(
-        isinstance(key, str) and key and "=" not in key and isinstance(value, str)
+        isinstance(key, str) and key and "=" not in key and "\0" not in key
+        and isinstance(value, str) and "\0" not in value
         for key, value in env.items()
     ):
         raise CaptureError('handover line must be {"env": {NAME: VALUE, ...}} with string values')

@@ -68,6 +68,9 @@ def serve_connection(connection: socket.socket, chunk_size: int) -> None:
         response = run_call(request)
         try:
             send_message(connection, response, chunk_size)
+        except FramingError as exc:  # a response beyond the 4 GiB message limit
+            log.warning("response cannot be framed: %s", exc)
+            return
         except OSError as exc:
             log.warning("peer left before the response was sent: %s", exc)
             return

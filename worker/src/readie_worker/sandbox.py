@@ -29,11 +29,15 @@ from typing import IO, Protocol
 
 import structlog
 
-from readie_executor.protocol import MessageReader
+import cloudpickle
+
+from readie_executor import probe
+from readie_executor.protocol import FramingError, MessageReader, TruncatedMessage
 from readie_executor.sockets import receive_message, send_message
 
 from . import _reaper
 from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec, capture_env, serve_env
+from ._states import SandboxState, check_transition
 from .errors import PoolWorkerError, SandboxSetupError
 from .manifest import Checkpoint, Manifest
 from .runsc import Runsc, RunscError
@@ -45,6 +49,15 @@ SOCKET_WAIT_S = 60.0
 SOCKET_POLL_S = 0.002
 # A sandbox id becomes part of the socket path, which may not exceed 107 bytes.
 SANDBOX_ID_BYTES = 6
+# A healthy executor answers a ping in well under a millisecond; a second
+# means it is wedged, and a wedged sandbox is never handed a job.
+PROBE_TIMEOUT_S = 1.0
+# Pickled once: a reference to readie_executor.probe.ping, not code.
+_PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}})
+
+
+class ExecutorTimeout(PoolWorkerError):
+    """The executor did not answer within the call's deadline."""
 
 
 class Launcher(Protocol):
@@ -102,33 +115,61 @@ class Sandbox:
     launcher: Launcher
     process: subprocess.Popen[bytes]
     ready_ms: float
+    state: SandboxState = SandboxState.READY
     _connection: socket.socket | None = field(default=None, repr=False)
-    destroyed: bool = False
 
     @property
     def id(self) -> str:
         return self.dir.id
 
+    @property
+    def destroyed(self) -> bool:
+        return self.state is SandboxState.DEAD
+
+    def move(self, target: SandboxState) -> None:
+        self.state = check_transition(self.state, target)
+
     def call(self, payload: bytes, timeout: float | None = None, max_response: int | None = None) -> bytes:
-        """Send one framed request and return the framed response's payload, unopened."""
+        """Send one framed request and return the framed response's payload, unopened.
+
+        A stream that ends inside the response is reported as truncated, one
+        that ends before any byte as no response; either way the connection is
+        not reused.
+        """
         connection = self._connect()
         connection.settimeout(timeout)
         reader = MessageReader(max_response) if max_response else MessageReader()
         try:
             send_message(connection, payload)
             response = receive_message(connection, reader)
-        except (OSError, ValueError) as exc:
+        except TimeoutError:
             self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: executor connection failed: {exc}") from exc
+            raise ExecutorTimeout(f"sandbox {self.id}: no response within {timeout} s") from None
+        except TruncatedMessage as exc:
+            self._drop_connection()
+            raise PoolWorkerError(f"sandbox {self.id}: truncated response: {exc}") from None
+        except FramingError as exc:
+            self._drop_connection()
+            raise PoolWorkerError(f"sandbox {self.id}: malformed response: {exc}") from None
+        except OSError as exc:
+            self._drop_connection()
+            raise PoolWorkerError(f"sandbox {self.id}: executor connection failed: {exc}") from None
         if response is None:
             self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: executor closed the connection without a response")
+            raise PoolWorkerError(f"sandbox {self.id}: no response: the executor closed the connection")
         return response
+
+    def alive(self) -> bool:
+        """The liveness probe: run before a sandbox that waited in a pool is trusted with a job."""
+        try:
+            return self.call(_PING_REQUEST, timeout=PROBE_TIMEOUT_S, max_response=len(probe.PONG)) == probe.PONG
+        except PoolWorkerError:
+            return False
 
     def destroy(self) -> None:
         if self.destroyed:
             return
-        self.destroyed = True
+        self.state = SandboxState.DEAD
         self._drop_connection()
         try:
             self.launcher.destroy(self.dir, self.process)

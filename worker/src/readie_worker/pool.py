@@ -1,0 +1,184 @@
+"""Warm pools: sandboxes restored before anyone asks for them.
+
+A pool keeps ``target`` ready sandboxes of one kind (one checkpoint, one
+restore-time policy shape). Taking one is a liveness probe and a pop; the
+refill happens in the background, one restore at a time per worker by
+default, because restore is CPU-bound (~0.2-0.45 CPU-s each here) and a
+refill that took every core would starve the jobs it is preparing for.
+
+When a pool is empty the job restores its own sandbox in its own thread,
+outside the refill budget: a waiting job outranks a pool top-up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+
+from ._states import SandboxState
+from .errors import SandboxSetupError
+from .sandbox import Sandbox, SandboxFactory
+
+log = structlog.get_logger("readie.pool")
+
+# Background restores in flight across all pools of a worker. One keeps a
+# core free for running jobs on these two-core machines.
+DEFAULT_REFILL_CONCURRENCY = 1
+# After a failed background restore, wait before the next try, doubling up
+# to the cap, so a broken checkpoint does not turn the worker into a restore loop.
+REFILL_BACKOFF_S = 0.5
+REFILL_BACKOFF_MAX_S = 30.0
+# Surplus ready sandboxes (above target) idle longer than this are destroyed.
+DEFAULT_IDLE_TTL_S = 300.0
+
+
+class RefillBudget:
+    """Bounds background restores across all pools of one worker."""
+
+    def __init__(self, concurrency: int = DEFAULT_REFILL_CONCURRENCY) -> None:
+        self._slots = threading.BoundedSemaphore(max(1, concurrency))
+
+    def __enter__(self) -> None:
+        self._slots.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._slots.release()
+
+
+@dataclass
+class _Ready:
+    sandbox: Sandbox
+    since: float
+
+
+class WarmPool:
+    def __init__(
+        self,
+        name: str,
+        factory: SandboxFactory,
+        target: int,
+        budget: RefillBudget,
+        idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+    ) -> None:
+        self.name = name
+        self.factory = factory
+        self.target = target
+        self._budget = budget
+        self._idle_ttl_s = idle_ttl_s
+        self._ready: deque[_Ready] = deque()
+        self._restoring = 0
+        self._closed = False
+        self._stop = threading.Event()  # wakes a refiller sleeping off a failure
+        self._changed = threading.Condition()
+        self._refiller = threading.Thread(target=self._refill_loop, name=f"refill-{name}", daemon=True)
+        self.hits = 0
+        self.misses = 0
+
+    def start(self) -> WarmPool:
+        self._refiller.start()
+        return self
+
+    @property
+    def ready_count(self) -> int:
+        with self._changed:
+            return len(self._ready)
+
+    def take(self) -> Sandbox:
+        """A live, pristine sandbox: a warm one if any passes its probe, else a fresh restore."""
+        while True:
+            with self._changed:
+                if self._closed:
+                    raise SandboxSetupError(f"pool {self.name} is closed")
+                entry = self._ready.popleft() if self._ready else None
+                self._changed.notify_all()
+            if entry is None:
+                break
+            if entry.sandbox.alive():
+                entry.sandbox.move(SandboxState.BUSY)
+                self.hits += 1
+                return entry.sandbox
+            log.warning("warm sandbox failed its probe", pool=self.name, sandbox=entry.sandbox.id)
+            entry.sandbox.destroy()
+        self.misses += 1
+        sandbox = self.factory.create()
+        sandbox.move(SandboxState.BUSY)
+        return sandbox
+
+    def give_back(self, sandbox: Sandbox) -> None:
+        """Return a sandbox that may serve again; anything doubtful is destroyed instead."""
+        if sandbox.destroyed or not sandbox.alive():
+            sandbox.destroy()
+            return
+        sandbox.move(SandboxState.READY)
+        with self._changed:
+            if self._closed:
+                sandbox.destroy()
+                return
+            self._ready.append(_Ready(sandbox, time.monotonic()))
+            self._changed.notify_all()
+
+    def reap_idle(self) -> int:
+        """Destroy surplus sandboxes (beyond target) idle longer than the TTL."""
+        doomed = []
+        now = time.monotonic()
+        with self._changed:
+            while len(self._ready) > self.target and now - self._ready[0].since > self._idle_ttl_s:
+                doomed.append(self._ready.popleft().sandbox)
+        for sandbox in doomed:
+            sandbox.destroy()
+        return len(doomed)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._changed:
+            self._closed = True
+            doomed = [entry.sandbox for entry in self._ready]
+            self._ready.clear()
+            self._changed.notify_all()
+        if self._refiller.is_alive():
+            self._refiller.join()
+        for sandbox in doomed:
+            sandbox.destroy()
+
+    def _refill_loop(self) -> None:
+        backoff = REFILL_BACKOFF_S
+        while True:
+            with self._changed:
+                while not self._closed and len(self._ready) + self._restoring >= self.target:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                self._restoring += 1
+            try:
+                with self._budget:
+                    sandbox = None if self._closed else self.factory.create()
+            except Exception as exc:  # a refill failure must never kill the refiller
+                log.warning("background restore failed", pool=self.name, error=str(exc), retry_in_s=backoff)
+                sandbox = None
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, REFILL_BACKOFF_MAX_S)
+            else:
+                backoff = REFILL_BACKOFF_S
+            with self._changed:
+                self._restoring -= 1
+                if sandbox is not None:
+                    if self._closed:
+                        sandbox.destroy()
+                    else:
+                        self._ready.append(_Ready(sandbox, time.monotonic()))
+                self._changed.notify_all()
+
+    def wait_until_full(self, timeout: float) -> bool:
+        """Block until the pool holds its target (tests, benchmarks, start-up)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(self._ready) < self.target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+        return True
