@@ -169,8 +169,10 @@ def capture_one(
 
 def verify_template(name: str, census: dict[str, list[dict[str, object]]]) -> None:
     """Refuse a template that would carry extra threads or descriptors into every sandbox."""
-    threads = census.get("threads", [])
-    fds = census.get("fds", [])
+    threads = census.get("threads")
+    fds = census.get("fds")
+    if not isinstance(threads, list) or not isinstance(fds, list) or not threads:
+        raise CaptureError(f"checkpoint {name!r}: the executor's census lacks its threads or descriptors")
     problems = []
     if len(threads) > MAX_TEMPLATE_THREADS:
         names = ", ".join(f"{t.get('name')} (tid {t.get('tid')})" for t in threads[1:])

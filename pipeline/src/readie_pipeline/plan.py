@@ -40,7 +40,7 @@ class Plan:
         unknown = [name for name in names if name not in known]
         if unknown:
             raise PlanError(f"no checkpoint named {', '.join(unknown)} in the plan (have {', '.join(known)})")
-        return tuple(known[name] for name in names)
+        return tuple(known[name] for name in dict.fromkeys(names))
 
 
 def load_plan(path: Path = DEFAULT_PLAN) -> Plan:
@@ -58,12 +58,15 @@ def load_plan(path: Path = DEFAULT_PLAN) -> Plan:
     counts = {key: _slots(mounts_raw.get(key, default), f"{where} [mounts].{key}")
               for key, default in (("read_slots", 4), ("write_slots", 4), ("package_slots", 2))}
     checkpoints = []
-    for name, table in raw.get("checkpoints", {}).items():
-        if not _NAME.match(name):
+    tables = raw.get("checkpoints", {})
+    if not isinstance(tables, dict):
+        raise PlanError(f"{where}: checkpoints must be a table of [checkpoints.NAME] tables")
+    for name, table in tables.items():
+        if not _NAME.fullmatch(name):
             raise PlanError(f"{where}: checkpoint name {name!r} must match {_NAME.pattern}")
         _only(table, {"preimport"}, f"{where} [checkpoints.{name}]")
         modules = _strings(table.get("preimport", []), f"{where} [checkpoints.{name}].preimport")
-        bad = [m for m in modules if not _MODULE.match(m)]
+        bad = [m for m in modules if not _MODULE.fullmatch(m)]
         if bad:
             raise PlanError(f"{where} [checkpoints.{name}].preimport: not module names: {', '.join(bad)}")
         checkpoints.append(CheckpointPlan(name, tuple(dict.fromkeys(modules))))

@@ -156,14 +156,15 @@ def spec_fingerprint(config: Mapping[str, object], runsc_flags: Sequence[str]) -
     assert isinstance(linux, Mapping)
     mounts = config.get("mounts") or []
     assert isinstance(mounts, list)
+    flags = [flag.lstrip("-") for flag in runsc_flags]  # runsc takes -flag and --flag alike
     shape = {
         "args": process.get("args"),
         "cwd": process.get("cwd"),
         "root_readonly": root.get("readonly"),
         "mounts": [[m.get("destination"), m.get("type"), m.get("options")] for m in mounts],
         "namespaces": linux.get("namespaces"),
-        "network": [flag for flag in runsc_flags if flag.startswith("--network")],
-        "overlay": [flag for flag in runsc_flags if flag.startswith("--overlay")],
+        "network": [flag for flag in flags if flag.startswith("network")],
+        "overlay": [flag for flag in flags if flag.startswith("overlay")],
     }
     return "sha256:" + hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
 

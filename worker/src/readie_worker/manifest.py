@@ -98,6 +98,7 @@ def write_manifest(manifest: Manifest, path: Path) -> None:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
+        os.chmod(tmp, 0o644)  # workers may run as another user than the pipeline
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -111,7 +112,7 @@ def read_manifest(path: Path) -> Manifest:
         if size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{path}: {size} bytes is not a manifest (limit {MAX_MANIFEST_BYTES})")
         raw = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{path}: cannot read the checkpoint manifest: {exc}") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{path}: the checkpoint manifest is not a JSON object")
@@ -120,13 +121,13 @@ def read_manifest(path: Path) -> Manifest:
         raise ManifestError(protocol_mismatch_message(path, version))
     try:
         return _parse(raw, path.parent)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ManifestError(f"{path}: malformed checkpoint manifest: {type(exc).__name__}: {exc}") from None
 
 
 def protocol_mismatch_message(path: Path, found: object) -> str:
     return (
-        f"{path}: checkpoints were built for executor protocol {found}, but this worker speaks "
+        f"{path}: checkpoints were built for executor protocol {found!r}, but this worker speaks "
         f"executor protocol {PROTOCOL_VERSION}; rebuild them with the current pipeline (make capture)"
     )
 

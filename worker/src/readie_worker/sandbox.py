@@ -14,6 +14,7 @@ socket. Transports differ only in how the process is started and destroyed:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -338,6 +339,14 @@ class SandboxFactory:
     fallback: Launcher | None = None
     socket_wait_s: float = SOCKET_WAIT_S
 
+    def with_sources(self, sources: Mapping[PurePosixPath, Path]) -> SandboxFactory:
+        """The same kind of sandbox with these mount slots pointed at host paths."""
+        return dataclasses.replace(
+            self,
+            primary=_with_sources(self.primary, sources),
+            fallback=None if self.fallback is None else _with_sources(self.fallback, sources),
+        )
+
     def create(self) -> Sandbox:
         try:
             return launch(self.primary, self.run_dir, self.env, self.socket_wait_s)
@@ -386,6 +395,12 @@ class LocalProcess:
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None:
         process.kill()
         process.wait()
+
+
+def _with_sources(launcher: Launcher, sources: Mapping[PurePosixPath, Path]) -> Launcher:
+    if isinstance(launcher, _RunscLauncher):
+        return dataclasses.replace(launcher, sources={**launcher.sources, **sources})
+    return launcher  # a local process sees the host as it is: there is nothing to mount
 
 
 def checkpoint_factory(

@@ -1,0 +1,15 @@
+"""Code jobs: run a script or inline code the way ``python3 step.py`` would, inside the sandbox.
+
+The worker sends the executor ``{"func": run_job, "args": (job,), "kwargs": {}}``
+(``run_job`` pickled by reference) and gets back the result as UTF-8 JSON, not a
+pickle: see ``RAW_RESPONSE_ATTRIBUTE`` in :mod:`readie_executor._calls`. The
+job dict and the result are described in :mod:`._spec` and :mod:`._result`;
+the size bounds both sides agree on are in :mod:`._bounds`.
+
+Standard library only: this runs in the sandbox's own python3.
+"""
+
+from . import _bounds as bounds
+from ._runner import run_job
+
+__all__ = ["bounds", "run_job"]

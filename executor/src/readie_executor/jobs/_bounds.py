@@ -1,0 +1,54 @@
+"""Size bounds of a job result, shared by the runner that writes it and the worker that checks it.
+
+The runner measures every string by its JSON-encoded UTF-8 size (what crosses
+the wire); the worker re-caps by characters, which an honest result always
+meets because an encoded string is never shorter than its text.
+"""
+
+from __future__ import annotations
+
+# The captured output is held in the sandbox's memory and then in the worker's
+# until it is validated; this matches the executor's own capture ceiling.
+MAX_OUTPUT_LIMIT = 16 * 1024 * 1024
+
+# Everything in a result except stdout and stderr: the error, the hint, the
+# notes, the module list, keys and punctuation. The per-field caps below add up
+# to about 42 KiB even when every character needs a JSON escape; the rest is
+# margin, so that a new small field does not break old workers.
+RESULT_OVERHEAD_BYTES = 64 * 1024
+
+# A message longer than this is a dump, not a message; the traceback on stderr
+# carries the detail.
+MAX_ERROR_MESSAGE = 4096
+# Longer than any real class name, short enough for a metrics label.
+MAX_ERROR_TYPE = 100
+# A hint lists the grants; a few dozen paths fit.
+MAX_HINT = 2048
+# PATH_MAX is 4096, but a traceback file name past 1 KiB is noise.
+MAX_FILE_NAME = 1024
+# Preloads are operator configuration: a handful of packages in practice.
+MAX_PRELOADED_MODULES = 256
+MAX_MODULE_NAME = 100
+# The runner writes a note only when a limit could not be applied as asked.
+MAX_POLICY_NOTES = 16
+MAX_POLICY_NOTE = 512
+# "3.11.2", or a development version like "3.11.0rc1+".
+MAX_PYTHON_VERSION = 32
+# A line number is a C int in CPython.
+MAX_LINE_NUMBER = 2**31 - 1
+# An exit status is one byte at the OS level, and the runner reports it that way.
+MAX_EXIT_STATUS = 255
+
+# Exception types whose result error carries a hint (what was granted, the limit).
+HINTED_ERROR_TYPES = frozenset({"PermissionError", "MemoryError"})
+
+
+def result_budget(max_output: int) -> int:
+    """The most bytes a result for a job with this ``max_output`` may have.
+
+    stdout and stderr are each cut to ``max_output`` encoded bytes, and the
+    other fields fit in :data:`RESULT_OVERHEAD_BYTES`.
+    """
+    if not 0 <= max_output <= MAX_OUTPUT_LIMIT:
+        raise ValueError(f"max_output must be between 0 and {MAX_OUTPUT_LIMIT}, got {max_output}")
+    return 2 * max_output + RESULT_OVERHEAD_BYTES

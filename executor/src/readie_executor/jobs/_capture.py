@@ -1,0 +1,179 @@
+"""The job's stdout and stderr, captured at the descriptor level and bounded.
+
+File descriptors 1 and 2 point at pipes for the job's duration, so print(),
+os.write(1, ...) and output of C extensions all land in the capture; stdin
+reads from /dev/null, because the executor's real stdin is the pipe the worker
+uses to hand a restored sandbox its settings.
+
+Pipes rather than files: a file under /tmp lives in the sandbox's in-memory
+overlay, so a job printing in a loop would grow the sandbox's memory until the
+cgroup kills it, and RLIMIT_FSIZE (the job's max_file_size) would make print()
+fail with EFBIG. A drain thread keeps the first bytes of each pipe and counts
+the rest, so memory stays bounded by max_output however much the job writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import os
+import select
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# A read this size empties a full pipe (64 KiB on Linux) in one call.
+READ_SIZE = 64 * 1024
+# Bytes kept beyond max_output: enough to finish a multi-byte character cut at
+# the boundary and to know that more followed.
+EXTRA_BYTES_KEPT = 8
+# How often the drain thread looks at its stop flag when nothing arrives.
+POLL_INTERVAL_MS = 50
+# After the job, wait this long for the pipes to report end of file. Longer
+# means a descriptor the job duplicated (or gave a background thread) is still
+# open; the output written so far is kept and the rest is dropped.
+DRAIN_GRACE_SECONDS = 1.0
+STDOUT_FD = 1
+STDERR_FD = 2
+STDIN_FD = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedBytes:
+    data: bytes  # the first bytes written, at most the kept amount
+    total: int  # how many bytes the job wrote in all
+
+
+class _BoundedSink:
+    """The first bytes of one stream, in a buffer allocated before the job runs.
+
+    The drain thread must keep reading while the job has used up its memory
+    limit, or a job that prints after a MemoryError would block on a full
+    pipe; so each read goes into buffers that already exist, and only small
+    objects (a memoryview slice) are made per read.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._buffer = bytearray(keep)
+        self._length = 0
+        self._total = 0
+
+    def take(self, chunk: memoryview) -> None:
+        piece = chunk[: len(self._buffer) - self._length]
+        self._buffer[self._length : self._length + len(piece)] = piece
+        self._length += len(piece)
+        self._total += len(chunk)
+
+    def result(self) -> CapturedBytes:
+        return CapturedBytes(bytes(self._buffer[: self._length]), self._total)
+
+
+class OutputCapture:
+    """Redirects fds 0, 1 and 2 (and sys.stdin/stdout/stderr) while active."""
+
+    def __init__(self, max_output: int) -> None:
+        keep = max_output + EXTRA_BYTES_KEPT
+        self._sinks = {STDOUT_FD: _BoundedSink(keep), STDERR_FD: _BoundedSink(keep)}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.stdout = CapturedBytes(b"", 0)
+        self.stderr = CapturedBytes(b"", 0)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        pipes = {fd: os.pipe() for fd in (STDOUT_FD, STDERR_FD)}
+        readers = {read_end: fd for fd, (read_end, _) in pipes.items()}
+        thread = threading.Thread(
+            target=self._drain, args=(readers,), name="readie-capture", daemon=True
+        )
+        thread.start()
+        saved_streams = (sys.stdin, sys.stdout, sys.stderr)
+        _flush_python_streams(saved_streams)
+        saved_fds = {fd: os.dup(fd) for fd in (STDIN_FD, STDOUT_FD, STDERR_FD)}
+        job_streams: tuple[io.TextIOWrapper, ...] = ()
+        try:
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, STDIN_FD)
+            os.close(devnull)
+            for fd, (_, write_end) in pipes.items():
+                os.dup2(write_end, fd)
+            job_streams = _job_streams()
+            sys.stdin, sys.stdout, sys.stderr = job_streams
+            yield
+        finally:
+            _flush_python_streams((sys.stdout, sys.stderr))
+            # Closed now (closefd=False leaves the descriptors alone) so that a
+            # buffer that would not flush is dropped instead of reaching the
+            # executor's own stdout when the wrapper is collected later.
+            for stream in job_streams:
+                with contextlib.suppress(Exception):
+                    stream.close()
+            _flush_c_stdio()
+            sys.stdin, sys.stdout, sys.stderr = saved_streams
+            for fd, saved in saved_fds.items():
+                os.dup2(saved, fd)
+                os.close(saved)
+            # With fds 1 and 2 restored, these were the last write ends we hold:
+            # the drain thread sees end of file unless the job kept a copy.
+            for _, write_end in pipes.values():
+                os.close(write_end)
+            thread.join(DRAIN_GRACE_SECONDS)
+            self._stop.set()
+            thread.join()
+            for read_end in readers:
+                os.close(read_end)
+            with self._lock:
+                self.stdout = self._sinks[STDOUT_FD].result()
+                self.stderr = self._sinks[STDERR_FD].result()
+
+    def _drain(self, readers: dict[int, int]) -> None:
+        poller = select.poll()
+        for read_end in readers:
+            poller.register(read_end, select.POLLIN)
+        open_ends = set(readers)
+        chunk = bytearray(READ_SIZE)
+        view = memoryview(chunk)
+        while open_ends and not self._stop.is_set():
+            try:
+                for read_end, _ in poller.poll(POLL_INTERVAL_MS):
+                    try:
+                        count = os.readv(read_end, [chunk])
+                    except OSError:
+                        count = 0
+                    if count == 0:
+                        poller.unregister(read_end)
+                        open_ends.discard(read_end)
+                        continue
+                    with self._lock:
+                        self._sinks[readers[read_end]].take(view[:count])
+            except MemoryError:
+                continue  # the job holds all its memory; the next round may find some freed
+
+
+def _job_streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]:
+    # What python3 gives a script whose output is not a terminal: stdout
+    # block-buffered and strict, stderr line-buffered with backslashreplace.
+    stdin = io.TextIOWrapper(open(STDIN_FD, "rb", closefd=False), encoding="utf-8")  # noqa: SIM115
+    stdout = io.TextIOWrapper(open(STDOUT_FD, "wb", closefd=False), encoding="utf-8")  # noqa: SIM115
+    stderr = io.TextIOWrapper(
+        open(STDERR_FD, "wb", closefd=False),  # noqa: SIM115
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
+    )
+    return stdin, stdout, stderr
+
+
+def _flush_python_streams(streams: tuple[object, ...]) -> None:
+    for stream in streams:
+        # The job may have closed or replaced these with anything.
+        with contextlib.suppress(Exception):
+            stream.flush()  # type: ignore[attr-defined]
+
+
+def _flush_c_stdio() -> None:
+    """Flush C-level stdio buffers, so a C extension's printf is captured too."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)

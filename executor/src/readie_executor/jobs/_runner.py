@@ -1,0 +1,348 @@
+"""run_job: one code job, from the worker's job dict to the result's JSON bytes.
+
+Order matters: links and the seccomp filter first (setup that may fail
+cleanly), then the output capture (its thread exists before the memory limit
+is measured), then the process state the job sees, the limits, and last the
+audit-hook guard around nothing but the job's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import linecache
+import os
+import sys
+import time
+import traceback
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .._calls import RAW_RESPONSE_ATTRIBUTE
+from .._settings import parse_preimport
+from . import _guards, _limits, _seccomp
+from ._bounds import MAX_OUTPUT_LIMIT
+from ._capture import CapturedBytes, OutputCapture
+from ._result import ErrorInfo, describe_exception, encode_result, safe_str
+from ._spec import JobSpec, JobSpecError, Link, parse_job
+
+# Python's exit status for "could not start": ``python3 missing.py`` exits 2.
+EXIT_NOT_STARTED = 2
+EXIT_EXCEPTION = 1
+PREIMPORT_VARIABLE = "READIE_PREIMPORT"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+# The ``__main__`` of a session, kept between calls like a notebook's kernel.
+_session_module: types.ModuleType | None = None
+
+
+class SetupError(Exception):
+    """The sandbox could not be prepared for the job (a link, the working directory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    exit_status: int
+    error: ErrorInfo | None
+    duration_us: int
+    system_exit: bool = False  # ended by SystemExit: in a session, that ends the session
+
+
+def run_job(job: dict[str, object]) -> bytes:
+    """Run one code job in this process and return its result as UTF-8 JSON. Never raises."""
+    max_output = _declared_max_output(job)
+    try:
+        spec = parse_job(job)
+        max_output = spec.limits.max_output
+        return _run(spec)
+    except JobSpecError as exc:
+        return _not_started(ErrorInfo("RequestError", str(exc)), max_output)
+    except BaseException as exc:  # a bug here must still answer, not break the executor's reply
+        message = f"internal error in the job runner: {type(exc).__name__}: {safe_str(exc)}"
+        return _not_started(ErrorInfo("SandboxSetupError", message), max_output)
+
+
+# The executor sends these bytes back as they are instead of pickling them
+# (see _calls.run_call): the worker must never unpickle what leaves a sandbox.
+setattr(run_job, RAW_RESPONSE_ATTRIBUTE, True)
+
+
+def _run(spec: JobSpec) -> bytes:
+    preloaded = preloaded_modules()
+    notes: list[str] = []
+    try:
+        source = _read_source(spec)
+    except OSError as exc:
+        # What python3 itself says for a script it cannot open.
+        stderr = (
+            f"python3: can't open file {spec.script_path!r}: [Errno {exc.errno}] {exc.strerror}\n"
+        )
+        error = ErrorInfo(type(exc).__name__, safe_str(exc), spec.script_path, None)
+        return _not_started(error, spec.limits.max_output, stderr=stderr, preloaded=preloaded)
+    try:
+        create_links(spec.links)
+    except SetupError as exc:
+        return _not_started(
+            ErrorInfo("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
+        )
+    notes += _apply_subprocess_policy(spec.limits.subprocesses)
+    capture = OutputCapture(spec.limits.max_output)
+    try:
+        with capture.active():
+            outcome = _execute(spec, source, notes)
+    except SetupError as exc:
+        return _not_started(
+            ErrorInfo("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
+        )
+    return encode_result(
+        exit_status=outcome.exit_status,
+        stdout=capture.stdout,
+        stderr=capture.stderr,
+        error=outcome.error,
+        duration_us=outcome.duration_us,
+        preloaded_modules=preloaded,
+        policy_notes=notes,
+        max_output=spec.limits.max_output,
+        system_exit=outcome.system_exit,
+    )
+
+
+def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
+    module = _main_module(spec)
+    guard = _guards.JobGuard(
+        writable_roots=_guards.writable_roots(
+            path for link in spec.writable_links for path in (link.path, link.target)
+        ),
+        subprocesses=spec.limits.subprocesses,
+    )
+    with _job_process_state(spec, module):
+        try:
+            code = compile(source, spec.name, "exec", dont_inherit=True)
+        except BaseException as exc:  # SyntaxError, or ValueError for a NUL in the source
+            return _failure(exc, spec, duration_us=0)
+        _register_source(spec.name, source)
+        notes += _limits.apply_file_size_limit(spec.limits.max_file_size)
+        notes += _limits.apply_memory_limit(spec.limits.memory_bytes, spec.limits.max_output)
+        started = time.perf_counter_ns()
+        try:
+            try:
+                with _guards.guarded(guard):
+                    exec(code, module.__dict__)
+            finally:
+                _limits.relax_memory_limit()
+                duration_us = (time.perf_counter_ns() - started) // 1000
+        except SystemExit as exc:
+            return _Outcome(_exit_status(exc.code), None, duration_us, system_exit=True)
+        except BaseException as exc:
+            return _failure(exc, spec, duration_us)
+        return _Outcome(0, None, duration_us)
+
+
+def create_links(links: tuple[Link, ...]) -> None:
+    """Make each granted host path a symlink to its grant's mount point.
+
+    The mount itself was planned at capture time (gVisor fixes the mount tree
+    then); the sandbox root is a writable in-memory overlay, so the link costs
+    nothing outside the sandbox.
+    """
+    for link in links:
+        try:
+            os.makedirs(os.path.dirname(link.path), exist_ok=True)
+            os.symlink(link.target, link.path)
+        except FileExistsError:
+            if os.path.islink(link.path) and os.readlink(link.path) == link.target:
+                continue  # an earlier step of the same session made it
+            raise SetupError(
+                f"cannot link {link.path} to its grant: something else is already there"
+            ) from None
+        except OSError as exc:
+            raise SetupError(f"cannot link {link.path} to its grant {link.target}: {exc}") from None
+
+
+def preloaded_modules() -> list[str]:
+    """What the template pre-imported, as far as this process can tell.
+
+    READIE_PREIMPORT is read from the executor's environment as it is now,
+    which after a restore is the new sandbox's; names not actually imported
+    are left out.
+    """
+    names = parse_preimport(os.environ.get(PREIMPORT_VARIABLE, ""))
+    return [name for name in names if name in sys.modules]
+
+
+def _apply_subprocess_policy(allowed: bool) -> list[str]:
+    if allowed:
+        if _seccomp.is_installed():
+            return ["subprocesses: an earlier job in this process denied them, for good"]
+        return []
+    try:
+        _seccomp.deny_new_processes()
+    except Exception as exc:  # SeccompUnavailable, or anything ctypes raises
+        return [
+            f"subprocesses: seccomp filter not installed ({safe_str(exc)}); only an audit hook "
+            "refuses them, which code calling fork() through ctypes gets around"
+        ]
+    return []
+
+
+@contextlib.contextmanager
+def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None]:
+    """The cwd, environment, argv, sys.path and __main__ the job sees; restored after."""
+    try:
+        saved_cwd: str | None = os.getcwd()
+    except OSError:
+        saved_cwd = None
+    saved_environ = dict(os.environ)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    saved_main = sys.modules.get("__main__")
+    try:
+        if spec.cwd is not None:
+            try:
+                os.chdir(spec.cwd)
+            except OSError as exc:
+                raise SetupError(f"cannot enter the working directory {spec.cwd}: {exc}") from None
+        os.environ.clear()
+        os.environ.update(spec.env)
+        sys.argv = [spec.name, *spec.args]
+        # What python3 puts first on sys.path: the script's directory, or ""
+        # (the working directory) for inline code.
+        sys.path.insert(
+            0, os.path.dirname(os.path.abspath(spec.script_path)) if spec.script_path else ""
+        )
+        sys.modules["__main__"] = module
+        yield
+    finally:
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+        else:
+            sys.modules.pop("__main__", None)
+        sys.path[:] = saved_path
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        if saved_cwd is not None:
+            with contextlib.suppress(OSError):
+                os.chdir(saved_cwd)
+
+
+def _main_module(spec: JobSpec) -> types.ModuleType:
+    global _session_module
+    if spec.session and _session_module is not None:
+        module = _session_module
+    else:
+        module = types.ModuleType("__main__")
+        if spec.session:
+            _session_module = module
+    module.__file__ = spec.name
+    return module
+
+
+def _read_source(spec: JobSpec) -> str | bytes:
+    if spec.code is not None:
+        return spec.code
+    with open(spec.script_path, "rb") as script:  # type: ignore[arg-type]
+        return script.read()  # bytes: compile() honours a coding cookie
+
+
+def _register_source(name: str, source: str | bytes) -> None:
+    """Let tracebacks show the job's lines even though its file may not exist here."""
+    try:
+        text = source if isinstance(source, str) else importlib.util.decode_source(source)
+    except Exception:
+        return
+    # An mtime of None tells linecache not to check the (possibly absent) file.
+    linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+
+
+def _exit_status(code: object) -> int:
+    """What python3's exit status would be for ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    _write_stderr(f"{safe_str(code)}\n")
+    return EXIT_EXCEPTION
+
+
+def _failure(exc: BaseException, spec: JobSpec, duration_us: int) -> _Outcome:
+    """Describe an uncaught exception and print its traceback to stderr, as python3 would."""
+    # The exception is the job's object: any attribute read may raise.
+    try:
+        _strip_runner_frames(exc)
+        error = describe_exception(exc, spec, _limits.memory_limit_bytes())
+    except BaseException:
+        error = ErrorInfo(type(exc).__name__, safe_str(exc))
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except BaseException:
+        text = f"{type(exc).__name__}: {safe_str(exc)}\n"
+    _write_stderr(text)
+    return _Outcome(EXIT_EXCEPTION, error, duration_us)
+
+
+def _strip_runner_frames(exc: BaseException) -> None:
+    """Drop this package's frames (the exec call, the audit hook) from ``exc`` and its chain.
+
+    They are not the job's and would only point the reader at the wrong file.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = _without_runner_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+
+
+def _without_runner_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    kept = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+def _write_stderr(text: str) -> None:
+    # To descriptor 2 itself, after the job's buffered streams: the job may
+    # have replaced or closed sys.stderr, and python3 would still show this.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    data = text.encode("utf-8", "backslashreplace")
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(2, data) :]
+
+
+def _declared_max_output(job: object) -> int:
+    """max_output of a job that may not parse, so that even a refusal stays in budget."""
+    limits = job.get("limits") if isinstance(job, dict) else None
+    value = limits.get("max_output") if isinstance(limits, dict) else None
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_OUTPUT_LIMIT
+        else 0
+    )
+
+
+def _not_started(
+    error: ErrorInfo, max_output: int, *, stderr: str = "", preloaded: list[str] | None = None
+) -> bytes:
+    stderr_bytes = stderr.encode("utf-8", "replace")
+    return encode_result(
+        exit_status=EXIT_NOT_STARTED,
+        stdout=CapturedBytes(b"", 0),
+        stderr=CapturedBytes(stderr_bytes, len(stderr_bytes)),
+        error=error,
+        duration_us=0,
+        preloaded_modules=preloaded or [],
+        policy_notes=[],
+        max_output=max_output,
+    )

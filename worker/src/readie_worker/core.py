@@ -1,0 +1,218 @@
+"""The worker: checkpoints loaded, warm pools kept, jobs run in pristine sandboxes.
+
+Everything here is synchronous and thread-safe; the gRPC layer calls it from
+its thread pool. A job holds one of ``slots`` for its whole run, so capacity
+is a plain count that placement can trust.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from . import runsc as runsc_module
+from .bundle import MountPlan, family_fingerprint, serve_env
+from .errors import RequestError, SandboxSetupError
+from .jobs import CodeJob, JobOutcome, mount_grants, run_in_sandbox
+from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
+from .pool import RefillBudget, WarmPool
+from .runsc import Runsc
+from .sandbox import LocalProcess, Sandbox, SandboxFactory, checkpoint_factory
+
+log = structlog.get_logger("readie.worker")
+
+# Two cores run about two jobs at full speed; more only queue inside gVisor.
+DEFAULT_SLOTS = 2
+# Without mounts there are no slots to fill, but the same request limits apply.
+UNISOLATED_PLAN = MountPlan()
+# How long a drain lets running jobs finish before it destroys their sandboxes.
+DEFAULT_DRAIN_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    manifest: Path
+    state_dir: Path  # runsc --root, owned by this worker alone
+    run_dir: Path  # sandbox dirs; short, because socket paths are limited to 107 bytes
+    warm: Mapping[str, int] = field(default_factory=lambda: {"base": 1, "pandas": 1})
+    slots: int = DEFAULT_SLOTS
+    refill_concurrency: int = 1
+    strict_manifest: bool = False
+    # Development without gVisor: jobs run as plain host processes. Never a default.
+    allow_unisolated: bool = False
+
+    @classmethod
+    def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
+        base = Path(tempfile.mkdtemp(prefix="rw-", dir="/tmp"))
+        return cls(manifest=manifest, state_dir=base / "state", run_dir=base / "run", **overrides)  # type: ignore[arg-type]
+
+
+@dataclass
+class Capacity:
+    slots: int
+    busy: int
+    draining: bool
+    pools: dict[str, dict[str, int]]
+    isolated: bool
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runsc = Runsc(root=config.state_dir)
+        self._slots = threading.BoundedSemaphore(config.slots)
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._draining = False
+        self._idle = threading.Condition(self._lock)
+        self.pools: dict[str, WarmPool] = {}
+        self.factories: dict[str, SandboxFactory] = {}
+        self.checkpoints: LoadedCheckpoints | None = None
+        self.isolated = True
+
+    def start(self) -> Worker:
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        if not runsc_module.available():
+            return self._start_unisolated("runsc is not installed or the worker is not root")
+        swept = self.runsc.sweep()
+        if swept:
+            log.warning("swept containers left by an earlier run", containers=swept)
+        self.checkpoints = self._load_checkpoints()
+        if self.checkpoints.manifest is None:
+            return self._start_unisolated(self.checkpoints.problems["*"])
+        for problem in self.checkpoints.problems.values():
+            log.warning("checkpoint unusable", problem=problem)
+        budget = RefillBudget(self.config.refill_concurrency)
+        for name, checkpoint in self.checkpoints.usable.items():
+            factory = checkpoint_factory(self.runsc, self.checkpoints.manifest, checkpoint, self.config.run_dir)
+            self.factories[name] = factory
+            self.pools[name] = WarmPool(name, factory, self.config.warm.get(name, 0), budget).start()
+        log.info("worker started", checkpoints=sorted(self.factories), warm=dict(self.config.warm))
+        return self
+
+    def _start_unisolated(self, reason: str) -> Worker:
+        if not self.config.allow_unisolated:
+            raise SandboxSetupError(f"cannot start an isolated worker: {reason}")
+        log.warning("NO ISOLATION: jobs run as plain host processes", reason=reason)
+        self.isolated = False
+        factory = SandboxFactory(LocalProcess(), self.config.run_dir, serve_env(()))
+        self.factories = {"base": factory}
+        self.pools = {"base": WarmPool("base", factory, 0, RefillBudget()).start()}
+        return self
+
+    def _load_checkpoints(self) -> LoadedCheckpoints:
+        path = self.config.manifest
+        if not path.exists():
+            return LoadedCheckpoints(None, problems={"*": f"no manifest at {path}"})
+        manifest = read_manifest(path)
+        return load_checkpoints(
+            path,
+            runsc_version=runsc_module.version(),
+            spec_fingerprint=family_fingerprint(manifest.rootfs, manifest.mount_plan, self.runsc.flags),
+            strict=self.config.strict_manifest,
+        )
+
+    def run_job(self, job: CodeJob) -> JobOutcome:
+        with self._slot():
+            return self._run_job(job)
+
+    def _run_job(self, job: CodeJob) -> JobOutcome:
+        pool = self.pools.get(job.checkpoint)
+        if pool is None:
+            raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
+        if job.network:
+            raise RequestError("this worker has no network backend configured", field="allow_network")
+        started = time.monotonic()
+        sandbox: Sandbox | None = None
+        try:
+            if job.needs_own_mounts:
+                mounted = mount_grants(job, self._mount_plan())
+                sandbox = pool.factory.with_sources(mounted.sources).create()
+                # Unisolated, the job sees the host itself: links would be made on the host.
+                links = mounted.links if self.isolated else ()
+            else:
+                sandbox, links = pool.take(), ()
+        except SandboxSetupError as exc:
+            return JobOutcome.failure("SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local")
+        try:
+            return run_in_sandbox(sandbox, job, links)
+        finally:
+            sandbox.destroy()
+
+    def _mount_plan(self) -> MountPlan:
+        if self.checkpoints is None or self.checkpoints.manifest is None:
+            return UNISOLATED_PLAN
+        return self.checkpoints.manifest.mount_plan
+
+    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float) -> bytes:
+        """A readie-style call: pickled function in, envelope bytes out, never opened here."""
+        with self._slot():
+            pool = self.pools.get(checkpoint)
+            if pool is None:
+                raise RequestError(f"no checkpoint named {checkpoint!r} on this worker", field="checkpoint")
+            sandbox = pool.take()
+            try:
+                return sandbox.call(payload, timeout=timeout_s)
+            finally:
+                sandbox.destroy()
+
+    def capacity(self) -> Capacity:
+        with self._lock:
+            busy, draining = self._busy, self._draining
+        return Capacity(
+            slots=self.config.slots,
+            busy=busy,
+            draining=draining,
+            pools={name: {"ready": pool.ready_count, "target": pool.target} for name, pool in self.pools.items()},
+            isolated=self.isolated,
+        )
+
+    def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
+        """Stop taking work, let running jobs finish (up to ``grace_s``), destroy everything."""
+        with self._lock:
+            self._draining = True
+            deadline = time.monotonic() + grace_s
+            while self._busy and time.monotonic() < deadline:
+                self._idle.wait(deadline - time.monotonic())
+        self.close()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        if self.isolated and runsc_module.available():
+            self.runsc.sweep()
+
+    def _slot(self):  # noqa: ANN202 - context manager
+        return _SlotGuard(self)
+
+
+class _SlotGuard:
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def __enter__(self) -> None:
+        worker = self._worker
+        with worker._lock:
+            if worker._draining:
+                raise SandboxSetupError("the worker is draining and takes no new work")
+        worker._slots.acquire()
+        with worker._lock:
+            worker._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        worker = self._worker
+        with worker._lock:
+            worker._busy -= 1
+            worker._idle.notify_all()
+        worker._slots.release()
+
+
+def _since(started: float) -> int:
+    return int((time.monotonic() - started) * 1_000_000)
+
