@@ -1,0 +1,96 @@
+"""readie's own errors: one base, a few families, mapped to pool error types once.
+
+Job outcomes that belong to the code being run (a Python exception, a
+timeout, a signal) are not exceptions here: they are values in a job result
+(see ``_events.Outcome``). What lives here is what readie itself refuses or
+fails at. Each family is turned into the pool protocol's ``error.type`` by
+:func:`pool_error_type` and nowhere else; the gRPC front end will get its own
+single mapping next to its servicer.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "POOL_WORKER_ERROR",
+    "REQUEST_ERROR",
+    "SANDBOX_SETUP_ERROR",
+    "SIGNAL_ERROR",
+    "TIMEOUT_ERROR",
+    "ConfigError",
+    "PoolWorkerError",
+    "ReadieError",
+    "RequestError",
+    "SandboxSetupError",
+    "UnitError",
+    "pool_error_type",
+]
+
+# The error types the pool protocol names besides Python exception classes.
+REQUEST_ERROR = "RequestError"
+TIMEOUT_ERROR = "TimeoutError"
+SIGNAL_ERROR = "SignalError"
+SANDBOX_SETUP_ERROR = "SandboxSetupError"
+POOL_WORKER_ERROR = "PoolWorkerError"
+
+
+class ReadieError(Exception):
+    """Base of every error readie raises on purpose."""
+
+
+class RequestError(ReadieError):
+    """A request was refused before anything ran.
+
+    ``field`` names the request field at fault when there is one (dotted for
+    nested values, e.g. ``reply.call_id``); the message always starts with it
+    so a client that only shows the message still learns which field.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.reason = message
+
+
+class UnitError(ReadieError, ValueError):
+    """A size or duration could not be parsed; callers re-raise it naming the field or key."""
+
+
+class ConfigError(ReadieError):
+    """The pool's TOML configuration is unusable; names the file, the key and the reason."""
+
+    def __init__(self, path: str, key: str | None, reason: str) -> None:
+        where = f"{path}: {key}" if key else path
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.key = key
+        self.reason = reason
+
+
+class SandboxSetupError(ReadieError):
+    """A sandbox for the job could not be prepared (restore, mounts, limits)."""
+
+
+class PoolWorkerError(ReadieError):
+    """A worker failed while it held a job, for reasons not caused by the job's code."""
+
+
+# Most specific first; the first isinstance match wins.
+_POOL_TYPES: tuple[tuple[type[BaseException], str], ...] = (
+    (RequestError, REQUEST_ERROR),
+    (UnitError, REQUEST_ERROR),
+    (SandboxSetupError, SANDBOX_SETUP_ERROR),
+    (PoolWorkerError, POOL_WORKER_ERROR),
+)
+
+
+def pool_error_type(exc: BaseException) -> str:
+    """The pool protocol's ``error.type`` for an error readie raised.
+
+    Anything not in the table (``ConfigError`` at run time, an unexpected bug)
+    is reported as ``PoolWorkerError``: the job failed because of the pool,
+    not because of the request or the job's own code.
+    """
+    for cls, name in _POOL_TYPES:
+        if isinstance(exc, cls):
+            return name
+    return POOL_WORKER_ERROR

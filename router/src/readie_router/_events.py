@@ -1,0 +1,369 @@
+"""What the pool writes: the ready event, results, stats, call and close events, job logs.
+
+Each builder returns a dict with every field the spec shows, in the spec's
+key order, ready for :func:`~readie_router._wire.encode_line`. Results are
+built from :class:`JobResult`, a frozen value that also says which outcome
+counter the job belongs to, so :class:`Stats` never guesses from strings.
+
+``exit`` is always an integer, so a client testing ``exit == 0`` (or a shell
+habit, ``if exit:``) never mistakes a job that did not run for a success:
+
+* the code ran and exited: its exit status (0; 1 for an uncaught exception;
+  ``n`` for ``sys.exit(n)``);
+* killed by a signal: 128 + the signal number, as a shell reports it;
+* killed at its timeout: 124, as ``timeout(1)`` reports it;
+* never ran, or no status was observed (RequestError, SandboxSetupError,
+  PoolWorkerError): -1, which no process can exit with.
+
+A refused request still gets a full result line: empty output, zero
+durations, ``policy`` null (none was resolved), ``runtime`` the pool's when
+the caller passes it. Session results add ``session``, ``step`` and
+``session_ended`` after the spec's fields; other results do not carry them.
+The ready event adds ``protocol`` (:data:`PROTOCOL_VERSION`) so clients can
+refuse a pool that speaks a version they do not.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._errors import (
+    POOL_WORKER_ERROR,
+    REQUEST_ERROR,
+    SANDBOX_SETUP_ERROR,
+    SIGNAL_ERROR,
+    TIMEOUT_ERROR,
+    ReadieError,
+    pool_error_type,
+)
+from ._policy import Policy
+from ._requests import Refused
+from ._wire import RequestId
+
+__all__ = [
+    "DEFAULT_BACKEND",
+    "EXIT_NOT_RUN",
+    "EXIT_TIMEOUT",
+    "PROTOCOL_VERSION",
+    "RUNTIME_NAME",
+    "ErrorInfo",
+    "JobResult",
+    "Outcome",
+    "RuntimeInfo",
+    "Stats",
+    "call_event",
+    "closed_event",
+    "job_log_line",
+    "policy_json",
+    "ready_event",
+    "result_line",
+    "signal_exit",
+]
+
+#: Version of the pool JSONL protocol, sent in the ready event. Bump it when a
+#: field changes meaning or disappears; adding a field does not need a bump.
+PROTOCOL_VERSION = 1
+#: The spec's "runtime" value, with pynox read as readie.
+RUNTIME_NAME = "readie"
+#: The sandbox that enforces a policy, reported in every result's policy.
+DEFAULT_BACKEND = "gvisor"
+
+#: ``exit`` of a job that never ran or whose status was never observed.
+EXIT_NOT_RUN = -1
+#: ``exit`` of a job killed at its timeout, as ``timeout(1)`` reports it.
+EXIT_TIMEOUT = 124
+
+
+def signal_exit(signum: int) -> int:
+    """``exit`` of a job killed by ``signum``, as a shell reports it."""
+    return 128 + signum
+
+
+class Outcome(enum.Enum):
+    """Which stats counter a finished job adds to; the counters are disjoint."""
+
+    OK = "ok"
+    FAILED = "failed"  # the job's Python code raised or exited non-zero
+    TIMEOUT = "timeouts"
+    SIGNAL = "signals"
+    REQUEST_ERROR = "request_errors"
+    WORKER_ERROR = "worker_errors"  # PoolWorkerError and SandboxSetupError
+
+
+# The error type each non-Python outcome must carry.
+_OUTCOME_TYPES: dict[Outcome, frozenset[str]] = {
+    Outcome.TIMEOUT: frozenset({TIMEOUT_ERROR}),
+    Outcome.SIGNAL: frozenset({SIGNAL_ERROR}),
+    Outcome.REQUEST_ERROR: frozenset({REQUEST_ERROR}),
+    Outcome.WORKER_ERROR: frozenset({POOL_WORKER_ERROR, SANDBOX_SETUP_ERROR}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """A result's ``error``: ``hint`` only for permission and memory errors."""
+
+    type: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    hint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": self.type,
+            "message": self.message,
+            "file": self.file,
+            "line": self.line,
+        }
+        if self.hint is not None:
+            out["hint"] = self.hint
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    python: str
+    mode: str = "pool"
+    preloaded_modules: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": RUNTIME_NAME,
+            "python": self.python,
+            "mode": self.mode,
+            "preloaded_modules": list(self.preloaded_modules),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """One finished job (or refused request), as the pool reports it."""
+
+    id: RequestId | None
+    outcome: Outcome
+    exit: int
+    stdout: str = ""
+    stderr: str = ""
+    error: ErrorInfo | None = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_us: int = 0
+    queue_us: int = 0
+    runtime: RuntimeInfo | None = None
+    policy: Policy | None = None
+    backend: str = DEFAULT_BACKEND
+    session: str | None = None
+    step: int | None = None
+    session_ended: bool = False
+
+    def __post_init__(self) -> None:
+        # Wrong combinations are bugs in the caller; refusing them here keeps
+        # the stats counters and the wire consistent with each other.
+        if self.outcome is Outcome.OK:
+            if self.exit != 0 or self.error is not None:
+                raise ValueError("an OK result has exit 0 and no error")
+        elif self.outcome is Outcome.FAILED:
+            if self.exit == 0 and self.error is None:
+                raise ValueError("a FAILED result has an error or a non-zero exit")
+        elif self.error is None or self.error.type not in _OUTCOME_TYPES[self.outcome]:
+            allowed = " or ".join(sorted(_OUTCOME_TYPES[self.outcome]))
+            raise ValueError(f"a {self.outcome.name} result carries an error of type {allowed}")
+        if self.duration_us < 0 or self.queue_us < 0:
+            raise ValueError("durations cannot be negative")
+
+    @property
+    def duration_ms(self) -> int:
+        # Derived, so the two never disagree (the spec's 4001 us is 4 ms).
+        return self.duration_us // 1000
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
+
+    @classmethod
+    def refused(cls, refusal: Refused, runtime: RuntimeInfo | None = None) -> JobResult:
+        """The result line answering a refused request."""
+        return cls.from_error(refusal.id, refusal.error, runtime=runtime)
+
+    @classmethod
+    def from_error(
+        cls,
+        id: RequestId | None,
+        error: ReadieError,
+        *,
+        runtime: RuntimeInfo | None = None,
+        policy: Policy | None = None,
+        queue_us: int = 0,
+        session: str | None = None,
+        step: int | None = None,
+    ) -> JobResult:
+        """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError."""
+        kind = pool_error_type(error)
+        outcome = Outcome.REQUEST_ERROR if kind == REQUEST_ERROR else Outcome.WORKER_ERROR
+        return cls(
+            id=id,
+            outcome=outcome,
+            exit=EXIT_NOT_RUN,
+            error=ErrorInfo(type=kind, message=str(error)),
+            queue_us=queue_us,
+            runtime=runtime,
+            policy=policy,
+            session=session,
+            step=step,
+            # A worker failure takes the session's process with it.
+            session_ended=session is not None and outcome is Outcome.WORKER_ERROR,
+        )
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def ready_event(
+    *,
+    workers: int,
+    preloaded_modules: Iterable[str] = (),
+    package_dirs: Iterable[str | Path] = (),
+    config: str | Path | None = None,
+    profiles: Iterable[str] = (),
+) -> dict[str, Any]:
+    return {
+        "event": "ready",
+        "workers": workers,
+        "runtime": RUNTIME_NAME,
+        "preloaded_modules": list(preloaded_modules),
+        "package_dirs": [str(p) for p in package_dirs],
+        "config": None if config is None else str(config),
+        "profiles": list(profiles),
+        "protocol": PROTOCOL_VERSION,
+    }
+
+
+def result_line(result: JobResult) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": result.id,
+        "exit": result.exit,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "error": None if result.error is None else result.error.to_json(),
+        "stdout_truncated": result.stdout_truncated,
+        "stderr_truncated": result.stderr_truncated,
+        "duration_ms": result.duration_ms,
+        "duration_us": result.duration_us,
+        "queue_us": result.queue_us,
+        "runtime": None if result.runtime is None else result.runtime.to_json(),
+        "policy": None if result.policy is None else policy_json(result.policy, result.backend),
+    }
+    if result.session is not None:
+        out["session"] = result.session
+        out["step"] = result.step
+        out["session_ended"] = result.session_ended
+    return out
+
+
+def policy_json(policy: Policy, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
+    return {
+        "allow_read": [str(p) for p in policy.allow_read],
+        "allow_write": [str(p) for p in policy.allow_write],
+        "network": "allow" if policy.network else "deny",
+        "subprocesses": "allow" if policy.subprocesses else "deny",
+        "timeout_ms": policy.timeout_ms,
+        "memory_bytes": policy.memory_bytes,
+        "backend": backend,
+    }
+
+
+def closed_event(id: RequestId, session: str) -> dict[str, Any]:
+    """The answer to ``{"id", "session", "close": true}``."""
+    return {"id": id, "session": session, "closed": True}
+
+
+def call_event(
+    id: RequestId, call_id: int, function: str, args: list[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A host-function call the sandbox made, for the client to answer with a reply."""
+    return {
+        "event": "call",
+        "id": id,
+        "call_id": call_id,
+        "function": function,
+        "args": list(args),
+        "kwargs": dict(kwargs),
+    }
+
+
+def job_log_line(result: JobResult, ts_ms: int) -> dict[str, Any]:
+    """The ``--log=json`` line: identifiers, outcome and timing, never captured output."""
+    return {
+        "ts_ms": ts_ms,
+        "event": "job",
+        "id": result.id,
+        "session": result.session,
+        "step": result.step,
+        "exit": result.exit,
+        "error": None if result.error is None else result.error.type,
+        "message": None if result.error is None else result.error.message,
+        "duration_ms": result.duration_ms,
+        "queue_us": result.queue_us,
+        # null when no policy was resolved: a refused request had no network to deny.
+        "network": None
+        if result.policy is None
+        else ("allow" if result.policy.network else "deny"),
+        "truncated": result.truncated,
+    }
+
+
+# --------------------------------------------------------------------------- stats
+
+
+class Stats:
+    """The pool's counters, as the spec's stats event reports them.
+
+    ``jobs`` counts every result the pool wrote (refusals included), and is
+    the sum of the six outcome counters. ``errors`` counts results by error
+    type, in the order types were first seen.
+    """
+
+    def __init__(self) -> None:
+        self.jobs = 0
+        self.counts = dict.fromkeys(Outcome, 0)
+        self.duration_us_total = 0
+        self.queue_us_total = 0
+        self.errors: dict[str, int] = {}
+        self.sessions_active = 0
+
+    def record(self, result: JobResult) -> None:
+        self.jobs += 1
+        self.counts[result.outcome] += 1
+        self.duration_us_total += result.duration_us
+        self.queue_us_total += result.queue_us
+        if result.error is not None:
+            self.errors[result.error.type] = self.errors.get(result.error.type, 0) + 1
+
+    def session_started(self) -> None:
+        self.sessions_active += 1
+
+    def session_ended(self) -> None:
+        if self.sessions_active == 0:
+            raise RuntimeError("session_ended() without a session")
+        self.sessions_active -= 1
+
+    def snapshot(self, id: RequestId, uptime_ms: int, workers: int) -> dict[str, Any]:
+        """The stats event answering ``{"id": id, "stats": true}``."""
+        return {
+            "id": id,
+            "event": "stats",
+            "uptime_ms": uptime_ms,
+            "workers": workers,
+            "sessions_active": self.sessions_active,
+            "jobs": self.jobs,
+            **{outcome.value: self.counts[outcome] for outcome in Outcome},
+            # Total microseconds, rounded down once, rather than a sum of rounded values.
+            "duration_ms_total": self.duration_us_total // 1000,
+            "queue_us_total": self.queue_us_total,
+            "errors": dict(self.errors),
+        }

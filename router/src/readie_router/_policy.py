@@ -1,0 +1,405 @@
+"""From a request to the policy a job runs under: profile, request, ceiling.
+
+The order is the spec's: the named profile's fields first, the request's own
+fields on top, then the ``[pool.limits]`` ceiling. "On top" means:
+
+* path lists (``allow_read``, ``allow_write``, ``package_dirs``) are the
+  profile's followed by the request's, duplicates dropped: a request adds
+  grants to its profile, it cannot silently lose the profile's;
+* ``env`` is the profile's mapping updated with the request's;
+* single values (``allow_network``, ``timeout``, ``memory``, ``max_output``,
+  ``max_file_size``) are the request's when it sets them, else the profile's.
+
+Then the ceiling: every path must lie beneath a ceiling path (``allow_read``
+beneath a ceiling read *or* write path, since writing implies reading;
+``allow_write`` beneath a ceiling write path; ``package_dirs`` beneath either,
+or beneath one of the pool's own package dirs), ``allow_network`` needs the
+ceiling's, and the four numbers may not exceed it. A value left unset takes
+the smaller of the default below and the ceiling, so the ceiling's
+``max_file_size`` (or ``memory``, or ``timeout``) applies to a request that
+does not set one.
+
+Paths: relative request paths resolve against the caller's working directory,
+profile and ceiling paths against the config file's directory (``_config``
+does that). Every path is then resolved with ``os.path.realpath``: symlinks
+are followed and ``..`` removed *before* the comparison, so neither a
+``data/../../etc`` nor a symlink ``data/escape -> /etc`` passes as "beneath
+data". The policy holds the resolved paths, and the sandbox layer must grant
+exactly those, not the strings the request sent. (A symlink swapped after the
+check is the mount layer's concern: it mounts the resolved path.)
+
+A write grant may not cover, or lie inside, one of the pool's own package
+dirs (the spec: "no job may write over preloaded runtime paths"). A
+``script`` must lie beneath a ceiling path too (:func:`resolve_script`).
+
+A refusal raises :class:`RequestError` naming the request field; when the
+value at fault came from the profile, the message says so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar, overload
+
+from ._errors import RequestError
+from ._requests import JobRequest
+
+__all__ = [
+    "DEFAULT_MAX_FILE_SIZE",
+    "DEFAULT_MAX_OUTPUT",
+    "DEFAULT_MEMORY_BYTES",
+    "DEFAULT_TIMEOUT_MS",
+    "NO_LIMITS",
+    "Limits",
+    "Policy",
+    "Profile",
+    "Resolver",
+    "resolve_path",
+    "resolve_policy",
+    "resolve_script",
+    "resolve_step",
+]
+
+#: A job that sets no timeout still ends: 30 s is the spec's example ceiling
+#: and long enough for a data-analysis step, short enough for an agent loop.
+DEFAULT_TIMEOUT_MS = 30_000
+#: No memory limit of our own: gVisor's sandbox and the host's cgroup bound a
+#: job already, and any number here would be wrong for someone's preloads.
+DEFAULT_MEMORY_BYTES: int | None = None
+#: Captured stdout and stderr are each cut at 1 MiB: the size of one protocol
+#: line, and the spec's example ceiling.
+DEFAULT_MAX_OUTPUT = 1024 * 1024
+#: No file-size limit unless the request or the ceiling sets one.
+DEFAULT_MAX_FILE_SIZE: int | None = None
+
+_T = TypeVar("_T")
+
+#: Turns a path into its absolute, symlink-free form; injectable for tests.
+Resolver = Callable[[str], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The ``[pool.limits]`` ceiling. None means no bound on that dimension.
+
+    :data:`NO_LIMITS` is the pool without a ``[pool.limits]`` table: the
+    client that starts the pool is trusted to grant what it likes. With the
+    table, ``_config`` fills absent path lists with ``()`` and an absent
+    ``allow_network`` with False: a ceiling that forgot a key grants nothing
+    of that kind.
+    """
+
+    allow_read: tuple[Path, ...] | None = None
+    allow_write: tuple[Path, ...] | None = None
+    allow_network: bool = True
+    timeout_ms: int | None = None
+    memory_bytes: int | None = None
+    max_output: int | None = None
+    max_file_size: int | None = None
+
+
+NO_LIMITS = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A ``[profiles.NAME]`` preset; paths are absolute (resolved by ``_config``)."""
+
+    name: str
+    allow_read: tuple[Path, ...] | None = None
+    allow_write: tuple[Path, ...] | None = None
+    package_dirs: tuple[Path, ...] | None = None
+    env: tuple[tuple[str, str], ...] | None = None
+    allow_network: bool | None = None
+    timeout_ms: int | None = None
+    memory_bytes: int | None = None
+    max_output: int | None = None
+    max_file_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What one job (or session) may do, after profile, request and ceiling."""
+
+    allow_read: tuple[Path, ...] = ()
+    allow_write: tuple[Path, ...] = ()
+    package_dirs: tuple[Path, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    network: bool = False
+    # Jobs never start processes; the field exists so results can say so.
+    subprocesses: bool = False
+    timeout_ms: int = DEFAULT_TIMEOUT_MS
+    memory_bytes: int | None = DEFAULT_MEMORY_BYTES
+    max_output: int = DEFAULT_MAX_OUTPUT
+    max_file_size: int | None = DEFAULT_MAX_FILE_SIZE
+
+
+def resolve_path(path: str | Path, base: str | Path, resolve: Resolver = os.path.realpath) -> Path:
+    """``path`` made absolute against ``base``, normalized and symlink-free."""
+    if not os.path.isabs(base):
+        raise ValueError(f"base directory must be absolute, got {base!r}")
+    joined = os.path.join(base, path)  # an absolute path replaces base
+    # realpath first, as the kernel would walk it: in "data/link/../x" the
+    # ".." applies to link's target, which a lexical normpath would get wrong.
+    return Path(os.path.normpath(resolve(joined)))
+
+
+def resolve_policy(
+    request: JobRequest,
+    *,
+    cwd: str | Path,
+    limits: Limits = NO_LIMITS,
+    profiles: Mapping[str, Profile] | None = None,
+    protected: Iterable[Path] = (),
+    resolve: Resolver = os.path.realpath,
+) -> Policy:
+    """The effective policy for ``request``, or RequestError naming the field.
+
+    ``protected`` are paths no job may write beneath or over: the pool's own
+    package dirs (the spec: "no job may write over preloaded runtime paths").
+    """
+    profile = _profile(request.profile, profiles or {})
+    # Profiles are not held to the ceiling at load (see _config), so a value
+    # from one can fail here; the message says so, since the request's own
+    # field is named but the request never set that value.
+    note = f" (from profile {profile.name!r})"
+    own = _RequestPaths(request, cwd, resolve)
+    pool_dirs = tuple(protected)
+    readable = _join(limits.allow_read, limits.allow_write)
+    ceilings = {
+        "allow_read": readable,
+        "allow_write": limits.allow_write,
+        "package_dirs": _join(readable, pool_dirs),
+    }
+    merged: dict[str, tuple[Path, ...]] = {}
+    for field, ceiling in ceilings.items():
+        theirs: tuple[Path, ...] = getattr(profile, field) or ()
+        mine: tuple[Path, ...] = getattr(own, field) or ()
+        _beneath(field, theirs, ceiling, note)
+        _beneath(field, mine, ceiling)
+        merged[field] = _merge(theirs, mine)
+    _not_over(profile.allow_write or (), pool_dirs, note)
+    _not_over(own.allow_write or (), pool_dirs)
+
+    network, origin = _pick(request.allow_network, profile.allow_network, note)
+    if network and not limits.allow_network:
+        raise RequestError(
+            "the pool's [pool.limits] do not allow the network" + origin, "allow_network"
+        )
+
+    env = dict(profile.env or ())
+    env.update(request.env or ())
+    return Policy(
+        allow_read=merged["allow_read"],
+        allow_write=merged["allow_write"],
+        package_dirs=merged["package_dirs"],
+        env=tuple(env.items()),
+        network=bool(network),
+        timeout_ms=_limited(
+            "timeout",
+            _pick(request.timeout_ms, profile.timeout_ms, note),
+            limits.timeout_ms,
+            DEFAULT_TIMEOUT_MS,
+            _ms,
+        ),
+        memory_bytes=_limited(
+            "memory",
+            _pick(request.memory_bytes, profile.memory_bytes, note),
+            limits.memory_bytes,
+            DEFAULT_MEMORY_BYTES,
+            _bytes,
+        ),
+        max_output=_limited(
+            "max_output",
+            _pick(request.max_output, profile.max_output, note),
+            limits.max_output,
+            DEFAULT_MAX_OUTPUT,
+            _bytes,
+        ),
+        max_file_size=_limited(
+            "max_file_size",
+            _pick(request.max_file_size, profile.max_file_size, note),
+            limits.max_file_size,
+            DEFAULT_MAX_FILE_SIZE,
+            _bytes,
+        ),
+    )
+
+
+def resolve_step(policy: Policy, request: JobRequest, limits: Limits = NO_LIMITS) -> Policy:
+    """A session step's policy: the session's, with the step's own timeout and max_output.
+
+    The session manager refuses any other setup field before calling this.
+    """
+    timeout_ms, max_output = policy.timeout_ms, policy.max_output
+    if request.timeout_ms is not None:
+        timeout_ms = _within("timeout", request.timeout_ms, limits.timeout_ms, _ms)
+    if request.max_output is not None:
+        max_output = _within("max_output", request.max_output, limits.max_output, _bytes)
+    return Policy(
+        allow_read=policy.allow_read,
+        allow_write=policy.allow_write,
+        package_dirs=policy.package_dirs,
+        env=policy.env,
+        network=policy.network,
+        timeout_ms=timeout_ms,
+        memory_bytes=policy.memory_bytes,
+        max_output=max_output,
+        max_file_size=policy.max_file_size,
+    )
+
+
+def resolve_script(
+    request: JobRequest,
+    *,
+    cwd: str | Path,
+    limits: Limits = NO_LIMITS,
+    resolve: Resolver = os.path.realpath,
+) -> Path | None:
+    """The absolute path of ``request.script``, which must lie beneath a ceiling path.
+
+    The pool reads the script for the job, so a job need not be granted the
+    script's directory (the spec runs ``app.py`` with only ``data`` readable);
+    but the script is a path the request asks for, so the ceiling applies.
+    """
+    if request.script is None:
+        return None
+    path = _resolve_field("script", request.script, cwd, resolve)
+    _beneath("script", (path,), _join(limits.allow_read, limits.allow_write))
+    return path
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _RequestPaths:
+    """The request's own path lists, resolved against the caller's directory."""
+
+    def __init__(self, request: JobRequest, cwd: str | Path, resolve: Resolver) -> None:
+        def each(field: str, paths: tuple[str, ...] | None) -> tuple[Path, ...] | None:
+            if paths is None:
+                return None
+            return tuple(_resolve_field(field, p, cwd, resolve) for p in paths)
+
+        self.allow_read = each("allow_read", request.allow_read)
+        self.allow_write = each("allow_write", request.allow_write)
+        self.package_dirs = each("package_dirs", request.package_dirs)
+
+
+def _resolve_field(field: str, path: str, cwd: str | Path, resolve: Resolver) -> Path:
+    try:
+        return resolve_path(path, cwd, resolve)
+    except (OSError, ValueError) as exc:  # NUL bytes, symlink loops on some systems
+        raise RequestError(f"cannot resolve {path!r}: {exc}", field) from None
+
+
+def _profile(name: str | None, profiles: Mapping[str, Profile]) -> Profile:
+    if name is None:
+        return Profile(name="")
+    try:
+        return profiles[name]
+    except KeyError:
+        known = ", ".join(sorted(profiles)) or "none are configured"
+        raise RequestError(f"unknown profile {name!r} (known: {known})", "profile") from None
+
+
+def _merge(first: tuple[Path, ...] | None, second: tuple[Path, ...] | None) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys((*(first or ()), *(second or ()))))
+
+
+def _join(*groups: tuple[Path, ...] | None) -> tuple[Path, ...] | None:
+    """Union of ceiling path lists; unbounded (None) if any of them is."""
+    if any(group is None for group in groups):
+        return None
+    return tuple(path for group in groups for path in group or ())
+
+
+def _beneath(
+    field: str, paths: tuple[Path, ...], ceiling: tuple[Path, ...] | None, note: str = ""
+) -> None:
+    if ceiling is None:
+        return
+    for path in paths:
+        if not any(path.is_relative_to(top) for top in ceiling):
+            listed = ", ".join(str(top) for top in ceiling) or "none"
+            raise RequestError(
+                f"{str(path)!r} is not beneath a path the pool's [pool.limits] allow "
+                f"({listed}){note}",
+                field,
+            )
+
+
+def _not_over(writes: tuple[Path, ...], guarded: tuple[Path, ...], note: str = "") -> None:
+    for path in writes:
+        for top in guarded:
+            if path.is_relative_to(top) or top.is_relative_to(path):
+                raise RequestError(
+                    f"{str(path)!r} overlaps the pool's package dir {str(top)!r}, "
+                    f"which jobs may not write{note}",
+                    "allow_write",
+                )
+
+
+def _pick(mine: _T | None, theirs: _T | None, note: str) -> tuple[_T | None, str]:
+    """The request's value if set, else the profile's; with the note to add to an error."""
+    if mine is not None:
+        return mine, ""
+    if theirs is not None:
+        return theirs, note
+    return None, ""
+
+
+def _ms(value: int) -> str:
+    return f"{value} ms"
+
+
+def _bytes(value: int) -> str:
+    return f"{value} bytes"
+
+
+@overload
+def _limited(
+    field: str,
+    picked: tuple[int | None, str],
+    ceiling: int | None,
+    default: int,
+    show: Callable[[int], str],
+) -> int: ...
+@overload
+def _limited(
+    field: str,
+    picked: tuple[int | None, str],
+    ceiling: int | None,
+    default: None,
+    show: Callable[[int], str],
+) -> int | None: ...
+def _limited(
+    field: str,
+    picked: tuple[int | None, str],
+    ceiling: int | None,
+    default: int | None,
+    show: Callable[[int], str],
+) -> int | None:
+    """The value if set (and within the ceiling), else the smaller of default and ceiling."""
+    value, note = picked
+    if value is not None:
+        return _within(field, value, ceiling, show, note)
+    if default is None:
+        return ceiling
+    if ceiling is None:
+        return default
+    return min(default, ceiling)
+
+
+def _within(
+    field: str, value: int, ceiling: int | None, show: Callable[[int], str], note: str = ""
+) -> int:
+    if ceiling is not None and value > ceiling:
+        raise RequestError(
+            f"{show(value)} exceeds the pool's [pool.limits] {field} of {show(ceiling)}{note}",
+            field,
+        )
+    return value

@@ -1,0 +1,513 @@
+"""Pool requests: one JSONL line in, a typed request or a typed refusal out.
+
+Four kinds of line, told apart by their keys:
+
+* ``{"reply": {...}}`` answers a host-function call (:class:`ReplyRequest`);
+* ``{"id": ..., "stats": true}`` asks for the counters (:class:`StatsRequest`);
+* ``{"id": ..., "session": ..., "close": true}`` ends a session (:class:`CloseSession`);
+* anything else is a job or a session step (:class:`JobRequest`).
+
+Parsing never raises on input: a bad line becomes :class:`Refused`, holding
+the id when one could be recovered and a :class:`RequestError` naming the
+field. Every accepted value is rebuilt into a frozen dataclass, so a field the
+spec does not know cannot ride along (unknown fields are refused anyway).
+
+Types are strict: a bool is not an integer, a float is not an integer,
+strings must be valid Unicode (no lone surrogates: they cannot cross into the
+sandbox as UTF-8), duplicate keys and NaN/Infinity are refused. What a request
+asks for is only checked for shape here; whether the pool grants it is
+``_policy``'s business, and whether a session step may carry it is the
+session manager's (see :attr:`JobRequest.setup_fields`).
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import RequestError, UnitError
+from ._lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
+from ._units import MAX_VALUE, parse_duration_ms, parse_size
+from ._wire import RequestId, id_problem, json_type, shown
+
+__all__ = [
+    "MAX_FUNCTIONS",
+    "MAX_NAME_CHARS",
+    "MAX_PATH_CHARS",
+    "MAX_REPLY_BYTES",
+    "MAX_SESSION_CHARS",
+    "SESSION_SETUP_FIELDS",
+    "SESSION_STEP_FIELDS",
+    "CloseSession",
+    "JobRequest",
+    "Refused",
+    "ReplyRequest",
+    "Request",
+    "StatsRequest",
+    "parse_event",
+    "parse_request",
+    "refuse_oversize",
+]
+
+#: The spec: host-function "arguments and results are JSON, at most 1 MB each way".
+MAX_REPLY_BYTES = 1_000_000
+#: Linux's PATH_MAX; a longer path cannot be opened, so refuse it up front.
+MAX_PATH_CHARS = 4096
+#: Linux's NAME_MAX: ``name`` becomes the file name in tracebacks.
+MAX_NAME_CHARS = 255
+#: Session names are echoed in every step's result and log line.
+MAX_SESSION_CHARS = 256
+#: Each declared function becomes a stub in the sandbox and a line in a tool
+#: description; far more than a model can use well, small enough to bound both.
+MAX_FUNCTIONS = 256
+#: Requirement strings (``pandas>=2.2``) are short; this bounds what reaches pip.
+MAX_REQUIREMENT_CHARS = 256
+
+#: Fields only a session's first request may carry: they fix the session's
+#: permissions, limits, environment and host functions for its whole life.
+SESSION_SETUP_FIELDS = frozenset(
+    {
+        "allow_read",
+        "allow_write",
+        "package_dirs",
+        "env",
+        "allow_network",
+        "memory",
+        "max_file_size",
+        "profile",
+        "functions",
+        "packages",
+    }
+)
+#: Fields any step of a session may carry (the spec: "code, name, args, and
+#: optionally timeout and max_output").
+SESSION_STEP_FIELDS = frozenset({"id", "session", "code", "name", "args", "timeout", "max_output"})
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """A job, or one step of a session when ``session`` is set.
+
+    Fields a request did not carry are None (``args`` is empty), so a profile
+    can fill them and the session manager can tell "absent" from "empty".
+    ``fields`` lists the wire names the request did carry.
+    """
+
+    id: RequestId
+    code: str | None = None
+    script: str | None = None
+    name: str | None = None
+    args: tuple[str, ...] = ()
+    allow_read: tuple[str, ...] | None = None
+    allow_write: tuple[str, ...] | None = None
+    package_dirs: tuple[str, ...] | None = None
+    env: tuple[tuple[str, str], ...] | None = None
+    allow_network: bool | None = None
+    timeout_ms: int | None = None
+    memory_bytes: int | None = None
+    max_output: int | None = None
+    max_file_size: int | None = None
+    profile: str | None = None
+    functions: tuple[str, ...] | None = None
+    session: str | None = None
+    packages: tuple[str, ...] | None = None
+    fields: frozenset[str] = frozenset()
+
+    @property
+    def setup_fields(self) -> tuple[str, ...]:
+        """Fields present that a later step of an existing session may not carry, sorted."""
+        return tuple(sorted(self.fields & SESSION_SETUP_FIELDS))
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env or ())
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest:
+    id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession:
+    id: RequestId
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyRequest:
+    """A host-function answer: ``error`` is None when the call returned ``result``.
+
+    ``result`` is any JSON value exactly as parsed (bounded by
+    :data:`MAX_REPLY_BYTES`); it goes on to the sandbox as JSON, never
+    interpreted here.
+    """
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+Request = JobRequest | StatsRequest | CloseSession | ReplyRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A line the pool will not act on. ``id`` is None when none could be recovered."""
+
+    id: RequestId | None
+    error: RequestError
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def parse_request(line: bytes | str) -> Request | Refused:
+    """Parse one line (without its newline). Never raises on any input."""
+    raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else bytes(line)
+    if len(raw) > MAX_LINE_BYTES:
+        return Refused(recover_id(raw[:ID_SCAN_BYTES]), _oversize_error(len(raw)))
+    try:
+        obj = _load(raw)
+    except _Invalid as exc:
+        return Refused(recover_id(raw[:ID_SCAN_BYTES]), RequestError(str(exc)))
+    if not isinstance(obj, dict):
+        return Refused(None, RequestError(f"a request must be a JSON object, got {json_type(obj)}"))
+    rid: RequestId | None = None
+    if "id" in obj:
+        problem = id_problem(obj["id"])
+        if problem:
+            return Refused(None, RequestError(problem, "id"))
+        rid = obj["id"]
+    try:
+        return _build(obj, rid)
+    except RequestError as exc:
+        return Refused(rid, exc)
+
+
+def parse_event(event: LineEvent) -> Request | Refused:
+    """Parse what :class:`~readie_router._lines.LineSplitter` produced."""
+    if isinstance(event, OversizeLine):
+        return refuse_oversize(event)
+    return parse_request(event.data)
+
+
+def refuse_oversize(event: OversizeLine) -> Refused:
+    return Refused(event.id, _oversize_error(event.size))
+
+
+def _oversize_error(size: int) -> RequestError:
+    return RequestError(
+        f"line of {size} bytes is longer than the {MAX_LINE_BYTES}-byte limit; discarded"
+    )
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+class _Invalid(ValueError):
+    """A value has the wrong shape; the caller adds the field name."""
+
+
+def _load(raw: bytes) -> Any:
+    try:
+        # Decode first: json.loads(bytes) would also accept UTF-16 and UTF-32.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Invalid(f"line is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except _Invalid:
+        raise
+    except RecursionError:
+        raise _Invalid("line is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and int() past CPython's digit limit
+        raise _Invalid(f"line is not valid JSON: {exc}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        # json.loads keeps the last of duplicate keys; a second "id" or
+        # "allow_write" could then hide from whatever looked at the first.
+        if key in obj:
+            raise _Invalid(f"duplicate key {shown(key)}")
+        obj[key] = value
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise _Invalid(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Invalid(f"number {text} is out of range")
+    return value
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+_STATS_FIELDS = frozenset({"id", "stats"})
+_CLOSE_FIELDS = frozenset({"id", "session", "close"})
+_REPLY_FIELDS = frozenset({"reply"})
+
+
+def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
+    if "reply" in obj:
+        _only(obj, _REPLY_FIELDS, "a reply")
+        return _reply(obj["reply"])
+    if "stats" in obj:
+        _only(obj, _STATS_FIELDS, "a stats request")
+        if obj["stats"] is not True:
+            raise RequestError("must be true", "stats")
+        return StatsRequest(_required_id(rid))
+    if "close" in obj:
+        close = _field(obj, "close", _bool)
+        if close:
+            _only(obj, _CLOSE_FIELDS, "a close request")
+            if "session" not in obj:
+                raise RequestError("close needs the session to close", "session")
+            return CloseSession(_required_id(rid), _field(obj, "session", _session))
+        # "close": false asks for nothing; the line is an ordinary job or step.
+        obj = {k: v for k, v in obj.items() if k != "close"}
+    return _job(obj, _required_id(rid))
+
+
+def _only(obj: dict[str, Any], allowed: frozenset[str], what: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            if key in _JOB_FIELDS or key in _ALL_KINDS:
+                raise RequestError(f"not allowed in {what}", key)
+            raise RequestError("unknown field", key)
+
+
+def _required_id(rid: RequestId | None) -> RequestId:
+    if rid is None:
+        raise RequestError("required", "id")
+    return rid
+
+
+def _field(obj: dict[str, Any], name: str, check: Callable[[Any], Any]) -> Any:
+    try:
+        return check(obj[name])
+    except (_Invalid, UnitError) as exc:
+        raise RequestError(str(exc), name) from None
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def _job(obj: dict[str, Any], rid: RequestId) -> JobRequest:
+    _only(obj, _JOB_KEYS, "a job")
+    values: dict[str, Any] = {}
+    for key in obj:
+        if key == "id":
+            continue
+        attr, check = _JOB_FIELDS[key]
+        values[attr] = _field(obj, key, check)
+    has_code, has_script = "code" in obj, "script" in obj
+    if has_code and has_script:
+        raise RequestError("give exactly one of code and script, not both", "script")
+    if not has_code and not has_script:
+        raise RequestError("required: give exactly one of code and script", "code")
+    if has_script and "session" in obj:
+        raise RequestError("sessions take inline code, not script", "script")
+    return JobRequest(id=rid, fields=frozenset(obj) - {"id"}, **values)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a string, got {json_type(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Invalid("contains a lone surrogate (\\ud800-\\udfff)") from None
+    return value
+
+
+def _bounded_text(limit: int, *, newlines: bool = False) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        text = _str(value)
+        if not text:
+            raise _Invalid("must not be empty")
+        if len(text) > limit:
+            raise _Invalid(f"longer than {limit} characters")
+        if "\x00" in text:
+            raise _Invalid("contains a NUL character")
+        if not newlines and any(c in text for c in "\n\r"):
+            raise _Invalid("contains a line break")
+        return text
+
+    return check
+
+
+def _code(value: Any) -> str:
+    # Empty code is a valid (if idle) program; NUL bytes are left for
+    # Python's compile() to report as the SyntaxError users know.
+    return _str(value)
+
+
+def _argv_string(value: Any) -> str:
+    text = _str(value)
+    if "\x00" in text:
+        raise _Invalid("contains a NUL character, which argv cannot carry")
+    return text
+
+
+def _list_of(check: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
+    def parse(value: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise _Invalid(f"expected an array, got {json_type(value)}")
+        items = []
+        for index, item in enumerate(value):
+            try:
+                items.append(check(item))
+            except _Invalid as exc:
+                raise _Invalid(f"item {index}: {exc}") from None
+        return tuple(items)
+
+    return parse
+
+
+def _env(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected an object of strings, got {json_type(value)}")
+    pairs = []
+    for key, item in value.items():
+        name = _str(key)
+        if not name or "=" in name or "\x00" in name:
+            raise _Invalid(f"{shown(name)} is not a variable name (empty, '=' or NUL)")
+        try:
+            text = _str(item)
+        except _Invalid as exc:
+            raise _Invalid(f"{shown(name)}: {exc}") from None
+        if "\x00" in text:
+            raise _Invalid(f"{shown(name)}: contains a NUL character")
+        pairs.append((name, text))
+    return tuple(pairs)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {json_type(value)}")
+    return value
+
+
+def _positive(parse: Callable[[Any], int]) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        result = parse(value)
+        if result == 0:
+            raise _Invalid("must be greater than zero")
+        return result
+
+    return check
+
+
+def _function_names(value: Any) -> tuple[str, ...]:
+    names = _list_of(_identifier)(value)
+    if len(names) > MAX_FUNCTIONS:
+        raise _Invalid(f"at most {MAX_FUNCTIONS} functions")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise _Invalid(f"{shown(name)} declared twice")
+        seen.add(name)
+    return names
+
+
+def _identifier(value: Any) -> str:
+    name = _str(value)
+    # ASCII only: lookalike Unicode names would let two declared functions
+    # read the same in a tool description and differ in the sandbox.
+    if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
+        raise _Invalid(f"{shown(name)} is not a Python identifier")
+    return name
+
+
+def _requirement(value: Any) -> str:
+    text = _bounded_text(MAX_REQUIREMENT_CHARS)(value)
+    # A leading dash would reach the installer as an option (--index-url=...).
+    if text.lstrip().startswith("-"):
+        raise _Invalid(f"{shown(text)} is not a requirement (starts with '-')")
+    return text
+
+
+_path = _bounded_text(MAX_PATH_CHARS)
+_session = _bounded_text(MAX_SESSION_CHARS)
+
+# wire name -> (JobRequest attribute, check)
+_JOB_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "code": ("code", _code),
+    "script": ("script", _path),
+    "name": ("name", _bounded_text(MAX_NAME_CHARS)),
+    "args": ("args", _list_of(_argv_string)),
+    "allow_read": ("allow_read", _list_of(_path)),
+    "allow_write": ("allow_write", _list_of(_path)),
+    "package_dirs": ("package_dirs", _list_of(_path)),
+    "env": ("env", _env),
+    "allow_network": ("allow_network", _bool),
+    "timeout": ("timeout_ms", _positive(parse_duration_ms)),
+    "memory": ("memory_bytes", _positive(parse_size)),
+    "max_output": ("max_output", parse_size),
+    "max_file_size": ("max_file_size", parse_size),
+    "profile": ("profile", _bounded_text(MAX_SESSION_CHARS)),
+    "functions": ("functions", _function_names),
+    "session": ("session", _session),
+    "packages": ("packages", _list_of(_requirement)),
+}
+
+_JOB_KEYS = frozenset(_JOB_FIELDS) | {"id"}
+
+# Keys that select another kind of request; named as "not allowed" rather than "unknown".
+_ALL_KINDS = frozenset({"id", "stats", "close", "reply"})
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def _reply(value: Any) -> ReplyRequest:
+    if not isinstance(value, dict):
+        raise RequestError(f"expected an object, got {json_type(value)}", "reply")
+    for key in value:
+        if key not in ("call_id", "result", "error"):
+            raise RequestError("unknown field", f"reply.{key}")
+    if "call_id" not in value:
+        raise RequestError("required", "reply.call_id")
+    call_id = value["call_id"]
+    if isinstance(call_id, bool) or not isinstance(call_id, int) or not 0 <= call_id <= MAX_VALUE:
+        raise RequestError(
+            f"expected an integer from 0 to {MAX_VALUE}, got {json_type(call_id)}",
+            "reply.call_id",
+        )
+    has_result, has_error = "result" in value, "error" in value
+    if has_result == has_error:
+        raise RequestError("give exactly one of result and error", "reply")
+    if has_error:
+        try:
+            error = _str(value["error"])
+        except _Invalid as exc:
+            raise RequestError(str(exc), "reply.error") from None
+        _check_reply_size(error, "reply.error")
+        return ReplyRequest(call_id=call_id, error=error)
+    _check_reply_size(value["result"], "reply.result")
+    return ReplyRequest(call_id=call_id, result=value["result"])
+
+
+def _check_reply_size(value: Any, field: str) -> None:
+    # Measured as compact JSON, the form it takes on its way into the sandbox.
+    encoded = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    size = len(encoded.encode("utf-8", "surrogatepass"))
+    if size > MAX_REPLY_BYTES:
+        raise RequestError(f"{size} bytes of JSON; the limit is {MAX_REPLY_BYTES}", field)

@@ -1,0 +1,200 @@
+"""Every per-job policy item, enforced inside real gVisor sandboxes, with the pool spec's error types."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from readie_worker.core import Worker, WorkerConfig
+from readie_worker.errors import RequestError
+from readie_worker.jobs import CodeJob
+
+pytestmark = pytest.mark.runsc
+
+from conftest import CHECKPOINTS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worker():
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 1}, slots=2)
+    worker = Worker(config).start()
+    yield worker
+    worker.close()
+    assert worker.runsc.list_ids() == []
+
+
+def job(code: str, **fields) -> CodeJob:
+    return CodeJob(checkpoint=fields.pop("checkpoint", "base"), code=code, name=fields.pop("name", "step.py"), **fields)
+
+
+def test_print_runs_in_a_restored_sandbox(worker):
+    outcome = worker.run_job(job("print('hello from gvisor')"))
+    assert (outcome.exit, outcome.stdout, outcome.error) == (0, "hello from gvisor\n", None)
+    assert outcome.backend == "gvisor:runsc-restore"
+    assert outcome.python.startswith("3.11")
+
+
+def test_an_exception_points_at_the_named_file_and_line(worker):
+    outcome = worker.run_job(job("x = 1\n\nraise ValueError('bad value')\n", name="step.py"))
+    assert outcome.exit == 1
+    assert (outcome.error.type, outcome.error.message) == ("ValueError", "bad value")
+    assert (outcome.error.file, outcome.error.line) == ("step.py", 3)
+
+
+def test_timeout_kills_the_sandbox_and_the_worker_keeps_serving(worker):
+    started = time.monotonic()
+    outcome = worker.run_job(job("while True:\n    pass\n", timeout_ms=1500))
+    assert outcome.error.type == "TimeoutError" and outcome.exit is None
+    assert time.monotonic() - started < 10
+    assert outcome.sandbox_id not in worker.runsc.list_ids()
+    assert worker.run_job(job("print('next')")).stdout == "next\n"
+
+
+def test_memory_over_the_limit_is_a_memory_error_with_a_hint(worker):
+    outcome = worker.run_job(job("block = bytearray(400 * 1024 * 1024)\nprint(len(block))", memory_bytes=128 * 1024 * 1024))
+    assert outcome.error.type == "MemoryError", outcome
+    assert outcome.error.hint and "memory" in outcome.error.hint.lower()
+    within = worker.run_job(job("block = bytearray(32 * 1024 * 1024)\nprint(len(block))", memory_bytes=128 * 1024 * 1024))
+    assert (within.exit, within.stdout) == (0, f"{32 * 1024 * 1024}\n")
+
+
+@pytest.fixture
+def grants(tmp_path):
+    data = tmp_path / "data"
+    out = tmp_path / "out"
+    secret = tmp_path / "secret"
+    for directory in (data, out, secret):
+        directory.mkdir()
+    (data / "orders.csv").write_text("product,amount\ntea,3\ncake,5\ntea,4\n")
+    (secret / "key.txt").write_text("do not read")
+    return data, out, secret
+
+
+def test_read_and_write_grants_are_enforced_by_the_sandbox(worker, grants):
+    data, out, secret = grants
+    code = f"""
+import os
+print(open({str(data / 'orders.csv')!r}).read().count('tea'))
+with open({str(out / 'result.txt')!r}, 'w') as f:
+    f.write('written in gvisor')
+print(os.path.exists({str(secret / 'key.txt')!r}))
+"""
+    outcome = worker.run_job(job(code, allow_read=(str(data),), allow_write=(str(out),)))
+    assert (outcome.exit, outcome.stdout, outcome.error) == (0, "2\nFalse\n", None), outcome
+    assert (out / "result.txt").read_text() == "written in gvisor"
+
+
+def test_writing_to_a_read_grant_is_a_permission_error_with_a_hint(worker, grants):
+    data, out, _ = grants
+    outcome = worker.run_job(job(f"open({str(data / 'new.txt')!r}, 'w').write('x')", allow_read=(str(data),), allow_write=(str(out),)))
+    assert outcome.error.type == "PermissionError", outcome
+    assert str(out) in outcome.error.hint
+    assert not (data / "new.txt").exists()
+
+
+def test_writing_anywhere_else_is_a_permission_error(worker):
+    outcome = worker.run_job(job("open('/etc/readie-was-here', 'w').write('x')"))
+    assert outcome.error.type == "PermissionError", outcome
+
+
+def test_more_grants_than_planned_slots_is_a_request_error_naming_the_limit(worker, tmp_path):
+    many = tuple(str(tmp_path) for _ in range(worker.checkpoints.manifest.mount_plan.read_slots + 1))
+    with pytest.raises(RequestError, match="slots") as refused:
+        worker.run_job(job("pass", allow_read=many))
+    assert refused.value.field == "allow_read"
+
+
+def test_max_file_size_makes_a_larger_write_fail(worker, grants):
+    _, out, _ = grants
+    code = f"with open({str(out / 'big.bin')!r}, 'wb') as f:\n    f.write(b'x' * 200_000)\n"
+    outcome = worker.run_job(job(code, allow_write=(str(out),), max_file_size=100_000))
+    assert outcome.error.type == "OSError", outcome
+    assert "27" in outcome.error.message or "too large" in outcome.error.message.lower()
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import subprocess\nsubprocess.run(['true'])",
+        "import os\nos.fork()",
+        "import os\nos.system('true')",
+    ],
+    ids=["subprocess.run", "os.fork", "os.system"],
+)
+def test_subprocesses_are_denied(worker, code):
+    outcome = worker.run_job(job(code))
+    assert outcome.error.type == "PermissionError", outcome
+
+
+def test_the_job_sees_only_the_environment_it_was_given(worker, monkeypatch):
+    monkeypatch.setenv("READIE_WORKER_SECRET", "leak")
+    outcome = worker.run_job(job("import os, json\nprint(json.dumps(dict(os.environ)))", env={"KEY": "value"}))
+    import json
+
+    environ = json.loads(outcome.stdout)
+    assert environ["KEY"] == "value"
+    assert "READIE_WORKER_SECRET" not in environ
+    assert not any(key.startswith("EXECUTOR_") for key in environ)
+
+
+def test_output_beyond_max_output_is_truncated(worker):
+    outcome = worker.run_job(job("import sys\nsys.stdout.write('x' * (100 * 1024 * 1024))", max_output=65536, timeout_ms=60_000))
+    assert outcome.exit == 0, outcome
+    assert outcome.stdout_truncated and len(outcome.stdout) <= 65536
+
+
+def test_a_sandbox_killed_mid_job_is_a_pool_worker_error(worker):
+    results = {}
+
+    def run():
+        results["outcome"] = worker.run_job(job("import time\ntime.sleep(30)", timeout_ms=60_000))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    victim = None
+    deadline = time.monotonic() + 20
+    while victim is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        victim = _busy_sandbox_pid(worker)
+    assert victim, "no busy sandbox found"
+    os.kill(victim, 9)
+    thread.join(30)
+    assert results["outcome"].error.type == "PoolWorkerError", results["outcome"]
+    assert worker.run_job(job("print(1)")).stdout == "1\n"
+
+
+def test_garbage_on_the_executor_socket_is_a_pool_worker_error(worker):
+    code = """
+import os, socket
+for fd in os.listdir('/proc/self/fd'):
+    try:
+        target = os.readlink(f'/proc/self/fd/{fd}')
+    except OSError:
+        continue
+    if target.startswith('socket:'):
+        try:
+            os.write(int(fd), b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x10garbage')
+        except OSError:
+            pass
+os._exit(0)
+"""
+    outcome = worker.run_job(job(code))
+    assert outcome.error.type == "PoolWorkerError", outcome
+    assert "truncated" in outcome.error.message or "no response" in outcome.error.message
+    assert worker.run_job(job("print(2)")).stdout == "2\n"
+
+
+def _busy_sandbox_pid(worker: Worker) -> int | None:
+    """The host pid of a running sandbox that is not waiting in the warm pool."""
+    warm = {entry.sandbox.id for pool in worker.pools.values() for entry in list(pool._ready)}
+    for container_id in worker.runsc.list_ids():
+        if container_id in warm:
+            continue
+        state = worker.runsc.state(container_id)
+        if state.get("status") == "running" and state.get("pid"):
+            return int(state["pid"])
+    return None
