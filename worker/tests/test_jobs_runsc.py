@@ -147,19 +147,30 @@ def test_output_beyond_max_output_is_truncated(worker):
     assert outcome.stdout_truncated and len(outcome.stdout) <= 65536
 
 
-def test_a_sandbox_killed_mid_job_is_a_pool_worker_error(worker):
+@pytest.fixture
+def cold_worker():
+    """No warm pool: the only running sandbox is the job's own."""
+    worker = Worker(WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={})).start()
+    yield worker
+    worker.close()
+    assert worker.runsc.list_ids() == []
+
+
+def test_a_sandbox_killed_mid_job_is_a_pool_worker_error(cold_worker, tmp_path):
+    worker = cold_worker
+    started = tmp_path / "started"
+    code = f"import time\nopen({str(started)!r}, 'w').close()\ntime.sleep(30)"
     results = {}
 
     def run():
-        results["outcome"] = worker.run_job(job("import time\ntime.sleep(30)", timeout_ms=60_000))
+        results["outcome"] = worker.run_job(job(code, allow_write=(str(tmp_path),), timeout_ms=60_000))
 
     thread = threading.Thread(target=run)
     thread.start()
-    victim = None
     deadline = time.monotonic() + 20
-    while victim is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        victim = _busy_sandbox_pid(worker)
+    while not started.exists() and time.monotonic() < deadline:  # the job itself is running
+        time.sleep(0.02)
+    victim = _busy_sandbox_pid(worker)
     assert victim, "no busy sandbox found"
     os.kill(victim, 9)
     thread.join(30)
@@ -189,12 +200,23 @@ os._exit(0)
 
 
 def _busy_sandbox_pid(worker: Worker) -> int | None:
-    """The host pid of a running sandbox that is not waiting in the warm pool."""
-    warm = {entry.sandbox.id for pool in worker.pools.values() for entry in list(pool._ready)}
+    """The host pid of the one running sandbox of a worker without warm pools."""
     for container_id in worker.runsc.list_ids():
-        if container_id in warm:
-            continue
         state = worker.runsc.state(container_id)
         if state.get("status") == "running" and state.get("pid"):
             return int(state["pid"])
     return None
+
+
+def test_a_sandbox_killed_by_the_memory_backstop_reports_memory_error(short_tmp):
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={}, sandbox_memory_bytes=400 * 1024 * 1024)
+    small = Worker(config).start()
+    try:
+        # No per-job limit: only the cgroup stands between this and the host.
+        outcome = small.run_job(job("block = bytearray(700 * 1024 * 1024)\nprint(len(block))"))
+        assert outcome.error.type == "MemoryError", outcome
+        assert "backstop" in outcome.error.hint
+        assert small.run_job(job("print('alive')")).stdout == "alive\n"
+    finally:
+        small.close()
+    assert small.runsc.list_ids() == []

@@ -10,6 +10,9 @@ single mapping next to its servicer.
 
 from __future__ import annotations
 
+# The families are the worker's: one hierarchy for all of readie.
+from readie_worker.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+
 __all__ = [
     "POOL_WORKER_ERROR",
     "REQUEST_ERROR",
@@ -33,24 +36,6 @@ SANDBOX_SETUP_ERROR = "SandboxSetupError"
 POOL_WORKER_ERROR = "PoolWorkerError"
 
 
-class ReadieError(Exception):
-    """Base of every error readie raises on purpose."""
-
-
-class RequestError(ReadieError):
-    """A request was refused before anything ran.
-
-    ``field`` names the request field at fault when there is one (dotted for
-    nested values, e.g. ``reply.call_id``); the message always starts with it
-    so a client that only shows the message still learns which field.
-    """
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.reason = message
-
-
 class UnitError(ReadieError, ValueError):
     """A size or duration could not be parsed; callers re-raise it naming the field or key."""
 
@@ -64,14 +49,6 @@ class ConfigError(ReadieError):
         self.path = path
         self.key = key
         self.reason = reason
-
-
-class SandboxSetupError(ReadieError):
-    """A sandbox for the job could not be prepared (restore, mounts, limits)."""
-
-
-class PoolWorkerError(ReadieError):
-    """A worker failed while it held a job, for reasons not caused by the job's code."""
 
 
 # Most specific first; the first isinstance match wins.

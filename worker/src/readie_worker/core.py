@@ -31,6 +31,9 @@ log = structlog.get_logger("readie.worker")
 DEFAULT_SLOTS = 2
 # Without mounts there are no slots to fill, but the same request limits apply.
 UNISOLATED_PLAN = MountPlan()
+DEFAULT_SANDBOX_MEMORY = 4 * 1024**3
+# What gVisor's sentry and gofer take besides the job (~70-140 MB measured).
+SANDBOX_OVERHEAD = 256 * 1024**2
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
 
@@ -46,6 +49,9 @@ class WorkerConfig:
     strict_manifest: bool = False
     # Development without gVisor: jobs run as plain host processes. Never a default.
     allow_unisolated: bool = False
+    # The cgroup backstop of every sandbox (sentry and gofer included). A job's
+    # own 'memory' limit (RLIMIT_AS inside) must leave SANDBOX_OVERHEAD below it.
+    sandbox_memory_bytes: int = DEFAULT_SANDBOX_MEMORY
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
@@ -90,7 +96,13 @@ class Worker:
             log.warning("checkpoint unusable", problem=problem)
         budget = RefillBudget(self.config.refill_concurrency)
         for name, checkpoint in self.checkpoints.usable.items():
-            factory = checkpoint_factory(self.runsc, self.checkpoints.manifest, checkpoint, self.config.run_dir)
+            factory = checkpoint_factory(
+                self.runsc,
+                self.checkpoints.manifest,
+                checkpoint,
+                self.config.run_dir,
+                memory_limit_bytes=self.config.sandbox_memory_bytes,
+            )
             self.factories[name] = factory
             self.pools[name] = WarmPool(name, factory, self.config.warm.get(name, 0), budget).start()
         log.info("worker started", checkpoints=sorted(self.factories), warm=dict(self.config.warm))
@@ -128,6 +140,9 @@ class Worker:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
         if job.network:
             raise RequestError("this worker has no network backend configured", field="allow_network")
+        ceiling = self.config.sandbox_memory_bytes - SANDBOX_OVERHEAD
+        if job.memory_bytes is not None and job.memory_bytes > ceiling:
+            raise RequestError(f"{job.memory_bytes} bytes is above this worker's ceiling of {ceiling}", field="memory")
         started = time.monotonic()
         sandbox: Sandbox | None = None
         try:

@@ -12,11 +12,17 @@ class ReadieError(Exception):
 
 
 class RequestError(ReadieError):
-    """A request was refused before anything ran. ``field`` names the culprit when there is one."""
+    """A request was refused before anything ran.
+
+    ``field`` names the request field at fault when there is one (dotted for
+    nested values, e.g. ``reply.call_id``); the message then starts with it,
+    so a client that only shows the message still learns which field.
+    """
 
     def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(f"{field}: {message}" if field else message)
         self.field = field
+        self.reason = message
 
 
 class SandboxSetupError(ReadieError):

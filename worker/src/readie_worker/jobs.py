@@ -28,6 +28,10 @@ BASE_JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": 
 # The pool spec's default cap on captured stdout and stderr, each.
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_TIMEOUT_MS = 30_000
+MEMORY_BACKSTOP_HINT = (
+    "the whole sandbox exceeded the worker's memory backstop (cgroup); "
+    "set a lower 'memory' limit so the job gets a MemoryError instead"
+)
 
 
 @dataclass(frozen=True)
@@ -95,16 +99,16 @@ def mount_grants(job: CodeJob, plan: MountPlan) -> MountedGrants:
     ):
         if len(paths) > slots:
             raise RequestError(
-                f"{field_name} lists {len(paths)} paths, but sandboxes have {slots} such slots "
+                f"{len(paths)} paths asked for, but sandboxes have {slots} such slots "
                 f"(planned at capture: [mounts] in checkpoints.toml)",
                 field=field_name,
             )
         for index, raw in enumerate(paths):
             host = Path(raw)
             if not host.is_absolute():
-                raise RequestError(f"{field_name}: {raw!r} is not an absolute path", field=field_name)
+                raise RequestError(f"{raw!r} is not an absolute path", field=field_name)
             if not host.is_dir():
-                raise RequestError(f"{field_name}: {raw!r} is not an existing directory", field=field_name)
+                raise RequestError(f"{raw!r} is not an existing directory", field=field_name)
             slot = slot_of(index)
             sources[slot] = host
             if field_name != "package_dirs":  # packages are on sys.path already; grants appear at their host path
@@ -149,6 +153,15 @@ def run_in_sandbox(sandbox: Sandbox, job: CodeJob, links: tuple[Mapping[str, obj
             "TimeoutError", f"job exceeded its timeout of {job.timeout_ms} ms", _since(started), backend, sandbox.id
         )
     except PoolWorkerError as exc:
+        if sandbox.oom_killed():
+            return JobOutcome.failure(
+                "MemoryError",
+                "the sandbox ran out of memory and was killed",
+                _since(started),
+                backend,
+                sandbox.id,
+                hint=MEMORY_BACKSTOP_HINT,
+            )
         return JobOutcome.failure("PoolWorkerError", f"the sandbox failed under the job: {exc}", _since(started), backend, sandbox.id)
     elapsed = _since(started)
     try:

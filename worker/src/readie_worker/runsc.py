@@ -29,6 +29,8 @@ DEFAULT_FLAGS = (
 # Short commands (kill, delete, state, checkpoint) finish in well under a
 # second here; the margin covers a loaded two-core machine.
 COMMAND_TIMEOUT_S = 30.0
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+CGROUP_V2 = Path("/sys/fs/cgroup")
 # runsc keeps this much of its stderr in an error message.
 STDERR_TAIL = 2000
 
@@ -111,6 +113,24 @@ class Runsc:
         except RunscError:
             if container_id in self.list_ids():
                 raise
+
+    def oom_killed(self, container_id: str) -> bool:
+        """Whether the kernel's OOM killer struck the container's memory cgroup (the backstop).
+
+        runsc names the cgroup after the container; read it before ``delete`` removes it.
+        """
+        for path, marker in (
+            (CGROUP_V1_MEMORY / container_id / "memory.oom_control", "oom_kill "),
+            (CGROUP_V2 / container_id / "memory.events", "oom_kill "),
+        ):
+            try:
+                lines = path.read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                if line.startswith(marker):
+                    return int(line.split()[1]) > 0
+        return False
 
     def sweep(self) -> list[str]:
         """Destroy every container in this state dir and remove what runsc left behind.

@@ -75,6 +75,9 @@ class Launcher(Protocol):
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None: ...
 
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        """Whether the memory backstop killed the sandbox (asked before destroy)."""
+
 
 @dataclass(frozen=True)
 class SandboxDir:
@@ -159,6 +162,9 @@ class Sandbox:
             self._drop_connection()
             raise PoolWorkerError(f"sandbox {self.id}: no response: the executor closed the connection")
         return response
+
+    def oom_killed(self) -> bool:
+        return self.launcher.oom_killed(self.dir)
 
     def alive(self) -> bool:
         """The liveness probe: run before a sandbox that waited in a pool is trusted with a job."""
@@ -282,10 +288,15 @@ class _RunscLauncher:
     plan: MountPlan
     base_env: Mapping[str, str]
     sources: Mapping[PurePosixPath, Path] = field(default_factory=dict)
+    # The cgroup backstop under the per-job RLIMIT_AS: it kills the whole sandbox.
+    memory_limit_bytes: int | None = None
     isolated: bool = True
 
     def executor_dir(self, sandbox: SandboxDir) -> str:
         return str(EXECUTOR_DIR)
+
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        return self.runsc.oom_killed(sandbox.id)
 
     def spec(self, sandbox: SandboxDir) -> SandboxSpec:
         return SandboxSpec(
@@ -295,6 +306,7 @@ class _RunscLauncher:
             plan=self.plan,
             sources=self.sources,
             unused_slot_source=sandbox.unused_slots,
+            memory_limit_bytes=self.memory_limit_bytes,
         )
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None:
@@ -396,6 +408,9 @@ class LocalProcess:
         process.kill()
         process.wait()
 
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        return False
+
 
 def _with_sources(launcher: Launcher, sources: Mapping[PurePosixPath, Path]) -> Launcher:
     if isinstance(launcher, _RunscLauncher):
@@ -409,6 +424,7 @@ def checkpoint_factory(
     checkpoint: Checkpoint,
     run_dir: Path,
     env: Mapping[str, str] | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> SandboxFactory:
     """Sandboxes restored from ``checkpoint``, cold-started from the same rootfs if a restore fails."""
     common = dict(
@@ -416,6 +432,7 @@ def checkpoint_factory(
         rootfs=manifest.rootfs,
         plan=manifest.mount_plan,
         base_env=capture_env(manifest.mount_plan, checkpoint.preimport),
+        memory_limit_bytes=memory_limit_bytes,
     )
     return SandboxFactory(
         primary=RunscRestore(checkpoint=checkpoint, **common),  # type: ignore[arg-type]

@@ -1,0 +1,201 @@
+"""Proto messages to readie values and back: validation without I/O.
+
+A request from the wire becomes a :class:`~readie_worker.jobs.CodeJob` only
+through :func:`code_job`, which refuses what no job needs with a
+:class:`~readie_worker.errors.RequestError` naming the field: negative or
+absurd numbers, NUL characters (no path, argument or variable can hold one,
+and ``compile`` refuses them in source), oversized strings and lists. Checks
+that need the worker's state (the checkpoint exists, a grant fits a mount slot,
+a path is an existing directory) stay with the worker.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable, Mapping
+
+from google.protobuf.message import Message
+
+from readie_executor.jobs.bounds import MAX_FILE_NAME, MAX_OUTPUT_LIMIT
+
+from ._proto.readie.v1 import worker_pb2 as pb
+from ._status import DeadlineExpired
+from .core import Capacity
+from .errors import RequestError
+from .jobs import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
+
+# Checkpoint names are short identifiers from checkpoints.toml; the bound keeps
+# the worker's "no checkpoint named ..." message short.
+MAX_CHECKPOINT_NAME = 128
+# Source text of one job. The executor compiles it inside the sandbox; a
+# larger "script" is data, which belongs in a read grant, not in the request.
+MAX_CODE_CHARS = 4 * 1024 * 1024
+# Linux's default ARG_MAX budget for argv and the environment together, and its
+# MAX_ARG_STRLEN for one string: what a script started from a shell could get.
+MAX_ARGV_ENV_CHARS = 2 * 1024 * 1024
+MAX_ARG_CHARS = 128 * 1024
+MAX_ARGS = 4096
+MAX_ENV_VARS = 1024
+# PATH_MAX: no longer path can be opened anyway.
+MAX_PATH_CHARS = 4096
+# Far above any mount plan (a few slots each); past it the request is garbage,
+# below it the worker refuses with the real slot count.
+MAX_GRANTS = 64
+# An hour: a slot held longer starves the worker's other callers.
+MAX_TIMEOUT_MS = 3600 * 1000
+# More memory or file size than any worker has is a mistake, not a limit, and
+# the executor adds its own baseline to memory_bytes, which must stay in rlim_t.
+MAX_LIMIT_BYTES = 1 << 40
+# A pickled call carries the function (by value, for code the sandbox lacks)
+# and its arguments, data frames included; 64 MiB is generous for that and
+# small enough to hold a few in memory at once on these 24 GiB machines.
+MAX_CALL_PAYLOAD_BYTES = 64 * 1024 * 1024
+DEFAULT_JOB_NAME = "<string>"
+DEFAULT_CWD = "/tmp"
+
+
+def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJob:
+    """The job ``request`` asks for, or a RequestError naming the first bad field.
+
+    ``time_remaining_s`` is what is left of the caller's gRPC deadline (None
+    without one): the job's timeout is never longer.
+    """
+    args = tuple(request.args)
+    env = dict(request.env)
+    return CodeJob(
+        checkpoint=checkpoint_name(request.checkpoint),
+        code=_text("code", request.code, MAX_CODE_CHARS),
+        name=_text("name", request.name, MAX_FILE_NAME) or DEFAULT_JOB_NAME,
+        args=_args(args),
+        env=_env(env, budget=MAX_ARGV_ENV_CHARS - sum(len(arg) + 1 for arg in args)),
+        cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
+        allow_read=_paths("allow_read", request.allow_read),
+        allow_write=_paths("allow_write", request.allow_write),
+        package_dirs=_paths("package_dirs", request.package_dirs),
+        network=request.network,
+        timeout_ms=timeout_ms(request, time_remaining_s),
+        memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
+        max_output=_optional_int(request, "max_output", 0, MAX_OUTPUT_LIMIT, DEFAULT_MAX_OUTPUT),
+        max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
+    )
+
+
+def call_payload(request: pb.ExecuteRequest) -> bytes:
+    if not request.payload:
+        raise RequestError("payload is empty; it must be a pickled call", field="payload")
+    if len(request.payload) > MAX_CALL_PAYLOAD_BYTES:
+        raise RequestError(f"payload is {len(request.payload)} bytes; at most {MAX_CALL_PAYLOAD_BYTES} are allowed", field="payload")
+    return request.payload
+
+
+def checkpoint_name(name: str) -> str:
+    if not name:
+        raise RequestError("checkpoint is required", field="checkpoint")
+    return _text("checkpoint", name, MAX_CHECKPOINT_NAME)
+
+
+def timeout_ms(request: pb.RunJobRequest | pb.ExecuteRequest, time_remaining_s: float | None) -> int:
+    """The requested timeout (or the default), cut to what the caller's deadline leaves."""
+    timeout = _optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
+    assert timeout is not None
+    if time_remaining_s is None:
+        return timeout
+    remaining_ms = int(time_remaining_s * 1000)
+    if remaining_ms < 1:
+        raise DeadlineExpired("the call's deadline passed before the job could start")
+    return min(timeout, remaining_ms)
+
+
+def run_job_response(outcome: JobOutcome) -> pb.RunJobResponse:
+    response = pb.RunJobResponse(
+        stdout=outcome.stdout,
+        stderr=outcome.stderr,
+        stdout_truncated=outcome.stdout_truncated,
+        stderr_truncated=outcome.stderr_truncated,
+        duration_us=outcome.duration_us,
+        python=outcome.python,
+        preloaded_modules=outcome.preloaded_modules,
+        backend=outcome.backend,
+    )
+    if outcome.exit is not None:
+        response.exit = outcome.exit
+    if outcome.sandbox_id is not None:
+        response.sandbox_id = outcome.sandbox_id
+    if outcome.error is not None:
+        error = outcome.error
+        response.error.type = error.type
+        response.error.message = error.message
+        if error.file is not None:
+            response.error.file = error.file
+        if error.line is not None:
+            response.error.line = error.line
+        if error.hint is not None:
+            response.error.hint = error.hint
+    return response
+
+
+def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb.CapacityResponse:
+    return pb.CapacityResponse(
+        slots=capacity.slots,
+        busy=capacity.busy,
+        draining=capacity.draining,
+        isolated=capacity.isolated,
+        pools={name: pb.PoolState(ready=pool["ready"], target=pool["target"]) for name, pool in capacity.pools.items()},
+        worker_name=worker_name,
+        protocol=protocol,
+    )
+
+
+def _text(field: str, value: str, limit: int) -> str:
+    if len(value) > limit:
+        raise RequestError(f"{field} is {len(value)} characters long; at most {limit} are allowed", field=field)
+    if "\0" in value:
+        raise RequestError(f"{field} contains a NUL character", field=field)
+    return value
+
+
+def _args(args: tuple[str, ...]) -> tuple[str, ...]:
+    if len(args) > MAX_ARGS:
+        raise RequestError(f"args has {len(args)} entries; at most {MAX_ARGS} are allowed", field="args")
+    for index, arg in enumerate(args):
+        _text(f"args[{index}]", arg, MAX_ARG_CHARS)
+    if sum(len(arg) + 1 for arg in args) > MAX_ARGV_ENV_CHARS:
+        raise RequestError(f"args add up to more than {MAX_ARGV_ENV_CHARS} characters", field="args")
+    return args
+
+
+def _env(env: Mapping[str, str], budget: int) -> dict[str, str]:
+    if len(env) > MAX_ENV_VARS:
+        raise RequestError(f"env has {len(env)} variables; at most {MAX_ENV_VARS} are allowed", field="env")
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key:
+            raise RequestError(f"env has an invalid variable name: {key[:100]!r}", field="env")
+        _text(f"env[{key[:100]!r}]", value, MAX_ARG_CHARS)
+    if sum(len(key) + len(value) + 2 for key, value in env.items()) > budget:
+        raise RequestError(f"args and env add up to more than {MAX_ARGV_ENV_CHARS} characters", field="env")
+    return env
+
+
+def _absolute(field: str, path: str) -> str:
+    _text(field, path, MAX_PATH_CHARS)
+    if not posixpath.isabs(path):
+        raise RequestError(f"{field}: {path[:200]!r} is not an absolute path", field=field)
+    return path
+
+
+def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...]:
+    paths = tuple(paths)
+    if len(paths) > MAX_GRANTS:
+        raise RequestError(f"{field} lists {len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
+    for path in paths:
+        _text(field, path, MAX_PATH_CHARS)
+    return paths  # absolute and existing: mount_grants checks, naming the same field
+
+
+def _optional_int(message: Message, field: str, low: int, high: int, default: int | None = None) -> int | None:
+    if not message.HasField(field):
+        return default
+    value: int = getattr(message, field)
+    if not low <= value <= high:
+        raise RequestError(f"{field} must be between {low} and {high}, got {value}", field=field)
+    return value

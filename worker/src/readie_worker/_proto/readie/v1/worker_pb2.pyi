@@ -1,0 +1,141 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunJobRequest(_message.Message):
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_READ_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_WRITE_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_DIRS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    code: str
+    name: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    cwd: str
+    allow_read: _containers.RepeatedScalarFieldContainer[str]
+    allow_write: _containers.RepeatedScalarFieldContainer[str]
+    package_dirs: _containers.RepeatedScalarFieldContainer[str]
+    network: bool
+    timeout_ms: int
+    memory_bytes: int
+    max_output: int
+    max_file_size: int
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ...) -> None: ...
+
+class JobError(_message.Message):
+    __slots__ = ("type", "message", "file", "line", "hint")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    file: str
+    line: int
+    hint: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
+
+class RunJobResponse(_message.Message):
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend")
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    PRELOADED_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    exit: int
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    error: JobError
+    duration_us: int
+    python: str
+    preloaded_modules: _containers.RepeatedScalarFieldContainer[str]
+    sandbox_id: str
+    backend: str
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("checkpoint", "payload", "timeout_ms")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    payload: bytes
+    timeout_ms: int
+    def __init__(self, checkpoint: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("envelope", "duration_us")
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    envelope: bytes
+    duration_us: int
+    def __init__(self, envelope: _Optional[bytes] = ..., duration_us: _Optional[int] = ...) -> None: ...
+
+class CapacityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("ready", "target")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ready: int
+    target: int
+    def __init__(self, ready: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
+
+class CapacityResponse(_message.Message):
+    __slots__ = ("slots", "busy", "draining", "isolated", "pools", "worker_name", "protocol")
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PoolState
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolState, _Mapping]] = ...) -> None: ...
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    busy: int
+    draining: bool
+    isolated: bool
+    pools: _containers.MessageMap[str, PoolState]
+    worker_name: str
+    protocol: int
+    def __init__(self, slots: _Optional[int] = ..., busy: _Optional[int] = ..., draining: _Optional[bool] = ..., isolated: _Optional[bool] = ..., pools: _Optional[_Mapping[str, PoolState]] = ..., worker_name: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,109 @@
+"""readie's errors as gRPC status codes: the one place they are mapped.
+
+Every RPC of the worker service runs inside :func:`grpc_errors`, which turns
+whatever the call raised into a status through :func:`status_for`. Nothing
+else in the service picks a status code.
+
+The mapping, and why:
+
+==========================  ===================  =======================================
+error                       status               why
+==========================  ===================  =======================================
+RequestError                INVALID_ARGUMENT     the request is wrong; retrying it as is
+                                                 fails again. The field goes in the
+                                                 details and in ``readie-field``.
+DeadlineExpired,            DEADLINE_EXCEEDED    the caller's time ran out.
+ExecutorTimeout
+SandboxSetupError           UNAVAILABLE          no sandbox to be had here (draining,
+(draining, restore failed,                       restore failed): the same request may
+manifest, checkpoint)                            well succeed on another worker or later,
+                                                 and UNAVAILABLE is what clients retry.
+ResponseTooLarge            RESOURCE_EXHAUSTED   what gRPC itself says of an oversized
+                                                 message.
+PoolWorkerError, any other  INTERNAL             the worker or the sandbox failed under
+ReadieError                                      the call. Not UNAVAILABLE: a call that
+                                                 crashes its sandbox would crash the next
+                                                 one too, and clients must not retry it
+                                                 blindly.
+anything else               INTERNAL             a bug; the details name only its type,
+                                                 the traceback goes to the log.
+==========================  ===================  =======================================
+
+A code job that fails (exception, timeout, crash under the job) is not an RPC
+failure: the worker reports it in the response's ``error``, status OK.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from .errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from .sandbox import ExecutorTimeout
+
+log = structlog.get_logger("readie.grpc")
+
+# Trailing metadata on every failed call, so clients branch on a name, not on prose.
+ERROR_METADATA_KEY = "readie-error"
+FIELD_METADATA_KEY = "readie-field"
+
+
+class DeadlineExpired(ReadieError):
+    """The caller's gRPC deadline left no time to run anything."""
+
+
+class ResponseTooLarge(ReadieError):
+    """An answer is larger than the service may send."""
+
+
+@dataclass(frozen=True)
+class Status:
+    code: grpc.StatusCode
+    details: str
+    metadata: tuple[tuple[str, str], ...]
+
+
+def status_for(error: BaseException) -> Status:
+    """The status (code, details, trailing metadata) a failed call ends with."""
+    if not isinstance(error, ReadieError):
+        return Status(grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})", ((ERROR_METADATA_KEY, "InternalError"),))
+    metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
+    details = str(error)
+    if isinstance(error, RequestError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        if error.field:
+            metadata += ((FIELD_METADATA_KEY, error.field),)
+            if not details.startswith(error.field):
+                details = f"{error.field}: {details}"
+    elif isinstance(error, (DeadlineExpired, ExecutorTimeout)):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+    elif isinstance(error, SandboxSetupError):
+        code = grpc.StatusCode.UNAVAILABLE
+    elif isinstance(error, ResponseTooLarge):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(error, PoolWorkerError):
+        code = grpc.StatusCode.INTERNAL
+    else:
+        code = grpc.StatusCode.INTERNAL
+    return Status(code, details, metadata)
+
+
+@contextmanager
+def grpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
+    """Run an RPC's body; end the call with :func:`status_for` of anything it raises.
+
+    The body must not call ``context.abort`` itself: abort works by raising,
+    and that exception would be mapped to INTERNAL here.
+    """
+    try:
+        yield
+    except Exception as error:
+        status = status_for(error)
+        if not isinstance(error, ReadieError):
+            log.error("rpc failed with an unexpected error", exc_info=True)
+        context.set_trailing_metadata(status.metadata)
+        context.abort(status.code, status.details)
