@@ -220,3 +220,46 @@ def test_a_sandbox_killed_by_the_memory_backstop_reports_memory_error(short_tmp)
     finally:
         small.close()
     assert small.runsc.list_ids() == []
+
+
+def test_package_dirs_are_importable_and_read_only(worker, tmp_path):
+    packages = tmp_path / "site"
+    packages.mkdir()
+    (packages / "readie_demo_mod.py").write_text("ANSWER = 42\n")
+    code = f"""
+import readie_demo_mod
+print(readie_demo_mod.ANSWER)
+open({str(packages / 'x.py')!r}, 'w')
+"""
+    outcome = worker.run_job(job(code, package_dirs=(str(packages),)))
+    assert outcome.stdout == "42\n", outcome
+    assert outcome.error.type == "PermissionError"
+    assert not (packages / "x.py").exists()
+
+
+def test_packages_are_installed_on_the_host_and_mounted(worker, tmp_path, monkeypatch):
+    monkeypatch.setenv("READIE_CACHE", str(tmp_path / "cache"))
+    code = "import six\nprint(six.__version__)"
+    first = worker.run_job(job(code, packages=("six==1.16.0",)))
+    assert (first.exit, first.stdout) == (0, "1.16.0\n"), first
+    assert len(list((tmp_path / "cache" / "packages").glob("*/site"))) == 1
+    again = worker.run_job(job(code, packages=("six==1.16.0",)))
+    assert again.stdout == "1.16.0\n"
+
+
+@pytest.mark.parametrize("requirement", ["-e .", "git+https://example.invalid/x", "x @ file:///etc"])
+def test_a_bad_requirement_is_a_request_error(worker, requirement):
+    with pytest.raises(RequestError) as refused:
+        worker.run_job(job("pass", packages=(requirement,)))
+    assert refused.value.field == "packages"
+
+
+def test_each_job_logs_one_line_without_its_output(worker):
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        worker.run_job(job("print('secret output')"), job_id="job-7")
+    [line] = [entry for entry in logs if entry["event"] == "job"]
+    assert line["job_id"] == "job-7" and line["exit"] == 0 and line["error"] is None
+    assert line["duration_us"] > 0 and "queue_us" in line
+    assert "secret output" not in repr(line)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 from google.protobuf.message import Message
 
-from readie_executor.jobs.bounds import MAX_FILE_NAME, MAX_OUTPUT_LIMIT
+from readie_executor.jobs import bounds
 
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
@@ -65,7 +65,7 @@ def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJ
     return CodeJob(
         checkpoint=checkpoint_name(request.checkpoint),
         code=_text("code", request.code, MAX_CODE_CHARS),
-        name=_text("name", request.name, MAX_FILE_NAME) or DEFAULT_JOB_NAME,
+        name=_text("name", request.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
         args=_args(args),
         env=_env(env, budget=MAX_ARGV_ENV_CHARS - sum(len(arg) + 1 for arg in args)),
         cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
@@ -75,7 +75,7 @@ def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJ
         network=request.network,
         timeout_ms=timeout_ms(request, time_remaining_s),
         memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
-        max_output=_optional_int(request, "max_output", 0, MAX_OUTPUT_LIMIT, DEFAULT_MAX_OUTPUT),
+        max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT, DEFAULT_MAX_OUTPUT),
         max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
     )
 

@@ -7,6 +7,7 @@ is a plain count that placement can trust.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import threading
 import time
@@ -19,6 +20,7 @@ import structlog
 from . import runsc as runsc_module
 from .bundle import MountPlan, family_fingerprint, serve_env
 from .errors import RequestError, SandboxSetupError
+from .packages import ensure_packages
 from .jobs import CodeJob, JobOutcome, mount_grants, run_in_sandbox
 from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
 from .pool import RefillBudget, WarmPool
@@ -130,9 +132,25 @@ class Worker:
             strict=self.config.strict_manifest,
         )
 
-    def run_job(self, job: CodeJob) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
+        started = time.monotonic()
         with self._slot():
-            return self._run_job(job)
+            queued_us = _since(started)
+            outcome = self._run_job(job)
+        # One line per job: identifiers, outcome and timing, never captured output.
+        log.info(
+            "job",
+            job_id=job_id,
+            checkpoint=job.checkpoint,
+            sandbox=outcome.sandbox_id,
+            backend=outcome.backend,
+            exit=outcome.exit,
+            error=outcome.error.type if outcome.error else None,
+            duration_us=outcome.duration_us,
+            queue_us=queued_us,
+            truncated=outcome.stdout_truncated or outcome.stderr_truncated,
+        )
+        return outcome
 
     def _run_job(self, job: CodeJob) -> JobOutcome:
         pool = self.pools.get(job.checkpoint)
@@ -147,6 +165,9 @@ class Worker:
         sandbox: Sandbox | None = None
         try:
             if job.needs_own_mounts:
+                if job.packages:
+                    installed = str(ensure_packages(job.packages))
+                    job = dataclasses.replace(job, package_dirs=(*job.package_dirs, installed))
                 mounted = mount_grants(job, self._mount_plan())
                 sandbox = pool.factory.with_sources(mounted.sources).create()
                 # Unisolated, the job sees the host itself: links would be made on the host.

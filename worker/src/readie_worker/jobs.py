@@ -47,6 +47,7 @@ class CodeJob:
     allow_read: tuple[str, ...] = ()
     allow_write: tuple[str, ...] = ()
     package_dirs: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()  # requirements, installed on the worker host and mounted
     network: bool = False
     timeout_ms: int = DEFAULT_TIMEOUT_MS
     memory_bytes: int | None = None
@@ -56,7 +57,7 @@ class CodeJob:
     @property
     def needs_own_mounts(self) -> bool:
         """Grants and packages are mount sources, fixed at restore: no warm sandbox has them."""
-        return bool(self.allow_read or self.allow_write or self.package_dirs)
+        return bool(self.allow_read or self.allow_write or self.package_dirs or self.packages)
 
 
 @dataclass(frozen=True)

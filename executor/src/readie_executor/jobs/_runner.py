@@ -9,6 +9,7 @@ audit-hook guard around nothing but the job's own code.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import linecache
 import os
@@ -70,6 +71,9 @@ setattr(run_job, RAW_RESPONSE_ATTRIBUTE, True)
 
 def _run(spec: JobSpec) -> bytes:
     preloaded = preloaded_modules()
+    # Package slots were empty directories when the template froze its import
+    # caches; after a restore they may hold a job's packages.
+    importlib.invalidate_caches()
     notes: list[str] = []
     try:
         source = _read_source(spec)

@@ -1,0 +1,120 @@
+"""``readie worker``: serve one worker over gRPC until SIGTERM or SIGINT, then drain.
+
+    readie worker --listen 127.0.0.1:50061 --warm base=2 --warm pandas=1 --log=json
+
+A signal starts a graceful drain: health turns NOT_SERVING, new work is
+refused with UNAVAILABLE, running jobs finish (up to --drain-grace seconds),
+every sandbox is destroyed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import structlog
+
+from .core import DEFAULT_DRAIN_GRACE_S, DEFAULT_SLOTS, Worker, WorkerConfig
+from .errors import ReadieError
+from .grpc_service import serve
+from .logs import configure_logging
+
+log = structlog.get_logger("readie.worker")
+
+DEFAULT_LISTEN = "127.0.0.1:50061"
+DEFAULT_MANIFEST = Path("build/checkpoints/manifest.json")
+# Sandbox socket paths live under the run dir and may not exceed 107 bytes,
+# so the default run dir is a short one under /tmp, never the working directory.
+RUN_DIR_PARENT = "/tmp"
+_LOOPBACK_HOSTS = ("127.", "localhost:", "[::1]:")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
+    configure_logging(json=args.log == "json")
+    # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
+    scratch = Path(tempfile.mkdtemp(prefix="rw-", dir=RUN_DIR_PARENT))
+    config = WorkerConfig(
+        manifest=args.manifest,
+        state_dir=args.state_dir or scratch / "state",
+        run_dir=args.run_dir or scratch / "run",
+        slots=args.slots,
+        allow_unisolated=args.allow_unisolated,
+        **({"warm": dict(args.warm)} if args.warm else {}),
+    )
+    stop = threading.Event()
+    _on_signals(stop)
+    try:
+        return _serve(config, args, stop)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event) -> int:
+    if not args.listen.startswith(_LOOPBACK_HOSTS):
+        log.warning("serving without TLS on a non-loopback address", address=args.listen)
+    try:
+        worker = Worker(config).start()
+    except ReadieError as exc:
+        log.error("worker did not start", error=str(exc))
+        return 1
+    try:
+        server = serve(worker, args.listen, name=args.name)
+    except RuntimeError as exc:  # grpc's way of saying it cannot bind
+        log.error("cannot listen", address=args.listen, error=str(exc))
+        worker.close()
+        return 1
+    stop.wait()
+    server.drain(args.drain_grace)
+    return 0
+
+
+def _on_signals(stop: threading.Event) -> None:
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():
+            log.info("already draining", signal=signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handle)
+
+
+def _warm_spec(text: str) -> tuple[str, int]:
+    name, _, count = text.partition("=")
+    if not name or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"wants NAME=N, got {text!r}")
+    return name, int(count)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="readie worker", description="serve a readie worker over gRPC")
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="address to serve on (default %(default)s)")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="checkpoint manifest (default %(default)s)")
+    parser.add_argument("--state-dir", type=Path, help="runsc --root, owned by this worker alone (default: a new temp dir)")
+    parser.add_argument("--run-dir", type=Path, help="sandbox dirs; keep it short (default: a new dir under /tmp)")
+    parser.add_argument("--warm", type=_warm_spec, action="append", default=[], metavar="NAME=N", help="keep N sandboxes of checkpoint NAME ready (repeatable)")
+    parser.add_argument("--slots", type=_positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
+    parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
+    parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
+    parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")
+    parser.add_argument("--allow-unisolated", action="store_true", help="DEVELOPMENT ONLY: without runsc, run jobs as plain host processes")
+    return parser
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value

@@ -1,0 +1,217 @@
+"""The worker as a gRPC service: readie.v1.Worker, standard health, reflection, graceful drain.
+
+A thin adapter. Requests become readie values in :mod:`._convert`, the
+:class:`~readie_worker.core.Worker` does the work, failures become status
+codes in :mod:`._status`; this module only wires them to grpc and logs one
+line per call (ids, outcome, timings; never the job's output).
+
+    server = serve(worker, "127.0.0.1:50061", name="worker-1")
+    ...
+    server.drain(grace_s=30)   # on SIGTERM: NOT_SERVING, finish jobs, destroy sandboxes, stop
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ._convert import (
+    MAX_CALL_PAYLOAD_BYTES,
+    call_payload,
+    capacity_response,
+    checkpoint_name,
+    code_job,
+    run_job_response,
+    timeout_ms,
+)
+from ._proto.readie.v1 import worker_pb2 as pb
+from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
+from .core import DEFAULT_DRAIN_GRACE_S, Worker
+
+log = structlog.get_logger("readie.grpc")
+
+# Additions to readie.v1 this worker understands (CapacityResponse.protocol).
+# Bump when a field or RPC is added; a new package (readie.v2) for anything else.
+WORKER_PROTOCOL = 1
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+# A call's answer may be as large as its question: a data frame in, one out.
+MAX_ENVELOPE_BYTES = MAX_CALL_PAYLOAD_BYTES
+# Room for everything in a message besides the payload or envelope: the other
+# fields and protobuf's tags and lengths, a few hundred bytes in practice.
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+# The largest message either way: an Execute payload or envelope. Job messages
+# are far smaller (the request's fields are capped in _convert; a response is
+# at most twice max_output, 16 MiB each, plus 64 KiB), but grpc has one limit
+# per server, not per method, so this is the hard bound and the fields do the rest.
+MAX_MESSAGE_BYTES = MAX_ENVELOPE_BYTES + MESSAGE_OVERHEAD_BYTES
+# Threads beyond the job slots, so Capacity and health checks answer while
+# every slot is busy and a few jobs wait for one. Calls beyond that wait in
+# grpc's own queue; a router that respects Capacity never sends them.
+RPC_HEADROOM_THREADS = 8
+# After the worker drained, running calls have returned; this only lets
+# their responses reach the wire.
+STOP_GRACE_S = 5.0
+# A caller's x-request-id is logged as given only if it looks like an id.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+class CallLog:
+    """One log line per call: bound fields gathered while it runs, written when it ends."""
+
+    def __init__(self, rpc: str, context: grpc.ServicerContext, level: str = "info") -> None:
+        self.fields: dict[str, Any] = {"rpc": rpc, "request_id": _request_id(context), "peer": context.peer()}
+        self._level = level
+        self._started = time.monotonic()
+
+    def bind(self, **fields: Any) -> None:
+        self.fields.update(fields)
+
+    def __enter__(self) -> CallLog:
+        return self
+
+    def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
+        self.fields["wall_ms"] = round((time.monotonic() - self._started) * 1000, 1)
+        if error is None:
+            getattr(log, self._level)("call", status="OK", **self.fields)
+            return
+        status = status_for(error)
+        refused = dict(status.metadata)
+        log.info("call", status=status.code.name, error=refused.get(ERROR_METADATA_KEY), field=refused.get(FIELD_METADATA_KEY), **self.fields)
+
+
+def _rpc(level: str = "info") -> Callable[[Callable[..., _Response]], Callable[..., _Response]]:
+    """Run a servicer method under the one error mapping, with its call logged."""
+
+    def decorate(method: Callable[..., _Response]) -> Callable[..., _Response]:
+        @functools.wraps(method)
+        def handler(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> _Response:
+            with grpc_errors(context), CallLog(method.__name__, context, level) as call:
+                return method(self, request, context, call)
+            raise AssertionError("unreachable: grpc_errors aborts the call")
+
+        return handler
+
+    return decorate
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, worker: Worker, name: str) -> None:
+        self.worker = worker
+        self.name = name
+
+    @_rpc()
+    def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext, call: CallLog) -> pb.RunJobResponse:
+        job = code_job(request, context.time_remaining())
+        call.bind(checkpoint=job.checkpoint, timeout_ms=job.timeout_ms, grants=len(job.allow_read) + len(job.allow_write))
+        outcome = self.worker.run_job(job)
+        call.bind(
+            sandbox=outcome.sandbox_id,
+            backend=outcome.backend,
+            exit=outcome.exit,
+            error_type=None if outcome.error is None else outcome.error.type,
+            job_us=outcome.duration_us,
+        )
+        return run_job_response(outcome)
+
+    @_rpc()
+    def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext, call: CallLog) -> pb.ExecuteResponse:
+        checkpoint = checkpoint_name(request.checkpoint)
+        payload = call_payload(request)
+        timeout = timeout_ms(request, context.time_remaining())
+        call.bind(checkpoint=checkpoint, timeout_ms=timeout, payload_bytes=len(payload))
+        started = time.monotonic()
+        envelope = self.worker.execute_call(checkpoint, payload, timeout / 1000)
+        duration_us = int((time.monotonic() - started) * 1_000_000)
+        call.bind(envelope_bytes=len(envelope), call_us=duration_us)
+        if len(envelope) > MAX_ENVELOPE_BYTES:
+            raise ResponseTooLarge(f"the call's envelope is {len(envelope)} bytes; at most {MAX_ENVELOPE_BYTES} can be sent")
+        return pb.ExecuteResponse(envelope=envelope, duration_us=duration_us)
+
+    @_rpc(level="debug")  # polled by placement: a line per poll would drown the job lines
+    def Capacity(self, request: pb.CapacityRequest, context: grpc.ServicerContext, call: CallLog) -> pb.CapacityResponse:
+        return capacity_response(self.worker.capacity(), self.name, WORKER_PROTOCOL)
+
+
+@dataclass
+class WorkerServer:
+    """A started server; :meth:`drain` is the one way to stop it."""
+
+    server: grpc.Server
+    health: health.HealthServicer
+    worker: Worker
+    address: str
+    port: int
+
+    def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
+        """Stop taking work, let running jobs finish (up to ``grace_s``), destroy sandboxes, stop.
+
+        Health turns NOT_SERVING first, so load balancers stop routing here
+        while the jobs already running still complete and answer.
+        """
+        started = time.monotonic()
+        log.info("draining", grace_s=grace_s, busy=self.worker.capacity().busy)
+        self.health.enter_graceful_shutdown()
+        self.worker.drain(grace_s)  # new calls get UNAVAILABLE from here on
+        self.server.stop(STOP_GRACE_S).wait()
+        # Once more now that no handler runs: a job cut off at the grace could
+        # have been restoring a sandbox when drain swept.
+        self.worker.close()
+        log.info("drained", wall_ms=round((time.monotonic() - started) * 1000, 1))
+
+
+def serve(
+    worker: Worker,
+    address: str,
+    *,
+    name: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> WorkerServer:
+    """Serve a started ``worker`` on ``address`` ("host:port"; port 0 picks a free one).
+
+    ``name`` is what Capacity reports; by default the host name and the bound port.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=worker.config.slots + RPC_HEADROOM_THREADS, thread_name_prefix="rpc"),
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # grpc sets SO_REUSEPORT by default, so a second worker on a taken
+            # port would share it silently; a worker owns its port alone.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    port = server.add_insecure_port(address)  # raises RuntimeError when it cannot bind
+    bound = f"{address.rsplit(':', 1)[0]}:{port}"
+    name = name or f"{socket.gethostname()}:{port}"
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    for service in ("", WORKER_SERVICE):  # "" is the whole server, as health clients ask by default
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    server.start()
+    log.info("serving", address=bound, name=name, protocol=WORKER_PROTOCOL, max_message_bytes=max_message_bytes)
+    return WorkerServer(server, health_servicer, worker, bound, port)
+
+
+def _request_id(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str) and _REQUEST_ID.fullmatch(value):
+            return value
+    return secrets.token_hex(8)
