@@ -263,3 +263,41 @@ def test_each_job_logs_one_line_without_its_output(worker):
     assert line["job_id"] == "job-7" and line["exit"] == 0 and line["error"] is None
     assert line["duration_us"] > 0 and "queue_us" in line
     assert "secret output" not in repr(line)
+
+
+def test_network_is_refused_without_a_backend(worker):
+    with pytest.raises(RequestError) as refused:
+        worker.run_job(job("pass", network=True))
+    assert refused.value.field == "allow_network"
+
+
+def test_a_networked_job_never_reaches_the_hosts_loopback_services():
+    import socket
+
+    host_service = socket.socket()
+    host_service.bind(("127.0.0.1", 0))
+    host_service.listen(1)
+    port = host_service.getsockname()[1]
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={}, network_backend="netns")
+    networked = Worker(config).start()
+    code = f"""
+import os, socket
+print(sorted(os.listdir("/sys/class/net")))
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=3)
+    print("reached the host")
+except OSError as exc:
+    print("host unreachable:", type(exc).__name__)
+"""
+    try:
+        outcome = networked.run_job(job(code, network=True))
+        plain = networked.run_job(job("print('no network asked')"))
+    finally:
+        networked.close()
+        host_service.close()
+    assert outcome.backend == "gvisor:runsc-cold-netns", outcome
+    # The namespace's own interfaces only (no veth added), and the host's loopback is not among them.
+    assert outcome.stdout.startswith("['lo']\nhost unreachable:"), outcome
+    assert plain.backend == "gvisor:runsc-restore"
+    assert networked.runsc.list_ids() == []
+    assert not (Path("/var/run/netns") / networked.namespace.name).exists()

@@ -82,15 +82,15 @@ def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJ
 
 def call_payload(request: pb.ExecuteRequest) -> bytes:
     if not request.payload:
-        raise RequestError("payload is empty; it must be a pickled call", field="payload")
+        raise RequestError("empty; it must be a pickled call", field="payload")
     if len(request.payload) > MAX_CALL_PAYLOAD_BYTES:
-        raise RequestError(f"payload is {len(request.payload)} bytes; at most {MAX_CALL_PAYLOAD_BYTES} are allowed", field="payload")
+        raise RequestError(f"{len(request.payload)} bytes; at most {MAX_CALL_PAYLOAD_BYTES} are allowed", field="payload")
     return request.payload
 
 
 def checkpoint_name(name: str) -> str:
     if not name:
-        raise RequestError("checkpoint is required", field="checkpoint")
+        raise RequestError("required", field="checkpoint")
     return _text("checkpoint", name, MAX_CHECKPOINT_NAME)
 
 
@@ -148,28 +148,28 @@ def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb
 
 def _text(field: str, value: str, limit: int) -> str:
     if len(value) > limit:
-        raise RequestError(f"{field} is {len(value)} characters long; at most {limit} are allowed", field=field)
+        raise RequestError(f"{len(value)} characters long; at most {limit} are allowed", field=field)
     if "\0" in value:
-        raise RequestError(f"{field} contains a NUL character", field=field)
+        raise RequestError("contains a NUL character", field=field)
     return value
 
 
 def _args(args: tuple[str, ...]) -> tuple[str, ...]:
     if len(args) > MAX_ARGS:
-        raise RequestError(f"args has {len(args)} entries; at most {MAX_ARGS} are allowed", field="args")
+        raise RequestError(f"{len(args)} entries; at most {MAX_ARGS} are allowed", field="args")
     for index, arg in enumerate(args):
         _text(f"args[{index}]", arg, MAX_ARG_CHARS)
     if sum(len(arg) + 1 for arg in args) > MAX_ARGV_ENV_CHARS:
-        raise RequestError(f"args add up to more than {MAX_ARGV_ENV_CHARS} characters", field="args")
+        raise RequestError(f"add up to more than {MAX_ARGV_ENV_CHARS} characters", field="args")
     return args
 
 
 def _env(env: Mapping[str, str], budget: int) -> dict[str, str]:
     if len(env) > MAX_ENV_VARS:
-        raise RequestError(f"env has {len(env)} variables; at most {MAX_ENV_VARS} are allowed", field="env")
+        raise RequestError(f"{len(env)} variables; at most {MAX_ENV_VARS} are allowed", field="env")
     for key, value in env.items():
         if not key or "=" in key or "\0" in key:
-            raise RequestError(f"env has an invalid variable name: {key[:100]!r}", field="env")
+            raise RequestError(f"invalid variable name: {key[:100]!r}", field="env")
         _text(f"env[{key[:100]!r}]", value, MAX_ARG_CHARS)
     if sum(len(key) + len(value) + 2 for key, value in env.items()) > budget:
         raise RequestError(f"args and env add up to more than {MAX_ARGV_ENV_CHARS} characters", field="env")
@@ -179,14 +179,14 @@ def _env(env: Mapping[str, str], budget: int) -> dict[str, str]:
 def _absolute(field: str, path: str) -> str:
     _text(field, path, MAX_PATH_CHARS)
     if not posixpath.isabs(path):
-        raise RequestError(f"{field}: {path[:200]!r} is not an absolute path", field=field)
+        raise RequestError(f"{path[:200]!r} is not an absolute path", field=field)
     return path
 
 
 def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...]:
     paths = tuple(paths)
     if len(paths) > MAX_GRANTS:
-        raise RequestError(f"{field} lists {len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
+        raise RequestError(f"{len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
     for path in paths:
         _text(field, path, MAX_PATH_CHARS)
     return paths  # absolute and existing: mount_grants checks, naming the same field
@@ -197,5 +197,5 @@ def _optional_int(message: Message, field: str, low: int, high: int, default: in
         return default
     value: int = getattr(message, field)
     if not low <= value <= high:
-        raise RequestError(f"{field} must be between {low} and {high}, got {value}", field=field)
+        raise RequestError(f"must be between {low} and {high}, got {value}", field=field)
     return value

@@ -60,6 +60,17 @@ class ResponseTooLarge(ReadieError):
     """An answer is larger than the service may send."""
 
 
+# Most specific first; the first isinstance match wins. Any other ReadieError is INTERNAL.
+_STATUS_CODES: tuple[tuple[type[ReadieError], grpc.StatusCode], ...] = (
+    (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DeadlineExpired, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ExecutorTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),  # before PoolWorkerError, its base
+    (SandboxSetupError, grpc.StatusCode.UNAVAILABLE),
+    (ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PoolWorkerError, grpc.StatusCode.INTERNAL),
+)
+
+
 @dataclass(frozen=True)
 class Status:
     code: grpc.StatusCode
@@ -70,26 +81,14 @@ class Status:
 def status_for(error: BaseException) -> Status:
     """The status (code, details, trailing metadata) a failed call ends with."""
     if not isinstance(error, ReadieError):
+        # A bug: its message could hold anything, so only its type leaves the worker.
         return Status(grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})", ((ERROR_METADATA_KEY, "InternalError"),))
+    code = next((code for cls, code in _STATUS_CODES if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
     metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
-    details = str(error)
-    if isinstance(error, RequestError):
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        if error.field:
-            metadata += ((FIELD_METADATA_KEY, error.field),)
-            if not details.startswith(error.field):
-                details = f"{error.field}: {details}"
-    elif isinstance(error, (DeadlineExpired, ExecutorTimeout)):
-        code = grpc.StatusCode.DEADLINE_EXCEEDED
-    elif isinstance(error, SandboxSetupError):
-        code = grpc.StatusCode.UNAVAILABLE
-    elif isinstance(error, ResponseTooLarge):
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    elif isinstance(error, PoolWorkerError):
-        code = grpc.StatusCode.INTERNAL
-    else:
-        code = grpc.StatusCode.INTERNAL
-    return Status(code, details, metadata)
+    if isinstance(error, RequestError) and error.field:
+        metadata += ((FIELD_METADATA_KEY, error.field),)
+    # A RequestError's message already starts with its field.
+    return Status(code, str(error), metadata)
 
 
 @contextmanager

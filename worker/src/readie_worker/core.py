@@ -21,11 +21,12 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, family_fingerprint, serve_env
 from .errors import RequestError, SandboxSetupError
 from .packages import ensure_packages
-from .jobs import CodeJob, JobOutcome, mount_grants, run_in_sandbox
+from .jobs import CodeJob, JobOutcome, MountedGrants, mount_grants, run_in_sandbox
+from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
 from .pool import RefillBudget, WarmPool
 from .runsc import Runsc
-from .sandbox import LocalProcess, Sandbox, SandboxFactory, checkpoint_factory
+from .sandbox import LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
 
 log = structlog.get_logger("readie.worker")
 
@@ -54,6 +55,11 @@ class WorkerConfig:
     # The cgroup backstop of every sandbox (sentry and gofer included). A job's
     # own 'memory' limit (RLIMIT_AS inside) must leave SANDBOX_OVERHEAD below it.
     sandbox_memory_bytes: int = DEFAULT_SANDBOX_MEMORY
+    # "none": jobs asking for the network are refused. "netns": they get a cold
+    # start with host networking inside a namespace of the worker's own.
+    network_backend: str = "none"
+    # Run once in the new namespace ({netns} is its name), e.g. to add a veth for egress.
+    network_setup: str | None = None
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
@@ -83,6 +89,8 @@ class Worker:
         self.factories: dict[str, SandboxFactory] = {}
         self.checkpoints: LoadedCheckpoints | None = None
         self.isolated = True
+        self.namespace: NetworkNamespace | None = None
+        self.networked: dict[str, SandboxFactory] = {}
 
     def start(self) -> Worker:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +115,28 @@ class Worker:
             )
             self.factories[name] = factory
             self.pools[name] = WarmPool(name, factory, self.config.warm.get(name, 0), budget).start()
-        log.info("worker started", checkpoints=sorted(self.factories), warm=dict(self.config.warm))
+        if self.config.network_backend == "netns":
+            self._start_network()
+        elif self.config.network_backend != "none":
+            raise SandboxSetupError(f"unknown network backend {self.config.network_backend!r} (have {', '.join(BACKENDS)})")
+        log.info(
+            "worker started",
+            checkpoints=sorted(self.factories),
+            warm=dict(self.config.warm),
+            network=self.config.network_backend,
+        )
         return self
+
+    def _start_network(self) -> None:
+        assert self.checkpoints is not None and self.checkpoints.manifest is not None
+        self.namespace = NetworkNamespace.create(self.config.network_setup)
+        networked = self.runsc.with_network(self.namespace.name)
+        for name, factory in self.factories.items():
+            cold = factory.fallback
+            assert isinstance(cold, RunscCold)
+            self.networked[name] = dataclasses.replace(
+                factory, primary=dataclasses.replace(cold, runsc=networked, name="runsc-cold-netns"), fallback=None
+            )
 
     def _start_unisolated(self, reason: str) -> Worker:
         if not self.config.allow_unisolated:
@@ -156,7 +184,7 @@ class Worker:
         pool = self.pools.get(job.checkpoint)
         if pool is None:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
-        if job.network:
+        if job.network and not self.networked:
             raise RequestError("this worker has no network backend configured", field="allow_network")
         ceiling = self.config.sandbox_memory_bytes - SANDBOX_OVERHEAD
         if job.memory_bytes is not None and job.memory_bytes > ceiling:
@@ -164,11 +192,12 @@ class Worker:
         started = time.monotonic()
         sandbox: Sandbox | None = None
         try:
-            if job.needs_own_mounts:
-                if job.packages:
-                    installed = str(ensure_packages(job.packages))
-                    job = dataclasses.replace(job, package_dirs=(*job.package_dirs, installed))
-                mounted = mount_grants(job, self._mount_plan())
+            if job.network:
+                mounted = self._mount(job)
+                sandbox = self.networked[job.checkpoint].with_sources(mounted.sources).create()
+                links = mounted.links
+            elif job.needs_own_mounts:
+                mounted = self._mount(job)
                 sandbox = pool.factory.with_sources(mounted.sources).create()
                 # Unisolated, the job sees the host itself: links would be made on the host.
                 links = mounted.links if self.isolated else ()
@@ -180,6 +209,12 @@ class Worker:
             return run_in_sandbox(sandbox, job, links)
         finally:
             sandbox.destroy()
+
+    def _mount(self, job: CodeJob) -> MountedGrants:
+        if job.packages:
+            installed = str(ensure_packages(job.packages))
+            job = dataclasses.replace(job, package_dirs=(*job.package_dirs, installed))
+        return mount_grants(job, self._mount_plan())
 
     def _mount_plan(self) -> MountPlan:
         if self.checkpoints is None or self.checkpoints.manifest is None:
@@ -223,6 +258,8 @@ class Worker:
             pool.close()
         if self.isolated and runsc_module.available():
             self.runsc.sweep()
+        if self.namespace is not None:
+            self.namespace.delete()
 
     def _slot(self):  # noqa: ANN202 - context manager
         return _SlotGuard(self)

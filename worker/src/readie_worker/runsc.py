@@ -3,6 +3,7 @@ failure raises :class:`RunscError` with runsc's own words attached."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -29,6 +30,7 @@ DEFAULT_FLAGS = (
 # Short commands (kill, delete, state, checkpoint) finish in well under a
 # second here; the margin covers a loaded two-core machine.
 COMMAND_TIMEOUT_S = 30.0
+NETNS_DIR = Path("/var/run/netns")
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 # runsc keeps this much of its stderr in an error message.
@@ -50,9 +52,20 @@ class Runsc:
     root: Path
     flags: tuple[str, ...] = DEFAULT_FLAGS
     binary: str = "runsc"
+    # Runs runsc inside another namespace, e.g. ("nsenter", "--net=/var/run/netns/N").
+    prefix: tuple[str, ...] = ()
 
     def command(self, *args: str) -> list[str]:
-        return [self.binary, f"--root={self.root}", *self.flags, *args]
+        return [*self.prefix, self.binary, f"--root={self.root}", *self.flags, *args]
+
+    def with_network(self, namespace: str) -> Runsc:
+        """Host networking, but inside ``namespace``: the sandbox sees that namespace's interfaces only.
+
+        ``ip netns exec`` would remount /sys, after which runsc cannot find the
+        memory cgroup (notes), so the namespace is entered with nsenter.
+        """
+        flags = tuple("--network=host" if flag.startswith("--network") else flag for flag in self.flags)
+        return dataclasses.replace(self, flags=flags, prefix=("nsenter", f"--net={NETNS_DIR / namespace}"))
 
     def run(self, *args: str, timeout: float = COMMAND_TIMEOUT_S, reaping: bool = False) -> str:
         """Run a short runsc command and return its stdout."""
