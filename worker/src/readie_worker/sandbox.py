@@ -22,6 +22,7 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -379,7 +380,7 @@ class LocalProcess:
     """No isolation whatsoever: the executor runs as a host process. Development only."""
 
     preimport: tuple[str, ...] = ()
-    python: str = "python3"
+    python: str = sys.executable  # the worker's own environment has readie_executor
     name: str = "local-unisolated"
     isolated: bool = False
 
