@@ -34,7 +34,7 @@ test-fast: deps ## run the tests that need no gVisor
 	$(RUN) pytest -m "not runsc"
 
 run: capture ## set up everything, then run the demo job
-	$(RUN) python examples/executor_demo.py
+	$(RUN) python examples/worker_demo.py
 
 clean: ## remove build/ (the rootfs cache in ~/.cache/readie stays)
 	rm -rf build
