@@ -7,7 +7,7 @@ UV := uv
 RUN := $(UV) run --frozen --python $(PYTHON_VERSION)
 CHECKPOINTS := build/checkpoints
 
-.PHONY: help setup deps rootfs capture test test-fast fixtures run clean
+.PHONY: help setup deps rootfs capture test test-fast fixtures proto run clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -26,6 +26,9 @@ capture: deps ## capture the planned checkpoints into build/checkpoints (skips u
 
 fixtures: deps ## regenerate fixtures/frames.golden.json
 	$(RUN) python fixtures/generate_golden.py
+
+proto: deps ## regenerate the gRPC code in worker/src/readie_worker/_proto from proto/
+	$(RUN) python proto/generate.py
 
 test: capture ## run every test, gVisor ones included
 	$(RUN) pytest

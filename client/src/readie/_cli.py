@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = {
     "capture": "readie_pipeline.cli",
     "rootfs": "readie_pipeline.cli",
+    "worker": "readie_worker.cli",
 }
 
 

@@ -23,6 +23,7 @@ from ._status import DeadlineExpired
 from .core import Capacity
 from .errors import RequestError
 from .jobs import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
+from .packages import validate_requirements
 
 # Checkpoint names are short identifiers from checkpoints.toml; the bound keeps
 # the worker's "no checkpoint named ..." message short.
@@ -72,6 +73,7 @@ def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJ
         allow_read=_paths("allow_read", request.allow_read),
         allow_write=_paths("allow_write", request.allow_write),
         package_dirs=_paths("package_dirs", request.package_dirs),
+        packages=validate_requirements(tuple(request.packages)),
         network=request.network,
         timeout_ms=timeout_ms(request, time_remaining_s),
         memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),

@@ -3,7 +3,9 @@
 A thin adapter. Requests become readie values in :mod:`._convert`, the
 :class:`~readie_worker.core.Worker` does the work, failures become status
 codes in :mod:`._status`; this module only wires them to grpc and logs one
-line per call (ids, outcome, timings; never the job's output).
+line per call (ids, status, timings; never the job's output). The worker
+logs each job's own line under the same id (the caller's x-request-id when
+it sends a usable one).
 
     server = serve(worker, "127.0.0.1:50061", name="worker-1")
     ...
@@ -67,7 +69,6 @@ STOP_GRACE_S = 5.0
 # A caller's x-request-id is logged as given only if it looks like an id.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 
-_Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 
 
@@ -75,7 +76,8 @@ class CallLog:
     """One log line per call: bound fields gathered while it runs, written when it ends."""
 
     def __init__(self, rpc: str, context: grpc.ServicerContext, level: str = "info") -> None:
-        self.fields: dict[str, Any] = {"rpc": rpc, "request_id": _request_id(context), "peer": context.peer()}
+        self.request_id = _request_id(context)
+        self.fields: dict[str, Any] = {"rpc": rpc, "request_id": self.request_id, "peer": context.peer()}
         self._level = level
         self._started = time.monotonic()
 
@@ -118,15 +120,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @_rpc()
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext, call: CallLog) -> pb.RunJobResponse:
         job = code_job(request, context.time_remaining())
-        call.bind(checkpoint=job.checkpoint, timeout_ms=job.timeout_ms, grants=len(job.allow_read) + len(job.allow_write))
-        outcome = self.worker.run_job(job)
-        call.bind(
-            sandbox=outcome.sandbox_id,
-            backend=outcome.backend,
-            exit=outcome.exit,
-            error_type=None if outcome.error is None else outcome.error.type,
-            job_us=outcome.duration_us,
-        )
+        call.bind(checkpoint=job.checkpoint, timeout_ms=job.timeout_ms)
+        # The worker logs the job itself (sandbox, outcome, timings) under this id.
+        outcome = self.worker.run_job(job, job_id=call.request_id)
+        call.bind(sandbox=outcome.sandbox_id)
         return run_job_response(outcome)
 
     @_rpc()

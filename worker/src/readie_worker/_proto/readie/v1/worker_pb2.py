@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16readie/v1/worker.proto\x12\treadie.v1\"\xcb\x03\n\rRunJobRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x61rgs\x18\x04 \x03(\t\x12.\n\x03\x65nv\x18\x05 \x03(\x0b\x32!.readie.v1.RunJobRequest.EnvEntry\x12\x10\n\x03\x63wd\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x12\n\nallow_read\x18\x07 \x03(\t\x12\x13\n\x0b\x61llow_write\x18\x08 \x03(\t\x12\x14\n\x0cpackage_dirs\x18\t \x03(\t\x12\x0f\n\x07network\x18\n \x01(\x08\x12\x17\n\ntimeout_ms\x18\x0b \x01(\x03H\x02\x88\x01\x01\x12\x19\n\x0cmemory_bytes\x18\x0c \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_output\x18\r \x01(\x03H\x04\x88\x01\x01\x12\x1a\n\rmax_file_size\x18\x0e \x01(\x03H\x05\x88\x01\x01\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_nameB\x06\n\x04_cwdB\r\n\x0b_timeout_msB\x0f\n\r_memory_bytesB\r\n\x0b_max_outputB\x10\n\x0e_max_file_size\"}\n\x08JobError\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\x04\x66ile\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04line\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04hint\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_fileB\x07\n\x05_lineB\x07\n\x05_hint\"\x9d\x02\n\x0eRunJobResponse\x12\x11\n\x04\x65xit\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0e\n\x06stdout\x18\x02 \x01(\t\x12\x0e\n\x06stderr\x18\x03 \x01(\t\x12\x18\n\x10stdout_truncated\x18\x04 \x01(\x08\x12\x18\n\x10stderr_truncated\x18\x05 \x01(\x08\x12\"\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x13.readie.v1.JobError\x12\x13\n\x0b\x64uration_us\x18\x07 \x01(\x03\x12\x0e\n\x06python\x18\x08 \x01(\t\x12\x19\n\x11preloaded_modules\x18\t \x03(\t\x12\x17\n\nsandbox_id\x18\n \x01(\tH\x01\x88\x01\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\tB\x07\n\x05_exitB\r\n\x0b_sandbox_id\"]\n\x0e\x45xecuteRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x17\n\ntimeout_ms\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"8\n\x0f\x45xecuteResponse\x12\x10\n\x08\x65nvelope\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64uration_us\x18\x02 \x01(\x03\"\x11\n\x0f\x43\x61pacityRequest\"*\n\tPoolState\x12\r\n\x05ready\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xf5\x01\n\x10\x43\x61pacityResponse\x12\r\n\x05slots\x18\x01 \x01(\r\x12\x0c\n\x04\x62usy\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x10\n\x08isolated\x18\x04 \x01(\x08\x12\x35\n\x05pools\x18\x05 \x03(\x0b\x32&.readie.v1.CapacityResponse.PoolsEntry\x12\x13\n\x0bworker_name\x18\x06 \x01(\t\x12\x10\n\x08protocol\x18\x07 \x01(\r\x1a\x42\n\nPoolsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.readie.v1.PoolState:\x02\x38\x01\x32\xce\x01\n\x06Worker\x12=\n\x06RunJob\x12\x18.readie.v1.RunJobRequest\x1a\x19.readie.v1.RunJobResponse\x12@\n\x07\x45xecute\x12\x19.readie.v1.ExecuteRequest\x1a\x1a.readie.v1.ExecuteResponse\x12\x43\n\x08\x43\x61pacity\x12\x1a.readie.v1.CapacityRequest\x1a\x1b.readie.v1.CapacityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16readie/v1/worker.proto\x12\treadie.v1\"\xdd\x03\n\rRunJobRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x61rgs\x18\x04 \x03(\t\x12.\n\x03\x65nv\x18\x05 \x03(\x0b\x32!.readie.v1.RunJobRequest.EnvEntry\x12\x10\n\x03\x63wd\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x12\n\nallow_read\x18\x07 \x03(\t\x12\x13\n\x0b\x61llow_write\x18\x08 \x03(\t\x12\x14\n\x0cpackage_dirs\x18\t \x03(\t\x12\x0f\n\x07network\x18\n \x01(\x08\x12\x17\n\ntimeout_ms\x18\x0b \x01(\x03H\x02\x88\x01\x01\x12\x19\n\x0cmemory_bytes\x18\x0c \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_output\x18\r \x01(\x03H\x04\x88\x01\x01\x12\x1a\n\rmax_file_size\x18\x0e \x01(\x03H\x05\x88\x01\x01\x12\x10\n\x08packages\x18\x0f \x03(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_nameB\x06\n\x04_cwdB\r\n\x0b_timeout_msB\x0f\n\r_memory_bytesB\r\n\x0b_max_outputB\x10\n\x0e_max_file_size\"}\n\x08JobError\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\x04\x66ile\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04line\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04hint\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_fileB\x07\n\x05_lineB\x07\n\x05_hint\"\x9d\x02\n\x0eRunJobResponse\x12\x11\n\x04\x65xit\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0e\n\x06stdout\x18\x02 \x01(\t\x12\x0e\n\x06stderr\x18\x03 \x01(\t\x12\x18\n\x10stdout_truncated\x18\x04 \x01(\x08\x12\x18\n\x10stderr_truncated\x18\x05 \x01(\x08\x12\"\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x13.readie.v1.JobError\x12\x13\n\x0b\x64uration_us\x18\x07 \x01(\x03\x12\x0e\n\x06python\x18\x08 \x01(\t\x12\x19\n\x11preloaded_modules\x18\t \x03(\t\x12\x17\n\nsandbox_id\x18\n \x01(\tH\x01\x88\x01\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\tB\x07\n\x05_exitB\r\n\x0b_sandbox_id\"]\n\x0e\x45xecuteRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x17\n\ntimeout_ms\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"8\n\x0f\x45xecuteResponse\x12\x10\n\x08\x65nvelope\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64uration_us\x18\x02 \x01(\x03\"\x11\n\x0f\x43\x61pacityRequest\"*\n\tPoolState\x12\r\n\x05ready\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xf5\x01\n\x10\x43\x61pacityResponse\x12\r\n\x05slots\x18\x01 \x01(\r\x12\x0c\n\x04\x62usy\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x10\n\x08isolated\x18\x04 \x01(\x08\x12\x35\n\x05pools\x18\x05 \x03(\x0b\x32&.readie.v1.CapacityResponse.PoolsEntry\x12\x13\n\x0bworker_name\x18\x06 \x01(\t\x12\x10\n\x08protocol\x18\x07 \x01(\r\x1a\x42\n\nPoolsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.readie.v1.PoolState:\x02\x38\x01\x32\xce\x01\n\x06Worker\x12=\n\x06RunJob\x12\x18.readie.v1.RunJobRequest\x1a\x19.readie.v1.RunJobResponse\x12@\n\x07\x45xecute\x12\x19.readie.v1.ExecuteRequest\x1a\x1a.readie.v1.ExecuteResponse\x12\x43\n\x08\x43\x61pacity\x12\x1a.readie.v1.CapacityRequest\x1a\x1b.readie.v1.CapacityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CAPACITYRESPONSE_POOLSENTRY']._loaded_options = None
   _globals['_CAPACITYRESPONSE_POOLSENTRY']._serialized_options = b'8\001'
   _globals['_RUNJOBREQUEST']._serialized_start=38
-  _globals['_RUNJOBREQUEST']._serialized_end=497
-  _globals['_RUNJOBREQUEST_ENVENTRY']._serialized_start=373
-  _globals['_RUNJOBREQUEST_ENVENTRY']._serialized_end=415
-  _globals['_JOBERROR']._serialized_start=499
-  _globals['_JOBERROR']._serialized_end=624
-  _globals['_RUNJOBRESPONSE']._serialized_start=627
-  _globals['_RUNJOBRESPONSE']._serialized_end=912
-  _globals['_EXECUTEREQUEST']._serialized_start=914
-  _globals['_EXECUTEREQUEST']._serialized_end=1007
-  _globals['_EXECUTERESPONSE']._serialized_start=1009
-  _globals['_EXECUTERESPONSE']._serialized_end=1065
-  _globals['_CAPACITYREQUEST']._serialized_start=1067
-  _globals['_CAPACITYREQUEST']._serialized_end=1084
-  _globals['_POOLSTATE']._serialized_start=1086
-  _globals['_POOLSTATE']._serialized_end=1128
-  _globals['_CAPACITYRESPONSE']._serialized_start=1131
-  _globals['_CAPACITYRESPONSE']._serialized_end=1376
-  _globals['_CAPACITYRESPONSE_POOLSENTRY']._serialized_start=1310
-  _globals['_CAPACITYRESPONSE_POOLSENTRY']._serialized_end=1376
-  _globals['_WORKER']._serialized_start=1379
-  _globals['_WORKER']._serialized_end=1585
+  _globals['_RUNJOBREQUEST']._serialized_end=515
+  _globals['_RUNJOBREQUEST_ENVENTRY']._serialized_start=391
+  _globals['_RUNJOBREQUEST_ENVENTRY']._serialized_end=433
+  _globals['_JOBERROR']._serialized_start=517
+  _globals['_JOBERROR']._serialized_end=642
+  _globals['_RUNJOBRESPONSE']._serialized_start=645
+  _globals['_RUNJOBRESPONSE']._serialized_end=930
+  _globals['_EXECUTEREQUEST']._serialized_start=932
+  _globals['_EXECUTEREQUEST']._serialized_end=1025
+  _globals['_EXECUTERESPONSE']._serialized_start=1027
+  _globals['_EXECUTERESPONSE']._serialized_end=1083
+  _globals['_CAPACITYREQUEST']._serialized_start=1085
+  _globals['_CAPACITYREQUEST']._serialized_end=1102
+  _globals['_POOLSTATE']._serialized_start=1104
+  _globals['_POOLSTATE']._serialized_end=1146
+  _globals['_CAPACITYRESPONSE']._serialized_start=1149
+  _globals['_CAPACITYRESPONSE']._serialized_end=1394
+  _globals['_CAPACITYRESPONSE_POOLSENTRY']._serialized_start=1328
+  _globals['_CAPACITYRESPONSE_POOLSENTRY']._serialized_end=1394
+  _globals['_WORKER']._serialized_start=1397
+  _globals['_WORKER']._serialized_end=1603
 # @@protoc_insertion_point(module_scope)

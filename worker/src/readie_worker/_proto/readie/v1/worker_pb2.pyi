@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class RunJobRequest(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     MAX_FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PACKAGES_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -43,7 +44,8 @@ class RunJobRequest(_message.Message):
     memory_bytes: int
     max_output: int
     max_file_size: int
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ...) -> None: ...
+    packages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("type", "message", "file", "line", "hint")

@@ -1,0 +1,321 @@
+"""`readie worker` as a real process: gRPC on loopback, gVisor sandboxes from the real checkpoints.
+
+The tests play the client: they send jobs and cloudpickled calls, check
+health, reflection and capacity, and end the process with SIGTERM, after which
+its runsc state dir must list no containers. A second process proves that two
+workers on one host keep to their own ports and state dirs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import cloudpickle
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from readie_worker._proto.readie.v1 import worker_pb2 as pb
+from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from readie_worker.grpc_service import WORKER_PROTOCOL
+
+pytestmark = pytest.mark.runsc
+
+from conftest import CHECKPOINTS  # noqa: E402
+
+# Start-up is a manifest check and a sweep; pools fill in the background.
+STARTUP_TIMEOUT_S = 30.0
+# A drain with nothing running takes well under a second; the rest is margin.
+EXIT_TIMEOUT_S = 30.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class WorkerProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+    state_dir: Path
+    log_path: Path
+    channel: grpc.Channel
+
+    @property
+    def stub(self) -> pb_grpc.WorkerStub:
+        return pb_grpc.WorkerStub(self.channel)
+
+    @property
+    def health(self) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(self.channel)
+
+    def health_status(self, service: str = "") -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def log_lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def containers(self) -> list[str]:
+        listed = subprocess.run(
+            ["runsc", f"--root={self.state_dir}", "list", "--quiet"], capture_output=True, text=True, timeout=30, check=True
+        )
+        return listed.stdout.split()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def readie_command() -> list[str]:
+    entry_point = Path(sys.executable).with_name("readie")
+    if entry_point.exists():
+        return [str(entry_point)]
+    return [sys.executable, "-c", "import sys; from readie._cli import main; sys.exit(main())"]
+
+
+def start_worker(base: Path, name: str, warm: str = "base=1") -> WorkerProcess:
+    port = free_port()
+    state_dir, run_dir, log_path = base / "state", base / "run", base / "worker.log"
+    command = [
+        *readie_command(),
+        "worker",
+        f"--listen=127.0.0.1:{port}",
+        f"--manifest={CHECKPOINTS / 'manifest.json'}",
+        f"--state-dir={state_dir}",
+        f"--run-dir={run_dir}",
+        f"--warm={warm}",
+        "--slots=2",
+        f"--name={name}",
+        "--drain-grace=20",
+        "--log=json",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    worker = WorkerProcess(process, port, state_dir, log_path, grpc.insecure_channel(f"127.0.0.1:{port}"))
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"worker exited {process.returncode} at start:\n{log_path.read_text()}")
+        try:
+            if worker.health_status() == SERVING:
+                return worker
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"worker not serving after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}")
+        time.sleep(0.1)
+
+
+def stop_worker(worker: WorkerProcess) -> int:
+    if worker.process.poll() is None:
+        worker.process.send_signal(signal.SIGTERM)
+    try:
+        return worker.process.wait(EXIT_TIMEOUT_S)
+    finally:
+        worker.channel.close()
+        if worker.process.poll() is None:
+            worker.process.kill()
+
+
+@pytest.fixture(scope="module")
+def worker_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="rg-", dir="/tmp"))  # short: sandbox socket paths
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def worker(worker_dir: Path) -> Iterator[WorkerProcess]:
+    process = start_worker(worker_dir, "worker-a")
+    yield process
+    assert stop_worker(process) == 0, process.log_path.read_text()[-3000:]
+    assert process.containers() == []
+
+
+def run(worker: WorkerProcess, code: str, timeout: float = 30, **fields) -> pb.RunJobResponse:
+    return worker.stub.RunJob(pb.RunJobRequest(checkpoint=fields.pop("checkpoint", "base"), code=code, **fields), timeout=timeout)
+
+
+def refusal(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value
+
+
+def test_health_is_serving_and_reflection_lists_the_services(worker):
+    assert worker.health_status() == SERVING
+    assert worker.health_status("readie.v1.Worker") == SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(worker.channel)
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="readie.v1.Worker"),
+    ]
+    listed, symbol = list(reflection.ServerReflectionInfo(iter(requests), timeout=10))
+    services = {service.name for service in listed.list_services_response.service}
+    assert {"readie.v1.Worker", "grpc.health.v1.Health"} <= services
+    assert b"readie/v1/worker.proto" in symbol.file_descriptor_response.file_descriptor_proto[0]
+
+
+def test_capacity_reports_slots_pools_and_the_protocol(worker):
+    reply = worker.stub.Capacity(pb.CapacityRequest(), timeout=5)
+    assert (reply.slots, reply.draining, reply.isolated, reply.worker_name) == (2, False, True, "worker-a")
+    assert reply.protocol == WORKER_PROTOCOL
+    assert reply.pools["base"].target == 1
+    assert set(reply.pools) == {checkpoint["name"] for checkpoint in json.loads((CHECKPOINTS / "manifest.json").read_text())["checkpoints"]}
+
+
+def test_a_job_prints_in_a_restored_gvisor_sandbox(worker):
+    reply = run(worker, "import sys\nprint('hello over grpc', sys.argv[1:])", args=["a", "b"])
+    assert (reply.exit, reply.stdout, reply.HasField("error")) == (0, "hello over grpc ['a', 'b']\n", False)
+    assert reply.backend == "gvisor:runsc-restore" and reply.sandbox_id.startswith("rd-")
+    assert reply.python.startswith("3.11") and reply.duration_us > 0
+
+
+def test_a_failing_job_is_ok_at_the_rpc_level_with_its_error(worker):
+    reply = run(worker, "x = 1\nraise ValueError('bad value')\n", name="step.py")
+    assert reply.exit == 1
+    assert (reply.error.type, reply.error.message, reply.error.file, reply.error.line) == ("ValueError", "bad value", "step.py", 2)
+
+
+def test_request_errors_are_invalid_argument_naming_the_field(worker, tmp_path):
+    unknown = refusal(lambda: run(worker, "pass", checkpoint="no-such-checkpoint"))
+    assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(unknown.trailing_metadata())["readie-field"] == "checkpoint"
+    assert "no-such-checkpoint" in unknown.details()
+
+    manifest = json.loads((CHECKPOINTS / "manifest.json").read_text())
+    too_many = [str(tmp_path)] * (manifest["mount_plan"]["read"] + 1)
+    grants = refusal(lambda: run(worker, "pass", allow_read=too_many))
+    assert grants.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(grants.trailing_metadata()) == {"readie-error": "RequestError", "readie-field": "allow_read"}
+    assert "slots" in grants.details()
+
+    negative = refusal(lambda: run(worker, "pass", timeout_ms=-5))
+    assert (negative.code(), dict(negative.trailing_metadata())["readie-field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "timeout_ms")
+
+
+def _square_and_shout(x: int) -> dict:
+    import sys
+
+    print("computing in the sandbox")
+    return {"square": x * x, "python": sys.version_info[:2]}
+
+
+def _raise_lookup() -> None:
+    raise LookupError("not in the sandbox either")
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def _call(func, *args) -> bytes:
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)  # the sandbox cannot import this test module
+    try:
+        return cloudpickle.dumps({"func": func, "args": args, "kwargs": {}})
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
+def test_execute_runs_a_cloudpickled_function_and_returns_its_envelope(worker):
+    reply = worker.stub.Execute(pb.ExecuteRequest(checkpoint="base", payload=_call(_square_and_shout, 12)), timeout=30)
+    envelope = cloudpickle.loads(reply.envelope)  # we are the client: it is our own function's answer
+    assert envelope == {"ok": True, "value": {"square": 144, "python": (3, 11)}, "output": ["computing in the sandbox\n"]}
+    assert reply.duration_us > 0
+
+    failed = cloudpickle.loads(worker.stub.Execute(pb.ExecuteRequest(checkpoint="base", payload=_call(_raise_lookup)), timeout=30).envelope)
+    assert (failed["ok"], failed["exc_type"], failed["message"]) == (False, "LookupError", "not in the sandbox either")
+
+
+def test_an_execute_past_its_timeout_is_deadline_exceeded(worker):
+    late = refusal(lambda: worker.stub.Execute(pb.ExecuteRequest(checkpoint="base", payload=_call(_sleep, 30), timeout_ms=1000), timeout=30))
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert dict(late.trailing_metadata())["readie-error"] == "ExecutorTimeout"
+
+
+def test_the_callers_deadline_ends_a_job_that_asked_for_longer(worker):
+    started = time.monotonic()
+    late = refusal(lambda: run(worker, "while True:\n    pass\n", timeout=2, timeout_ms=600_000))
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The sandbox is killed at the caller's deadline, not after ten minutes: the slot frees up.
+    while worker.stub.Capacity(pb.CapacityRequest(), timeout=5).busy:
+        assert time.monotonic() - started < 15, "the job outlived its caller's deadline"
+        time.sleep(0.1)
+
+
+def test_two_workers_serve_at_once_each_in_its_own_state_dir(worker):
+    second_dir = Path(tempfile.mkdtemp(prefix="rg-", dir="/tmp"))
+    second = start_worker(second_dir, "worker-b")
+    try:
+        assert second.port != worker.port and second.state_dir != worker.state_dir
+        assert second.stub.Capacity(pb.CapacityRequest(), timeout=5).worker_name == "worker-b"
+        replies: dict[str, pb.RunJobResponse] = {}
+        code = "import time\ntime.sleep(2)\nprint('done')"
+        threads = [
+            threading.Thread(target=lambda key=key, target=target: replies.__setitem__(key, run(target, code)))
+            for key, target in (("a", worker), ("b", second))
+        ]
+        for thread in threads:
+            thread.start()
+        # While both jobs run, each state dir holds its own worker's sandboxes only.
+        deadline = time.monotonic() + 20
+        while not (worker.stub.Capacity(pb.CapacityRequest(), timeout=5).busy and second.stub.Capacity(pb.CapacityRequest(), timeout=5).busy):
+            assert time.monotonic() < deadline, "the two jobs never ran at the same time"
+            time.sleep(0.05)
+        during_a, during_b = set(worker.containers()), set(second.containers())
+        for thread in threads:
+            thread.join(30)
+        assert all(reply.exit == 0 and reply.stdout == "done\n" for reply in replies.values()), replies
+        assert replies["a"].sandbox_id != replies["b"].sandbox_id
+        assert replies["a"].sandbox_id in during_a and replies["a"].sandbox_id not in during_b
+        assert replies["b"].sandbox_id in during_b and replies["b"].sandbox_id not in during_a
+    finally:
+        code = stop_worker(second)
+        leftovers = second.containers()
+        shutil.rmtree(second_dir, ignore_errors=True)
+    assert (code, leftovers) == (0, [])
+
+
+def test_sigterm_finishes_the_running_job_refuses_new_work_and_exits_0(worker):
+    marker = "CAPTURED-OUTPUT-NEVER-LOGGED"
+    running = worker.stub.RunJob.future(
+        pb.RunJobRequest(checkpoint="base", code=f"import time\ntime.sleep(3)\nprint({marker!r})"), timeout=60
+    )
+    deadline = time.monotonic() + 20
+    while not worker.stub.Capacity(pb.CapacityRequest(), timeout=5).busy:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+
+    worker.process.send_signal(signal.SIGTERM)
+    while worker.health_status() != NOT_SERVING:
+        assert time.monotonic() < deadline + 5, "health never turned NOT_SERVING"
+        time.sleep(0.05)
+    refused = refusal(lambda: run(worker, "print('too late')"))
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+
+    reply = running.result()
+    assert (reply.exit, reply.stdout) == (0, marker + "\n")
+    assert worker.process.wait(EXIT_TIMEOUT_S) == 0
+    assert worker.containers() == []
+
+    lines = worker.log_lines()
+    assert marker not in worker.log_path.read_text()
+    jobs = [line for line in lines if line.get("event") == "job" and line.get("sandbox") == reply.sandbox_id]
+    assert len(jobs) == 1 and jobs[0]["exit"] == 0 and jobs[0]["duration_us"] > 0
+    assert any(line.get("event") == "drained" for line in lines)
