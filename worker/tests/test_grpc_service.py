@@ -49,7 +49,7 @@ class FakeWorker:
             self.release.wait(10)
         return JobOutcome(0, "out", "", False, False, None, 10, "3.11.2", (), "rd-fake", "fake")
 
-    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float) -> bytes:
+    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None) -> bytes:
         self.calls.append((checkpoint, payload, timeout_s))
         return self.envelope
 

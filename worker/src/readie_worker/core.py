@@ -8,6 +8,7 @@ is a plain count that placement can trust.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import threading
 import time
@@ -60,11 +61,14 @@ class WorkerConfig:
     network_backend: str = "none"
     # Run once in the new namespace ({netns} is its name), e.g. to add a veth for egress.
     network_setup: str | None = None
+    # A directory the worker created for itself and removes on close.
+    scratch: Path | None = None
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
+        """State and sandbox dirs in a fresh temp dir that the worker removes on close."""
         base = Path(tempfile.mkdtemp(prefix="rw-", dir="/tmp"))
-        return cls(manifest=manifest, state_dir=base / "state", run_dir=base / "run", **overrides)  # type: ignore[arg-type]
+        return cls(manifest=manifest, state_dir=base / "state", run_dir=base / "run", scratch=base, **overrides)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -93,6 +97,13 @@ class Worker:
         self.networked: dict[str, SandboxFactory] = {}
 
     def start(self) -> Worker:
+        try:
+            return self._start()
+        except BaseException:
+            self.close()  # whatever was started is torn down; nothing outlives a failed start
+            raise
+
+    def _start(self) -> Worker:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         if not runsc_module.available():
             return self._start_unisolated("runsc is not installed or the worker is not root")
@@ -221,7 +232,9 @@ class Worker:
             return UNISOLATED_PLAN
         return self.checkpoints.manifest.mount_plan
 
-    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float) -> bytes:
+    def execute_call(
+        self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None
+    ) -> bytes:
         """A readie-style call: pickled function in, envelope bytes out, never opened here."""
         with self._slot():
             pool = self.pools.get(checkpoint)
@@ -229,7 +242,7 @@ class Worker:
                 raise RequestError(f"no checkpoint named {checkpoint!r} on this worker", field="checkpoint")
             sandbox = pool.take()
             try:
-                return sandbox.call(payload, timeout=timeout_s)
+                return sandbox.call(payload, timeout=timeout_s, max_response=max_response)
             finally:
                 sandbox.destroy()
 
@@ -260,6 +273,8 @@ class Worker:
             self.runsc.sweep()
         if self.namespace is not None:
             self.namespace.delete()
+        if self.config.scratch is not None and not (self.isolated and self.runsc.list_ids()):
+            shutil.rmtree(self.config.scratch, ignore_errors=True)
 
     def _slot(self):  # noqa: ANN202 - context manager
         return _SlotGuard(self)

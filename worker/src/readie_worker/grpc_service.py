@@ -133,7 +133,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         timeout = timeout_ms(request, context.time_remaining())
         call.bind(checkpoint=checkpoint, timeout_ms=timeout, payload_bytes=len(payload))
         started = time.monotonic()
-        envelope = self.worker.execute_call(checkpoint, payload, timeout / 1000)
+        envelope = self.worker.execute_call(checkpoint, payload, timeout / 1000, max_response=MAX_ENVELOPE_BYTES)
         duration_us = int((time.monotonic() - started) * 1_000_000)
         call.bind(envelope_bytes=len(envelope), call_us=duration_us)
         if len(envelope) > MAX_ENVELOPE_BYTES:
