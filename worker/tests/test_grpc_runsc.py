@@ -35,99 +35,19 @@ pytestmark = pytest.mark.runsc
 
 from conftest import CHECKPOINTS  # noqa: E402
 
-# Start-up is a manifest check and a sweep; pools fill in the background.
-STARTUP_TIMEOUT_S = 30.0
-# A drain with nothing running takes well under a second; the rest is margin.
-EXIT_TIMEOUT_S = 30.0
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass
-class WorkerProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-    state_dir: Path
-    log_path: Path
-    channel: grpc.Channel
-
-    @property
-    def stub(self) -> pb_grpc.WorkerStub:
-        return pb_grpc.WorkerStub(self.channel)
-
-    @property
-    def health(self) -> health_pb2_grpc.HealthStub:
-        return health_pb2_grpc.HealthStub(self.channel)
-
-    def health_status(self, service: str = "") -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-
-    def log_lines(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-
-    def containers(self) -> list[str]:
-        listed = subprocess.run(
-            ["runsc", f"--root={self.state_dir}", "list", "--quiet"], capture_output=True, text=True, timeout=30, check=True
-        )
-        return listed.stdout.split()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def readie_command() -> list[str]:
-    entry_point = Path(sys.executable).with_name("readie")
-    if entry_point.exists():
-        return [str(entry_point)]
-    return [sys.executable, "-c", "import sys; from readie._cli import main; sys.exit(main())"]
+from readie_worker.testing import (  # noqa: E402
+    EXIT_TIMEOUT_S,
+    NOT_SERVING,
+    SERVING,
+    WorkerProcess,
+    free_port,
+    stop_worker,
+)
+from readie_worker.testing import start_worker as _start_worker  # noqa: E402
 
 
 def start_worker(base: Path, name: str, warm: str = "base=1") -> WorkerProcess:
-    port = free_port()
-    state_dir, run_dir, log_path = base / "state", base / "run", base / "worker.log"
-    command = [
-        *readie_command(),
-        "worker",
-        f"--listen=127.0.0.1:{port}",
-        f"--manifest={CHECKPOINTS / 'manifest.json'}",
-        f"--state-dir={state_dir}",
-        f"--run-dir={run_dir}",
-        f"--warm={warm}",
-        "--slots=2",
-        f"--name={name}",
-        "--drain-grace=20",
-        "--log=json",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    worker = WorkerProcess(process, port, state_dir, log_path, grpc.insecure_channel(f"127.0.0.1:{port}"))
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"worker exited {process.returncode} at start:\n{log_path.read_text()}")
-        try:
-            if worker.health_status() == SERVING:
-                return worker
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"worker not serving after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}")
-        time.sleep(0.1)
-
-
-def stop_worker(worker: WorkerProcess) -> int:
-    if worker.process.poll() is None:
-        worker.process.send_signal(signal.SIGTERM)
-    try:
-        return worker.process.wait(EXIT_TIMEOUT_S)
-    finally:
-        worker.channel.close()
-        if worker.process.poll() is None:
-            worker.process.kill()
+    return _start_worker(base, name, CHECKPOINTS / "manifest.json", warm)
 
 
 @pytest.fixture(scope="module")

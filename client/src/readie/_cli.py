@@ -12,7 +12,9 @@ import sys
 # subcommand -> module whose main(argv) serves it (argv includes the subcommand)
 SUBCOMMANDS = {
     "capture": "readie_pipeline.cli",
+    "pool": "readie_router.pool_cli",
     "rootfs": "readie_pipeline.cli",
+    "router": "readie_router.router_cli",
     "worker": "readie_worker.cli",
 }
 

@@ -21,6 +21,7 @@ from readie_executor.jobs import bounds
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from .core import Capacity
+from ._job_result import JobError
 from .errors import RequestError
 from .jobs import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
 from .packages import validate_requirements
@@ -201,3 +202,55 @@ def _optional_int(message: Message, field: str, low: int, high: int, default: in
     if not low <= value <= high:
         raise RequestError(f"must be between {low} and {high}, got {value}", field=field)
     return value
+
+
+# The other direction: what a router (or any client of a worker) sends and reads.
+
+
+def run_job_request(job: CodeJob) -> pb.RunJobRequest:
+    request = pb.RunJobRequest(
+        checkpoint=job.checkpoint,
+        code=job.code,
+        name=job.name,
+        args=job.args,
+        env=dict(job.env),
+        cwd=job.cwd,
+        allow_read=job.allow_read,
+        allow_write=job.allow_write,
+        package_dirs=job.package_dirs,
+        network=job.network,
+        timeout_ms=job.timeout_ms,
+        max_output=job.max_output,
+        packages=job.packages,
+    )
+    if job.memory_bytes is not None:
+        request.memory_bytes = job.memory_bytes
+    if job.max_file_size is not None:
+        request.max_file_size = job.max_file_size
+    return request
+
+
+def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
+    error = None
+    if response.HasField("error"):
+        e = response.error
+        error = JobError(
+            type=e.type,
+            message=e.message,
+            file=e.file if e.HasField("file") else None,
+            line=e.line if e.HasField("line") else None,
+            hint=e.hint if e.HasField("hint") else None,
+        )
+    return JobOutcome(
+        exit=response.exit if response.HasField("exit") else None,
+        stdout=response.stdout,
+        stderr=response.stderr,
+        stdout_truncated=response.stdout_truncated,
+        stderr_truncated=response.stderr_truncated,
+        error=error,
+        duration_us=response.duration_us,
+        python=response.python,
+        preloaded_modules=tuple(response.preloaded_modules),
+        sandbox_id=response.sandbox_id if response.HasField("sandbox_id") else None,
+        backend=response.backend,
+    )

@@ -106,3 +106,24 @@ def grpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
             log.error("rpc failed with an unexpected error", exc_info=True)
         context.set_trailing_metadata(status.metadata)
         context.abort(status.code, status.details)
+
+
+def error_from_status(error: grpc.RpcError) -> ReadieError:
+    """The readie error a failed call to a worker stands for: the inverse of :func:`status_for`.
+
+    A call that failed without readie's metadata never got an answer from the
+    worker's code (connection reset, worker gone): it may have run, so it is
+    a PoolWorkerError and must not be retried blindly.
+    """
+    metadata = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    kind = metadata.get(ERROR_METADATA_KEY)
+    code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
+    if kind == "RequestError":
+        field = metadata.get(FIELD_METADATA_KEY)
+        prefix = f"{field}: "
+        return RequestError(details.removeprefix(prefix) if field else details, field=field)
+    if kind is not None and code == grpc.StatusCode.UNAVAILABLE:
+        return SandboxSetupError(details)  # refused before anything ran: another worker may take it
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ExecutorTimeout(details or "deadline exceeded")
+    return PoolWorkerError(f"worker call failed ({code.name}): {details}")

@@ -178,13 +178,14 @@ def serve(
     *,
     name: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    threads: int | None = None,
 ) -> WorkerServer:
     """Serve a started ``worker`` on ``address`` ("host:port"; port 0 picks a free one).
 
     ``name`` is what Capacity reports; by default the host name and the bound port.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=worker.config.slots + RPC_HEADROOM_THREADS, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=threads or worker.capacity().slots + RPC_HEADROOM_THREADS, thread_name_prefix="rpc"),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

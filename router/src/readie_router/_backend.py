@@ -1,0 +1,166 @@
+"""Where the pool's jobs run: the :class:`JobBackend` seam and the in-process worker behind it.
+
+The pool engine (``_pool``) only knows :class:`JobBackend`: hand it a
+:class:`~readie_worker.jobs.CodeJob`, await a
+:class:`~readie_worker.jobs.JobOutcome`. Today the one implementation is
+:class:`LocalWorkerBackend`, which owns a :class:`~readie_worker.core.Worker`
+in this process and runs its blocking ``run_job`` on threads. A remote
+router (gRPC placement over many workers) is a second implementation of the
+same two methods; nothing above the seam changes.
+
+The contract every backend keeps:
+
+* ``run`` either returns an outcome (the job ran, or the worker explains why
+  it could not: timeout, crash, setup failure) or raises a
+  :class:`~readie_worker.errors.ReadieError`: ``RequestError`` for a job the
+  worker refuses (too many grants, no network backend), ``PoolWorkerError``
+  when it cannot be reached or is shutting down;
+* ``close`` ends everything the backend started (no runsc container is left)
+  and may be called more than once; a ``run`` after ``close`` raises
+  ``PoolWorkerError`` without touching the worker. Jobs still running when
+  ``close`` starts end with a worker error: a graceful drain is the pool
+  engine's business (it waits for its jobs before closing).
+
+Choosing the checkpoint from the operator's preload set is here too
+(:func:`choose_checkpoint`), since it is the local worker that needs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from readie_worker.core import Worker, WorkerConfig
+from readie_worker.errors import PoolWorkerError, SandboxSetupError
+from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
+
+__all__ = [
+    "CHECKPOINT_PLAN",
+    "WARM_TIMEOUT_S",
+    "JobBackend",
+    "LocalWorkerBackend",
+    "choose_checkpoint",
+    "manifest_path",
+]
+
+log = structlog.get_logger("readie.pool")
+
+#: Where operators add checkpoints; named in the start-up refusal.
+CHECKPOINT_PLAN = "pipeline/src/readie_pipeline/checkpoints.toml"
+#: How long start-up waits for the warm sandboxes before announcing ready
+#: anyway. A restore takes 0.3-0.7 s here and refills run one at a time, so
+#: this covers dozens of workers; past it the first jobs restore their own.
+WARM_TIMEOUT_S = 60.0
+
+
+class JobBackend(Protocol):
+    """Runs code jobs for the pool engine; see the module docstring for the contract."""
+
+    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalWorkerBackend:
+    """A :class:`Worker` in this process, its blocking ``run_job`` on ``slots`` threads."""
+
+    def __init__(self, worker: Worker, slots: int) -> None:
+        self.worker = worker
+        self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
+        self._closed = False
+
+    @classmethod
+    def start(
+        cls, config: WorkerConfig, checkpoint: str, *, warm_timeout_s: float = WARM_TIMEOUT_S
+    ) -> LocalWorkerBackend:
+        """Start a worker, check it can serve ``checkpoint`` and wait for its warm sandboxes.
+
+        Blocking; raises :class:`ReadieError` (after cleaning up) when the
+        worker cannot serve.
+        """
+        worker = Worker(config).start()
+        try:
+            pool = worker.pools.get(checkpoint)
+            if pool is None:
+                raise SandboxSetupError(_unusable(worker, checkpoint))
+            if not pool.wait_until_full(warm_timeout_s):
+                log.warning(
+                    "warm sandboxes not ready in time; first jobs restore their own",
+                    checkpoint=checkpoint,
+                    ready=pool.ready_count,
+                    target=pool.target,
+                )
+        except BaseException:
+            worker.close()
+            raise
+        return cls(worker, config.slots)
+
+    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
+        if self._closed:
+            raise PoolWorkerError("the pool is shutting down; the job did not run")
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.worker.run_job, job, job_id)
+        return await loop.run_in_executor(self._threads, call)
+
+    async def close(self) -> None:
+        self._closed = True
+        # Destroys warm sandboxes and sweeps the state dir: a job still
+        # running loses its sandbox and ends with a worker error.
+        await asyncio.to_thread(self.worker.close)
+        # A thread that was restoring when the sweep ran may have made a
+        # sandbox after it; once every thread is done, sweep again.
+        await asyncio.to_thread(self._threads.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.worker.close)
+
+
+def _unusable(worker: Worker, checkpoint: str) -> str:
+    problems = worker.checkpoints.problems if worker.checkpoints is not None else {}
+    reason = problems.get(checkpoint) or problems.get("*") or "the worker did not load it"
+    return f"checkpoint {checkpoint!r} cannot be used: {reason}"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def manifest_path(given: str | Path) -> Path:
+    """The manifest file for ``--checkpoints``: a manifest, or the directory holding one."""
+    path = Path(given)
+    return path / MANIFEST_NAME if path.is_dir() else path
+
+
+def choose_checkpoint(path: Path, preload: Iterable[str]) -> tuple[Manifest, Checkpoint]:
+    """The checkpoint whose pre-imports are exactly ``preload``; ReadieError when none is.
+
+    Order does not matter (``pandas,numpy`` and ``numpy,pandas`` are one
+    set): a checkpoint's preimport list is the order the capture imported
+    them, which a job cannot observe.
+    """
+    if not path.exists():
+        raise SandboxSetupError(
+            f"no checkpoint manifest at {path}: build the checkpoints with `make capture`, "
+            "or point --checkpoints (or READIE_CHECKPOINTS) at them"
+        )
+    manifest = read_manifest(path)
+    wanted = frozenset(preload)
+    for checkpoint in manifest.checkpoints.values():
+        if frozenset(checkpoint.preimport) == wanted:
+            return manifest, checkpoint
+    have = "; ".join(
+        f"{c.name} [{', '.join(c.preimport)}]" for c in manifest.checkpoints.values()
+    ) or "none"
+    listed = ", ".join(f'"{name}"' for name in sorted(wanted))
+    raise SandboxSetupError(
+        f"no checkpoint in {path} preloads exactly [{', '.join(sorted(wanted))}] "
+        f"(have: {have}). To capture one, add a table to {CHECKPOINT_PLAN}:\n"
+        f"    [checkpoints.NAME]\n    preimport = [{listed}]\n"
+        "(packages that are not in the standard library go into [site].requirements too), "
+        "then run `make capture`"
+    )
+

@@ -1,0 +1,478 @@
+"""The pool engine: JSONL requests in, results out in completion order, over any byte streams.
+
+One asyncio task reads (intake), one writes, and each accepted job is a task
+of its own that waits for one of ``workers`` slots and then for the
+:class:`~readie_router._backend.JobBackend`. Everything the protocol decides
+is delegated to the pure layers: ``_lines`` splits, ``_requests`` parses,
+``_policy`` resolves, ``_results`` and ``_events`` build what is written.
+
+Backpressure (the spec: "the pool's queue holds twice the worker count and
+stdout backpressure blocks it"): every line the pool accepts holds one of
+``QUEUE_FACTOR * workers`` permits until the line that answers it has been
+written to stdout. Intake takes a permit before it takes the next line, so
+with the permits gone it stops reading stdin, and a client that does not
+read stdout stops the pool taking work once its results fill the pipe.
+Every accepted line is answered by exactly one output line (a result, a
+refusal or a stats event), which is what keeps the count exact.
+
+Lifecycle, one direction only::
+
+    SERVING --(EOF on stdin, stdout failed, or first drain())--> DRAINING
+    DRAINING --(second drain())--> ABORTING
+
+Draining stops intake (lines not yet read are never answered), lets every
+accepted job finish and writes its result. Aborting closes the backend at
+once, so running jobs end with a worker error; their results are still
+written if stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import importlib.util
+import os
+import stat
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from readie_executor.jobs import bounds
+from readie_worker.jobs import CodeJob
+
+from ._backend import JobBackend
+from ._config import Config
+from ._errors import PoolWorkerError, ReadieError, RequestError
+from ._events import JobResult, RuntimeInfo, Stats, job_log_line, ready_event, result_line
+from ._lines import LineEvent, LineSplitter
+from ._policy import NO_LIMITS, Policy, resolve_policy, resolve_script
+from ._requests import (
+    CloseSession,
+    JobRequest,
+    Refused,
+    ReplyRequest,
+    Request,
+    StatsRequest,
+    parse_event,
+)
+from ._results import job_result
+from ._wire import encode_line
+
+__all__ = [
+    "ABORT_WRITE_GRACE_S",
+    "FALLBACK_CWD",
+    "MAX_SCRIPT_BYTES",
+    "QUEUE_FACTOR",
+    "ByteSink",
+    "ByteSource",
+    "PoolEngine",
+    "PoolSetup",
+    "PoolState",
+]
+
+log = structlog.get_logger("readie.pool")
+
+#: The spec: "the pool's queue holds twice the worker count". One batch runs
+#: while the next waits, so a worker never idles between jobs, and no more.
+QUEUE_FACTOR = 2
+#: A script is read whole into the pool and sent as the job's code; every
+#: queued job may hold one. 16 MiB is far beyond hand-written code and keeps
+#: a queue of 2 x workers bounded. (Inline code is bounded by the 1 MiB line.)
+MAX_SCRIPT_BYTES = 16 * 1024 * 1024
+#: The largest max_output the in-sandbox runner accepts (its capture ceiling).
+MAX_OUTPUT_BYTES = bounds.MAX_OUTPUT_LIMIT
+#: Working directory of a job that cannot see the pool's (see ``_job_cwd``):
+#: the sandbox's own /tmp, which is also the job's HOME.
+FALLBACK_CWD = "/tmp"
+#: After a second signal: how long the pool still tries to write the results
+#: of the jobs it stopped before giving up on a stdout nobody reads.
+ABORT_WRITE_GRACE_S = 5.0
+
+_SESSIONS_LATER = "sessions are not supported by readie pool yet"
+_FUNCTIONS_LATER = "host functions are not supported by readie pool yet"
+
+
+class PoolState(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    ABORTING = "aborting"
+
+
+# The only moves a pool makes; anything else is a bug.
+_TRANSITIONS = {
+    PoolState.SERVING: frozenset({PoolState.DRAINING}),
+    PoolState.DRAINING: frozenset({PoolState.ABORTING}),
+    PoolState.ABORTING: frozenset(),
+}
+
+
+class ByteSource(Protocol):
+    async def read(self) -> bytes:
+        """The next bytes, ``b""`` at the end."""
+        ...
+
+
+class ByteSink(Protocol):
+    async def write(self, data: bytes) -> None:
+        """Returns once ``data`` is written; raises OSError when it cannot be."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSetup:
+    """What the operator fixed at start-up; nothing here comes off the wire."""
+
+    workers: int
+    checkpoint: str
+    runtime: RuntimeInfo
+    cwd: Path  # absolute and resolved; relative request paths resolve against it
+    config: Config = Config()
+    package_dirs: tuple[Path, ...] = ()  # the pool's own, absolute; every job gets them
+    log_jobs: bool = False  # --log=json: one job_log_line per finished job
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if not self.cwd.is_absolute():
+            raise ValueError(f"cwd must be absolute, got {self.cwd}")
+
+    @property
+    def queue_limit(self) -> int:
+        return QUEUE_FACTOR * self.workers
+
+
+class PoolEngine:
+    """Serves one pool session over a byte source and sink; see the module docstring."""
+
+    def __init__(
+        self,
+        setup: PoolSetup,
+        backend: JobBackend,
+        *,
+        log_line: Callable[[str], None] | None = None,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        wall_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
+        self.setup = setup
+        self.backend = backend
+        self.stats = Stats()
+        self.state = PoolState.SERVING
+        self._log_line = log_line
+        self._now_ns = monotonic_ns
+        self._wall_ms = wall_ms
+        self._started_ns = monotonic_ns()
+        self._permits = asyncio.BoundedSemaphore(setup.queue_limit)
+        self._slots = asyncio.Semaphore(setup.workers)
+        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._intake_task: asyncio.Task[None] | None = None
+        self._aborted = asyncio.Event()
+        self._drain_calls = 0
+        self._output_lost = False
+        self.accepted = 0  # lines accepted so far (tests and logs)
+
+    # ------------------------------------------------------------------ control
+
+    def drain(self) -> None:
+        """Stop taking lines and finish what was accepted; a second call aborts.
+
+        Only calls count (one per signal): a pool already draining because
+        stdin ended still drains gracefully on the first signal, so a
+        supervisor that closes stdin and then sends SIGTERM loses no job.
+        """
+        self._drain_calls += 1
+        if self._drain_calls == 1:
+            self._stop_intake("draining: no new requests; finishing accepted jobs")
+        elif self.state is PoolState.DRAINING:
+            log.warning("aborting: stopping running jobs", running=len(self._jobs))
+            self._move(PoolState.ABORTING)
+            self._aborted.set()
+
+    def _stop_intake(self, why: str) -> None:
+        if self.state is PoolState.SERVING:
+            log.info(why, running=len(self._jobs))
+            self._move(PoolState.DRAINING)
+        if self._intake_task is not None:
+            self._intake_task.cancel()
+
+    def _move(self, state: PoolState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"pool cannot go from {self.state.value} to {state.value}")
+        self.state = state
+
+    async def serve(self, source: ByteSource, sink: ByteSink) -> int:
+        """Write the ready event, serve until EOF or drain, return the exit status.
+
+        0 when every accepted line was answered on stdout; 1 when stdout
+        failed or an abort gave up on writing.
+        """
+        try:
+            await sink.write(encode_line(self._ready()))
+        except OSError as exc:
+            log.error("cannot write the ready event", error=str(exc))
+            return 1
+        writer = asyncio.create_task(self._write_out(sink), name="readie-pool-writer")
+        self._intake_task = asyncio.create_task(self._intake(source), name="readie-pool-intake")
+        if self.state is not PoolState.SERVING:  # drained before serving began
+            self._intake_task.cancel()
+        await asyncio.wait({self._intake_task})
+        if not self._intake_task.cancelled() and self._intake_task.exception() is not None:
+            error = self._intake_task.exception()
+            log.error("intake failed; draining", error=f"{type(error).__name__}: {error}")
+        if self.state is PoolState.SERVING:
+            self._move(PoolState.DRAINING)  # EOF
+        finishing = asyncio.create_task(self._finish_all(writer), name="readie-pool-finish")
+        aborted = asyncio.create_task(self._aborted.wait())
+        await asyncio.wait({finishing, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        if not finishing.done():
+            # Abort: the backend's close ends running jobs; their results follow.
+            await self.backend.close()
+            done, _ = await asyncio.wait({finishing}, timeout=ABORT_WRITE_GRACE_S)
+            if not done:
+                log.error("gave up writing results after an abort")
+                finishing.cancel()
+                writer.cancel()
+                for job in list(self._jobs):
+                    job.cancel()
+                return 1
+        aborted.cancel()
+        return 1 if self._output_lost else 0
+
+    async def _finish_all(self, writer: asyncio.Task[None]) -> None:
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
+        self._outbox.put_nowait(None)
+        await writer
+
+    # ------------------------------------------------------------------ intake
+
+    async def _intake(self, source: ByteSource) -> None:
+        splitter = LineSplitter()
+        pending: deque[LineEvent] = deque()
+        while True:
+            await self._permits.acquire()
+            while not pending and not splitter.ended:
+                try:
+                    data = await source.read()
+                except OSError as exc:
+                    log.error("cannot read stdin; treating it as ended", error=str(exc))
+                    data = b""
+                pending.extend(splitter.feed(data))
+            if not pending:
+                self._permits.release()
+                return
+            event = pending.popleft()
+            self.accepted += 1
+            try:
+                self._accept(event, self._now_ns())
+            except Exception as exc:  # a bug must cost one line, never the pool
+                log.exception("internal error handling a line")
+                self._finish(JobResult.from_error(None, PoolWorkerError(f"internal error: {exc}")))
+
+    def _accept(self, event: LineEvent, parsed_at: int) -> None:
+        """Answer ``event`` now, or start the task that will. Exactly one answer either way."""
+        request = parse_event(event)
+        refusal = _unsupported(request)
+        if refusal is not None:
+            request = refusal
+        if isinstance(request, Refused):
+            self._finish(JobResult.refused(request, self.setup.runtime))
+        elif isinstance(request, StatsRequest):
+            self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers))
+        elif isinstance(request, JobRequest):
+            task = asyncio.create_task(self._run(request, parsed_at))
+            self._jobs.add(task)
+            task.add_done_callback(self._jobs.discard)
+        else:  # pragma: no cover - _unsupported refused the rest
+            raise AssertionError(f"unhandled request {type(request).__name__}")
+
+    # ------------------------------------------------------------------ jobs
+
+    async def _run(self, request: JobRequest, parsed_at: int) -> None:
+        try:
+            result = await self._result_for(request, parsed_at)
+        except Exception as exc:  # a bug must cost this job, never the pool's accounting
+            log.exception("internal error running a job", id=request.id)
+            error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
+            result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
+        self._finish(result)
+
+    async def _result_for(self, request: JobRequest, parsed_at: int) -> JobResult:
+        runtime = self.setup.runtime
+        try:
+            policy = resolve_policy(
+                request,
+                cwd=self.setup.cwd,
+                limits=self.setup.config.limits,
+                profiles=self.setup.config.profile_map,
+                protected=self.setup.package_dirs,
+            )
+            job = await self._code_job(request, policy)
+        except ReadieError as exc:  # refused before anything ran: no policy, no queue time
+            return JobResult.from_error(request.id, exc, runtime=runtime)
+        async with self._slots:
+            queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
+            try:
+                outcome = await self.backend.run(job, str(request.id))
+            except RequestError as exc:  # the worker refused: nothing was granted
+                return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
+            except ReadieError as exc:
+                return JobResult.from_error(
+                    request.id, exc, runtime=runtime, policy=policy, queue_us=queue_us
+                )
+        return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
+
+    async def _code_job(self, request: JobRequest, policy: Policy) -> CodeJob:
+        setup = self.setup
+        if request.packages is not None and setup.config.limits is not NO_LIMITS:
+            # The ceiling has no key for packages; one that does not name a
+            # kind of grant grants none of it (see _policy.Limits).
+            raise RequestError(
+                "the pool's [pool.limits] ceiling does not allow per-request packages", "packages"
+            )
+        if policy.max_output > MAX_OUTPUT_BYTES:
+            raise RequestError(
+                f"{policy.max_output} bytes is above the sandbox's capture limit of "
+                f"{MAX_OUTPUT_BYTES}",
+                "max_output",
+            )
+        script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
+        if script is not None:
+            code = await asyncio.to_thread(read_script, script)
+            # What the request wrote, as python3 shows the path it was given.
+            name = request.name or str(request.script)
+        else:
+            code, name = request.code or "", request.name or "<string>"
+        package_dirs = dict.fromkeys((*setup.package_dirs, *policy.package_dirs))
+        return CodeJob(
+            checkpoint=setup.checkpoint,
+            code=code,
+            name=name,
+            args=request.args,
+            env=dict(policy.env),
+            cwd=_job_cwd(setup.cwd, policy),
+            allow_read=tuple(str(p) for p in policy.allow_read),
+            allow_write=tuple(str(p) for p in policy.allow_write),
+            package_dirs=tuple(str(p) for p in package_dirs),
+            packages=request.packages or (),
+            network=policy.network,
+            timeout_ms=policy.timeout_ms,
+            memory_bytes=policy.memory_bytes,
+            max_output=policy.max_output,
+            max_file_size=policy.max_file_size,
+        )
+
+    # ------------------------------------------------------------------ output
+
+    def _finish(self, result: JobResult) -> None:
+        self.stats.record(result)
+        if self._log_line is not None and self.setup.log_jobs:
+            line = encode_line(job_log_line(result, self._wall_ms()))
+            try:
+                self._log_line(line.decode("utf-8").rstrip("\n"))
+            except Exception:  # stderr gone: the result still goes out
+                pass
+        self._outbox.put_nowait(encode_line(result_line(result)))
+
+    def _answer(self, obj: dict[str, Any]) -> None:
+        self._outbox.put_nowait(encode_line(obj))
+
+    async def _write_out(self, sink: ByteSink) -> None:
+        while (data := await self._outbox.get()) is not None:
+            try:
+                if not self._output_lost:
+                    await sink.write(data)
+            except OSError as exc:
+                self._output_lost = True
+                log.error("stdout failed; results are dropped and the pool drains", error=str(exc))
+                self._stop_intake("stdout failed: draining")
+            finally:
+                self._permits.release()
+
+    def _ready(self) -> dict[str, Any]:
+        setup = self.setup
+        return ready_event(
+            workers=setup.workers,
+            preloaded_modules=setup.runtime.preloaded_modules,
+            package_dirs=setup.package_dirs,
+            config=setup.config.path,
+            profiles=setup.config.profile_names,
+        )
+
+    def _uptime_ms(self) -> int:
+        return (self._now_ns() - self._started_ns) // 1_000_000
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _unsupported(request: Request | Refused) -> Refused | None:
+    """Sessions and host functions come with the next issue; until then, a clear refusal."""
+    if isinstance(request, CloseSession):
+        return Refused(request.id, RequestError(_SESSIONS_LATER, "close"))
+    if isinstance(request, ReplyRequest):
+        return Refused(None, RequestError(f"{_FUNCTIONS_LATER}: no call awaits a reply", "reply"))
+    if isinstance(request, JobRequest):
+        if request.session is not None:
+            return Refused(request.id, RequestError(_SESSIONS_LATER, "session"))
+        if request.functions is not None:
+            return Refused(request.id, RequestError(_FUNCTIONS_LATER, "functions"))
+    return None
+
+
+def _job_cwd(cwd: Path, policy: Policy) -> str:
+    """The pool's working directory when the job can see it, else :data:`FALLBACK_CWD`.
+
+    Inside the sandbox a grant appears at its host path, and the directories
+    above it are created on the way (empty but for the grant). So the pool's
+    directory exists there exactly when a grant lies beneath it (or it lies
+    beneath a grant), and then relative paths in the code mean what the
+    request's relative grants meant. A job with no grant there sees nothing
+    of the pool's directory anyway.
+    """
+    for grant in (*policy.allow_read, *policy.allow_write):
+        if grant.is_relative_to(cwd) or cwd.is_relative_to(grant):
+            return str(cwd)
+    return FALLBACK_CWD
+
+
+def read_script(path: Path) -> str:
+    """The source of a script the pool runs, or RequestError naming ``script``.
+
+    Opened without blocking and checked to be a regular file, so a FIFO or a
+    device named as a script cannot hang the pool; decoded as python3 would
+    (a BOM or a coding cookie, else UTF-8).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RequestError(f"cannot open {str(path)!r}: {exc.strerror}", "script") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RequestError(f"{str(path)!r} is not a regular file", "script")
+        if info.st_size > MAX_SCRIPT_BYTES:
+            raise RequestError(
+                f"{str(path)!r} has {info.st_size} bytes; scripts may have {MAX_SCRIPT_BYTES}",
+                "script",
+            )
+        chunks = []
+        size = 0
+        while chunk := os.read(fd, 1024 * 1024):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_SCRIPT_BYTES:  # grew while we read it
+                raise RequestError(f"{str(path)!r} is larger than {MAX_SCRIPT_BYTES} bytes", "script")
+    except OSError as exc:
+        raise RequestError(f"cannot read {str(path)!r}: {exc.strerror}", "script") from None
+    finally:
+        os.close(fd)
+    try:
+        return importlib.util.decode_source(b"".join(chunks))
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise RequestError(f"{str(path)!r} is not readable as Python source: {exc}", "script") from None

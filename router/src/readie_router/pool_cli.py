@@ -1,0 +1,235 @@
+"""``readie pool``: the pool JSONL protocol on stdin and stdout, jobs in gVisor sandboxes.
+
+    readie pool --workers=2 [--preload=pandas,numpy] [--package-dir=DIR] [--config=readie.toml]
+                [--log=json] [--checkpoints=build/checkpoints] [--state-dir=DIR]
+
+The first stdout line is the ready event; then one result per request, in
+completion order. EOF on stdin, SIGTERM or SIGINT drain the pool: accepted
+jobs finish, their results are written, every sandbox is destroyed and the
+process exits 0. A second signal stops running jobs. See docs/pool.md.
+
+Start-up failures (a bad flag or config, no checkpoint for the preload set,
+no runsc) are reported on stderr before any ready event: exit 2 for usage
+and configuration, 1 for everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from readie_worker.core import WorkerConfig
+from readie_worker.errors import ReadieError
+from readie_worker.logs import configure_logging
+
+from ._backend import LocalWorkerBackend, choose_checkpoint, manifest_path
+from ._config import Config, CliOverrides, apply_cli, load_config
+from ._errors import ConfigError
+from ._events import RuntimeInfo
+from ._pool import PoolEngine, PoolSetup
+from ._stdio import FdReader, FdWriter
+
+__all__ = ["DEFAULT_CHECKPOINTS", "main"]
+
+log = structlog.get_logger("readie.pool")
+
+#: Where ``make capture`` writes the checkpoints, relative to the working directory.
+DEFAULT_CHECKPOINTS = Path("build/checkpoints/manifest.json")
+CHECKPOINTS_VARIABLE = "READIE_CHECKPOINTS"
+#: runsc --root for this pool alone; swept at start and at exit.
+STATE_DIR_VARIABLE = "READIE_STATE_DIR"
+# Sandbox socket paths live under the run dir and may not exceed 107 bytes,
+# so the scratch dir is a short one under /tmp, never the working directory.
+SCRATCH_PARENT = "/tmp"
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
+    configure_logging(json=args.log == "json")
+    if args.router is not None:
+        _fail(f"--router {args.router}: remote routers are not supported yet; "
+              "run without --router to use a worker in this process")
+        return EXIT_USAGE
+    try:
+        cwd = Path(os.path.realpath(os.getcwd()))
+        config = load_config(args.config) if args.config is not None else Config()
+        overrides = CliOverrides(
+            workers=args.workers,
+            preload=args.preload,
+            package_dirs=tuple(args.package_dir) if args.package_dir else None,
+            log=args.log,
+        )
+        settings = apply_cli(config.pool, overrides, cwd=cwd)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return EXIT_USAGE
+    _configure_logging(json=settings.log == "json")
+    checkpoints = args.checkpoints or os.environ.get(CHECKPOINTS_VARIABLE) or DEFAULT_CHECKPOINTS
+    try:
+        manifest, checkpoint = choose_checkpoint(manifest_path(checkpoints), settings.preload)
+        _check_package_dirs(settings.package_dirs, manifest.mount_plan.package_slots)
+    except ReadieError as exc:
+        _fail(str(exc))
+        return EXIT_FAILED
+    setup = PoolSetup(
+        workers=settings.workers,
+        checkpoint=checkpoint.name,
+        runtime=RuntimeInfo(python=manifest.python, preloaded_modules=checkpoint.preimport),
+        cwd=cwd,
+        config=config,
+        package_dirs=settings.package_dirs,
+        log_jobs=settings.log == "json",
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="rp-", dir=SCRATCH_PARENT))
+    state_dir = args.state_dir or os.environ.get(STATE_DIR_VARIABLE)
+    worker_config = WorkerConfig(
+        manifest=manifest_path(checkpoints),
+        state_dir=Path(state_dir) if state_dir else scratch / "state",
+        run_dir=scratch / "run",
+        warm={checkpoint.name: settings.workers},
+        slots=settings.workers,
+    )
+    # The protocol owns descriptors 0 and 1; anything else that writes to
+    # stdout (a library's print, a child process) goes to stderr instead,
+    # and nothing but the pool reads stdin.
+    protocol_in, protocol_out = _claim_stdio()
+    try:
+        return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _serve(setup: PoolSetup, worker_config: WorkerConfig, fd_in: int, fd_out: int) -> int:
+    signals = _Signals()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, signals.received, signum)
+    try:
+        backend = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint)
+    except ReadieError as exc:
+        _fail(f"cannot start the worker: {exc}")
+        return EXIT_FAILED
+    try:
+        if signals.count:
+            log.info("stopped before the pool was ready")
+            return 0
+        engine = PoolEngine(setup, backend, log_line=structlog.PrintLogger(sys.stderr).msg)
+        signals.engine = engine
+        log.info(
+            "pool ready",
+            workers=setup.workers,
+            checkpoint=setup.checkpoint,
+            state_dir=str(worker_config.state_dir),
+        )
+        return await engine.serve(FdReader(fd_in), FdWriter(fd_out))
+    finally:
+        await backend.close()
+        log.info("pool closed")
+
+
+class _Signals:
+    """SIGTERM and SIGINT: each one moves the engine a step further (drain, then abort)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.engine: PoolEngine | None = None
+
+    def received(self, signum: int) -> None:
+        self.count += 1
+        log.info("signal received", signal=signal.Signals(signum).name)
+        if self.engine is not None:
+            self.engine.drain()
+
+
+def _claim_stdio() -> tuple[int, int]:
+    protocol_in = os.dup(0)
+    protocol_out = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return protocol_in, protocol_out
+
+
+def _check_package_dirs(dirs: tuple[Path, ...], slots: int) -> None:
+    for path in dirs:
+        if not path.is_dir():
+            raise ReadieError(f"--package-dir {path}: not an existing directory")
+    if len(dirs) > slots:
+        raise ReadieError(
+            f"{len(dirs)} package dirs, but sandboxes have {slots} package slots "
+            "(planned at capture: [mounts] package_slots in checkpoints.toml)"
+        )
+
+
+def _configure_logging(*, json: bool) -> None:
+    configure_logging(json=json)
+    processors = structlog.get_config()["processors"]
+    structlog.configure(processors=[_drop_worker_job_lines, *processors])
+
+
+def _drop_worker_job_lines(
+    logger: Any, method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    # The worker logs one line per job; the pool writes its own (the spec's
+    # --log=json line), and two "job" lines per job would be counted twice.
+    if event_dict.get("event") == "job" and "sandbox" in event_dict:
+        raise structlog.DropEvent
+    return event_dict
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"readie pool: {message}\n")
+    sys.stderr.flush()
+
+
+def _preload(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="readie pool", description="serve the pool JSONL protocol on stdin and stdout"
+    )
+    parser.add_argument("--workers", type=int, help="jobs run at once (default: [pool] workers, else 2)")
+    parser.add_argument(
+        "--preload",
+        type=_preload,
+        metavar="A,B",
+        help="modules every job finds imported; selects the checkpoint with exactly these (default: none)",
+    )
+    parser.add_argument(
+        "--package-dir",
+        action="append",
+        metavar="DIR",
+        help="site-packages dir mounted read-only into every job (repeatable; replaces [pool] package_dirs)",
+    )
+    parser.add_argument("--config", metavar="FILE", help="pool configuration (TOML)")
+    parser.add_argument("--log", choices=("json", "none"), help="json: one line per finished job on stderr")
+    parser.add_argument("--router", metavar="HOST:PORT", help="a remote router (not supported yet)")
+    parser.add_argument(
+        "--checkpoints",
+        metavar="PATH",
+        help=f"checkpoint manifest, or its directory (default: ${CHECKPOINTS_VARIABLE}, "
+        f"else {DEFAULT_CHECKPOINTS})",
+    )
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help=f"runsc --root, owned by this pool alone and swept at start and exit "
+        f"(default: ${STATE_DIR_VARIABLE}, else a new temp dir)",
+    )
+    return parser

@@ -1,0 +1,64 @@
+"""``readie router``: the gRPC front end that places jobs on ``readie worker`` processes.
+
+    readie router --listen 127.0.0.1:50060 --worker 127.0.0.1:50061 --worker 127.0.0.1:50062
+
+It serves the same ``readie.v1.Worker`` API as a worker (so a client needs
+to know only one), plus health and reflection, and places each call on the
+least loaded healthy worker (see ``_placement``). SIGTERM or SIGINT drains:
+health turns NOT_SERVING, running calls finish, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+import structlog
+
+from readie_worker.grpc_service import serve
+from readie_worker.logs import configure_logging
+
+from ._placement import PROBE_INTERVAL_S, Placement
+
+log = structlog.get_logger("readie.router")
+
+DEFAULT_LISTEN = "127.0.0.1:50060"
+DEFAULT_DRAIN_GRACE_S = 30.0
+# Each in-flight call holds a server thread while its worker runs it; this
+# bounds the calls a router forwards at once (workers bound their own slots).
+ROUTER_THREADS = 64
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "router"
+    configure_logging(json=args.log == "json")
+    if not args.worker:
+        log.error("no workers: pass --worker HOST:PORT at least once")
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    placement = Placement(args.worker, probe_interval_s=args.probe_interval).start()
+    try:
+        server = serve(placement, args.listen, name=args.name or f"router:{args.listen}", threads=ROUTER_THREADS)  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        log.error("cannot listen", address=args.listen, error=str(exc))
+        placement.close()
+        return 1
+    log.info("router serving", address=server.address, workers=list(args.worker))
+    stop.wait()
+    server.drain(args.drain_grace)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="readie router", description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve on")
+    parser.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker to place jobs on")
+    parser.add_argument("--name", default=None, help="what Capacity reports as this router's name")
+    parser.add_argument("--probe-interval", type=float, default=PROBE_INTERVAL_S, help="seconds between worker probes")
+    parser.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S, help="seconds running calls get on SIGTERM")
+    parser.add_argument("--log", choices=("json", "console"), default="console")
+    return parser

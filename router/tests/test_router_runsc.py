@@ -1,0 +1,113 @@
+"""`readie router` placing jobs on two real `readie worker` processes on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from readie_worker._proto.readie.v1 import worker_pb2 as pb
+from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from readie_worker.testing import free_port, readie_command, start_worker, stop_worker
+
+pytestmark = pytest.mark.runsc
+
+from conftest import CHECKPOINTS  # noqa: E402
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def cluster() -> Iterator[dict]:
+    base = Path(tempfile.mkdtemp(prefix="rr-", dir="/tmp"))
+    workers = [
+        start_worker(base / name, name, CHECKPOINTS / "manifest.json", warm="base=1", slots=2)
+        for name in ("worker-a", "worker-b")
+    ]
+    port = free_port()
+    log_path = base / "router.log"
+    with open(log_path, "wb") as log:
+        router = subprocess.Popen(
+            [*readie_command(), "router", f"--listen=127.0.0.1:{port}", "--probe-interval=0.2",
+             *(f"--worker=127.0.0.1:{w.port}" for w in workers)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        except grpc.RpcError:
+            pass
+        assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
+    yield {"stub": pb_grpc.WorkerStub(channel), "workers": workers, "router": router, "log": log_path}
+    channel.close()
+    router.terminate()
+    assert router.wait(30) == 0, log_path.read_text()[-2000:]
+    for worker in workers:
+        stop_worker(worker)
+        assert worker.containers() == []
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def run(stub, code: str, **fields) -> pb.RunJobResponse:
+    return stub.RunJob(pb.RunJobRequest(checkpoint=fields.pop("checkpoint", "base"), code=code, **fields), timeout=60)
+
+
+def test_jobs_through_the_router_spread_over_both_workers(cluster):
+    stub = cluster["stub"]
+    replies = []
+    threads = [threading.Thread(target=lambda: replies.append(run(stub, "import time\ntime.sleep(1)\nprint('ok')"))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [r.stdout for r in replies] == ["ok\n"] * 4
+    capacity = stub.Capacity(pb.CapacityRequest(), timeout=5)
+    assert capacity.slots == 4 and capacity.pools["base"].target == 2
+    # Four concurrent jobs on two workers of two slots each: both took some.
+    used = {reply.sandbox_id for reply in replies}
+    assert len(used) == 4
+
+
+def test_a_request_error_from_a_worker_comes_through_the_router(cluster):
+    with pytest.raises(grpc.RpcError) as refused:
+        run(cluster["stub"], "pass", checkpoint="nope")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(refused.value.trailing_metadata())["readie-field"] == "checkpoint"
+
+
+def test_killing_a_worker_mid_job_fails_that_job_and_the_other_keeps_serving(cluster):
+    stub, (first, second) = cluster["stub"], cluster["workers"]
+    replies: list[pb.RunJobResponse] = []
+    jobs = [threading.Thread(target=lambda: replies.append(run(stub, "import time\ntime.sleep(6)", timeout_ms=40_000))) for _ in range(4)]
+    for job in jobs:
+        job.start()
+    deadline = time.monotonic() + 20
+    while len(first.containers()) < 2 and time.monotonic() < deadline:  # its two slots are busy
+        time.sleep(0.1)
+    first.process.kill()
+    first.process.wait(10)
+    for job in jobs[:]:
+        job.join(60)
+    lost = [r for r in replies if r.HasField("error")]
+    assert len(lost) == 2 and all(r.error.type == "PoolWorkerError" for r in lost), replies
+    assert sum(1 for r in replies if not r.HasField("error")) == 2
+    after = run(stub, "print('still serving')")
+    assert after.stdout == "still serving\n"
+    # The killed worker's sandboxes outlive it; sweep them as its restart would.
+    subprocess.run(["runsc", f"--root={first.state_dir}", "list", "--quiet"], check=False)
+    from readie_worker.runsc import Runsc
+
+    Runsc(root=first.state_dir).sweep()
