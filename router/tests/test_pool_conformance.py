@@ -2,8 +2,8 @@
 
 Every check is against the pool protocol spec (pool-protocol.txt, "pynox"
 read as "readie"), with the expected lines written out here rather than
-built by the router's own code. Pools stay small (one or two workers) and
-each test module-level pool is shared by the tests that do not count.
+built by the router's own code. Pools stay small (one or two workers); one
+module-level pool serves the tests that count nothing, the others start their own.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from readie_router.testing import PoolProcess
 from readie_worker.manifest import read_manifest
 from readie_worker.runsc import Runsc
 
-from conftest import CHECKPOINTS  # noqa: E402
+from conftest import CHECKPOINTS
 
 pytestmark = pytest.mark.runsc
 
@@ -34,10 +34,28 @@ MANIFEST = CHECKPOINTS / "manifest.json"
 MIB = 1024 * 1024
 # The spec's result keys, in the spec's order.
 RESULT_KEYS = [
-    "id", "exit", "stdout", "stderr", "error", "stdout_truncated", "stderr_truncated",
-    "duration_ms", "duration_us", "queue_us", "runtime", "policy",
+    "id",
+    "exit",
+    "stdout",
+    "stderr",
+    "error",
+    "stdout_truncated",
+    "stderr_truncated",
+    "duration_ms",
+    "duration_us",
+    "queue_us",
+    "runtime",
+    "policy",
 ]
-POLICY_KEYS = ["allow_read", "allow_write", "network", "subprocesses", "timeout_ms", "memory_bytes", "backend"]
+POLICY_KEYS = [
+    "allow_read",
+    "allow_write",
+    "network",
+    "subprocesses",
+    "timeout_ms",
+    "memory_bytes",
+    "backend",
+]
 RESTORED = "gvisor:runsc-restore"
 APP_PY = """import os, sys
 print(sys.argv[1:], os.environ["KEY"])
@@ -140,10 +158,18 @@ def shared(python_version) -> Iterator[Pool]:
     pool.cleanup()
 
 
-def ready_event(workers: int, config: str | None = None, profiles: list[str] | None = None) -> dict[str, Any]:
+def ready_event(
+    workers: int, config: str | None = None, profiles: list[str] | None = None
+) -> dict[str, Any]:
     return {
-        "event": "ready", "workers": workers, "runtime": "readie", "preloaded_modules": [],
-        "package_dirs": [], "config": config, "profiles": profiles or [], "protocol": 1,
+        "event": "ready",
+        "workers": workers,
+        "runtime": "readie",
+        "preloaded_modules": [],
+        "package_dirs": [],
+        "config": config,
+        "profiles": profiles or [],
+        "protocol": 1,
     }
 
 
@@ -151,10 +177,17 @@ def runtime(python: str) -> dict[str, Any]:
     return {"name": "readie", "python": python, "mode": "pool", "preloaded_modules": []}
 
 
-def policy(*, read=(), write=(), timeout_ms=30000, memory_bytes=None, backend=RESTORED) -> dict[str, Any]:
+def policy(
+    *, read=(), write=(), timeout_ms=30000, memory_bytes=None, backend=RESTORED
+) -> dict[str, Any]:
     return {
-        "allow_read": [str(p) for p in read], "allow_write": [str(p) for p in write], "network": "deny",
-        "subprocesses": "deny", "timeout_ms": timeout_ms, "memory_bytes": memory_bytes, "backend": backend,
+        "allow_read": [str(p) for p in read],
+        "allow_write": [str(p) for p in write],
+        "network": "deny",
+        "subprocesses": "deny",
+        "timeout_ms": timeout_ms,
+        "memory_bytes": memory_bytes,
+        "backend": backend,
     }
 
 
@@ -172,9 +205,15 @@ def check_result(result: dict[str, Any], expected: dict[str, Any]) -> None:
 
 def refusal(rid: Any, message: str, python: str) -> dict[str, Any]:
     return {
-        "id": rid, "exit": -1, "stdout": "", "stderr": "", "error": {"type": "RequestError", "message": message,
-        "file": None, "line": None}, "stdout_truncated": False, "stderr_truncated": False,
-        "runtime": runtime(python), "policy": None,
+        "id": rid,
+        "exit": -1,
+        "stdout": "",
+        "stderr": "",
+        "error": {"type": "RequestError", "message": message, "file": None, "line": None},
+        "stdout_truncated": False,
+        "stderr_truncated": False,
+        "runtime": runtime(python),
+        "policy": None,
     }
 
 
@@ -197,9 +236,14 @@ def test_ready_event_has_every_field(shared):
     assert list(shared.ready) == list(ready_event(workers=2))
 
 
-def test_a_preload_set_without_a_checkpoint_is_refused_with_how_to_capture_it(tmp_path, checkpoints):
-    process = PoolProcess(["--checkpoints", str(CHECKPOINTS), "--preload", "scipy,numpy"], cwd=tmp_path,
-                          stderr_path=tmp_path / "stderr.log")
+def test_a_preload_set_without_a_checkpoint_is_refused_with_how_to_capture_it(
+    tmp_path, checkpoints
+):
+    process = PoolProcess(
+        ["--checkpoints", str(CHECKPOINTS), "--preload", "scipy,numpy"],
+        cwd=tmp_path,
+        stderr_path=tmp_path / "stderr.log",
+    )
     assert process.read_line(30) is None  # no ready event
     assert process.finish() == 1
     message = process.stderr_text()
@@ -209,7 +253,9 @@ def test_a_preload_set_without_a_checkpoint_is_refused_with_how_to_capture_it(tm
 
 
 def test_a_remote_router_is_refused_for_now(tmp_path):
-    process = PoolProcess(["--router", "127.0.0.1:50051"], cwd=tmp_path, stderr_path=tmp_path / "stderr.log")
+    process = PoolProcess(
+        ["--router", "127.0.0.1:50051"], cwd=tmp_path, stderr_path=tmp_path / "stderr.log"
+    )
     assert process.read_line(30) is None
     assert process.finish() == 2
     assert "remote routers are not supported yet" in process.stderr_text()
@@ -220,50 +266,107 @@ def test_a_remote_router_is_refused_for_now(tmp_path):
 
 def test_spec_task_1_inline_code_with_a_write_grant(shared, python_version):
     out = shared.project / "out"
-    task_1 = {"id": "task-1", "code": "import json\nprint(json.dumps({'ok': True}))", "name": "step.py",
-              "allow_write": ["out"]}
-    check_result(shared.process.run(task_1), {
-        "id": "task-1", "exit": 0, "stdout": '{"ok": true}\n', "stderr": "", "error": None,
-        "stdout_truncated": False, "stderr_truncated": False, "runtime": runtime(python_version),
-        "policy": policy(write=[out]),
-    })
+    task_1 = {
+        "id": "task-1",
+        "code": "import json\nprint(json.dumps({'ok': True}))",
+        "name": "step.py",
+        "allow_write": ["out"],
+    }
+    check_result(
+        shared.process.run(task_1),
+        {
+            "id": "task-1",
+            "exit": 0,
+            "stdout": '{"ok": true}\n',
+            "stderr": "",
+            "error": None,
+            "stdout_truncated": False,
+            "stderr_truncated": False,
+            "runtime": runtime(python_version),
+            "policy": policy(write=[out]),
+        },
+    )
     # Relative paths in the code mean what the request's relative grants meant.
-    written = shared.process.run({"id": "task-1b", "code": "open('out/r.txt', 'w').write('in gvisor')",
-                                  "allow_write": ["out"]})
+    written = shared.process.run(
+        {
+            "id": "task-1b",
+            "code": "open('out/r.txt', 'w').write('in gvisor')",
+            "allow_write": ["out"],
+        }
+    )
     assert (written["exit"], written["error"]) == (0, None), written
     assert (out / "r.txt").read_text() == "in gvisor"
 
 
 def test_spec_task_2_script_with_every_field(shared, python_version):
-    task_2 = {"id": "task-2", "script": "app.py", "args": ["one"], "allow_read": ["data"], "package_dirs": [],
-              "env": {"KEY": "value"}, "allow_network": False, "timeout": "5s", "memory": "512m",
-              "max_output": 65536}
-    check_result(shared.process.run(task_2), {
-        "id": "task-2", "exit": 0, "stdout": "['one'] value\n2\n", "stderr": "", "error": None,
-        "stdout_truncated": False, "stderr_truncated": False, "runtime": runtime(python_version),
-        "policy": policy(read=[shared.project / "data"], timeout_ms=5000, memory_bytes=512 * MIB),
-    })
+    task_2 = {
+        "id": "task-2",
+        "script": "app.py",
+        "args": ["one"],
+        "allow_read": ["data"],
+        "package_dirs": [],
+        "env": {"KEY": "value"},
+        "allow_network": False,
+        "timeout": "5s",
+        "memory": "512m",
+        "max_output": 65536,
+    }
+    check_result(
+        shared.process.run(task_2),
+        {
+            "id": "task-2",
+            "exit": 0,
+            "stdout": "['one'] value\n2\n",
+            "stderr": "",
+            "error": None,
+            "stdout_truncated": False,
+            "stderr_truncated": False,
+            "runtime": runtime(python_version),
+            "policy": policy(
+                read=[shared.project / "data"], timeout_ms=5000, memory_bytes=512 * MIB
+            ),
+        },
+    )
 
 
 def test_errors_point_at_the_script_or_the_inline_name(shared, python_version):
-    shared.process.send({"id": "s", "script": "broken.py"},
-                        {"id": "n", "code": "x = 1\nraise KeyError('k')", "name": "step.py"})
+    shared.process.send(
+        {"id": "s", "script": "broken.py"},
+        {"id": "n", "code": "x = 1\nraise KeyError('k')", "name": "step.py"},
+    )
     results = by_id(shared.process.results(2))
-    for rid, file, line, kind, message in (("s", "broken.py", 3, "ValueError", "bad value"),
-                                           ("n", "step.py", 2, "KeyError", "'k'")):
+    for rid, file, line, kind, message in (
+        ("s", "broken.py", 3, "ValueError", "bad value"),
+        ("n", "step.py", 2, "KeyError", "'k'"),
+    ):
         result = results[rid]
-        assert result["stderr"].startswith("Traceback") and f'File "{file}", line {line}' in result["stderr"]
-        check_result(result, {
-            "id": rid, "exit": 1, "stdout": "", "stderr": result["stderr"],
-            "error": {"type": kind, "message": message, "file": file, "line": line},
-            "stdout_truncated": False, "stderr_truncated": False, "runtime": runtime(python_version),
-            "policy": policy(),
-        })
+        assert (
+            result["stderr"].startswith("Traceback")
+            and f'File "{file}", line {line}' in result["stderr"]
+        )
+        check_result(
+            result,
+            {
+                "id": rid,
+                "exit": 1,
+                "stdout": "",
+                "stderr": result["stderr"],
+                "error": {"type": kind, "message": message, "file": file, "line": line},
+                "stdout_truncated": False,
+                "stderr_truncated": False,
+                "runtime": runtime(python_version),
+                "policy": policy(),
+            },
+        )
 
 
 def test_max_output_truncates(shared):
     result = shared.process.run({"id": "big", "code": "print('x' * 100000)", "max_output": 65536})
-    assert (result["exit"], result["stdout_truncated"], result["stderr_truncated"]) == (0, True, False)
+    assert (result["exit"], result["stdout_truncated"], result["stderr_truncated"]) == (
+        0,
+        True,
+        False,
+    )
     assert 0 < len(result["stdout"]) <= 65536 and set(result["stdout"]) == {"x"}
 
 
@@ -272,22 +375,56 @@ def test_max_output_truncates(shared):
 
 REFUSED_LINES = [
     (b'{"id": "r1"}', "r1", "code: required: give exactly one of code and script"),
-    (b'{"id": "r2", "code": "x", "script": "app.py"}', "r2", "script: give exactly one of code and script, not both"),
+    (
+        b'{"id": "r2", "code": "x", "script": "app.py"}',
+        "r2",
+        "script: give exactly one of code and script, not both",
+    ),
     (b'{"id": "r3", "code": "x", "colour": "red"}', "r3", "colour: unknown field"),
     (b'{"id": "r4", "code": 1}', "r4", "code: expected a string, got a number"),
     (b'{"id": "r5", "code": "x", "args": "one"}', "r5", "args: expected an array, got a string"),
-    (b'{"id": "r6", "code": "x", "timeout": true}', "r6", "timeout: expected a duration, got a boolean"),
-    (b'{"id": "r7", "code": "x", "allow_network": "no"}', "r7", "allow_network: expected true or false, got a string"),
-    (b'{"id": "r8", "code": "x", "env": {"A": 1}}', "r8", "env: 'A': expected a string, got a number"),
-    (b'{"id": "r9", "code": oops}', "r9", "line is not valid JSON: Expecting value: line 1 column 22 (char 21)"),
-    (b'[1, 2]', None, "a request must be a JSON object, got an array"),
+    (
+        b'{"id": "r6", "code": "x", "timeout": true}',
+        "r6",
+        "timeout: expected a duration, got a boolean",
+    ),
+    (
+        b'{"id": "r7", "code": "x", "allow_network": "no"}',
+        "r7",
+        "allow_network: expected true or false, got a string",
+    ),
+    (
+        b'{"id": "r8", "code": "x", "env": {"A": 1}}',
+        "r8",
+        "env: 'A': expected a string, got a number",
+    ),
+    (
+        b'{"id": "r9", "code": oops}',
+        "r9",
+        "line is not valid JSON: Expecting value: line 1 column 22 (char 21)",
+    ),
+    (b"[1, 2]", None, "a request must be a JSON object, got an array"),
     (b'{"id": true, "code": "x"}', None, "id: must be a string or an integer, got a boolean"),
-    (b'{"id": "u1", "session": "nb", "code": "x"}', "u1", "session: sessions are not supported by readie pool yet"),
-    (b'{"id": "u2", "functions": ["search"], "code": "x"}', "u2",
-     "functions: host functions are not supported by readie pool yet"),
-    (b'{"id": "u3", "session": "nb", "close": true}', "u3", "close: sessions are not supported by readie pool yet"),
-    (b'{"reply": {"call_id": 7, "result": 1}}', None,
-     "reply: host functions are not supported by readie pool yet: no call awaits a reply"),
+    (
+        b'{"id": "u1", "session": "nb", "code": "x"}',
+        "u1",
+        "session: sessions are not supported by readie pool yet",
+    ),
+    (
+        b'{"id": "u2", "functions": ["search"], "code": "x"}',
+        "u2",
+        "functions: host functions are not supported by readie pool yet",
+    ),
+    (
+        b'{"id": "u3", "session": "nb", "close": true}',
+        "u3",
+        "close: sessions are not supported by readie pool yet",
+    ),
+    (
+        b'{"reply": {"call_id": 7, "result": 1}}',
+        None,
+        "reply: host functions are not supported by readie pool yet: no call awaits a reply",
+    ),
 ]
 
 
@@ -304,17 +441,25 @@ def test_a_line_over_one_mib_is_refused_and_the_next_line_is_read(shared, python
     edge = head + b"x" * (MIB - len(head) - 2) + b'"}'  # exactly 1 MiB: accepted
     big = b'{"id": "big", "code": "#' + b"x" * MIB + b'"}'
     assert len(edge) == MIB
-    shared.process.send_raw(big + b"\n" + b'{"id": "after", "code": "print(\'after\')"}\n' + edge + b"\n")
+    shared.process.send_raw(
+        big + b"\n" + b'{"id": "after", "code": "print(\'after\')"}\n' + edge + b"\n"
+    )
     results = by_id(shared.process.results(3))
-    check_refusal(results["big"], "big",
-                  f"line of {len(big)} bytes is longer than the 1048576-byte limit; discarded", python_version)
+    check_refusal(
+        results["big"],
+        "big",
+        f"line of {len(big)} bytes is longer than the 1048576-byte limit; discarded",
+        python_version,
+    )
     assert (results["after"]["exit"], results["after"]["stdout"]) == (0, "after\n")
     assert (results["edge"]["exit"], results["edge"]["error"]) == (0, None)
 
 
 def test_results_come_in_completion_order(shared):
-    shared.process.send({"id": "slow", "code": "import time\ntime.sleep(2)\nprint('slow')"},
-                        {"id": "fast", "code": "print('fast')"})
+    shared.process.send(
+        {"id": "slow", "code": "import time\ntime.sleep(2)\nprint('slow')"},
+        {"id": "fast", "code": "print('fast')"},
+    )
     first, second = shared.process.results(2)
     assert (first["id"], first["stdout"]) == ("fast", "fast\n")
     assert (second["id"], second["stdout"]) == ("slow", "slow\n")
@@ -324,19 +469,38 @@ def test_job_log_lines_carry_no_output(shared):
     result = shared.process.run({"id": "quiet", "code": "print('s3cr3t-token')"})
     assert result["stdout"] == "s3cr3t-token\n"
     line = next(line for line in shared.process.job_logs() if line["id"] == "quiet")
-    assert list(line) == ["ts_ms", "event", "id", "session", "step", "exit", "error", "message",
-                          "duration_ms", "queue_us", "network", "truncated"]
+    assert list(line) == [
+        "ts_ms",
+        "event",
+        "id",
+        "session",
+        "step",
+        "exit",
+        "error",
+        "message",
+        "duration_ms",
+        "queue_us",
+        "network",
+        "truncated",
+    ]
     assert abs(line["ts_ms"] - time.time() * 1000) < 60_000
     assert {k: v for k, v in line.items() if k != "ts_ms"} == {
-        "event": "job", "id": "quiet", "session": None, "step": None, "exit": 0, "error": None, "message": None,
-        "duration_ms": result["duration_ms"], "queue_us": result["queue_us"], "network": "deny", "truncated": False,
+        "event": "job",
+        "id": "quiet",
+        "session": None,
+        "step": None,
+        "exit": 0,
+        "error": None,
+        "message": None,
+        "duration_ms": result["duration_ms"],
+        "queue_us": result["queue_us"],
+        "network": "deny",
+        "truncated": False,
     }
     assert "s3cr3t-token" not in shared.process.stderr_text()
 
 
 # --------------------------------------------------------------------------- configuration
-
-
 
 
 def test_config_ceiling_and_profiles(pool_factory, python_version):
@@ -356,9 +520,14 @@ def test_config_ceiling_and_profiles(pool_factory, python_version):
         {"id": "c5", "code": "print(1)", "profile": "fetch"},
         {"id": "c6", "script": "app.py", "allow_read": ["data"]},
         {"id": "c7", "code": write_100k, "allow_write": ["out"]},
-        {"id": "c8", "profile": "analysis", "env": {"EXTRA": "1"}, "timeout": "5s",
-         "code": "import os\nprint(os.environ['MODE'], os.environ['EXTRA'])\n"
-                 "print(open('data/orders.csv').read().count('tea'))\nopen('out/p.txt', 'w').write('ok')\n"},
+        {
+            "id": "c8",
+            "profile": "analysis",
+            "env": {"EXTRA": "1"},
+            "timeout": "5s",
+            "code": "import os\nprint(os.environ['MODE'], os.environ['EXTRA'])\n"
+            "print(open('data/orders.csv').read().count('tea'))\nopen('out/p.txt', 'w').write('ok')\n",
+        },
     )
     results = by_id(pool.process.results(8, timeout=60))
     messages = {
@@ -374,16 +543,30 @@ def test_config_ceiling_and_profiles(pool_factory, python_version):
     # max_file_size from the ceiling applies to a request that sets none; the
     # timeout and memory not set take the ceiling's (under the defaults).
     c7 = results["c7"]
-    assert (c7["exit"], c7["error"]["type"], c7["error"]["file"], c7["error"]["line"]) == (1, "OSError", "<string>", 2)
+    assert (c7["exit"], c7["error"]["type"], c7["error"]["file"], c7["error"]["line"]) == (
+        1,
+        "OSError",
+        "<string>",
+        2,
+    )
     assert "File too large" in c7["error"]["message"]
     assert c7["policy"] == policy(write=[out], timeout_ms=10000, memory_bytes=1024 * MIB)
     assert not (out / "big.bin").exists() or (out / "big.bin").stat().st_size <= 64 * 1024
     # profile fields, with the request's own on top, under the ceiling
-    check_result(results["c8"], {
-        "id": "c8", "exit": 0, "stdout": "analysis 1\n2\n", "stderr": "", "error": None,
-        "stdout_truncated": False, "stderr_truncated": False, "runtime": runtime(python_version),
-        "policy": policy(read=[data], write=[out], timeout_ms=5000, memory_bytes=1024 * MIB),
-    })
+    check_result(
+        results["c8"],
+        {
+            "id": "c8",
+            "exit": 0,
+            "stdout": "analysis 1\n2\n",
+            "stderr": "",
+            "error": None,
+            "stdout_truncated": False,
+            "stderr_truncated": False,
+            "runtime": runtime(python_version),
+            "policy": policy(read=[data], write=[out], timeout_ms=5000, memory_bytes=1024 * MIB),
+        },
+    )
     assert (out / "p.txt").read_text() == "ok"
     assert pool.process.close() == 0
 
@@ -405,29 +588,67 @@ def test_stats_logs_and_eof_drain(pool_factory, python_version):
     pool.process.send_raw(b'{"id": "garbled", \n')
     results = by_id(pool.process.results(7, timeout=60))
     assert {rid: (r["exit"], r["error"] and r["error"]["type"]) for rid, r in results.items()} == {
-        "ok1": (0, None), "ok2": (0, None), "raise": (1, "ValueError"), "exit3": (3, None),
-        "spin": (124, "TimeoutError"), "unknown": (-1, "RequestError"), "garbled": (-1, "RequestError"),
+        "ok1": (0, None),
+        "ok2": (0, None),
+        "raise": (1, "ValueError"),
+        "exit3": (3, None),
+        "spin": (124, "TimeoutError"),
+        "unknown": (-1, "RequestError"),
+        "garbled": (-1, "RequestError"),
     }
     assert results["spin"]["policy"]["timeout_ms"] == 1000 and results["spin"]["stdout"] == ""
     stats = pool.process.run({"id": "s1", "stats": True})
-    assert list(stats) == ["id", "event", "uptime_ms", "workers", "sessions_active", "jobs", "ok", "failed",
-                           "timeouts", "signals", "request_errors", "worker_errors", "duration_ms_total",
-                           "queue_us_total", "errors"]
+    assert list(stats) == [
+        "id",
+        "event",
+        "uptime_ms",
+        "workers",
+        "sessions_active",
+        "jobs",
+        "ok",
+        "failed",
+        "timeouts",
+        "signals",
+        "request_errors",
+        "worker_errors",
+        "duration_ms_total",
+        "queue_us_total",
+        "errors",
+    ]
     assert type(stats["uptime_ms"]) is int and stats["uptime_ms"] > 0
     assert {k: v for k, v in stats.items() if k != "uptime_ms"} == {
-        "id": "s1", "event": "stats", "workers": 2, "sessions_active": 0, "jobs": 7, "ok": 2, "failed": 2,
-        "timeouts": 1, "signals": 0, "request_errors": 2, "worker_errors": 0,
+        "id": "s1",
+        "event": "stats",
+        "workers": 2,
+        "sessions_active": 0,
+        "jobs": 7,
+        "ok": 2,
+        "failed": 2,
+        "timeouts": 1,
+        "signals": 0,
+        "request_errors": 2,
+        "worker_errors": 0,
         "duration_ms_total": sum(r["duration_us"] for r in results.values()) // 1000,
         "queue_us_total": sum(r["queue_us"] for r in results.values()),
         "errors": {"ValueError": 1, "TimeoutError": 1, "RequestError": 2},
     }
-    assert sorted(stats["errors"].items()) == [("RequestError", 2), ("TimeoutError", 1), ("ValueError", 1)]
+    assert sorted(stats["errors"].items()) == [
+        ("RequestError", 2),
+        ("TimeoutError", 1),
+        ("ValueError", 1),
+    ]
 
     # EOF drains: every accepted job is answered, then the pool exits 0 and leaves no sandbox.
-    pool.process.send(*({"id": f"d{i}", "code": f"import time\ntime.sleep(0.5)\nprint({i})"} for i in range(3)))
+    pool.process.send(
+        *({"id": f"d{i}", "code": f"import time\ntime.sleep(0.5)\nprint({i})"} for i in range(3))
+    )
     pool.process.close_stdin()
     drained = by_id(pool.process.results(3, timeout=60))
-    assert {rid: r["stdout"] for rid, r in drained.items()} == {"d0": "0\n", "d1": "1\n", "d2": "2\n"}
+    assert {rid: r["stdout"] for rid, r in drained.items()} == {
+        "d0": "0\n",
+        "d1": "1\n",
+        "d2": "2\n",
+    }
     assert pool.process.read_line(30) is None
     assert pool.process.finish() == 0
     assert pool.containers() == []
@@ -437,15 +658,26 @@ def test_stats_logs_and_eof_drain(pool_factory, python_version):
     assert sorted(logs, key=str) == sorted([*results, *drained], key=str)
     for rid, result in {**results, **drained}.items():
         line = logs[rid]
-        assert (line["exit"], line["error"], line["duration_ms"], line["queue_us"], line["truncated"]) == (
-            result["exit"], result["error"] and result["error"]["type"], result["duration_ms"],
-            result["queue_us"], False,
+        assert (
+            line["exit"],
+            line["error"],
+            line["duration_ms"],
+            line["queue_us"],
+            line["truncated"],
+        ) == (
+            result["exit"],
+            result["error"] and result["error"]["type"],
+            result["duration_ms"],
+            result["queue_us"],
+            False,
         )
         assert line["message"] == (result["error"] and result["error"]["message"])
         assert line["network"] == (None if result["policy"] is None else "deny")
     stderr = pool.process.stderr_text()
     assert "s3cr3t-a" not in stderr
-    assert stderr.count('"event": "job"') == len(logs)  # the worker's own job lines are not repeated
+    assert stderr.count('"event": "job"') == len(
+        logs
+    )  # the worker's own job lines are not repeated
 
 
 # --------------------------------------------------------------------------- backpressure
@@ -506,13 +738,16 @@ def test_backpressure_stops_intake_while_results_are_unread(pool_factory):
 def test_sigint_drains_like_eof(pool_factory):
     pool = pool_factory("--workers", "1")
     pool.process.ready()
-    pool.process.send({"id": "slow", "code": "import time\ntime.sleep(1)\nprint('done')"},
-                      {"id": "next", "code": "print('next')"})
+    pool.process.send(
+        {"id": "slow", "code": "import time\ntime.sleep(1)\nprint('done')"},
+        {"id": "next", "code": "print('next')"},
+    )
     time.sleep(0.5)  # both lines read (one chunk); the first is running
     pool.process.signal(signal.SIGINT)
     results = by_id(pool.process.results(2, timeout=60))
     assert {rid: (r["exit"], r["stdout"]) for rid, r in results.items()} == {
-        "slow": (0, "done\n"), "next": (0, "next\n"),
+        "slow": (0, "done\n"),
+        "next": (0, "next\n"),
     }
     assert pool.process.read_line(30) is None
     assert pool.process.finish() == 0
@@ -529,7 +764,11 @@ def test_a_second_sigterm_stops_running_jobs(pool_factory):
     time.sleep(0.3)
     pool.process.signal(signal.SIGTERM)
     result = pool.process.read(30)
-    assert (result["id"], result["exit"], result["error"]["type"]) == ("forever", -1, "PoolWorkerError")
+    assert (result["id"], result["exit"], result["error"]["type"]) == (
+        "forever",
+        -1,
+        "PoolWorkerError",
+    )
     assert pool.process.read_line(30) is None
     assert pool.process.finish() == 0
     assert time.monotonic() - started < 20

@@ -10,15 +10,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from readie_router._backend import ThreadedBackend
 from readie_router._config import Config, parse_config
+from readie_router._errors import PoolWorkerError
 from readie_router._events import RuntimeInfo
 from readie_router._pool import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, PoolSetup, PoolState
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
-from readie_worker.jobs import JobError
+from readie_worker.jobs import CodeJob, JobError
 
 RUNTIME = RuntimeInfo(python="3.11.2")
 
@@ -27,7 +31,12 @@ Scenario = Callable[[PoolEngine, MemorySource, MemorySink, FakeBackend], Awaitab
 
 def setup_for(cwd: Path, workers: int = 1, config: Config | None = None, **extra) -> PoolSetup:
     return PoolSetup(
-        workers=workers, checkpoint="base", runtime=RUNTIME, cwd=cwd, config=config or Config(), **extra
+        workers=workers,
+        checkpoint="base",
+        runtime=RUNTIME,
+        cwd=cwd,
+        config=config or Config(),
+        **extra,
     )
 
 
@@ -87,7 +96,7 @@ def test_results_come_in_completion_order(tmp_path):
         fake.gates["slow"].set()
         source.end()
 
-    code, lines, *_ = serve(setup_for(tmp_path, workers=2), scenario, backend)
+    _, lines, *_ = serve(setup_for(tmp_path, workers=2), scenario, backend)
     assert [line["id"] for line in lines[1:]] == ["fast", "slow"]
 
 
@@ -103,7 +112,7 @@ def test_intake_stops_at_twice_the_workers_while_jobs_run(tmp_path):
         fake.gates["hold"].set()
         source.end()
 
-    code, lines, _, fake, _ = serve(setup_for(tmp_path, workers=1), scenario, backend)
+    _, lines, _, fake, _ = serve(setup_for(tmp_path, workers=1), scenario, backend)
     assert sorted(line["id"] for line in lines[1:]) == list(range(10))
     assert fake.most_running == 1
 
@@ -116,7 +125,12 @@ def test_unwritten_results_hold_intake_back(tmp_path):
             source.feed_lines({"id": i, "code": "x"})
         await settle()
         # both jobs finished, but their results are not written: nothing more is read
-        assert (engine.accepted, len(fake.started), engine.stats.jobs, source.unread) == (2, 2, 2, 4)
+        assert (engine.accepted, len(fake.started), engine.stats.jobs, source.unread) == (
+            2,
+            2,
+            2,
+            4,
+        )
         sink.open.set()
         source.end()
 
@@ -131,7 +145,9 @@ def test_stats_answer_at_once_with_the_counters(tmp_path):
             "raise": ok_outcome(exit=1, error=JobError("NameError", "x", "<string>", 1, None)),
             "exit3": ok_outcome(exit=3),
             "slow": ok_outcome(exit=None, error=JobError("TimeoutError", "t", None, None, None)),
-            "crash": ok_outcome(exit=None, error=JobError("PoolWorkerError", "c", None, None, None)),
+            "crash": ok_outcome(
+                exit=None, error=JobError("PoolWorkerError", "c", None, None, None)
+            ),
         }[job.code]
 
     async def scenario(engine, source, sink, fake):
@@ -147,13 +163,27 @@ def test_stats_answer_at_once_with_the_counters(tmp_path):
         source.feed_lines({"id": "s", "stats": True})
         source.end()
 
-    code, lines, *_ = serve(setup_for(tmp_path, workers=2), scenario, FakeBackend(answer=answer))
+    _, lines, *_ = serve(setup_for(tmp_path, workers=2), scenario, FakeBackend(answer=answer))
     stats = lines[-1]
     assert stats["event"] == "stats" and stats["id"] == "s"
-    assert {k: stats[k] for k in ("jobs", "ok", "failed", "timeouts", "signals", "request_errors", "worker_errors")} == {
-        "jobs": 6, "ok": 1, "failed": 2, "timeouts": 1, "signals": 0, "request_errors": 1, "worker_errors": 1,
+    assert {
+        k: stats[k]
+        for k in ("jobs", "ok", "failed", "timeouts", "signals", "request_errors", "worker_errors")
+    } == {
+        "jobs": 6,
+        "ok": 1,
+        "failed": 2,
+        "timeouts": 1,
+        "signals": 0,
+        "request_errors": 1,
+        "worker_errors": 1,
     }
-    assert stats["errors"] == {"NameError": 1, "TimeoutError": 1, "PoolWorkerError": 1, "RequestError": 1}
+    assert stats["errors"] == {
+        "NameError": 1,
+        "TimeoutError": 1,
+        "PoolWorkerError": 1,
+        "RequestError": 1,
+    }
     assert stats["duration_ms_total"] == 5  # five jobs of 1000 us each
     assert stats["workers"] == 2 and stats["sessions_active"] == 0
 
@@ -192,7 +222,7 @@ def test_drain_stops_intake_and_finishes_accepted_jobs(tmp_path):
         await settle()
         fake.gates["hold"].set()
 
-    code, lines, engine, fake, _ = serve(setup_for(tmp_path), scenario, backend)
+    code, lines, _, fake, _ = serve(setup_for(tmp_path), scenario, backend)
     assert code == 0
     assert [line["id"] for line in lines[1:]] == [1]
     assert [job.code for job in fake.started] == ["hold"]
@@ -214,6 +244,22 @@ def test_second_drain_aborts_through_the_backend(tmp_path):
     assert results[2]["error"]["type"] == "PoolWorkerError"  # never ran: the backend had closed
 
 
+def test_a_signal_after_eof_still_drains_gracefully(tmp_path):
+    backend = FakeBackend(gates={"hold": asyncio.Event()})
+
+    async def scenario(engine, source, sink, fake):
+        source.feed_lines({"id": 1, "code": "hold"})
+        source.end()  # the supervisor closes stdin...
+        await settle()
+        engine.drain()  # ...then sends SIGTERM
+        await settle()
+        assert (engine.state, fake.closed) == (PoolState.DRAINING, 0)
+        fake.gates["hold"].set()
+
+    code, lines, *_ = serve(setup_for(tmp_path), scenario, backend)
+    assert code == 0 and lines[1]["exit"] == 0
+
+
 def test_stdout_failure_drains_and_exits_one(tmp_path):
     async def scenario(engine, source, sink, fake):
         await settle()
@@ -222,7 +268,7 @@ def test_stdout_failure_drains_and_exits_one(tmp_path):
         await settle()
         source.feed_lines({"id": 2, "code": "x"})
 
-    code, lines, engine, *_ = serve(setup_for(tmp_path), scenario)
+    code, _, engine, *_ = serve(setup_for(tmp_path), scenario)
     assert code == 1 and engine.state is PoolState.DRAINING
 
 
@@ -250,7 +296,9 @@ def sent_job(tmp_path: Path, request: dict, config: Config | None = None, **extr
 
 
 def test_script_is_read_by_the_pool_and_named_as_written(tmp_path):
-    (tmp_path / "app.py").write_text("# -*- coding: latin-1 -*-\nprint('caf\xe9')\n", encoding="latin-1")
+    (tmp_path / "app.py").write_text(
+        "# -*- coding: latin-1 -*-\nprint('caf\xe9')\n", encoding="latin-1"
+    )
     job, result = sent_job(tmp_path, {"id": 1, "script": "app.py", "args": ["one"]})
     assert (job.name, job.args) == ("app.py", ("one",))
     assert job.code == "# -*- coding: latin-1 -*-\nprint('caf\xe9')\n"
@@ -279,13 +327,23 @@ def test_job_fields_come_from_the_policy(tmp_path):
     job, _ = sent_job(
         tmp_path,
         {
-            "id": 1, "code": "c", "allow_read": ["data"], "env": {"K": "v"}, "timeout": "5s",
-            "memory": "512m", "max_output": 65536, "max_file_size": "1m",
+            "id": 1,
+            "code": "c",
+            "allow_read": ["data"],
+            "env": {"K": "v"},
+            "timeout": "5s",
+            "memory": "512m",
+            "max_output": 65536,
+            "max_file_size": "1m",
         },
     )
     assert job.allow_read == (str(tmp_path / "data"),) and job.allow_write == ()
     assert (job.env, job.timeout_ms, job.memory_bytes, job.max_output, job.max_file_size) == (
-        {"K": "v"}, 5000, 512 * 1024**2, 65536, 1024**2,
+        {"K": "v"},
+        5000,
+        512 * 1024**2,
+        65536,
+        1024**2,
     )
     assert (job.checkpoint, job.name, job.network) == ("base", "<string>", False)
 
@@ -294,7 +352,9 @@ def test_job_cwd_is_the_pools_only_when_a_grant_makes_it_visible(tmp_path):
     (tmp_path / "out").mkdir()
     plain, _ = sent_job(tmp_path, {"id": 1, "code": "c"})
     granted, _ = sent_job(tmp_path, {"id": 1, "code": "c", "allow_write": ["out"]})
-    outside, _ = sent_job(tmp_path / "out", {"id": 1, "code": "c", "allow_read": [str(tmp_path.parent)]})
+    outside, _ = sent_job(
+        tmp_path / "out", {"id": 1, "code": "c", "allow_read": [str(tmp_path.parent)]}
+    )
     assert plain.cwd == FALLBACK_CWD
     assert granted.cwd == str(tmp_path)
     assert outside.cwd == str(tmp_path / "out")  # the pool's dir lies beneath the grant
@@ -318,3 +378,38 @@ def test_packages_need_a_pool_without_a_ceiling(tmp_path):
     assert job is None and result["error"]["message"].startswith("packages: ")
     free, _ = sent_job(tmp_path, {"id": 1, "code": "c", "packages": ["six"]})
     assert free.packages == ("six",)
+
+
+# --------------------------------------------------------------------------- the backend seam
+
+
+class BlockingRunner:
+    """A blocking ``run_job``/``close`` pair, like Worker, WorkerClient and Placement."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.closed = 0
+
+    def run_job(self, job, job_id=None):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        return ok_outcome(f"{job_id}:{job.code}")
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_threaded_backend_runs_blocking_jobs_concurrently_and_refuses_after_close():
+    runner = BlockingRunner()
+
+    async def main():
+        backend = ThreadedBackend(runner, slots=2)
+        jobs = [CodeJob(checkpoint="base", code=str(i)) for i in range(2)]
+        outcomes = await asyncio.gather(*(backend.run(job, f"j{i}") for i, job in enumerate(jobs)))
+        await backend.close()
+        with pytest.raises(PoolWorkerError, match="shutting down"):
+            await backend.run(jobs[0], "late")
+        return [o.stdout for o in outcomes]
+
+    assert asyncio.run(main()) == ["j0:0", "j1:1"]
+    assert len(runner.threads) == 2 and runner.closed == 1

@@ -21,7 +21,13 @@ RUNTIME = RuntimeInfo(python="3.11.2", preloaded_modules=("numpy",))
 POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)
 
 
-def error(type_: str, message: str = "m", file: str | None = None, line: int | None = None, hint: str | None = None) -> JobError:
+def error(
+    type_: str,
+    message: str = "m",
+    file: str | None = None,
+    line: int | None = None,
+    hint: str | None = None,
+) -> JobError:
     return JobError(type_, message, file, line, hint)
 
 
@@ -88,13 +94,24 @@ def test_every_field_of_the_line_comes_from_outcome_pool_and_policy():
         "exit": 1,
         "stdout": "out",
         "stderr": "Traceback...",
-        "error": {"type": "PermissionError", "message": "denied", "file": "step.py", "line": 3, "hint": "granted: /abs/out"},
+        "error": {
+            "type": "PermissionError",
+            "message": "denied",
+            "file": "step.py",
+            "line": 3,
+            "hint": "granted: /abs/out",
+        },
         "stdout_truncated": True,
         "stderr_truncated": False,
         "duration_ms": 4,
         "duration_us": 4001,
         "queue_us": 7,
-        "runtime": {"name": "readie", "python": "3.11.2", "mode": "pool", "preloaded_modules": ["numpy"]},
+        "runtime": {
+            "name": "readie",
+            "python": "3.11.2",
+            "mode": "pool",
+            "preloaded_modules": ["numpy"],
+        },
         "policy": {
             "allow_read": [],
             "allow_write": ["/abs/out"],

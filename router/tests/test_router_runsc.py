@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from readie_router.testing import PoolProcess
 from readie_worker.testing import free_port, readie_command, start_worker, stop_worker
 
 pytestmark = pytest.mark.runsc
@@ -51,7 +52,7 @@ def cluster() -> Iterator[dict]:
             pass
         assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.1)
-    yield {"stub": pb_grpc.WorkerStub(channel), "workers": workers, "router": router, "log": log_path}
+    yield {"stub": pb_grpc.WorkerStub(channel), "workers": workers, "router": router, "log": log_path, "port": port, "base": base}
     channel.close()
     router.terminate()
     assert router.wait(30) == 0, log_path.read_text()[-2000:]
@@ -111,3 +112,21 @@ def test_killing_a_worker_mid_job_fails_that_job_and_the_other_keeps_serving(clu
     from readie_worker.runsc import Runsc
 
     Runsc(root=first.state_dir).sweep()
+
+
+def test_readie_pool_runs_its_jobs_through_the_router(cluster):
+    project = cluster["base"] / "project"
+    project.mkdir()
+    with PoolProcess(
+        ["--router", f"127.0.0.1:{cluster['port']}", "--workers=2", "--checkpoints", str(CHECKPOINTS)],
+        cwd=project,
+        stderr_path=cluster["base"] / "pool.err",
+    ) as pool:
+        ready = pool.ready()
+        assert ready["event"] == "ready" and ready["workers"] == 2
+        pool.send({"id": "r1", "code": "print('via the router')"}, {"id": "r2", "code": "raise KeyError('k')"})
+        results = {result["id"]: result for result in pool.results(2)}
+        assert pool.close() == 0
+    assert (results["r1"]["exit"], results["r1"]["stdout"]) == (0, "via the router\n")
+    assert results["r1"]["policy"]["backend"] == "gvisor:runsc-restore"
+    assert results["r2"]["error"]["type"] == "KeyError"

@@ -1,1 +1,56 @@
-"""readie: run untrusted Python in gVisor sandboxes restored from checkpoints."""
+"""readie: run untrusted Python in gVisor sandboxes restored from checkpoints.
+
+Two ways in:
+
+* :class:`Pool` runs code (text or a script) as jobs in a ``readie pool``
+  process, one fresh sandbox per job, with per-job grants and limits; a
+  job's outcome is a :class:`Result`.
+* :class:`Client` and :func:`remote` run Python functions in sandboxes
+  behind a ``readie router``; the value comes back, an exception comes back
+  as :class:`RemoteError`.
+
+See client/README.md for the decisions behind the API.
+"""
+
+from ._envelope import SANDBOX_PYTHON, RemoteResult
+from ._errors import (
+    CallTimeout,
+    EnvelopeError,
+    JobError,
+    PoolError,
+    PoolWorkerError,
+    ReadieError,
+    RemoteError,
+    RequestError,
+    SandboxSetupError,
+    VersionMismatch,
+)
+from ._pool import Pool
+from ._remote import Client, RemoteFunction, remote
+from ._requests import MAX_LINE_BYTES
+from ._results import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "SANDBOX_PYTHON",
+    "CallTimeout",
+    "Client",
+    "EnvelopeError",
+    "ErrorInfo",
+    "JobError",
+    "PolicyInfo",
+    "Pool",
+    "PoolError",
+    "PoolWorkerError",
+    "ReadieError",
+    "ReadyEvent",
+    "RemoteError",
+    "RemoteFunction",
+    "RemoteResult",
+    "RequestError",
+    "Result",
+    "RuntimeInfo",
+    "SandboxSetupError",
+    "VersionMismatch",
+    "remote",
+]

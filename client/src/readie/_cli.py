@@ -31,3 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"readie {args[0]}: its component is not installed ({exc.name})\n")
         return 2
     return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

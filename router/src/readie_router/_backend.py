@@ -2,11 +2,13 @@
 
 The pool engine (``_pool``) only knows :class:`JobBackend`: hand it a
 :class:`~readie_worker.jobs.CodeJob`, await a
-:class:`~readie_worker.jobs.JobOutcome`. Today the one implementation is
-:class:`LocalWorkerBackend`, which owns a :class:`~readie_worker.core.Worker`
-in this process and runs its blocking ``run_job`` on threads. A remote
-router (gRPC placement over many workers) is a second implementation of the
-same two methods; nothing above the seam changes.
+:class:`~readie_worker.jobs.JobOutcome`. :class:`ThreadedBackend` adapts any
+of readie's blocking runners (``run_job`` and ``close``: the in-process
+``Worker``, the gRPC ``WorkerClient``, the router's ``Placement``) by running
+each job on a thread; :class:`LocalWorkerBackend` is the one ``readie pool``
+uses today, owning a :class:`~readie_worker.core.Worker` in this process. A
+remote router (``--router``) is a ``ThreadedBackend`` around a
+``WorkerClient``; nothing above the seam changes.
 
 The contract every backend keeps:
 
@@ -35,7 +37,6 @@ from pathlib import Path
 from typing import Protocol
 
 import structlog
-
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
@@ -44,8 +45,10 @@ from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_man
 __all__ = [
     "CHECKPOINT_PLAN",
     "WARM_TIMEOUT_S",
+    "BlockingRunner",
     "JobBackend",
     "LocalWorkerBackend",
+    "ThreadedBackend",
     "choose_checkpoint",
     "manifest_path",
 ]
@@ -68,13 +71,44 @@ class JobBackend(Protocol):
     async def close(self) -> None: ...
 
 
-class LocalWorkerBackend:
-    """A :class:`Worker` in this process, its blocking ``run_job`` on ``slots`` threads."""
+class BlockingRunner(Protocol):
+    """What readie's blocking job runners share: the in-process ``Worker``, the
+    gRPC ``WorkerClient`` and the router's ``Placement``."""
 
-    def __init__(self, worker: Worker, slots: int) -> None:
-        self.worker = worker
+    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadedBackend:
+    """A :class:`BlockingRunner` as a :class:`JobBackend`: each job on one of ``slots`` threads.
+
+    ``slots`` should match the pool's workers, so a job the engine lets run
+    never waits for a thread.
+    """
+
+    def __init__(self, runner: BlockingRunner, slots: int) -> None:
+        self.runner = runner
         self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
         self._closed = False
+
+    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
+        if self._closed:
+            raise PoolWorkerError("the pool is shutting down; the job did not run")
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.runner.run_job, job, job_id)
+        return await loop.run_in_executor(self._threads, call)
+
+    async def close(self) -> None:
+        self._closed = True
+        await asyncio.to_thread(self.runner.close)
+        await asyncio.to_thread(self._threads.shutdown, wait=True, cancel_futures=True)
+
+
+class LocalWorkerBackend(ThreadedBackend):
+    """A :class:`Worker` in this process, owned by the pool."""
+
+    runner: Worker
 
     @classmethod
     def start(
@@ -102,22 +136,17 @@ class LocalWorkerBackend:
             raise
         return cls(worker, config.slots)
 
-    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
-        if self._closed:
-            raise PoolWorkerError("the pool is shutting down; the job did not run")
-        loop = asyncio.get_running_loop()
-        call = functools.partial(self.worker.run_job, job, job_id)
-        return await loop.run_in_executor(self._threads, call)
+    @property
+    def worker(self) -> Worker:
+        return self.runner
 
     async def close(self) -> None:
-        self._closed = True
-        # Destroys warm sandboxes and sweeps the state dir: a job still
-        # running loses its sandbox and ends with a worker error.
-        await asyncio.to_thread(self.worker.close)
+        # The worker's close destroys warm sandboxes and sweeps the state dir:
+        # a job still running loses its sandbox and ends with a worker error.
+        await super().close()
         # A thread that was restoring when the sweep ran may have made a
-        # sandbox after it; once every thread is done, sweep again.
-        await asyncio.to_thread(self._threads.shutdown, wait=True, cancel_futures=True)
-        await asyncio.to_thread(self.worker.close)
+        # sandbox after it; now that every thread is done, sweep again.
+        await asyncio.to_thread(self.runner.close)
 
 
 def _unusable(worker: Worker, checkpoint: str) -> str:
@@ -152,9 +181,10 @@ def choose_checkpoint(path: Path, preload: Iterable[str]) -> tuple[Manifest, Che
     for checkpoint in manifest.checkpoints.values():
         if frozenset(checkpoint.preimport) == wanted:
             return manifest, checkpoint
-    have = "; ".join(
-        f"{c.name} [{', '.join(c.preimport)}]" for c in manifest.checkpoints.values()
-    ) or "none"
+    have = (
+        "; ".join(f"{c.name} [{', '.join(c.preimport)}]" for c in manifest.checkpoints.values())
+        or "none"
+    )
     listed = ", ".join(f'"{name}"' for name in sorted(wanted))
     raise SandboxSetupError(
         f"no checkpoint in {path} preloads exactly [{', '.join(sorted(wanted))}] "
@@ -163,4 +193,3 @@ def choose_checkpoint(path: Path, preload: Iterable[str]) -> tuple[Manifest, Che
         "(packages that are not in the standard library go into [site].requirements too), "
         "then run `make capture`"
     )
-

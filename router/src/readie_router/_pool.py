@@ -29,6 +29,7 @@ written if stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import importlib.util
 import os
@@ -36,12 +37,11 @@ import stat
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-
 from readie_executor.jobs import bounds
 from readie_worker.jobs import CodeJob
 
@@ -131,7 +131,7 @@ class PoolSetup:
     checkpoint: str
     runtime: RuntimeInfo
     cwd: Path  # absolute and resolved; relative request paths resolve against it
-    config: Config = Config()
+    config: Config = field(default_factory=Config)
     package_dirs: tuple[Path, ...] = ()  # the pool's own, absolute; every job gets them
     log_jobs: bool = False  # --log=json: one job_log_line per finished job
 
@@ -189,16 +189,19 @@ class PoolEngine:
         if self._drain_calls == 1:
             self._stop_intake("draining: no new requests; finishing accepted jobs")
         elif self.state is PoolState.DRAINING:
-            log.warning("aborting: stopping running jobs", running=len(self._jobs))
             self._move(PoolState.ABORTING)
             self._aborted.set()
+            log.warning("aborting: stopping running jobs", accepted_jobs=len(self._jobs))
 
     def _stop_intake(self, why: str) -> None:
-        if self.state is PoolState.SERVING:
-            log.info(why, running=len(self._jobs))
+        # State first, log last: a log that cannot be written must not stop the drain.
+        serving = self.state is PoolState.SERVING
+        if serving:
             self._move(PoolState.DRAINING)
         if self._intake_task is not None:
             self._intake_task.cancel()
+        if serving:
+            log.info(why, accepted_jobs=len(self._jobs))
 
     def _move(self, state: PoolState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -231,7 +234,10 @@ class PoolEngine:
         await asyncio.wait({finishing, aborted}, return_when=asyncio.FIRST_COMPLETED)
         if not finishing.done():
             # Abort: the backend's close ends running jobs; their results follow.
-            await self.backend.close()
+            try:
+                await self.backend.close()
+            except Exception:
+                log.exception("closing the backend failed during an abort")
             done, _ = await asyncio.wait({finishing}, timeout=ABORT_WRITE_GRACE_S)
             if not done:
                 log.error("gave up writing results after an abort")
@@ -288,8 +294,8 @@ class PoolEngine:
             task = asyncio.create_task(self._run(request, parsed_at))
             self._jobs.add(task)
             task.add_done_callback(self._jobs.discard)
-        else:  # pragma: no cover - _unsupported refused the rest
-            raise AssertionError(f"unhandled request {type(request).__name__}")
+        else:  # pragma: no cover - _unsupported refused the other kinds
+            raise TypeError(f"unhandled request {type(request).__name__}")
 
     # ------------------------------------------------------------------ jobs
 
@@ -373,10 +379,8 @@ class PoolEngine:
         self.stats.record(result)
         if self._log_line is not None and self.setup.log_jobs:
             line = encode_line(job_log_line(result, self._wall_ms()))
-            try:
+            with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_line(line.decode("utf-8").rstrip("\n"))
-            except Exception:  # stderr gone: the result still goes out
-                pass
         self._outbox.put_nowait(encode_line(result_line(result)))
 
     def _answer(self, obj: dict[str, Any]) -> None:
@@ -467,7 +471,9 @@ def read_script(path: Path) -> str:
             chunks.append(chunk)
             size += len(chunk)
             if size > MAX_SCRIPT_BYTES:  # grew while we read it
-                raise RequestError(f"{str(path)!r} is larger than {MAX_SCRIPT_BYTES} bytes", "script")
+                raise RequestError(
+                    f"{str(path)!r} is larger than {MAX_SCRIPT_BYTES} bytes", "script"
+                )
     except OSError as exc:
         raise RequestError(f"cannot read {str(path)!r}: {exc.strerror}", "script") from None
     finally:
@@ -475,4 +481,6 @@ def read_script(path: Path) -> str:
     try:
         return importlib.util.decode_source(b"".join(chunks))
     except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
-        raise RequestError(f"{str(path)!r} is not readable as Python source: {exc}", "script") from None
+        raise RequestError(
+            f"{str(path)!r} is not readable as Python source: {exc}", "script"
+        ) from None

@@ -44,7 +44,15 @@ from ._errors import (
     SIGNAL_ERROR,
     TIMEOUT_ERROR,
 )
-from ._events import EXIT_NOT_RUN, EXIT_TIMEOUT, ErrorInfo, JobResult, Outcome, RuntimeInfo, signal_exit
+from ._events import (
+    EXIT_NOT_RUN,
+    EXIT_TIMEOUT,
+    ErrorInfo,
+    JobResult,
+    Outcome,
+    RuntimeInfo,
+    signal_exit,
+)
 from ._policy import Policy
 from ._wire import RequestId
 
@@ -93,13 +101,9 @@ def job_result(
 
 def _classify(outcome: JobOutcome) -> tuple[Outcome, int, ErrorInfo | None]:
     error = outcome.error
-    info = (
-        None
-        if error is None
-        else ErrorInfo(
-            type=error.type, message=error.message, file=error.file, line=error.line, hint=error.hint
-        )
-    )
+    info = None
+    if error is not None:
+        info = ErrorInfo(error.type, error.message, error.file, error.line, error.hint)
     if outcome.exit is None:
         return _without_exit(info)
     if info is not None and outcome.exit == EXIT_NOT_STARTED and info.type in _NOT_STARTED:

@@ -29,13 +29,15 @@ __all__ = ["READ_CHUNK_BYTES", "FdReader", "FdWriter"]
 READ_CHUNK_BYTES = 64 * 1024
 
 
+# A blocking function, the loop to answer in, and the future to settle there.
+_Call = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+
 class _FdThread:
     """One daemon thread running blocking calls in order, answering into the event loop."""
 
     def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = (
-            queue.SimpleQueue()
-        )
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -50,7 +52,7 @@ class _FdThread:
             function, loop, future = self._calls.get()
             try:
                 result, error = function(), None
-            except BaseException as exc:  # handed to the awaiting coroutine
+            except BaseException as exc:  # noqa: BLE001 - raised again in the awaiting coroutine
                 result, error = None, exc
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
@@ -81,7 +83,7 @@ class FdReader:
 
 
 class FdWriter:
-    """``await write(data)`` returns once all of ``data`` is written to ``fd``; OSError otherwise."""
+    """``await write(data)`` returns once all of ``data`` is in ``fd``; raises OSError if not."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd

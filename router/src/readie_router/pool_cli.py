@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-
+from readie_worker.client import WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError
 from readie_worker.logs import configure_logging
 
-from ._backend import LocalWorkerBackend, choose_checkpoint, manifest_path
-from ._config import Config, CliOverrides, apply_cli, load_config
+from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
+from ._config import CliOverrides, Config, apply_cli, load_config
 from ._errors import ConfigError
 from ._events import RuntimeInfo
 from ._pool import PoolEngine, PoolSetup
@@ -58,10 +58,6 @@ EXIT_FAILED = 1
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
     configure_logging(json=args.log == "json")
-    if args.router is not None:
-        _fail(f"--router {args.router}: remote routers are not supported yet; "
-              "run without --router to use a worker in this process")
-        return EXIT_USAGE
     try:
         cwd = Path(os.path.realpath(os.getcwd()))
         config = load_config(args.config) if args.config is not None else Config()
@@ -106,18 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     # and nothing but the pool reads stdin.
     protocol_in, protocol_out = _claim_stdio()
     try:
-        return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out))
+        return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out, args.router))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-async def _serve(setup: PoolSetup, worker_config: WorkerConfig, fd_in: int, fd_out: int) -> int:
+async def _serve(
+    setup: PoolSetup, worker_config: WorkerConfig, fd_in: int, fd_out: int, router: str | None = None
+) -> int:
     signals = _Signals()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, signals.received, signum)
     try:
-        backend = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint)
+        if router is not None:
+            # The router's workers restore the same checkpoints (the manifest read here names them).
+            backend: JobBackend = ThreadedBackend(WorkerClient(router), setup.workers)
+        else:
+            backend = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint)
     except ReadieError as exc:
         _fail(f"cannot start the worker: {exc}")
         return EXIT_FAILED
@@ -204,22 +206,27 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="readie pool", description="serve the pool JSONL protocol on stdin and stdout"
     )
-    parser.add_argument("--workers", type=int, help="jobs run at once (default: [pool] workers, else 2)")
+    parser.add_argument(
+        "--workers", type=int, help="jobs run at once (default: [pool] workers, else 2)"
+    )
     parser.add_argument(
         "--preload",
         type=_preload,
         metavar="A,B",
-        help="modules every job finds imported; selects the checkpoint with exactly these (default: none)",
+        help="modules every job finds imported: picks the checkpoint preloading exactly these",
     )
     parser.add_argument(
         "--package-dir",
         action="append",
         metavar="DIR",
-        help="site-packages dir mounted read-only into every job (repeatable; replaces [pool] package_dirs)",
+        help="site-packages dir mounted read-only into every job (repeatable; "
+        "replaces [pool] package_dirs)",
     )
     parser.add_argument("--config", metavar="FILE", help="pool configuration (TOML)")
-    parser.add_argument("--log", choices=("json", "none"), help="json: one line per finished job on stderr")
-    parser.add_argument("--router", metavar="HOST:PORT", help="a remote router (not supported yet)")
+    parser.add_argument(
+        "--log", choices=("json", "none"), help="json: one line per finished job on stderr"
+    )
+    parser.add_argument("--router", metavar="HOST:PORT", help="run jobs through a `readie router` instead of a worker in this process")
     parser.add_argument(
         "--checkpoints",
         metavar="PATH",

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from readie_worker.jobs import CodeJob, JobOutcome
 
@@ -136,7 +136,9 @@ class PoolProcess:
         deadline = time.monotonic() + timeout
         return [self.read(max(0.01, deadline - time.monotonic())) for _ in range(count)]
 
-    def run(self, request: Mapping[str, Any], timeout: float = DEFAULT_READ_TIMEOUT_S) -> dict[str, Any]:
+    def run(
+        self, request: Mapping[str, Any], timeout: float = DEFAULT_READ_TIMEOUT_S
+    ) -> dict[str, Any]:
         """Send one request and return the next line (use when nothing else is in flight)."""
         self.send(request)
         return self.read(timeout)
@@ -207,7 +209,7 @@ class PoolProcess:
         except subprocess.TimeoutExpired:  # killed by finish()
             return self.process.returncode
 
-    def __enter__(self) -> PoolProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -217,7 +219,10 @@ class PoolProcess:
 # --------------------------------------------------------------------------- in memory
 
 
-def ok_outcome(stdout: str = "", *, exit: int | None = 0, error: Any = None, duration_us: int = 1000) -> JobOutcome:
+def ok_outcome(
+    stdout: str = "", *, exit: int | None = 0, error: Any = None, duration_us: int = 1000
+) -> JobOutcome:
+    """A worker outcome for FakeBackend answers; by default a clean exit printing ``stdout``."""
     return JobOutcome(
         exit=exit,
         stdout=stdout,

@@ -1,0 +1,7 @@
+"""``python -m readie``: the ``readie`` command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -1,0 +1,459 @@
+"""``Pool``: a ``readie pool`` process driven over its JSONL pipes, safe to share between threads.
+
+One thread reads the pool's stdout and hands each line to the caller waiting
+on its id (results come in completion order, not request order); another
+keeps the last lines of its stderr for error messages. Callers write their
+request lines under a lock and wait on their own event, so any number of
+threads can have jobs in flight; the pool's own queue (twice its workers)
+pushes back on writers when it is full, and nothing on this side buffers
+without bound.
+
+A result whose error is ``RequestError`` (the pool refused the request, so
+nothing ran) is raised from :meth:`Pool.run` as :class:`~readie.RequestError`:
+a refusal is a bug in the caller and should be loud. Every other outcome,
+the job's exception, a timeout, a worker failure, is returned as the
+:class:`~readie.Result`; :meth:`Result.raise_for_error` raises it on request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from ._errors import PoolError, ReadieError, RequestError
+from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, stats_request
+from ._results import ReadyEvent, Result, parse_ready, parse_result, parse_stats
+
+__all__ = ["CLOSE_KILL_GRACE_S", "START_TIMEOUT_S", "STDERR_TAIL_LINES", "Pool", "default_command"]
+
+log = logging.getLogger("readie")
+
+#: Start-up is a manifest check, a sweep and the first warm restores (about a
+#: second here); a minute leaves room for a loaded machine and cold caches.
+START_TIMEOUT_S = 60.0
+#: After close(timeout=...) runs out: SIGTERM stops running jobs (the pool is
+#: already draining, so this signal aborts), then this long before SIGKILL.
+CLOSE_KILL_GRACE_S = 10.0
+#: Error messages end with the pool's last stderr lines; this many of them,
+#: each cut to STDERR_LINE_CHARS, so a chatty pool cannot grow the client.
+STDERR_TAIL_LINES = 40
+STDERR_LINE_CHARS = 2000
+#: After stdout ends: how long to wait for the pool's exit status and the rest
+#: of its stderr before reporting without them.
+EXIT_WAIT_S = 10.0
+
+_RUNNER = "import sys; from readie._cli import main; sys.exit(main())"
+
+
+def default_command() -> list[str]:
+    """The ``readie`` command of this Python: the entry point beside it, else ``python -c``."""
+    entry_point = Path(sys.executable).with_name("readie")
+    if entry_point.exists():
+        return [str(entry_point)]
+    return [sys.executable, "-c", _RUNNER]
+
+
+class _Waiter:
+    """One caller's pending line: set exactly once, with the pool's answer or an error."""
+
+    __slots__ = ("done", "error", "line")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.line: dict[str, Any] | None = None
+        self.error: ReadieError | None = None
+
+    def answer(self, line: dict[str, Any]) -> None:
+        self.line = line
+        self.done.set()
+
+    def fail(self, error: ReadieError) -> None:
+        self.error = error
+        self.done.set()
+
+
+class Pool:
+    """A ``readie pool``: jobs in fresh gVisor sandboxes, one per :meth:`run`.
+
+    ``workers``, ``preload``, ``package_dirs`` and ``config`` become the
+    pool's flags; left unset (``None`` or empty), the config file's values
+    apply, else the pool's defaults (2 workers, no preloads). ``cwd`` is the
+    pool's working directory: relative grants and scripts resolve against it
+    (default: this process's). ``command`` is the ``readie`` command to run
+    (default: :func:`default_command`); ``checkpoints`` is passed as
+    ``--checkpoints`` (default: ``$READIE_CHECKPOINTS``, else
+    ``build/checkpoints`` under ``cwd``).
+    """
+
+    def __init__(
+        self,
+        workers: int | None = 2,
+        preload: Iterable[str] = (),
+        package_dirs: Iterable[PathArg] = (),
+        config: PathArg | None = None,
+        command: Sequence[str] | None = None,
+        router: str | None = None,
+        cwd: PathArg | None = None,
+        *,
+        checkpoints: PathArg | None = None,
+        start_timeout: float = START_TIMEOUT_S,
+    ) -> None:
+        self.cwd = Path(os.path.abspath(cwd if cwd is not None else os.getcwd()))
+        self.argv = [
+            *(command if command is not None else default_command()),
+            *pool_flags(workers, preload, package_dirs, config, router, checkpoints),
+        ]
+        self._lock = threading.Lock()  # _pending, _ended, _closed, _failure
+        self._write_lock = threading.Lock()  # whole lines on stdin, one at a time
+        self._pending: dict[RequestId, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self._ended = False  # stdout is done: nothing more will be answered
+        self._closed = False
+        self._failure: str | None = None  # why the pool is unusable, once it is
+        self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._ready = threading.Event()
+        self._start_error: ReadieError | None = None
+        self.ready: ReadyEvent
+        try:
+            self._process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self.cwd,
+            )
+        except OSError as exc:
+            raise PoolError(f"cannot start {' '.join(self.argv)}: {exc}") from None
+        assert self._process.stdin and self._process.stdout and self._process.stderr
+        self._stdin: IO[bytes] = self._process.stdin
+        self._stderr_thread = threading.Thread(
+            target=self._keep_stderr, args=(self._process.stderr,), name="readie-pool-stderr", daemon=True
+        )
+        self._reader = threading.Thread(
+            target=self._read_stdout, args=(self._process.stdout,), name="readie-pool-results", daemon=True
+        )
+        self._stderr_thread.start()
+        self._reader.start()
+        if not self._ready.wait(start_timeout):
+            self._stop_process()
+            raise PoolError(f"readie pool was not ready within {start_timeout} s{self._stderr_suffix()}")
+        if self._start_error is not None:
+            self._stop_process()
+            raise self._start_error
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def stderr_tail(self) -> str:
+        """The last lines the pool wrote on stderr (its log)."""
+        return "\n".join(self._stderr_tail)
+
+    def run(
+        self,
+        code: str | None = None,
+        *,
+        script: PathArg | None = None,
+        name: str | None = None,
+        args: Iterable[str] = (),
+        allow_read: Iterable[PathArg] = (),
+        allow_write: Iterable[PathArg] = (),
+        package_dirs: Iterable[PathArg] = (),
+        env: Mapping[str, str] | None = None,
+        allow_network: bool = False,
+        timeout: Duration | None = None,
+        memory: Size | None = None,
+        max_output: Size | None = None,
+        max_file_size: Size | None = None,
+        profile: str | None = None,
+        packages: Iterable[str] = (),
+    ) -> Result:
+        """Run one job and wait for its result. Exactly one of ``code`` and ``script``.
+
+        Returns the result whatever the job did; raises :class:`~readie.RequestError`
+        when the request is refused (by this client: a line over 1 MiB; or by the
+        pool: a grant outside its limits, an unknown profile, ...) and
+        :class:`~readie.PoolError` when the pool process fails.
+        """
+        request_id = self._next_id()
+        line = encode_line(
+            job_request(
+                request_id, code, script=script, name=name, args=args, allow_read=allow_read,
+                allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
+                timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
+                profile=profile, packages=packages,
+            )
+        )
+        result = parse_result(self._exchange(request_id, line))
+        if result.error is not None and result.error.type == "RequestError":
+            raise RequestError(result.error.message, result=result)
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's counters: the spec's stats event, as the pool wrote it."""
+        request_id = self._next_id()
+        return parse_stats(self._exchange(request_id, encode_line(stats_request(request_id))))
+
+    def close(self, timeout: float | None = None) -> None:
+        """End stdin, let the pool finish every accepted job and wait for it to exit.
+
+        Threads still waiting in :meth:`run` get their results. With a
+        ``timeout`` (seconds), a pool still running after it is stopped
+        (SIGTERM, then SIGKILL). Raises :class:`~readie.PoolError` if the pool
+        did not exit 0. Calling it again does nothing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with self._write_lock:
+            try:
+                self._stdin.close()
+            except OSError:
+                pass  # the pool is gone already; its exit status says why
+        try:
+            status = self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._stop_process()
+            raise PoolError(f"readie pool did not finish within {timeout} s and was stopped{self._stderr_suffix()}") from None
+        finally:
+            self._reader.join(EXIT_WAIT_S)
+            self._stderr_thread.join(EXIT_WAIT_S)
+        if status != 0:
+            raise PoolError(f"readie pool exited with status {status}{self._stderr_suffix()}")
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is already on its way out; a failing close must not replace it.
+        try:
+            self.close()
+        except PoolError as close_error:
+            log.warning("closing the pool after an error failed too: %s", close_error)
+
+    # ------------------------------------------------------------------ requests
+
+    def _next_id(self) -> int:
+        with self._lock:
+            return next(self._ids)
+
+    def _exchange(self, request_id: RequestId, line: bytes) -> dict[str, Any]:
+        waiter = _Waiter()
+        with self._lock:
+            if self._closed:
+                raise PoolError("the pool is closed")
+            if self._failure is not None:
+                raise PoolError(self._failure)
+            if self._ended:
+                raise self._ended_error("no longer answers")
+            # Registered before the line is written: the answer can come at once.
+            self._pending[request_id] = waiter
+        try:
+            with self._write_lock:
+                self._stdin.write(line)
+                self._stdin.flush()
+        except (OSError, ValueError):  # ValueError: close() closed stdin meanwhile
+            with self._lock:
+                self._pending.pop(request_id, None)
+            if self._closed:
+                raise PoolError("the pool is closed") from None
+            self._process_status(EXIT_WAIT_S)
+            raise self._ended_error("stopped reading requests") from None
+        waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.line is not None
+        return waiter.line
+
+    # ------------------------------------------------------------------ reader threads
+
+    def _read_stdout(self, stdout: IO[bytes]) -> None:
+        try:
+            if self._read_ready(stdout):
+                for raw in stdout:
+                    self._dispatch(raw)
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            log.exception("readie pool reader failed")
+            with self._lock:
+                self._failure = f"the client's reader failed: {type(exc).__name__}: {exc}"
+        finally:
+            stdout.close()
+            self._end_of_output()
+
+    def _read_ready(self, stdout: IO[bytes]) -> bool:
+        try:
+            first = stdout.readline()
+            if not first:
+                status = self._process_status(EXIT_WAIT_S)
+                self._stderr_thread.join(EXIT_WAIT_S)
+                self._start_error = PoolError(
+                    f"readie pool exited with status {status} before it was ready{self._stderr_suffix()}"
+                )
+                return False
+            try:
+                obj = json.loads(first)
+            except ValueError:
+                self._start_error = PoolError(f"readie pool's first line is not JSON: {first[:200]!r}")
+                return False
+            try:
+                self.ready = parse_ready(obj)
+            except ReadieError as exc:
+                self._start_error = exc
+                return False
+            return True
+        finally:
+            self._ready.set()
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            self._broken(f"the pool wrote a line that is not JSON: {raw[:200]!r}")
+            return
+        if not isinstance(obj, dict):
+            self._broken(f"the pool wrote a line that is not an object: {raw[:200]!r}")
+            return
+        if obj.get("event") == "call":
+            self._refuse_call(obj)
+            return
+        request_id = obj.get("id")
+        waiter = None
+        if isinstance(request_id, str | int) and not isinstance(request_id, bool):
+            with self._lock:
+                waiter = self._pending.pop(request_id, None)
+        if waiter is None:
+            # A caller that was interrupted while waiting, or a pool bug: nobody to tell.
+            log.warning("readie pool answered a request nobody waits for: %.200r", raw)
+            return
+        waiter.answer(obj)
+
+    def _refuse_call(self, event: dict[str, Any]) -> None:
+        # Host functions come later; this client never declares any, so a call
+        # event should not happen. Answer it anyway so the task does not hang,
+        # from another thread: this one must keep reading, or a writer blocked
+        # on a full stdin and the pool blocked on a full stdout would wait on
+        # each other.
+        reply = {"reply": {"call_id": event.get("call_id"), "error": "this client runs no host functions"}}
+        line = (json.dumps(reply) + "\n").encode()
+
+        def send() -> None:
+            try:
+                with self._write_lock:
+                    self._stdin.write(line)
+                    self._stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+        threading.Thread(target=send, name="readie-pool-reply", daemon=True).start()
+
+    def _broken(self, why: str) -> None:
+        """The pool broke the protocol: nothing it says can be trusted to match a caller any more."""
+        log.error("readie pool broke the protocol: %s", why)
+        with self._lock:
+            self._failure = f"readie pool broke the protocol: {why}"
+            waiters = list(self._pending.values())
+            self._pending.clear()
+        for waiter in waiters:
+            waiter.fail(PoolError(self._failure))
+
+    def _end_of_output(self) -> None:
+        with self._lock:
+            self._ended = True
+            waiters = list(self._pending.items())
+            self._pending.clear()
+        if not waiters:
+            return
+        self._process_status(EXIT_WAIT_S)
+        self._stderr_thread.join(EXIT_WAIT_S)
+        for request_id, waiter in waiters:
+            waiter.fail(self._ended_error(f"did not answer request {request_id!r}"))
+
+    def _keep_stderr(self, stderr: IO[bytes]) -> None:
+        with stderr:
+            # Bounded reads: an endless line arrives as several pieces, never as one huge one.
+            for raw in iter(lambda: stderr.readline(STDERR_LINE_CHARS), b""):
+                text = raw.decode("utf-8", "replace").rstrip("\n")
+                if len(text) > STDERR_LINE_CHARS:
+                    text = text[:STDERR_LINE_CHARS] + "..."
+                self._stderr_tail.append(text)
+
+    # ------------------------------------------------------------------ process
+
+    def _process_status(self, timeout: float) -> int | None:
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _stop_process(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            if self._process_status(CLOSE_KILL_GRACE_S) is None:
+                self._process.kill()
+                self._process.wait()
+        # stdout and stderr end now; their threads read them to the end and close them.
+        try:
+            self._stdin.close()
+        except OSError:
+            pass
+
+    def _ended_error(self, what: str) -> PoolError:
+        status = self._process.poll()
+        state = "is still running" if status is None else f"exited with status {status}"
+        if self._failure is not None:
+            return PoolError(self._failure)
+        return PoolError(f"readie pool {what}: its output ended and it {state}{self._stderr_suffix()}")
+
+    def _stderr_suffix(self) -> str:
+        tail = self.stderr_tail
+        return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+
+
+def pool_flags(
+    workers: int | None,
+    preload: Iterable[str],
+    package_dirs: Iterable[PathArg],
+    config: PathArg | None,
+    router: str | None,
+    checkpoints: PathArg | None,
+) -> list[str]:
+    """``pool`` and its flags, as ``readie pool`` reads them."""
+    flags = ["pool"]
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise TypeError(f"workers: expected an int, got {type(workers).__name__}")
+        flags.append(f"--workers={workers}")
+    if isinstance(preload, str):
+        raise TypeError(f"preload: expected a list of module names, got a str; write preload=[{preload!r}]")
+    names = list(preload)
+    if names:
+        flags.append(f"--preload={','.join(names)}")
+    if isinstance(package_dirs, str | os.PathLike):
+        raise TypeError("package_dirs: expected a list of directories, got a single one")
+    flags.extend(f"--package-dir={os.fspath(path)}" for path in package_dirs)
+    if config is not None:
+        flags.append(f"--config={os.fspath(config)}")
+    if router is not None:
+        flags.append(f"--router={router}")
+    if checkpoints is not None:
+        flags.append(f"--checkpoints={os.fspath(checkpoints)}")
+    return flags

@@ -1,0 +1,192 @@
+"""Request lines for ``readie pool``, without I/O: Python arguments in, one bounded JSONL line out.
+
+Only what the caller set goes on the wire, so the pool's defaults and a
+named profile apply to everything else (an explicit ``"allow_network":
+false`` would override a profile that grants it). The id is always the
+first key: the pool recovers the id of a line it cannot parse from its first
+key only, so even a refused line is answered to the caller waiting on it.
+
+The client converts Python conveniences (paths, ``timedelta``, float
+seconds) and refuses what it can tell is a bug before sending (both or
+neither of code and script, a string where a list belongs, a line over the
+limit). Whether the pool grants a request is the pool's decision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+from ._errors import RequestError
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "Duration",
+    "PathArg",
+    "RequestId",
+    "Size",
+    "encode_line",
+    "job_request",
+    "stats_request",
+]
+
+#: The pool discards any line longer than 1 MiB (the spec; the newline is not
+#: counted). Checked here too, before sending, so the caller learns it from an
+#: exception naming the field instead of from a refusal after the upload.
+MAX_LINE_BYTES = 1024 * 1024
+
+RequestId: TypeAlias = str | int
+PathArg: TypeAlias = str | os.PathLike[str]
+#: int: seconds (as the pool reads a bare number); float and timedelta are
+#: converted to whole milliseconds, rounded up; str is sent as is ("250ms", "5s").
+Duration: TypeAlias = int | float | timedelta | str
+#: int: bytes; str is sent as is ("512m", "64k").
+Size: TypeAlias = int | str
+
+
+def job_request(
+    id: RequestId,
+    code: str | None = None,
+    *,
+    script: PathArg | None = None,
+    name: str | None = None,
+    args: Iterable[str] = (),
+    allow_read: Iterable[PathArg] = (),
+    allow_write: Iterable[PathArg] = (),
+    package_dirs: Iterable[PathArg] = (),
+    env: Mapping[str, str] | None = None,
+    allow_network: bool = False,
+    timeout: Duration | None = None,
+    memory: Size | None = None,
+    max_output: Size | None = None,
+    max_file_size: Size | None = None,
+    profile: str | None = None,
+    packages: Iterable[str] = (),
+) -> dict[str, Any]:
+    """The JSON object of one job request; raises :class:`RequestError` for both or neither of code and script."""
+    if (code is None) == (script is None):
+        raise RequestError("give exactly one of code and script", "code")
+    request: dict[str, Any] = {"id": id}
+    if code is not None:
+        request["code"] = _text(code, "code")
+    else:
+        request["script"] = _path(script, "script")
+    if name is not None:
+        request["name"] = _text(name, "name")
+    _put_list(request, "args", args, lambda item: _text(item, "args"))
+    _put_list(request, "allow_read", allow_read, lambda item: _path(item, "allow_read"))
+    _put_list(request, "allow_write", allow_write, lambda item: _path(item, "allow_write"))
+    _put_list(request, "package_dirs", package_dirs, lambda item: _path(item, "package_dirs"))
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise TypeError(f"env: expected a mapping of strings, got {type(env).__name__}")
+        request["env"] = dict(env)
+    if not isinstance(allow_network, bool):
+        raise TypeError(f"allow_network: expected True or False, got {type(allow_network).__name__}")
+    if allow_network:
+        request["allow_network"] = True
+    _put(request, "timeout", timeout, _duration)
+    _put(request, "memory", memory, _size)
+    _put(request, "max_output", max_output, _size)
+    _put(request, "max_file_size", max_file_size, _size)
+    if profile is not None:
+        request["profile"] = _text(profile, "profile")
+    _put_list(request, "packages", packages, lambda item: _text(item, "packages"))
+    return request
+
+
+def stats_request(id: RequestId) -> dict[str, Any]:
+    return {"id": id, "stats": True}
+
+
+def encode_line(request: Mapping[str, Any]) -> bytes:
+    """``request`` as one UTF-8 JSON line with its newline; :class:`RequestError` if the pool would refuse its size."""
+    try:
+        data = _dumps(request).encode("utf-8")
+    except UnicodeEncodeError:
+        field = next((key for key, value in request.items() if not _encodable(value)), None)
+        raise RequestError("contains a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry", field) from None
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"request is not JSON: {exc}") from None
+    if len(data) > MAX_LINE_BYTES:
+        sizes = {key: len(_dumps(value).encode("utf-8")) for key, value in request.items()}
+        biggest = max(sizes, key=sizes.__getitem__)
+        hint = " (pass long code as a file with script=...)" if biggest == "code" else ""
+        raise RequestError(
+            f"the request line is {len(data)} bytes, {sizes[biggest]} of them {biggest}; "
+            f"the pool reads at most {MAX_LINE_BYTES} bytes (1 MiB) per line{hint}; "
+            "put large data in a file under allow_read instead",
+            biggest,
+        )
+    return data + b"\n"
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        _dumps(value).encode("utf-8")
+    except (UnicodeEncodeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _put(request: dict[str, Any], key: str, value: Any, convert: Any) -> None:
+    if value is not None:
+        request[key] = convert(value, key)
+
+
+def _put_list(request: dict[str, Any], key: str, values: Iterable[Any], convert: Any) -> None:
+    # A lone string is iterable too: "data" would become ["d", "a", "t", "a"].
+    if isinstance(values, str | bytes | os.PathLike):
+        raise TypeError(f"{key}: expected a list, got a single {type(values).__name__}; write {key}=[{values!r}]")
+    items = [convert(item) for item in values]
+    if items:
+        request[key] = items
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{key}: expected a str, got {type(value).__name__}")
+    return value
+
+
+def _path(value: Any, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        path = os.fspath(value)
+        if isinstance(path, str):
+            return path
+    raise TypeError(f"{key}: expected a str or a path, got {type(value).__name__}")
+
+
+def _duration(value: Any, key: str) -> int | str:
+    if isinstance(value, bool):
+        raise TypeError(f"{key}: expected seconds, a timedelta or a string like '5s', got a bool")
+    if isinstance(value, int | str):
+        return value
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise TypeError(f"{key}: {value} is not a duration")
+        # Rounded up (after rounding away float noise: 1.1 * 1000 is 1100.0000000000002):
+        # a caller asking for 0.0001 s means "a very short time", not "none at all".
+        return f"{max(0, math.ceil(round(value * 1000, 6)))}ms"
+    raise TypeError(f"{key}: expected seconds, a timedelta or a string like '5s', got {type(value).__name__}")
+
+
+def _size(value: Any, key: str) -> int | str:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"{key}: expected bytes (int) or a string like '512m', got {type(value).__name__}")
+    return value

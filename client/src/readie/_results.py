@@ -1,0 +1,276 @@
+"""What ``readie pool`` writes, as frozen values: the ready event and job results, without I/O.
+
+The pool is the trusted half the client started, so its lines are parsed
+strictly (a wrong type is a :class:`PoolError`: the pool broke the protocol)
+but forward-compatibly: fields this client does not know are ignored, since
+adding a field does not bump the protocol version. The version itself is
+checked once, on the ready event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from ._errors import JobError, PoolError, PoolWorkerError, RequestError, SandboxSetupError, VersionMismatch
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ErrorInfo",
+    "PolicyInfo",
+    "ReadyEvent",
+    "Result",
+    "RuntimeInfo",
+    "parse_ready",
+    "parse_result",
+    "parse_stats",
+]
+
+#: The pool protocol version this client speaks (the ready event's
+#: ``protocol``; a pool that omits it speaks version 1, the spec's).
+PROTOCOL_VERSION = 1
+
+# Error types that are readie's own, not the job's: raise_for_error maps them
+# back to the exception families (anything else is the job's: JobError).
+_REQUEST_ERROR = "RequestError"
+_FAMILIES: dict[str, type[Exception]] = {
+    "SandboxSetupError": SandboxSetupError,
+    "PoolWorkerError": PoolWorkerError,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """A result's ``error``: the Python exception class or one of readie's error types.
+
+    ``file`` and ``line`` point at the script or inline name; ``hint`` says
+    what was granted, for permission and memory errors.
+    """
+
+    type: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    hint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    name: str
+    python: str
+    mode: str
+    preloaded_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInfo:
+    """The policy a job ran under, after profiles and the ceiling; paths are absolute."""
+
+    allow_read: tuple[str, ...]
+    allow_write: tuple[str, ...]
+    network: str  # "allow" or "deny"
+    subprocesses: str  # "allow" or "deny"
+    timeout_ms: int | None
+    memory_bytes: int | None
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One job's result line, every field of the spec's result.
+
+    ``exit`` is always an integer: the job's exit status, 124 after a
+    timeout, 128 + n after signal n, -1 when it never ran.
+    ``session``, ``step`` and ``session_ended`` are set for session steps only.
+    """
+
+    id: str | int | None
+    exit: int
+    stdout: str
+    stderr: str
+    error: ErrorInfo | None
+    stdout_truncated: bool
+    stderr_truncated: bool
+    duration_ms: int
+    duration_us: int
+    queue_us: int
+    runtime: RuntimeInfo | None
+    policy: PolicyInfo | None
+    session: str | None = None
+    step: int | None = None
+    session_ended: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The code ran to the end and exited 0."""
+        return self.exit == 0 and self.error is None
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
+
+    def raise_for_error(self) -> Result:
+        """Return this result if ok, else raise: :class:`RequestError`, :class:`SandboxSetupError`
+        or :class:`PoolWorkerError` for readie's own error types, :class:`JobError` for the job's."""
+        if self.ok:
+            return self
+        kind = None if self.error is None else self.error.type
+        if kind == _REQUEST_ERROR:
+            assert self.error is not None
+            raise RequestError(self.error.message, result=self)
+        family = _FAMILIES.get(kind or "")
+        if family is not None:
+            assert self.error is not None
+            raise family(self.error.message)
+        raise JobError(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyEvent:
+    """The pool's first line: what the operator configured."""
+
+    workers: int
+    runtime: str
+    preloaded_modules: tuple[str, ...]
+    package_dirs: tuple[str, ...]
+    config: str | None
+    profiles: tuple[str, ...]
+    protocol: int
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_ready(obj: Any) -> ReadyEvent:
+    """The ready event; :class:`VersionMismatch` when the pool speaks another protocol version."""
+    fields = _Fields(obj, "the ready event")
+    if fields.optional("event", str) != "ready":
+        _broken(f"the pool's first line is not the ready event: {_short(obj)}")
+    protocol = fields.optional("protocol", int)
+    protocol = 1 if protocol is None else protocol
+    if protocol != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"readie pool speaks pool protocol version {protocol}, this client speaks version "
+            f"{PROTOCOL_VERSION}: install the same readie version on both sides"
+        )
+    return ReadyEvent(
+        workers=fields.get("workers", int),
+        runtime=fields.get("runtime", str),
+        preloaded_modules=fields.strings("preloaded_modules"),
+        package_dirs=fields.strings("package_dirs"),
+        config=fields.optional("config", str),
+        profiles=fields.strings("profiles"),
+        protocol=protocol,
+    )
+
+
+def parse_result(obj: Any) -> Result:
+    """A job's result line."""
+    fields = _Fields(obj, "a result")
+    return Result(
+        id=fields.get("id", (str, int, type(None))),
+        exit=fields.get("exit", int),
+        stdout=fields.get("stdout", str),
+        stderr=fields.get("stderr", str),
+        error=fields.nested("error", _error),
+        stdout_truncated=fields.get("stdout_truncated", bool),
+        stderr_truncated=fields.get("stderr_truncated", bool),
+        duration_ms=fields.get("duration_ms", int),
+        duration_us=fields.get("duration_us", int),
+        queue_us=fields.get("queue_us", int),
+        runtime=fields.nested("runtime", _runtime),
+        policy=fields.nested("policy", _policy),
+        session=fields.optional("session", str),
+        step=fields.optional("step", int),
+        session_ended=fields.optional("session_ended", bool) or False,
+    )
+
+
+def parse_stats(obj: Any) -> dict[str, Any]:
+    """The stats event, as the pool wrote it (the spec: "the same object")."""
+    fields = _Fields(obj, "the stats event")
+    if fields.get("event", str) != "stats":
+        _broken(f"expected a stats event, got {_short(obj)}")
+    fields.get("jobs", int)
+    return dict(obj)
+
+
+def _error(fields: _Fields) -> ErrorInfo:
+    return ErrorInfo(
+        type=fields.get("type", str),
+        message=fields.get("message", str),
+        file=fields.optional("file", str),
+        line=fields.optional("line", int),
+        hint=fields.optional("hint", str),
+    )
+
+
+def _runtime(fields: _Fields) -> RuntimeInfo:
+    return RuntimeInfo(
+        name=fields.get("name", str),
+        python=fields.get("python", str),
+        mode=fields.get("mode", str),
+        preloaded_modules=fields.strings("preloaded_modules"),
+    )
+
+
+def _policy(fields: _Fields) -> PolicyInfo:
+    return PolicyInfo(
+        allow_read=fields.strings("allow_read"),
+        allow_write=fields.strings("allow_write"),
+        network=fields.get("network", str),
+        subprocesses=fields.get("subprocesses", str),
+        timeout_ms=fields.optional("timeout_ms", int),
+        memory_bytes=fields.optional("memory_bytes", int),
+        backend=fields.get("backend", str),
+    )
+
+
+class _Fields:
+    """Typed access to one JSON object of the pool's; a missing or mistyped field is a PoolError."""
+
+    def __init__(self, obj: Any, what: str) -> None:
+        if not isinstance(obj, Mapping):
+            _broken(f"{what} is not a JSON object: {_short(obj)}")
+        self._obj = obj
+        self._what = what
+
+    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in self._obj:
+            _broken(f"{self._what} lacks {key!r}: {_short(self._obj)}")
+        return self._check(key, self._obj[key], kind)
+
+    def optional(self, key: str, kind: type) -> Any:
+        value = self._obj.get(key)
+        return None if value is None else self._check(key, value, kind)
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        values = self.get(key, list)
+        if not all(isinstance(item, str) for item in values):
+            _broken(f"{self._what}: {key} must be a list of strings, got {_short(values)}")
+        return tuple(values)
+
+    def nested(self, key: str, build: Any) -> Any:
+        value = self.get(key, (Mapping, type(None)))
+        return None if value is None else build(_Fields(value, f"{self._what}'s {key}"))
+
+    def _check(self, key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # JSON true is not the integer 1, and 1 is not true.
+        if isinstance(value, bool) and bool not in kinds:
+            ok = False
+        else:
+            ok = isinstance(value, kinds)
+        if not ok:
+            _broken(f"{self._what}: {key} has the wrong type: {_short(value)}")
+        return value
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _broken(message: str) -> NoReturn:
+    raise PoolError(f"readie pool broke the protocol: {message}")

@@ -1,0 +1,89 @@
+"""A stand-in for ``readie pool`` speaking the JSONL protocol, for the client's tests without gVisor.
+
+Behaviour comes from ``FAKE_POOL`` (a mode) and from each request's code,
+which is a tiny script of its own: ``sleep 0.2`` then ``say TEXT`` answers
+after 0.2 s with stdout TEXT, so results can come out of request order;
+``refuse`` answers a RequestError; ``raise`` answers a ValueError result;
+``die`` exits at once with status 7 and a word on stderr.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+MODE = os.environ.get("FAKE_POOL", "normal")
+write_lock = threading.Lock()
+jobs = []
+
+
+def write(obj):
+    with write_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
+def result(rid, code):
+    out, error, exit_status = "", None, 0
+    for step in code.splitlines():
+        verb, _, arg = step.partition(" ")
+        if verb == "sleep":
+            time.sleep(float(arg))
+        elif verb == "say":
+            out += arg + "\n"
+        elif verb == "refuse":
+            error, exit_status = {"type": "RequestError", "message": "allow_read: not beneath the limits",
+                                  "file": None, "line": None}, -1
+        elif verb == "raise":
+            error, exit_status = {"type": "ValueError", "message": "boom", "file": "<string>", "line": 1}, 1
+        elif verb == "die":
+            sys.stderr.write("fake pool: dying as asked\n")
+            sys.stderr.flush()
+            os._exit(7)
+        elif verb == "garbage":
+            with write_lock:
+                sys.stdout.write("this is not json\n")
+                sys.stdout.flush()
+            return
+    write({"id": rid, "exit": exit_status, "stdout": out, "stderr": "", "error": error,
+           "stdout_truncated": False, "stderr_truncated": False, "duration_ms": 1, "duration_us": 1000,
+           "queue_us": 5, "runtime": {"name": "readie", "python": "3.11.2", "mode": "pool", "preloaded_modules": []},
+           "policy": None if exit_status == -1 else {
+               "allow_read": [], "allow_write": [], "network": "deny", "subprocesses": "deny",
+               "timeout_ms": 30000, "memory_bytes": None, "backend": "fake"},
+           "future_field": "ignored by clients"})
+
+
+def main():
+    sys.stderr.write(f"fake pool started with {sys.argv[1:]}\n")
+    sys.stderr.flush()
+    if MODE == "exit-before-ready":
+        sys.stderr.write("readie pool: --router 10.0.0.1:1: remote routers are not supported yet\n")
+        return 2
+    if MODE == "silent":
+        time.sleep(30)
+        return 0
+    ready = {"event": "ready", "workers": 2, "runtime": "readie", "preloaded_modules": [], "package_dirs": [],
+             "config": None, "profiles": [], "argv": sys.argv[1:], "cwd": os.getcwd()}
+    if MODE == "protocol-2":
+        ready["protocol"] = 2
+    write(ready)
+    threads = []
+    received = 0
+    for line in sys.stdin:
+        request = json.loads(line)
+        received += 1
+        if request.get("stats"):
+            write({"id": request["id"], "event": "stats", "jobs": received - 1, "lines": received})
+            continue
+        thread = threading.Thread(target=result, args=(request["id"], request.get("code", "")))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return 3 if MODE == "exit-3-at-eof" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""``Pool`` against a stand-in pool process: demultiplexing, refusals, failures and shutdown, no gVisor."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import readie
+from readie._pool import pool_flags
+
+FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
+
+
+@pytest.fixture
+def pool(tmp_path):
+    with readie.Pool(command=FAKE, cwd=tmp_path) as pool:
+        yield pool
+
+
+def test_ready_event_and_flags(pool, tmp_path):
+    assert pool.ready == readie.ReadyEvent(
+        workers=2, runtime="readie", preloaded_modules=(), package_dirs=(), config=None, profiles=(), protocol=1
+    )
+    assert pool.argv == [*FAKE, "pool", "--workers=2"]
+    assert pool.cwd == tmp_path
+    assert "fake pool started with ['pool', '--workers=2']" in pool.stderr_tail
+
+
+def test_flags_name_only_what_was_given():
+    assert pool_flags(None, (), (), None, None, None) == ["pool"]
+    assert pool_flags(3, ["pandas", "numpy"], [Path("/srv/site")], "readie.toml", "10.0.0.1:1", "build/cp") == [
+        "pool", "--workers=3", "--preload=pandas,numpy", "--package-dir=/srv/site", "--config=readie.toml",
+        "--router=10.0.0.1:1", "--checkpoints=build/cp",
+    ]
+    with pytest.raises(TypeError, match=r"preload=\['pandas'\]"):
+        pool_flags(None, "pandas", (), None, None, None)
+
+
+def test_results_reach_their_callers_in_completion_order(pool):
+    answers: dict[str, str] = {}
+    finished: list[str] = []
+
+    def run(name: str, code: str) -> None:
+        answers[name] = pool.run(code).stdout
+        finished.append(name)
+
+    slow = threading.Thread(target=run, args=("slow", "sleep 0.5\nsay slow"))
+    slow.start()
+    time.sleep(0.1)
+    fast = [threading.Thread(target=run, args=(f"fast{i}", f"say fast{i}")) for i in range(4)]
+    for thread in fast:
+        thread.start()
+    for thread in [slow, *fast]:
+        thread.join(10)
+    assert answers == {"slow": "slow\n", **{f"fast{i}": f"fast{i}\n" for i in range(4)}}
+    assert finished[-1] == "slow"
+
+
+def test_a_job_failure_is_a_result_and_a_refusal_raises(pool):
+    failed = pool.run("raise")
+    assert not failed.ok and failed.exit == 1
+    assert failed.error == readie.ErrorInfo("ValueError", "boom", "<string>", 1)
+    with pytest.raises(readie.JobError, match=r"job 1 failed: ValueError: boom \(<string>, line 1\)"):
+        failed.raise_for_error()
+    with pytest.raises(readie.RequestError) as refused:
+        pool.run("refuse", allow_read=["/etc"])
+    assert str(refused.value) == "allow_read: not beneath the limits"
+    assert refused.value.result is not None and refused.value.result.exit == -1
+    assert pool.run("say fine").raise_for_error().stdout == "fine\n"
+
+
+def test_an_oversize_request_is_refused_before_it_is_sent(pool):
+    with pytest.raises(readie.RequestError, match="1 MiB"):
+        pool.run("x" * readie.MAX_LINE_BYTES)
+    assert pool.stats() == {"id": 2, "event": "stats", "jobs": 0, "lines": 1}
+
+
+def test_a_pool_that_dies_fails_every_waiting_caller_and_says_why(tmp_path):
+    pool = readie.Pool(command=FAKE, cwd=tmp_path)
+    errors: list[Exception] = []
+
+    def wait_long() -> None:
+        try:
+            pool.run("sleep 5\nsay late")
+        except readie.PoolError as exc:
+            errors.append(exc)
+
+    waiting = threading.Thread(target=wait_long)
+    waiting.start()
+    time.sleep(0.2)
+    with pytest.raises(readie.PoolError) as died:
+        pool.run("die")
+    waiting.join(10)
+    for error in (died.value, *errors):
+        assert "exited with status 7" in str(error)
+        assert "fake pool: dying as asked" in str(error)
+    assert len(errors) == 1
+    with pytest.raises(readie.PoolError, match="status 7"):
+        pool.run("say again")
+    with pytest.raises(readie.PoolError, match="exited with status 7"):
+        pool.close()
+
+
+def test_a_line_that_is_not_json_breaks_the_pool_loudly(pool):
+    with pytest.raises(readie.PoolError, match="broke the protocol: the pool wrote a line that is not JSON"):
+        pool.run("garbage")
+    with pytest.raises(readie.PoolError, match="broke the protocol"):
+        pool.run("say again")
+
+
+def test_start_failures_name_the_status_and_the_pools_words(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_POOL", "exit-before-ready")
+    with pytest.raises(readie.PoolError) as failed:
+        readie.Pool(command=FAKE, cwd=tmp_path, router="10.0.0.1:1")
+    assert "exited with status 2 before it was ready" in str(failed.value)
+    assert "remote routers are not supported yet" in str(failed.value)
+
+    monkeypatch.setenv("FAKE_POOL", "silent")
+    started = time.monotonic()
+    with pytest.raises(readie.PoolError, match="not ready within 0.5 s"):
+        readie.Pool(command=FAKE, cwd=tmp_path, start_timeout=0.5)
+    assert time.monotonic() - started < 15
+
+    with pytest.raises(readie.PoolError, match="cannot start"):
+        readie.Pool(command=[str(tmp_path / "no-such-readie")], cwd=tmp_path)
+
+
+def test_a_pool_speaking_another_protocol_version_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_POOL", "protocol-2")
+    with pytest.raises(readie.VersionMismatch, match="pool protocol version 2, this client speaks version 1"):
+        readie.Pool(command=FAKE, cwd=tmp_path)
+
+
+def test_close_waits_for_the_drain_and_checks_the_exit_status(tmp_path, monkeypatch):
+    pool = readie.Pool(command=FAKE, cwd=tmp_path)
+    answers: list[str] = []
+    waiting = threading.Thread(target=lambda: answers.append(pool.run("sleep 0.3\nsay drained").stdout))
+    waiting.start()
+    time.sleep(0.1)
+    pool.close()
+    waiting.join(10)
+    assert answers == ["drained\n"]  # accepted before close, answered during the drain
+    pool.close()  # again: nothing
+    with pytest.raises(readie.PoolError, match="closed"):
+        pool.run("say no")
+
+    monkeypatch.setenv("FAKE_POOL", "exit-3-at-eof")
+    with pytest.raises(readie.PoolError, match="exited with status 3"):
+        with readie.Pool(command=FAKE, cwd=tmp_path):
+            pass

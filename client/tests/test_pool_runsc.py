@@ -1,0 +1,124 @@
+"""``readie.Pool`` driving a real ``readie pool``: jobs in gVisor sandboxes restored from the checkpoints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import readie
+from readie.testing import temp_pool
+
+from conftest import CHECKPOINTS, REPO  # noqa: E402  (the workspace's shared conftest)
+
+pytestmark = pytest.mark.runsc
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with temp_pool(workers=2, checkpoints=CHECKPOINTS) as pool:
+        (pool.cwd / "data").mkdir()
+        (pool.cwd / "data" / "orders.csv").write_text("product,amount\ntea,3\ncake,5\ntea,4\n")
+        (pool.cwd / "out").mkdir()
+        yield pool
+    # temp_pool's close checked that the pool drained and exited 0
+
+
+def test_a_job_and_what_its_result_says(pool):
+    result = pool.run("import sys\nprint(sys.version_info[:2])")
+    assert result.ok and result.stdout == "(3, 11)\n" and result.error is None
+    assert result.runtime.name == "readie" and result.runtime.python.startswith("3.11.")
+    assert result.policy.backend.startswith("gvisor:") and result.policy.network == "deny"
+    assert result.duration_us > 0 and result.duration_ms == result.duration_us // 1000
+    assert pool.ready.workers == 2 and pool.ready.runtime == "readie"
+
+
+def test_grants_relative_to_the_pools_directory(pool):
+    code = (
+        "import csv\n"
+        "rows = list(csv.DictReader(open('data/orders.csv')))\n"
+        "total = sum(int(r['amount']) for r in rows if r['product'] == 'tea')\n"
+        "open('out/tea.txt', 'w').write(str(total))\n"
+        "print(total)\n"
+    )
+    result = pool.run(code, allow_read=["data"], allow_write=["out"]).raise_for_error()
+    assert result.stdout == "7\n"
+    assert result.policy.allow_read == (str(pool.cwd / "data"),)
+    assert (pool.cwd / "out" / "tea.txt").read_text() == "7"
+
+
+def test_job_failures_are_results(pool):
+    denied = pool.run("open('data/orders.csv', 'a').write('x')", allow_read=["data"], name="step.py")
+    assert denied.exit == 1 and denied.error.type in ("PermissionError", "OSError")
+    assert denied.error.file == "step.py" and denied.error.line == 1
+    with pytest.raises(readie.JobError, match="step.py, line 1"):
+        denied.raise_for_error()
+    raised = pool.run("def f():\n    raise ValueError('no')\nf()")
+    assert (raised.exit, raised.error.type, raised.error.message) == (1, "ValueError", "no")
+    assert "Traceback" in raised.stderr
+    timed_out = pool.run("import time\ntime.sleep(30)", timeout=1)
+    assert (timed_out.exit, timed_out.error.type) == (124, "TimeoutError")
+
+
+def test_refusals_raise_request_error(pool):
+    with pytest.raises(readie.RequestError, match="allow_write: .* is not an existing directory") as refused:
+        pool.run("pass", allow_write=["missing"])
+    assert refused.value.result.exit == -1 and refused.value.result.policy is None
+    with pytest.raises(readie.RequestError, match="1 MiB"):
+        pool.run("#" * readie.MAX_LINE_BYTES)
+
+
+def test_threads_share_one_pool(pool):
+    outputs: dict[int, str] = {}
+
+    def job(n: int) -> None:
+        outputs[n] = pool.run(f"import time\ntime.sleep(0.5)\nprint({n} * {n})").stdout
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=job, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert outputs == {n: f"{n * n}\n" for n in range(4)}
+    # Two workers: the four half-second sleeps overlap in pairs at least.
+    assert time.monotonic() - started < 4 * 0.5 + 4 * 0.6
+
+
+def test_stats_count_what_ran(pool):
+    before = pool.stats()
+    pool.run("print('counted')")
+    after = pool.stats()
+    assert after["event"] == "stats" and after["workers"] == 2
+    assert after["jobs"] == before["jobs"] + 1 and after["ok"] == before["ok"] + 1
+
+
+def test_close_drains_jobs_in_flight(tmp_path):
+    pool = readie.Pool(workers=1, cwd=tmp_path, checkpoints=CHECKPOINTS)
+    answers: list[str] = []
+    running = threading.Thread(target=lambda: answers.append(pool.run("import time\ntime.sleep(1)\nprint('done')").stdout))
+    running.start()
+    time.sleep(0.3)
+    pool.close()  # raises unless the pool exited 0
+    running.join(30)
+    assert answers == ["done\n"]
+    with pytest.raises(readie.PoolError, match="closed"):
+        pool.run("pass")
+
+
+def test_the_agent_tool_example_runs(tmp_path):
+    env = {**os.environ, "READIE_CHECKPOINTS": str(CHECKPOINTS)}
+    completed = subprocess.run(
+        [sys.executable, str(Path(REPO) / "examples" / "agent_tool.py")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = completed.stdout
+    assert "{'cake': 5, 'tea': 7}" in out
+    assert "PermissionError" in out
+    assert "wrote out/summary.json" in out

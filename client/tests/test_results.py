@@ -1,0 +1,126 @@
+"""Parsing what the pool writes: the spec's own example lines, and lines built by the pool's code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from readie_router._errors import PoolWorkerError as RouterPoolWorkerError
+from readie_router._errors import RequestError as RouterRequestError
+from readie_router._events import ErrorInfo as RouterErrorInfo
+from readie_router._events import JobResult, Outcome, ready_event, result_line
+from readie_router._events import RuntimeInfo as RouterRuntimeInfo
+from readie_router._policy import Policy
+
+import readie
+from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+from readie._results import PROTOCOL_VERSION, parse_ready, parse_result, parse_stats
+
+# Verbatim from the pool protocol spec (pool-protocol.txt, "Results"), joined into one line.
+SPEC_RESULT = (
+    '{"id": "task-1", "exit": 0, "stdout": "{\\"ok\\": true}\\n", "stderr": "", "error": null,'
+    ' "stdout_truncated": false, "stderr_truncated": false,'
+    ' "duration_ms": 4, "duration_us": 4001, "queue_us": 120,'
+    ' "runtime": {"name": "pynox", "python": "3.11.17", "mode": "pool", "preloaded_modules": []},'
+    ' "policy": {"allow_read": [], "allow_write": ["/abs/out"], "network": "deny", "subprocesses": "deny",'
+    ' "timeout_ms": 5000, "memory_bytes": 536870912, "backend": "landlock+seccomp"}}'
+)
+# The spec's ready event ("Starting"): no protocol field, which means version 1.
+SPEC_READY = (
+    '{"event": "ready", "workers": 2, "runtime": "pynox", "preloaded_modules": [], "package_dirs": [],'
+    ' "config": "/etc/pynox/prod.toml", "profiles": ["analysis", "fetch"]}'
+)
+SPEC_STATS = (
+    '{"id": "s1", "event": "stats", "uptime_ms": 81234, "workers": 4, "sessions_active": 2,'
+    ' "jobs": 1520, "ok": 1391, "failed": 97, "timeouts": 12, "signals": 0,'
+    ' "request_errors": 20, "worker_errors": 0, "duration_ms_total": 20511, "queue_us_total": 98120,'
+    ' "errors": {"PermissionError": 41, "NameError": 30, "TimeoutError": 12, "RequestError": 20}}'
+)
+
+
+def test_the_specs_result_line():
+    result = parse_result(json.loads(SPEC_RESULT))
+    assert result == Result(
+        id="task-1", exit=0, stdout='{"ok": true}\n', stderr="", error=None,
+        stdout_truncated=False, stderr_truncated=False, duration_ms=4, duration_us=4001, queue_us=120,
+        runtime=RuntimeInfo(name="pynox", python="3.11.17", mode="pool", preloaded_modules=()),
+        policy=PolicyInfo(allow_read=(), allow_write=("/abs/out",), network="deny", subprocesses="deny",
+                          timeout_ms=5000, memory_bytes=536870912, backend="landlock+seccomp"),
+    )
+    assert result.ok and not result.truncated
+    assert result.raise_for_error() is result
+    with pytest.raises(AttributeError):
+        result.exit = 1  # type: ignore[misc]
+
+
+def test_the_specs_ready_and_stats_events():
+    assert parse_ready(json.loads(SPEC_READY)) == ReadyEvent(
+        workers=2, runtime="pynox", preloaded_modules=(), package_dirs=(), config="/etc/pynox/prod.toml",
+        profiles=("analysis", "fetch"), protocol=1,
+    )
+    stats = json.loads(SPEC_STATS)
+    assert parse_stats(stats) == stats
+
+
+def test_what_the_pool_writes_for_every_outcome_parses_back():
+    runtime = RouterRuntimeInfo(python="3.11.2", preloaded_modules=("pandas",))
+    policy = Policy(allow_write=(Path("/w"),), timeout_ms=5000, memory_bytes=None)
+    cases = [
+        JobResult(id=1, outcome=Outcome.OK, exit=0, stdout="hi\n", duration_us=4001, runtime=runtime, policy=policy),
+        JobResult(id="f", outcome=Outcome.FAILED, exit=1, stderr="Traceback...",
+                  error=RouterErrorInfo("PermissionError", "[Errno 13] denied", "<string>", 3, "granted: /w"),
+                  runtime=runtime, policy=policy, stderr_truncated=True),
+        JobResult(id=3, outcome=Outcome.TIMEOUT, exit=124, error=RouterErrorInfo("TimeoutError", "over 5000 ms"),
+                  runtime=runtime, policy=policy),
+        JobResult.from_error(4, RouterRequestError("not beneath the limits", "allow_read"), runtime=runtime),
+        JobResult.from_error(5, RouterPoolWorkerError("sandbox died"), runtime=runtime, policy=policy),
+        JobResult(id=6, outcome=Outcome.OK, exit=0, session="nb", step=2, runtime=runtime, policy=policy),
+    ]
+    parsed = [parse_result(json.loads(json.dumps(result_line(case)))) for case in cases]
+    ok, failed, timeout, refused, worker, step = parsed
+    assert ok.ok and ok.duration_ms == 4 and ok.policy.allow_write == ("/w",) and ok.policy.memory_bytes is None
+    assert ok.runtime == RuntimeInfo("readie", "3.11.2", "pool", ("pandas",))
+    assert failed.error == ErrorInfo("PermissionError", "[Errno 13] denied", "<string>", 3, "granted: /w")
+    assert failed.truncated and not failed.ok
+    with pytest.raises(readie.JobError, match=r"PermissionError: \[Errno 13\] denied \(<string>, line 3\)"):
+        failed.raise_for_error()
+    assert timeout.exit == 124
+    with pytest.raises(readie.JobError, match="TimeoutError"):
+        timeout.raise_for_error()
+    assert refused.exit == -1 and refused.policy is None
+    with pytest.raises(readie.RequestError, match="allow_read: not beneath the limits") as raised:
+        refused.raise_for_error()
+    assert raised.value.result is refused
+    with pytest.raises(readie.PoolWorkerError, match="sandbox died"):
+        worker.raise_for_error()
+    assert (step.session, step.step, step.session_ended) == ("nb", 2, False)
+    assert ok.session is None and ok.step is None
+
+
+def test_the_ready_event_the_pool_writes_and_its_version():
+    event = ready_event(workers=3, preloaded_modules=["pandas"], profiles=["fetch"])
+    assert parse_ready(json.loads(json.dumps(event))) == ReadyEvent(
+        workers=3, runtime="readie", preloaded_modules=("pandas",), package_dirs=(), config=None,
+        profiles=("fetch",), protocol=PROTOCOL_VERSION,
+    )
+    with pytest.raises(readie.VersionMismatch, match="version 2, this client speaks version 1"):
+        parse_ready({**event, "protocol": 2})
+
+
+def test_unknown_fields_are_ignored_and_wrong_types_break_the_protocol():
+    line = json.loads(SPEC_RESULT)
+    assert parse_result({**line, "new_field": [1]}) == parse_result(line)
+    for key, value in [("exit", True), ("exit", "0"), ("stdout", None), ("duration_us", 1.5), ("policy", [])]:
+        with pytest.raises(readie.PoolError, match=f"broke the protocol: a result.*{key}"):
+            parse_result({**line, key: value})
+    without = dict(line)
+    del without["queue_us"]
+    with pytest.raises(readie.PoolError, match="lacks 'queue_us'"):
+        parse_result(without)
+    with pytest.raises(readie.PoolError, match="a result's error: line has the wrong type"):
+        parse_result({**line, "error": {"type": "X", "message": "m", "line": "3"}})
+    with pytest.raises(readie.PoolError, match="first line is not the ready event"):
+        parse_ready(line)
+    with pytest.raises(readie.PoolError, match="not a JSON object"):
+        parse_result([line])
