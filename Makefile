@@ -36,8 +36,9 @@ test: capture ## run every test, gVisor ones included
 test-fast: deps ## run the tests that need no gVisor
 	$(RUN) pytest -m "not runsc"
 
-run: capture ## set up everything, then run the demo job
-	$(RUN) python examples/worker_demo.py
+run: capture ## set up everything, then run the demo jobs through `readie pool`
+	cd examples/demo && $(abspath .venv/bin/readie) pool --config readie.toml \
+	  --checkpoints $(abspath $(CHECKPOINTS)) < jobs.jsonl
 
 clean: ## remove build/ (the rootfs cache in ~/.cache/readie stays)
 	rm -rf build
