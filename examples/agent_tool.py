@@ -126,20 +126,24 @@ def _checkpoints() -> Path | None:
 DEMO_CALLS = [
     (
         "sum the orders by product",
-        "import csv\n"
-        "from collections import Counter\n"
-        "totals = Counter()\n"
-        "for row in csv.DictReader(open('data/orders.csv')):\n"
-        "    if row['product'] != 'jam':\n"
-        "        totals[row['product']] += int(row['amount'])\n"
-        "print(dict(sorted(totals.items())))\n",
+        (
+            "import csv\n"
+            "from collections import Counter\n"
+            "totals = Counter()\n"
+            "for row in csv.DictReader(open('data/orders.csv')):\n"
+            "    if row['product'] != 'jam':\n"
+            "        totals[row['product']] += int(row['amount'])\n"
+            "print(dict(sorted(totals.items())))\n"
+        ),
     ),
     (
         "save a summary",
-        "import csv, json\n"
-        "rows = list(csv.DictReader(open('data/orders.csv')))\n"
-        "json.dump({'orders': len(rows)}, open('out/summary.json', 'w'))\n"
-        "print('wrote out/summary.json')\n",
+        (
+            "import csv, json\n"
+            "rows = list(csv.DictReader(open('data/orders.csv')))\n"
+            "json.dump({'orders': len(rows)}, open('out/summary.json', 'w'))\n"
+            "print('wrote out/summary.json')\n"
+        ),
     ),
     ("a variable from the previous call is gone", "print(rows)\n"),
     ("write outside the grants", "open('/etc/motd', 'w').write('hi')\n"),

@@ -9,11 +9,16 @@ import types
 
 import cloudpickle
 import pytest
-from readie_executor._calls import run_call
-
 import readie
 from readie import RemoteResult
-from readie._envelope import SANDBOX_PYTHON, by_value_module, call_payload, check_python, decode_envelope
+from readie._envelope import (
+    SANDBOX_PYTHON,
+    by_value_module,
+    call_payload,
+    check_python,
+    decode_envelope,
+)
+from readie_executor._calls import run_call
 
 
 def greet(name, punctuation="!"):
@@ -55,8 +60,7 @@ def test_a_value_that_cannot_be_pickled_there_is_a_remote_pickling_error():
 
 def test_a_value_that_cannot_be_loaded_here_is_an_envelope_error(monkeypatch):
     module = types.ModuleType("readie_only_in_the_sandbox")
-    exec("class Thing:\n    pass", module.__dict__)
-    module.Thing.__module__ = module.__name__
+    module.Thing = type("Thing", (), {"__module__": module.__name__})
     monkeypatch.setitem(sys.modules, module.__name__, module)
     envelope = pickle.dumps({"ok": True, "value": module.Thing(), "output": []})
     monkeypatch.delitem(sys.modules, module.__name__)

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import readie
 from readie._pool import pool_flags
 
@@ -25,9 +24,9 @@ def test_ready_event_and_flags(pool, tmp_path):
     assert pool.ready == readie.ReadyEvent(
         workers=2, runtime="readie", preloaded_modules=(), package_dirs=(), config=None, profiles=(), protocol=1
     )
-    assert pool.argv == [*FAKE, "pool", "--workers=2"]
+    assert pool.argv == [*FAKE, "pool"]  # the config's settings, else the pool's defaults
     assert pool.cwd == tmp_path
-    assert "fake pool started with ['pool', '--workers=2']" in pool.stderr_tail
+    assert "fake pool started with ['pool']" in pool.stderr_tail
 
 
 def test_flags_name_only_what_was_given():
@@ -149,6 +148,5 @@ def test_close_waits_for_the_drain_and_checks_the_exit_status(tmp_path, monkeypa
         pool.run("say no")
 
     monkeypatch.setenv("FAKE_POOL", "exit-3-at-eof")
-    with pytest.raises(readie.PoolError, match="exited with status 3"):
-        with readie.Pool(command=FAKE, cwd=tmp_path):
-            pass
+    with pytest.raises(readie.PoolError, match="exited with status 3"), readie.Pool(command=FAKE, cwd=tmp_path):
+        pass

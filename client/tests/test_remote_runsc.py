@@ -5,11 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 import readie
 from readie.testing import local_router
 
-from conftest import CHECKPOINTS  # noqa: E402
+from conftest import CHECKPOINTS
 
 pytestmark = pytest.mark.runsc
 
@@ -106,10 +105,18 @@ def test_calls_spread_over_both_workers(cluster, client):
 
 
 def test_refusals_and_version_mismatch(cluster, client, monkeypatch):
-    with readie.Client(cluster.address, checkpoint="nope") as wrong:
-        with pytest.raises(readie.RequestError, match="no checkpoint named 'nope'") as refused:
-            wrong.call(divide, 1, 2)
+    wrong = readie.Client(cluster.address, checkpoint="nope")
+    with wrong, pytest.raises(readie.RequestError, match="no checkpoint named 'nope'") as refused:
+        wrong.call(divide, 1, 2)
     assert refused.value.field == "checkpoint"
     monkeypatch.setattr("readie._envelope.SANDBOX_PYTHON", (3, 12))
     with pytest.raises(readie.VersionMismatch, match="the sandboxes run Python 3.12.*this is Python 3.11"):
         client.call(divide, 1, 2)
+
+
+def test_a_pool_can_run_its_jobs_through_the_router(cluster, tmp_path):
+    (tmp_path / "out").mkdir()
+    with readie.Pool(workers=2, router=cluster.address, cwd=tmp_path, checkpoints=CHECKPOINTS) as pool:
+        result = pool.run("open('out/x', 'w').write('via router')\nprint('ok')", allow_write=["out"])
+    assert result.raise_for_error().stdout == "ok\n"
+    assert (tmp_path / "out" / "x").read_text() == "via router"

@@ -7,12 +7,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from readie import MAX_LINE_BYTES, RequestError
+from readie._requests import encode_line, job_request, stats_request
 from readie_router._lines import MAX_LINE_BYTES as POOL_MAX_LINE_BYTES
 from readie_router._lines import Line, LineSplitter, OversizeLine
 from readie_router._requests import JobRequest, Refused, StatsRequest, parse_request
-
-from readie import MAX_LINE_BYTES, RequestError
-from readie._requests import encode_line, job_request, stats_request
 
 # {"id":1,"code":""} around the code
 OVERHEAD = len(b'{"id":1,"code":""}')
@@ -31,7 +30,7 @@ def test_every_field_as_the_pool_parses_it(tmp_path):
         allow_write=["out"], package_dirs=["/srv/site"], env={"KEY": "value"}, allow_network=True,
         timeout=1.5, memory="512m", max_output=65536, max_file_size="1m", profile="analysis", packages=["attrs==23.1"],
     )
-    assert list(request)[0] == "id"
+    assert next(iter(request)) == "id"
     parsed = parse_request(encode_line(request).rstrip(b"\n"))
     assert parsed == JobRequest(
         id="task-2", script="app.py", name="app.py", args=("one",), allow_read=(str(tmp_path / "data"),),

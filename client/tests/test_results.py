@@ -6,16 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+import readie
+from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+from readie._results import PROTOCOL_VERSION, parse_ready, parse_result, parse_stats
 from readie_router._errors import PoolWorkerError as RouterPoolWorkerError
 from readie_router._errors import RequestError as RouterRequestError
 from readie_router._events import ErrorInfo as RouterErrorInfo
 from readie_router._events import JobResult, Outcome, ready_event, result_line
 from readie_router._events import RuntimeInfo as RouterRuntimeInfo
 from readie_router._policy import Policy
-
-import readie
-from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
-from readie._results import PROTOCOL_VERSION, parse_ready, parse_result, parse_stats
 
 # Verbatim from the pool protocol spec (pool-protocol.txt, "Results"), joined into one line.
 SPEC_RESULT = (

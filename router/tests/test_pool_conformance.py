@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -252,13 +253,16 @@ def test_a_preload_set_without_a_checkpoint_is_refused_with_how_to_capture_it(
     assert '[checkpoints.NAME]\n    preimport = ["numpy", "scipy"]' in message
 
 
-def test_a_remote_router_is_refused_for_now(tmp_path):
+def test_an_unreachable_router_is_refused_at_start(tmp_path):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     process = PoolProcess(
-        ["--router", "127.0.0.1:50051"], cwd=tmp_path, stderr_path=tmp_path / "stderr.log"
+        ["--router", f"127.0.0.1:{port}", "--checkpoints", str(CHECKPOINTS)], cwd=tmp_path, stderr_path=tmp_path / "stderr.log"
     )
     assert process.read_line(30) is None
-    assert process.finish() == 2
-    assert "remote routers are not supported yet" in process.stderr_text()
+    assert process.finish() == 1
+    assert f"cannot reach the router at 127.0.0.1:{port}" in process.stderr_text()
 
 
 # --------------------------------------------------------------------------- the spec's requests

@@ -38,6 +38,7 @@ def cluster() -> Iterator[dict]:
     with open(log_path, "wb") as log:
         router = subprocess.Popen(
             [*readie_command(), "router", f"--listen=127.0.0.1:{port}", "--probe-interval=0.2",
+             f"--checkpoints={CHECKPOINTS}", "--session-workers=2",
              *(f"--worker=127.0.0.1:{w.port}" for w in workers)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         )
@@ -52,7 +53,7 @@ def cluster() -> Iterator[dict]:
             pass
         assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.1)
-    yield {"stub": pb_grpc.WorkerStub(channel), "workers": workers, "router": router, "log": log_path, "port": port, "base": base}
+    yield {"channel": channel, "stub": pb_grpc.WorkerStub(channel), "workers": workers, "router": router, "log": log_path, "port": port, "base": base}
     channel.close()
     router.terminate()
     assert router.wait(30) == 0, log_path.read_text()[-2000:]
@@ -130,3 +131,28 @@ def test_readie_pool_runs_its_jobs_through_the_router(cluster):
     assert (results["r1"]["exit"], results["r1"]["stdout"]) == (0, "via the router\n")
     assert results["r1"]["policy"]["backend"] == "gvisor:runsc-restore"
     assert results["r2"]["error"]["type"] == "KeyError"
+
+
+def test_the_pool_protocol_streams_over_grpc(cluster):
+    import json
+
+    from readie_worker._proto.readie.v1 import pool_pb2, pool_pb2_grpc
+
+    lines = [
+        {"id": "slow", "code": "import time\ntime.sleep(2)\nprint('slow')"},
+        {"id": "fast", "code": "print('fast')"},
+        {"id": "bad", "code": "pass", "script": "x.py"},
+        {"id": "s", "stats": True},
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    # Split mid-line on purpose: the stream carries bytes, not messages per line.
+    chunks = [pool_pb2.PoolInput(data=data[:25]), pool_pb2.PoolInput(data=data[25:])]
+    stream = pool_pb2_grpc.PoolStub(cluster["channel"]).Session(iter(chunks), timeout=60)
+    answers = [json.loads(message.line) for message in stream]
+    assert answers[0]["event"] == "ready" and answers[0]["runtime"] == "readie"
+    by_id = {answer["id"]: answer for answer in answers[1:]}
+    assert by_id["fast"]["stdout"] == "fast\n" and by_id["slow"]["stdout"] == "slow\n"
+    order = [answer["id"] for answer in answers[1:]]
+    assert order.index("fast") < order.index("slow"), "results come in completion order"
+    assert by_id["bad"]["error"]["type"] == "RequestError"
+    assert by_id["s"]["event"] == "stats" and by_id["s"]["request_errors"] == 1

@@ -135,11 +135,15 @@ def decode_envelope(data: bytes) -> RemoteResult:
         if "value" not in envelope:
             raise EnvelopeError("the remote call's envelope says ok but holds no value")
         return RemoteResult(envelope["value"], output)
-    fields = {key: envelope.get(key) for key in ("exc_type", "message", "traceback")}
-    for key, value in fields.items():
-        if not isinstance(value, str):
-            raise EnvelopeError(f"the remote call's failure envelope has no text {key}: {_short(value)}")
-    raise RemoteError(fields["exc_type"], fields["message"], fields["traceback"], output)
+    exc_type, message, traceback = (_text(envelope, key) for key in ("exc_type", "message", "traceback"))
+    raise RemoteError(exc_type, message, traceback, output)
+
+
+def _text(envelope: dict[str, Any], key: str) -> str:
+    value = envelope.get(key)
+    if not isinstance(value, str):
+        raise EnvelopeError(f"the remote call's failure envelope has no text {key}: {_short(value)}")
+    return value
 
 
 def _output(envelope: dict[str, Any]) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, stats_request
@@ -44,10 +44,11 @@ START_TIMEOUT_S = 60.0
 #: After close(timeout=...) runs out: SIGTERM stops running jobs (the pool is
 #: already draining, so this signal aborts), then this long before SIGKILL.
 CLOSE_KILL_GRACE_S = 10.0
-#: Error messages end with the pool's last stderr lines; this many of them,
-#: each cut to STDERR_LINE_CHARS, so a chatty pool cannot grow the client.
+#: Error messages end with the pool's last stderr lines: this many of them, a
+#: longer line read as pieces of STDERR_LINE_BYTES bytes, so a chatty pool
+#: cannot grow the client.
 STDERR_TAIL_LINES = 40
-STDERR_LINE_CHARS = 2000
+STDERR_LINE_BYTES = 2000
 #: After stdout ends: how long to wait for the pool's exit status and the rest
 #: of its stderr before reporting without them.
 EXIT_WAIT_S = 10.0
@@ -87,7 +88,9 @@ class Pool:
 
     ``workers``, ``preload``, ``package_dirs`` and ``config`` become the
     pool's flags; left unset (``None`` or empty), the config file's values
-    apply, else the pool's defaults (2 workers, no preloads). ``cwd`` is the
+    apply, else the pool's defaults (2 workers, no preloads, no package dirs).
+    ``router`` (``host:port``) runs the jobs through a ``readie router``
+    instead of a worker inside the pool process. ``cwd`` is the
     pool's working directory: relative grants and scripts resolve against it
     (default: this process's). ``command`` is the ``readie`` command to run
     (default: :func:`default_command`); ``checkpoints`` is passed as
@@ -97,7 +100,7 @@ class Pool:
 
     def __init__(
         self,
-        workers: int | None = 2,
+        workers: int | None = None,
         preload: Iterable[str] = (),
         package_dirs: Iterable[PathArg] = (),
         config: PathArg | None = None,
@@ -211,9 +214,9 @@ class Pool:
         """End stdin, let the pool finish every accepted job and wait for it to exit.
 
         Threads still waiting in :meth:`run` get their results. With a
-        ``timeout`` (seconds), a pool still running after it is stopped
-        (SIGTERM, then SIGKILL). Raises :class:`~readie.PoolError` if the pool
-        did not exit 0. Calling it again does nothing.
+        ``timeout`` (seconds), a pool still running after that long is
+        stopped (SIGTERM, then SIGKILL). Raises :class:`~readie.PoolError` if
+        the pool did not exit 0. Calling it again does nothing.
         """
         with self._lock:
             if self._closed:
@@ -235,7 +238,7 @@ class Pool:
         if status != 0:
             raise PoolError(f"readie pool exited with status {status}{self._stderr_suffix()}")
 
-    def __enter__(self) -> Pool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -390,11 +393,8 @@ class Pool:
     def _keep_stderr(self, stderr: IO[bytes]) -> None:
         with stderr:
             # Bounded reads: an endless line arrives as several pieces, never as one huge one.
-            for raw in iter(lambda: stderr.readline(STDERR_LINE_CHARS), b""):
-                text = raw.decode("utf-8", "replace").rstrip("\n")
-                if len(text) > STDERR_LINE_CHARS:
-                    text = text[:STDERR_LINE_CHARS] + "..."
-                self._stderr_tail.append(text)
+            for raw in iter(lambda: stderr.readline(STDERR_LINE_BYTES), b""):
+                self._stderr_tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
     # ------------------------------------------------------------------ process
 

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ._errors import JobError, PoolError, PoolWorkerError, RequestError, SandboxSetupError, VersionMismatch
+from ._errors import (
+    JobError,
+    PoolError,
+    PoolWorkerError,
+    RequestError,
+    SandboxSetupError,
+    VersionMismatch,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",

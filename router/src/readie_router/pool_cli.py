@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 from readie_worker.client import WorkerClient
 from readie_worker.core import WorkerConfig
-from readie_worker.errors import ReadieError
+from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
@@ -51,6 +51,8 @@ STATE_DIR_VARIABLE = "READIE_STATE_DIR"
 # Sandbox socket paths live under the run dir and may not exceed 107 bytes,
 # so the scratch dir is a short one under /tmp, never the working directory.
 SCRATCH_PARENT = "/tmp"
+# A router answers Capacity from memory; seconds mean it is not there.
+ROUTER_PROBE_TIMEOUT_S = 5.0
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
@@ -117,7 +119,13 @@ async def _serve(
     try:
         if router is not None:
             # The router's workers restore the same checkpoints (the manifest read here names them).
-            backend: JobBackend = ThreadedBackend(WorkerClient(router), setup.workers)
+            client = WorkerClient(router)
+            try:
+                await asyncio.to_thread(client.capacity, ROUTER_PROBE_TIMEOUT_S)
+            except ReadieError as exc:
+                client.close()
+                raise SandboxSetupError(f"cannot reach the router at {router}: {exc}") from None
+            backend: JobBackend = ThreadedBackend(client, setup.workers)
         else:
             backend = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint)
     except ReadieError as exc:

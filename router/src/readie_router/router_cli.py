@@ -11,16 +11,26 @@ health turns NOT_SERVING, running calls finish, the process exits 0.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import structlog
 
+from readie_worker._proto.readie.v1.pool_pb2_grpc import add_PoolServicer_to_server
+from readie_worker.errors import ReadieError
 from readie_worker.grpc_service import serve
 from readie_worker.logs import configure_logging
 
+from ._backend import choose_checkpoint, manifest_path
+from ._config import Config, load_config
+from ._errors import ConfigError
+from ._events import RuntimeInfo
 from ._placement import PROBE_INTERVAL_S, Placement
+from ._pool import PoolSetup
+from ._pool_service import POOL_SERVICE, PoolServicer
 
 log = structlog.get_logger("readie.router")
 
@@ -40,9 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    placement = Placement(args.worker, probe_interval_s=args.probe_interval).start()
     try:
-        server = serve(placement, args.listen, name=args.name or f"router:{args.listen}", threads=ROUTER_THREADS)  # type: ignore[arg-type]
+        setup = _pool_setup(args)
+    except ReadieError as exc:
+        log.error("cannot serve the pool protocol", error=str(exc))
+        return 2
+    placement = Placement(args.worker, probe_interval_s=args.probe_interval).start()
+    pool_service = (POOL_SERVICE, lambda server: add_PoolServicer_to_server(PoolServicer(setup, placement), server))
+    try:
+        server = serve(
+            placement,  # type: ignore[arg-type]  # a Placement has the Worker's shape
+            args.listen,
+            name=args.name or f"router:{args.listen}",
+            threads=ROUTER_THREADS,
+            extra_services=[pool_service],
+        )
     except RuntimeError as exc:
         log.error("cannot listen", address=args.listen, error=str(exc))
         placement.close()
@@ -53,6 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _pool_setup(args: argparse.Namespace) -> PoolSetup:
+    """What every Pool.Session of this router runs with: operator settings, never the wire's."""
+    cwd = Path(os.path.realpath(os.getcwd()))
+    try:
+        config = load_config(args.config) if args.config is not None else Config()
+    except ConfigError as exc:
+        raise ReadieError(str(exc)) from None
+    manifest, checkpoint = choose_checkpoint(manifest_path(args.checkpoints), tuple(args.preload.split(",")) if args.preload else ())
+    return PoolSetup(
+        workers=args.session_workers,
+        checkpoint=checkpoint.name,
+        runtime=RuntimeInfo(python=manifest.python, preloaded_modules=checkpoint.preimport),
+        cwd=cwd,
+        config=config,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="readie router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve on")
@@ -61,4 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-interval", type=float, default=PROBE_INTERVAL_S, help="seconds between worker probes")
     parser.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S, help="seconds running calls get on SIGTERM")
     parser.add_argument("--log", choices=("json", "console"), default="console")
+    parser.add_argument("--config", type=Path, default=None, help="pool config (TOML): the ceiling and profiles of Pool sessions")
+    parser.add_argument("--checkpoints", default="build/checkpoints", help="the workers' checkpoint manifest (or its directory)")
+    parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
+    parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
     return parser

@@ -19,7 +19,7 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -179,6 +179,7 @@ def serve(
     name: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     threads: int | None = None,
+    extra_services: Sequence[tuple[str, Callable[[grpc.Server], None]]] = (),
 ) -> WorkerServer:
     """Serve a started ``worker`` on ``address`` ("host:port"; port 0 picks a free one).
 
@@ -200,8 +201,11 @@ def serve(
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    for service in ("", WORKER_SERVICE):  # "" is the whole server, as health clients ask by default
+    for _, register in extra_services:  # e.g. the router's Pool service
+        register(server)
+    services = (WORKER_SERVICE, *(name for name, _ in extra_services))
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    for service in ("", *services):  # "" is the whole server, as health clients ask by default
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     server.start()
     log.info("serving", address=bound, name=name, protocol=WORKER_PROTOCOL, max_message_bytes=max_message_bytes)

@@ -1,0 +1,112 @@
+"""docker-compose.yml and the images behind it, checked without a Docker engine (none runs here).
+
+docker-compose validates the file; the commands it gives each service are
+parsed by the readie CLIs' own argument parsers; every file the Dockerfiles
+copy exists and is not excluded from the build context.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from readie_router.router_cli import _parser as router_parser
+from readie_worker.cli import _parser as worker_parser
+
+from conftest import REPO
+
+COMPOSE = Path(REPO) / "docker-compose.yml"
+DOCKERFILES = [Path(REPO) / "docker" / name for name in ("worker.Dockerfile", "router.Dockerfile")]
+
+
+def docker_compose(*args: str) -> str:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("docker-compose is missing; scripts/setup-host.sh installs it (apt-get install docker-compose)")
+        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
+    completed = subprocess.run(
+        [exe, "-f", str(COMPOSE), *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        # Only the defaults this repository documents, whatever the caller's environment says.
+        env={key: value for key, value in os.environ.items() if not key.startswith(("READIE_", "COMPOSE_"))},
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+@pytest.fixture(scope="module")
+def config() -> str:
+    """The file as docker-compose resolves it (defaults interpolated, merge keys applied)."""
+    return docker_compose("config")
+
+
+def test_the_compose_file_is_valid():
+    assert docker_compose("config", "-q") == ""
+    assert sorted(docker_compose("config", "--services").split()) == ["router", "worker-1", "worker-2"]
+
+
+def test_every_service_command_is_accepted_by_its_cli(config):
+    commands = _commands(config)
+    assert sorted(commands) == ["router", "worker-1", "worker-2"]
+    routed = router_parser().parse_args(commands["router"][1:])
+    assert routed.worker == ["worker-1:50061", "worker-2:50061"]
+    for name in ("worker-1", "worker-2"):
+        assert commands[name][0] == "worker"
+        worker = worker_parser().parse_args(commands[name][1:])
+        assert worker.name == name and worker.listen == "0.0.0.0:50061"
+        assert str(worker.manifest) == "/srv/readie/checkpoints/manifest.json"
+
+
+def test_the_workers_get_the_checkpoints_and_the_rootfs_at_its_captured_path(config):
+    assert config.count("privileged: true") == 2  # the two workers, not the router
+    assert f"{Path(REPO) / 'build' / 'checkpoints'}:/srv/readie/checkpoints:ro" in config
+    assert "/root/.cache/readie/rootfs:/root/.cache/readie/rootfs:ro" in config
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_what_the_images_copy_exists_and_reaches_the_build_context(dockerfile):
+    ignore = [line.strip() for line in Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    sources = [
+        source
+        for line in dockerfile.read_text().splitlines()
+        if line.startswith("COPY ") and "--from=" not in line
+        for source in line.split()[1:-1]
+    ]
+    assert sources, "no COPY found"
+    for source in sources:
+        assert (Path(REPO) / source).exists(), source
+        assert _included(source, ignore), f"{source} is excluded by {dockerfile.name}.dockerignore"
+
+
+def _commands(config: str) -> dict[str, list[str]]:
+    """Each service's command, from `docker-compose config` output (block YAML, two-space indents)."""
+    commands: dict[str, list[str]] = {}
+    section = service = key = None
+    for line in config.splitlines():
+        indent, text = len(line) - len(line.lstrip(" ")), line.strip()
+        if indent == 0:
+            section, service, key = text.rstrip(":"), None, None
+        elif indent == 2 and section == "services":
+            service, key = text.rstrip(":"), None
+        elif indent == 4 and service and not text.startswith("- "):
+            key = text.split(":")[0]
+        elif indent == 4 and key == "command" and text.startswith("- "):
+            commands.setdefault(service, []).append(text[2:])
+    return commands
+
+
+def _included(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore ``patterns`` (last match wins, ``!`` re-includes) let ``path`` through."""
+    included = True
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        body = pattern[1:] if negated else pattern
+        body = body.rstrip("/")
+        if body == "**" or fnmatch.fnmatch(path, body) or path.startswith(body + "/"):
+            included = negated
+    return included

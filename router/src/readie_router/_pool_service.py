@@ -1,0 +1,94 @@
+"""The pool protocol over a gRPC stream: one :class:`PoolEngine` per ``Pool.Session`` call.
+
+The engine is the one ``readie pool`` runs on stdin/stdout; here its bytes
+come from the request stream and its lines go out on the response stream.
+Jobs go to the router's placement, shared by every session; a session's end
+(the client closing its side) drains that session's jobs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+import structlog
+
+from readie_worker._proto.readie.v1 import pool_pb2 as pb
+from readie_worker._proto.readie.v1 import pool_pb2_grpc as pb_grpc
+from readie_worker.jobs import CodeJob, JobOutcome
+
+from ._backend import BlockingRunner, ThreadedBackend
+from ._pool import PoolEngine, PoolSetup
+
+log = structlog.get_logger("readie.router.pool")
+
+POOL_SERVICE = pb.DESCRIPTOR.services_by_name["Pool"].full_name
+# Answers a session may have written but the client not yet read; past this
+# the engine's writer waits, which holds its permits and so stops its intake:
+# the stream's own backpressure, like a full stdout pipe.
+MAX_UNREAD_LINES = 64
+_END = None
+
+
+class _Shared:
+    """The placement, lent to a session: a session's close must not close it."""
+
+    def __init__(self, runner: BlockingRunner) -> None:
+        self._runner = runner
+
+    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
+        return self._runner.run_job(job, job_id)
+
+    def close(self) -> None:
+        pass
+
+
+class _RequestSource:
+    """The request stream as the engine's ByteSource; each read pulls one message on a thread."""
+
+    def __init__(self, requests: Iterator[pb.PoolInput]) -> None:
+        self._requests = requests
+
+    async def read(self) -> bytes:
+        return await asyncio.to_thread(self._next)
+
+    def _next(self) -> bytes:
+        for message in self._requests:
+            if message.data:
+                return bytes(message.data)
+        return b""
+
+
+class _ResponseSink:
+    def __init__(self, lines: queue.Queue[bytes | None]) -> None:
+        self._lines = lines
+
+    async def write(self, data: bytes) -> None:
+        await asyncio.to_thread(self._lines.put, data)
+
+
+class PoolServicer(pb_grpc.PoolServicer):
+    def __init__(self, setup: PoolSetup, runner: BlockingRunner) -> None:
+        self._setup = setup
+        self._runner = runner
+
+    def Session(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext) -> Iterator[pb.PoolOutput]:
+        lines: queue.Queue[bytes | None] = queue.Queue(MAX_UNREAD_LINES)
+
+        def serve() -> None:
+            backend = ThreadedBackend(_Shared(self._runner), self._setup.workers)
+            try:
+                asyncio.run(PoolEngine(self._setup, backend).serve(_RequestSource(request_iterator), _ResponseSink(lines)))
+            except Exception:
+                log.exception("pool session failed")
+            finally:
+                lines.put(_END)
+
+        thread = threading.Thread(target=serve, name="pool-session", daemon=True)
+        thread.start()
+        while (line := lines.get()) is not _END:
+            yield pb.PoolOutput(line=line)
+        thread.join()
