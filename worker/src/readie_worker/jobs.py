@@ -53,6 +53,9 @@ class CodeJob:
     memory_bytes: int | None = None
     max_output: int = DEFAULT_MAX_OUTPUT
     max_file_size: int | None = None
+    # Host functions the code may call through readie_host (the sessions and
+    # host functions issue); empty means readie_host offers nothing.
+    functions: tuple[str, ...] = ()
 
     @property
     def needs_own_mounts(self) -> bool:
@@ -117,8 +120,12 @@ def mount_grants(job: CodeJob, plan: MountPlan) -> MountedGrants:
     return MountedGrants(sources, tuple(links))
 
 
-def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...]) -> bytes:
-    """The pickled call: a reference to the trusted runner, and plain data."""
+def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False) -> bytes:
+    """The pickled call: a reference to the trusted runner, and plain data.
+
+    ``session``: run in the sandbox's persistent ``__main__`` (a notebook
+    step) instead of a fresh namespace.
+    """
     spec = {
         "code": job.code,
         "name": job.name,
@@ -132,7 +139,7 @@ def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...]) -> bytes:
             "max_output": job.max_output,
             "subprocesses": False,
         },
-        "session": False,
+        "session": session,
     }
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
