@@ -5,6 +5,10 @@ which is a tiny script of its own: ``sleep 0.2`` then ``say TEXT`` answers
 after 0.2 s with stdout TEXT, so results can come out of request order;
 ``refuse`` answers a RequestError; ``raise`` answers a ValueError result;
 ``die`` exits at once with status 7 and a word on stderr.
+
+Sessions are answered in order, inline: ``request`` prints the request line
+as received (sorted keys), ``exit`` ends the session, a later step carrying
+a setup field is refused naming it, and ``close`` answers ``closed``.
 """
 
 import json
@@ -22,6 +26,35 @@ def write(obj):
     with write_lock:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
+
+
+STEP_FIELDS = {"id", "session", "code", "name", "args", "timeout", "max_output"}
+sessions = {}
+
+
+def session_step(request):
+    name = request["session"]
+    if request.get("close"):
+        sessions.pop(name, None)
+        write({"id": request["id"], "session": name, "closed": True})
+        return
+    extra = sorted(set(request) - STEP_FIELDS)
+    if name in sessions and extra:
+        write({"id": request["id"], "exit": -1, "stdout": "", "stderr": "",
+               "error": {"type": "RequestError", "message": f"{extra[0]}: session {name!r} is open", "file": None, "line": None},
+               "stdout_truncated": False, "stderr_truncated": False, "duration_ms": 0, "duration_us": 0, "queue_us": 0,
+               "runtime": None, "policy": None, "session": name, "step": None, "session_ended": False})
+        return
+    sessions[name] = step = sessions.get(name, 0) + 1
+    code = request["code"]
+    ended = code == "exit"
+    out = json.dumps(request, sort_keys=True) + "\n" if code == "request" else ""
+    if ended:
+        del sessions[name]
+    write({"id": request["id"], "exit": 0, "stdout": out, "stderr": "", "error": None,
+           "stdout_truncated": False, "stderr_truncated": False, "duration_ms": 1, "duration_us": 1000,
+           "queue_us": 5, "runtime": None, "policy": None, "session": name, "step": step,
+           "session_ended": ended})
 
 
 def result(rid, code):
@@ -76,6 +109,9 @@ def main():
         received += 1
         if request.get("stats"):
             write({"id": request["id"], "event": "stats", "jobs": received - 1, "lines": received})
+            continue
+        if "session" in request:
+            session_step(request)
             continue
         thread = threading.Thread(target=result, args=(request["id"], request.get("code", "")))
         thread.start()

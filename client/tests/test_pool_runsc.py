@@ -122,3 +122,26 @@ def test_the_agent_tool_example_runs(tmp_path):
     assert "{'cake': 5, 'tea': 7}" in out
     assert "PermissionError" in out
     assert "wrote out/summary.json" in out
+
+
+def test_a_session_keeps_its_variables_and_grants(pool):
+    with pool.session(allow_read=["data"], timeout="10s") as session:
+        first = session.run("import csv\nrows = list(csv.DictReader(open('data/orders.csv')))")
+        assert (first.ok, first.step, first.session_ended) == (True, 1, False)
+        assert first.policy.allow_read == (str(pool.cwd / "data"),)
+        second = session.run("print(len(rows))")
+        assert (second.stdout, second.step, second.session) == ("3\n", 2, session.name)
+        spun = session.run("while True:\n    pass\n", timeout=0.5)
+        assert spun.session_ended and spun.error.type == "TimeoutError" and not session.open
+        again = session.run("print('rows' in globals(), len(open('data/orders.csv').readlines()))")
+        assert (again.step, again.stdout) == (1, "False 4\n")  # a new process, the same grants
+    assert pool.stats()["sessions_active"] == 0
+
+
+def test_a_stateful_tool(pool):
+    with readie.tool(pool=pool, session=True, allow_read=["data"]) as tool:
+        assert "persist between calls" in tool.description and "data/" in tool.description
+        assert tool("total = 3 + 4") == "(no output)"
+        assert tool("print(total)") == "7"
+        assert tool("print(nope)").startswith("Error: NameError: name 'nope' is not defined")
+        assert tool("print(total * 2)") == "14"  # an exception keeps the state

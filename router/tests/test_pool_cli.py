@@ -107,6 +107,10 @@ def test_a_bad_config_is_a_usage_error_naming_file_and_key(capsys, tmp_path, mon
 def test_flags_are_checked_like_the_config(capsys, manifest):
     code, err = pool(capsys, "--workers", "0", "--checkpoints", str(manifest))
     assert code == 2 and "--workers: must be from 1 to 256, got 0" in err
+    code, err = pool(capsys, "--max-sessions", "-1", "--checkpoints", str(manifest))
+    assert code == 2 and "--max-sessions: must be from 0 to 4096, got -1" in err
+    code, err = pool(capsys, "--session-idle", "0s", "--checkpoints", str(manifest))
+    assert code == 2 and "--session-idle: must be greater than zero" in err
 
 
 def test_missing_checkpoints_say_how_to_build_them(capsys, tmp_path):

@@ -410,19 +410,14 @@ REFUSED_LINES = [
     (b"[1, 2]", None, "a request must be a JSON object, got an array"),
     (b'{"id": true, "code": "x"}', None, "id: must be a string or an integer, got a boolean"),
     (
-        b'{"id": "u1", "session": "nb", "code": "x"}',
+        b'{"id": "u1", "session": "nb", "script": "app.py"}',
         "u1",
-        "session: sessions are not supported by readie pool yet",
+        "script: sessions take inline code, not script",
     ),
     (
         b'{"id": "u2", "functions": ["search"], "code": "x"}',
         "u2",
         "functions: host functions are not supported by readie pool yet",
-    ),
-    (
-        b'{"id": "u3", "session": "nb", "close": true}',
-        "u3",
-        "close: sessions are not supported by readie pool yet",
     ),
     (
         b'{"reply": {"call_id": 7, "result": 1}}',

@@ -191,13 +191,12 @@ def test_stats_answer_at_once_with_the_counters(tmp_path):
 @pytest.mark.parametrize(
     ("request_", "field", "rid"),
     [
-        ({"id": 1, "session": "nb", "code": "x"}, "session", 1),
         ({"id": 2, "functions": ["search"], "code": "x"}, "functions", 2),
-        ({"id": 3, "session": "nb", "close": True}, "close", 3),
+        ({"id": 1, "session": "nb", "functions": ["search"], "code": "x"}, "functions", 1),
         ({"reply": {"call_id": 7, "result": 1}}, "reply", None),
     ],
 )
-def test_sessions_and_host_functions_are_refused_for_now(tmp_path, request_, field, rid):
+def test_host_functions_are_refused_for_now(tmp_path, request_, field, rid):
     async def scenario(engine, source, sink, fake):
         source.feed_lines(request_)
         source.end()

@@ -4,7 +4,9 @@ Two ways in:
 
 * :class:`Pool` runs code (text or a script) as jobs in a ``readie pool``
   process, one fresh sandbox per job, with per-job grants and limits; a
-  job's outcome is a :class:`Result`.
+  job's outcome is a :class:`Result`. :meth:`Pool.session` gives a
+  :class:`Session`, one sandbox whose variables survive between steps, and
+  :func:`tool` wraps either as a tool a model can call.
 * :class:`Client` and :func:`remote` run Python functions in sandboxes
   behind a ``readie router``; the value comes back, an exception comes back
   as :class:`RemoteError`.
@@ -29,6 +31,8 @@ from ._pool import Pool
 from ._remote import Client, RemoteFunction, remote
 from ._requests import MAX_LINE_BYTES
 from ._results import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+from ._session import Session
+from ._tool import Tool, describe_functions, format_result, tool
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -51,6 +55,11 @@ __all__ = [
     "Result",
     "RuntimeInfo",
     "SandboxSetupError",
+    "Session",
+    "Tool",
     "VersionMismatch",
+    "describe_functions",
+    "format_result",
     "remote",
+    "tool",
 ]

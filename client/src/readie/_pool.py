@@ -31,8 +31,9 @@ from types import TracebackType
 from typing import IO, Any, Self
 
 from ._errors import PoolError, ReadieError, RequestError
-from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, stats_request
+from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, session_setup, stats_request
 from ._results import ReadyEvent, Result, parse_ready, parse_result, parse_stats
+from ._session import Session, new_session_name
 
 __all__ = ["CLOSE_KILL_GRACE_S", "START_TIMEOUT_S", "STDERR_TAIL_LINES", "Pool", "default_command"]
 
@@ -204,6 +205,39 @@ class Pool:
         if result.error is not None and result.error.type == "RequestError":
             raise RequestError(result.error.message, result=result)
         return result
+
+    def session(
+        self,
+        name: str | None = None,
+        *,
+        allow_read: Iterable[PathArg] = (),
+        allow_write: Iterable[PathArg] = (),
+        package_dirs: Iterable[PathArg] = (),
+        env: Mapping[str, str] | None = None,
+        allow_network: bool = False,
+        timeout: Duration | None = None,
+        memory: Size | None = None,
+        max_output: Size | None = None,
+        max_file_size: Size | None = None,
+        profile: str | None = None,
+        packages: Iterable[str] = (),
+    ) -> Session:
+        """A :class:`~readie.Session`: one sandbox whose variables survive between its ``run`` calls.
+
+        The grants and limits are the session's for its whole life (the pool
+        fixes them with the first step); ``timeout`` and ``max_output`` are
+        each step's default, which :meth:`Session.run` can override. ``name``
+        is the session's name on the wire (default: a random one). Nothing is
+        sent until the first ``run``.
+        """
+        setup = session_setup(
+            allow_read=allow_read, allow_write=allow_write, package_dirs=package_dirs, env=env,
+            allow_network=allow_network, timeout=timeout, memory=memory, max_output=max_output,
+            max_file_size=max_file_size, profile=profile, packages=packages,
+        )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        return Session(self, name or new_session_name(), setup)
 
     def stats(self) -> dict[str, Any]:
         """The pool's counters: the spec's stats event, as the pool wrote it."""

@@ -29,9 +29,12 @@ __all__ = [
     "PathArg",
     "RequestId",
     "Size",
+    "close_request",
     "encode_line",
     "job_request",
+    "session_setup",
     "stats_request",
+    "step_request",
 ]
 
 #: The pool discards any line longer than 1 MiB (the spec; the newline is not
@@ -101,6 +104,55 @@ def job_request(
 
 def stats_request(id: RequestId) -> dict[str, Any]:
     return {"id": id, "stats": True}
+
+
+def session_setup(
+    *,
+    allow_read: Iterable[PathArg] = (),
+    allow_write: Iterable[PathArg] = (),
+    package_dirs: Iterable[PathArg] = (),
+    env: Mapping[str, str] | None = None,
+    allow_network: bool = False,
+    timeout: Duration | None = None,
+    memory: Size | None = None,
+    max_output: Size | None = None,
+    max_file_size: Size | None = None,
+    profile: str | None = None,
+    packages: Iterable[str] = (),
+) -> dict[str, Any]:
+    """The fields a session's first request carries (its permissions, limits and environment), checked now."""
+    fields = job_request(
+        0, "", allow_read=allow_read, allow_write=allow_write, package_dirs=package_dirs, env=env,
+        allow_network=allow_network, timeout=timeout, memory=memory, max_output=max_output,
+        max_file_size=max_file_size, profile=profile, packages=packages,
+    )
+    del fields["id"], fields["code"]
+    return fields
+
+
+def step_request(
+    id: RequestId,
+    session: str,
+    code: str,
+    *,
+    name: str | None = None,
+    args: Iterable[str] = (),
+    timeout: Duration | None = None,
+    max_output: Size | None = None,
+    setup: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One step of ``session``; the first carries ``setup`` (from :func:`session_setup`), later ones must not."""
+    request = job_request(id, code, name=name, args=args)
+    request["session"] = _text(session, "session")
+    request.update(setup or {})
+    # The step's own timeout and max_output go over the session's.
+    _put(request, "timeout", timeout, _duration)
+    _put(request, "max_output", max_output, _size)
+    return request
+
+
+def close_request(id: RequestId, session: str) -> dict[str, Any]:
+    return {"id": id, "session": _text(session, "session"), "close": True}
 
 
 def encode_line(request: Mapping[str, Any]) -> bytes:

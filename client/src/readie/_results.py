@@ -29,6 +29,7 @@ __all__ = [
     "ReadyEvent",
     "Result",
     "RuntimeInfo",
+    "parse_closed",
     "parse_ready",
     "parse_result",
     "parse_stats",
@@ -201,6 +202,14 @@ def parse_stats(obj: Any) -> dict[str, Any]:
         _broken(f"expected a stats event, got {_short(obj)}")
     fields.get("jobs", int)
     return dict(obj)
+
+
+def parse_closed(obj: Any) -> bool:
+    """The answer to a close: ``{"id", "session", "closed": true}``; a refusal comes as a result."""
+    fields = _Fields(obj, "the answer to a close")
+    if fields.optional("closed", bool) is not True:
+        _broken(f"expected a closed event, got {_short(obj)}")
+    return True
 
 
 def _error(fields: _Fields) -> ErrorInfo:

@@ -7,7 +7,9 @@ import os
 import socket
 from pathlib import Path
 
+from . import _channel
 from ._calls import run_call
+from .hostwire import REPLY_PREFIX
 from .protocol import FramingError, MessageReader
 from .sockets import receive_message, send_message
 
@@ -55,7 +57,11 @@ def serve_forever(listener: socket.socket, chunk_size: int) -> None:
 
 
 def serve_connection(connection: socket.socket, chunk_size: int) -> None:
-    """Answer requests on one connection until the peer hangs up or breaks the framing."""
+    """Answer requests on one connection until the peer hangs up or breaks the framing.
+
+    While a call runs, the connection is its channel to the worker (host
+    functions: decision 8).
+    """
     reader = MessageReader()
     while True:
         try:
@@ -65,7 +71,15 @@ def serve_connection(connection: socket.socket, chunk_size: int) -> None:
             return
         if request is None:
             return
-        response = run_call(request)
+        if request.startswith(REPLY_PREFIX):
+            # The worker's answer to a frame the last job wrote on this socket
+            # by hand and never read: not a request (a request is a pickle).
+            continue
+        with _channel.serving(_channel.Channel(connection, reader, chunk_size)) as channel:
+            response = run_call(request)
+        if channel.broken:
+            log.warning("dropping connection: a host-function exchange broke the framing")
+            return
         try:
             send_message(connection, response, chunk_size)
         except FramingError as exc:  # a response beyond the 4 GiB message limit

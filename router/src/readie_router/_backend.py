@@ -22,6 +22,14 @@ The contract every backend keeps:
   ``PoolWorkerError`` without touching the worker. Jobs still running when
   ``close`` starts end with a worker error: a graceful drain is the pool
   engine's business (it waits for its jobs before closing).
+* sessions: ``session_support()`` is None when the backend can pin a
+  session to one sandbox, else the reason it cannot (the engine refuses
+  sessions with it). ``open_session`` takes the session's setup and first
+  step as one job and returns a :class:`BackendSession` and the first
+  step's :class:`~readie_worker.sessions.StepOutcome`; it raises like
+  ``run``. Only a runner with ``open_session`` (the in-process ``Worker``)
+  supports them: a router places every job on any of its workers, so
+  ``--router`` and the router's ``Pool.Session`` stream refuse sessions.
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.
@@ -33,21 +41,26 @@ import asyncio
 import functools
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.errors import PoolWorkerError, SandboxSetupError
+from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
+from readie_worker.sessions import Session, StepOutcome
 
 __all__ = [
     "CHECKPOINT_PLAN",
     "WARM_TIMEOUT_S",
+    "NO_ROUTER_SESSIONS",
+    "BackendSession",
     "BlockingRunner",
     "JobBackend",
     "LocalWorkerBackend",
+    "Step",
     "ThreadedBackend",
     "choose_checkpoint",
     "manifest_path",
@@ -55,18 +68,52 @@ __all__ = [
 
 log = structlog.get_logger("readie.pool")
 
+_T = TypeVar("_T")
+
 #: Where operators add checkpoints; named in the start-up refusal.
 CHECKPOINT_PLAN = "pipeline/src/readie_pipeline/checkpoints.toml"
 #: How long start-up waits for the warm sandboxes before announcing ready
 #: anyway. A restore takes 0.3-0.7 s here and refills run one at a time, so
 #: this covers dozens of workers; past it the first jobs restore their own.
 WARM_TIMEOUT_S = 60.0
+#: Why a runner without ``open_session`` (the gRPC ``WorkerClient``, the
+#: router's ``Placement``) cannot serve sessions.
+NO_ROUTER_SESSIONS = (
+    "sessions are not supported through a router: a session lives in one sandbox on one "
+    "worker, and a router places each job on any of its workers; run readie pool without "
+    "--router for sessions"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A later step of a session: code, and the step's own timeout and output cap (resolved)."""
+
+    code: str
+    name: str
+    args: tuple[str, ...]
+    timeout_ms: int
+    max_output: int
+
+
+class BackendSession(Protocol):
+    """An open session: one sandbox, steps in it one at a time."""
+
+    async def run_step(self, step: Step, job_id: str | None) -> StepOutcome: ...
+
+    async def close(self) -> None:
+        """Destroy the session's sandbox; does nothing once it has ended."""
+        ...
 
 
 class JobBackend(Protocol):
     """Runs code jobs for the pool engine; see the module docstring for the contract."""
 
     async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome: ...
+
+    def session_support(self) -> str | None: ...
+
+    async def open_session(self, job: CodeJob, job_id: str | None) -> tuple[BackendSession, StepOutcome]: ...
 
     async def close(self) -> None: ...
 
@@ -93,16 +140,47 @@ class ThreadedBackend:
         self._closed = False
 
     async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
+        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id))
+
+    def session_support(self) -> str | None:
+        return None if callable(getattr(self.runner, "open_session", None)) else NO_ROUTER_SESSIONS
+
+    async def open_session(self, job: CodeJob, job_id: str | None) -> tuple[BackendSession, StepOutcome]:
+        reason = self.session_support()
+        if reason is not None:
+            raise RequestError(reason, "session")
+        open_session = self.runner.open_session  # type: ignore[attr-defined]
+        session, first = await self._on_thread(functools.partial(open_session, job, job_id))
+        return _ThreadedSession(self, session), first
+
+    async def _on_thread(self, call: functools.partial[_T]) -> _T:
         if self._closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
         loop = asyncio.get_running_loop()
-        call = functools.partial(self.runner.run_job, job, job_id)
         return await loop.run_in_executor(self._threads, call)
 
     async def close(self) -> None:
         self._closed = True
         await asyncio.to_thread(self.runner.close)
         await asyncio.to_thread(self._threads.shutdown, wait=True, cancel_futures=True)
+
+
+class _ThreadedSession:
+    """A worker :class:`~readie_worker.sessions.Session`: steps on the backend's job threads."""
+
+    def __init__(self, backend: ThreadedBackend, session: Session) -> None:
+        self._backend = backend
+        self.session = session
+
+    async def run_step(self, step: Step, job_id: str | None) -> StepOutcome:
+        run = functools.partial(
+            self.session.run_step, step.code, step.name, step.args, step.timeout_ms, step.max_output, job_id=job_id
+        )
+        return await self._backend._on_thread(run)
+
+    async def close(self) -> None:
+        # Off the job threads: a close must not wait behind running steps.
+        await asyncio.to_thread(self.session.close)
 
 
 class LocalWorkerBackend(ThreadedBackend):

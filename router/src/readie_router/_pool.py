@@ -21,9 +21,19 @@ Lifecycle, one direction only::
     DRAINING --(second drain())--> ABORTING
 
 Draining stops intake (lines not yet read are never answered), lets every
-accepted job finish and writes its result. Aborting closes the backend at
-once, so running jobs end with a worker error; their results are still
-written if stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
+accepted job finish and writes its result, then closes every open session
+(sessions end with the pool). Aborting closes the backend at once, so
+running jobs end with a worker error; their results are still written if
+stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
+
+Sessions (``_sessions`` decides what a line naming one means): each
+accepted step or close is a task like a job's and holds a permit until it
+is answered, but waits for the request of its session read before it; a
+step holds one of the ``workers`` slots only while it runs, so an idle
+session costs a sandbox and no slot. The first step's task opens the
+session through the backend (``open_session``); later steps go to its
+handle. A session idle for ``session_idle`` is closed by a timer, without
+an output line (nobody asked).
 """
 
 from __future__ import annotations
@@ -45,12 +55,22 @@ import structlog
 from readie_executor.jobs import bounds
 from readie_worker.jobs import CodeJob
 
-from ._backend import JobBackend
-from ._config import Config
+from readie_worker.sessions import StepOutcome
+
+from ._backend import BackendSession, JobBackend, Step
+from ._config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
 from ._errors import PoolWorkerError, ReadieError, RequestError
-from ._events import JobResult, RuntimeInfo, Stats, job_log_line, ready_event, result_line
+from ._events import (
+    JobResult,
+    RuntimeInfo,
+    Stats,
+    closed_event,
+    job_log_line,
+    ready_event,
+    result_line,
+)
 from ._lines import LineEvent, LineSplitter
-from ._policy import NO_LIMITS, Policy, resolve_policy, resolve_script
+from ._policy import NO_LIMITS, Policy, resolve_policy, resolve_script, resolve_step
 from ._requests import (
     CloseSession,
     JobRequest,
@@ -61,6 +81,7 @@ from ._requests import (
     parse_event,
 )
 from ._results import job_result
+from ._sessions import Session, SessionPhase, SessionTable
 from ._wire import encode_line
 
 __all__ = [
@@ -93,7 +114,6 @@ FALLBACK_CWD = "/tmp"
 #: of the jobs it stopped before giving up on a stdout nobody reads.
 ABORT_WRITE_GRACE_S = 5.0
 
-_SESSIONS_LATER = "sessions are not supported by readie pool yet"
 _FUNCTIONS_LATER = "host functions are not supported by readie pool yet"
 
 
@@ -134,6 +154,8 @@ class PoolSetup:
     config: Config = field(default_factory=Config)
     package_dirs: tuple[Path, ...] = ()  # the pool's own, absolute; every job gets them
     log_jobs: bool = False  # --log=json: one job_log_line per finished job
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # [pool] max_sessions after --max-sessions
+    session_idle_ms: int = DEFAULT_SESSION_IDLE_MS  # [pool] session_idle after --session-idle
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -175,6 +197,7 @@ class PoolEngine:
         self._drain_calls = 0
         self._output_lost = False
         self.accepted = 0  # lines accepted so far (tests and logs)
+        self.sessions = SessionTable(setup.max_sessions, backend.session_support())
 
     # ------------------------------------------------------------------ control
 
@@ -252,6 +275,11 @@ class PoolEngine:
     async def _finish_all(self, writer: asyncio.Task[None]) -> None:
         while self._jobs:
             await asyncio.wait(set(self._jobs))
+        # Sessions end with the pool: every step was answered, nobody waits on a close.
+        for session in self.sessions.sessions():
+            self._close_in_background(session, "the pool is draining")
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
         self._outbox.put_nowait(None)
         await writer
 
@@ -290,12 +318,19 @@ class PoolEngine:
             self._finish(JobResult.refused(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
             self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers))
+        elif isinstance(request, CloseSession):
+            self._accept_close(request)
+        elif isinstance(request, JobRequest) and request.session is not None:
+            self._accept_step(request, parsed_at)
         elif isinstance(request, JobRequest):
-            task = asyncio.create_task(self._run(request, parsed_at))
-            self._jobs.add(task)
-            task.add_done_callback(self._jobs.discard)
+            self._spawn(self._run(request, parsed_at))
         else:  # pragma: no cover - _unsupported refused the other kinds
             raise TypeError(f"unhandled request {type(request).__name__}")
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
 
     # ------------------------------------------------------------------ jobs
 
@@ -341,12 +376,7 @@ class PoolEngine:
             raise RequestError(
                 "the pool's [pool.limits] ceiling does not allow per-request packages", "packages"
             )
-        if policy.max_output > MAX_OUTPUT_BYTES:
-            raise RequestError(
-                f"{policy.max_output} bytes is above the sandbox's capture limit of "
-                f"{MAX_OUTPUT_BYTES}",
-                "max_output",
-            )
+        self._check_max_output(policy)
         script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
         if script is not None:
             code = await asyncio.to_thread(read_script, script)
@@ -372,6 +402,187 @@ class PoolEngine:
             max_output=policy.max_output,
             max_file_size=policy.max_file_size,
         )
+
+    # ------------------------------------------------------------------ sessions
+
+    def _accept_step(self, request: JobRequest, parsed_at: int) -> None:
+        try:
+            session, first = self.sessions.admit(request)
+        except RequestError as exc:
+            self._finish(
+                JobResult.from_error(request.id, exc, runtime=self.setup.runtime, session=request.session)
+            )
+            return
+        if first:
+            self.stats.session_started()
+        previous, done = session.enqueue()
+        self._spawn(self._session_step(session, request, parsed_at, previous, done))
+
+    def _accept_close(self, request: CloseSession) -> None:
+        session = self.sessions.get(request.session)
+        if session is None:  # never opened, or ended already: closed either way
+            self._answer(closed_event(request.id, request.session))
+            return
+        if self.sessions.closing(session):
+            self.stats.session_ended()
+        previous, done = session.enqueue()
+        self._spawn(self._session_close(session, request, previous, done))
+
+    async def _session_step(
+        self,
+        session: Session,
+        request: JobRequest,
+        parsed_at: int,
+        previous: asyncio.Event | None,
+        done: asyncio.Event,
+    ) -> None:
+        result: JobResult | None = None
+        try:
+            if previous is not None:
+                await previous.wait()
+            result = await self._step_result(session, request, parsed_at)
+        except Exception as exc:  # a bug must cost this step (and its session), never the pool
+            log.exception("internal error running a session step", id=request.id)
+            error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
+            result = JobResult.from_error(
+                request.id, error, runtime=self.setup.runtime, session=session.name
+            )
+            self._close_in_background(session, "internal error")
+        finally:
+            # Answered before the next request of the session may start.
+            session.answered()
+            if result is not None:
+                self._finish(result)
+            done.set()
+            self._arm_idle_timer(session)
+
+    async def _step_result(self, session: Session, request: JobRequest, parsed_at: int) -> JobResult:
+        runtime, name = self.setup.runtime, session.name
+        if session.ended:
+            why = RequestError(f"session {name!r} ended before this step ran", "session")
+            return JobResult.from_error(request.id, why, runtime=runtime, session=name)
+        first = session.handle is None
+        try:
+            if first:
+                policy = resolve_policy(
+                    request,
+                    cwd=self.setup.cwd,
+                    limits=self.setup.config.limits,
+                    profiles=self.setup.config.profile_map,
+                    protected=self.setup.package_dirs,
+                )
+                job = await self._code_job(request, policy)
+            else:
+                assert session.policy is not None
+                policy = resolve_step(session.policy, request, self.setup.config.limits)
+                self._check_max_output(policy)
+        except ReadieError as exc:  # refused before anything ran
+            if first:
+                self._end_session(session)
+            return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
+        async with self._slots:
+            queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
+            try:
+                if first:
+                    session.handle, outcome = await self.backend.open_session(job, str(request.id))
+                    session.policy = policy
+                    if session.phase is SessionPhase.OPENING:  # not CLOSING already
+                        session.move(SessionPhase.OPEN)
+                else:
+                    assert session.handle is not None
+                    step = Step(
+                        code=request.code or "",
+                        name=request.name or "<string>",
+                        args=request.args,
+                        timeout_ms=policy.timeout_ms,
+                        max_output=policy.max_output,
+                    )
+                    outcome = await session.handle.run_step(step, str(request.id))
+            except ReadieError as exc:
+                # A refusal of the first step leaves no session; any other failure ends it.
+                if first or not isinstance(exc, RequestError):
+                    self._close_in_background(session, "its backend failed")
+                return JobResult.from_error(
+                    request.id,
+                    exc,
+                    runtime=runtime,
+                    policy=None if isinstance(exc, RequestError) else policy,
+                    queue_us=queue_us,
+                    session=name,
+                )
+        if outcome.session_ended:
+            self._end_session(session)  # the backend's side has ended already
+        return self._step_line(request, outcome, policy, queue_us, name)
+
+    def _step_line(
+        self, request: JobRequest, outcome: StepOutcome, policy: Policy, queue_us: int, name: str
+    ) -> JobResult:
+        return job_result(
+            request.id,
+            outcome.outcome,
+            runtime=self.setup.runtime,
+            policy=policy,
+            queue_us=queue_us,
+            session=name,
+            step=outcome.step,
+            session_ended=outcome.session_ended,
+        )
+
+    async def _session_close(
+        self,
+        session: Session,
+        request: CloseSession,
+        previous: asyncio.Event | None,
+        done: asyncio.Event,
+    ) -> None:
+        try:
+            if previous is not None:
+                await previous.wait()
+            handle = self._end_session(session)
+            if handle is not None:
+                await handle.close()
+        except Exception:  # the session is out of the table either way; the close is answered
+            log.exception("internal error closing a session", session=session.name)
+        finally:
+            session.answered()
+            self._answer(closed_event(request.id, request.session))
+            done.set()
+
+    def _end_session(self, session: Session) -> BackendSession | None:
+        """Take ``session`` out of the table and the count, at once, so the next request under
+        its name starts a new one; returns its handle for the caller to close (or None)."""
+        if self.sessions.end(session):
+            self.stats.session_ended()
+        return session.handle
+
+    def _close_in_background(self, session: Session, why: str) -> None:
+        handle = self._end_session(session)
+        if handle is not None:
+            log.info("closing a session", session=session.name, why=why)
+            self._spawn(handle.close())
+
+    def _arm_idle_timer(self, session: Session) -> None:
+        if session.phase is not SessionPhase.OPEN or session.pending or self.state is not PoolState.SERVING:
+            return
+        session.stop_idle_timer()
+        loop = asyncio.get_running_loop()
+        session.idle = loop.call_later(
+            self.setup.session_idle_ms / 1000, self._idle_expired, session
+        )
+
+    def _idle_expired(self, session: Session) -> None:
+        session.idle = None
+        if session.phase is SessionPhase.OPEN and not session.pending:
+            self._close_in_background(session, "idle")
+
+    @staticmethod
+    def _check_max_output(policy: Policy) -> None:
+        if policy.max_output > MAX_OUTPUT_BYTES:
+            raise RequestError(
+                f"{policy.max_output} bytes is above the sandbox's capture limit of "
+                f"{MAX_OUTPUT_BYTES}",
+                "max_output",
+            )
 
     # ------------------------------------------------------------------ output
 
@@ -416,14 +627,10 @@ class PoolEngine:
 
 
 def _unsupported(request: Request | Refused) -> Refused | None:
-    """Sessions and host functions come with the next issue; until then, a clear refusal."""
-    if isinstance(request, CloseSession):
-        return Refused(request.id, RequestError(_SESSIONS_LATER, "close"))
+    """Host functions come with the next issue; until then, a clear refusal."""
     if isinstance(request, ReplyRequest):
         return Refused(None, RequestError(f"{_FUNCTIONS_LATER}: no call awaits a reply", "reply"))
     if isinstance(request, JobRequest):
-        if request.session is not None:
-            return Refused(request.id, RequestError(_SESSIONS_LATER, "session"))
         if request.functions is not None:
             return Refused(request.id, RequestError(_FUNCTIONS_LATER, "functions"))
     return None

@@ -3,7 +3,9 @@
 The engine is the one ``readie pool`` runs on stdin/stdout; here its bytes
 come from the request stream and its lines go out on the response stream.
 Jobs go to the router's placement, shared by every session; a session's end
-(the client closing its side) drains that session's jobs only.
+(the client closing its side) drains that session's jobs only. (A "session"
+here is one stream. The pool protocol's own sessions, ``"session": NAME``,
+are refused on it: the placement cannot pin one to a worker; docs/pool.md.)
 """
 
 from __future__ import annotations

@@ -79,8 +79,11 @@ def job_result(
     runtime: RuntimeInfo,
     policy: Policy,
     queue_us: int,
+    session: str | None = None,
+    step: int | None = None,
+    session_ended: bool = False,
 ) -> JobResult:
-    """The result line's value for a job the backend ran (or tried to)."""
+    """The result line's value for a job (or a session's step) the backend ran, or tried to."""
     status, exit_code, error = _classify(outcome)
     return JobResult(
         id=id,
@@ -96,6 +99,9 @@ def job_result(
         runtime=runtime,
         policy=policy,
         backend=outcome.backend,
+        session=session,
+        step=step,
+        session_ended=session_ended,
     )
 
 

@@ -2,6 +2,7 @@
 
     readie pool --workers=2 [--preload=pandas,numpy] [--package-dir=DIR] [--config=readie.toml]
                 [--log=json] [--checkpoints=build/checkpoints] [--state-dir=DIR]
+                [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT]
 
 The first stdout line is the ready event; then one result per request, in
 completion order. EOF on stdin, SIGTERM or SIGINT drain the pool: accepted
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             preload=args.preload,
             package_dirs=tuple(args.package_dir) if args.package_dir else None,
             log=args.log,
+            max_sessions=args.max_sessions,
+            session_idle=args.session_idle,
         )
         settings = apply_cli(config.pool, overrides, cwd=cwd)
     except ConfigError as exc:
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         config=config,
         package_dirs=settings.package_dirs,
         log_jobs=settings.log == "json",
+        max_sessions=settings.max_sessions,
+        session_idle_ms=settings.session_idle_ms,
     )
     scratch = Path(tempfile.mkdtemp(prefix="rp-", dir=SCRATCH_PARENT))
     state_dir = args.state_dir or os.environ.get(STATE_DIR_VARIABLE)
@@ -234,7 +239,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log", choices=("json", "none"), help="json: one line per finished job on stderr"
     )
-    parser.add_argument("--router", metavar="HOST:PORT", help="run jobs through a `readie router` instead of a worker in this process")
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        help="sessions open at once (default: [pool] max_sessions, else 16; 0 disables sessions)",
+    )
+    parser.add_argument(
+        "--session-idle",
+        metavar="DURATION",
+        help="close a session idle this long, e.g. 90s or 10m (default: [pool] session_idle, else 10m)",
+    )
+    parser.add_argument(
+        "--router",
+        metavar="HOST:PORT",
+        help="run jobs through a `readie router` instead of a worker in this process "
+        "(sessions are refused: a router cannot pin one to a worker)",
+    )
     parser.add_argument(
         "--checkpoints",
         metavar="PATH",

@@ -6,12 +6,14 @@
   results unread and watch backpressure.
 * :class:`FakeBackend`, :class:`MemorySource` and :class:`MemorySink` run a
   :class:`~readie_router._pool.PoolEngine` in memory, without gVisor, with
-  jobs that finish when the test says so.
+  jobs (and session steps, :class:`FakeSession`) that finish when the test
+  says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import select
@@ -25,9 +27,13 @@ from pathlib import Path
 from typing import Any, Self
 
 from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.sessions import StepOutcome
+
+from ._backend import Step
 
 __all__ = [
     "FakeBackend",
+    "FakeSession",
     "MemorySink",
     "MemorySource",
     "PoolProcess",
@@ -243,6 +249,9 @@ class FakeBackend:
     """Runs no code: ``answer(job)`` gives each outcome (or raises), gates hold jobs back.
 
     A job whose ``code`` is a key of ``gates`` waits until that event is set.
+    Session steps go through the same ``answer`` and gates; a step ends its
+    session when ``session_ends(job)`` says so or it timed out.
+    ``session_refusal`` plays a backend that cannot serve sessions.
     """
 
     answer: Callable[[CodeJob], JobOutcome] = lambda job: ok_outcome(job.code)
@@ -251,6 +260,17 @@ class FakeBackend:
     running: int = 0
     most_running: int = 0
     closed: int = 0
+    session_ends: Callable[[CodeJob], bool] = lambda job: job.code.startswith("exit")
+    session_refusal: str | None = None
+    sessions: list[FakeSession] = field(default_factory=list)
+
+    def session_support(self) -> str | None:
+        return self.session_refusal
+
+    async def open_session(self, job: CodeJob, job_id: str | None) -> tuple[FakeSession, StepOutcome]:
+        session = FakeSession(self, job)
+        self.sessions.append(session)
+        return session, await session.step(job, job_id)
 
     async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
         from ._errors import PoolWorkerError
@@ -272,6 +292,43 @@ class FakeBackend:
         self.closed += 1
         for gate in self.gates.values():
             gate.set()
+
+
+@dataclass(eq=False)
+class FakeSession:
+    """A :class:`FakeBackend` session: each step is one of the backend's jobs, numbered."""
+
+    backend: FakeBackend
+    job: CodeJob
+    steps: int = 0
+    ended: bool = False
+    closes: int = 0
+
+    async def run_step(self, step: Step, job_id: str | None) -> StepOutcome:
+        job = dataclasses.replace(
+            self.job,
+            code=step.code,
+            name=step.name,
+            args=step.args,
+            timeout_ms=step.timeout_ms,
+            max_output=step.max_output,
+        )
+        return await self.step(job, job_id)
+
+    async def step(self, job: CodeJob, job_id: str | None) -> StepOutcome:
+        if self.ended:
+            from ._errors import RequestError
+
+            raise RequestError("the session has ended", "session")
+        outcome = await self.backend.run(job, job_id)
+        self.steps += 1
+        timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == "TimeoutError"
+        self.ended = self.backend.session_ends(job) or timed_out
+        return StepOutcome(outcome, self.steps, self.ended)
+
+    async def close(self) -> None:
+        self.closes += 1
+        self.ended = True
 
 
 class MemorySource:

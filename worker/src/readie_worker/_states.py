@@ -1,13 +1,15 @@
-"""A sandbox's life as one table of allowed transitions (h11's ``_state.py`` pattern)."""
+"""Lives as tables of allowed transitions (h11's ``_state.py`` pattern): a sandbox's and a session's."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import TypeVar
 
 
 class SandboxState(enum.Enum):
     STARTING = "starting"  # restore or cold start under way
-    READY = "ready"  # socket answers; waiting in a pool
+    READY = "ready"  # socket answers; waiting in a pool, or between a session's steps
     BUSY = "busy"  # running a job or a session step
     DEAD = "dead"  # destroyed, or broken and about to be
 
@@ -21,11 +23,33 @@ ALLOWED: dict[SandboxState, frozenset[SandboxState]] = {
 }
 
 
+class SessionState(enum.Enum):
+    """A worker session (``sessions.py``): one sandbox, many steps, one at a time."""
+
+    OPENING = "opening"  # its sandbox is being made ready; the first step follows at once
+    IDLE = "idle"  # between steps: the sandbox waits with its __main__ intact (sandbox READY)
+    RUNNING = "running"  # a step runs (sandbox BUSY)
+    ENDED = "ended"  # closed, timed out, crashed or exited: the sandbox is destroyed
+
+
+SESSION_ALLOWED: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.OPENING: frozenset({SessionState.RUNNING, SessionState.ENDED}),
+    SessionState.IDLE: frozenset({SessionState.RUNNING, SessionState.ENDED}),
+    SessionState.RUNNING: frozenset({SessionState.IDLE, SessionState.ENDED}),
+    SessionState.ENDED: frozenset(),
+}
+
+
 class IllegalTransition(RuntimeError):
     pass
 
 
-def check_transition(current: SandboxState, target: SandboxState) -> SandboxState:
-    if target not in ALLOWED[current]:
-        raise IllegalTransition(f"sandbox cannot go from {current.value} to {target.value}")
+_S = TypeVar("_S", SandboxState, SessionState)
+
+
+def check_transition(current: _S, target: _S, table: Mapping[_S, frozenset[_S]] | None = None) -> _S:
+    allowed = (ALLOWED if isinstance(current, SandboxState) else SESSION_ALLOWED) if table is None else table
+    if target not in allowed[current]:  # type: ignore[index]
+        kind = "sandbox" if isinstance(current, SandboxState) else "session"
+        raise IllegalTransition(f"{kind} cannot go from {current.value} to {target.value}")
     return target

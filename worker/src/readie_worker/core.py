@@ -2,7 +2,9 @@
 
 Everything here is synchronous and thread-safe; the gRPC layer calls it from
 its thread pool. A job holds one of ``slots`` for its whole run, so capacity
-is a plain count that placement can trust.
+is a plain count that placement can trust. A session (``sessions.py``) holds
+a slot only while one of its steps runs; its sandbox lives between steps and
+is destroyed when the session ends, or when the worker closes or drains.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import structlog
 
 from . import runsc as runsc_module
 from .bundle import MountPlan, family_fingerprint, serve_env
-from .errors import RequestError, SandboxSetupError
+from .errors import PoolWorkerError, RequestError, SandboxSetupError
 from .packages import ensure_packages
-from .jobs import CodeJob, JobOutcome, MountedGrants, mount_grants, run_in_sandbox
+from .jobs import CodeJob, HostFunction, JobOutcome, MountedGrants, mount_grants, run_in_sandbox
 from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
 from .pool import RefillBudget, WarmPool
 from .runsc import Runsc
 from .sandbox import LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
+from .sessions import Session, StepOutcome
 
 log = structlog.get_logger("readie.worker")
 
@@ -88,6 +91,7 @@ class Worker:
         self._busy = 0
         self._lock = threading.Lock()
         self._draining = False
+        self._closed = False
         self._idle = threading.Condition(self._lock)
         self.pools: dict[str, WarmPool] = {}
         self.factories: dict[str, SandboxFactory] = {}
@@ -95,6 +99,7 @@ class Worker:
         self.isolated = True
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
+        self._sessions: set[Session] = set()  # open ones; each holds a sandbox
 
     def start(self) -> Worker:
         try:
@@ -171,11 +176,12 @@ class Worker:
             strict=self.config.strict_manifest,
         )
 
-    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
+        """Run ``job`` in a pristine sandbox; ``host`` answers its calls to declared host functions."""
         started = time.monotonic()
         with self._slot():
             queued_us = _since(started)
-            outcome = self._run_job(job)
+            outcome = self._run_job(job, host)
         # One line per job: identifiers, outcome and timing, never captured output.
         log.info(
             "job",
@@ -188,38 +194,87 @@ class Worker:
             duration_us=outcome.duration_us,
             queue_us=queued_us,
             truncated=outcome.stdout_truncated or outcome.stderr_truncated,
+            host_calls=outcome.host.calls,
+            host_refused=outcome.host.refused,
         )
         return outcome
 
-    def _run_job(self, job: CodeJob) -> JobOutcome:
-        pool = self.pools.get(job.checkpoint)
-        if pool is None:
+    def _run_job(self, job: CodeJob, host: HostFunction | None = None) -> JobOutcome:
+        self._check_job(job)
+        started = time.monotonic()
+        try:
+            sandbox, links = self._acquire(job)
+        except SandboxSetupError as exc:
+            return JobOutcome.failure("SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local")
+        try:
+            return run_in_sandbox(sandbox, job, links, host=host)
+        finally:
+            sandbox.destroy()
+
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+    ) -> tuple[Session, StepOutcome]:
+        """Open a session whose setup and first step are ``job``; see ``sessions.py``.
+
+        ``job.functions`` are the session's host functions for every step;
+        ``host`` answers the first step's calls. Raises RequestError as
+        :meth:`run_job` does. A sandbox that cannot be made ready gives an
+        ended session and a SandboxSetupError outcome.
+        """
+        started = time.monotonic()
+        with self._slot():
+            queued_us = _since(started)
+            self._check_job(job)
+            try:
+                sandbox, links = self._acquire(job)
+            except SandboxSetupError as exc:
+                failed = JobOutcome.failure(
+                    "SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local"
+                )
+                return Session(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
+            session = Session(job, sandbox, links, slot=self._slot, forget=self._forget_session)
+            with self._lock:
+                self._sessions.add(session)
+                closed = self._closed
+            if closed:  # close() ran while the sandbox was made ready
+                session.close()
+                raise PoolWorkerError("the worker is closing; the session did not start")
+            try:
+                return session, session.run_in_slot(job, job_id=job_id, queue_us=queued_us, host=host)
+            except BaseException:
+                session.close()
+                raise
+
+    @property
+    def sessions_open(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def _forget_session(self, session: Session) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+    def _check_job(self, job: CodeJob) -> None:
+        if job.checkpoint not in self.pools:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
         if job.network and not self.networked:
             raise RequestError("this worker has no network backend configured", field="allow_network")
         ceiling = self.config.sandbox_memory_bytes - SANDBOX_OVERHEAD
         if job.memory_bytes is not None and job.memory_bytes > ceiling:
             raise RequestError(f"{job.memory_bytes} bytes is above this worker's ceiling of {ceiling}", field="memory")
-        started = time.monotonic()
-        sandbox: Sandbox | None = None
-        try:
-            if job.network:
-                mounted = self._mount(job)
-                sandbox = self.networked[job.checkpoint].with_sources(mounted.sources).create()
-                links = mounted.links
-            elif job.needs_own_mounts:
-                mounted = self._mount(job)
-                sandbox = pool.factory.with_sources(mounted.sources).create()
-                # Unisolated, the job sees the host itself: links would be made on the host.
-                links = mounted.links if self.isolated else ()
-            else:
-                sandbox, links = pool.take(), ()
-        except SandboxSetupError as exc:
-            return JobOutcome.failure("SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local")
-        try:
-            return run_in_sandbox(sandbox, job, links)
-        finally:
-            sandbox.destroy()
+
+    def _acquire(self, job: CodeJob) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
+        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs mounts or the network."""
+        pool = self.pools[job.checkpoint]
+        if job.network:
+            mounted = self._mount(job)
+            return self.networked[job.checkpoint].with_sources(mounted.sources).create(), mounted.links
+        if job.needs_own_mounts:
+            mounted = self._mount(job)
+            sandbox = pool.factory.with_sources(mounted.sources).create()
+            # Unisolated, the job sees the host itself: links would be made on the host.
+            return sandbox, mounted.links if self.isolated else ()
+        return pool.take(), ()
 
     def _mount(self, job: CodeJob) -> MountedGrants:
         if job.packages:
@@ -267,6 +322,11 @@ class Worker:
         self.close()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sessions = list(self._sessions)
+        for session in sessions:  # their sandboxes; a step still running ends with a worker error
+            session.close()
         for pool in self.pools.values():
             pool.close()
         if self.isolated and runsc_module.available():

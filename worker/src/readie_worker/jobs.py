@@ -4,12 +4,17 @@ A job runs in a sandbox through ``readie_executor.jobs.run_job``, pickled here
 as a reference (the trusted side pickles; it never unpickles). The answer is
 JSON that the job itself could have forged, so it goes through
 :func:`parse_job_result` before anything reads it.
+
+While it runs, a job that declared host functions may call them: each call
+frame is validated by :mod:`._host_frames` and handed to the ``host``
+callback given to :func:`run_in_sandbox` (decision 8).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -17,10 +22,38 @@ import cloudpickle
 
 from readie_executor.jobs import run_job
 
+from ._host_frames import (
+    MAX_CALL_FRAME_BYTES,
+    HostCall,
+    HostConversation,
+    HostReply,
+    HostStats,
+    Refused,
+    TooManyRefusedFrames,
+    check_functions,
+    is_call_frame,
+)
 from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes, parse_job_result
 from .bundle import MountPlan
 from .errors import PoolWorkerError, RequestError
 from .sandbox import ExecutorTimeout, Sandbox
+
+__all__ = [
+    "CodeJob",
+    "HostCall",
+    "HostFunction",
+    "HostReply",
+    "HostStats",
+    "JobOutcome",
+    "MountedGrants",
+    "job_request",
+    "mount_grants",
+    "run_in_sandbox",
+]
+
+#: Answers one host-function call; runs on the worker thread that runs the job.
+#: An exception it raises becomes an error reply (HostError in the sandbox).
+HostFunction = Callable[[HostCall], HostReply]
 
 # What every job's environment starts from; the request's env goes on top.
 # Nothing of the worker's own environment is ever copied in.
@@ -84,6 +117,10 @@ class JobOutcome:
     preloaded_modules: tuple[str, ...]
     sandbox_id: str | None
     backend: str
+    # The code raised SystemExit (in a session, that ends the session).
+    system_exit: bool = False
+    # What the host-function channel carried (None only where no job ran).
+    host: HostStats | None = None
 
     @classmethod
     def failure(cls, error_type: str, message: str, duration_us: int, backend: str,
@@ -140,29 +177,55 @@ def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...], session: 
             "subprocesses": False,
         },
         "session": session,
+        "functions": list(job.functions),
     }
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
 
-def run_in_sandbox(sandbox: Sandbox, job: CodeJob, links: tuple[Mapping[str, object], ...]) -> JobOutcome:
+def run_in_sandbox(
+    sandbox: Sandbox,
+    job: CodeJob,
+    links: tuple[Mapping[str, object], ...],
+    host: HostFunction | None = None,
+    *,
+    session: bool = False,
+) -> JobOutcome:
     """Run ``job`` in ``sandbox`` until it answers or its deadline passes.
+
+    ``host`` answers the calls the job makes to its declared ``functions``,
+    on this thread; the time it takes counts against the job's timeout. A
+    job that declares functions needs one (RequestError otherwise).
+    ``session``: run as a step in the sandbox's persistent ``__main__``.
 
     The caller destroys the sandbox afterwards: a timed-out or crashed one is
     never reused, and by default neither is a healthy one.
     """
+    check_functions(job.functions)
+    if job.functions and host is None:
+        raise RequestError(
+            f"{len(job.functions)} host functions declared, but nothing here answers them",
+            field="functions",
+        )
     backend = f"gvisor:{sandbox.launcher.name}" if sandbox.launcher.isolated else sandbox.launcher.name
-    request = job_request(job, links)
+    request = job_request(job, links, session=session)
+    # Even without functions: a frame the job writes by hand is refused, not taken for its result.
+    conversation = HostConversation(job.functions)
     started = time.monotonic()
+    answer = _HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000)
+    # Call frames may be larger than a small job's whole result.
+    limit = max(max_result_bytes(job.max_output), MAX_CALL_FRAME_BYTES)
     try:
-        raw = sandbox.call(request, timeout=job.timeout_ms / 1000, max_response=max_result_bytes(job.max_output))
+        raw = sandbox.exchange(request, timeout=job.timeout_ms / 1000, max_response=limit, answer=answer)
     except ExecutorTimeout:
         sandbox.destroy()  # the deadline kills the sandbox, whatever the job is doing
-        return JobOutcome.failure(
-            "TimeoutError", f"job exceeded its timeout of {job.timeout_ms} ms", _since(started), backend, sandbox.id
-        )
+        message = f"job exceeded its timeout of {job.timeout_ms} ms"
+        outcome = JobOutcome.failure("TimeoutError", message, _since(started), backend, sandbox.id)
+    except TooManyRefusedFrames as exc:
+        message = f"the job was ended: {exc}"
+        outcome = JobOutcome.failure("PoolWorkerError", message, _since(started), backend, sandbox.id)
     except PoolWorkerError as exc:
         if sandbox.oom_killed():
-            return JobOutcome.failure(
+            outcome = JobOutcome.failure(
                 "MemoryError",
                 "the sandbox ran out of memory and was killed",
                 _since(started),
@@ -170,13 +233,51 @@ def run_in_sandbox(sandbox: Sandbox, job: CodeJob, links: tuple[Mapping[str, obj
                 sandbox.id,
                 hint=MEMORY_BACKSTOP_HINT,
             )
-        return JobOutcome.failure("PoolWorkerError", f"the sandbox failed under the job: {exc}", _since(started), backend, sandbox.id)
-    elapsed = _since(started)
-    try:
-        result = parse_job_result(raw, job.max_output)
-    except JobResultInvalid as exc:
-        return JobOutcome.failure("PoolWorkerError", f"the sandbox answered with an invalid result: {exc}", elapsed, backend, sandbox.id)
-    return _from_result(result, elapsed, backend, sandbox.id)
+        else:
+            message = f"the sandbox failed under the job: {exc}"
+            outcome = JobOutcome.failure("PoolWorkerError", message, _since(started), backend, sandbox.id)
+    else:
+        elapsed = _since(started)
+        try:
+            result = parse_job_result(raw, job.max_output)
+        except JobResultInvalid as exc:
+            message = f"the sandbox answered with an invalid result: {exc}"
+            outcome = JobOutcome.failure("PoolWorkerError", message, elapsed, backend, sandbox.id)
+        else:
+            outcome = _from_result(result, elapsed, backend, sandbox.id)
+    return dataclasses.replace(outcome, host=conversation.stats)
+
+
+def _no_host(call: HostCall) -> HostReply:
+    # Unreachable: without a host no function is declared, so every call is refused first.
+    return HostReply(error=f"{call.function}: no host answers calls for this job")
+
+
+class _HostAnswer:
+    """Sandbox.exchange's ``answer``: call frames to the host, anything else is the job's result."""
+
+    def __init__(self, conversation: HostConversation, host: HostFunction, deadline: float) -> None:
+        self._conversation = conversation
+        self._host = host
+        self._deadline = deadline
+
+    def __call__(self, message: bytes) -> bytes | None:
+        if not is_call_frame(message):
+            return None
+        event = self._conversation.receive(message)  # TooManyRefusedFrames ends the job
+        if isinstance(event, Refused):
+            return event.reply
+        call = dataclasses.replace(event, deadline=self._deadline)
+        started = time.monotonic_ns()
+        try:
+            reply = self._host(call)
+            if not isinstance(reply, HostReply):
+                kind = type(reply).__name__
+                reply = HostReply(error=f"{call.function}: the host answered with {kind}, not a reply")
+        except Exception as exc:  # the host's failure is the call's, not the worker's
+            failure = f"{type(exc).__name__}: {exc}"
+            reply = HostReply(error=f"{call.function} failed on the host: {failure}")
+        return self._conversation.answer(call, reply, time.monotonic_ns() - started)
 
 
 def _from_result(result: JobResult, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:
@@ -192,6 +293,7 @@ def _from_result(result: JobResult, duration_us: int, backend: str, sandbox_id: 
         preloaded_modules=result.preloaded_modules,
         sandbox_id=sandbox_id,
         backend=backend,
+        system_exit=result.system_exit,
     )
 
 

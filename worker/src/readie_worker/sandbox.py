@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Protocol
@@ -34,8 +34,16 @@ import structlog
 import cloudpickle
 
 from readie_executor import probe
-from readie_executor.protocol import FramingError, MessageReader, TruncatedMessage
-from readie_executor.sockets import receive_message, send_message
+from readie_executor.protocol import (
+    END_OF_STREAM,
+    FramingError,
+    Message,
+    MessageReader,
+    TruncatedMessage,
+    encode_message,
+    iter_frames,
+)
+from readie_executor.sockets import RECV_SIZE
 
 from . import _reaper
 from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec, capture_env, serve_env
@@ -54,12 +62,55 @@ SANDBOX_ID_BYTES = 6
 # A healthy executor answers a ping in well under a millisecond; a second
 # means it is wedged, and a wedged sandbox is never handed a job.
 PROBE_TIMEOUT_S = 1.0
+# A message up to this size is framed into one buffer and sent in one write.
+# Each write is one buffer in the kernel's queue, charged at its true size
+# (about a kilobyte even for a few bytes); replies the sandbox leaves unread
+# must not fill the socket's send buffer three times faster than they need to.
+SINGLE_WRITE_BYTES = 64 * 1024
 # Pickled once: a reference to readie_executor.probe.ping, not code.
 _PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}})
 
 
 class ExecutorTimeout(PoolWorkerError):
     """The executor did not answer within the call's deadline."""
+
+
+class _NoResponse(Exception):
+    """The executor closed the connection between messages."""
+
+
+def _set_timeout(connection: socket.socket, deadline: float | None) -> None:
+    """The time left before ``deadline`` as the socket's timeout; TimeoutError once it has passed."""
+    if deadline is None:
+        connection.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    connection.settimeout(left)
+
+
+def _send(connection: socket.socket, payload: bytes, deadline: float | None) -> None:
+    if len(payload) <= SINGLE_WRITE_BYTES:
+        _set_timeout(connection, deadline)
+        connection.sendall(encode_message(payload))
+        return
+    for piece in iter_frames(payload):
+        _set_timeout(connection, deadline)
+        connection.sendall(piece)
+
+
+def _receive(connection: socket.socket, reader: MessageReader, deadline: float | None) -> bytes | None:
+    """The next message's payload, or None at a clean end of stream; every recv waits only
+    until ``deadline``, so a trickle of bytes cannot stretch the exchange."""
+    while True:
+        event = reader.next_event()
+        if isinstance(event, Message):
+            return event.payload
+        if event is END_OF_STREAM:
+            return None
+        _set_timeout(connection, deadline)
+        reader.feed(connection.recv(RECV_SIZE))
 
 
 class Launcher(Protocol):
@@ -141,12 +192,38 @@ class Sandbox:
         that ends before any byte as no response; either way the connection is
         not reused.
         """
+        return self.exchange(payload, timeout=timeout, max_response=max_response)
+
+    def exchange(
+        self,
+        payload: bytes,
+        *,
+        timeout: float | None = None,
+        max_response: int | None = None,
+        answer: Callable[[bytes], bytes | None] | None = None,
+    ) -> bytes:
+        """Send one request; return the payload of the message that answers it.
+
+        With ``answer``, each message from the executor is offered to it
+        first: bytes it returns are sent back as a reply and the next message
+        is read; None means this message is the response. The whole exchange
+        keeps one deadline, ``timeout`` seconds from now, and time spent in
+        ``answer`` counts against it. ``max_response`` bounds every message.
+        Any failure, or an exception from ``answer``, drops the connection.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         connection = self._connect()
-        connection.settimeout(timeout)
         reader = MessageReader(max_response) if max_response else MessageReader()
         try:
-            send_message(connection, payload)
-            response = receive_message(connection, reader)
+            _send(connection, payload, deadline)
+            while True:
+                response = _receive(connection, reader, deadline)
+                if response is None:
+                    raise _NoResponse
+                reply = None if answer is None else answer(response)
+                if reply is None:
+                    return response
+                _send(connection, reply, deadline)
         except TimeoutError:
             self._drop_connection()
             raise ExecutorTimeout(f"sandbox {self.id}: no response within {timeout} s") from None
@@ -156,13 +233,15 @@ class Sandbox:
         except FramingError as exc:
             self._drop_connection()
             raise PoolWorkerError(f"sandbox {self.id}: malformed response: {exc}") from None
+        except _NoResponse:
+            self._drop_connection()
+            raise PoolWorkerError(f"sandbox {self.id}: no response: the executor closed the connection") from None
         except OSError as exc:
             self._drop_connection()
             raise PoolWorkerError(f"sandbox {self.id}: executor connection failed: {exc}") from None
-        if response is None:
+        except BaseException:
             self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: no response: the executor closed the connection")
-        return response
+            raise
 
     def oom_killed(self) -> bool:
         return self.launcher.oom_killed(self.dir)

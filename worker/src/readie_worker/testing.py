@@ -1,4 +1,4 @@
-"""Helpers for tests (ours and yours) that run real ``readie worker`` processes on loopback."""
+"""Helpers for tests (ours and yours): real ``readie worker`` processes on loopback, a fake host."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ._host_frames import HostCall, HostReply
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 
 # Start-up is a manifest check and a sweep; pools fill in the background.
@@ -112,3 +115,36 @@ def stop_worker(worker: WorkerProcess) -> int:
             worker.process.kill()
 
 
+
+
+class FakeHost:
+    """Host functions for tests: Python callables that answer a job's calls, every call recorded.
+
+    ::
+
+        host = FakeHost(search=lambda query, limit=10: ["first hit", "second hit"][:limit])
+        job = CodeJob(checkpoint="base", code=..., functions=host.names)
+        outcome = run_in_sandbox(sandbox, job, (), host=host)
+        assert host.calls[0].args == ("readie",)
+
+    A callable's exception becomes an error reply with its text, as a pool
+    client does; a name with no callable gets an error reply too.
+    """
+
+    def __init__(self, **functions: Callable[..., Any]) -> None:
+        self.functions = functions
+        self.calls: list[HostCall] = []
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.functions)
+
+    def __call__(self, call: HostCall) -> HostReply:
+        self.calls.append(call)
+        function = self.functions.get(call.function)
+        if function is None:
+            return HostReply(error=f"no host function named {call.function}")
+        try:
+            return HostReply(result=function(*call.args, **call.kwargs))
+        except Exception as exc:
+            return HostReply(error=str(exc))

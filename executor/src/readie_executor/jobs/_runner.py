@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .._calls import RAW_RESPONSE_ATTRIBUTE
 from .._settings import parse_preimport
-from . import _guards, _limits, _seccomp
+from . import _guards, _host, _limits, _seccomp
 from ._bounds import MAX_OUTPUT_LIMIT
 from ._capture import CapturedBytes, OutputCapture
 from ._result import ErrorInfo, describe_exception, encode_result, safe_str
@@ -32,7 +32,9 @@ from ._spec import JobSpec, JobSpecError, Link, parse_job
 EXIT_NOT_STARTED = 2
 EXIT_EXCEPTION = 1
 PREIMPORT_VARIABLE = "READIE_PREIMPORT"
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames in the executor's own files (the exec call, the audit hook, host
+# functions and their JSON encoder) are not the job's and are left out of its tracebacks.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 # The ``__main__`` of a session, kept between calls like a notebook's kernel.
 _session_module: types.ModuleType | None = None
@@ -120,7 +122,7 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
         ),
         subprocesses=spec.limits.subprocesses,
     )
-    with _job_process_state(spec, module):
+    with _job_process_state(spec, module), _host.declared(spec.functions):
         try:
             code = compile(source, spec.name, "exec", dont_inherit=True)
         except BaseException as exc:  # SyntaxError, or ValueError for a NUL in the source
@@ -286,9 +288,10 @@ def _failure(exc: BaseException, spec: JobSpec, duration_us: int) -> _Outcome:
 
 
 def _strip_runner_frames(exc: BaseException) -> None:
-    """Drop this package's frames (the exec call, the audit hook) from ``exc`` and its chain.
+    """Drop the executor's frames from ``exc`` and its chain.
 
-    They are not the job's and would only point the reader at the wrong file.
+    The exec call, the audit hook, host functions: they are not the job's and
+    would only point the reader at the wrong file.
     """
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]

@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import hostwire
 from ._bounds import MAX_OUTPUT_LIMIT
 
 # Name of an inline job that does not set one, as ``python -c`` reports it.
 DEFAULT_INLINE_NAME = "<string>"
 _KNOWN_FIELDS = frozenset(
-    {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session"}
+    {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions"}
 )
 _LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses"})
 _LINK_FIELDS = frozenset({"path", "target", "writable"})
@@ -56,6 +57,8 @@ class JobSpec:
     links: tuple[Link, ...]
     limits: Limits
     session: bool
+    # Host functions readie_host offers (decision 8); empty: none.
+    functions: tuple[str, ...] = ()
 
     @property
     def writable_links(self) -> tuple[Link, ...]:
@@ -84,7 +87,21 @@ def parse_job(job: object) -> JobSpec:
         ),
         limits=_limits(job.get("limits")),
         session=_bool(job.get("session", False), "session"),
+        functions=_functions(job.get("functions", [])),
     )
+
+
+def _functions(raw: object) -> tuple[str, ...]:
+    names = _list(raw, "functions")
+    if len(names) > hostwire.MAX_FUNCTIONS:
+        raise JobSpecError(f"functions: at most {hostwire.MAX_FUNCTIONS} may be declared")
+    for name in names:
+        problem = hostwire.function_name_problem(name)
+        if problem is not None:
+            raise JobSpecError(f"functions: {problem}")
+    if len(set(names)) != len(names):
+        raise JobSpecError("functions: a name is declared twice")
+    return tuple(names)
 
 
 def _limits(raw: object) -> Limits:

@@ -1,0 +1,108 @@
+"""``Session``: one sandbox whose ``__main__`` survives between :meth:`Session.run` calls.
+
+The pool creates a session on its first request, which carries the
+permissions, limits and environment given to :meth:`Pool.session
+<readie.Pool.session>`; later steps carry only code, name, args, timeout and
+max_output. A step that times out, crashes or exits ends the session (its
+result has ``session_ended``); the next :meth:`~Session.run` then starts a
+new process with the same grants, and its result's ``step`` is 1 again.
+The pool also closes a session left idle for its ``session_idle``; the
+next step then runs in a new process *without* the grants (the client
+cannot tell in advance), which ``result.step == 1`` and the grant's
+PermissionError make visible.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from ._errors import RequestError
+from ._requests import Duration, Size, close_request, encode_line, step_request
+from ._results import Result, parse_closed, parse_result
+
+if TYPE_CHECKING:
+    from ._pool import Pool
+
+__all__ = ["Session", "new_session_name"]
+
+
+def new_session_name() -> str:
+    return "session-" + secrets.token_hex(8)
+
+
+class Session:
+    """A stateful sandbox of a :class:`~readie.Pool`; made by :meth:`Pool.session <readie.Pool.session>`.
+
+    ``run`` calls on one Session are serialized (the pool runs a session's
+    steps one at a time anyway). Use it as a context manager, or call
+    :meth:`close`, so the pool frees the sandbox before ``session_idle``.
+    """
+
+    def __init__(self, pool: Pool, name: str, setup: Mapping[str, Any]) -> None:
+        self.pool = pool
+        self.name = name
+        self.setup = dict(setup)  # the first request's fields: grants, env, limits
+        self._lock = threading.Lock()
+        self._open = False  # the pool has a process for this session
+        self.last_step = 0
+
+    @property
+    def open(self) -> bool:
+        """Whether the pool holds a process for this session (as far as this client knows)."""
+        return self._open
+
+    def run(
+        self,
+        code: str,
+        name: str | None = None,
+        args: Iterable[str] = (),
+        timeout: Duration | None = None,
+        max_output: Size | None = None,
+    ) -> Result:
+        """Run ``code`` as the session's next step and return its result.
+
+        Returns whatever the code did (its exception, a timeout: see
+        ``result.session_ended``); raises :class:`~readie.RequestError` when
+        the pool refuses the step and :class:`~readie.PoolError` when the pool fails.
+        """
+        with self._lock:
+            request_id = self.pool._next_id()
+            request = step_request(
+                request_id, self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
+                setup=None if self._open else self.setup,
+            )
+            result = parse_result(self.pool._exchange(request_id, encode_line(request)))
+            if result.error is not None and result.error.type == "RequestError":
+                raise RequestError(result.error.message, result=result)
+            self._open = not result.session_ended
+            self.last_step = result.step or 0
+            return result
+
+    def close(self) -> None:
+        """Ask the pool to end the session and free its sandbox; does nothing when it is not open."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+            request_id = self.pool._next_id()
+            answer = self.pool._exchange(request_id, encode_line(close_request(request_id, self.name)))
+            if answer.get("closed") is not True:
+                result = parse_result(answer)
+                assert result.error is not None
+                raise RequestError(result.error.message, result=result)
+            parse_closed(answer)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<readie.Session {self.name!r} {'open' if self._open else 'not open'}>"

@@ -1,0 +1,252 @@
+"""``readie.tool``: Python in a pool's sandboxes as a tool a model can call.
+
+A :class:`Tool` is a callable (``tool(code) -> str``) with the three things
+tool-calling APIs ask for: ``name``, ``description`` and ``parameters`` (a
+JSON schema with one string, ``code``). The description is written for the
+model: whether state carries over between calls, which paths it may read
+and write (as the request names them), the network, the limits, and, once
+host functions exist, each function's signature and docstring
+(:func:`describe_functions`).
+
+What the model reads back is :func:`format_result`: output first, then the
+error stated plainly, then what happened to the session if it ended.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from ._envelope import SANDBOX_PYTHON
+from ._requests import session_setup
+from ._results import Result
+from ._session import Session
+
+if TYPE_CHECKING:
+    from ._pool import Pool
+
+__all__ = ["DEFAULT_TOOL_NAME", "PARAMETERS", "Tool", "describe_functions", "format_result", "tool"]
+
+DEFAULT_TOOL_NAME = "run_python"
+#: The tool's one argument, as JSON schema.
+PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "description": "Python source to run. Use print() to see values."},
+    },
+    "required": ["code"],
+    "additionalProperties": False,
+}
+#: The module a sandbox's code imports host functions from (the spec's ``pynox_host``).
+HOST_MODULE = "readie_host"
+#: The file name tracebacks show for the model's code.
+CODE_NAME = "tool_call.py"
+
+
+class Tool:
+    """A model-facing tool; made by :func:`tool`. Call it with the model's code."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        name: str,
+        description: str,
+        setup: Mapping[str, Any],
+        session: Session | None,
+        owns_session: bool,
+    ) -> None:
+        self.pool = pool
+        self.name = name
+        self.description = description
+        self.parameters: dict[str, Any] = PARAMETERS
+        self.session = session
+        self._setup = dict(setup)
+        self._owns_session = owns_session
+
+    def __call__(self, code: str) -> str:
+        """Run ``code`` and return the text the model reads next."""
+        result, restarted = self._run(code)
+        return format_result(result, restarted=restarted)
+
+    def run(self, code: str) -> Result:
+        """Run ``code`` (as the session's next step, or as a job of its own) and return its result."""
+        return self._run(code)[0]
+
+    def spec(self) -> dict[str, Any]:
+        """``name``, ``description`` and ``parameters``, as most tool-calling APIs take them."""
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def close(self) -> None:
+        """Close the session this tool opened (a Session passed in is the caller's to close)."""
+        if self.session is not None and self._owns_session:
+            self.session.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _run(self, code: str) -> tuple[Result, bool]:
+        if self.session is None:
+            # The wire fields of session_setup() are Pool.run's keyword arguments.
+            return self.pool.run(code, name=CODE_NAME, **self._setup), False
+        was_open = self.session.open
+        result = self.session.run(code, name=CODE_NAME)
+        # Step 1 of a session this client thought open: the pool closed it (idle) and began anew.
+        return result, was_open and result.step == 1
+
+
+def tool(
+    *,
+    pool: Pool,
+    session: bool | Session = False,
+    functions: Mapping[str, Callable[..., Any]] | None = None,
+    name: str = DEFAULT_TOOL_NAME,
+    **grants: Any,
+) -> Tool:
+    """A tool that runs a model's Python in ``pool``'s sandboxes.
+
+    ``session=False``: every call is a fresh sandbox with ``grants``
+    (``allow_read``, ``allow_write``, ``env``, ``timeout``, ``memory``, ... as
+    :meth:`Pool.run <readie.Pool.run>` takes them). ``session=True``: calls
+    share one :meth:`Pool.session <readie.Pool.session>` opened with
+    ``grants``, so variables survive between calls; :meth:`Tool.close` ends
+    it. A :class:`~readie.Session` passed in is used as it is (its own
+    grants; give no others). ``functions`` (name to callable) will let the
+    code call back into this process; readie pool does not support host
+    functions yet, so giving any raises NotImplementedError, but their
+    description is ready (:func:`describe_functions`).
+    """
+    if functions:
+        raise NotImplementedError(
+            "host functions are not supported by readie pool yet; describe_functions() "
+            "shows what the tool description will say about them"
+        )
+    if isinstance(session, Session):
+        if grants:
+            raise TypeError(f"grants belong to the Session passed in; got {', '.join(sorted(grants))}")
+        setup, the_session, owns = session.setup, session, False
+    elif session is True:
+        the_session = pool.session(**grants)
+        setup, owns = the_session.setup, True
+    elif session is False:
+        setup, the_session, owns = session_setup(**grants), None, False
+    else:
+        raise TypeError(f"session: expected True, False or a Session, got {type(session).__name__}")
+    description = describe(setup, stateful=the_session is not None, functions=functions)
+    return Tool(pool, name=name, description=description, setup=setup, session=the_session, owns_session=owns)
+
+
+def describe(
+    setup: Mapping[str, Any],
+    *,
+    stateful: bool,
+    functions: Mapping[str, Callable[..., Any]] | None = None,
+) -> str:
+    """The tool description a model reads, from a session's (or job's) wire fields."""
+    major, minor = SANDBOX_PYTHON
+    lines = [f"Run Python {major}.{minor} code in an isolated sandbox and return what it printed."]
+    if stateful:
+        lines.append(
+            "Variables, imports and functions you define persist between calls, like cells of a "
+            "notebook. If a call times out, crashes or calls sys.exit(), that state is lost and "
+            "the next call starts from a clean interpreter."
+        )
+    else:
+        lines.append(
+            "Every call starts from a clean interpreter: variables and imports do not carry over, "
+            "so import what you need each time."
+        )
+    lines.append(
+        "Use print() to see results: only stdout and stderr come back, not the value of the "
+        "last expression."
+    )
+    lines.append(_files(setup.get("allow_read", ()), setup.get("allow_write", ())))
+    if setup.get("profile"):
+        lines.append(f"The pool's profile {setup['profile']!r} may grant more.")
+    network = "Network access is allowed." if setup.get("allow_network") else "There is no network access."
+    lines.append(f"{network} Starting processes is not allowed.")
+    limits = []
+    if "timeout" in setup:
+        limits.append(f"run for {_duration(setup['timeout'])}")
+    if "memory" in setup:
+        limits.append(f"use {setup['memory']} bytes of memory" if isinstance(setup["memory"], int)
+                      else f"use {setup['memory']} of memory")
+    if limits:
+        lines.append(f"Each call may {' and '.join(limits)}.")
+    if functions:
+        lines.append(describe_functions(functions))
+    return "\n".join(lines)
+
+
+def describe_functions(functions: Mapping[str, Callable[..., Any]]) -> str:
+    """What the description says about host functions: each one's signature and docstring."""
+    names = ", ".join(functions)
+    out = [f"Functions of the host you can call (from {HOST_MODULE} import {names}):"]
+    for fn_name, function in functions.items():
+        signature = _signature(function)
+        out.append(f"- {fn_name}{signature}")
+        doc = inspect.getdoc(function)
+        if doc:
+            out.extend(f"    {line}" if line else "" for line in doc.splitlines())
+    return "\n".join(out)
+
+
+def _signature(function: Callable[..., Any]) -> str:
+    try:
+        # Annotations as the reader wrote them (`str`, not 'str' under `from __future__ import annotations`).
+        return str(inspect.signature(function, eval_str=True))
+    except Exception:  # a name the annotation uses is gone, or no signature at all
+        try:
+            return str(inspect.signature(function))
+        except (TypeError, ValueError):
+            return "(...)"
+
+
+def format_result(result: Result, *, restarted: bool = False) -> str:
+    """The text a model reads back: output first, then what went wrong, stated plainly."""
+    parts = []
+    if restarted:
+        parts.append("[The session had been closed (idle); this ran in a new one: earlier variables are gone.]")
+    if result.stdout:
+        parts.append(result.stdout.rstrip("\n") + ("\n[stdout truncated]" if result.stdout_truncated else ""))
+    if result.stderr and result.error is None:
+        parts.append("stderr:\n" + result.stderr.rstrip("\n") + ("\n[stderr truncated]" if result.stderr_truncated else ""))
+    if result.error is not None:
+        line = f" (line {result.error.line})" if result.error.line else ""
+        parts.append(f"Error: {result.error.type}: {result.error.message}{line}")
+        if result.error.hint:
+            parts.append(f"Hint: {result.error.hint}")
+    elif result.exit != 0:
+        parts.append(f"Exited with status {result.exit}")
+    if result.session_ended:
+        parts.append("[The session ended: its variables are gone; the next call starts from a clean interpreter.]")
+    return "\n".join(parts) if parts else "(no output)"
+
+
+def _files(readable: Iterable[str], writable: Iterable[str]) -> str:
+    read, write = list(readable), list(writable)
+    if not read and not write:
+        return "No files of the host are readable or writable; /tmp is scratch space."
+    parts = []
+    if read:
+        parts.append(f"You may read files under {_paths(read)} (read-only)")
+    if write:
+        parts.append(f"read and write files under {_paths(write)}")
+    relative = any(not path.startswith("/") for path in (*read, *write))
+    where = " Relative paths are relative to the working directory." if relative else ""
+    return "; ".join(parts) + f". Nothing else on the host is readable or writable.{where}"
+
+
+def _paths(paths: list[str]) -> str:
+    return ", ".join(f"{path.rstrip('/')}/" for path in paths)
+
+
+def _duration(value: Any) -> str:
+    return f"{value} seconds" if isinstance(value, int) else str(value)

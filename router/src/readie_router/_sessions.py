@@ -1,0 +1,175 @@
+"""The pool's sessions: a table of named sessions and the rules that admit a request to one.
+
+No I/O and no backend calls here: the engine (``_pool``) runs the steps.
+What this module decides, for each line naming a session:
+
+* no open session of that name: the line is the first request. It creates
+  the session (unless ``max_sessions`` are open, sessions are disabled, or
+  the backend cannot pin a session to one sandbox) and fixes its
+  permissions, limits and environment with its own fields;
+* an open session: the line is a later step and may carry only code, name,
+  args, timeout and max_output; any other field is a RequestError naming it.
+  A session with :data:`MAX_PENDING_STEPS` steps not yet answered refuses
+  more until it catches up.
+
+Each session's requests (steps and its close) run one at a time, in the
+order they were read: each waits for the one before it (:meth:`Session.enqueue`).
+A session leaves the table, and stops counting against ``max_sessions``, as
+soon as the pool reads its close (the steps read before the close still run
+first: CLOSING) or it ends: a step timed out, crashed or exited, it was idle
+for ``session_idle``, or the pool is ending. So the next request under that
+name creates a new session with the fields it brings. Requests queued
+behind an end are answered without running (a step with a RequestError, a
+close with ``closed``).
+
+Phases, one direction only::
+
+    OPENING --(first step ran)--> OPEN --(close read)--> CLOSING --> ENDED
+    OPENING or OPEN --(a step ended it, idle, pool drains, first step refused)--> ENDED
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from ._backend import BackendSession
+from ._errors import RequestError
+from ._policy import Policy
+from ._requests import JobRequest
+
+__all__ = ["MAX_PENDING_STEPS", "Session", "SessionPhase", "SessionTable"]
+
+#: The spec: "a session with eight pending steps answers RequestError until
+#: it catches up". Pending means accepted and not yet answered, the running
+#: step included. Every accepted line also holds one of the pool's
+#: 2 x workers permits, so below five workers that bound is reached first.
+MAX_PENDING_STEPS = 8
+
+_STEP_FIELDS = "code, name, args, timeout and max_output"
+
+
+class SessionPhase(enum.Enum):
+    OPENING = "opening"  # first request accepted; its sandbox and first step are under way
+    OPEN = "open"  # its first step ran: later steps go to the same sandbox
+    CLOSING = "closing"  # its close was read: out of the table, queued steps still run
+    ENDED = "ended"  # out of the table; queued requests are answered without running
+
+
+_TRANSITIONS: dict[SessionPhase, frozenset[SessionPhase]] = {
+    SessionPhase.OPENING: frozenset({SessionPhase.OPEN, SessionPhase.CLOSING, SessionPhase.ENDED}),
+    SessionPhase.OPEN: frozenset({SessionPhase.CLOSING, SessionPhase.ENDED}),
+    SessionPhase.CLOSING: frozenset({SessionPhase.ENDED}),
+    SessionPhase.ENDED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class Session:
+    """One session as the pool sees it; the sandbox is behind ``handle``."""
+
+    name: str
+    phase: SessionPhase = SessionPhase.OPENING
+    pending: int = 0  # accepted requests (steps and closes) not yet answered
+    handle: BackendSession | None = None
+    policy: Policy | None = None  # the session's, fixed by the first request
+    idle: asyncio.TimerHandle | None = None
+    _tail: asyncio.Event | None = field(default=None, repr=False)
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is SessionPhase.ENDED
+
+    def move(self, phase: SessionPhase) -> None:
+        if phase not in _TRANSITIONS[self.phase]:
+            raise RuntimeError(f"session cannot go from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+    def enqueue(self) -> tuple[asyncio.Event | None, asyncio.Event]:
+        """Queue one request: the event to wait for before it runs (None: run now) and its own,
+        to set once it is answered."""
+        previous, done = self._tail, asyncio.Event()
+        self._tail = done
+        self.pending += 1
+        self.stop_idle_timer()
+        return previous, done
+
+    def answered(self) -> None:
+        self.pending -= 1
+
+    def stop_idle_timer(self) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
+
+
+class SessionTable:
+    """The open sessions by name, and the admission rules (see the module docstring)."""
+
+    def __init__(self, max_sessions: int, unsupported: str | None = None) -> None:
+        self.max_sessions = max_sessions
+        self.unsupported = unsupported  # the backend's reason it cannot serve sessions
+        self._open: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def get(self, name: str) -> Session | None:
+        return self._open.get(name)
+
+    def sessions(self) -> list[Session]:
+        return list(self._open.values())
+
+    def admit(self, request: JobRequest) -> tuple[Session, bool]:
+        """The session ``request`` is a step of, and whether it is the first; RequestError if refused."""
+        name = request.session
+        assert name is not None
+        session = self._open.get(name)
+        if session is not None:
+            setup = request.setup_fields
+            if setup:
+                raise RequestError(
+                    f"session {name!r} is open and its first request fixed its permissions, limits "
+                    f"and environment; a later step carries only {_STEP_FIELDS}",
+                    setup[0],
+                )
+            if session.pending >= MAX_PENDING_STEPS:
+                raise RequestError(
+                    f"session {name!r} has {session.pending} pending steps, the most it queues; "
+                    "read their results before sending more",
+                    "session",
+                )
+            return session, False
+        if self.unsupported is not None:
+            raise RequestError(self.unsupported, "session")
+        if self.max_sessions == 0:
+            raise RequestError("sessions are disabled: the pool's max_sessions is 0", "session")
+        if len(self._open) >= self.max_sessions:
+            raise RequestError(
+                f"{len(self._open)} sessions are open, the pool's max_sessions; close one "
+                "(or let one idle out) before starting another",
+                "session",
+            )
+        session = Session(name)
+        self._open[name] = session
+        return session, True
+
+    def closing(self, session: Session) -> bool:
+        """A close for ``session`` was read: out of the table; True if this took it out."""
+        if session.phase in (SessionPhase.OPENING, SessionPhase.OPEN):
+            session.move(SessionPhase.CLOSING)
+        return self._leave(session)
+
+    def end(self, session: Session) -> bool:
+        """``session`` ended: out of the table; True if this took it out."""
+        if not session.ended:
+            session.move(SessionPhase.ENDED)
+        return self._leave(session)
+
+    def _leave(self, session: Session) -> bool:
+        session.stop_idle_timer()
+        if self._open.get(session.name) is session:
+            del self._open[session.name]
+            return True
+        return False
