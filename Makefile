@@ -7,10 +7,10 @@ UV := uv
 RUN := $(UV) run --frozen --python $(PYTHON_VERSION)
 CHECKPOINTS := build/checkpoints
 
-.PHONY: help setup deps rootfs capture test test-fast fixtures proto run clean
+.PHONY: help setup deps rootfs capture test test-fast fixtures proto run bench bench-smoke clean
 
 help: ## list the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 setup: ## install what the host lacks (runsc, debootstrap, uv); needs root
 	@bash scripts/setup-host.sh
@@ -35,6 +35,12 @@ test: capture ## run every test, gVisor ones included
 
 test-fast: deps ## run the tests that need no gVisor
 	$(RUN) pytest -m "not runsc"
+
+bench: capture ## run the benchmarks (~10 min), write build/bench/latest.json
+	$(RUN) python -m bench.run --output build/bench/latest.json
+
+bench-smoke: capture ## one iteration of every benchmark scenario (< 1 min), write build/bench/smoke.json
+	$(RUN) python -m bench.run --smoke --output build/bench/smoke.json
 
 run: capture ## set up everything, then run the demo jobs through `readie pool`
 	cd examples/demo && $(abspath .venv/bin/readie) pool --config readie.toml \

@@ -1,0 +1,153 @@
+"""The printed report, rendered from the result JSON alone, so a saved run reprints
+identically (``python -m bench.run --show build/bench/latest.json``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def render(result: dict[str, Any]) -> str:
+    out: list[str] = []
+    machine = result.get("machine", {})
+    out.append(
+        f"readie bench ({result.get('mode')}), {result.get('started_at')}, {result.get('duration_s')} s; "
+        f"{machine.get('cores')} cores, {machine.get('memory_mib', 0) / 1024:.1f} GiB, kernel {machine.get('kernel')}, "
+        f"{machine.get('runsc_version')}, platform {machine.get('runsc_platform')}, "
+        f"load {_load(machine.get('loadavg_at_start'))} -> {_load(result.get('loadavg_at_end'))}"
+    )
+    scenarios = result.get("scenarios", {})
+    for title, key, section in (
+        ("1. sandbox ready to run, ms p50 (p95)", "start", _start),
+        ("2. one job end to end, ms p50 (p95)", "job", _job),
+        ("3. sustained throughput", "throughput", _throughput),
+        ("4. session step latency, ms p50 (p95)", "session_step", _sessions),
+        ("5. host-function round trip", "host_function", _host_function),
+        ("6. memory per idle sandbox, MB", "memory", _memory),
+        ("7. scaling: print(1) through the warm pool, ms p50 (p95)", "scaling", _scaling),
+    ):
+        entry = scenarios.get(key)
+        out.append("")
+        if entry is None:
+            out.append(f"{title}: not run")
+        elif entry.get("available") is False or "error" in entry:
+            out.append(f"{title}: not available: {entry.get('reason') or entry.get('error')}")
+        else:
+            out.append(title)
+            out.extend(section(entry))
+    figures = result.get("key_figures") or {}
+    if figures:
+        out.append("")
+        out.append("key figures")
+        width = max(len(k) for k in figures)
+        out.extend(f"  {k.ljust(width)}  {v}" for k, v in figures.items())
+    settle = result.get("settle") or {}
+    if settle.get("timeouts"):
+        out.append(f"\nnote: the machine did not settle {settle['timeouts']} times (someone else's load?)")
+    return "\n".join(out)
+
+
+def _start(entry: dict[str, Any]) -> list[str]:
+    rows = [
+        [name, e["image_mb"], _ms(e["restore_ms"]), _ms(e["cold_ms"]), _x(e["cold_over_restore"]),
+         _p50(e["restore_cpu_s"]), _p50(e["cold_cpu_s"]), _p50(e["restore_lifecycle_cpu_s"]),
+         _ms(e.get("destroy_ms"))]
+        for name, e in entry["checkpoints"].items()
+    ]
+    return _grid(["checkpoint", "image MB", "restore", "cold", "cold/restore", "CPU-s restore",
+                  "CPU-s cold", "CPU-s restore+destroy", "destroy"], rows)
+
+
+def _job(entry: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, kinds in entry["checkpoints"].items():
+        for kind, e in kinds.items():
+            r = e["ratios"]
+            rows.append([name, kind, _ms(e["warm_pool"]), _ms(e["empty_pool"]), _ms(e["cold"]), _ms(e["host"]),
+                         _x(r["cold_over_warm"]), _x(r["empty_over_warm"]), _x(r["warm_over_host"])])
+    via = entry["via"]
+    warm_via = sorted(set(via["warm_pool"].values()))
+    lines = _grid(["checkpoint", "job", "warm pool", "empty pool", "cold runsc", "host python",
+                   "cold/warm", "empty/warm", "warm/host"], rows)
+    lines.append(f"  warm pool via {', '.join(warm_via)}; empty pool via {via['empty_pool']}")
+    return lines
+
+
+def _throughput(entry: dict[str, Any]) -> list[str]:
+    rows = [
+        [name, e["jobs_per_s"], e["bound_jobs_per_s"], _x(e["throughput_over_bound"]),
+         _p50(e["cpu_s_per_restore_and_destroy"]), _ms(e["latency_ms"]), e.get("ours_busy"), e.get("others_busy"),
+         _x(e.get("throughput_over_bound_given_others")), e["errors"]]
+        for name, e in entry["checkpoints"].items()
+    ]
+    lines = _grid(["checkpoint", "jobs/s", "bound jobs/s", "ratio", "CPU-s/restore+destroy", "latency ms",
+                   "busy: ours", "others", "ratio on cores left", "errors"], rows)
+    lines.append(f"  {entry['what']}")
+    return lines
+
+
+def _sessions(entry: dict[str, Any]) -> list[str]:
+    rows = [
+        [name, e["first_step_ms"], _ms(e["step_ms"]), _ms(e["warm_job_ms"]), _x(e["warm_job_over_step"])]
+        for name, e in entry["checkpoints"].items()
+    ]
+    lines = _grid(["checkpoint", "first step", "step", "warm-pool job", "job/step"], rows)
+    lines.append(f"  {entry['what']}")
+    return lines
+
+
+def _host_function(entry: dict[str, Any]) -> list[str]:
+    figure = entry["round_trip_ms"]
+    return [f"  {entry['what']} ({entry['checkpoint']}): p50 {figure.get('p50')} ms, "
+            f"p95 {figure.get('p95')} ms, n {figure.get('n')}"]
+
+
+def _memory(entry: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, e in entry["checkpoints"].items():
+        cold, host = e.get("cold") or {}, e.get("host_python") or {}
+        rows.append([name, _p50(e["restored"]["rss_mb"]), _p50(e["restored"]["pss_mb"]),
+                     _p50(e["restored"]["gofer_pss_mb"]), cold.get("pss_mb"), host.get("pss_mb"),
+                     _x(e["restored_over_cold_pss"]), _x(e["restored_over_host_pss"])])
+    lines = _grid(["checkpoint", "restored RSS", "restored PSS", "of it gofer", "cold PSS", "host python PSS",
+                   "restored/cold", "restored/host"], rows)
+    lines.append(f"  {entry['what']}")
+    return lines
+
+
+def _scaling(entry: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, levels in entry["clients"].items():
+        for level, e in levels.items():
+            rows.append([name, level, _ms(e["latency_ms"]), e["jobs_per_s"], _x(e["latency_over_1"]),
+                         _x(e["throughput_over_1"]), e["errors"]])
+    lines = _grid(["checkpoint", "clients", "latency", "jobs/s", "latency vs 1", "jobs/s vs 1", "errors"], rows)
+    size = entry.get("restore_vs_image_size") or {}
+    if size.get("points"):
+        points = ", ".join(f"{p['image_mb']} MB {p['restore_p50_ms']} ms" for p in size["points"])
+        lines.append(f"  restore vs image size: {points}; fit {size['ms_per_mb']} ms/MB + {size['intercept_ms']} ms")
+    return lines
+
+
+def _grid(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [list(map(str, headers))] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+
+def _ms(s: dict[str, Any] | None) -> str:
+    if not s or not s.get("n"):
+        return "-"
+    return f"{s['p50']:.0f} ({s['p95']:.0f})" if s["n"] > 1 else f"{s['p50']:.0f}"
+
+
+def _p50(s: dict[str, Any] | None) -> Any:
+    return s.get("p50") if s else None
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value}x"
+
+
+def _load(values: Sequence[float] | None) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "?"

@@ -1,0 +1,19 @@
+"""The scenarios, in the order a run measures them.
+
+Each module's ``run(bench, done)`` returns JSON-ready entries keyed by
+scenario name; ``done`` holds what earlier scenarios returned, for the few
+figures that combine two (restore time vs image size uses scenario 1).
+"""
+
+from __future__ import annotations
+
+from . import later, latency, memory, scaling, throughput
+
+# (what --only calls it, module, entries it produces)
+SCENARIOS = (
+    ("latency", latency, ("start", "job")),
+    ("memory", memory, ("memory",)),
+    ("throughput", throughput, ("throughput",)),
+    ("scaling", scaling, ("scaling",)),
+    ("later", later, ("session_step", "host_function")),
+)

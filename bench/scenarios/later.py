@@ -1,0 +1,141 @@
+"""Scenarios 4 (session step latency) and 5 (host-function round trip).
+
+Both go through ``readie pool`` the way the pool spec says a client would.
+Where the pool refuses (the feature has not landed), the entry is
+``available: false`` with the pool's own reason; the day it answers, the
+measurement below runs without a change here.
+
+Session steps take turns with fresh warm-pool jobs (settled before each), so
+"a step in a live session vs a new sandbox per step" is a side-by-side ratio.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._bench import Bench
+from .._jobs import PRINT
+from .._pool_client import PoolClient, PoolError
+from .._stats import ratio, summary
+
+STEP_TIMEOUT_S = 60.0
+HOST_FUNCTION_CODE = """\
+import json, time
+from readie_host import echo
+times = []
+for i in range({calls}):
+    t = time.perf_counter()
+    assert echo(i) == i
+    times.append((time.perf_counter() - t) * 1000)
+print(json.dumps(times))
+"""
+
+
+class _Refused(Exception):
+    """The pool answered, but does not offer the feature (RequestError), or failed at it."""
+
+
+def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
+    return {"session_step": _sessions(bench), "host_function": _host_function(bench)}
+
+
+def _unavailable(reason: str) -> dict[str, Any]:
+    return {"available": False, "reason": reason}
+
+
+def _request(pool: PoolClient, body: dict[str, Any], **kwargs: Any) -> tuple[dict[str, Any], float]:
+    try:
+        result, elapsed_s = pool.request(body, STEP_TIMEOUT_S, **kwargs)
+    except PoolError as exc:
+        raise _Refused(f"readie pool failed: {exc}") from None
+    error = result.get("error")
+    if error and error.get("type") == "RequestError":
+        raise _Refused(f"readie pool: {error.get('message')}")
+    return result, elapsed_s
+
+
+# ---------------------------------------------------------------- 4. sessions
+
+
+def _sessions(bench: Bench) -> dict[str, Any]:
+    entries = {}
+    for name in bench.load_names:
+        if name not in bench.pools:
+            return _unavailable(bench.pool_problems.get(name, "no readie pool"))
+        try:
+            entries[name] = _session(bench, name)
+        except _Refused as exc:
+            return _unavailable(str(exc))
+    return {
+        "available": True,
+        "what": "one step (x += 1; print(x)) in a live session vs one print(1) job on a fresh warm-pool "
+        "sandbox, taking turns; request line to result line",
+        "checkpoints": entries,
+    }
+
+
+def _session(bench: Bench, name: str) -> dict[str, Any]:
+    pool, warm = bench.pools[name], bench.warm_path(name)
+    session = f"bench-{name}"
+    bench.settle()
+    first, first_s = _request(pool, {"session": session, "code": "x = 0\n"})
+    if first.get("exit") != 0:
+        raise _Refused(f"the session's first step failed: {first.get('error')}")
+    steps, jobs, problems = [], [], []
+    for step in range(1, bench.settings.session_steps + 1):
+        bench.settle()
+        result, elapsed_s = _request(pool, {"session": session, "code": "x += 1\nprint(x)\n"})
+        if result.get("exit") == 0 and result.get("stdout") == f"{step}\n":
+            steps.append(elapsed_s * 1000)
+        else:
+            problems.append(str(result.get("error") or result.get("stdout")))
+        bench.settle()
+        sample = warm.run(PRINT)
+        if sample.error is None:
+            jobs.append(sample.elapsed_ms)
+    _request(pool, {"session": session, "close": True})
+    step_ms, job_ms = summary(steps), summary(jobs)
+    return {
+        "first_step_ms": round(first_s * 1000, 1),  # takes a warm sandbox and runs the first step
+        "step_ms": step_ms,
+        "warm_job_ms": job_ms,
+        "warm_job_over_step": ratio(job_ms, step_ms),
+        "errors": problems[:3],
+    }
+
+
+# ---------------------------------------------------------------- 5. host functions
+
+
+def _host_function(bench: Bench) -> dict[str, Any]:
+    """Round trips timed inside the sandbox: call -> pool -> this client -> pool -> return.
+
+    On the smallest checkpoint: the figure is about the channel, not the imports.
+    """
+    name = bench.names[0]
+    pool = bench.pools.get(name)
+    if pool is None:
+        return _unavailable(bench.pool_problems.get(name, "no readie pool"))
+
+    def echo(event: dict[str, Any]) -> dict[str, Any]:
+        return {"result": (event.get("args") or [None])[0]}
+
+    bench.settle()
+    body = {"functions": ["echo"], "code": HOST_FUNCTION_CODE.format(calls=bench.settings.host_calls)}
+    try:
+        result, _ = _request(pool, body, on_call=echo)
+    except _Refused as exc:
+        return _unavailable(str(exc))
+    if result.get("exit") != 0:
+        return _unavailable(f"the pool accepted the task but it failed: {result.get('error')}")
+    try:
+        times = [float(t) for t in json.loads(result["stdout"])]
+    except (ValueError, TypeError, KeyError):
+        return _unavailable(f"unexpected output: {str(result.get('stdout'))[:200]!r}")
+    return {
+        "available": True,
+        "what": "one host-function call and its JSON reply, timed inside the sandbox",
+        "checkpoint": name,
+        "round_trip_ms": summary(times, digits=3),
+    }

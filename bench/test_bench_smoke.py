@@ -1,0 +1,69 @@
+"""`python -m bench.run --smoke` end to end: every scenario runs once and the JSON has its shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CHECKPOINTS, REPO
+
+pytestmark = pytest.mark.runsc
+
+# The issue's budget for the smoke run inside `make test`.
+SMOKE_BUDGET_S = 60.0
+SCENARIOS = ("start", "job", "throughput", "session_step", "host_function", "memory", "scaling")
+
+
+def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None:
+    output = tmp_path / "smoke.json"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--smoke", f"--checkpoints={CHECKPOINTS}", f"--output={output}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_BUDGET_S * 2,  # fail with output rather than hang; the budget is asserted below
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert elapsed < SMOKE_BUDGET_S, f"smoke run took {elapsed:.0f} s"
+    result = json.loads(output.read_text())
+
+    assert result["mode"] == "smoke"
+    assert {"cores", "memory_mib", "runsc_version", "runsc_platform", "kernel"} <= result["machine"].keys()
+    scenarios = result["scenarios"]
+    assert set(SCENARIOS) <= scenarios.keys()
+    for name in SCENARIOS:
+        entry = scenarios[name]
+        assert "error" not in entry, (name, entry)
+        if entry.get("available") is False:  # sessions and host functions, until they land
+            assert entry["reason"], name
+    names = list(scenarios["start"]["checkpoints"])
+    assert len(names) >= 2  # the smallest and the largest: two points for restore vs image size
+    for name in names:
+        start = scenarios["start"]["checkpoints"][name]
+        assert start["restore_ms"]["n"] == 1 and start["cold_ms"]["n"] >= 1
+        assert start["cold_over_restore"] > 0
+        for kind, job in scenarios["job"]["checkpoints"][name].items():
+            for arm in ("warm_pool", "empty_pool", "cold", "host"):
+                assert job[arm]["n"] == 1, (name, kind, arm, job["errors"])
+    assert "groupby" in scenarios["job"]["checkpoints"][names[-1]]  # the largest preloads pandas
+    assert len(scenarios["scaling"]["restore_vs_image_size"]["points"]) == len(names)
+    # The sustained and resident scenarios run on the smallest checkpoint in a smoke run.
+    for name, throughput in scenarios["throughput"]["checkpoints"].items():
+        assert throughput["completed"] > 0 and throughput["errors"] == 0, name
+        assert throughput["bound_jobs_per_s"] > 0
+    for name, memory in scenarios["memory"]["checkpoints"].items():
+        assert memory["restored"]["pss_mb"]["p50"] > 0, name
+    for name, levels in scenarios["scaling"]["clients"].items():
+        assert set(levels) == {"1", "2", "4"}, name
+    if scenarios["session_step"].get("available"):
+        for name, session in scenarios["session_step"]["checkpoints"].items():
+            assert session["step_ms"]["n"] >= 1, (name, session["errors"])
+    # The table renders from the JSON alone.
+    assert "key figures" in done.stdout
