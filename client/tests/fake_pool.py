@@ -4,7 +4,9 @@ Behaviour comes from ``FAKE_POOL`` (a mode) and from each request's code,
 which is a tiny script of its own: ``sleep 0.2`` then ``say TEXT`` answers
 after 0.2 s with stdout TEXT, so results can come out of request order;
 ``refuse`` answers a RequestError; ``raise`` answers a ValueError result;
-``die`` exits at once with status 7 and a word on stderr.
+``die`` exits at once with status 7 and a word on stderr;
+``call NAME ARGS KWARGS`` (JSON each, space-free) writes a call event and
+prints the reply line's answer once it arrives.
 
 Sessions are answered in order, inline: ``request`` prints the request line
 as received (sorted keys), ``exit`` ends the session, a later step carrying
@@ -20,6 +22,9 @@ import time
 MODE = os.environ.get("FAKE_POOL", "normal")
 write_lock = threading.Lock()
 jobs = []
+replies = {}  # call_id -> the reply's answer
+replied = threading.Condition()
+call_ids = iter(range(1, 1_000_000))
 
 
 def write(obj):
@@ -65,6 +70,15 @@ def result(rid, code):
             time.sleep(float(arg))
         elif verb == "say":
             out += arg + "\n"
+        elif verb == "call":
+            name, args, kwargs = arg.split(" ")
+            with replied:
+                call_id = next(call_ids)
+            write({"event": "call", "id": rid, "call_id": call_id, "function": name,
+                   "args": json.loads(args), "kwargs": json.loads(kwargs)})
+            with replied:
+                replied.wait_for(lambda: call_id in replies)
+                out += json.dumps(replies.pop(call_id), sort_keys=True) + "\n"
         elif verb == "refuse":
             error, exit_status = {"type": "RequestError", "message": "allow_read: not beneath the limits",
                                   "file": None, "line": None}, -1
@@ -106,6 +120,12 @@ def main():
     received = 0
     for line in sys.stdin:
         request = json.loads(line)
+        if "reply" in request:
+            with replied:
+                answer = dict(request["reply"])
+                replies[answer.pop("call_id")] = answer
+                replied.notify_all()
+            continue
         received += 1
         if request.get("stats"):
             write({"id": request["id"], "event": "stats", "jobs": received - 1, "lines": received})

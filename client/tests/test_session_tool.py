@@ -113,14 +113,15 @@ def test_a_tool_over_a_given_session_leaves_it_to_its_owner(pool):
         readie.tool(pool=pool, session=session, allow_read=["other"])
 
 
-def test_functions_are_described_but_not_yet_callable(pool):
-    def search(query: str, limit: int = 10) -> list[str]:
-        """Search the index.
+def search(query: str, limit: int = 10) -> list[str]:
+    """Search the index.
 
-        Returns at most ``limit`` titles.
-        """
-        return []
+    Returns at most ``limit`` titles.
+    """
+    return [f"{query} {n}" for n in range(1, limit + 1)]
 
+
+def test_describe_functions_gives_each_signature_and_docstring():
     assert readie.describe_functions({"search": search}) == (
         "Functions of the host you can call (from readie_host import search):\n"
         "- search(query: str, limit: int = 10) -> list[str]\n"
@@ -128,5 +129,25 @@ def test_functions_are_described_but_not_yet_callable(pool):
         "\n"
         "    Returns at most ``limit`` titles."
     )
-    with pytest.raises(NotImplementedError, match="host functions"):
-        readie.tool(pool=pool, functions={"search": search})
+
+
+def test_a_tool_with_functions_describes_and_runs_them(pool):
+    tool = readie.tool(pool=pool, functions={"search": search}, timeout="5s")
+    assert tool.description.endswith(readie.describe_functions({"search": search}))
+    assert tool('call search ["readie"] {"limit":2}') == '{"result": ["readie 1", "readie 2"]}'
+
+
+def test_a_session_tool_declares_its_functions_with_the_first_step(pool):
+    with readie.tool(pool=pool, session=True, functions={"search": search}) as tool:
+        assert "from readie_host import search" in tool.description
+        assert sent(tool.run("request"))["functions"] == ["search"]
+        assert "functions" not in sent(tool.run("request"))
+        assert tool.session.functions == {"search": search}
+
+
+def test_a_given_session_brings_its_own_functions(pool):
+    session = pool.session("fs", functions={"search": search})
+    tool = readie.tool(pool=pool, session=session)
+    assert "search(query: str" in tool.description
+    with pytest.raises(TypeError, match="functions"):
+        readie.tool(pool=pool, session=session, functions={"search": search})

@@ -415,14 +415,15 @@ REFUSED_LINES = [
         "script: sessions take inline code, not script",
     ),
     (
-        b'{"id": "u2", "functions": ["search"], "code": "x"}',
+        b'{"id": "u2", "functions": ["HostError"], "code": "x"}',
         "u2",
-        "functions: host functions are not supported by readie pool yet",
+        "functions: item 0: 'HostError' is reserved in readie_host",
     ),
     (
         b'{"reply": {"call_id": 7, "result": 1}}',
         None,
-        "reply: host functions are not supported by readie pool yet: no call awaits a reply",
+        "reply.call_id: no call waits for a reply with call_id 7 (it was answered already, "
+        "its task ended or ran out of time, or it was never made)",
     ),
 ]
 
@@ -613,6 +614,7 @@ def test_stats_logs_and_eof_drain(pool_factory, python_version):
         "duration_ms_total",
         "queue_us_total",
         "errors",
+        "host",
     ]
     assert type(stats["uptime_ms"]) is int and stats["uptime_ms"] > 0
     assert {k: v for k, v in stats.items() if k != "uptime_ms"} == {
@@ -630,6 +632,7 @@ def test_stats_logs_and_eof_drain(pool_factory, python_version):
         "duration_ms_total": sum(r["duration_us"] for r in results.values()) // 1000,
         "queue_us_total": sum(r["queue_us"] for r in results.values()),
         "errors": {"ValueError": 1, "TimeoutError": 1, "RequestError": 2},
+        "host": {"calls": 0, "replies": 0, "late_replies": 0, "refused_frames": 0},
     }
     assert sorted(stats["errors"].items()) == [
         ("RequestError", 2),

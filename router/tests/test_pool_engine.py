@@ -188,28 +188,6 @@ def test_stats_answer_at_once_with_the_counters(tmp_path):
     assert stats["workers"] == 2 and stats["sessions_active"] == 0
 
 
-@pytest.mark.parametrize(
-    ("request_", "field", "rid"),
-    [
-        ({"id": 2, "functions": ["search"], "code": "x"}, "functions", 2),
-        ({"id": 1, "session": "nb", "functions": ["search"], "code": "x"}, "functions", 1),
-        ({"reply": {"call_id": 7, "result": 1}}, "reply", None),
-    ],
-)
-def test_host_functions_are_refused_for_now(tmp_path, request_, field, rid):
-    async def scenario(engine, source, sink, fake):
-        source.feed_lines(request_)
-        source.end()
-
-    _, lines, _, fake, _ = serve(setup_for(tmp_path), scenario)
-    result = lines[1]
-    assert result["id"] == rid and result["exit"] == -1 and result["policy"] is None
-    assert result["error"]["type"] == "RequestError"
-    assert result["error"]["message"].startswith(f"{field}: ")
-    assert "not supported by readie pool yet" in result["error"]["message"]
-    assert fake.started == []
-
-
 def test_drain_stops_intake_and_finishes_accepted_jobs(tmp_path):
     backend = FakeBackend(gates={"hold": asyncio.Event()})
 

@@ -142,7 +142,9 @@ REFUSALS: list[tuple[str | bytes, object, str | None, str]] = [
     ('{"id": 1, "code": "x", "memory": 1e999}', 1, None, "out of range"),
     ('{"id": 1, "id": 2, "code": "x"}', 1, None, "duplicate key 'id'"),
     ('{"id": 1, "code": "x", "env": {"A": "1", "A": "2"}}', 1, None, "duplicate key 'A'"),
-    ('{"id": 1, "code": "x", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", 1, None, "not valid JSON"),
+    # Deep nesting is valid JSON (a host function's reply may nest): parsed, then refused as any unknown field.
+    ('{"id": 1, "code": "x", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", 1, "x", "unknown field"),
+    ('{"id": 1, "code": "x", "x": ' + "[" * 100_000 + "}", 1, None, "not valid JSON"),
     ('{"id": 1, "code": "x", "n": 1' + "0" * 5000 + "}", 1, None, "not valid JSON"),
     # ids
     ('{"code": "x"}', None, "id", "required"),
@@ -385,3 +387,13 @@ def test_long_values_are_cut_in_messages() -> None:
     assert len(str(result.error)) < 200 and "(600000 characters)" in str(result.error)
     result = refused('{"id": 1, "code": "x", "functions": ["' + "-" * 100_000 + '"]}')
     assert len(str(result.error)) < 200
+
+
+def test_a_deep_reply_is_parsed_without_recursion() -> None:
+    depth = 100_000
+    request = parse_request('{"reply": {"call_id": 3, "result": ' + "[" * depth + "]" * depth + "}}")
+    assert isinstance(request, ReplyRequest) and request.call_id == 3
+    value, levels = request.result, 1
+    while value:
+        (value,), levels = value, levels + 1
+    assert levels == depth

@@ -129,12 +129,16 @@ def test_readie_pool_runs_its_jobs_through_the_router(cluster):
             {"id": "r1", "code": "print('via the router')"},
             {"id": "r2", "code": "raise KeyError('k')"},
             {"id": "r3", "session": "nb", "code": "x = 1"},
+            {"id": "r4", "functions": ["search"], "code": "from readie_host import search"},
         )
-        results = {result["id"]: result for result in pool.results(3)}
+        results = {result["id"]: result for result in pool.results(4)}
         assert pool.close() == 0
     # A session cannot be pinned to one of the router's workers: refused, naming the field.
     assert (results["r3"]["exit"], results["r3"]["session"], results["r3"]["error"]["type"]) == (-1, "nb", "RequestError")
     assert results["r3"]["error"]["message"].startswith("session: sessions are not supported through a router")
+    # Nor can a host call travel back through the worker API: refused, naming the field.
+    assert (results["r4"]["exit"], results["r4"]["policy"], results["r4"]["error"]["type"]) == (-1, None, "RequestError")
+    assert results["r4"]["error"]["message"].startswith("functions: host functions are not supported through a router")
     assert (results["r1"]["exit"], results["r1"]["stdout"]) == (0, "via the router\n")
     assert results["r1"]["policy"]["backend"] == "gvisor:runsc-restore"
     assert results["r2"]["error"]["type"] == "KeyError"
@@ -150,6 +154,7 @@ def test_the_pool_protocol_streams_over_grpc(cluster):
         {"id": "fast", "code": "print('fast')"},
         {"id": "bad", "code": "pass", "script": "x.py"},
         {"id": "nb", "session": "nb", "code": "x = 1"},
+        {"id": "fn", "functions": ["search"], "code": "pass"},
         {"id": "s", "stats": True},
     ]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
@@ -164,4 +169,5 @@ def test_the_pool_protocol_streams_over_grpc(cluster):
     assert order.index("fast") < order.index("slow"), "results come in completion order"
     assert by_id["bad"]["error"]["type"] == "RequestError"
     assert by_id["nb"]["error"]["message"].startswith("session: sessions are not supported through a router")
-    assert by_id["s"]["event"] == "stats" and by_id["s"]["request_errors"] == 2
+    assert by_id["fn"]["error"]["message"].startswith("functions: host functions are not supported through a router")
+    assert by_id["s"]["event"] == "stats" and by_id["s"]["request_errors"] == 3

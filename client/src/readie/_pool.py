@@ -30,7 +30,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
+from readie_executor import hostwire
+
 from ._errors import PoolError, ReadieError, RequestError
+from ._host import HostCalls, HostFunctions, check_functions
 from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, session_setup, stats_request
 from ._results import ReadyEvent, Result, parse_ready, parse_result, parse_stats
 from ._session import Session, new_session_name
@@ -125,6 +128,8 @@ class Pool:
         self._closed = False
         self._failure: str | None = None  # why the pool is unusable, once it is
         self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        # Host-function calls: at most one per running task, so the pool's workers bound them.
+        self._host_calls = HostCalls(self._send_line, threads=workers or 2)
         self._ready = threading.Event()
         self._start_error: ReadieError | None = None
         self.ready: ReadyEvent
@@ -154,6 +159,7 @@ class Pool:
         if self._start_error is not None:
             self._stop_process()
             raise self._start_error
+        self._host_calls.threads = self.ready.workers
 
     # ------------------------------------------------------------------ public
 
@@ -184,24 +190,30 @@ class Pool:
         max_file_size: Size | None = None,
         profile: str | None = None,
         packages: Iterable[str] = (),
+        functions: HostFunctions | None = None,
     ) -> Result:
         """Run one job and wait for its result. Exactly one of ``code`` and ``script``.
+
+        ``functions`` (name to callable) are host functions: the code imports
+        them from ``readie_host`` and each call runs the callable here, in this
+        process, on a thread of the client's (see client/README.md).
 
         Returns the result whatever the job did; raises :class:`~readie.RequestError`
         when the request is refused (by this client: a line over 1 MiB; or by the
         pool: a grant outside its limits, an unknown profile, ...) and
         :class:`~readie.PoolError` when the pool process fails.
         """
+        declared = check_functions(functions)
         request_id = self._next_id()
         line = encode_line(
             job_request(
                 request_id, code, script=script, name=name, args=args, allow_read=allow_read,
                 allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
                 timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
-                profile=profile, packages=packages,
+                profile=profile, packages=packages, functions=declared,
             )
         )
-        result = parse_result(self._exchange(request_id, line))
+        result = parse_result(self._exchange(request_id, line, declared))
         if result.error is not None and result.error.type == "RequestError":
             raise RequestError(result.error.message, result=result)
         return result
@@ -221,23 +233,26 @@ class Pool:
         max_file_size: Size | None = None,
         profile: str | None = None,
         packages: Iterable[str] = (),
+        functions: HostFunctions | None = None,
     ) -> Session:
         """A :class:`~readie.Session`: one sandbox whose variables survive between its ``run`` calls.
 
-        The grants and limits are the session's for its whole life (the pool
-        fixes them with the first step); ``timeout`` and ``max_output`` are
+        The grants, limits and host ``functions`` are the session's for its
+        whole life (the pool fixes them with the first step; every step can
+        call the functions); ``timeout`` and ``max_output`` are
         each step's default, which :meth:`Session.run` can override. ``name``
         is the session's name on the wire (default: a random one). Nothing is
         sent until the first ``run``.
         """
+        declared = check_functions(functions)
         setup = session_setup(
             allow_read=allow_read, allow_write=allow_write, package_dirs=package_dirs, env=env,
             allow_network=allow_network, timeout=timeout, memory=memory, max_output=max_output,
-            max_file_size=max_file_size, profile=profile, packages=packages,
+            max_file_size=max_file_size, profile=profile, packages=packages, functions=declared,
         )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
-        return Session(self, name or new_session_name(), setup)
+        return Session(self, name or new_session_name(), setup, declared)
 
     def stats(self) -> dict[str, Any]:
         """The pool's counters: the spec's stats event, as the pool wrote it."""
@@ -269,6 +284,7 @@ class Pool:
         finally:
             self._reader.join(EXIT_WAIT_S)
             self._stderr_thread.join(EXIT_WAIT_S)
+            self._host_calls.close()
         if status != 0:
             raise PoolError(f"readie pool exited with status {status}{self._stderr_suffix()}")
 
@@ -293,7 +309,11 @@ class Pool:
         with self._lock:
             return next(self._ids)
 
-    def _exchange(self, request_id: RequestId, line: bytes) -> dict[str, Any]:
+    def _exchange(
+        self, request_id: RequestId, line: bytes, functions: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Write ``line`` and wait for the line answering ``request_id``; ``functions`` answer
+        the calls the task makes meanwhile."""
         waiter = _Waiter()
         with self._lock:
             if self._closed:
@@ -304,18 +324,24 @@ class Pool:
                 raise self._ended_error("no longer answers")
             # Registered before the line is written: the answer can come at once.
             self._pending[request_id] = waiter
+        if functions:
+            self._host_calls.register(request_id, functions)
         try:
-            with self._write_lock:
-                self._stdin.write(line)
-                self._stdin.flush()
-        except (OSError, ValueError):  # ValueError: close() closed stdin meanwhile
-            with self._lock:
-                self._pending.pop(request_id, None)
-            if self._closed:
-                raise PoolError("the pool is closed") from None
-            self._process_status(EXIT_WAIT_S)
-            raise self._ended_error("stopped reading requests") from None
-        waiter.done.wait()
+            try:
+                with self._write_lock:
+                    self._stdin.write(line)
+                    self._stdin.flush()
+            except (OSError, ValueError):  # ValueError: close() closed stdin meanwhile
+                with self._lock:
+                    self._pending.pop(request_id, None)
+                if self._closed:
+                    raise PoolError("the pool is closed") from None
+                self._process_status(EXIT_WAIT_S)
+                raise self._ended_error("stopped reading requests") from None
+            waiter.done.wait()
+        finally:
+            # Every call of the task came before its result: none can come after.
+            self._host_calls.unregister(request_id)
         if waiter.error is not None:
             raise waiter.error
         assert waiter.line is not None
@@ -362,7 +388,7 @@ class Pool:
 
     def _dispatch(self, raw: bytes) -> None:
         try:
-            obj = json.loads(raw)
+            obj = _loads(raw)
         except ValueError:
             self._broken(f"the pool wrote a line that is not JSON: {raw[:200]!r}")
             return
@@ -370,7 +396,7 @@ class Pool:
             self._broken(f"the pool wrote a line that is not an object: {raw[:200]!r}")
             return
         if obj.get("event") == "call":
-            self._refuse_call(obj)
+            self._host_calls.handle(obj)
             return
         request_id = obj.get("id")
         waiter = None
@@ -383,24 +409,14 @@ class Pool:
             return
         waiter.answer(obj)
 
-    def _refuse_call(self, event: dict[str, Any]) -> None:
-        # Host functions come later; this client never declares any, so a call
-        # event should not happen. Answer it anyway so the task does not hang,
-        # from another thread: this one must keep reading, or a writer blocked
-        # on a full stdin and the pool blocked on a full stdout would wait on
-        # each other.
-        reply = {"reply": {"call_id": event.get("call_id"), "error": "this client runs no host functions"}}
-        line = (json.dumps(reply) + "\n").encode()
-
-        def send() -> None:
-            try:
-                with self._write_lock:
-                    self._stdin.write(line)
-                    self._stdin.flush()
-            except (OSError, ValueError):
-                pass
-
-        threading.Thread(target=send, name="readie-pool-reply", daemon=True).start()
+    def _send_line(self, line: bytes) -> None:
+        """Write one line (a host call's reply) from any thread; a pool that is gone drops it."""
+        try:
+            with self._write_lock:
+                self._stdin.write(line)
+                self._stdin.flush()
+        except (OSError, ValueError):
+            pass
 
     def _broken(self, why: str) -> None:
         """The pool broke the protocol: nothing it says can be trusted to match a caller any more."""
@@ -449,6 +465,7 @@ class Pool:
             self._stdin.close()
         except OSError:
             pass
+        self._host_calls.close()
 
     def _ended_error(self, what: str) -> PoolError:
         status = self._process.poll()
@@ -460,6 +477,15 @@ class Pool:
     def _stderr_suffix(self) -> str:
         tail = self.stderr_tail
         return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+
+
+def _loads(raw: bytes) -> Any:
+    """One line of the pool's output. A call event's arguments may nest deeper than
+    ``json.loads`` recurses; hostwire's parser is iterative (and as strict)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        return hostwire.loads(raw)
 
 
 def pool_flags(

@@ -69,6 +69,7 @@ def job_request(
     max_file_size: Size | None = None,
     profile: str | None = None,
     packages: Iterable[str] = (),
+    functions: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The JSON object of one job request; raises :class:`RequestError` for both or neither of code and script."""
     if (code is None) == (script is None):
@@ -99,6 +100,7 @@ def job_request(
     if profile is not None:
         request["profile"] = _text(profile, "profile")
     _put_list(request, "packages", packages, lambda item: _text(item, "packages"))
+    _put_list(request, "functions", functions, lambda item: _text(item, "functions"))
     return request
 
 
@@ -119,12 +121,14 @@ def session_setup(
     max_file_size: Size | None = None,
     profile: str | None = None,
     packages: Iterable[str] = (),
+    functions: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """The fields a session's first request carries (its permissions, limits and environment), checked now."""
+    """The fields a session's first request carries (its permissions, limits, environment and
+    host function names), checked now."""
     fields = job_request(
         0, "", allow_read=allow_read, allow_write=allow_write, package_dirs=package_dirs, env=env,
         allow_network=allow_network, timeout=timeout, memory=memory, max_output=max_output,
-        max_file_size=max_file_size, profile=profile, packages=packages,
+        max_file_size=max_file_size, profile=profile, packages=packages, functions=functions,
     )
     del fields["id"], fields["code"]
     return fields

@@ -1,9 +1,10 @@
 """``Session``: one sandbox whose ``__main__`` survives between :meth:`Session.run` calls.
 
 The pool creates a session on its first request, which carries the
-permissions, limits and environment given to :meth:`Pool.session
-<readie.Pool.session>`; later steps carry only code, name, args, timeout and
-max_output. A step that times out, crashes or exits ends the session (its
+permissions, limits, environment and host function names given to
+:meth:`Pool.session <readie.Pool.session>`; later steps carry only code,
+name, args, timeout and max_output, and every step can call the functions
+(they run in this process, as for :meth:`Pool.run <readie.Pool.run>`). A step that times out, crashes or exits ends the session (its
 result has ``session_ended``); the next :meth:`~Session.run` then starts a
 new process with the same grants, and its result's ``step`` is 1 again.
 The pool also closes a session left idle for its ``session_idle``; the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -42,10 +43,17 @@ class Session:
     :meth:`close`, so the pool frees the sandbox before ``session_idle``.
     """
 
-    def __init__(self, pool: Pool, name: str, setup: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        name: str,
+        setup: Mapping[str, Any],
+        functions: Mapping[str, Callable[..., Any]] | None = None,
+    ) -> None:
         self.pool = pool
         self.name = name
-        self.setup = dict(setup)  # the first request's fields: grants, env, limits
+        self.setup = dict(setup)  # the first request's fields: grants, env, limits, function names
+        self.functions = dict(functions or {})  # what answers the steps' host calls
         self._lock = threading.Lock()
         self._open = False  # the pool has a process for this session
         self.last_step = 0
@@ -75,7 +83,7 @@ class Session:
                 request_id, self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
                 setup=None if self._open else self.setup,
             )
-            result = parse_result(self.pool._exchange(request_id, encode_line(request)))
+            result = parse_result(self.pool._exchange(request_id, encode_line(request), self.functions))
             if result.error is not None and result.error.type == "RequestError":
                 raise RequestError(result.error.message, result=result)
             self._open = not result.session_ended

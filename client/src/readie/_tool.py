@@ -4,8 +4,8 @@ A :class:`Tool` is a callable (``tool(code) -> str``) with the three things
 tool-calling APIs ask for: ``name``, ``description`` and ``parameters`` (a
 JSON schema with one string, ``code``). The description is written for the
 model: whether state carries over between calls, which paths it may read
-and write (as the request names them), the network, the limits, and, once
-host functions exist, each function's signature and docstring
+and write (as the request names them), the network, the limits, and the
+host functions it may call, each one's signature and docstring
 (:func:`describe_functions`).
 
 What the model reads back is :func:`format_result`: output first, then the
@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from ._envelope import SANDBOX_PYTHON
+from ._host import check_functions
 from ._requests import session_setup
 from ._results import Result
 from ._session import Session
@@ -57,12 +58,14 @@ class Tool:
         setup: Mapping[str, Any],
         session: Session | None,
         owns_session: bool,
+        functions: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         self.pool = pool
         self.name = name
         self.description = description
         self.parameters: dict[str, Any] = PARAMETERS
         self.session = session
+        self.functions = dict(functions or {})  # for jobs; a session's steps use the session's
         self._setup = dict(setup)
         self._owns_session = owns_session
 
@@ -95,7 +98,7 @@ class Tool:
     def _run(self, code: str) -> tuple[Result, bool]:
         if self.session is None:
             # The wire fields of session_setup() are Pool.run's keyword arguments.
-            return self.pool.run(code, name=CODE_NAME, **self._setup), False
+            return self.pool.run(code, name=CODE_NAME, functions=self.functions, **self._setup), False
         was_open = self.session.open
         result = self.session.run(code, name=CODE_NAME)
         # Step 1 of a session this client thought open: the pool closed it (idle) and began anew.
@@ -118,29 +121,30 @@ def tool(
     share one :meth:`Pool.session <readie.Pool.session>` opened with
     ``grants``, so variables survive between calls; :meth:`Tool.close` ends
     it. A :class:`~readie.Session` passed in is used as it is (its own
-    grants; give no others). ``functions`` (name to callable) will let the
-    code call back into this process; readie pool does not support host
-    functions yet, so giving any raises NotImplementedError, but their
-    description is ready (:func:`describe_functions`).
+    grants; give no others). ``functions`` (name to callable) are host
+    functions: the code imports them from ``readie_host``, each call runs
+    the callable in this process, and the description lists each one's
+    signature and docstring (:func:`describe_functions`). A Session passed
+    in brings its own functions.
     """
-    if functions:
-        raise NotImplementedError(
-            "host functions are not supported by readie pool yet; describe_functions() "
-            "shows what the tool description will say about them"
-        )
+    declared = check_functions(functions)
     if isinstance(session, Session):
-        if grants:
-            raise TypeError(f"grants belong to the Session passed in; got {', '.join(sorted(grants))}")
-        setup, the_session, owns = session.setup, session, False
+        if grants or declared:
+            given = sorted(grants) + (["functions"] if declared else [])
+            raise TypeError(f"grants belong to the Session passed in (functions too); got {', '.join(given)}")
+        setup, the_session, owns, declared = session.setup, session, False, session.functions
     elif session is True:
-        the_session = pool.session(**grants)
+        the_session = pool.session(functions=declared, **grants)
         setup, owns = the_session.setup, True
     elif session is False:
         setup, the_session, owns = session_setup(**grants), None, False
     else:
         raise TypeError(f"session: expected True, False or a Session, got {type(session).__name__}")
-    description = describe(setup, stateful=the_session is not None, functions=functions)
-    return Tool(pool, name=name, description=description, setup=setup, session=the_session, owns_session=owns)
+    description = describe(setup, stateful=the_session is not None, functions=declared)
+    return Tool(
+        pool, name=name, description=description, setup=setup, session=the_session, owns_session=owns,
+        functions=None if the_session is not None else declared,
+    )
 
 
 def describe(

@@ -30,6 +30,14 @@ The contract every backend keeps:
   ``run``. Only a runner with ``open_session`` (the in-process ``Worker``)
   supports them: a router places every job on any of its workers, so
   ``--router`` and the router's ``Pool.Session`` stream refuse sessions.
+* host functions: ``host_support()`` is None when ``run``, ``open_session``
+  and ``run_step`` take a ``host`` callback
+  (:data:`~readie_worker.jobs.HostFunction`, called on the job's thread for
+  each call the job makes to its declared functions), else the reason they
+  do not (the engine refuses ``functions`` with it). Only a runner whose
+  ``run_job`` takes ``host`` (the in-process ``Worker``) has them: the gRPC
+  worker API carries no host calls, so ``--router`` and ``Pool.Session``
+  refuse them.
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,13 +57,14 @@ from typing import Protocol, TypeVar
 import structlog
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
-from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.sessions import Session, StepOutcome
 
 __all__ = [
     "CHECKPOINT_PLAN",
     "WARM_TIMEOUT_S",
+    "NO_ROUTER_HOST_FUNCTIONS",
     "NO_ROUTER_SESSIONS",
     "BackendSession",
     "BlockingRunner",
@@ -83,6 +93,11 @@ NO_ROUTER_SESSIONS = (
     "worker, and a router places each job on any of its workers; run readie pool without "
     "--router for sessions"
 )
+#: Why a runner whose ``run_job`` takes no ``host`` cannot serve host functions.
+NO_ROUTER_HOST_FUNCTIONS = (
+    "host functions are not supported through a router: the worker API does not carry the "
+    "calls a job makes back to its client; run readie pool without --router for functions"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +114,7 @@ class Step:
 class BackendSession(Protocol):
     """An open session: one sandbox, steps in it one at a time."""
 
-    async def run_step(self, step: Step, job_id: str | None) -> StepOutcome: ...
+    async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome: ...
 
     async def close(self) -> None:
         """Destroy the session's sandbox; does nothing once it has ended."""
@@ -109,11 +124,15 @@ class BackendSession(Protocol):
 class JobBackend(Protocol):
     """Runs code jobs for the pool engine; see the module docstring for the contract."""
 
-    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome: ...
+    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome: ...
 
     def session_support(self) -> str | None: ...
 
-    async def open_session(self, job: CodeJob, job_id: str | None) -> tuple[BackendSession, StepOutcome]: ...
+    def host_support(self) -> str | None: ...
+
+    async def open_session(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
+    ) -> tuple[BackendSession, StepOutcome]: ...
 
     async def close(self) -> None: ...
 
@@ -139,19 +158,38 @@ class ThreadedBackend:
         self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
         self._closed = False
 
-    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
-        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id))
+    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
+        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id, **self._host(host)))
 
     def session_support(self) -> str | None:
         return None if callable(getattr(self.runner, "open_session", None)) else NO_ROUTER_SESSIONS
 
-    async def open_session(self, job: CodeJob, job_id: str | None) -> tuple[BackendSession, StepOutcome]:
+    def host_support(self) -> str | None:
+        try:
+            takes_host = "host" in inspect.signature(self.runner.run_job).parameters
+        except (TypeError, ValueError):
+            takes_host = False
+        return None if takes_host else NO_ROUTER_HOST_FUNCTIONS
+
+    async def open_session(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
+    ) -> tuple[BackendSession, StepOutcome]:
         reason = self.session_support()
         if reason is not None:
             raise RequestError(reason, "session")
         open_session = self.runner.open_session  # type: ignore[attr-defined]
-        session, first = await self._on_thread(functools.partial(open_session, job, job_id))
+        opening = functools.partial(open_session, job, job_id, **self._host(host))
+        session, first = await self._on_thread(opening)
         return _ThreadedSession(self, session), first
+
+    def _host(self, host: HostFunction | None) -> dict[str, HostFunction]:
+        """``host`` as a keyword argument for the runner, or none at all (runners without host functions)."""
+        if host is None:
+            return {}
+        reason = self.host_support()
+        if reason is not None:
+            raise RequestError(reason, "functions")
+        return {"host": host}
 
     async def _on_thread(self, call: functools.partial[_T]) -> _T:
         if self._closed:
@@ -172,9 +210,16 @@ class _ThreadedSession:
         self._backend = backend
         self.session = session
 
-    async def run_step(self, step: Step, job_id: str | None) -> StepOutcome:
+    async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
         run = functools.partial(
-            self.session.run_step, step.code, step.name, step.args, step.timeout_ms, step.max_output, job_id=job_id
+            self.session.run_step,
+            step.code,
+            step.name,
+            step.args,
+            step.timeout_ms,
+            step.max_output,
+            job_id=job_id,
+            **self._backend._host(host),
         )
         return await self._backend._on_thread(run)
 

@@ -325,7 +325,11 @@ class Stats:
 
     ``jobs`` counts every result the pool wrote (refusals included), and is
     the sum of the six outcome counters. ``errors`` counts results by error
-    type, in the order types were first seen.
+    type, in the order types were first seen. ``host`` (after the spec's
+    fields) counts host-function traffic: call events written, replies that
+    reached their call, late or unknown replies (each also a RequestError
+    result), and frames the worker refused from sandboxes (junk and forged
+    calls, which never reach the client).
     """
 
     def __init__(self) -> None:
@@ -335,6 +339,10 @@ class Stats:
         self.queue_us_total = 0
         self.errors: dict[str, int] = {}
         self.sessions_active = 0
+        self.host_calls = 0
+        self.host_replies = 0
+        self.late_replies = 0
+        self.host_frames_refused = 0
 
     def record(self, result: JobResult) -> None:
         self.jobs += 1
@@ -366,4 +374,10 @@ class Stats:
             "duration_ms_total": self.duration_us_total // 1000,
             "queue_us_total": self.queue_us_total,
             "errors": dict(self.errors),
+            "host": {
+                "calls": self.host_calls,
+                "replies": self.host_replies,
+                "late_replies": self.late_replies,
+                "refused_frames": self.host_frames_refused,
+            },
         }

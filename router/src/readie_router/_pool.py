@@ -15,6 +15,16 @@ read stdout stops the pool taking work once its results fill the pipe.
 Every accepted line is answered by exactly one output line (a result, a
 refusal or a stats event), which is what keeps the count exact.
 
+Host functions (``_host``) add two kinds of line that hold no permit, so
+they can never deadlock that accounting: ``call`` events (at most one per
+running task: its thread waits for the reply) and ``reply`` lines. Intake
+reads a reply as soon as it reaches it and hands it to its call; while a
+call waits, intake also reads ahead past lines that wait for a permit
+(keeping them in order, at most :data:`MAX_PARKED_BYTES`), so a reply
+queued behind them still gets through. A reply no call waits for is
+answered with a RequestError line from a budget of its own
+(``queue_limit`` unwritten lines), not a permit.
+
 Lifecycle, one direction only::
 
     SERVING --(EOF on stdin, stdout failed, or first drain())--> DRAINING
@@ -53,8 +63,7 @@ from typing import Any, Protocol
 
 import structlog
 from readie_executor.jobs import bounds
-from readie_worker.jobs import CodeJob
-
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
 from readie_worker.sessions import StepOutcome
 
 from ._backend import BackendSession, JobBackend, Step
@@ -69,7 +78,8 @@ from ._events import (
     ready_event,
     result_line,
 )
-from ._lines import LineEvent, LineSplitter
+from ._host import HostCalls, WaitingCall, host_function
+from ._lines import Line, LineEvent, LineSplitter
 from ._policy import NO_LIMITS, Policy, resolve_policy, resolve_script, resolve_step
 from ._requests import (
     CloseSession,
@@ -82,11 +92,12 @@ from ._requests import (
 )
 from ._results import job_result
 from ._sessions import Session, SessionPhase, SessionTable
-from ._wire import encode_line
+from ._wire import RequestId, encode_line
 
 __all__ = [
     "ABORT_WRITE_GRACE_S",
     "FALLBACK_CWD",
+    "MAX_PARKED_BYTES",
     "MAX_SCRIPT_BYTES",
     "QUEUE_FACTOR",
     "ByteSink",
@@ -113,8 +124,15 @@ FALLBACK_CWD = "/tmp"
 #: After a second signal: how long the pool still tries to write the results
 #: of the jobs it stopped before giving up on a stdout nobody reads.
 ABORT_WRITE_GRACE_S = 5.0
+#: While a host call waits for its reply, intake reads past lines that wait
+#: for a permit, so the reply is not stuck behind them; this bounds the bytes
+#: of such lines held (at least one is always held). A client that writes
+#: more than this ahead of its reply waits for the call's timeout.
+MAX_PARKED_BYTES = 8 * 1024 * 1024
 
-_FUNCTIONS_LATER = "host functions are not supported by readie pool yet"
+# Why a waiting host call gets no reply once intake stops.
+_STDIN_ENDED = "stdin has ended, so no reply can come"
+_INTAKE_STOPPED = "the pool stopped reading requests, so no reply can come"
 
 
 class PoolState(enum.Enum):
@@ -189,14 +207,19 @@ class PoolEngine:
         self._wall_ms = wall_ms
         self._started_ns = monotonic_ns()
         self._permits = asyncio.BoundedSemaphore(setup.queue_limit)
+        # Answers to replies no call waits for: their own budget, never a permit.
+        self._strays = asyncio.BoundedSemaphore(setup.queue_limit)
         self._slots = asyncio.Semaphore(setup.workers)
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # Each line with the budget it releases once written (None: a call event).
+        self._outbox: asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None] = asyncio.Queue()
+        self._changed = asyncio.Event()  # intake's conditions may have changed (see _until)
+        self._host_calls = HostCalls()
         self._jobs: set[asyncio.Task[None]] = set()
         self._intake_task: asyncio.Task[None] | None = None
         self._aborted = asyncio.Event()
         self._drain_calls = 0
         self._output_lost = False
-        self.accepted = 0  # lines accepted so far (tests and logs)
+        self.accepted = 0  # lines that took a permit so far (tests and logs); replies take none
         self.sessions = SessionTable(setup.max_sessions, backend.session_support())
 
     # ------------------------------------------------------------------ control
@@ -286,34 +309,67 @@ class PoolEngine:
     # ------------------------------------------------------------------ intake
 
     async def _intake(self, source: ByteSource) -> None:
-        splitter = LineSplitter()
-        pending: deque[LineEvent] = deque()
+        """Read lines: replies go to their calls at once, others wait in ``parked`` for a permit.
+
+        A line is read when nothing waits for a permit and one is free (so with
+        the permits gone, stdin is not read), or, while a host call waits for
+        its reply, up to :data:`MAX_PARKED_BYTES` ahead. :meth:`_admit` takes
+        the parked lines in order, a permit each.
+        """
+        lines = _LineReader(source)
+        parked = _Parked()
+        admitting = asyncio.create_task(self._admit(parked), name="readie-pool-admit")
+        try:
+            while True:
+                await self._until(lambda: self._may_read(parked))
+                event = await lines.next()
+                if event is None:
+                    break
+                parsed_at = self._now_ns()
+                request = parse_event(event)
+                if isinstance(request, ReplyRequest):
+                    await self._accept_reply(request)
+                    continue
+                parked.push(request, parsed_at, len(event.data) if isinstance(event, Line) else 0)
+                self._changed.set()
+            self._host_calls.close(_STDIN_ENDED)
+            parked.ended = True
+            self._changed.set()
+            await admitting
+        finally:
+            admitting.cancel()
+            self._host_calls.close(_INTAKE_STOPPED)
+
+    def _may_read(self, parked: _Parked) -> bool:
+        if not parked.lines and not self._permits.locked():
+            return True
+        return len(self._host_calls) > 0 and parked.size < MAX_PARKED_BYTES
+
+    async def _admit(self, parked: _Parked) -> None:
         while True:
-            await self._permits.acquire()
-            while not pending and not splitter.ended:
-                try:
-                    data = await source.read()
-                except OSError as exc:
-                    log.error("cannot read stdin; treating it as ended", error=str(exc))
-                    data = b""
-                pending.extend(splitter.feed(data))
-            if not pending:
-                self._permits.release()
+            await self._until(lambda: bool(parked.lines) or parked.ended)
+            if not parked.lines:
                 return
-            event = pending.popleft()
+            await self._permits.acquire()
+            request, parsed_at = parked.pop()
+            self._changed.set()
             self.accepted += 1
             try:
-                self._accept(event, self._now_ns())
+                self._accept(request, parsed_at)
             except Exception as exc:  # a bug must cost one line, never the pool
                 log.exception("internal error handling a line")
                 self._finish(JobResult.from_error(None, PoolWorkerError(f"internal error: {exc}")))
 
-    def _accept(self, event: LineEvent, parsed_at: int) -> None:
-        """Answer ``event`` now, or start the task that will. Exactly one answer either way."""
-        request = parse_event(event)
-        refusal = _unsupported(request)
-        if refusal is not None:
-            request = refusal
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
+        while True:
+            self._changed.clear()
+            if ready():
+                return
+            await self._changed.wait()
+
+    def _accept(self, request: Request | Refused, parsed_at: int) -> None:
+        """Answer ``request`` now, or start the task that will. Exactly one answer either way."""
         if isinstance(request, Refused):
             self._finish(JobResult.refused(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
@@ -324,7 +380,7 @@ class PoolEngine:
             self._accept_step(request, parsed_at)
         elif isinstance(request, JobRequest):
             self._spawn(self._run(request, parsed_at))
-        else:  # pragma: no cover - _unsupported refused the other kinds
+        else:  # pragma: no cover - replies never take a permit (_intake)
             raise TypeError(f"unhandled request {type(request).__name__}")
 
     def _spawn(self, work: Any) -> None:
@@ -359,7 +415,9 @@ class PoolEngine:
         async with self._slots:
             queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
             try:
-                outcome = await self.backend.run(job, str(request.id))
+                host = self._host_for(request.id, job.functions)
+                outcome = await self.backend.run(job, str(request.id), host)
+                self._count_host(outcome)
             except RequestError as exc:  # the worker refused: nothing was granted
                 return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
             except ReadieError as exc:
@@ -370,6 +428,10 @@ class PoolEngine:
 
     async def _code_job(self, request: JobRequest, policy: Policy) -> CodeJob:
         setup = self.setup
+        if request.functions:
+            reason = self.backend.host_support()
+            if reason is not None:
+                raise RequestError(reason, "functions")
         if request.packages is not None and setup.config.limits is not NO_LIMITS:
             # The ceiling has no key for packages; one that does not name a
             # kind of grant grants none of it (see _policy.Limits).
@@ -401,7 +463,40 @@ class PoolEngine:
             memory_bytes=policy.memory_bytes,
             max_output=policy.max_output,
             max_file_size=policy.max_file_size,
+            functions=request.functions or (),
         )
+
+    # ------------------------------------------------------------------ host functions
+
+    def _host_for(self, request_id: RequestId, functions: tuple[str, ...]) -> HostFunction | None:
+        """The host callback for a task of ``request_id`` (None when it declared no functions)."""
+        if not functions:
+            return None
+        return host_function(asyncio.get_running_loop(), self._post_call, self._host_calls.forget, request_id)
+
+    def _post_call(self, waiting: WaitingCall) -> None:
+        line = self._host_calls.post(waiting)
+        if line is not None:
+            self.stats.host_calls += 1
+            self._outbox.put_nowait((line, None))  # no permit: its task holds one, and waits
+            self._changed.set()  # a call waits: intake may read ahead for its reply
+
+    async def _accept_reply(self, reply: ReplyRequest) -> None:
+        if self._host_calls.deliver(reply):
+            self.stats.host_replies += 1
+            return  # a reply that reaches its call is not answered
+        await self._strays.acquire()
+        error = RequestError(
+            f"no call waits for a reply with call_id {reply.call_id} (it was answered already, "
+            "its task ended or ran out of time, or it was never made)",
+            "reply.call_id",
+        )
+        self.stats.late_replies += 1
+        self._finish(JobResult.from_error(None, error, runtime=self.setup.runtime), budget=self._strays)
+
+    def _count_host(self, outcome: JobOutcome) -> None:
+        if outcome.host is not None:
+            self.stats.host_frames_refused += outcome.host.refused
 
     # ------------------------------------------------------------------ sessions
 
@@ -472,6 +567,7 @@ class PoolEngine:
                     protected=self.setup.package_dirs,
                 )
                 job = await self._code_job(request, policy)
+                session.functions = job.functions
             else:
                 assert session.policy is not None
                 policy = resolve_step(session.policy, request, self.setup.config.limits)
@@ -482,9 +578,10 @@ class PoolEngine:
             return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
         async with self._slots:
             queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
+            host = self._host_for(request.id, session.functions)
             try:
                 if first:
-                    session.handle, outcome = await self.backend.open_session(job, str(request.id))
+                    session.handle, outcome = await self.backend.open_session(job, str(request.id), host)
                     session.policy = policy
                     if session.phase is SessionPhase.OPENING:  # not CLOSING already
                         session.move(SessionPhase.OPEN)
@@ -497,7 +594,8 @@ class PoolEngine:
                         timeout_ms=policy.timeout_ms,
                         max_output=policy.max_output,
                     )
-                    outcome = await session.handle.run_step(step, str(request.id))
+                    outcome = await session.handle.run_step(step, str(request.id), host)
+                self._count_host(outcome.outcome)
             except ReadieError as exc:
                 # A refusal of the first step leaves no session; any other failure ends it.
                 if first or not isinstance(exc, RequestError):
@@ -586,19 +684,21 @@ class PoolEngine:
 
     # ------------------------------------------------------------------ output
 
-    def _finish(self, result: JobResult) -> None:
+    def _finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
+        """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
         self.stats.record(result)
         if self._log_line is not None and self.setup.log_jobs:
             line = encode_line(job_log_line(result, self._wall_ms()))
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_line(line.decode("utf-8").rstrip("\n"))
-        self._outbox.put_nowait(encode_line(result_line(result)))
+        self._outbox.put_nowait((encode_line(result_line(result)), budget or self._permits))
 
     def _answer(self, obj: dict[str, Any]) -> None:
-        self._outbox.put_nowait(encode_line(obj))
+        self._outbox.put_nowait((encode_line(obj), self._permits))
 
     async def _write_out(self, sink: ByteSink) -> None:
-        while (data := await self._outbox.get()) is not None:
+        while (item := await self._outbox.get()) is not None:
+            data, budget = item
             try:
                 if not self._output_lost:
                     await sink.write(data)
@@ -607,7 +707,9 @@ class PoolEngine:
                 log.error("stdout failed; results are dropped and the pool drains", error=str(exc))
                 self._stop_intake("stdout failed: draining")
             finally:
-                self._permits.release()
+                if budget is not None:
+                    budget.release()
+                    self._changed.set()
 
     def _ready(self) -> dict[str, Any]:
         setup = self.setup
@@ -626,14 +728,43 @@ class PoolEngine:
 # --------------------------------------------------------------------------- helpers
 
 
-def _unsupported(request: Request | Refused) -> Refused | None:
-    """Host functions come with the next issue; until then, a clear refusal."""
-    if isinstance(request, ReplyRequest):
-        return Refused(None, RequestError(f"{_FUNCTIONS_LATER}: no call awaits a reply", "reply"))
-    if isinstance(request, JobRequest):
-        if request.functions is not None:
-            return Refused(request.id, RequestError(_FUNCTIONS_LATER, "functions"))
-    return None
+class _LineReader:
+    """stdin as lines: one read of the source only when no split line is left."""
+
+    def __init__(self, source: ByteSource) -> None:
+        self._source = source
+        self._splitter = LineSplitter()
+        self._pending: deque[LineEvent] = deque()
+
+    async def next(self) -> LineEvent | None:
+        """The next line, None at the end."""
+        while not self._pending and not self._splitter.ended:
+            try:
+                data = await self._source.read()
+            except OSError as exc:
+                log.error("cannot read stdin; treating it as ended", error=str(exc))
+                data = b""
+            self._pending.extend(self._splitter.feed(data))
+        return self._pending.popleft() if self._pending else None
+
+
+@dataclass
+class _Parked:
+    """Lines read and parsed that wait, in order, for a permit."""
+
+    # (request, parsed_at, size in bytes)
+    lines: deque[tuple[Request | Refused, int, int]] = field(default_factory=deque)
+    size: int = 0  # bytes of the lines held
+    ended: bool = False  # stdin ended: no more lines come
+
+    def push(self, request: Request | Refused, parsed_at: int, size: int) -> None:
+        self.lines.append((request, parsed_at, size))
+        self.size += size
+
+    def pop(self) -> tuple[Request | Refused, int]:
+        request, parsed_at, size = self.lines.popleft()
+        self.size -= size
+        return request, parsed_at
 
 
 def _job_cwd(cwd: Path, policy: Policy) -> str:

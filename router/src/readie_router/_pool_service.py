@@ -5,7 +5,8 @@ come from the request stream and its lines go out on the response stream.
 Jobs go to the router's placement, shared by every session; a session's end
 (the client closing its side) drains that session's jobs only. (A "session"
 here is one stream. The pool protocol's own sessions, ``"session": NAME``,
-are refused on it: the placement cannot pin one to a worker; docs/pool.md.)
+are refused on it: the placement cannot pin one to a worker; docs/pool.md.
+So are host functions, ``functions``: the worker API carries no calls back.)
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from readie_executor import hostwire
+from readie_executor.hostwire import function_name_problem
+
 from ._errors import RequestError, UnitError
 from ._lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
 from ._units import MAX_VALUE, parse_duration_ms, parse_size
@@ -229,7 +232,12 @@ def _load(raw: bytes) -> Any:
     except _Invalid:
         raise
     except RecursionError:
-        raise _Invalid("line is not valid JSON: nested too deeply") from None
+        # Deep nesting is valid JSON: a host function's result may nest as deep
+        # as its megabyte allows. hostwire's parser is iterative and as strict.
+        try:
+            return hostwire.loads(text)
+        except hostwire.WireError as exc:
+            raise _Invalid(f"line is not valid JSON: {exc}") from None
     except ValueError as exc:  # JSONDecodeError, and int() past CPython's digit limit
         raise _Invalid(f"line is not valid JSON: {exc}") from None
 
@@ -433,6 +441,10 @@ def _identifier(value: Any) -> str:
     # read the same in a tool description and differ in the sandbox.
     if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
         raise _Invalid(f"{shown(name)} is not a Python identifier")
+    # What else readie_host cannot offer: HostError, dunders, over-long names.
+    problem = function_name_problem(name)
+    if problem is not None:
+        raise _Invalid(problem)
     return name
 
 
@@ -506,8 +518,9 @@ def _reply(value: Any) -> ReplyRequest:
 
 
 def _check_reply_size(value: Any, field: str) -> None:
-    # Measured as compact JSON, the form it takes on its way into the sandbox.
-    encoded = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    size = len(encoded.encode("utf-8", "surrogatepass"))
-    if size > MAX_REPLY_BYTES:
-        raise RequestError(f"{size} bytes of JSON; the limit is {MAX_REPLY_BYTES}", field)
+    # Measured as the worker will send it into the sandbox: compact JSON, by
+    # hostwire's iterative encoder (a deep value needs no recursion).
+    try:
+        hostwire.dumps(value, MAX_REPLY_BYTES)
+    except ValueError:
+        raise RequestError(f"too large: the limit is {MAX_REPLY_BYTES} bytes of JSON", field) from None

@@ -74,6 +74,7 @@ class Session:
     pending: int = 0  # accepted requests (steps and closes) not yet answered
     handle: BackendSession | None = None
     policy: Policy | None = None  # the session's, fixed by the first request
+    functions: tuple[str, ...] = ()  # its host functions, fixed by the first request too
     idle: asyncio.TimerHandle | None = None
     _tail: asyncio.Event | None = field(default=None, repr=False)
 

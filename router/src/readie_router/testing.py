@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome
 from readie_worker.sessions import StepOutcome
 
 from ._backend import Step
@@ -251,7 +251,11 @@ class FakeBackend:
     A job whose ``code`` is a key of ``gates`` waits until that event is set.
     Session steps go through the same ``answer`` and gates; a step ends its
     session when ``session_ends(job)`` says so or it timed out.
-    ``session_refusal`` plays a backend that cannot serve sessions.
+    ``session_refusal`` plays a backend that cannot serve sessions,
+    ``host_refusal`` one that cannot serve host functions. With a ``host``,
+    a job first makes the calls ``host_calls(job)`` lists, one at a time on a
+    thread (as the worker does, with the job's deadline set), then waits for
+    its gate; ``replies`` keeps what each job id got back.
     """
 
     answer: Callable[[CodeJob], JobOutcome] = lambda job: ok_outcome(job.code)
@@ -263,16 +267,24 @@ class FakeBackend:
     session_ends: Callable[[CodeJob], bool] = lambda job: job.code.startswith("exit")
     session_refusal: str | None = None
     sessions: list[FakeSession] = field(default_factory=list)
+    host_refusal: str | None = None
+    host_calls: Callable[[CodeJob], list[HostCall]] = lambda job: []
+    replies: dict[str | None, list[HostReply]] = field(default_factory=dict)
 
     def session_support(self) -> str | None:
         return self.session_refusal
 
-    async def open_session(self, job: CodeJob, job_id: str | None) -> tuple[FakeSession, StepOutcome]:
+    def host_support(self) -> str | None:
+        return self.host_refusal
+
+    async def open_session(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
+    ) -> tuple[FakeSession, StepOutcome]:
         session = FakeSession(self, job)
         self.sessions.append(session)
-        return session, await session.step(job, job_id)
+        return session, await session.step(job, job_id, host)
 
-    async def run(self, job: CodeJob, job_id: str | None) -> JobOutcome:
+    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
         from ._errors import PoolWorkerError
 
         if self.closed:
@@ -281,6 +293,12 @@ class FakeBackend:
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
+            if host is not None:
+                deadline = time.monotonic() + job.timeout_ms / 1000
+                for call in self.host_calls(job):
+                    call = dataclasses.replace(call, deadline=deadline)
+                    reply = await asyncio.to_thread(host, call)
+                    self.replies.setdefault(job_id, []).append(reply)
             gate = self.gates.get(job.code)
             if gate is not None:
                 await gate.wait()
@@ -304,7 +322,7 @@ class FakeSession:
     ended: bool = False
     closes: int = 0
 
-    async def run_step(self, step: Step, job_id: str | None) -> StepOutcome:
+    async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
         job = dataclasses.replace(
             self.job,
             code=step.code,
@@ -313,14 +331,14 @@ class FakeSession:
             timeout_ms=step.timeout_ms,
             max_output=step.max_output,
         )
-        return await self.step(job, job_id)
+        return await self.step(job, job_id, host)
 
-    async def step(self, job: CodeJob, job_id: str | None) -> StepOutcome:
+    async def step(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
         if self.ended:
             from ._errors import RequestError
 
             raise RequestError("the session has ended", "session")
-        outcome = await self.backend.run(job, job_id)
+        outcome = await self.backend.run(job, job_id, host)
         self.steps += 1
         timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == "TimeoutError"
         self.ended = self.backend.session_ends(job) or timed_out

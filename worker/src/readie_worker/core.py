@@ -27,6 +27,7 @@ from .packages import ensure_packages
 from .jobs import CodeJob, HostFunction, JobOutcome, MountedGrants, mount_grants, run_in_sandbox
 from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
+from ._retire import Retirer
 from .pool import RefillBudget, WarmPool
 from .runsc import Runsc
 from .sandbox import LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
@@ -97,6 +98,7 @@ class Worker:
         self.factories: dict[str, SandboxFactory] = {}
         self.checkpoints: LoadedCheckpoints | None = None
         self.isolated = True
+        self._retirer = Retirer()
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
         self._sessions: set[Session] = set()  # open ones; each holds a sandbox
@@ -209,7 +211,7 @@ class Worker:
         try:
             return run_in_sandbox(sandbox, job, links, host=host)
         finally:
-            sandbox.destroy()
+            self._retirer.retire(sandbox)
 
     def open_session(
         self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
@@ -299,7 +301,7 @@ class Worker:
             try:
                 return sandbox.call(payload, timeout=timeout_s, max_response=max_response)
             finally:
-                sandbox.destroy()
+                self._retirer.retire(sandbox)
 
     def capacity(self) -> Capacity:
         with self._lock:
@@ -327,6 +329,7 @@ class Worker:
             sessions = list(self._sessions)
         for session in sessions:  # their sandboxes; a step still running ends with a worker error
             session.close()
+        self._retirer.close()
         for pool in self.pools.values():
             pool.close()
         if self.isolated and runsc_module.available():

@@ -1,0 +1,142 @@
+"""Host functions on the client's side: the pool's ``call`` events run as Python calls here.
+
+A job (or session) run with ``functions={"search": search}`` declares the
+names; when its code calls one, the pool writes a ``call`` event and waits
+for a ``reply`` line. :class:`HostCalls` runs each call on one of a few
+threads of its own, never on the thread that reads the pool's stdout (a
+callable that takes long, or a reply line that waits for the stdin lock
+while another thread's request line waits for the pool, must not stop the
+results and call events behind it), and writes the reply:
+
+* the callable's return value as ``result``, encoded by the same lossless,
+  iterative encoder the sandbox uses (:func:`readie_executor.hostwire.dumps`),
+  at most 1,000,000 bytes of JSON;
+* an exception as ``error``: ``str(exc)`` (its class name when that is
+  empty), which the sandbox's code sees as ``readie_host.HostError``; a
+  value that cannot be sent (not JSON, NaN, too large) is an error too.
+
+A call for a name or a request this client did not declare (which the pool
+never forwards) is answered with an error, so nothing waits on it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from readie_executor import hostwire
+from readie_executor.hostwire import MAX_RESULT_BYTES, function_name_problem
+
+from ._errors import RequestError
+
+__all__ = ["HostCalls", "HostFunctions", "check_functions", "error_reply", "result_reply"]
+
+HostFunctions = Mapping[str, Callable[..., Any]]
+
+#: Error texts are cut here: well within the pool's 1 MB per reply even when
+#: every character needs a 6-byte escape.
+MAX_ERROR_CHARS = 100_000
+
+
+def check_functions(functions: HostFunctions | None) -> dict[str, Callable[..., Any]]:
+    """``functions`` as a dict, checked before anything is sent: names the sandbox can import, callables."""
+    if functions is None:
+        return {}
+    if not isinstance(functions, Mapping):
+        kind = type(functions).__name__
+        raise TypeError(f"functions: expected a mapping of names to callables, got {kind}")
+    checked = {}
+    for name, function in functions.items():
+        problem = function_name_problem(name)
+        if problem is not None:
+            raise RequestError(problem, "functions")
+        if not callable(function):
+            raise TypeError(f"functions: {name!r} is a {type(function).__name__}, not a callable")
+        checked[name] = function
+    return checked
+
+
+def result_reply(call_id: int, value: Any) -> bytes:
+    """The reply line carrying ``value``; TypeError or ValueError when it cannot be sent."""
+    body = hostwire.dumps(value, MAX_RESULT_BYTES, what="result")
+    return b'{"reply":{"call_id":%d,"result":' % call_id + body + b"}}\n"
+
+
+def error_reply(call_id: int, text: str) -> bytes:
+    """The reply line carrying ``text`` as the error, cut and made valid UTF-8."""
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + " [cut]"
+    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates: the pool refuses them
+    return (json.dumps({"reply": {"call_id": call_id, "error": text}}) + "\n").encode("utf-8")
+
+
+def answer(
+    function: Callable[..., Any] | None, name: str, call_id: int, args: list[Any], kwargs: dict[str, Any]
+) -> bytes:
+    """Run one call and return its reply line; never raises for what the callable does."""
+    if function is None:
+        return error_reply(call_id, f"{name}: this client has no such host function for the task")
+    try:
+        value = function(*args, **kwargs)
+    except Exception as exc:
+        return error_reply(call_id, str(exc) or type(exc).__name__)
+    try:
+        return result_reply(call_id, value)
+    except (TypeError, ValueError) as exc:
+        return error_reply(call_id, f"{name} returned a value that cannot be sent: {exc}")
+
+
+class HostCalls:
+    """The declared functions of the requests in flight, and the threads that run their calls."""
+
+    def __init__(self, send: Callable[[bytes], None], threads: int) -> None:
+        self._send = send
+        self.threads = threads  # set to the pool's workers once they are known
+        self._lock = threading.Lock()
+        self._by_request: dict[Any, dict[str, Callable[..., Any]]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def register(self, request_id: Any, functions: dict[str, Callable[..., Any]]) -> None:
+        with self._lock:
+            self._by_request[request_id] = functions
+
+    def unregister(self, request_id: Any) -> None:
+        with self._lock:
+            self._by_request.pop(request_id, None)
+
+    def handle(self, event: Mapping[str, Any]) -> None:
+        """Start answering one ``call`` event (on the reader thread: never blocks)."""
+        call_id, name = event.get("call_id"), event.get("function")
+        args, kwargs = event.get("args"), event.get("kwargs")
+        if isinstance(call_id, bool) or not isinstance(call_id, int):
+            return  # nothing a reply could name
+        if not isinstance(name, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+            self._submit(lambda: error_reply(call_id, "the call event is malformed"))
+            return
+        with self._lock:
+            functions = self._by_request.get(event.get("id"), {})
+        function = functions.get(name)
+        self._submit(lambda: answer(function, name, call_id, args, kwargs))
+
+    def _submit(self, reply: Callable[[], bytes]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="readie-host")
+            self._executor.submit(self._run, reply)
+
+    def _run(self, reply: Callable[[], bytes]) -> None:
+        self._send(reply())
+
+    def close(self) -> None:
+        """Run no more calls; calls running now finish (their replies may find stdin closed)."""
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)

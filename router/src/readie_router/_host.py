@@ -1,0 +1,153 @@
+"""Host-function calls between the worker's job threads and the pool's client.
+
+A job (or session step) that declared ``functions`` runs with a host
+callback (:data:`readie_worker.jobs.HostFunction`), which the worker calls on
+the job's thread for each call the sandbox made that passed its hostile-frame
+checks (decision 8). :func:`host_function` makes that callback: it hands the
+call to the event loop, which numbers it and writes a ``call`` event, and
+blocks the job's thread on a future until one of:
+
+* the client's reply line arrives (:meth:`HostCalls.deliver`): its result or
+  error goes back into the sandbox;
+* the task's deadline (``HostCall.deadline``, the monotonic time its timeout
+  runs out) passes: the call is forgotten and answered with an error; the
+  worker then ends the task with TimeoutError, since waiting for the host
+  counts against the task's timeout;
+* the pool stops reading stdin (EOF, a drain, stdout failing): no reply can
+  come any more, so every waiting call, and every later one, is answered at
+  once with an error (:meth:`HostCalls.close`), which the sandbox's code
+  sees as ``readie_host.HostError``.
+
+Call ids: the worker numbers each task's calls from 1, so two running jobs
+both have a call 1. The client sees one pool-wide counter instead (from 1,
+never reused while the pool runs), and a reply finds its call by that id
+alone; the event's ``id`` says which request made the call. A reply whose
+call id no call waits for (answered already, given up at its deadline, its
+task ended, or never made) is answered by the engine with a RequestError.
+
+Nothing here writes: :meth:`HostCalls.post` returns the event's line and
+the engine puts it on stdout. Args can nest as deep as the worker's
+parser allows (a 1 MB frame can nest 500,000 deep), so the line is encoded
+with :func:`readie_executor.hostwire.dumps`, which is iterative.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+from readie_executor import hostwire
+from readie_worker.jobs import HostCall, HostFunction, HostReply
+
+from ._events import call_event
+from ._requests import ReplyRequest
+from ._wire import RequestId
+
+__all__ = ["HostCalls", "WaitingCall", "encode_call_event", "host_function"]
+
+
+@dataclass(eq=False)
+class WaitingCall:
+    """One call from a job's thread, waiting for its reply."""
+
+    request_id: RequestId
+    call: HostCall
+    reply: Future[HostReply] = field(default_factory=Future)
+    call_id: int | None = None  # the pool's, once posted
+
+
+def settle(waiting: WaitingCall, reply: HostReply) -> bool:
+    """Answer ``waiting``; False when its thread gave up on it already (or it was answered)."""
+    try:
+        waiting.reply.set_result(reply)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def encode_call_event(request_id: RequestId, call_id: int, call: HostCall) -> bytes:
+    """The ``call`` event line; TypeError or ValueError for values hostwire cannot write."""
+    event = call_event(request_id, call_id, call.function, list(call.args), call.kwargs)
+    return hostwire.dumps(event) + b"\n"
+
+
+class HostCalls:
+    """The calls waiting for a reply, by the pool's call id. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, WaitingCall] = {}
+        self._last_id = 0
+        self.closed: str | None = None  # why no reply can come any more, once that is so
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def post(self, waiting: WaitingCall) -> bytes | None:
+        """Number ``waiting`` and return its call event line, or None when it is answered at once."""
+        if waiting.reply.done():  # its thread gave up before the loop got to it
+            return None
+        if self.closed is not None:
+            settle(waiting, HostReply(error=f"{waiting.call.function}: {self.closed}"))
+            return None
+        self._last_id += 1
+        try:
+            line = encode_call_event(waiting.request_id, self._last_id, waiting.call)
+        except (TypeError, ValueError) as exc:  # cannot happen for what hostwire parsed; never hang on it
+            settle(waiting, HostReply(error=f"{waiting.call.function}: the call cannot be sent: {exc}"))
+            return None
+        waiting.call_id = self._last_id
+        self._waiting[self._last_id] = waiting
+        return line
+
+    def deliver(self, reply: ReplyRequest) -> bool:
+        """Hand ``reply`` to the call it names; False when no call waits for it."""
+        waiting = self._waiting.pop(reply.call_id, None)
+        return waiting is not None and settle(waiting, HostReply(result=reply.result, error=reply.error))
+
+    def forget(self, waiting: WaitingCall) -> None:
+        """``waiting``'s thread stopped waiting (its deadline): a reply to it is now a late one."""
+        if waiting.call_id is not None and self._waiting.get(waiting.call_id) is waiting:
+            del self._waiting[waiting.call_id]
+
+    def close(self, why: str) -> None:
+        """No reply can come any more: answer every waiting call, and every later one, with ``why``."""
+        if self.closed is None:
+            self.closed = why
+        waiting, self._waiting = list(self._waiting.values()), {}
+        for call in waiting:
+            settle(call, HostReply(error=f"{call.call.function}: {self.closed}"))
+
+
+def host_function(
+    loop: asyncio.AbstractEventLoop,
+    post: Callable[[WaitingCall], None],
+    forget: Callable[[WaitingCall], None],
+    request_id: RequestId,
+) -> HostFunction:
+    """The worker's host callback for the request ``request_id``: runs on a job thread.
+
+    ``post`` and ``forget`` run on ``loop``: the first writes the call
+    event (or answers at once), the second drops a call whose thread gave up.
+    """
+
+    def host(call: HostCall) -> HostReply:
+        waiting = WaitingCall(request_id, call)
+        try:
+            loop.call_soon_threadsafe(post, waiting)
+        except RuntimeError:  # the loop is closed: the pool is gone
+            return HostReply(error=f"{call.function}: the pool is shutting down")
+        timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
+        try:
+            return waiting.reply.result(timeout)
+        except TimeoutError:
+            if not waiting.reply.cancel():  # a reply came in the meantime
+                return waiting.reply.result()
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(forget, waiting)
+            return HostReply(error=f"{call.function}: no reply from the client within the task's timeout")
+
+    return host
