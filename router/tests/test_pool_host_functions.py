@@ -21,6 +21,7 @@ from readie_executor import hostwire
 from readie_router.testing import PoolProcess
 from readie_worker._host_frames import MAX_REFUSED_FRAMES
 from readie_worker.runsc import Runsc
+from readie_worker.testing import CHANNEL_FORGER
 
 from conftest import CHECKPOINTS
 
@@ -174,51 +175,7 @@ def test_deep_values_cross_the_pool_both_ways(pool):
 
 # Finds the executor's connection among the process's descriptors and speaks
 # framing v2 on it by hand (as in worker/tests/test_host_functions_runsc.py).
-FORGER = r'''
-import json, os, socket, struct
-
-def channel():
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if not target.startswith("socket:"):
-            continue
-        sock = socket.socket(fileno=os.dup(int(name)))
-        try:
-            sock.getpeername()
-            return sock
-        except OSError:
-            sock.close()
-    raise SystemExit("no connected socket found")
-
-def send(sock, payload):
-    sock.sendall(struct.pack(">Q", len(payload)) + payload + bytes(8))
-
-def read_exact(sock, count):
-    data = b""
-    while len(data) < count:
-        more = sock.recv(count - len(data))
-        if not more:
-            raise EOFError
-        data += more
-    return data
-
-def receive(sock):
-    chunks = []
-    while True:
-        (length,) = struct.unpack(">Q", read_exact(sock, 8))
-        if length == 0:
-            return b"".join(chunks)
-        chunks.append(read_exact(sock, length))
-
-def ask(sock, payload):
-    send(sock, payload)
-    return json.loads(receive(sock))["reply"]
-
-sock = channel()
-'''
+FORGER = CHANNEL_FORGER
 
 FORGED = FORGER + r'''
 for payload in (

@@ -25,7 +25,7 @@ from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import RequestError
 from readie_worker.jobs import CodeJob, HostCall, HostReply, HostStats, JobOutcome, run_in_sandbox
 from readie_worker.sandbox import Sandbox
-from readie_worker.testing import FakeHost
+from readie_worker.testing import CHANNEL_FORGER, FakeHost
 
 from conftest import CHECKPOINTS  # noqa: E402
 
@@ -263,51 +263,7 @@ def test_a_session_step_keeps_calling_with_the_sessions_functions(worker):
 
 # Finds the executor's connection among the process's descriptors and speaks
 # framing v2 on it by hand: what hostile job code can always do.
-FORGER = r'''
-import json, os, socket, struct
-
-def channel():
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if not target.startswith("socket:"):
-            continue
-        sock = socket.socket(fileno=os.dup(int(name)))
-        try:
-            sock.getpeername()  # the listener has no peer (gVisor says SO_ACCEPTCONN 0 for it too)
-            return sock
-        except OSError:
-            sock.close()
-    raise SystemExit("no connected socket found")
-
-def send(sock, payload):
-    sock.sendall(struct.pack(">Q", len(payload)) + payload + bytes(8))
-
-def read_exact(sock, count):
-    data = b""
-    while len(data) < count:
-        more = sock.recv(count - len(data))
-        if not more:
-            raise EOFError
-        data += more
-    return data
-
-def receive(sock):
-    chunks = []
-    while True:
-        (length,) = struct.unpack(">Q", read_exact(sock, 8))
-        if length == 0:
-            return b"".join(chunks)
-        chunks.append(read_exact(sock, length))
-
-def ask(sock, payload):
-    send(sock, payload)
-    return json.loads(receive(sock))["reply"]
-
-sock = channel()
-'''
+FORGER = CHANNEL_FORGER
 
 FORGED_FRAMES = r'''
 frames = {

@@ -38,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
     configure_logging(json=args.log == "json")
     # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
-    scratch = Path(tempfile.mkdtemp(prefix="rw-", dir=RUN_DIR_PARENT))
+    # Only when a dir was not named: a worker killed outright cannot remove it.
+    needs_scratch = args.state_dir is None or args.run_dir is None
+    scratch = Path(tempfile.mkdtemp(prefix="rw-", dir=RUN_DIR_PARENT)) if needs_scratch else None
     config = WorkerConfig(
         manifest=args.manifest,
-        state_dir=args.state_dir or scratch / "state",
-        run_dir=args.run_dir or scratch / "run",
+        state_dir=args.state_dir or scratch / "state",  # type: ignore[operator]
+        run_dir=args.run_dir or scratch / "run",  # type: ignore[operator]
         slots=args.slots,
         allow_unisolated=args.allow_unisolated,
         **({"warm": dict(args.warm)} if args.warm else {}),
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _serve(config, args, stop)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event) -> int:

@@ -148,3 +148,53 @@ class FakeHost:
             return HostReply(result=function(*call.args, **call.kwargs))
         except Exception as exc:
             return HostReply(error=str(exc))
+
+
+# Code a test runs INSIDE a sandbox to play a hostile job: it finds the
+# executor's connected socket and can write framing-v2 frames by hand
+# (send/receive/ask), as the host-function adversarial tests do.
+CHANNEL_FORGER = r'''
+import json, os, socket, struct
+
+def channel():
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not target.startswith("socket:"):
+            continue
+        sock = socket.socket(fileno=os.dup(int(name)))
+        try:
+            sock.getpeername()  # the listener has no peer (gVisor says SO_ACCEPTCONN 0 for it too)
+            return sock
+        except OSError:
+            sock.close()
+    raise SystemExit("no connected socket found")
+
+def send(sock, payload):
+    sock.sendall(struct.pack(">Q", len(payload)) + payload + bytes(8))
+
+def read_exact(sock, count):
+    data = b""
+    while len(data) < count:
+        more = sock.recv(count - len(data))
+        if not more:
+            raise EOFError
+        data += more
+    return data
+
+def receive(sock):
+    chunks = []
+    while True:
+        (length,) = struct.unpack(">Q", read_exact(sock, 8))
+        if length == 0:
+            return b"".join(chunks)
+        chunks.append(read_exact(sock, length))
+
+def ask(sock, payload):
+    send(sock, payload)
+    return json.loads(receive(sock))["reply"]
+
+sock = channel()
+'''
