@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from readie_executor import hostwire
-from readie_router._backend import NO_ROUTER_HOST_FUNCTIONS
 from readie_router._events import RuntimeInfo
 from readie_router._host import encode_call_event
 from readie_router._pool import PoolEngine, PoolSetup
@@ -208,23 +207,6 @@ def test_a_session_declares_functions_once_and_every_step_calls_them(tmp_path):
     assert fake.sessions[0].job.functions == ("search",)
     refused = lines[4]
     assert refused["error"]["message"].startswith("functions: session 'nb' is open")
-
-
-@pytest.mark.parametrize("session", [None, "nb"])
-def test_a_backend_without_host_functions_refuses_them_naming_the_field(tmp_path, session):
-    request = {"id": 1, "functions": ["search"], "code": "call:search"}
-    if session:
-        request["session"] = session
-
-    async def scenario(engine, source, sink, fake):
-        source.feed_lines(request)
-        source.end()
-
-    _, lines, engine, fake, _ = serve(setup_for(tmp_path), scenario, host_backend(host_refusal=NO_ROUTER_HOST_FUNCTIONS))
-    result = lines[1]
-    assert (result["id"], result["exit"], result["policy"], result["error"]["type"]) == (1, -1, None, "RequestError")
-    assert result["error"]["message"] == f"functions: {NO_ROUTER_HOST_FUNCTIONS}"
-    assert fake.started == [] and engine.stats.sessions_active == 0
 
 
 def test_reserved_names_are_refused_before_anything_runs(tmp_path):

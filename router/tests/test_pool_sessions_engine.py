@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from readie_router._backend import NO_ROUTER_SESSIONS
 from readie_router._config import parse_config
 from readie_router._events import RuntimeInfo
 from readie_router._pool import PoolEngine, PoolSetup
@@ -251,7 +250,7 @@ def test_max_sessions_caps_open_sessions(tmp_path):
     assert by_id[3]["session"] == "c" and by_id[5]["step"] == 1
 
 
-def test_max_sessions_zero_disables_sessions_and_a_backend_without_them_refuses(tmp_path):
+def test_max_sessions_zero_disables_sessions(tmp_path):
     async def scenario(engine, source, sink, fake):
         source.feed_lines({"id": 1, "session": "a", "code": "x"}, {"id": 2, "code": "plain"})
         source.end()
@@ -259,8 +258,6 @@ def test_max_sessions_zero_disables_sessions_and_a_backend_without_them_refuses(
     lines, *_ = serve(setup_for(tmp_path, max_sessions=0), scenario)
     assert error_of(lines[0]) == ("RequestError", "session: sessions are disabled: the pool's max_sessions is 0")
     assert lines[1]["exit"] == 0
-    lines, *_ = serve(setup_for(tmp_path), scenario, FakeBackend(session_refusal=NO_ROUTER_SESSIONS))
-    assert error_of(lines[0]) == ("RequestError", f"session: {NO_ROUTER_SESSIONS}")
 
 
 def test_an_idle_session_is_closed(tmp_path):
@@ -372,16 +369,16 @@ class _SessionRunner:
         self.steps: list[tuple[str, int, int, str | None]] = []
         self.closed_sessions = 0
 
-    def run_job(self, job, job_id=None):
+    def run_job(self, job, job_id=None, host=None):
         return ok_outcome(job.code)
 
-    def open_session(self, job, job_id=None):
+    def open_session(self, job, job_id=None, host=None):
         from readie_worker.sessions import StepOutcome
 
         runner = self
 
         class _Session:
-            def run_step(self, code, name, args, timeout_ms, max_output, *, job_id=None):
+            def run_step(self, code, name, args, timeout_ms, max_output, *, job_id=None, host=None):
                 runner.steps.append((code, timeout_ms, max_output, job_id))
                 return StepOutcome(ok_outcome(code), len(runner.steps) + 1, False)
 
@@ -394,27 +391,14 @@ class _SessionRunner:
         pass
 
 
-def test_threaded_backend_serves_sessions_only_for_a_runner_that_opens_them():
+def test_threaded_backend_runs_a_runners_session_steps_on_its_threads():
     from readie_router._backend import Step, ThreadedBackend
-    from readie_router._errors import RequestError
     from readie_worker.jobs import CodeJob
-
-    class _Remote:  # the gRPC WorkerClient and the router's Placement: run_job only
-        def run_job(self, job, job_id=None):
-            return ok_outcome(job.code)
-
-        def close(self):
-            pass
 
     runner = _SessionRunner()
 
     async def main():
-        remote = ThreadedBackend(_Remote(), slots=1)
-        assert remote.session_support() == NO_ROUTER_SESSIONS
-        with pytest.raises(RequestError, match="not supported through a router"):
-            await remote.open_session(CodeJob(checkpoint="base", code="x"), "1")
         local = ThreadedBackend(runner, slots=1)
-        assert local.session_support() is None
         handle, first = await local.open_session(CodeJob(checkpoint="base", code="a = 1"), "1")
         second = await handle.run_step(Step("print(a)", "<string>", (), 2000, 100), "2")
         await handle.close()

@@ -16,8 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from readie_router.testing import PoolProcess
-from readie_worker.testing import free_port, readie_command, start_worker, stop_worker
+from readie_router.testing import Cluster, PoolProcess, start_cluster
 
 pytestmark = pytest.mark.runsc
 
@@ -27,39 +26,11 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 @pytest.fixture
-def cluster() -> Iterator[dict]:
+def cluster() -> Iterator[Cluster]:
     base = Path(tempfile.mkdtemp(prefix="rr-", dir="/tmp"))
-    workers = [
-        start_worker(base / name, name, CHECKPOINTS / "manifest.json", warm="base=1", slots=2)
-        for name in ("worker-a", "worker-b")
-    ]
-    port = free_port()
-    log_path = base / "router.log"
-    with open(log_path, "wb") as log:
-        router = subprocess.Popen(
-            [*readie_command(), "router", f"--listen=127.0.0.1:{port}", "--probe-interval=0.2",
-             f"--checkpoints={CHECKPOINTS}", "--session-workers=2",
-             *(f"--worker=127.0.0.1:{w.port}" for w in workers)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        assert router.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.1)
-    yield {"channel": channel, "stub": pb_grpc.WorkerStub(channel), "workers": workers, "router": router, "log": log_path, "port": port, "base": base}
-    channel.close()
-    router.terminate()
-    assert router.wait(30) == 0, log_path.read_text()[-2000:]
-    for worker in workers:
-        stop_worker(worker)
-        assert worker.containers() == []
+    made = start_cluster(base, CHECKPOINTS / "manifest.json", router_args=["--session-workers=2"])
+    yield made
+    made.stop()
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -68,7 +39,7 @@ def run(stub, code: str, **fields) -> pb.RunJobResponse:
 
 
 def test_jobs_through_the_router_spread_over_both_workers(cluster):
-    stub = cluster["stub"]
+    stub = cluster.stub
     replies = []
     threads = [threading.Thread(target=lambda: replies.append(run(stub, "import time\ntime.sleep(1)\nprint('ok')"))) for _ in range(4)]
     for thread in threads:
@@ -85,13 +56,13 @@ def test_jobs_through_the_router_spread_over_both_workers(cluster):
 
 def test_a_request_error_from_a_worker_comes_through_the_router(cluster):
     with pytest.raises(grpc.RpcError) as refused:
-        run(cluster["stub"], "pass", checkpoint="nope")
+        run(cluster.stub, "pass", checkpoint="nope")
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(refused.value.trailing_metadata())["readie-field"] == "checkpoint"
 
 
 def test_killing_a_worker_mid_job_fails_that_job_and_the_other_keeps_serving(cluster):
-    stub, (first, second) = cluster["stub"], cluster["workers"]
+    stub, (first, second) = cluster.stub, cluster.workers
     replies: list[pb.RunJobResponse] = []
     jobs = [threading.Thread(target=lambda: replies.append(run(stub, "import time\ntime.sleep(6)", timeout_ms=40_000))) for _ in range(4)]
     for job in jobs:
@@ -108,20 +79,15 @@ def test_killing_a_worker_mid_job_fails_that_job_and_the_other_keeps_serving(clu
     assert sum(1 for r in replies if not r.HasField("error")) == 2
     after = run(stub, "print('still serving')")
     assert after.stdout == "still serving\n"
-    # The killed worker's sandboxes outlive it; sweep them as its restart would.
-    subprocess.run(["runsc", f"--root={first.state_dir}", "list", "--quiet"], check=False)
-    from readie_worker.runsc import Runsc
-
-    Runsc(root=first.state_dir).sweep()
 
 
-def test_readie_pool_runs_its_jobs_through_the_router(cluster):
-    project = cluster["base"] / "project"
+def test_readie_pool_runs_jobs_sessions_and_host_functions_through_the_router(cluster):
+    project = cluster.base / "project"
     project.mkdir()
     with PoolProcess(
-        ["--router", f"127.0.0.1:{cluster['port']}", "--workers=2", "--checkpoints", str(CHECKPOINTS)],
+        ["--router", cluster.address, "--workers=2", "--checkpoints", str(CHECKPOINTS)],
         cwd=project,
-        stderr_path=cluster["base"] / "pool.err",
+        stderr_path=cluster.base / "pool.err",
     ) as pool:
         ready = pool.ready()
         assert ready["event"] == "ready" and ready["workers"] == 2
@@ -129,45 +95,116 @@ def test_readie_pool_runs_its_jobs_through_the_router(cluster):
             {"id": "r1", "code": "print('via the router')"},
             {"id": "r2", "code": "raise KeyError('k')"},
             {"id": "r3", "session": "nb", "code": "x = 1"},
-            {"id": "r4", "functions": ["search"], "code": "from readie_host import search"},
         )
-        results = {result["id"]: result for result in pool.results(4)}
+        results = {result["id"]: result for result in pool.results(3)}
+        pool.send({"id": "r4", "session": "nb", "code": "x += 1\nprint(x)"})
+        results["r4"] = pool.read()
+        pool.send({"id": "r5", "functions": ["search"], "code": "from readie_host import search\nprint(search('q', limit=2))"})
+        call = pool.read()
+        assert {k: call[k] for k in ("event", "id", "function", "args", "kwargs")} == {
+            "event": "call", "id": "r5", "function": "search", "args": ["q"], "kwargs": {"limit": 2}
+        }
+        pool.send({"reply": {"call_id": call["call_id"], "result": [2**64, {"deep": [[["x"]]]}]}})
+        results["r5"] = pool.read()
+        pool.send({"id": "r6", "session": "nb", "close": True})
+        assert pool.read() == {"id": "r6", "session": "nb", "closed": True}
         assert pool.close() == 0
-    # A session cannot be pinned to one of the router's workers: refused, naming the field.
-    assert (results["r3"]["exit"], results["r3"]["session"], results["r3"]["error"]["type"]) == (-1, "nb", "RequestError")
-    assert results["r3"]["error"]["message"].startswith("session: sessions are not supported through a router")
-    # Nor can a host call travel back through the worker API: refused, naming the field.
-    assert (results["r4"]["exit"], results["r4"]["policy"], results["r4"]["error"]["type"]) == (-1, None, "RequestError")
-    assert results["r4"]["error"]["message"].startswith("functions: host functions are not supported through a router")
     assert (results["r1"]["exit"], results["r1"]["stdout"]) == (0, "via the router\n")
     assert results["r1"]["policy"]["backend"] == "gvisor:runsc-restore"
     assert results["r2"]["error"]["type"] == "KeyError"
+    # The session's second step ran in the first one's sandbox: pinned to its worker.
+    assert (results["r3"]["step"], results["r4"]["step"], results["r4"]["stdout"]) == (1, 2, "2\n")
+    assert results["r5"]["stdout"] == f"[{2**64}, {{'deep': [[['x']]]}}]\n", results["r5"]
 
 
-def test_the_pool_protocol_streams_over_grpc(cluster):
+def _worker_sessions(cluster: Cluster) -> list[int]:
+    return [w.stub.Capacity(pb.CapacityRequest(), timeout=5).sessions for w in cluster.workers]
+
+
+def test_sessions_are_spread_over_the_workers_and_pinned_to_theirs(cluster):
+    project = cluster.base / "project"
+    project.mkdir()
+    with PoolProcess(
+        ["--router", cluster.address, "--workers=4", "--checkpoints", str(CHECKPOINTS)],
+        cwd=project,
+        stderr_path=cluster.base / "pool.err",
+    ) as pool:
+        pool.ready()
+        names = [f"s{i}" for i in range(4)]
+        pool.send(*({"id": f"{name}-1", "session": name, "code": f"name = {name!r}; count = 0"} for name in names))
+        assert all(r["exit"] == 0 for r in pool.results(4))
+        assert _worker_sessions(cluster) == [2, 2]
+        for step in range(2, 5):
+            pool.send(*({"id": f"{name}-{step}", "session": name, "code": "count += 1\nprint(name, count)"} for name in names))
+            by_id = {r["id"]: r for r in pool.results(4)}
+            for name in names:
+                assert by_id[f"{name}-{step}"]["stdout"] == f"{name} {step - 1}\n", by_id
+        pool.send(*({"id": f"close-{name}", "session": name, "close": True} for name in names))
+        assert all(r["closed"] for r in pool.results(4))
+        assert _worker_sessions(cluster) == [0, 0]
+        assert pool.close() == 0
+
+
+def test_a_lost_worker_ends_its_sessions_with_a_clear_error_never_a_fresh_start(cluster):
+    project = cluster.base / "project"
+    project.mkdir()
+    with PoolProcess(
+        ["--router", cluster.address, "--workers=2", "--checkpoints", str(CHECKPOINTS)],
+        cwd=project,
+        stderr_path=cluster.base / "pool.err",
+    ) as pool:
+        pool.ready()
+        assert pool.run({"id": 1, "session": "nb", "code": "x = 41"})["exit"] == 0
+        hosting = [w for w, count in zip(cluster.workers, _worker_sessions(cluster)) if count == 1]
+        assert len(hosting) == 1
+        hosting[0].process.kill()
+        hosting[0].process.wait(10)
+        lost = pool.run({"id": 2, "session": "nb", "code": "x += 1\nprint(x)"})
+        assert (lost["exit"], lost["session"], lost["session_ended"], lost["error"]["type"]) == (-1, "nb", True, "PoolWorkerError")
+        assert "session" in lost["error"]["message"] and "ended" in lost["error"]["message"], lost
+        # Told it ended, the client's next request under the name opens a new session on the worker left.
+        fresh = pool.run({"id": 3, "session": "nb", "code": "print('x' in dir())"})
+        assert (fresh["exit"], fresh["step"], fresh["stdout"]) == (0, 1, "False\n"), fresh
+        assert pool.close() == 0
+
+
+def test_the_pool_protocol_streams_over_grpc_with_sessions_and_host_functions(cluster):
     import json
+    import queue
 
     from readie_worker._proto.readie.v1 import pool_pb2, pool_pb2_grpc
 
-    lines = [
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(*lines):
+        inbox.put(pool_pb2.PoolInput(data="".join(json.dumps(line) + "\n" for line in lines).encode()))
+
+    stream = pool_pb2_grpc.PoolStub(cluster.channel).Session(iter(inbox.get, None), timeout=60)
+    read = lambda: json.loads(next(stream).line)  # noqa: E731
+    send(
         {"id": "slow", "code": "import time\ntime.sleep(2)\nprint('slow')"},
         {"id": "fast", "code": "print('fast')"},
         {"id": "bad", "code": "pass", "script": "x.py"},
-        {"id": "nb", "session": "nb", "code": "x = 1"},
-        {"id": "fn", "functions": ["search"], "code": "pass"},
-        {"id": "s", "stats": True},
-    ]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    # Split mid-line on purpose: the stream carries bytes, not messages per line.
-    chunks = [pool_pb2.PoolInput(data=data[:25]), pool_pb2.PoolInput(data=data[25:])]
-    stream = pool_pb2_grpc.PoolStub(cluster["channel"]).Session(iter(chunks), timeout=60)
-    answers = [json.loads(message.line) for message in stream]
-    assert answers[0]["event"] == "ready" and answers[0]["runtime"] == "readie"
-    by_id = {answer["id"]: answer for answer in answers[1:]}
+    )
+    assert read()["event"] == "ready"
+    answers = [read() for _ in range(3)]
+    by_id = {answer["id"]: answer for answer in answers}
     assert by_id["fast"]["stdout"] == "fast\n" and by_id["slow"]["stdout"] == "slow\n"
-    order = [answer["id"] for answer in answers[1:]]
+    order = [answer["id"] for answer in answers]
     assert order.index("fast") < order.index("slow"), "results come in completion order"
     assert by_id["bad"]["error"]["type"] == "RequestError"
-    assert by_id["nb"]["error"]["message"].startswith("session: sessions are not supported through a router")
-    assert by_id["fn"]["error"]["message"].startswith("functions: host functions are not supported through a router")
-    assert by_id["s"]["event"] == "stats" and by_id["s"]["request_errors"] == 3
+    send({"id": "nb1", "session": "nb", "functions": ["lookup"], "code": "x = 1"})
+    assert read()["step"] == 1
+    send({"id": "nb2", "session": "nb", "code": "from readie_host import lookup\nprint(lookup(x))"})
+    call = read()
+    assert (call["event"], call["id"], call["function"], call["args"]) == ("call", "nb2", "lookup", [1])
+    send({"reply": {"call_id": call["call_id"], "error": "not found"}})
+    failed = read()
+    assert (failed["id"], failed["step"], failed["error"]["type"]) == ("nb2", 2, "HostError")
+    assert "not found" in failed["error"]["message"]
+    send({"id": "s", "stats": True})
+    stats = read()
+    assert stats["event"] == "stats" and stats["request_errors"] == 1 and stats["sessions_active"] == 1
+    assert stats["host"]["calls"] == 1
+    inbox.put(None)
+    assert list(stream) == []  # EOF: the session is closed, the stream ends

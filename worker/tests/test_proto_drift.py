@@ -60,5 +60,5 @@ def test_the_generated_modules_import_with_the_installed_runtimes():
 
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
     assert worker_pb2.DESCRIPTOR.name == "readie/v1/worker.proto"
-    assert [method.name for method in service.methods] == ["RunJob", "Execute", "Capacity"]
+    assert [method.name for method in service.methods] == ["RunJob", "Execute", "Capacity", "Interact"]
     assert hasattr(worker_pb2_grpc, "WorkerServicer") and hasattr(worker_pb2_grpc, "WorkerStub")

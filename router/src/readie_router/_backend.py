@@ -22,22 +22,14 @@ The contract every backend keeps:
   ``PoolWorkerError`` without touching the worker. Jobs still running when
   ``close`` starts end with a worker error: a graceful drain is the pool
   engine's business (it waits for its jobs before closing).
-* sessions: ``session_support()`` is None when the backend can pin a
-  session to one sandbox, else the reason it cannot (the engine refuses
-  sessions with it). ``open_session`` takes the session's setup and first
-  step as one job and returns a :class:`BackendSession` and the first
-  step's :class:`~readie_worker.sessions.StepOutcome`; it raises like
-  ``run``. Only a runner with ``open_session`` (the in-process ``Worker``)
-  supports them: a router places every job on any of its workers, so
-  ``--router`` and the router's ``Pool.Session`` stream refuse sessions.
-* host functions: ``host_support()`` is None when ``run``, ``open_session``
-  and ``run_step`` take a ``host`` callback
-  (:data:`~readie_worker.jobs.HostFunction`, called on the job's thread for
-  each call the job makes to its declared functions), else the reason they
-  do not (the engine refuses ``functions`` with it). Only a runner whose
-  ``run_job`` takes ``host`` (the in-process ``Worker``) has them: the gRPC
-  worker API carries no host calls, so ``--router`` and ``Pool.Session``
-  refuse them.
+* sessions: ``open_session`` takes the session's setup and first step as
+  one job and returns a :class:`BackendSession` and the first step's
+  :class:`~readie_worker.sessions.StepOutcome`; it raises like ``run``. The
+  session stays where it opened: in this process's worker, or (through a
+  router) on one worker, down its own Interact stream.
+* host functions: ``run``, ``open_session`` and ``run_step`` take a ``host``
+  callback (:data:`~readie_worker.jobs.HostFunction`, called on the job's
+  thread for each call the job makes to its declared functions).
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.
@@ -47,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,18 +47,16 @@ from typing import Protocol, TypeVar
 
 import structlog
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
+from readie_worker.errors import PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
-from readie_worker.sessions import Session, StepOutcome
+from readie_worker.runner import JobRunner, SessionHandle
+from readie_worker.sessions import StepOutcome
 
 __all__ = [
     "CHECKPOINT_PLAN",
     "WARM_TIMEOUT_S",
-    "NO_ROUTER_HOST_FUNCTIONS",
-    "NO_ROUTER_SESSIONS",
     "BackendSession",
-    "BlockingRunner",
     "JobBackend",
     "LocalWorkerBackend",
     "Step",
@@ -86,19 +75,6 @@ CHECKPOINT_PLAN = "pipeline/src/readie_pipeline/checkpoints.toml"
 #: anyway. A restore takes 0.3-0.7 s here and refills run one at a time, so
 #: this covers dozens of workers; past it the first jobs restore their own.
 WARM_TIMEOUT_S = 60.0
-#: Why a runner without ``open_session`` (the gRPC ``WorkerClient``, the
-#: router's ``Placement``) cannot serve sessions.
-NO_ROUTER_SESSIONS = (
-    "sessions are not supported through a router: a session lives in one sandbox on one "
-    "worker, and a router places each job on any of its workers; run readie pool without "
-    "--router for sessions"
-)
-#: Why a runner whose ``run_job`` takes no ``host`` cannot serve host functions.
-NO_ROUTER_HOST_FUNCTIONS = (
-    "host functions are not supported through a router: the worker API does not carry the "
-    "calls a job makes back to its client; run readie pool without --router for functions"
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -126,10 +102,6 @@ class JobBackend(Protocol):
 
     async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome: ...
 
-    def session_support(self) -> str | None: ...
-
-    def host_support(self) -> str | None: ...
-
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
     ) -> tuple[BackendSession, StepOutcome]: ...
@@ -137,59 +109,26 @@ class JobBackend(Protocol):
     async def close(self) -> None: ...
 
 
-class BlockingRunner(Protocol):
-    """What readie's blocking job runners share: the in-process ``Worker``, the
-    gRPC ``WorkerClient`` and the router's ``Placement``."""
-
-    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome: ...
-
-    def close(self) -> None: ...
-
-
 class ThreadedBackend:
-    """A :class:`BlockingRunner` as a :class:`JobBackend`: each job on one of ``slots`` threads.
+    """A :class:`JobRunner` as a :class:`JobBackend`: each job on one of ``slots`` threads.
 
     ``slots`` should match the pool's workers, so a job the engine lets run
     never waits for a thread.
     """
 
-    def __init__(self, runner: BlockingRunner, slots: int) -> None:
+    def __init__(self, runner: JobRunner, slots: int) -> None:
         self.runner = runner
         self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
         self._closed = False
 
     async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
-        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id, **self._host(host)))
-
-    def session_support(self) -> str | None:
-        return None if callable(getattr(self.runner, "open_session", None)) else NO_ROUTER_SESSIONS
-
-    def host_support(self) -> str | None:
-        try:
-            takes_host = "host" in inspect.signature(self.runner.run_job).parameters
-        except (TypeError, ValueError):
-            takes_host = False
-        return None if takes_host else NO_ROUTER_HOST_FUNCTIONS
+        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id, host))
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
     ) -> tuple[BackendSession, StepOutcome]:
-        reason = self.session_support()
-        if reason is not None:
-            raise RequestError(reason, "session")
-        open_session = self.runner.open_session  # type: ignore[attr-defined]
-        opening = functools.partial(open_session, job, job_id, **self._host(host))
-        session, first = await self._on_thread(opening)
+        session, first = await self._on_thread(functools.partial(self.runner.open_session, job, job_id, host))
         return _ThreadedSession(self, session), first
-
-    def _host(self, host: HostFunction | None) -> dict[str, HostFunction]:
-        """``host`` as a keyword argument for the runner, or none at all (runners without host functions)."""
-        if host is None:
-            return {}
-        reason = self.host_support()
-        if reason is not None:
-            raise RequestError(reason, "functions")
-        return {"host": host}
 
     async def _on_thread(self, call: functools.partial[_T]) -> _T:
         if self._closed:
@@ -204,9 +143,9 @@ class ThreadedBackend:
 
 
 class _ThreadedSession:
-    """A worker :class:`~readie_worker.sessions.Session`: steps on the backend's job threads."""
+    """A runner's session: steps on the backend's job threads."""
 
-    def __init__(self, backend: ThreadedBackend, session: Session) -> None:
+    def __init__(self, backend: ThreadedBackend, session: SessionHandle) -> None:
         self._backend = backend
         self.session = session
 
@@ -219,7 +158,7 @@ class _ThreadedSession:
             step.timeout_ms,
             step.max_output,
             job_id=job_id,
-            **self._backend._host(host),
+            host=host,
         )
         return await self._backend._on_thread(run)
 

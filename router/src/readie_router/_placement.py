@@ -11,6 +11,14 @@ retried, since its side effects may have happened. A worker that refuses a
 job before running it (draining, no sandbox) is not a failure of the job:
 the job is offered to another worker.
 
+A session is placed once, on the healthy worker with the fewest sessions
+(among those with a free slot and room for one more), and stays there: its
+steps go down the session's own Interact stream to that worker
+(:class:`~readie_worker.remote_session.RemoteSession`). If the worker is
+lost, the session has ended; the next step says so and nothing starts a
+fresh one elsewhere. Jobs with host functions are placed like any job; their
+calls come back on the job's stream.
+
 :class:`Placement` has the in-process :class:`~readie_worker.core.Worker`'s
 shape (``run_job``, ``execute_call``, ``capacity``, ``drain``, ``close``), so
 the worker's own gRPC service serves a router unchanged.
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -29,7 +37,9 @@ import structlog
 from readie_worker.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
-from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.remote_session import RemoteSession, SessionLost
+from readie_worker.sessions import StepOutcome
 
 log = structlog.get_logger("readie.placement")
 
@@ -53,11 +63,23 @@ class _Member:
     capacity: Capacity | None = None
     failures: int = 0
     in_flight: int = 0
+    sessions: int = 0  # placed here by this router and not yet ended
 
     def free(self) -> int:
         if not self.healthy or self.capacity is None or self.capacity.draining:
             return 0
         return self.capacity.slots - self.in_flight
+
+    def session_room(self) -> int:
+        if self.free() <= 0:  # the first step needs a slot too
+            return 0
+        assert self.capacity is not None
+        # The probe counts other routers' sessions too, but is up to an interval old.
+        return self.capacity.max_sessions - max(self.capacity.sessions, self.sessions)
+
+    def session_load(self) -> tuple[float, float]:
+        assert self.capacity is not None
+        return self.sessions / max(1, self.capacity.max_sessions), self.load()
 
     def load(self) -> float:
         assert self.capacity is not None
@@ -74,6 +96,7 @@ class Placement:
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _prober: threading.Thread | None = field(init=False, default=None)
     _draining: bool = field(init=False, default=False)
+    _sessions: set[PlacedSession] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self._members = [_Member(WorkerClient(address)) for address in self.addresses]
@@ -86,13 +109,39 @@ class Placement:
 
     # -- the Worker shape ---------------------------------------------------
 
-    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
         started = time.monotonic()
         try:
-            return self._place(lambda client: client.run_job(job, job_id), job.checkpoint)
+            return self._place(lambda client: client.run_job(job, job_id, host), job.checkpoint)
         except PoolWorkerError as exc:
             duration_us = int((time.monotonic() - started) * 1_000_000)
             return JobOutcome.failure("PoolWorkerError", str(exc), duration_us, "remote")
+
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+    ) -> tuple[PlacedSession, StepOutcome]:
+        """Open a session on one worker, where it stays (``Worker.open_session``'s shape)."""
+        refused: set[int] = set()
+        while True:
+            member = self._choose(refused, session=True)
+            try:
+                remote, first = member.client.open_session(job, job_id, host)
+            except SandboxSetupError as exc:
+                log.info("worker refused a session; placing it elsewhere", worker=member.name, error=str(exc))
+                refused.add(id(member))
+                self._release(member, session=True)
+                continue
+            except BaseException:
+                self._release(member, session=True)
+                raise
+            self._release(member)
+            placed = PlacedSession(self, member, remote)
+            with self._lock:
+                self._sessions.add(placed)
+            if first.session_ended:
+                placed.close()
+            log.info("session placed", session=remote.id, worker=member.name)
+            return placed, first
 
     def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None) -> bytes:
         return self._place(lambda client: client.execute_call(checkpoint, payload, timeout_s, max_response), checkpoint)
@@ -113,6 +162,8 @@ class Placement:
                 draining=self._draining,
                 pools=pools,
                 isolated=all(m.capacity.isolated for m in live if m.capacity),
+                sessions=sum(m.sessions for m in self._members),
+                max_sessions=sum(m.capacity.max_sessions for m in live if m.capacity),
             )
 
     def drain(self, grace_s: float = 30.0) -> None:
@@ -127,6 +178,10 @@ class Placement:
         self._stop.set()
         if self._prober is not None and self._prober is not threading.current_thread():
             self._prober.join()
+        with self._lock:
+            sessions = list(self._sessions)
+        for session in sessions:  # their sandboxes, on their workers
+            session.close()
         for member in self._members:
             member.client.close()
 
@@ -146,20 +201,29 @@ class Placement:
                 self._mark_failed(member)
                 raise  # it may have run: never retried
             finally:
-                with self._lock:
-                    member.in_flight -= 1
-                    self._lock.notify_all()
+                self._release(member)
 
-    def _choose(self, refused: set[int]) -> _Member:
+    def _release(self, member: _Member, *, session: bool = False) -> None:
+        """A slot (and a session place) taken by ``_choose`` given back."""
+        with self._lock:
+            member.in_flight -= 1
+            if session:
+                member.sessions -= 1
+            self._lock.notify_all()
+
+    def _choose(self, refused: set[int], *, session: bool = False) -> _Member:
+        """The worker for a job (a slot taken), or for a session (a slot and a session place taken)."""
         deadline = time.monotonic() + self.wait_s
+        room, order = (_Member.session_room, _Member.session_load) if session else (_Member.free, _Member.load)
         with self._lock:
             while True:
                 if self._draining:
                     raise SandboxSetupError("the router is draining and takes no new work")
-                candidates = [m for m in self._members if m.free() > 0 and id(m) not in refused]
+                candidates = [m for m in self._members if room(m) > 0 and id(m) not in refused]
                 if candidates:
-                    chosen = min(candidates, key=_Member.load)
+                    chosen = min(candidates, key=order)
                     chosen.in_flight += 1
+                    chosen.sessions += session
                     return chosen
                 if not any(m.healthy and id(m) not in refused for m in self._members):
                     raise SandboxSetupError("no healthy worker can take the job")
@@ -199,3 +263,58 @@ class Placement:
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.probe_interval_s):
             self.probe_all()
+
+
+class PlacedSession:
+    """A session on the worker ``Placement`` chose for it: its steps count against that worker's slots."""
+
+    def __init__(self, placement: Placement, member: _Member, remote: RemoteSession) -> None:
+        self._placement = placement
+        self._member = member
+        self._remote = remote
+        self.id = remote.id
+        self._counted = True  # holds one of the member's session places until it ends
+
+    @property
+    def ended(self) -> bool:
+        return self._remote.ended
+
+    def run_step(
+        self,
+        code: str,
+        name: str = "<string>",
+        args: Iterable[str] = (),
+        timeout_ms: int | None = None,
+        max_output: int | None = None,
+        *,
+        job_id: str | None = None,
+        host: HostFunction | None = None,
+    ) -> StepOutcome:
+        """``RemoteSession.run_step``, with the step counted as in flight on the session's worker."""
+        placement = self._placement
+        with placement._lock:
+            self._member.in_flight += 1
+        try:
+            return self._remote.run_step(code, name, args, timeout_ms, max_output, job_id=job_id, host=host)
+        except SessionLost:
+            placement._mark_failed(self._member)  # as for a job lost with its worker
+            raise
+        finally:
+            placement._release(self._member)
+            if self._remote.ended:
+                self._forget()
+
+    def close(self) -> None:
+        try:
+            self._remote.close()
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        placement = self._placement
+        with placement._lock:
+            if self._counted:
+                self._counted = False
+                self._member.sessions -= 1
+                placement._sessions.discard(self)
+                placement._lock.notify_all()

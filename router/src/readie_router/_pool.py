@@ -220,7 +220,7 @@ class PoolEngine:
         self._drain_calls = 0
         self._output_lost = False
         self.accepted = 0  # lines that took a permit so far (tests and logs); replies take none
-        self.sessions = SessionTable(setup.max_sessions, backend.session_support())
+        self.sessions = SessionTable(setup.max_sessions)
 
     # ------------------------------------------------------------------ control
 
@@ -428,10 +428,6 @@ class PoolEngine:
 
     async def _code_job(self, request: JobRequest, policy: Policy) -> CodeJob:
         setup = self.setup
-        if request.functions:
-            reason = self.backend.host_support()
-            if reason is not None:
-                raise RequestError(reason, "functions")
         if request.packages is not None and setup.config.limits is not NO_LIMITS:
             # The ceiling has no key for packages; one that does not name a
             # kind of grant grants none of it (see _policy.Limits).

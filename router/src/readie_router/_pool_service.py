@@ -5,8 +5,8 @@ come from the request stream and its lines go out on the response stream.
 Jobs go to the router's placement, shared by every session; a session's end
 (the client closing its side) drains that session's jobs only. (A "session"
 here is one stream. The pool protocol's own sessions, ``"session": NAME``,
-are refused on it: the placement cannot pin one to a worker; docs/pool.md.
-So are host functions, ``functions``: the worker API carries no calls back.)
+are pinned by the placement to one worker each, and host functions'
+calls come back from the worker on the job's own Interact stream.)
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import structlog
 
 from readie_worker._proto.readie.v1 import pool_pb2 as pb
 from readie_worker._proto.readie.v1 import pool_pb2_grpc as pb_grpc
-from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.runner import JobRunner, SessionHandle
+from readie_worker.sessions import StepOutcome
 
-from ._backend import BlockingRunner, ThreadedBackend
+from ._backend import ThreadedBackend
 from ._pool import PoolEngine, PoolSetup
 
 log = structlog.get_logger("readie.router.pool")
@@ -39,11 +41,16 @@ _END = None
 class _Shared:
     """The placement, lent to a session: a session's close must not close it."""
 
-    def __init__(self, runner: BlockingRunner) -> None:
+    def __init__(self, runner: JobRunner) -> None:
         self._runner = runner
 
-    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
-        return self._runner.run_job(job, job_id)
+    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
+        return self._runner.run_job(job, job_id, host)
+
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+    ) -> tuple[SessionHandle, StepOutcome]:
+        return self._runner.open_session(job, job_id, host)
 
     def close(self) -> None:
         pass
@@ -74,7 +81,7 @@ class _ResponseSink:
 
 
 class PoolServicer(pb_grpc.PoolServicer):
-    def __init__(self, setup: PoolSetup, runner: BlockingRunner) -> None:
+    def __init__(self, setup: PoolSetup, runner: JobRunner) -> None:
         self._setup = setup
         self._runner = runner
 

@@ -108,9 +108,8 @@ class Session:
 class SessionTable:
     """The open sessions by name, and the admission rules (see the module docstring)."""
 
-    def __init__(self, max_sessions: int, unsupported: str | None = None) -> None:
+    def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
-        self.unsupported = unsupported  # the backend's reason it cannot serve sessions
         self._open: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -142,8 +141,6 @@ class SessionTable:
                     "session",
                 )
             return session, False
-        if self.unsupported is not None:
-            raise RequestError(self.unsupported, "session")
         if self.max_sessions == 0:
             raise RequestError("sessions are disabled: the pool's max_sessions is 0", "session")
         if len(self._open) >= self.max_sessions:

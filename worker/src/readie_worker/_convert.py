@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
@@ -21,9 +22,11 @@ from readie_executor.jobs import bounds
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from .core import Capacity
+from ._host_frames import HostStats, check_functions
 from ._job_result import JobError
 from .errors import RequestError
 from .jobs import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
+from .sessions import StepOutcome
 from .packages import validate_requirements
 
 # Checkpoint names are short identifiers from checkpoints.toml; the bound keeps
@@ -80,6 +83,30 @@ def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJ
         memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
         max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT, DEFAULT_MAX_OUTPUT),
         max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
+        functions=_functions(tuple(request.functions)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """A later step of a session, validated; None means the session's own value."""
+
+    code: str
+    name: str
+    args: tuple[str, ...]
+    timeout_ms: int | None = None
+    max_output: int | None = None
+
+
+def session_step(message: pb.SessionStep) -> StepRequest:
+    """The step ``message`` asks for, or a RequestError naming the first bad field."""
+    args = tuple(message.args)
+    return StepRequest(
+        code=_text("step.code", message.code, MAX_CODE_CHARS),
+        name=_text("step.name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
+        args=_args(args),
+        timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
+        max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
     )
 
 
@@ -109,7 +136,10 @@ def timeout_ms(request: pb.RunJobRequest | pb.ExecuteRequest, time_remaining_s: 
     return min(timeout, remaining_ms)
 
 
-def run_job_response(outcome: JobOutcome) -> pb.RunJobResponse:
+def run_job_response(
+    outcome: JobOutcome, step: StepOutcome | None = None, session_id: str | None = None
+) -> pb.RunJobResponse:
+    """The response for a job, or for a session's step (``step`` and ``session_id`` set)."""
     response = pb.RunJobResponse(
         stdout=outcome.stdout,
         stderr=outcome.stderr,
@@ -119,7 +149,15 @@ def run_job_response(outcome: JobOutcome) -> pb.RunJobResponse:
         python=outcome.python,
         preloaded_modules=outcome.preloaded_modules,
         backend=outcome.backend,
+        system_exit=outcome.system_exit,
     )
+    if outcome.host is not None:
+        response.host.CopyFrom(_stats_message(outcome.host))
+    if step is not None:
+        response.step = step.step
+        response.session_ended = step.session_ended
+    if session_id is not None:
+        response.session_id = session_id
     if outcome.exit is not None:
         response.exit = outcome.exit
     if outcome.sandbox_id is not None:
@@ -137,6 +175,17 @@ def run_job_response(outcome: JobOutcome) -> pb.RunJobResponse:
     return response
 
 
+def _stats_message(stats: HostStats) -> pb.HostStats:
+    return pb.HostStats(
+        calls=stats.calls,
+        replies=stats.replies,
+        junk=stats.junk,
+        forged=stats.forged,
+        host_errors=stats.host_errors,
+        wait_us=stats.wait_us,
+    )
+
+
 def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb.CapacityResponse:
     return pb.CapacityResponse(
         slots=capacity.slots,
@@ -146,6 +195,8 @@ def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb
         pools={name: pb.PoolState(ready=pool["ready"], target=pool["target"]) for name, pool in capacity.pools.items()},
         worker_name=worker_name,
         protocol=protocol,
+        sessions=capacity.sessions,
+        max_sessions=capacity.max_sessions,
     )
 
 
@@ -177,6 +228,11 @@ def _env(env: Mapping[str, str], budget: int) -> dict[str, str]:
     if sum(len(key) + len(value) + 2 for key, value in env.items()) > budget:
         raise RequestError(f"args and env add up to more than {MAX_ARGV_ENV_CHARS} characters", field="env")
     return env
+
+
+def _functions(functions: tuple[str, ...]) -> tuple[str, ...]:
+    check_functions(functions)  # bounded count, valid names, no repeats
+    return functions
 
 
 def _absolute(field: str, path: str) -> str:
@@ -222,12 +278,22 @@ def run_job_request(job: CodeJob) -> pb.RunJobRequest:
         timeout_ms=job.timeout_ms,
         max_output=job.max_output,
         packages=job.packages,
+        functions=job.functions,
     )
     if job.memory_bytes is not None:
         request.memory_bytes = job.memory_bytes
     if job.max_file_size is not None:
         request.max_file_size = job.max_file_size
     return request
+
+
+def session_step_message(step: StepRequest) -> pb.SessionStep:
+    message = pb.SessionStep(code=step.code, name=step.name, args=step.args)
+    if step.timeout_ms is not None:
+        message.timeout_ms = step.timeout_ms
+    if step.max_output is not None:
+        message.max_output = step.max_output
+    return message
 
 
 def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
@@ -253,4 +319,17 @@ def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
         preloaded_modules=tuple(response.preloaded_modules),
         sandbox_id=response.sandbox_id if response.HasField("sandbox_id") else None,
         backend=response.backend,
+        system_exit=response.system_exit,
+        host=_stats(response.host) if response.HasField("host") else None,
+    )
+
+
+def _stats(message: pb.HostStats) -> HostStats:
+    return HostStats(
+        calls=message.calls,
+        replies=message.replies,
+        junk=message.junk,
+        forged=message.forged,
+        host_errors=message.host_errors,
+        wait_us=max(0, message.wait_us),
     )

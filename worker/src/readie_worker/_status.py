@@ -124,6 +124,8 @@ def error_from_status(error: grpc.RpcError) -> ReadieError:
         return RequestError(details.removeprefix(prefix) if field else details, field=field)
     if kind is not None and code == grpc.StatusCode.UNAVAILABLE:
         return SandboxSetupError(details)  # refused before anything ran: another worker may take it
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # an older worker: the method never ran
+        return SandboxSetupError(f"the worker does not implement this call (older protocol): {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ExecutorTimeout(details or "deadline exceeded")
     return PoolWorkerError(f"worker call failed ({code.name}): {details}")

@@ -15,11 +15,11 @@ from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import error_from_status
 from .core import Capacity
 from .grpc_service import MAX_MESSAGE_BYTES
-from .jobs import CodeJob, JobOutcome
+from .errors import PoolWorkerError
+from .jobs import CodeJob, HostFunction, JobOutcome
+from .remote_session import DEADLINE_MARGIN_S, InteractStream, RemoteSession
+from .sessions import StepOutcome
 
-# Above a job's own timeout: the worker enforces the timeout, this only keeps
-# a lost connection from hanging the caller forever.
-DEADLINE_MARGIN_S = 30.0
 # Capacity answers from memory; a second means the worker is in trouble.
 CAPACITY_TIMEOUT_S = 1.0
 
@@ -36,15 +36,37 @@ class WorkerClient:
         )
         self._stub = pb_grpc.WorkerStub(self._channel)
 
-    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
-        metadata = (("x-request-id", job_id),) if job_id else ()
+    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
+        """Run ``job`` on the worker; ``host`` answers its calls to its declared ``functions``."""
+        timeout_s = job.timeout_ms / 1000 + DEADLINE_MARGIN_S
+        if job.functions:  # the calls come back on an Interact stream
+            stream = self._interact(pb.InteractRequest(job=run_job_request(job)), job, job_id, timeout_s)
+            response = stream.result(host)
+            stream.close()
+            return job_outcome(response)
         try:
-            response = self._stub.RunJob(
-                run_job_request(job), timeout=job.timeout_ms / 1000 + DEADLINE_MARGIN_S, metadata=metadata
-            )
+            response = self._stub.RunJob(run_job_request(job), timeout=timeout_s, metadata=_request_id(job_id))
         except grpc.RpcError as error:
             raise error_from_status(error) from None
         return job_outcome(response)
+
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+    ) -> tuple[RemoteSession, StepOutcome]:
+        """Open a session on the worker whose setup and first step are ``job`` (``Worker.open_session``'s shape)."""
+        stream = self._interact(pb.InteractRequest(open_session=run_job_request(job)), job, job_id, None)
+        response = stream.result(host, job.timeout_ms / 1000 + DEADLINE_MARGIN_S)
+        if not response.HasField("session_id") or response.step != 1:
+            stream.cancel()
+            raise PoolWorkerError("the worker answered a session's opening without a session id or as another step")
+        session = RemoteSession(stream, job, response.session_id, self.address)
+        first = StepOutcome(job_outcome(response), response.step, response.session_ended)
+        if first.session_ended:
+            session.close()
+        return session, first
+
+    def _interact(self, first: pb.InteractRequest, job: CodeJob, job_id: str | None, timeout_s: float | None) -> InteractStream:
+        return InteractStream(self._stub, first, job.functions, timeout_s=timeout_s, metadata=_request_id(job_id))
 
     def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None) -> bytes:
         request = pb.ExecuteRequest(checkpoint=checkpoint, payload=payload, timeout_ms=max(1, int(timeout_s * 1000)))
@@ -60,7 +82,14 @@ class WorkerClient:
         except grpc.RpcError as error:
             raise error_from_status(error) from None
         pools = {name: {"ready": state.ready, "target": state.target} for name, state in reply.pools.items()}
-        return Capacity(reply.slots, reply.busy, reply.draining, pools, reply.isolated), reply.worker_name
+        capacity = Capacity(
+            reply.slots, reply.busy, reply.draining, pools, reply.isolated, reply.sessions, reply.max_sessions
+        )
+        return capacity, reply.worker_name
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _request_id(job_id: str | None) -> tuple[tuple[str, str], ...]:
+    return (("x-request-id", job_id),) if job_id else ()

@@ -44,6 +44,10 @@ DEFAULT_SANDBOX_MEMORY = 4 * 1024**3
 SANDBOX_OVERHEAD = 256 * 1024**2
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
+# Sessions a worker keeps open at once: each holds a sandbox (150 MB PSS for
+# pandas, measured) and, served over gRPC, a server thread for its stream.
+# The pool protocol's own default cap, so one pool's sessions fit one worker.
+DEFAULT_MAX_SESSIONS = 16
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class WorkerConfig:
     run_dir: Path  # sandbox dirs; short, because socket paths are limited to 107 bytes
     warm: Mapping[str, int] = field(default_factory=lambda: {"base": 1, "pandas": 1})
     slots: int = DEFAULT_SLOTS
+    max_sessions: int = DEFAULT_MAX_SESSIONS
     refill_concurrency: int = 1
     strict_manifest: bool = False
     # Development without gVisor: jobs run as plain host processes. Never a default.
@@ -82,6 +87,8 @@ class Capacity:
     draining: bool
     pools: dict[str, dict[str, int]]
     isolated: bool
+    sessions: int = 0
+    max_sessions: int = 0
 
 
 class Worker:
@@ -102,6 +109,7 @@ class Worker:
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
         self._sessions: set[Session] = set()  # open ones; each holds a sandbox
+        self._session_places = 0  # sessions open or being opened, at most config.max_sessions
 
     def start(self) -> Worker:
         try:
@@ -227,9 +235,13 @@ class Worker:
         with self._slot():
             queued_us = _since(started)
             self._check_job(job)
+            self._take_session_place()
             try:
                 sandbox, links = self._acquire(job)
-            except SandboxSetupError as exc:
+            except BaseException as exc:
+                self._give_session_place()
+                if not isinstance(exc, SandboxSetupError):
+                    raise
                 failed = JobOutcome.failure(
                     "SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local"
                 )
@@ -252,9 +264,22 @@ class Worker:
         with self._lock:
             return len(self._sessions)
 
+    def _take_session_place(self) -> None:
+        with self._lock:
+            if self._session_places >= self.config.max_sessions:
+                # Not the request's fault: another worker (or this one, later) may take it.
+                raise SandboxSetupError(f"this worker keeps at most {self.config.max_sessions} sessions, and all are open")
+            self._session_places += 1
+
+    def _give_session_place(self) -> None:
+        with self._lock:
+            self._session_places -= 1
+
     def _forget_session(self, session: Session) -> None:
         with self._lock:
-            self._sessions.discard(session)
+            if session in self._sessions:
+                self._sessions.remove(session)
+                self._session_places -= 1
 
     def _check_job(self, job: CodeJob) -> None:
         if job.checkpoint not in self.pools:
@@ -305,13 +330,15 @@ class Worker:
 
     def capacity(self) -> Capacity:
         with self._lock:
-            busy, draining = self._busy, self._draining
+            busy, draining, sessions = self._busy, self._draining, self._session_places
         return Capacity(
             slots=self.config.slots,
             busy=busy,
             draining=draining,
             pools={name: {"ready": pool.ready_count, "target": pool.target} for name, pool in self.pools.items()},
             isolated=self.isolated,
+            sessions=sessions,
+            max_sessions=self.config.max_sessions,
         )
 
     def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:

@@ -19,7 +19,7 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +29,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ._interact import Interaction
 from ._convert import (
     MAX_CALL_PAYLOAD_BYTES,
     call_payload,
@@ -41,13 +42,15 @@ from ._convert import (
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
-from .core import DEFAULT_DRAIN_GRACE_S, Worker
+from .core import DEFAULT_DRAIN_GRACE_S, Capacity, Worker
+from .errors import RequestError
 
 log = structlog.get_logger("readie.grpc")
 
 # Additions to readie.v1 this worker understands (CapacityResponse.protocol).
 # Bump when a field or RPC is added; a new package (readie.v2) for anything else.
-WORKER_PROTOCOL = 1
+# 2: Interact (host functions, sessions), RunJobRequest.functions, sessions in Capacity.
+WORKER_PROTOCOL = 2
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 # A call's answer may be as large as its question: a data frame in, one out.
 MAX_ENVELOPE_BYTES = MAX_CALL_PAYLOAD_BYTES
@@ -92,6 +95,9 @@ class CallLog:
         if error is None:
             getattr(log, self._level)("call", status="OK", **self.fields)
             return
+        if isinstance(error, GeneratorExit):  # grpc dropped a stream: the client went away
+            log.info("call", status="CANCELLED", **self.fields)
+            return
         status = status_for(error)
         refused = dict(status.metadata)
         log.info("call", status=status.code.name, error=refused.get(ERROR_METADATA_KEY), field=refused.get(FIELD_METADATA_KEY), **self.fields)
@@ -120,6 +126,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @_rpc()
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext, call: CallLog) -> pb.RunJobResponse:
         job = code_job(request, context.time_remaining())
+        if job.functions:
+            raise RequestError("host functions need the Interact stream: RunJob carries no calls back", field="functions")
         call.bind(checkpoint=job.checkpoint, timeout_ms=job.timeout_ms)
         # The worker logs the job itself (sandbox, outcome, timings) under this id.
         outcome = self.worker.run_job(job, job_id=call.request_id)
@@ -139,6 +147,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if len(envelope) > MAX_ENVELOPE_BYTES:
             raise ResponseTooLarge(f"the call's envelope is {len(envelope)} bytes; at most {MAX_ENVELOPE_BYTES} can be sent")
         return pb.ExecuteResponse(envelope=envelope, duration_us=duration_us)
+
+    def Interact(self, requests: Iterator[pb.InteractRequest], context: grpc.ServicerContext) -> Iterator[pb.InteractEvent]:
+        # A generator: the error mapping and the log line wrap its whole life, not its creation.
+        with grpc_errors(context), CallLog("Interact", context) as call:
+            yield from Interaction(self.worker, requests, context, call.request_id, call.bind).events()
 
     @_rpc(level="debug")  # polled by placement: a line per poll would drown the job lines
     def Capacity(self, request: pb.CapacityRequest, context: grpc.ServicerContext, call: CallLog) -> pb.CapacityResponse:
@@ -186,7 +199,7 @@ def serve(
     ``name`` is what Capacity reports; by default the host name and the bound port.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads or worker.capacity().slots + RPC_HEADROOM_THREADS, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=threads or _threads(worker.capacity()), thread_name_prefix="rpc"),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -210,6 +223,12 @@ def serve(
     server.start()
     log.info("serving", address=bound, name=name, protocol=WORKER_PROTOCOL, max_message_bytes=max_message_bytes)
     return WorkerServer(server, health_servicer, worker, bound, port)
+
+
+def _threads(capacity: Capacity) -> int:
+    """One per job slot and per session (an Interact stream holds its thread for the session's life),
+    plus headroom for Capacity and health while all are busy."""
+    return capacity.slots + capacity.max_sessions + RPC_HEADROOM_THREADS
 
 
 def _request_id(context: grpc.ServicerContext) -> str:

@@ -46,6 +46,7 @@ __all__ = [
     "HostStats",
     "JobOutcome",
     "MountedGrants",
+    "ask_host",
     "job_request",
     "mount_grants",
     "run_in_sandbox",
@@ -269,15 +270,19 @@ class _HostAnswer:
             return event.reply
         call = dataclasses.replace(event, deadline=self._deadline)
         started = time.monotonic_ns()
-        try:
-            reply = self._host(call)
-            if not isinstance(reply, HostReply):
-                kind = type(reply).__name__
-                reply = HostReply(error=f"{call.function}: the host answered with {kind}, not a reply")
-        except Exception as exc:  # the host's failure is the call's, not the worker's
-            failure = f"{type(exc).__name__}: {exc}"
-            reply = HostReply(error=f"{call.function} failed on the host: {failure}")
+        reply = ask_host(self._host, call)
         return self._conversation.answer(call, reply, time.monotonic_ns() - started)
+
+
+def ask_host(host: HostFunction, call: HostCall) -> HostReply:
+    """``host``'s answer to ``call``; whatever goes wrong in it is the call's failure, not the job's."""
+    try:
+        reply = host(call)
+    except Exception as exc:  # noqa: BLE001
+        return HostReply(error=f"{call.function} failed on the host: {type(exc).__name__}: {exc}")
+    if not isinstance(reply, HostReply):
+        return HostReply(error=f"{call.function}: the host answered with {type(reply).__name__}, not a reply")
+    return reply
 
 
 def _from_result(result: JobResult, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RunJobRequest(_message.Message):
     MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     MAX_FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -45,7 +46,8 @@ class RunJobRequest(_message.Message):
     max_output: int
     max_file_size: int
     packages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ...) -> None: ...
+    functions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("type", "message", "file", "line", "hint")
@@ -62,7 +64,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,11 @@ class RunJobResponse(_message.Message):
     PRELOADED_MODULES_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_EXIT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
     exit: int
     stdout: str
     stderr: str
@@ -85,7 +92,86 @@ class RunJobResponse(_message.Message):
     preloaded_modules: _containers.RepeatedScalarFieldContainer[str]
     sandbox_id: str
     backend: str
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    host: HostStats
+    system_exit: bool
+    session_id: str
+    step: int
+    session_ended: bool
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ...) -> None: ...
+
+class HostStats(_message.Message):
+    __slots__ = ("calls", "replies", "junk", "forged", "host_errors", "wait_us")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    JUNK_FIELD_NUMBER: _ClassVar[int]
+    FORGED_FIELD_NUMBER: _ClassVar[int]
+    HOST_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    calls: int
+    replies: int
+    junk: int
+    forged: int
+    host_errors: int
+    wait_us: int
+    def __init__(self, calls: _Optional[int] = ..., replies: _Optional[int] = ..., junk: _Optional[int] = ..., forged: _Optional[int] = ..., host_errors: _Optional[int] = ..., wait_us: _Optional[int] = ...) -> None: ...
+
+class SessionStep(_message.Message):
+    __slots__ = ("code", "name", "args", "timeout_ms", "max_output")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    name: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    timeout_ms: int
+    max_output: int
+    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ...) -> None: ...
+
+class HostCall(_message.Message):
+    __slots__ = ("call_id", "function", "args_json", "kwargs_json", "deadline_ms")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    function: str
+    args_json: bytes
+    kwargs_json: bytes
+    deadline_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., function: _Optional[str] = ..., args_json: _Optional[bytes] = ..., kwargs_json: _Optional[bytes] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class HostReply(_message.Message):
+    __slots__ = ("call_id", "result_json", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    result_json: bytes
+    error: str
+    def __init__(self, call_id: _Optional[int] = ..., result_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+
+class InteractRequest(_message.Message):
+    __slots__ = ("job", "open_session", "step", "reply")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    job: RunJobRequest
+    open_session: RunJobRequest
+    step: SessionStep
+    reply: HostReply
+    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ...) -> None: ...
+
+class InteractEvent(_message.Message):
+    __slots__ = ("call", "result")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    call: HostCall
+    result: RunJobResponse
+    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("checkpoint", "payload", "timeout_ms")
@@ -118,7 +204,7 @@ class PoolState(_message.Message):
     def __init__(self, ready: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class CapacityResponse(_message.Message):
-    __slots__ = ("slots", "busy", "draining", "isolated", "pools", "worker_name", "protocol")
+    __slots__ = ("slots", "busy", "draining", "isolated", "pools", "worker_name", "protocol", "sessions", "max_sessions")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +219,8 @@ class CapacityResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     slots: int
     busy: int
     draining: bool
@@ -140,4 +228,6 @@ class CapacityResponse(_message.Message):
     pools: _containers.MessageMap[str, PoolState]
     worker_name: str
     protocol: int
-    def __init__(self, slots: _Optional[int] = ..., busy: _Optional[int] = ..., draining: _Optional[bool] = ..., isolated: _Optional[bool] = ..., pools: _Optional[_Mapping[str, PoolState]] = ..., worker_name: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+    sessions: int
+    max_sessions: int
+    def __init__(self, slots: _Optional[int] = ..., busy: _Optional[int] = ..., draining: _Optional[bool] = ..., isolated: _Optional[bool] = ..., pools: _Optional[_Mapping[str, PoolState]] = ..., worker_name: _Optional[str] = ..., protocol: _Optional[int] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...

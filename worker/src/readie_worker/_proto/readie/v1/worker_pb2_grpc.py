@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=readie_dot_v1_dot_worker__pb2.CapacityRequest.SerializeToString,
                 response_deserializer=readie_dot_v1_dot_worker__pb2.CapacityResponse.FromString,
                 _registered_method=True)
+        self.Interact = channel.stream_stream(
+                '/readie.v1.Worker/Interact',
+                request_serializer=readie_dot_v1_dot_worker__pb2.InteractRequest.SerializeToString,
+                response_deserializer=readie_dot_v1_dot_worker__pb2.InteractEvent.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -81,6 +86,25 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Interact(self, request_iterator, context):
+        """Jobs that call their client's host functions, and sessions (one sandbox
+        kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+
+        The first request is `job` (one job; the stream ends after its result) or
+        `open_session` (a session's setup and first step; each later `step` runs in
+        the same sandbox's __main__). While a job or step runs, each call its code
+        makes to a declared host function arrives as a `call` event, and the job
+        waits for the matching `reply`. Each job or step ends with one `result`
+        event. A session ends when a result says `session_ended`, or when the
+        client closes its side of the stream or goes away: the sandbox is then
+        destroyed. The session lives exactly as long as the stream, so a session is
+        pinned to its worker by construction, and a lost worker is a broken stream,
+        never a fresh session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +122,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Capacity,
                     request_deserializer=readie_dot_v1_dot_worker__pb2.CapacityRequest.FromString,
                     response_serializer=readie_dot_v1_dot_worker__pb2.CapacityResponse.SerializeToString,
+            ),
+            'Interact': grpc.stream_stream_rpc_method_handler(
+                    servicer.Interact,
+                    request_deserializer=readie_dot_v1_dot_worker__pb2.InteractRequest.FromString,
+                    response_serializer=readie_dot_v1_dot_worker__pb2.InteractEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +211,33 @@ class Worker:
             '/readie.v1.Worker/Capacity',
             readie_dot_v1_dot_worker__pb2.CapacityRequest.SerializeToString,
             readie_dot_v1_dot_worker__pb2.CapacityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Interact(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/readie.v1.Worker/Interact',
+            readie_dot_v1_dot_worker__pb2.InteractRequest.SerializeToString,
+            readie_dot_v1_dot_worker__pb2.InteractEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,21 @@ class WorkerStub:
     """
     Capacity: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CapacityRequest, _worker_pb2.CapacityResponse]
     """Slots, pools and drain state, for placement."""
+    Interact: _grpc.StreamStreamMultiCallable[_worker_pb2.InteractRequest, _worker_pb2.InteractEvent]
+    """Jobs that call their client's host functions, and sessions (one sandbox
+    kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+
+    The first request is `job` (one job; the stream ends after its result) or
+    `open_session` (a session's setup and first step; each later `step` runs in
+    the same sandbox's __main__). While a job or step runs, each call its code
+    makes to a declared host function arrives as a `call` event, and the job
+    waits for the matching `reply`. Each job or step ends with one `result`
+    event. A session ends when a result says `session_ended`, or when the
+    client closes its side of the stream or goes away: the sandbox is then
+    destroyed. The session lives exactly as long as the stream, so a session is
+    pinned to its worker by construction, and a lost worker is a broken stream,
+    never a fresh session.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -78,6 +93,21 @@ class WorkerAsyncStub(WorkerStub):
     """
     Capacity: _aio.UnaryUnaryMultiCallable[_worker_pb2.CapacityRequest, _worker_pb2.CapacityResponse]  # type: ignore[assignment]
     """Slots, pools and drain state, for placement."""
+    Interact: _aio.StreamStreamMultiCallable[_worker_pb2.InteractRequest, _worker_pb2.InteractEvent]  # type: ignore[assignment]
+    """Jobs that call their client's host functions, and sessions (one sandbox
+    kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+
+    The first request is `job` (one job; the stream ends after its result) or
+    `open_session` (a session's setup and first step; each later `step` runs in
+    the same sandbox's __main__). While a job or step runs, each call its code
+    makes to a declared host function arrives as a `call` event, and the job
+    waits for the matching `reply`. Each job or step ends with one `result`
+    event. A session ends when a result says `session_ended`, or when the
+    client closes its side of the stream or goes away: the sandbox is then
+    destroyed. The session lives exactly as long as the stream, so a session is
+    pinned to its worker by construction, and a lost worker is a broken stream,
+    never a fresh session.
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     """One worker: restores gVisor sandboxes from checkpoints and runs work in them."""
@@ -111,5 +141,26 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.CapacityResponse, _abc.Awaitable[_worker_pb2.CapacityResponse]]:
         """Slots, pools and drain state, for placement."""
+
+    @_abc_1.abstractmethod
+    def Interact(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.InteractRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.InteractEvent], _abc.AsyncIterator[_worker_pb2.InteractEvent]]:
+        """Jobs that call their client's host functions, and sessions (one sandbox
+        kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+
+        The first request is `job` (one job; the stream ends after its result) or
+        `open_session` (a session's setup and first step; each later `step` runs in
+        the same sandbox's __main__). While a job or step runs, each call its code
+        makes to a declared host function arrives as a `call` event, and the job
+        waits for the matching `reply`. Each job or step ends with one `result`
+        event. A session ends when a result says `session_ended`, or when the
+        client closes its side of the stream or goes away: the sandbox is then
+        destroyed. The session lives exactly as long as the stream, so a session is
+        pinned to its worker by construction, and a lost worker is a broken stream,
+        never a fresh session.
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

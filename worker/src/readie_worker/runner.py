@@ -1,0 +1,52 @@
+"""What runs jobs and sessions, whichever process it lives in.
+
+Three things have this shape: the in-process :class:`~readie_worker.core.Worker`,
+a :class:`~readie_worker.client.WorkerClient` of a remote one, and a router's
+placement across many. The gRPC service serves any of them, and the pool
+engine runs on any of them, without knowing which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from .jobs import CodeJob, HostFunction, JobOutcome
+from .sessions import StepOutcome
+
+__all__ = ["JobRunner", "SessionHandle"]
+
+
+class SessionHandle(Protocol):
+    """An open session: ``sessions.Session`` here, ``RemoteSession`` on another worker.
+
+    ``timeout_ms`` and ``max_output`` of None mean the session's own; a
+    step asked for while another runs, or after the session ended, is a
+    RequestError.
+    """
+
+    id: str
+
+    def run_step(
+        self,
+        code: str,
+        name: str = ...,
+        args: Iterable[str] = ...,
+        timeout_ms: int | None = ...,
+        max_output: int | None = ...,
+        *,
+        job_id: str | None = ...,
+        host: HostFunction | None = ...,
+    ) -> StepOutcome: ...
+
+    def close(self) -> None: ...
+
+
+class JobRunner(Protocol):
+    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome: ...
+
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+    ) -> tuple[SessionHandle, StepOutcome]: ...
+
+    def close(self) -> None: ...
