@@ -3,7 +3,10 @@
 Every check is against the pool protocol spec's "Host functions" section
 (and docs/pool.md for what it leaves open): the spec's transcript field by
 field, error replies, sessions, late and unknown replies, the timeout, and
-hostile job code writing frames on its own socket.
+hostile job code writing frames on its own socket. Every test runs twice:
+with the worker in the pool's process, and through ``readie router`` in
+front of two worker processes (``--router``), where the calls come back
+over the worker's Interact stream.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import pytest
 from readie_executor import hostwire
-from readie_router.testing import PoolProcess
+from readie_router.testing import PoolProcess, pool_placement
 from readie_worker._host_frames import MAX_REFUSED_FRAMES
 from readie_worker.runsc import Runsc
 from readie_worker.testing import CHANNEL_FORGER
@@ -69,9 +72,17 @@ class Pool:
         assert leftovers == [], f"readie pool left runsc containers: {leftovers}"
 
 
+@pytest.fixture(scope="module", params=["local", "router"])
+def placement(request, checkpoints) -> Iterator[list[str]]:
+    base = Path(tempfile.mkdtemp(prefix="rhp-", dir="/tmp"))
+    with pool_placement(request.param, base, CHECKPOINTS / "manifest.json") as args:
+        yield args
+    shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def pool(checkpoints) -> Iterator[Pool]:
-    made = Pool("--workers", "2")
+def pool(placement) -> Iterator[Pool]:
+    made = Pool("--workers", "2", *placement)
     yield made
     assert made.process.close() == 0
     made.cleanup()

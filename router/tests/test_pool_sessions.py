@@ -4,7 +4,10 @@ Every check is against the pool protocol spec's "Sessions" section (and
 docs/pool.md for what the spec leaves open), with the expected lines
 written out here. Two pools serve most tests: ``pool`` (four workers, the
 defaults) and ``tight`` (five workers, max_sessions 2, session_idle 1s);
-each test closes what it opens, so the counters stay predictable.
+each test closes what it opens, so the counters stay predictable. Both run
+twice: with the worker in the pool's process, and through ``readie router``
+in front of two worker processes (``--router``), where each session is
+pinned to the worker that opened it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import PoolProcess
+from readie_router.testing import PoolProcess, pool_placement
 from readie_worker.manifest import read_manifest
 from readie_worker.runsc import Runsc
 
@@ -74,17 +77,25 @@ def python_version(checkpoints) -> str:
     return read_manifest(CHECKPOINTS / "manifest.json").python
 
 
+@pytest.fixture(scope="module", params=["local", "router"])
+def placement(request, python_version) -> Iterator[list[str]]:
+    base = Path(tempfile.mkdtemp(prefix="rpp-", dir="/tmp"))
+    with pool_placement(request.param, base, CHECKPOINTS / "manifest.json") as args:
+        yield args
+    shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def pool(python_version) -> Iterator[Pool]:
-    made = Pool("--workers", "4", "--log=json")
+def pool(placement) -> Iterator[Pool]:
+    made = Pool("--workers", "4", "--log=json", *placement)
     yield made
     assert made.process.close() == 0
     made.cleanup()
 
 
 @pytest.fixture(scope="module")
-def tight(python_version) -> Iterator[Pool]:
-    made = Pool("--workers", "5", "--max-sessions", "2", "--session-idle", "1s")
+def tight(placement) -> Iterator[Pool]:
+    made = Pool("--workers", "5", "--max-sessions", "2", "--session-idle", "1s", *placement)
     yield made
     made.cleanup()
 

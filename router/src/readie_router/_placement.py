@@ -51,6 +51,10 @@ EVICT_AFTER_FAILURES = 3
 # How long a job waits for a free slot anywhere before it is refused.
 PLACEMENT_WAIT_S = 60.0
 PLACEMENT_POLL_S = 0.02
+# Sessions this router keeps open across its workers. A session served over
+# the router's own Interact stream holds one of its server threads for its
+# life, so the router's thread pool is sized with this (router_cli).
+DEFAULT_MAX_SESSIONS = 64
 
 _T = TypeVar("_T")
 
@@ -91,6 +95,7 @@ class Placement:
     addresses: Sequence[str]
     probe_interval_s: float = PROBE_INTERVAL_S
     wait_s: float = PLACEMENT_WAIT_S
+    max_sessions: int = DEFAULT_MAX_SESSIONS
     _members: list[_Member] = field(init=False)
     _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
@@ -219,6 +224,8 @@ class Placement:
             while True:
                 if self._draining:
                     raise SandboxSetupError("the router is draining and takes no new work")
+                if session and sum(m.sessions for m in self._members) >= self.max_sessions:
+                    raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
                 candidates = [m for m in self._members if room(m) > 0 and id(m) not in refused]
                 if candidates:
                     chosen = min(candidates, key=order)

@@ -28,7 +28,7 @@ from ._backend import choose_checkpoint, manifest_path
 from ._config import Config, load_config
 from ._errors import ConfigError
 from ._events import RuntimeInfo
-from ._placement import PROBE_INTERVAL_S, Placement
+from ._placement import DEFAULT_MAX_SESSIONS, PROBE_INTERVAL_S, Placement
 from ._pool import PoolSetup
 from ._pool_service import POOL_SERVICE, PoolServicer
 
@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     except ReadieError as exc:
         log.error("cannot serve the pool protocol", error=str(exc))
         return 2
-    placement = Placement(args.worker, probe_interval_s=args.probe_interval).start()
+    placement = Placement(args.worker, probe_interval_s=args.probe_interval, max_sessions=args.max_sessions).start()
     pool_service = (POOL_SERVICE, lambda server: add_PoolServicer_to_server(PoolServicer(setup, placement), server))
     try:
         server = serve(
             placement,  # type: ignore[arg-type]  # a Placement has the Worker's shape
             args.listen,
             name=args.name or f"router:{args.listen}",
-            threads=ROUTER_THREADS,
+            threads=ROUTER_THREADS + args.max_sessions,  # a session's stream holds a thread for its life
             extra_services=[pool_service],
         )
     except RuntimeError as exc:
@@ -103,5 +103,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, default=None, help="pool config (TOML): the ceiling and profiles of Pool sessions")
     parser.add_argument("--checkpoints", default="build/checkpoints", help="the workers' checkpoint manifest (or its directory)")
     parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
+    parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
     return parser

@@ -23,7 +23,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -46,6 +47,7 @@ __all__ = [
     "MemorySource",
     "PoolProcess",
     "ok_outcome",
+    "pool_placement",
     "readie_command",
     "start_cluster",
 ]
@@ -93,6 +95,23 @@ class Cluster:
             leftovers[worker.state_dir.name] = worker.containers()
         assert status == 0, self.log_path.read_text()[-3000:]
         assert not any(leftovers.values()), f"workers left runsc containers: {leftovers}"
+
+
+@contextmanager
+def pool_placement(kind: str, base: Path, manifest: Path) -> Iterator[list[str]]:
+    """The ``readie pool`` arguments that place its jobs the ``kind`` way: ``"local"`` (a worker
+    in the pool's own process) or ``"router"`` (a two-worker :class:`Cluster` under ``base``,
+    stopped and checked clean of containers afterwards). Lets one conformance suite run both ways."""
+    if kind == "local":
+        yield []
+        return
+    if kind != "router":
+        raise ValueError(f"no placement called {kind!r}")
+    cluster = start_cluster(base, manifest)
+    try:
+        yield ["--router", cluster.address]
+    finally:
+        cluster.stop()
 
 
 def start_cluster(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from .core import DEFAULT_DRAIN_GRACE_S, DEFAULT_SLOTS, Worker, WorkerConfig
+from .core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
 from .errors import ReadieError
 from .grpc_service import serve
 from .logs import configure_logging
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir or scratch / "state",  # type: ignore[operator]
         run_dir=args.run_dir or scratch / "run",  # type: ignore[operator]
         slots=args.slots,
+        max_sessions=args.max_sessions,
         allow_unisolated=args.allow_unisolated,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
@@ -102,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", type=Path, help="sandbox dirs; keep it short (default: a new dir under /tmp)")
     parser.add_argument("--warm", type=_warm_spec, action="append", default=[], metavar="NAME=N", help="keep N sandboxes of checkpoint NAME ready (repeatable)")
     parser.add_argument("--slots", type=_positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
+    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
     parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
     parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
     parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")
@@ -120,4 +122,11 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
     return value
