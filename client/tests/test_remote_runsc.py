@@ -120,3 +120,21 @@ def test_a_pool_can_run_its_jobs_through_the_router(cluster, tmp_path):
         result = pool.run("open('out/x', 'w').write('via router')\nprint('ok')", allow_write=["out"])
     assert result.raise_for_error().stdout == "ok\n"
     assert (tmp_path / "out" / "x").read_text() == "via router"
+
+
+def test_a_pools_sessions_and_host_functions_work_through_the_router(cluster, tmp_path):
+    notes: list[str] = []
+
+    def remember(text: str) -> int:
+        """Keep a note; returns how many there are."""
+        notes.append(text)
+        return len(notes)
+
+    with readie.Pool(workers=2, router=cluster.address, cwd=tmp_path, checkpoints=CHECKPOINTS) as pool:
+        with pool.session(functions={"remember": remember}) as session:
+            session.run("from readie_host import remember\ntotal = 0").raise_for_error()
+            for word in ("tea", "cake"):
+                step = session.run(f"total += remember({word!r})\nprint(total)").raise_for_error()
+        plain = pool.run("from readie_host import remember\nprint(remember('x'))", functions={"remember": remember})
+    assert step.stdout == "3\n" and step.step == 3  # 1 + 2: the session's state lived on its worker
+    assert plain.raise_for_error().stdout == "3\n" and notes == ["tea", "cake", "x"]

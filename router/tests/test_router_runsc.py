@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from readie_router.testing import Cluster, PoolProcess, start_cluster
+from readie_router.testing import PoolProcess
+from readie_worker.testing import Cluster, start_cluster
 
 pytestmark = pytest.mark.runsc
 

@@ -1,7 +1,8 @@
 """Helpers for testing code that drives ``readie pool``, and the pool engine itself.
 
-* :class:`Cluster` runs a real ``readie router`` in front of real
-  ``readie worker`` processes on loopback, each with its own runsc state.
+* :func:`pool_placement` runs a conformance suite both ways: the pool's
+  own worker, or a router in front of two worker processes
+  (:func:`readie_worker.testing.start_cluster`).
 * :class:`PoolProcess` runs the real ``readie pool`` over pipes: write
   requests, read results with a timeout, read its stderr log. Reading is
   explicit (nothing reads stdout behind your back), so a test can leave
@@ -29,18 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome
-from readie_worker.runsc import Runsc
 from readie_worker.sessions import StepOutcome
-from readie_worker.testing import EXIT_TIMEOUT_S, WorkerProcess, free_port, readie_command, start_worker, stop_worker
+from readie_worker.testing import readie_command, start_cluster
 
 from ._backend import Step
 
 __all__ = [
-    "Cluster",
     "FakeBackend",
     "FakeSession",
     "MemorySink",
@@ -49,52 +45,11 @@ __all__ = [
     "ok_outcome",
     "pool_placement",
     "readie_command",
-    "start_cluster",
 ]
 
 #: Long enough for a warm pool's first restores on a busy two-core machine.
 DEFAULT_READY_TIMEOUT_S = 60.0
 DEFAULT_READ_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Cluster:
-    """``readie router`` on a free loopback port, placing on ``workers`` (see :func:`start_cluster`)."""
-
-    base: Path
-    workers: list[WorkerProcess]
-    router: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    channel: grpc.Channel
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def stub(self) -> pb_grpc.WorkerStub:
-        return pb_grpc.WorkerStub(self.channel)
-
-    def containers(self) -> dict[str, list[str]]:
-        """Each worker's runsc containers (warm sandboxes included), by its state dir."""
-        return {str(w.state_dir): w.containers() for w in self.workers if w.process.poll() is None}
-
-    def stop(self) -> None:
-        """SIGTERM the router and every worker; raises if one fails to drain or leaves a container."""
-        self.channel.close()
-        if self.router.poll() is None:
-            self.router.terminate()
-        status = self.router.wait(EXIT_TIMEOUT_S)
-        leftovers = {}
-        for worker in self.workers:
-            alive = worker.process.poll() is None
-            stop_worker(worker)
-            if not alive:  # killed by its test: its sandboxes outlive it, as after a crash
-                Runsc(root=worker.state_dir).sweep()
-            leftovers[worker.state_dir.name] = worker.containers()
-        assert status == 0, self.log_path.read_text()[-3000:]
-        assert not any(leftovers.values()), f"workers left runsc containers: {leftovers}"
 
 
 @contextmanager
@@ -114,42 +69,6 @@ def pool_placement(kind: str, base: Path, manifest: Path) -> Iterator[list[str]]
         cluster.stop()
 
 
-def start_cluster(
-    base: Path, manifest: Path, *, workers: int = 2, warm: str = "base=1", slots: int = 2, router_args: Iterable[str] = ()
-) -> Cluster:
-    """Start ``workers`` workers and a router in front of them; wait until the router serves."""
-    started = [start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots) for i in range(workers)]
-    port = free_port()
-    log_path = base / "router.log"
-    with open(log_path, "wb") as log:
-        router = subprocess.Popen(
-            [
-                *readie_command(),
-                "router",
-                f"--listen=127.0.0.1:{port}",
-                "--probe-interval=0.2",
-                f"--checkpoints={manifest.parent}",
-                *router_args,
-                *(f"--worker=127.0.0.1:{w.port}" for w in started),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    cluster = Cluster(base, started, router, port, log_path, grpc.insecure_channel(f"127.0.0.1:{port}"))
-    health = health_pb2_grpc.HealthStub(cluster.channel)
-    deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
-    while True:
-        try:
-            serving = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            if serving == health_pb2.HealthCheckResponse.SERVING:
-                return cluster
-        except grpc.RpcError:
-            pass
-        if router.poll() is not None or time.monotonic() > deadline:
-            cluster.stop()
-            raise AssertionError(f"the router did not serve:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
 
 
 class PoolProcess:

@@ -1,4 +1,5 @@
-"""Helpers for tests (ours and yours): real ``readie worker`` processes on loopback, a fake host."""
+"""Helpers for tests (ours and yours): real ``readie worker`` processes on loopback, a
+``readie router`` in front of some (:func:`start_cluster`), a fake host."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._host_frames import HostCall, HostReply
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from .runsc import Runsc
 
 # Start-up is a manifest check and a sweep; pools fill in the background.
 STARTUP_TIMEOUT_S = 30.0
@@ -115,6 +117,89 @@ def stop_worker(worker: WorkerProcess) -> int:
             worker.process.kill()
 
 
+
+
+@dataclass
+class Cluster:
+    """``readie router`` on a free loopback port, placing on ``workers`` (see :func:`start_cluster`)."""
+
+    base: Path
+    workers: list[WorkerProcess]
+    router: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    channel: grpc.Channel
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def stub(self) -> pb_grpc.WorkerStub:
+        return pb_grpc.WorkerStub(self.channel)
+
+    def containers(self) -> dict[str, list[str]]:
+        """Each worker's runsc containers (warm sandboxes included), by its state dir."""
+        return {str(w.state_dir): w.containers() for w in self.workers if w.process.poll() is None}
+
+    def stop(self) -> None:
+        """SIGTERM the router and every worker; raises if one fails to drain or leaves a container."""
+        self.channel.close()
+        if self.router.poll() is None:
+            self.router.terminate()
+        status = self.router.wait(EXIT_TIMEOUT_S)
+        problems = []
+        for worker in self.workers:
+            alive = worker.process.poll() is None
+            exit_status = stop_worker(worker)
+            if not alive:  # killed by its test: its sandboxes outlive it, as after a crash
+                Runsc(root=worker.state_dir).sweep()
+            elif exit_status != 0:
+                problems.append(f"{worker.log_path.parent.name} exited {exit_status}:\n{worker.log_path.read_text()[-2000:]}")
+            leftovers = worker.containers()
+            if leftovers:
+                problems.append(f"{worker.log_path.parent.name} left runsc containers: {leftovers}")
+        if status != 0:
+            problems.append(f"the router exited {status}:\n{self.log_path.read_text()[-3000:]}")
+        assert not problems, "\n".join(problems)
+
+
+def start_cluster(
+    base: Path, manifest: Path, *, workers: int = 2, warm: str = "base=1", slots: int = 2, router_args: Iterable[str] = ()
+) -> Cluster:
+    """Start ``workers`` workers and a router in front of them; wait until the router serves."""
+    started = [start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots) for i in range(workers)]
+    port = free_port()
+    log_path = base / "router.log"
+    with open(log_path, "wb") as log:
+        router = subprocess.Popen(
+            [
+                *readie_command(),
+                "router",
+                f"--listen=127.0.0.1:{port}",
+                "--probe-interval=0.2",
+                f"--checkpoints={manifest.parent}",
+                *router_args,
+                *(f"--worker=127.0.0.1:{w.port}" for w in started),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    cluster = Cluster(base, started, router, port, log_path, grpc.insecure_channel(f"127.0.0.1:{port}"))
+    health = health_pb2_grpc.HealthStub(cluster.channel)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        try:
+            serving = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            if serving == health_pb2.HealthCheckResponse.SERVING:
+                return cluster
+        except grpc.RpcError:
+            pass
+        if router.poll() is not None or time.monotonic() > deadline:
+            cluster.stop()
+            raise AssertionError(f"the router did not serve:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
 
 
 class FakeHost:
