@@ -4,8 +4,8 @@ No I/O and no backend calls here: the engine (``_pool``) runs the steps.
 What this module decides, for each line naming a session:
 
 * no open session of that name: the line is the first request. It creates
-  the session (unless ``max_sessions`` are open, sessions are disabled, or
-  the backend cannot pin a session to one sandbox) and fixes its
+  the session (unless ``max_sessions`` are open or sessions are disabled)
+  and fixes its
   permissions, limits and environment with its own fields;
 * an open session: the line is a later step and may carry only code, name,
   args, timeout and max_output; any other field is a RequestError naming it.

@@ -254,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
         "--router",
         metavar="HOST:PORT",
         help="run jobs through a `readie router` instead of a worker in this process "
-        "(sessions are refused: a router cannot pin one to a worker)",
+        "(each session stays on the worker that opened it)",
     )
     parser.add_argument(
         "--checkpoints",
