@@ -100,14 +100,16 @@ class StepRequest:
 
 def session_step(message: pb.SessionStep) -> StepRequest:
     """The step ``message`` asks for, or a RequestError naming the first bad field."""
-    args = tuple(message.args)
-    return StepRequest(
-        code=_text("step.code", message.code, MAX_CODE_CHARS),
-        name=_text("step.name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
-        args=_args(args),
-        timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
-        max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
-    )
+    try:
+        return StepRequest(
+            code=_text("code", message.code, MAX_CODE_CHARS),
+            name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
+            args=_args(tuple(message.args)),
+            timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
+            max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+        )
+    except RequestError as exc:  # named as the step's field, not the job's
+        raise RequestError(exc.reason, field=f"step.{exc.field}") from None
 
 
 def call_payload(request: pb.ExecuteRequest) -> bytes:

@@ -32,7 +32,7 @@ import structlog
 from ._convert import code_job, run_job_response, session_step
 from ._host_wire import call_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
-from .errors import RequestError
+from .errors import PoolWorkerError, RequestError
 from .jobs import HostCall, HostReply
 from .runner import JobRunner, SessionHandle
 from .sessions import StepOutcome
@@ -192,6 +192,8 @@ class Interaction:
             if request.WhichOneof("kind") != "step":
                 raise RequestError("an open session takes steps only", field=request.WhichOneof("kind") or "kind")
             asked = session_step(request.step)
+            if session.ended:  # the worker closed it between steps (a drain): not the client's doing
+                raise PoolWorkerError(f"session {session.id} was closed by the worker")
             step = session.run_step(
                 asked.code,
                 asked.name,

@@ -164,17 +164,14 @@ class RemoteSession:
         try:
             self._stream.send(pb.InteractRequest(step=session_step_message(step)))
             response = self._stream.result(host, within_s)
-        except RequestError:
-            self._end()  # the worker refused the step: it ended the stream, and the session with it
-            raise
-        except ReadieError as exc:
+        except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
             closed = self.ended  # close() cancelled the stream under the step
             self._end()
             if closed:
                 raise PoolWorkerError(f"session {self.id} was closed while its step ran") from None
             raise SessionLost(
-                f"session {self.id} ended: its worker at {self.address} was lost or gave up on it ({exc}); "
-                "its state is gone, and the next request under its name starts a new session"
+                f"session {self.id} ended: its worker at {self.address} was lost or ended it ({exc}); "
+                "its state is gone, and only a new session can go on"
             ) from None
         finally:
             with self._lock:

@@ -27,6 +27,9 @@ class SessionHandle(Protocol):
 
     id: str
 
+    @property
+    def ended(self) -> bool: ...
+
     def run_step(
         self,
         code: str,
