@@ -3,9 +3,10 @@
 Covered: host calls and replies as proto messages and back (``_host_wire``:
 lossless big integers, undeclared functions, oversized or malformed arguments,
 unencodable results turned into error replies, replies without an outcome or
-with bad JSON), a session step's bounds (``_convert.session_step``), and the
-``_interact.Mailbox`` that joins the stream's threads (bounded puts, close,
-drain, timeouts).
+with bad JSON), a session step's bounds (``_convert.session_step``, each
+refusal naming its field under ``step.``), and the ``_interact.Mailbox`` that
+joins the stream's threads (bounded puts, close, drain, timeouts). A strict
+xfail pins a known bug: an error text with a lone surrogate.
 """
 
 from __future__ import annotations
@@ -34,15 +35,14 @@ BLOCKED_S = 0.2
 
 
 def test_a_call_crosses_both_ways_with_big_integers_exact():
-    call = HostCall(3, "lookup", ("q", BIG), {"limit": 2**70, "deep": {"a": [None, True, 0.5]}}, time.monotonic() + 10)
-    message = call_message(call)
+    kwargs = {"limit": 2**70, "deep": {"a": [None, True, 0.5]}}
+    message = call_message(HostCall(3, "lookup", ("q", BIG), kwargs, time.monotonic() + 10))
     assert (message.call_id, message.function) == (3, "lookup")
-    assert json.loads(message.args_json) == ["q", BIG]
-    assert json.loads(message.kwargs_json) == {"limit": 2**70, "deep": {"a": [None, True, 0.5]}}
+    assert (json.loads(message.args_json), json.loads(message.kwargs_json)) == (["q", BIG], kwargs)
     assert 9_000 < message.deadline_ms <= 10_000
 
     back = call_from_message(message, {"lookup"})
-    assert back == HostCall(3, "lookup", ("q", BIG), {"limit": 2**70, "deep": {"a": [None, True, 0.5]}})
+    assert back == HostCall(3, "lookup", ("q", BIG), kwargs)
     assert 9 < back.deadline - time.monotonic() <= 10
 
 
@@ -155,7 +155,9 @@ def test_a_reply_without_an_outcome_is_refused():
     assert refused.value.field == "reply"
 
 
-@pytest.mark.parametrize("result_json", [b"{not json", b"NaN", b"[Infinity]", b'{"a":1,"a":2}', b"\xff", b""])
+@pytest.mark.parametrize(
+    "result_json", [b"{not json", b"NaN", b"[Infinity]", b'{"a":1,"a":2}', b"\xff", b""]
+)
 def test_a_result_that_is_not_json_is_refused(result_json):
     with pytest.raises(RequestError, match="not valid JSON") as refused:
         reply_from_message(pb.HostReply(call_id=1, result_json=result_json))
@@ -186,43 +188,19 @@ def test_a_step_round_trips_and_unset_limits_stay_unset():
         (pb.SessionStep(code="print(1)\0"), "step.code", "contains a NUL character"),
         (pb.SessionStep(code="pass", name="n" * (bounds.MAX_FILE_NAME + 1)), "step.name", "characters long"),
         (pb.SessionStep(code="pass", name="cell\0.py"), "step.name", "contains a NUL character"),
+        (pb.SessionStep(code="pass", args=["ok", "a\0"]), "step.args[1]", "contains a NUL character"),
+        (pb.SessionStep(code="pass", timeout_ms=-1), "step.timeout_ms", "must be between 1 and 3600000, got -1"),
+        (pb.SessionStep(code="pass", timeout_ms=0), "step.timeout_ms", "must be between 1 and 3600000, got 0"),
+        (pb.SessionStep(code="pass", timeout_ms=3600 * 1000 + 1), "step.timeout_ms", "got 3600001"),
+        (pb.SessionStep(code="pass", max_output=-1), "step.max_output", "must be between 0 and"),
     ],
+    ids=["nul-code", "long-name", "nul-name", "nul-arg", "negative-timeout", "zero-timeout", "over-an-hour", "negative-output"],
 )
 def test_a_bad_step_is_refused_naming_its_field(step, field, problem):
     with pytest.raises(RequestError, match=problem) as refused:
         session_step(step)
     assert refused.value.field == field
     assert str(refused.value).startswith(f"{field}: ")
-
-
-@pytest.mark.parametrize(
-    "step",
-    [pb.SessionStep(code="pass", timeout_ms=-1), pb.SessionStep(code="pass", timeout_ms=0), pb.SessionStep(code="pass", max_output=-1)],
-)
-def test_a_steps_limits_out_of_range_are_refused(step):
-    with pytest.raises(RequestError, match="must be between"):
-        session_step(step)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: session_step names step.code and step.name with the step. prefix but timeout_ms, "
-    "max_output and args without it, so a refused step's readie-field names a job field instead",
-)
-@pytest.mark.parametrize(
-    ("step", "field"),
-    [
-        (pb.SessionStep(code="pass", timeout_ms=-1), "step.timeout_ms"),
-        (pb.SessionStep(code="pass", max_output=-1), "step.max_output"),
-        (pb.SessionStep(code="pass", args=["a\0"]), "step.args[0]"),
-    ],
-    ids=["timeout_ms", "max_output", "args"],
-)
-def test_every_bad_step_field_is_named_under_step(step, field):
-    with pytest.raises(RequestError) as refused:
-        session_step(step)
-    assert refused.value.field == field
 
 
 # --------------------------------------------------------------------------- the mailbox
