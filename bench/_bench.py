@@ -43,6 +43,7 @@ class Settings:
     # Scenarios 1-2: interleaved rounds; each round gives one sample per arm per job.
     # 14 samples put p95 between the 13th and 14th: the tail, not just the maximum.
     # At ~13-16 s a round (two pandas cold starts dominate) this is ~3.5 of the 10 minutes.
+    # Scenario 8 takes as many rounds (a session step and a host-function task per arm, ~1 s).
     rounds: int = 14
     # Scenario 3: the issue asks for at least 30 s of sustained load per checkpoint.
     throughput_s: float = 30.0

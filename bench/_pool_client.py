@@ -59,13 +59,17 @@ class PoolClient:
         self._reader.start()
 
     @classmethod
-    def start(cls, manifest: Path, preimport: tuple[str, ...], workers: int, log_path: Path) -> PoolClient:
+    def start(
+        cls, manifest: Path, preimport: tuple[str, ...], workers: int, log_path: Path, router: str | None = None
+    ) -> PoolClient:
+        """``router`` (HOST:PORT): ``readie pool --router``, its jobs and sessions run on the router's workers."""
         command = [
             *readie_command(),
             "pool",
             f"--workers={workers}",
             f"--preload={','.join(preimport)}",
             f"--checkpoints={manifest}",
+            *([f"--router={router}"] if router else []),
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)

@@ -25,6 +25,7 @@ def render(result: dict[str, Any]) -> str:
         ("5. host-function round trip", "host_function", _host_function),
         ("6. memory per idle sandbox, MB", "memory", _memory),
         ("7. scaling: print(1) through the warm pool, ms p50 (p95)", "scaling", _scaling),
+        ("8. router hop: readie pool local vs --router, ms p50 (p95)", "router_hop", _router_hop),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -129,16 +130,30 @@ def _scaling(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _router_hop(entry: dict[str, Any]) -> list[str]:
+    rows = []
+    for label, key, digits in (("session step", "session_step_ms", 1), ("host-function call", "host_round_trip_ms", 3)):
+        e = entry[key]
+        r = e["routed_over_local"]
+        rows.append([label, _ms(e["local"], digits), _ms(e["routed"], digits), _x(r["p50"]), _x(r["p95"]),
+                     _x(r["paired"])])
+    lines = _grid(["figure", "local", "routed", "routed/local p50", "p95", "paired"], rows)
+    first = entry["session_first_step_ms"]
+    lines.append(f"  {entry['what']} ({entry['checkpoint']}); "
+                 f"first step {first.get('local')} / {first.get('routed')} ms")
+    return lines
+
+
 def _grid(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     cells = [list(map(str, headers))] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
 
 
-def _ms(s: dict[str, Any] | None) -> str:
+def _ms(s: dict[str, Any] | None, digits: int = 0) -> str:
     if not s or not s.get("n"):
         return "-"
-    return f"{s['p50']:.0f} ({s['p95']:.0f})" if s["n"] > 1 else f"{s['p50']:.0f}"
+    return f"{s['p50']:.{digits}f} ({s['p95']:.{digits}f})" if s["n"] > 1 else f"{s['p50']:.{digits}f}"
 
 
 def _p50(s: dict[str, Any] | None) -> Any:

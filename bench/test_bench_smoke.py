@@ -16,7 +16,7 @@ pytestmark = pytest.mark.runsc
 
 # The budget for the smoke run inside `make test`.
 SMOKE_BUDGET_S = 60.0
-SCENARIOS = ("start", "job", "throughput", "session_step", "host_function", "memory", "scaling")
+SCENARIOS = ("start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop")
 
 
 def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None:
@@ -63,5 +63,9 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
         assert set(levels) == {"1", "2", "4"}, name
     for name, session in scenarios["session_step"]["checkpoints"].items():
         assert session["step_ms"]["n"] >= 1, (name, session["errors"])
+    hop = scenarios["router_hop"]  # the same step and host call, local and through a router, side by side
+    for figure in ("session_step_ms", "host_round_trip_ms"):
+        assert hop[figure]["local"]["n"] >= 1 and hop[figure]["routed"]["n"] >= 1, (figure, hop["errors"])
+        assert hop[figure]["routed_over_local"]["p50"] > 0, figure
     # The table renders from the JSON alone.
     assert "key figures" in done.stdout

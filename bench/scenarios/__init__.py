@@ -7,7 +7,7 @@ figures that combine two (restore time vs image size uses scenario 1).
 
 from __future__ import annotations
 
-from . import later, latency, memory, scaling, throughput
+from . import later, latency, memory, router, scaling, throughput
 
 # (what --only calls it, module, entries it produces)
 SCENARIOS = (
@@ -16,4 +16,5 @@ SCENARIOS = (
     ("throughput", throughput, ("throughput",)),
     ("scaling", scaling, ("scaling",)),
     ("later", later, ("session_step", "host_function")),
+    ("router", router, ("router_hop",)),
 )

@@ -32,7 +32,7 @@ print(json.dumps(times))
 """
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """The pool answered, but does not offer the feature (RequestError), or failed at it."""
 
 
@@ -44,14 +44,14 @@ def _unavailable(reason: str) -> dict[str, Any]:
     return {"available": False, "reason": reason}
 
 
-def _request(pool: PoolClient, body: dict[str, Any], **kwargs: Any) -> tuple[dict[str, Any], float]:
+def pool_request(pool: PoolClient, body: dict[str, Any], **kwargs: Any) -> tuple[dict[str, Any], float]:
     try:
         result, elapsed_s = pool.request(body, STEP_TIMEOUT_S, **kwargs)
     except PoolError as exc:
-        raise _Refused(f"readie pool failed: {exc}") from None
+        raise Refused(f"readie pool failed: {exc}") from None
     error = result.get("error")
     if error and error.get("type") == "RequestError":
-        raise _Refused(f"readie pool: {error.get('message')}")
+        raise Refused(f"readie pool: {error.get('message')}")
     return result, elapsed_s
 
 
@@ -65,7 +65,7 @@ def _sessions(bench: Bench) -> dict[str, Any]:
             return _unavailable(bench.pool_problems.get(name, "no readie pool"))
         try:
             entries[name] = _session(bench, name)
-        except _Refused as exc:
+        except Refused as exc:
             return _unavailable(str(exc))
     return {
         "available": True,
@@ -79,13 +79,13 @@ def _session(bench: Bench, name: str) -> dict[str, Any]:
     pool, warm = bench.pools[name], bench.warm_path(name)
     session = f"bench-{name}"
     bench.settle()
-    first, first_s = _request(pool, {"session": session, "code": "x = 0\n"})
+    first, first_s = pool_request(pool, {"session": session, "code": "x = 0\n"})
     if first.get("exit") != 0:
-        raise _Refused(f"the session's first step failed: {first.get('error')}")
+        raise Refused(f"the session's first step failed: {first.get('error')}")
     steps, jobs, problems = [], [], []
     for step in range(1, bench.settings.session_steps + 1):
         bench.settle()
-        result, elapsed_s = _request(pool, {"session": session, "code": "x += 1\nprint(x)\n"})
+        result, elapsed_s = pool_request(pool, {"session": session, "code": "x += 1\nprint(x)\n"})
         if result.get("exit") == 0 and result.get("stdout") == f"{step}\n":
             steps.append(elapsed_s * 1000)
         else:
@@ -94,7 +94,7 @@ def _session(bench: Bench, name: str) -> dict[str, Any]:
         sample = warm.run(PRINT)
         if sample.error is None:
             jobs.append(sample.elapsed_ms)
-    _request(pool, {"session": session, "close": True})
+    pool_request(pool, {"session": session, "close": True})
     step_ms, job_ms = summary(steps), summary(jobs)
     return {
         "first_step_ms": round(first_s * 1000, 1),  # takes a warm sandbox and runs the first step
@@ -117,25 +117,30 @@ def _host_function(bench: Bench) -> dict[str, Any]:
     pool = bench.pools.get(name)
     if pool is None:
         return _unavailable(bench.pool_problems.get(name, "no readie pool"))
-
-    def echo(event: dict[str, Any]) -> dict[str, Any]:
-        return {"result": (event.get("args") or [None])[0]}
-
     bench.settle()
-    body = {"functions": ["echo"], "code": HOST_FUNCTION_CODE.format(calls=bench.settings.host_calls)}
     try:
-        result, _ = _request(pool, body, on_call=echo)
-    except _Refused as exc:
+        times = host_call_times(pool, bench.settings.host_calls)
+    except Refused as exc:
         return _unavailable(str(exc))
-    if result.get("exit") != 0:
-        return _unavailable(f"the pool accepted the task but it failed: {result.get('error')}")
-    try:
-        times = [float(t) for t in json.loads(result["stdout"])]
-    except (ValueError, TypeError, KeyError):
-        return _unavailable(f"unexpected output: {str(result.get('stdout'))[:200]!r}")
     return {
         "available": True,
         "what": "one host-function call and its JSON reply, timed inside the sandbox",
         "checkpoint": name,
         "round_trip_ms": summary(times, digits=3),
     }
+
+
+def host_call_times(pool: PoolClient, calls: int) -> list[float]:
+    """One task calling ``echo`` ``calls`` times; each round trip in ms, timed inside the sandbox."""
+
+    def echo(event: dict[str, Any]) -> dict[str, Any]:
+        return {"result": (event.get("args") or [None])[0]}
+
+    body = {"functions": ["echo"], "code": HOST_FUNCTION_CODE.format(calls=calls)}
+    result, _ = pool_request(pool, body, on_call=echo)
+    if result.get("exit") != 0:
+        raise Refused(f"the pool accepted the task but it failed: {result.get('error')}")
+    try:
+        return [float(t) for t in json.loads(result["stdout"])]
+    except (ValueError, TypeError, KeyError):
+        raise Refused(f"unexpected output: {str(result.get('stdout'))[:200]!r}") from None

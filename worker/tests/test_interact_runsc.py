@@ -19,12 +19,12 @@ what no honest client would. Covered:
 * ``WorkerClient`` and ``RemoteSession``: host functions, steps, and a
   session lost when its worker drains.
 
-Every worker must end with no runsc containers left. The strict xfail tests
-pin down what is still wrong: a first message that is a reply (never
-refused), a step sent while a step runs (queued, though the docs call it a
-protocol break), streams that never send a first message (each holds a server
-thread until the client gives up), and a host's error text with a lone
-surrogate (the client's job fails instead of the call).
+* steps sent before the previous one's result: queued, run in order;
+* streams beyond the server's limit refused at once (Capacity still
+  answers), and a stream that never sends a first message refused;
+* a host's error text with a lone surrogate reaching the sandbox.
+
+Every worker must end with no runsc containers left.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_worker.client import WorkerClient
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.grpc_service import RPC_HEADROOM_THREADS, serve
+from readie_worker.grpc_service import serve
 from readie_worker.jobs import CodeJob
 from readie_worker.remote_session import SessionLost
 from readie_worker.testing import FakeHost, WorkerProcess, stop_worker
@@ -265,12 +265,6 @@ def test_the_first_message_must_be_a_job_or_open_session(worker, first, field):
     invalid_argument(Stream(worker.stub, first).refused(), field)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: Interaction._drive reads its first message with _next_request, which skips replies as stale, "
-    "so a first reply is never refused: the stream waits (holding a server thread) for a job that never comes",
-)
 def test_a_first_message_that_is_a_reply_is_refused(worker):
     stream = Stream(worker.stub, pb.InteractRequest(reply=pb.HostReply(call_id=1, result_json=b"1")), deadline_s=3)
     invalid_argument(stream.refused(), "reply")
@@ -334,27 +328,16 @@ def test_a_step_sent_while_a_host_call_waits_breaks_the_protocol(worker):
     session_gone(worker, first.sandbox_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="_interact's docstring lists 'a step while a step runs' as a protocol break (INVALID_ARGUMENT), "
-    "but only one sent while a host call waits is refused; otherwise it is queued and run after the first",
-)
-def test_a_step_sent_while_a_step_runs_breaks_the_protocol(worker):
-    stream = open_stream(worker.stub, "open_session", "import time")
+def test_steps_sent_before_the_previous_result_run_in_order(worker):
+    stream = open_stream(worker.stub, "open_session", "import time\nn = 0")
     first = stream.result()
-    stream.step("time.sleep(0.5)")
-    stream.step("print('too soon')")
-    stream.close()  # whatever the worker makes of it, the stream then ends
-    kinds: list[str] = []
-    try:
-        kinds.extend(event.WhichOneof("kind") for event in stream.call)
-        code = stream.call.code()
-    except grpc.RpcError as error:
-        code = error.code()
-    finally:
-        session_gone(worker, first.sandbox_id)
-    assert (kinds, code) == ([], grpc.StatusCode.INVALID_ARGUMENT)
+    stream.step("time.sleep(0.5)\nn += 1")
+    stream.step("n += 1\nprint(n)")
+    assert [stream.result().step, (second := stream.result()).step] == [2, 3]
+    assert second.stdout == "2\n"
+    stream.close()
+    stream.ends_ok()
+    session_gone(worker, first.sandbox_id)
 
 
 def test_session_steps_keep_main_until_system_exit_ends_it(worker):
@@ -433,12 +416,6 @@ def test_worker_client_answers_host_calls_with_its_host(worker):
     assert (outcome.host.calls, outcome.host.replies) == (1, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="BUG: _host_wire.reply_message copies a host's error text into HostReply.error as is; a lone "
-    "surrogate makes protobuf raise UnicodeEncodeError, so the client's run_job fails instead of the call",
-)
 def test_a_host_error_text_with_a_lone_surrogate_reaches_the_sandbox(worker):
     def load(name: str) -> None:
         raise FileNotFoundError(f"no such file: {name}\udcff.csv")  # as os.fsdecode leaves undecodable bytes
@@ -519,26 +496,30 @@ def test_a_session_beyond_max_sessions_is_unavailable(small_worker):
     assert open_stream(stub, "job", "print('a job still runs')").result().stdout == "a job still runs\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="HARDENING: an Interact stream holds a server thread from its start, with no limit on how long its "
-    "first message may take; slots + max_sessions + RPC_HEADROOM_THREADS silent streams starve Capacity and health",
-)
-def test_streams_that_never_start_do_not_starve_capacity(small_worker):
+def test_streams_beyond_the_limit_are_refused_at_once_and_capacity_still_answers(small_worker):
     worker, stub = small_worker
-    threads = worker.config.slots + worker.config.max_sessions + RPC_HEADROOM_THREADS
-    silent = [Stream(stub) for _ in range(threads)]
+    limit = worker.config.slots + worker.config.max_sessions  # serve's default max_streams
+    silent = [Stream(stub) for _ in range(limit)]
     try:
         # The server is in this process: each stream it serves has a reader thread.
-        wait_until(lambda: _reading_streams() >= threads, "the silent streams never reached the server")
-        stub.Capacity(pb.CapacityRequest(), timeout=2)
-    except grpc.RpcError as error:
-        raise AssertionError(f"Capacity failed with {threads} silent streams open: {error.code()}") from None
+        wait_until(lambda: _reading_streams() >= limit, "the silent streams never reached the server")
+        extra = Stream(stub).refused()
+        assert extra.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"its {limit} Interact streams open" in extra.details()
+        assert stub.Capacity(pb.CapacityRequest(), timeout=2).sessions == 0
     finally:
         for stream in silent:
             stream.call.cancel()
-        wait_until(lambda: _answers(stub), "Capacity never recovered after the silent streams went away")
+    wait_until(lambda: _reading_streams() == 0, "the silent streams' threads never ended")
+    assert open_stream(stub, "job", "print('served')").result().stdout == "served\n"
+
+
+def test_a_stream_that_never_says_what_it_wants_is_refused(small_worker, monkeypatch):
+    from readie_worker import _interact
+
+    monkeypatch.setattr(_interact, "FIRST_MESSAGE_S", 0.5)
+    invalid_argument(Stream(stub := small_worker[1]).refused(), "kind")
+    assert stub.Capacity(pb.CapacityRequest(), timeout=2).sessions == 0
 
 
 def _reading_streams() -> int:

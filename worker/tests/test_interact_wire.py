@@ -5,8 +5,8 @@ lossless big integers, undeclared functions, oversized or malformed arguments,
 unencodable results turned into error replies, replies without an outcome or
 with bad JSON), a session step's bounds (``_convert.session_step``, each
 refusal naming its field under ``step.``), and the ``_interact.Mailbox`` that
-joins the stream's threads (bounded puts, close, drain, timeouts). A strict
-xfail pins a known bug: an error text with a lone surrogate.
+joins the stream's threads (bounded puts, close, drain, timeouts), and an
+error text with a lone surrogate still becoming an error reply.
 """
 
 from __future__ import annotations
@@ -137,13 +137,6 @@ def test_a_circular_result_becomes_an_error_reply():
     assert message.WhichOneof("outcome") == "error" and "circular reference" in message.error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="BUG: reply_message puts a host's error text into the proto string unescaped; a lone surrogate "
-    "(e.g. str() of an OSError on a surrogateescape'd file name) raises UnicodeEncodeError instead of "
-    "giving an error reply, so InteractStream.result cancels the stream and the whole job fails",
-)
 def test_an_error_text_with_a_lone_surrogate_still_makes_an_error_reply():
     message = reply_message(1, HostReply(error="no such file: 'data-\udcff.csv'"))
     assert message.WhichOneof("outcome") == "error" and message.error.startswith("no such file: 'data-")

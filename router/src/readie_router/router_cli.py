@@ -39,6 +39,9 @@ DEFAULT_DRAIN_GRACE_S = 30.0
 # Each in-flight call holds a server thread while its worker runs it; this
 # bounds the calls a router forwards at once (workers bound their own slots).
 ROUTER_THREADS = 64
+# Jobs with host functions in flight through the router at once (each an
+# Interact stream to its worker); sessions' streams come on top.
+ROUTER_JOB_STREAMS = 32
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             placement,  # type: ignore[arg-type]  # a Placement has the Worker's shape
             args.listen,
             name=args.name or f"router:{args.listen}",
-            threads=ROUTER_THREADS + args.max_sessions,  # a session's stream holds a thread for its life
+            # A session's stream holds a thread for its life; so does a job with host functions while it runs.
+            max_streams=args.max_sessions + ROUTER_JOB_STREAMS,
+            threads=ROUTER_THREADS + args.max_sessions + ROUTER_JOB_STREAMS,
             extra_services=[pool_service],
         )
     except RuntimeError as exc:

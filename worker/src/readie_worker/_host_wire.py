@@ -71,7 +71,9 @@ def reply_message(call_id: int, reply: HostReply) -> pb.HostReply:
             return pb.HostReply(call_id=call_id, result_json=hostwire.dumps(reply.result, MAX_RESULT_BYTES, what="result"))
         except (TypeError, ValueError) as exc:
             reply = HostReply(error=f"the host's result cannot be sent: {exc}")
-    return pb.HostReply(call_id=call_id, error=str(reply.error))
+    # A proto string must be valid UTF-8; a host's message may hold lone surrogates (file names).
+    error = str(reply.error).encode("utf-8", "backslashreplace").decode("utf-8")
+    return pb.HostReply(call_id=call_id, error=error)
 
 
 def reply_from_message(message: pb.HostReply) -> tuple[int, HostReply]:

@@ -13,9 +13,12 @@ One stream, three threads, each blocking on one thing:
 The stream is the session's life: when the client closes its side, cancels,
 or goes away, the mailboxes close, a waiting call is answered with an error,
 and the driver closes the session (its sandbox is destroyed). A client that
-breaks the protocol (a step while a step runs, a reply that is not JSON, a
-first message that is neither ``job`` nor ``open_session``) gets
-INVALID_ARGUMENT naming the field, and its session ends.
+breaks the protocol (a first message that is neither ``job`` nor
+``open_session``, or none within :data:`FIRST_MESSAGE_S`; anything but a
+reply while a host call waits; a reply that is not JSON) gets
+INVALID_ARGUMENT naming the field, and its session ends. Steps sent before
+the previous one's result are not a break: they wait in the inbox and run
+in order.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ OUTBOX_EVENTS = 4
 # Replies to no waiting call that one stream may send: a reply can honestly
 # lose a race with the task's deadline, but not thousands of times.
 MAX_STALE_REPLIES = 64
+# A stream holds a server thread from its start: one that does not say what
+# it wants within this long is refused, and its thread freed.
+FIRST_MESSAGE_S = 30.0
 
 _T = TypeVar("_T")
 
@@ -154,21 +160,25 @@ class Interaction:
     def _drive(self) -> None:
         session: SessionHandle | None = None
         try:
-            first = self._next_request()
-            kind = None if first is None else first.WhichOneof("kind")
-            if first is not None and kind == "job":
+            first = self._inbox.get(FIRST_MESSAGE_S)
+            if first is None:
+                raise RequestError(f"no job or open_session within {FIRST_MESSAGE_S:.0f} s", field="kind")
+            if isinstance(first, _Closed):
+                return  # the client left before asking anything
+            kind = first.WhichOneof("kind")
+            if kind == "job":
                 job = code_job(first.job, self._time_remaining())
                 self._bind(kind="job", checkpoint=job.checkpoint, functions=len(job.functions))
                 outcome = self._runner.run_job(job, self._job_id, host=self._relay)
                 self._check_protocol()
                 self._send(pb.InteractEvent(result=run_job_response(outcome)))
-            elif first is not None and kind == "open_session":
+            elif kind == "open_session":
                 job = code_job(first.open_session, self._time_remaining())
                 self._bind(kind="session", checkpoint=job.checkpoint, functions=len(job.functions))
                 session, step = self._runner.open_session(job, self._job_id, host=self._relay)
                 self._bind(session=session.id)
                 self._serve_session(session, step)
-            elif first is not None:
+            else:
                 raise RequestError("the first message must be a job or open_session", field=kind or "kind")
         except BaseException as exc:  # noqa: BLE001 - reported to the client by events()
             self._error = exc

@@ -18,6 +18,7 @@ import functools
 import re
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -42,8 +43,8 @@ from ._convert import (
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
-from .core import DEFAULT_DRAIN_GRACE_S, Capacity, Worker
-from .errors import RequestError
+from .core import DEFAULT_DRAIN_GRACE_S, Worker
+from .errors import RequestError, SandboxSetupError
 
 log = structlog.get_logger("readie.grpc")
 
@@ -119,9 +120,14 @@ def _rpc(level: str = "info") -> Callable[[Callable[..., _Response]], Callable[.
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, worker: Worker, name: str) -> None:
+    def __init__(self, worker: Worker, name: str, max_streams: int) -> None:
         self.worker = worker
         self.name = name
+        # Interact streams hold a server thread each for their whole life; past
+        # this many, new ones are refused at once so unary calls, Capacity and
+        # health always have threads left (serve sizes the pool above it).
+        self._stream_places = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
 
     @_rpc()
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext, call: CallLog) -> pb.RunJobResponse:
@@ -151,7 +157,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Interact(self, requests: Iterator[pb.InteractRequest], context: grpc.ServicerContext) -> Iterator[pb.InteractEvent]:
         # A generator: the error mapping and the log line wrap its whole life, not its creation.
         with grpc_errors(context), CallLog("Interact", context) as call:
-            yield from Interaction(self.worker, requests, context, call.request_id, call.bind).events()
+            if not self._stream_places.acquire(blocking=False):
+                raise SandboxSetupError(f"this server has its {self._max_streams} Interact streams open")
+            try:
+                yield from Interaction(self.worker, requests, context, call.request_id, call.bind).events()
+            finally:
+                self._stream_places.release()
 
     @_rpc(level="debug")  # polled by placement: a line per poll would drown the job lines
     def Capacity(self, request: pb.CapacityRequest, context: grpc.ServicerContext, call: CallLog) -> pb.CapacityResponse:
@@ -192,14 +203,21 @@ def serve(
     name: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     threads: int | None = None,
+    max_streams: int | None = None,
     extra_services: Sequence[tuple[str, Callable[[grpc.Server], None]]] = (),
 ) -> WorkerServer:
     """Serve a started ``worker`` on ``address`` ("host:port"; port 0 picks a free one).
 
     ``name`` is what Capacity reports; by default the host name and the bound port.
+    ``max_streams`` bounds the Interact streams open at once (by default one per
+    job slot and per session); ``threads`` is the server's pool, by default
+    those plus a thread per slot for unary jobs and headroom for Capacity and health.
     """
+    capacity = worker.capacity()
+    max_streams = max_streams if max_streams is not None else capacity.slots + capacity.max_sessions
+    threads = threads or max_streams + capacity.slots + RPC_HEADROOM_THREADS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads or _threads(worker.capacity()), thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -211,7 +229,7 @@ def serve(
     port = server.add_insecure_port(address)  # raises RuntimeError when it cannot bind
     bound = f"{address.rsplit(':', 1)[0]}:{port}"
     name = name or f"{socket.gethostname()}:{port}"
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name, max_streams), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for _, register in extra_services:  # e.g. the router's Pool service
@@ -223,12 +241,6 @@ def serve(
     server.start()
     log.info("serving", address=bound, name=name, protocol=WORKER_PROTOCOL, max_message_bytes=max_message_bytes)
     return WorkerServer(server, health_servicer, worker, bound, port)
-
-
-def _threads(capacity: Capacity) -> int:
-    """One per job slot and per session (an Interact stream holds its thread for the session's life),
-    plus headroom for Capacity and health while all are busy."""
-    return capacity.slots + capacity.max_sessions + RPC_HEADROOM_THREADS
 
 
 def _request_id(context: grpc.ServicerContext) -> str:

@@ -1,0 +1,120 @@
+"""Scenario 8: what the router hop adds to a session step and a host-function call.
+
+Scenarios 4 and 5 go through ``readie pool`` with its worker in-process. Behind
+``readie pool --router`` the same requests cross two more gRPC hops (pool ->
+router -> worker) on one ``Interact`` stream per session or per job with
+functions (decision 0009), and every host call comes back the same way. Both
+paths are measured in one run on the smallest checkpoint: ``local`` is the
+pool the other scenarios use, ``routed`` a second pool in front of a
+``readie router`` and two ``readie worker`` processes on loopback
+(``start_cluster``; stopped at the end, which fails if a runsc container is
+left). Each round, the arms take turns (the first one alternates, each
+settled) at one session step (``x += 1; print(x)``, output checked) and one
+host-function task (``host_calls`` calls timed inside the sandbox). The
+machine is noisy, so the figures are routed/local ratios of p50 and p95 and
+the median of per-round ratios, never absolute thresholds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from readie_worker.testing import start_cluster
+
+from .._bench import Bench
+from .._pool_client import PoolClient
+from .._stats import paired_ratio, ratio, summary
+from .later import Refused, host_call_times, pool_request
+
+ARMS = ("local", "routed")
+WORKERS = 2
+# The router's own default; start_cluster's 0.2 s suits tests that kill workers.
+PROBE_INTERVAL = "--probe-interval=1"
+STEP = "x += 1\nprint(x)\n"
+
+
+def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
+    name = bench.names[0]
+    local = bench.pools.get(name)
+    if local is None:
+        return {"router_hop": {"available": False, "reason": bench.pool_problems.get(name, "no readie pool")}}
+    # One warm sandbox per worker and `slots` each: the local pool's two warm, spread over two workers.
+    cluster = start_cluster(
+        bench.scratch / "cluster", bench.manifest_path, workers=WORKERS, warm=f"{name}=1",
+        slots=bench.settings.slots, router_args=[PROBE_INTERVAL],
+    )
+    try:
+        routed = PoolClient.start(
+            bench.manifest_path, bench.checkpoint(name).preimport, bench.settings.slots,
+            bench.scratch / "pool-routed.log", router=cluster.address,
+        )
+        try:
+            entry = _measure(bench, {"local": local, "routed": routed})
+        finally:
+            routed.close()
+    finally:
+        cluster.stop()
+    return {"router_hop": {
+        "available": True,
+        "what": f"readie pool with its in-process worker (local) vs readie pool --router in front of "
+        f"{WORKERS} readie workers on loopback (routed), taking turns",
+        "checkpoint": name,
+        **entry,
+    }}
+
+
+def _measure(bench: Bench, pools: dict[str, PoolClient]) -> dict[str, Any]:
+    sessions = {arm: f"bench-hop-{arm}" for arm in ARMS}
+    steps: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    calls: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    step_pairs, call_pairs, problems = [], [], []
+    first_ms = {}
+    try:
+        for arm in ARMS:
+            bench.settle()
+            result, elapsed_s = pool_request(pools[arm], {"session": sessions[arm], "code": "x = 0\n"})
+            if result.get("exit") != 0:
+                raise Refused(f"{arm}: the session's first step failed: {result.get('error')}")
+            first_ms[arm] = round(elapsed_s * 1000, 1)
+        for round_ in range(bench.settings.rounds):
+            order = ARMS if round_ % 2 == 0 else ARMS[::-1]
+            step_ms, call_p50 = {}, {}
+            for arm in order:
+                bench.settle()
+                result, elapsed_s = pool_request(pools[arm], {"session": sessions[arm], "code": STEP})
+                if result.get("exit") == 0 and result.get("stdout") == f"{round_ + 1}\n":
+                    step_ms[arm] = elapsed_s * 1000
+                    steps[arm].append(step_ms[arm])
+                else:
+                    problems.append(f"{arm}: {result.get('error') or result.get('stdout')!r}")
+            for arm in order:
+                bench.settle()
+                times = host_call_times(pools[arm], bench.settings.host_calls)
+                calls[arm].extend(times)
+                call_p50[arm] = statistics.median(times)
+            if len(step_ms) == 2:
+                step_pairs.append((step_ms["routed"], step_ms["local"]))
+            call_pairs.append((call_p50["routed"], call_p50["local"]))
+    finally:
+        for arm in first_ms:  # the local pool is shared with other scenarios: leave no session open
+            try:
+                pool_request(pools[arm], {"session": sessions[arm], "close": True})
+            except Refused:
+                pass  # that pool is gone; the error that got us here is the one to report
+    return {
+        "session_first_step_ms": first_ms,
+        "session_step_ms": _arms(steps, step_pairs, digits=1),
+        "host_round_trip_ms": _arms(calls, call_pairs, digits=3),
+        "errors": problems[:3],
+    }
+
+
+def _arms(samples: dict[str, list[float]], pairs: list[tuple[float, float]], digits: int) -> dict[str, Any]:
+    local, routed = summary(samples["local"], digits), summary(samples["routed"], digits)
+    return {
+        "local": local,
+        "routed": routed,
+        "routed_over_local": {"p50": ratio(routed, local), "p95": ratio(routed, local, "p95"),
+                              "paired": paired_ratio(pairs)},
+    }
