@@ -12,7 +12,6 @@ import json
 import time
 from pathlib import Path
 
-import pytest
 from readie_executor import hostwire
 from readie_router._events import RuntimeInfo
 from readie_router._host import encode_call_event

@@ -1,9 +1,8 @@
-"""`readie router` placing jobs on two real `readie worker` processes on loopback."""
+"""`readie router` placing jobs, sessions and host-function calls on two real `readie worker` processes on loopback."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -12,18 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
-from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_router.testing import PoolProcess
 from readie_worker.testing import Cluster, start_cluster
 
 pytestmark = pytest.mark.runsc
 
 from conftest import CHECKPOINTS  # noqa: E402
-
-STARTUP_TIMEOUT_S = 30.0
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
