@@ -30,7 +30,6 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ._interact import Interaction
 from ._convert import (
     MAX_CALL_PAYLOAD_BYTES,
     call_payload,
@@ -40,6 +39,7 @@ from ._convert import (
     run_job_response,
     timeout_ms,
 )
+from ._interact import Interaction
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
