@@ -318,13 +318,26 @@ def test_more_stale_replies_than_allowed_break_the_protocol(worker):
 # --------------------------------------------------------------------------- sessions
 
 
-def test_a_step_sent_while_a_host_call_waits_breaks_the_protocol(worker):
+def test_a_step_sent_while_a_host_call_waits_runs_after_it(worker):
+    stream = open_stream(worker.stub, "open_session", "import readie_host", ("lookup",))
+    first = stream.result()
+    stream.step("print(readie_host.lookup())")
+    assert stream.host_call().call_id == 1
+    stream.step("print('next')")  # sent ahead: held until the step before it ends
+    stream.reply(1, "found")
+    assert [(r.step, r.stdout) for r in (stream.result(), stream.result())] == [(2, "found\n"), (3, "next\n")]
+    stream.close()
+    stream.ends_ok()
+    session_gone(worker, first.sandbox_id)
+
+
+def test_a_job_message_while_a_host_call_waits_breaks_the_protocol(worker):
     stream = open_stream(worker.stub, "open_session", "import readie_host", ("lookup",))
     first = stream.result()
     stream.step("readie_host.lookup()")
     assert stream.host_call().call_id == 1
-    stream.step("print('too soon')")
-    invalid_argument(stream.refused(), "step")
+    stream.send(job=job("print('not here')"))
+    invalid_argument(stream.refused(), "job")
     session_gone(worker, first.sandbox_id)
 
 

@@ -39,10 +39,10 @@ def test_main_survives_between_steps_in_one_sandbox(worker):
         assert second.outcome.sandbox_id == first.outcome.sandbox_id == session.sandbox_id
         assert session.sandbox_id in worker.runsc.list_ids()
         # Between steps the session holds a sandbox but no slot.
-        assert worker.capacity().busy == 0 and worker.sessions_open == 1
+        assert worker.capacity().busy == 0 and worker.capacity().sessions == 1
     finally:
         session.close()
-    assert session.ended and worker.sessions_open == 0
+    assert session.ended and worker.capacity().sessions == 0
     assert session.sandbox_id not in worker.runsc.list_ids()
     with pytest.raises(RequestError, match="has ended"):
         session.run_step("print(x)")
@@ -64,7 +64,7 @@ def test_a_timeout_ends_the_session_and_destroys_its_sandbox(worker):
     spun = session.run_step("while True:\n    pass\n")
     assert spun.session_ended and spun.outcome.error.type == "TimeoutError" and spun.outcome.exit is None
     assert "1000 ms" in spun.outcome.error.message
-    assert session.ended and worker.sessions_open == 0
+    assert session.ended and worker.capacity().sessions == 0
     assert spun.outcome.sandbox_id not in worker.runsc.list_ids()
 
 
@@ -127,7 +127,7 @@ def test_closing_the_worker_destroys_open_sessions(checkpoints):
     worker = Worker(config).start()
     try:
         sessions = [worker.open_session(job(f"v = {i}"))[0] for i in range(2)]
-        assert worker.sessions_open == 2 and len(worker.runsc.list_ids()) == 2
+        assert worker.capacity().sessions == 2 and len(worker.runsc.list_ids()) == 2
         worker.drain(grace_s=5)
         assert all(s.ended for s in sessions) and worker.runsc.list_ids() == []
         with pytest.raises(SandboxSetupError, match="draining"):

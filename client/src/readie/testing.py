@@ -30,7 +30,17 @@ from ._requests import PathArg
 if TYPE_CHECKING:
     from readie_worker.testing import Cluster
 
-__all__ = ["find_checkpoints", "local_router", "temp_pool"]
+__all__ = ["LocalRouter", "find_checkpoints", "local_router", "temp_pool"]
+
+
+def __getattr__(name: str) -> object:
+    # LocalRouter was local_router's own class until the cluster launcher was
+    # shared; kept as a name for it (address, router, workers, log_path all remain).
+    if name == "LocalRouter":
+        from readie_worker.testing import Cluster
+
+        return Cluster
+    raise AttributeError(name)
 
 CHECKPOINTS_VARIABLE = "READIE_CHECKPOINTS"
 MANIFEST = "manifest.json"

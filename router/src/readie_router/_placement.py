@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -38,7 +39,7 @@ from readie_worker.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
-from readie_worker.remote_session import RemoteSession, SessionLost
+from readie_worker.remote_session import RemoteSession, SessionLost, StreamBroken
 from readie_worker.sessions import StepOutcome
 
 log = structlog.get_logger("readie.placement")
@@ -136,8 +137,10 @@ class Placement:
                 refused.add(id(member))
                 self._release(member, session=True)
                 continue
-            except BaseException:
+            except BaseException as exc:
                 self._release(member, session=True)
+                if isinstance(exc, StreamBroken):
+                    self._mark_failed(member)  # as for a job lost with its worker
                 raise
             self._release(member)
             placed = PlacedSession(self, member, remote)
@@ -185,8 +188,9 @@ class Placement:
             self._prober.join()
         with self._lock:
             sessions = list(self._sessions)
-        for session in sessions:  # their sandboxes, on their workers
-            session.close()
+        if sessions:  # their sandboxes, on their workers; all at once, each waits for its worker
+            with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
+                list(closing.map(PlacedSession.close, sessions))
         for member in self._members:
             member.client.close()
 
@@ -208,6 +212,19 @@ class Placement:
             finally:
                 self._release(member)
 
+    def _take_slot(self, member: _Member) -> None:
+        """A slot on ``member``, as ``_choose`` would give, for a session's step: it cannot go elsewhere.
+
+        Waits (up to ``wait_s``) for one, so the step does not queue on the
+        worker behind other work; if the worker is unhealthy or none frees up,
+        the step is sent anyway and its stream tells what became of the worker.
+        """
+        deadline = time.monotonic() + self.wait_s
+        with self._lock:
+            while member.healthy and member.free() <= 0 and (remaining := deadline - time.monotonic()) > 0:
+                self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
+            member.in_flight += 1
+
     def _release(self, member: _Member, *, session: bool = False) -> None:
         """A slot (and a session place) taken by ``_choose`` given back."""
         with self._lock:
@@ -226,6 +243,8 @@ class Placement:
                     raise SandboxSetupError("the router is draining and takes no new work")
                 if session and sum(m.sessions for m in self._members) >= self.max_sessions:
                     raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
+                if session and not any(m.healthy and m.capacity and m.capacity.max_sessions for m in self._members):
+                    raise SandboxSetupError("no healthy worker keeps sessions (each has --max-sessions 0, or is too old)")
                 candidates = [m for m in self._members if room(m) > 0 and id(m) not in refused]
                 if candidates:
                     chosen = min(candidates, key=order)
@@ -297,10 +316,9 @@ class PlacedSession:
         job_id: str | None = None,
         host: HostFunction | None = None,
     ) -> StepOutcome:
-        """``RemoteSession.run_step``, with the step counted as in flight on the session's worker."""
+        """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
         placement = self._placement
-        with placement._lock:
-            self._member.in_flight += 1
+        placement._take_slot(self._member)
         try:
             return self._remote.run_step(code, name, args, timeout_ms, max_output, job_id=job_id, host=host)
         except SessionLost:

@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, default=None, help="pool config (TOML): the ceiling and profiles of Pool sessions")
     parser.add_argument("--checkpoints", default="build/checkpoints", help="the workers' checkpoint manifest (or its directory)")
     parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
-    parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once across the workers")
+    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value

@@ -42,8 +42,11 @@ def call_message(call: HostCall) -> pb.HostCall:
     )
 
 
-def call_from_message(message: pb.HostCall, functions: Collection[str]) -> HostCall:
-    """The worker's call, checked against what this client declared; PoolWorkerError otherwise."""
+def call_from_message(message: pb.HostCall, functions: Collection[str], max_wait_s: float | None = None) -> HostCall:
+    """The worker's call, checked against what this client declared; PoolWorkerError otherwise.
+
+    ``max_wait_s`` (the task's own timeout) caps how long the deadline the worker names lets a host wait.
+    """
     if message.function not in functions:
         raise PoolWorkerError(f"the worker relayed a call to {message.function[:80]!r}, which was not declared")
     if not 1 <= message.call_id <= MAX_CALL_ID:
@@ -57,8 +60,10 @@ def call_from_message(message: pb.HostCall, functions: Collection[str]) -> HostC
         raise PoolWorkerError(f"the worker relayed arguments that are not valid JSON: {exc}") from None
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise PoolWorkerError("the worker relayed arguments that are not an array and an object")
-    deadline = time.monotonic() + max(0, message.deadline_ms) / 1000
-    return HostCall(message.call_id, message.function, tuple(args), kwargs, deadline)
+    wait_s = max(0, message.deadline_ms) / 1000
+    if max_wait_s is not None:
+        wait_s = min(wait_s, max_wait_s)
+    return HostCall(message.call_id, message.function, tuple(args), kwargs, time.monotonic() + wait_s)
 
 
 # --------------------------------------------------------------------------- client -> worker

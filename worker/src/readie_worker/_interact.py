@@ -7,18 +7,21 @@ One stream, three threads, each blocking on one thing:
 * the *driver* runs the job, or opens the session and runs its steps, on the
   runner (the in-process :class:`~readie_worker.core.Worker`, or a router's
   placement). Its host callback puts a ``call`` event in the outbox and waits
-  in the inbox for the matching ``reply``, up to the task's deadline;
+  in the inbox for the matching ``reply``, both up to the task's deadline;
 * grpc's handler thread yields the outbox's events onto the response stream.
 
-The stream is the session's life: when the client closes its side, cancels,
-or goes away, the mailboxes close, a waiting call is answered with an error,
-and the driver closes the session (its sandbox is destroyed). A client that
-breaks the protocol (a first message that is neither ``job`` nor
-``open_session``, or none within :data:`FIRST_MESSAGE_S`; anything but a
-reply while a host call waits; a reply that is not JSON) gets
-INVALID_ARGUMENT naming the field, and its session ends. Steps sent before
-the previous one's result are not a break: they wait in the inbox and run
-in order.
+The stream is the session's life. When the client closes its side, the
+driver finishes what the client sent before, then closes the session. When
+the RPC ends any other way (cancelled, the client gone), everything not yet
+run is dropped, a waiting call is answered with an error, and the driver
+closes the session (its sandbox is destroyed); the server's stream place is
+given back only when the driver is done, so work a cancelled stream left
+running still counts. A client that breaks the protocol (a first message
+that is neither ``job`` nor ``open_session``, or none within
+:data:`FIRST_MESSAGE_S`; a job message mid-session; a reply that is not
+JSON) gets INVALID_ARGUMENT naming the field, and its session ends. Steps
+sent before the previous one's result are not a break: they wait (a few at
+most, :data:`INBOX_MESSAGES`) and run in order, even while a host call waits.
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ log = structlog.get_logger("readie.grpc")
 # the next step. Beyond that the reader stops reading and grpc pushes back.
 INBOX_MESSAGES = 4
 # Events waiting for grpc to send them. The driver blocks past this, and the
-# job with it: a client that stops reading stops its own job's calls.
+# job with it: a client that stops reading stops its own job's calls (until
+# the call's deadline).
 OUTBOX_EVENTS = 4
+# How long a result may wait for a client that stopped reading before the
+# stream is given up; by then the job or step is over and its slot free.
+RESULT_SEND_S = 60.0
 # Replies to no waiting call that one stream may send: a reply can honestly
 # lose a race with the task's deadline, but not thousands of times.
 MAX_STALE_REPLIES = 64
@@ -77,11 +84,11 @@ class Mailbox(Generic[_T]):
         self._closed = False
         self._changed = threading.Condition()
 
-    def put(self, item: _T) -> bool:
-        """Wait for room; False (and the item dropped) once the mailbox is closed."""
+    def put(self, item: _T, timeout: float | None = None) -> bool:
+        """Wait for room; False (and the item dropped) once the mailbox is closed or ``timeout`` passes."""
         with self._changed:
-            self._changed.wait_for(lambda: self._closed or len(self._items) < self._bound)
-            if self._closed:
+            self._changed.wait_for(lambda: self._closed or len(self._items) < self._bound, timeout)
+            if self._closed or len(self._items) >= self._bound:
                 return False
             self._items.append(item)
             self._changed.notify_all()
@@ -98,14 +105,17 @@ class Mailbox(Generic[_T]):
             self._changed.notify_all()
             return item
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
+        """Refuse further puts; with ``discard``, drop what is waiting too."""
         with self._changed:
             self._closed = True
+            if discard:
+                self._items.clear()
             self._changed.notify_all()
 
 
 class Interaction:
-    """One Interact stream; :meth:`events` is the handler's response iterator."""
+    """One Interact stream: :meth:`start` it, then :meth:`events` is the handler's response iterator."""
 
     def __init__(
         self,
@@ -114,27 +124,34 @@ class Interaction:
         context: grpc.ServicerContext,
         job_id: str,
         bind: Callable[..., None] = lambda **fields: None,
+        done: Callable[[], None] = lambda: None,
     ) -> None:
         self._runner = runner
         self._requests = requests
-        self._time_remaining = context.time_remaining
+        self._context = context
         self._job_id = job_id
         self._bind = bind  # the call's log line
+        self._done = done  # called once the driver has finished, however the stream ended
         self._inbox: Mailbox[pb.InteractRequest] = Mailbox(INBOX_MESSAGES)
         self._outbox: Mailbox[pb.InteractEvent] = Mailbox(OUTBOX_EVENTS)
+        self._held: deque[pb.InteractRequest] = deque()  # steps that came while a host call waited
         self._error: BaseException | None = None
         self._broken: RequestError | None = None  # the client broke the protocol during a call
         self._stale_replies = 0
+
+    def start(self) -> Interaction:
         # Called when the RPC ends for any reason, cancellation included: a
         # handler blocked on the outbox, or a driver blocked on the inbox, wakes.
-        context.add_callback(self._hang_up)
+        if not self._context.add_callback(self._hang_up):
+            self._hang_up()  # it has ended already
+        threading.Thread(target=self._read, name="interact-read", daemon=True).start()
+        # Not joined: after a hang-up the driver finishes its job (the worker's
+        # slot and deadline bound it), closes the session and calls ``done``.
+        threading.Thread(target=self._drive, name="interact-drive", daemon=True).start()
+        return self
 
     def events(self) -> Iterator[pb.InteractEvent]:
         """Events for the client, in order; raises what ended the stream badly (mapped by the caller)."""
-        threading.Thread(target=self._read, name="interact-read", daemon=True).start()
-        # Not joined: after a hang-up the driver finishes its job (the worker's
-        # slot and deadline bound it) and closes the session on its own.
-        threading.Thread(target=self._drive, name="interact-drive", daemon=True).start()
         while not isinstance(event := self._outbox.get(), _Closed):
             assert event is not None  # no timeout given
             yield event
@@ -142,8 +159,8 @@ class Interaction:
             raise self._error
 
     def _hang_up(self) -> None:
-        self._inbox.close()
-        self._outbox.close()
+        self._inbox.close(discard=True)
+        self._outbox.close(discard=True)
 
     def _read(self) -> None:
         try:
@@ -167,13 +184,13 @@ class Interaction:
                 return  # the client left before asking anything
             kind = first.WhichOneof("kind")
             if kind == "job":
-                job = code_job(first.job, self._time_remaining())
+                job = code_job(first.job, self._context.time_remaining())
                 self._bind(kind="job", checkpoint=job.checkpoint, functions=len(job.functions))
                 outcome = self._runner.run_job(job, self._job_id, host=self._relay)
                 self._check_protocol()
-                self._send(pb.InteractEvent(result=run_job_response(outcome)))
+                self._send(pb.InteractEvent(result=run_job_response(outcome)), RESULT_SEND_S)
             elif kind == "open_session":
-                job = code_job(first.open_session, self._time_remaining())
+                job = code_job(first.open_session, self._context.time_remaining())
                 self._bind(kind="session", checkpoint=job.checkpoint, functions=len(job.functions))
                 session, step = self._runner.open_session(job, self._job_id, host=self._relay)
                 self._bind(session=session.id)
@@ -188,11 +205,13 @@ class Interaction:
                     session.close()
             finally:
                 self._outbox.close()
+                self._done()
 
     def _serve_session(self, session: SessionHandle, step: StepOutcome) -> None:
         while True:
             self._check_protocol()
-            self._send(pb.InteractEvent(result=run_job_response(step.outcome, step, session.id)))
+            if not self._send(pb.InteractEvent(result=run_job_response(step.outcome, step, session.id)), RESULT_SEND_S):
+                return  # the client is gone or stopped reading: the session ends
             self._bind(steps=step.step)
             if step.session_ended:
                 return
@@ -200,7 +219,7 @@ class Interaction:
             if request is None:  # the client closed its side: the session ends with the stream
                 return
             if request.WhichOneof("kind") != "step":
-                raise RequestError("an open session takes steps only", field=request.WhichOneof("kind") or "kind")
+                raise RequestError("an open session takes steps and replies only", field=request.WhichOneof("kind") or "kind")
             asked = session_step(request.step)
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
@@ -216,6 +235,8 @@ class Interaction:
 
     def _next_request(self) -> pb.InteractRequest | None:
         """The client's next step (or first message), skipping stale replies; None once its side closed."""
+        if self._held:
+            return self._held.popleft()
         while True:
             message = self._inbox.get()
             if isinstance(message, _Closed) or message is None:
@@ -224,37 +245,46 @@ class Interaction:
                 return message
             self._stale_reply()
 
-    def _send(self, event: pb.InteractEvent) -> bool:
-        return self._outbox.put(event)
+    def _send(self, event: pb.InteractEvent, timeout: float | None) -> bool:
+        return self._outbox.put(event, timeout)
 
     # -- host calls, on the driver's thread inside the job -------------------
 
     def _relay(self, call: HostCall) -> HostReply:
-        """The runner's host callback: the call to the client, its reply back."""
-        if self._broken is not None or not self._send(pb.InteractEvent(call=call_message(call))):
-            return HostReply(error=f"{call.function}: the client is gone")
+        """The runner's host callback: the call to the client, its reply back, by the task's deadline."""
+        deadline = call.deadline if call.deadline is not None else time.monotonic() + RESULT_SEND_S
+        event = pb.InteractEvent(call=call_message(call))
+        if self._broken is not None or not self._send(event, _left(deadline)):
+            return HostReply(error=f"{call.function}: the client is gone or not reading")
         while True:
-            remaining = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
-            message = self._inbox.get(remaining)
+            message = self._inbox.get(_left(deadline))
             if message is None:
                 return HostReply(error=f"{call.function}: no reply from the client before the task's deadline")
             if isinstance(message, _Closed):
                 return HostReply(error=f"{call.function}: the client closed the stream")
             try:
-                call_id, reply = self._reply_of(message)
+                if self._hold(message):
+                    continue
+                call_id, reply = reply_from_message(message.reply)
                 if call_id == call.call_id:
                     return reply
                 self._stale_reply()
             except RequestError as exc:
                 self._broken = exc  # raised once the job has ended; the job sees a failed call
-                self._inbox.close()
+                self._inbox.close(discard=True)
                 return HostReply(error=f"{call.function}: the client broke the protocol")
 
-    def _reply_of(self, message: pb.InteractRequest) -> tuple[int, HostReply]:
+    def _hold(self, message: pb.InteractRequest) -> bool:
+        """Keep a step that came early for after this one; False for a reply; RequestError for anything else."""
         kind = message.WhichOneof("kind")
-        if kind != "reply":
-            raise RequestError("only a reply may come while a host call waits", field=kind or "kind")
-        return reply_from_message(message.reply)
+        if kind == "reply":
+            return False
+        if kind != "step":
+            raise RequestError("only a reply or a later step may come while a host call waits", field=kind or "kind")
+        if len(self._held) >= INBOX_MESSAGES:
+            raise RequestError(f"more than {INBOX_MESSAGES} steps sent ahead", field="step")
+        self._held.append(message)
+        return True
 
     def _stale_reply(self) -> None:
         self._stale_replies += 1
@@ -264,3 +294,7 @@ class Interaction:
     def _check_protocol(self) -> None:
         if self._broken is not None:
             raise self._broken
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

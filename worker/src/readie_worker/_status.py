@@ -108,6 +108,11 @@ def grpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(status.code, status.details)
 
 
+def answered_by_readie(error: grpc.RpcError) -> bool:
+    """Whether a failed call's status came from readie's code (:func:`grpc_errors`), not the transport."""
+    return any(key == ERROR_METADATA_KEY for key, _ in error.trailing_metadata() or ())  # type: ignore[attr-defined]
+
+
 def error_from_status(error: grpc.RpcError) -> ReadieError:
     """The readie error a failed call to a worker stands for: the inverse of :func:`status_for`.
 

@@ -41,7 +41,7 @@ class WorkerClient:
         timeout_s = job.timeout_ms / 1000 + DEADLINE_MARGIN_S
         if job.functions:  # the calls come back on an Interact stream
             stream = self._interact(pb.InteractRequest(job=run_job_request(job)), job, job_id, timeout_s)
-            response = stream.result(host)
+            response = stream.result(host, job.timeout_ms / 1000)
             stream.close()
             return job_outcome(response)
         try:
@@ -55,7 +55,7 @@ class WorkerClient:
     ) -> tuple[RemoteSession, StepOutcome]:
         """Open a session on the worker whose setup and first step are ``job`` (``Worker.open_session``'s shape)."""
         stream = self._interact(pb.InteractRequest(open_session=run_job_request(job)), job, job_id, None)
-        response = stream.result(host, job.timeout_ms / 1000 + DEADLINE_MARGIN_S)
+        response = stream.result(host, job.timeout_ms / 1000, job.timeout_ms / 1000 + DEADLINE_MARGIN_S)
         if not response.HasField("session_id") or response.step != 1:
             stream.cancel()
             raise PoolWorkerError("the worker answered a session's opening without a session id or as another step")

@@ -259,11 +259,6 @@ class Worker:
                 session.close()
                 raise
 
-    @property
-    def sessions_open(self) -> int:
-        with self._lock:
-            return len(self._sessions)
-
     def _take_session_place(self) -> None:
         with self._lock:
             if self._session_places >= self.config.max_sessions:

@@ -160,9 +160,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not self._stream_places.acquire(blocking=False):
                 raise SandboxSetupError(f"this server has its {self._max_streams} Interact streams open")
             try:
-                yield from Interaction(self.worker, requests, context, call.request_id, call.bind).events()
-            finally:
+                # The place is given back when the stream's work is done, not when the client leaves.
+                interaction = Interaction(self.worker, requests, context, call.request_id, call.bind, self._stream_places.release)
+                interaction.start()
+            except BaseException:
                 self._stream_places.release()
+                raise
+            yield from interaction.events()
 
     @_rpc(level="debug")  # polled by placement: a line per poll would drown the job lines
     def Capacity(self, request: pb.CapacityRequest, context: grpc.ServicerContext, call: CallLog) -> pb.CapacityResponse:

@@ -21,16 +21,18 @@ from collections.abc import Collection, Iterable, Sequence
 
 import grpc
 
-from ._convert import StepRequest, job_outcome, session_step_message
+from readie_executor.hostwire import MAX_CALLS_PER_TASK
+
+from ._convert import StepRequest, job_outcome, session_step, session_step_message
 from ._host_wire import call_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import error_from_status
+from ._status import answered_by_readie, error_from_status
 from .errors import PoolWorkerError, ReadieError, RequestError
 from .jobs import CodeJob, HostFunction, HostReply, ask_host
 from .sessions import StepOutcome
 
-__all__ = ["InteractStream", "RemoteSession", "SessionLost"]
+__all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
 
 # Beyond a job's (or step's) own timeout: the worker enforces the timeout; this
 # only keeps a worker that stopped answering from holding the caller forever.
@@ -40,8 +42,12 @@ CLOSE_WAIT_S = 10.0
 _END = None
 
 
-class SessionLost(PoolWorkerError):
-    """A session's stream broke under a step: its worker died, drained, or stopped answering."""
+class StreamBroken(PoolWorkerError):
+    """The stream ended without the worker's word: the connection or the worker process went away."""
+
+
+class SessionLost(StreamBroken):
+    """A session's stream broke: its worker died, drained or restarted, and the session with it."""
 
 
 class InteractStream:
@@ -57,29 +63,34 @@ class InteractStream:
         metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         self._functions = frozenset(functions)
-        # Unbounded in type only: this side writes one message and then waits
-        # for the worker's next event, so it never holds more than two.
+        # This side writes a message only after reading an event, and a task
+        # makes at most MAX_CALLS_PER_TASK calls (counted in result()), so
+        # the queue holds at most that many replies even if the worker stops reading.
         self._requests: queue.SimpleQueue[pb.InteractRequest | None] = queue.SimpleQueue()
         self._requests.put(first)
+        # grpc reads this iterator on a thread of its own until it yields _END.
         self._call = stub.Interact(iter(self._requests.get, _END), timeout=timeout_s, metadata=metadata)
         self._overdue = threading.Event()
 
     def send(self, request: pb.InteractRequest) -> None:
         self._requests.put(request)
 
-    def result(self, host: HostFunction | None, within_s: float | None = None) -> pb.RunJobResponse:
+    def result(self, host: HostFunction | None, task_s: float, within_s: float | None = None) -> pb.RunJobResponse:
         """Read events until the job's (or step's) result, answering its host calls with ``host``.
 
-        ``within_s`` bounds the wait when the stream has no deadline of its
-        own (a session's). Raises the worker's error (``error_from_status``),
-        or PoolWorkerError for an event no honest worker sends; either way the
-        stream is over.
+        ``task_s`` is the task's own timeout: no call waits on the host longer,
+        whatever deadline the worker names. ``within_s`` bounds the whole
+        wait when the stream has no deadline of its own (a session's). Raises
+        the worker's error (``error_from_status``), StreamBroken when the
+        stream broke without one, or PoolWorkerError for events no honest
+        worker sends; in every case the stream is over.
         """
         watchdog = None
         if within_s is not None:
             watchdog = threading.Timer(within_s, self._give_up)
             watchdog.daemon = True
             watchdog.start()
+        calls = 0
         try:
             while True:
                 event = self._next_event(within_s)
@@ -87,7 +98,10 @@ class InteractStream:
                     return event.result
                 if event.WhichOneof("kind") != "call":
                     raise PoolWorkerError("the worker sent an event that is neither a call nor a result")
-                call = call_from_message(event.call, self._functions)
+                calls += 1
+                if calls > MAX_CALLS_PER_TASK:
+                    raise PoolWorkerError(f"the worker relayed more than {MAX_CALLS_PER_TASK} calls for one task")
+                call = call_from_message(event.call, self._functions, task_s)
                 reply = ask_host(host, call) if host is not None else HostReply(error=f"{call.function}: no host here")
                 self.send(pb.InteractRequest(reply=reply_message(call.call_id, reply)))
         except BaseException:
@@ -105,11 +119,13 @@ class InteractStream:
         except grpc.RpcError as error:
             if self._overdue.is_set():
                 raise PoolWorkerError(f"the worker sent no result within {within_s:.0f} s") from None
+            if not answered_by_readie(error):
+                raise StreamBroken(f"the stream to the worker broke ({error.code().name}: {error.details()})") from None
             raise error_from_status(error) from None
 
     def _give_up(self) -> None:
         self._overdue.set()
-        self._call.cancel()
+        self.cancel()
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Close this side and wait (up to ``wait_s``) for the worker to end the stream."""
@@ -126,6 +142,7 @@ class InteractStream:
             timer.cancel()
 
     def cancel(self) -> None:
+        self._requests.put(_END)  # else grpc's request thread waits on the queue forever
         self._call.cancel()
 
 
@@ -152,27 +169,36 @@ class RemoteSession:
         job_id: str | None = None,  # noqa: ARG002 - the worker logs steps under the stream's request id
         host: HostFunction | None = None,
     ) -> StepOutcome:
-        """Run one step on the session's worker; PoolWorkerError when the session ended under it."""
+        """Run one step on the session's worker.
+
+        RequestError for a step the worker would refuse (the session goes on);
+        SessionLost when the stream broke under it; PoolWorkerError when the
+        worker ended the session otherwise. After either, the session has ended.
+        """
+        step = StepRequest(code, name, tuple(args), timeout_ms, max_output)
+        message = session_step_message(step)
+        session_step(message)  # the worker's own checks, here, so a refusal does not cost the session
         with self._lock:
             if self.ended:
                 raise RequestError(f"session {self.id} has ended", field="session")
             if self._running:
                 raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
             self._running = True
-        step = StepRequest(code, name, tuple(args), timeout_ms, max_output)
-        within_s = (timeout_ms or self.job.timeout_ms) / 1000 + DEADLINE_MARGIN_S
+        task_s = (timeout_ms or self.job.timeout_ms) / 1000
         try:
-            self._stream.send(pb.InteractRequest(step=session_step_message(step)))
-            response = self._stream.result(host, within_s)
+            self._stream.send(pb.InteractRequest(step=message))
+            response = self._stream.result(host, task_s, task_s + DEADLINE_MARGIN_S)
         except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
             closed = self.ended  # close() cancelled the stream under the step
             self._end()
             if closed:
                 raise PoolWorkerError(f"session {self.id} was closed while its step ran") from None
-            raise SessionLost(
-                f"session {self.id} ended: its worker at {self.address} was lost or ended it ({exc}); "
-                "its state is gone, and only a new session can go on"
-            ) from None
+            if isinstance(exc, StreamBroken):
+                raise SessionLost(
+                    f"session {self.id} ended: its worker at {self.address} was lost ({exc}); "
+                    "its state is gone, and only a new session can go on"
+                ) from None
+            raise PoolWorkerError(f"session {self.id} ended: {exc}") from None
         finally:
             with self._lock:
                 self._running = False

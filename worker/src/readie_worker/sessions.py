@@ -20,9 +20,9 @@ What a step's end means for the session:
 Slots: a session holds one of the worker's slots only while a step runs
 (the first step's slot covers making its sandbox ready). An idle session
 holds a sandbox (memory) but no slot, so the number of sessions a worker
-keeps is the caller's bound (the pool's ``max_sessions``), not ``slots``.
-Idle reaping is the caller's business too; the worker destroys every
-session's sandbox when it closes or drains.
+keeps is bounded by its own ``max_sessions``, not ``slots``. Idle reaping
+is the caller's business (the pool's ``session_idle``); the worker destroys
+every session's sandbox when it closes or drains.
 
 Steps run one at a time: a step asked for while another runs is a
 RequestError, not a queue (the pool engine queues steps in order).
