@@ -75,6 +75,12 @@ class _Member:
             return 0
         return self.capacity.slots - self.in_flight
 
+    def could_take(self, session: bool) -> bool:
+        """Whether the worker takes such work at all, busy or not."""
+        if not self.healthy:
+            return False
+        return not session or (self.capacity is not None and self.capacity.max_sessions > 0)
+
     def session_room(self) -> int:
         if self.free() <= 0:  # the first step needs a slot too
             return 0
@@ -243,16 +249,16 @@ class Placement:
                     raise SandboxSetupError("the router is draining and takes no new work")
                 if session and sum(m.sessions for m in self._members) >= self.max_sessions:
                     raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
-                if session and not any(m.healthy and m.capacity and m.capacity.max_sessions for m in self._members):
-                    raise SandboxSetupError("no healthy worker keeps sessions (each has --max-sessions 0, or is too old)")
                 candidates = [m for m in self._members if room(m) > 0 and id(m) not in refused]
                 if candidates:
                     chosen = min(candidates, key=order)
                     chosen.in_flight += 1
                     chosen.sessions += session
                     return chosen
-                if not any(m.healthy and id(m) not in refused for m in self._members):
-                    raise SandboxSetupError("no healthy worker can take the job")
+                if not any(m.could_take(session) and id(m) not in refused for m in self._members):
+                    # Waiting cannot help: nobody left who would ever say yes.
+                    what = "session (a worker with --max-sessions 0, or too old, keeps none)" if session else "job"
+                    raise SandboxSetupError(f"no healthy worker can take the {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SandboxSetupError(f"no worker had a free slot within {self.wait_s:.0f} s")

@@ -10,18 +10,21 @@ One stream, three threads, each blocking on one thing:
   in the inbox for the matching ``reply``, both up to the task's deadline;
 * grpc's handler thread yields the outbox's events onto the response stream.
 
-The stream is the session's life. When the client closes its side, the
-driver finishes what the client sent before, then closes the session. When
-the RPC ends any other way (cancelled, the client gone), everything not yet
-run is dropped, a waiting call is answered with an error, and the driver
-closes the session (its sandbox is destroyed); the server's stream place is
-given back only when the driver is done, so work a cancelled stream left
-running still counts. A client that breaks the protocol (a first message
+The stream is the session's life. When the client's side ends, whether it
+closed it or cancelled or went away, steps not yet started are dropped (the
+two look alike to the reader for a moment: grpc ends the request iterator
+cleanly on a cancel too, before its termination callback runs), a waiting
+host call is answered with an error, the step running finishes, and the
+driver closes the session (its sandbox is destroyed). The first message of
+a stream is always served. The server's stream place is given back only
+when the driver is done, so work a cancelled stream left running still
+counts. A client that breaks the protocol (a first message
 that is neither ``job`` nor ``open_session``, or none within
 :data:`FIRST_MESSAGE_S`; a job message mid-session; a reply that is not
 JSON) gets INVALID_ARGUMENT naming the field, and its session ends. Steps
 sent before the previous one's result are not a break: they wait (a few at
-most, :data:`INBOX_MESSAGES`) and run in order, even while a host call waits.
+most, :data:`INBOX_MESSAGES`) and run in order, even while a host call
+waits, as long as the client's side stays open.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ class Interaction:
         self._error: BaseException | None = None
         self._broken: RequestError | None = None  # the client broke the protocol during a call
         self._stale_replies = 0
+        self._client_done = False  # the request stream ended: no further step starts
 
     def start(self) -> Interaction:
         # Called when the RPC ends for any reason, cancellation included: a
@@ -170,6 +174,7 @@ class Interaction:
         except Exception:  # noqa: BLE001 - the stream broke: the same as the client's side closing
             pass
         finally:
+            self._client_done = True
             self._inbox.close()
 
     # -- the driver ---------------------------------------------------------
@@ -234,7 +239,9 @@ class Interaction:
             )
 
     def _next_request(self) -> pb.InteractRequest | None:
-        """The client's next step (or first message), skipping stale replies; None once its side closed."""
+        """The client's next step, skipping stale replies; None once its side ended."""
+        if self._client_done:
+            return None
         if self._held:
             return self._held.popleft()
         while True:
