@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import grpc
-import structlog
 
 from ._convert import code_job, run_job_response, session_step
 from ._host_wire import call_message, reply_from_message
@@ -47,8 +46,6 @@ from .runner import JobRunner, SessionHandle
 from .sessions import StepOutcome
 
 __all__ = ["Interaction", "Mailbox"]
-
-log = structlog.get_logger("readie.grpc")
 
 # A client that keeps to the protocol has one message in flight (a step, or
 # the reply to the one waiting call); a few more absorb a late reply racing
