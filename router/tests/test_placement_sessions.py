@@ -40,6 +40,7 @@ import pytest
 import structlog
 
 from readie_router._placement import Placement, PlacedSession
+from readie_worker.testing import wait_until as wait_for
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.grpc_service import WorkerServer, serve
@@ -200,12 +201,7 @@ def cluster() -> Iterator[Callable[..., Cluster]]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return wait_for(predicate, timeout)
 
 
 def in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:

@@ -30,6 +30,17 @@ def cluster() -> Iterator[Cluster]:
     shutil.rmtree(base, ignore_errors=True)
 
 
+def routed_pool(cluster: Cluster, workers: int) -> PoolProcess:
+    """``readie pool --router`` in front of ``cluster``, in a fresh project dir."""
+    project = cluster.base / "project"
+    project.mkdir()
+    return PoolProcess(
+        ["--router", cluster.address, f"--workers={workers}", "--checkpoints", str(CHECKPOINTS)],
+        cwd=project,
+        stderr_path=cluster.base / "pool.err",
+    )
+
+
 def run(stub, code: str, **fields) -> pb.RunJobResponse:
     return stub.RunJob(pb.RunJobRequest(checkpoint=fields.pop("checkpoint", "base"), code=code, **fields), timeout=60)
 
@@ -78,13 +89,7 @@ def test_killing_a_worker_mid_job_fails_that_job_and_the_other_keeps_serving(clu
 
 
 def test_readie_pool_runs_jobs_sessions_and_host_functions_through_the_router(cluster):
-    project = cluster.base / "project"
-    project.mkdir()
-    with PoolProcess(
-        ["--router", cluster.address, "--workers=2", "--checkpoints", str(CHECKPOINTS)],
-        cwd=project,
-        stderr_path=cluster.base / "pool.err",
-    ) as pool:
+    with routed_pool(cluster, workers=2) as pool:
         ready = pool.ready()
         assert ready["event"] == "ready" and ready["workers"] == 2
         pool.send(
@@ -118,13 +123,7 @@ def _worker_sessions(cluster: Cluster) -> list[int]:
 
 
 def test_sessions_are_spread_over_the_workers_and_pinned_to_theirs(cluster):
-    project = cluster.base / "project"
-    project.mkdir()
-    with PoolProcess(
-        ["--router", cluster.address, "--workers=4", "--checkpoints", str(CHECKPOINTS)],
-        cwd=project,
-        stderr_path=cluster.base / "pool.err",
-    ) as pool:
+    with routed_pool(cluster, workers=4) as pool:
         pool.ready()
         names = [f"s{i}" for i in range(4)]
         pool.send(*({"id": f"{name}-1", "session": name, "code": f"name = {name!r}; count = 0"} for name in names))
@@ -142,13 +141,7 @@ def test_sessions_are_spread_over_the_workers_and_pinned_to_theirs(cluster):
 
 
 def test_a_lost_worker_ends_its_sessions_with_a_clear_error_never_a_fresh_start(cluster):
-    project = cluster.base / "project"
-    project.mkdir()
-    with PoolProcess(
-        ["--router", cluster.address, "--workers=2", "--checkpoints", str(CHECKPOINTS)],
-        cwd=project,
-        stderr_path=cluster.base / "pool.err",
-    ) as pool:
+    with routed_pool(cluster, workers=2) as pool:
         pool.ready()
         assert pool.run({"id": 1, "session": "nb", "code": "x = 41"})["exit"] == 0
         hosting = [w for w, count in zip(cluster.workers, _worker_sessions(cluster)) if count == 1]

@@ -50,6 +50,7 @@ from readie_worker.grpc_service import serve
 from readie_worker.jobs import CodeJob
 from readie_worker.remote_session import SessionLost
 from readie_worker.testing import FakeHost, WorkerProcess, stop_worker
+from readie_worker.testing import wait_until as wait_for
 from readie_worker.testing import start_worker as _start_worker
 
 pytestmark = pytest.mark.runsc
@@ -156,10 +157,7 @@ def capacity(worker: WorkerProcess) -> pb.CapacityResponse:
 
 
 def wait_until(condition: Callable[[], bool], failure: str, within_s: float = GONE_WITHIN_S) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.05)
+    assert wait_for(condition, within_s, poll_s=0.05), failure
 
 
 def only_warm(worker: WorkerProcess) -> bool:

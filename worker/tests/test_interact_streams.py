@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from readie_worker.testing import wait_until as wait_for
 from readie_worker._interact import Interaction
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
@@ -149,12 +150,7 @@ class FakeRunner:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return wait_for(predicate, timeout)
 
 
 def request_writers() -> int:

@@ -58,6 +58,16 @@ class WorkerProcess:
         return listed.stdout.split()
 
 
+def wait_until(condition: Callable[[], bool], timeout: float, poll_s: float = 0.01) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` seconds (polled every ``poll_s``)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
