@@ -18,6 +18,7 @@ import pytest
 
 from readie_pipeline.plan import load_plan
 from readie_pipeline.rootfs import rootfs_fingerprint
+from readie_worker import enter_mount_namespace
 from readie_worker import runsc as runsc_module
 from readie_worker.bundle import family_fingerprint
 from readie_worker.manifest import MANIFEST_NAME, LoadedCheckpoints, load_checkpoints, read_manifest
@@ -25,6 +26,10 @@ from readie_worker.runsc import Runsc
 
 REPO = Path(__file__).resolve().parent
 CHECKPOINTS = Path(os.environ.get("READIE_CHECKPOINTS", REPO / "build" / "checkpoints"))
+
+# Workers made in this process keep their sandboxes' mounts in a namespace of
+# its own, entered while it is still single-threaded (readie_worker._mounts).
+enter_mount_namespace()
 
 
 def _missing_prerequisite() -> str | None:

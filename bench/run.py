@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from readie_worker import enter_mount_namespace
 from readie_worker.errors import ReadieError
 from readie_worker.logs import configure_logging
 from readie_worker.manifest import MANIFEST_NAME
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The worker logs a line per job at info; the report is the output here.
     configure_logging(level="warning")
+    enter_mount_namespace()  # before any thread: the in-process workers' sandbox mounts live there
     checkpoints = Path(args.checkpoints or os.environ.get("READIE_CHECKPOINTS") or DEFAULT_CHECKPOINTS)
     manifest = checkpoints / MANIFEST_NAME if checkpoints.is_dir() else checkpoints
     only = set(args.only.split(",")) if args.only else None

@@ -140,8 +140,9 @@ def test_values_at_the_ceiling_are_accepted() -> None:
         ('"max_file_size": "257m"', "max_file_size", "exceeds"),
         ('"allow_network": true', "allow_network", "do not allow the network"),
         ('"allow_read": ["/etc"]', "allow_read", "'/etc' is not beneath a path the pool's [pool.limits] allow (/srv/agent/data, /srv/agent/work)"),
-        ('"allow_read": ["data/../secret"]', "allow_read", "'/srv/agent/secret' is not beneath"),
-        ('"allow_read": ["/srv/agent/data/../../../etc"]', "allow_read", "'/etc' is not beneath"),
+        # Quoted as the request wrote them, never as they resolve.
+        ('"allow_read": ["data/../secret"]', "allow_read", "'data/../secret' is not beneath"),
+        ('"allow_read": ["/srv/agent/data/../../../etc"]', "allow_read", "'/srv/agent/data/../../../etc' is not beneath"),
         ('"allow_read": ["/srv/agent/data2"]', "allow_read", "not beneath"),  # a prefix is not a parent
         ('"allow_read": ["/srv/agent"]', "allow_read", "not beneath"),
         ('"allow_write": ["data"]', "allow_write", "(/srv/agent/work)"),  # readable is not writable
@@ -203,22 +204,41 @@ def test_no_write_over_pool_package_dirs(path: str) -> None:
     assert error.field == "allow_write" and "package dir '/srv/site'" in str(error)
 
 
-def test_symlinks_are_followed_before_the_comparison(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["data/escape", "data/escape/../data", "data/inside/sub", "data/inside"])
+@pytest.mark.parametrize("ceiling", [True, False], ids=["ceiling", "no-ceiling"])
+def test_a_request_path_through_a_symlink_is_refused_without_saying_where_it_leads(
+    tmp_path: Path, path: str, ceiling: bool
+) -> None:
+    """A job can plant a symlink in a write grant; readie never follows one a request names,
+    even one that leads beneath the ceiling, and the refusal quotes the request."""
     data = tmp_path / "data"
-    secret = tmp_path / "secret"
+    secret = tmp_path / "s3cr3t-target"
     data.mkdir()
     secret.mkdir()
     (data / "escape").symlink_to(secret)
     (data / "inside").symlink_to(data / ".")
-    limits = Limits(allow_read=(data.resolve(),), allow_write=())
-    request = job('{"id": 1, "code": "x", "allow_read": ["data/escape"]}')
-    with pytest.raises(RequestError, match="secret"):
+    limits = Limits(allow_read=(data,), allow_write=()) if ceiling else NO_LIMITS
+    request = job('{"id": 1, "code": "x", "allow_read": ["' + path + '"]}')
+    with pytest.raises(RequestError) as info:
         resolve_policy(request, cwd=tmp_path, limits=limits)
-    # "data/escape/../x" is secret's parent's x to the kernel, not data/x.
-    request = job('{"id": 1, "code": "x", "allow_read": ["data/escape/../data"]}')
-    assert resolve_policy(request, cwd=tmp_path, limits=limits).allow_read == (data.resolve(),)
-    request = job('{"id": 1, "code": "x", "allow_read": ["data/inside/sub"]}')
-    assert resolve_policy(request, cwd=tmp_path, limits=limits).allow_read == (data.resolve() / "sub",)
+    assert info.value.field == "allow_read"
+    assert str(info.value) == (
+        f"allow_read: {path!r} passes through a symbolic link, which readie never follows in a granted path"
+    )
+
+
+def test_a_proc_magic_link_is_refused_without_naming_its_file(tmp_path: Path) -> None:
+    with open(tmp_path / "pool-stderr", "w") as private:
+        request = job('{"id": 1, "code": "x", "allow_read": ["/proc/self/fd/' + str(private.fileno()) + '"]}')
+        with pytest.raises(RequestError) as info:
+            resolve_policy(request, cwd="/")
+    assert "pool-stderr" not in str(info.value) and "passes through a symbolic link" in str(info.value)
+
+
+def test_a_symlink_free_request_path_is_kept_lexically(tmp_path: Path) -> None:
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    request = job('{"id": 1, "code": "x", "allow_read": ["data/sub/..", "missing/x", "//data"]}')
+    assert resolve_policy(request, cwd=tmp_path).allow_read == (tmp_path / "data", tmp_path / "missing" / "x", Path("/data"))
 
 
 def test_unresolvable_paths_are_refused() -> None:

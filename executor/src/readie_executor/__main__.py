@@ -36,8 +36,30 @@ def main() -> int:
         listener = bind_listener(settings.socket_path)
     except (SettingsError, ServeError) as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
+    release_inherited(keep=listener.fileno())
     serve_forever(listener, settings.chunk_size)
     return 0
+
+
+def release_inherited(keep: int) -> None:
+    """Leave a job nothing that leads out of the sandbox but the worker's socket.
+
+    stdin carried the hand-over and stdout the capture announcement; from
+    now on both are /dev/null. stderr stays: it is this executor's log, a
+    pipe the worker drains into a bounded tail (never a host file). Any other
+    descriptor inherited is closed (a template with one is refused at capture).
+    """
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the descriptor listdir itself used
 
 
 def preimport(modules: tuple[str, ...]) -> None:

@@ -37,8 +37,10 @@ from readie_worker.manifest import (
     write_manifest,
 )
 from readie_worker.errors import CheckpointUnusable
-from readie_worker.runsc import Runsc
+from readie_worker.runsc import STDERR_SETTLE_S, Launched, Runsc
 from readie_worker.sandbox import RunscCold, RunscRestore, SandboxDir, hand_over, launch
+from readie_worker import enter_mount_namespace
+from readie_worker.paths import remove_tree
 
 from .plan import CheckpointPlan, Plan
 from .rootfs import Rootfs, ensure_rootfs
@@ -70,6 +72,7 @@ Report = Callable[[str], None]
 
 def capture(plan: Plan, options: CaptureOptions, report: Report) -> Manifest:
     selected = plan.select(list(options.only))
+    enter_mount_namespace()  # sandbox dirs are tmpfs mounts (readie_worker._sandbox_dir)
     rootfs = ensure_rootfs(plan, report)
     runsc = Runsc(root=options.output / ".runsc-state")
     runsc.sweep()
@@ -115,28 +118,32 @@ def capture_one(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     with _step(report, name, "capture point"):
-        sandbox = SandboxDir.create(scratch)
-        spec = SandboxSpec(
-            rootfs=rootfs.path,
-            executor_dir=sandbox.executor_dir,
-            env=capture_env(plan.mounts, checkpoint.preimport),
-            plan=plan.mounts,
-            unused_slot_source=sandbox.unused_slots,
-        )
-        spec.write(sandbox.path)
-        process = runsc.start_detached(["run", "--detach", "--bundle", str(sandbox.path), sandbox.id], sandbox.log_path)
+        sandbox = SandboxDir.create(scratch, private=True)
         try:
+            spec = SandboxSpec(
+                rootfs=rootfs.path,
+                executor_dir=sandbox.executor_dir,
+                env=capture_env(plan.mounts, checkpoint.preimport),
+                plan=plan.mounts,
+                unused_slot_source=sandbox.unused_slots,
+            )
+            spec.write(sandbox.path)
+            launched = runsc.start_detached(["run", "--detach", "--bundle", str(sandbox.path), sandbox.id])
             try:
-                census = json.loads(runsc_module.wait_for_line(process.stdout, READY_MARKER.encode(), CAPTURE_POINT_TIMEOUT_S))
-            except SandboxSetupError as exc:
-                raise CaptureError(f"checkpoint {name!r}: {exc}: {_tail(sandbox.log_path)}") from None
-            verify_template(name, census)
-            with _step(report, name, "checkpoint"):
-                runsc.run("checkpoint", f"--image-path={staging}", sandbox.id)
+                try:
+                    announced = runsc_module.wait_for_line(
+                        launched.process.stdout, READY_MARKER.encode(), CAPTURE_POINT_TIMEOUT_S  # type: ignore[arg-type]
+                    )
+                except SandboxSetupError as exc:
+                    raise CaptureError(f"checkpoint {name!r}: {exc}: {_tail(launched)}") from None
+                verify_template(name, json.loads(announced))
+                with _step(report, name, "checkpoint"):
+                    runsc.run("checkpoint", f"--image-path={staging}", sandbox.id)
+            finally:
+                runsc.destroy(sandbox.id)
+                launched.close()
         finally:
-            runsc.destroy(sandbox.id)
-            process.stdin.close()  # type: ignore[union-attr]
-            process.stdout.close()  # type: ignore[union-attr]
+            sandbox.remove()
     image = staging / "checkpoint.img"
     staged = Checkpoint(
         name=name,
@@ -153,17 +160,18 @@ def capture_one(
     with _step(report, name, f"restore x{options.runs} (measure mode)"):
         restore_ms = [_time_measure_restore(restore, scratch) for _ in range(options.runs)]
     with _step(report, name, f"restore to socket x{options.runs}"):
-        socket_ms = [_time_to_socket(restore, scratch, checkpoint.preimport) for _ in range(options.runs)]
+        restored = [_time_to_socket(restore, scratch, checkpoint.preimport) for _ in range(options.runs)]
     with _step(report, name, f"cold start to socket x{options.runs}"):
-        cold_ms = [_time_to_socket(RunscCold(**common), scratch, checkpoint.preimport) for _ in range(options.runs)]  # type: ignore[arg-type]
+        cold = [_time_to_socket(RunscCold(**common), scratch, checkpoint.preimport) for _ in range(options.runs)]  # type: ignore[arg-type]
     shutil.rmtree(image_dir, ignore_errors=True)
     staging.rename(image_dir)
     return replace(
         staged,
         image_path=image_dir.resolve(),
         restore_p50_ms=round(statistics.median(restore_ms), 1),
-        cold_start_p50_ms=round(statistics.median(cold_ms), 1),
-        restore_to_socket_p50_ms=round(statistics.median(socket_ms), 1),
+        cold_start_p50_ms=round(statistics.median(ms for ms, _ in cold), 1),
+        restore_to_socket_p50_ms=round(statistics.median(ms for ms, _ in restored), 1),
+        idle_memory_bytes=_median_memory(restored),
     )
 
 
@@ -186,28 +194,36 @@ def verify_template(name: str, census: dict[str, list[dict[str, object]]]) -> No
 
 
 def _time_measure_restore(restore: RunscRestore, scratch: Path) -> float:
-    sandbox = SandboxDir.create(scratch)
-    started = time.monotonic()
-    process = restore.start(sandbox, {})
+    sandbox = SandboxDir.create(scratch, private=True)
     try:
-        hand_over(process, {**serve_env(()), "EXECUTOR_DIR": restore.executor_dir(sandbox), "EXECUTOR_MODE": "measure"})
-        assert process.stdout is not None
-        if process.stdout.read():  # measure mode prints nothing and exits: EOF is the end of the restore
-            raise CaptureError(f"measure-mode executor printed to stdout: {_tail(sandbox.log_path)}")
-        return (time.monotonic() - started) * 1000
+        started = time.monotonic()
+        launched = restore.start(sandbox, {})
+        try:
+            process = launched.process
+            hand_over(process, {**serve_env(()), "EXECUTOR_DIR": restore.executor_dir(sandbox), "EXECUTOR_MODE": "measure"})
+            assert process.stdout is not None
+            if process.stdout.read():  # measure mode prints nothing and exits: EOF is the end of the restore
+                raise CaptureError(f"measure-mode executor printed to stdout: {_tail(launched)}")
+            return (time.monotonic() - started) * 1000
+        finally:
+            restore.destroy(sandbox, launched.process)
+            launched.close()
     finally:
-        restore.destroy(sandbox, process)
-        process.stdin.close()  # type: ignore[union-attr]
-        process.stdout.close()  # type: ignore[union-attr]
-        shutil.rmtree(sandbox.path, ignore_errors=True)
+        sandbox.remove()
 
 
-def _time_to_socket(launcher: RunscRestore | RunscCold, scratch: Path, preimport: tuple[str, ...]) -> float:
+def _time_to_socket(launcher: RunscRestore | RunscCold, scratch: Path, preimport: tuple[str, ...]) -> tuple[float, int | None]:
+    """Milliseconds until a sandbox's socket answers, and its memory cgroup's usage then."""
     sandbox = launch(launcher, scratch, serve_env(preimport))
     try:
-        return sandbox.ready_ms
+        return sandbox.ready_ms, launcher.runsc.memory_usage(sandbox.id)
     finally:
         sandbox.destroy()
+
+
+def _median_memory(runs: list[tuple[float, int | None]]) -> int | None:
+    measured = [usage for _, usage in runs if usage is not None]
+    return int(statistics.median(measured)) if measured else None
 
 
 def _up_to_date(previous: Checkpoint | None, planned: CheckpointPlan) -> bool:
@@ -238,7 +254,7 @@ def _scratch_dir() -> Iterator[Path]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
 
 
 @contextmanager
@@ -249,11 +265,8 @@ def _step(report: Report, checkpoint: str, step: str) -> Iterator[None]:
     report(f"[{checkpoint}] {step}: {time.monotonic() - started:.2f} s")
 
 
-def _tail(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")[-1500:].strip()
-    except OSError:
-        return ""
+def _tail(launched: Launched) -> str:
+    return launched.stderr.text(wait_s=STDERR_SETTLE_S)[-1500:].strip()
 
 
 def format_table(manifest: Manifest) -> str:

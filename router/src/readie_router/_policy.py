@@ -19,20 +19,26 @@ the smaller of the default below and the ceiling, so the ceiling's
 ``max_file_size`` (or ``memory``, or ``timeout``) applies to a request that
 does not set one.
 
-Paths: relative request paths resolve against the caller's working directory,
-profile and ceiling paths against the config file's directory (``_config``
-does that). Every path is then resolved with ``os.path.realpath``: symlinks
-are followed and ``..`` removed *before* the comparison, so neither a
-``data/../../etc`` nor a symlink ``data/escape -> /etc`` passes as "beneath
-data". The policy holds the resolved paths, and the sandbox layer must grant
-exactly those, not the strings the request sent. (A symlink swapped after the
-check is the mount layer's concern: it mounts the resolved path.)
+Paths: relative request paths resolve against the caller's working directory
+(the pool's, itself resolved), profile and ceiling paths against the config
+file's directory (``_config`` does that, following the operator's symlinks).
+A path a *request* names may not pass through a symlink at all: anything
+that can write beneath a grant (a job) can plant one, and readie never
+follows it (``readie_worker.paths``). Such a path is refused here, and again
+by the worker when the job takes its slot, which opens each grant without
+following symlinks and holds it (``readie_worker.grants``): this check is the
+early, friendly one, the worker's the one that counts. A path with no symlink
+in it means what it says lexically, so ``..`` is removed lexically and
+neither ``data/../../etc`` nor a symlink ``data/escape -> /etc`` passes as
+"beneath data". The policy holds those absolute paths.
 
 A write grant may not cover, or lie inside, one of the pool's own package
 dirs (the spec: "no job may write over preloaded runtime paths"). A
 ``script`` must lie beneath a ceiling path too (:func:`resolve_script`).
 
-A refusal raises :class:`RequestError` naming the request field; when the
+A refusal raises :class:`RequestError` naming the request field and quoting
+the path as the request wrote it, never what it resolves to (a refusal must
+not tell a client where a symlink leads, or the pool's own files); when the
 value at fault came from the profile, the message says so.
 """
 
@@ -57,6 +63,7 @@ __all__ = [
     "Policy",
     "Profile",
     "Resolver",
+    "request_path",
     "resolve_path",
     "resolve_policy",
     "resolve_script",
@@ -138,13 +145,32 @@ class Policy:
 
 
 def resolve_path(path: str | Path, base: str | Path, resolve: Resolver = os.path.realpath) -> Path:
-    """``path`` made absolute against ``base``, normalized and symlink-free."""
+    """``path`` made absolute against ``base``, normalized and symlink-free (symlinks followed:
+    for the operator's paths; a request's go through :func:`request_path`)."""
     if not os.path.isabs(base):
         raise ValueError(f"base directory must be absolute, got {base!r}")
     joined = os.path.join(base, path)  # an absolute path replaces base
     # realpath first, as the kernel would walk it: in "data/link/../x" the
     # ".." applies to link's target, which a lexical normpath would get wrong.
-    return Path(os.path.normpath(resolve(joined)))
+    return _normal(resolve(joined))
+
+
+def request_path(field: str, path: str, cwd: str | Path, resolve: Resolver = os.path.realpath) -> Path:
+    """A path a request names, made absolute against ``cwd`` (symlink-free) and normalized;
+    RequestError, quoting ``path`` as written, if it passes through a symlink."""
+    if not os.path.isabs(cwd):
+        raise ValueError(f"base directory must be absolute, got {cwd!r}")
+    joined = os.path.join(cwd, path)
+    try:
+        resolved = _normal(resolve(joined))
+    except (OSError, ValueError) as exc:  # NUL bytes, symlink loops on some systems
+        raise RequestError(f"cannot resolve {path!r}: {exc}", field) from None
+    lexical = _normal(joined)
+    if resolved != lexical:
+        raise RequestError(
+            f"{path!r} passes through a symbolic link, which readie never follows in a granted path", field
+        )
+    return lexical
 
 
 def resolve_policy(
@@ -176,12 +202,12 @@ def resolve_policy(
     }
     merged: dict[str, tuple[Path, ...]] = {}
     for field, ceiling in ceilings.items():
-        theirs: tuple[Path, ...] = getattr(profile, field) or ()
-        mine: tuple[Path, ...] = getattr(own, field) or ()
+        theirs = _named(getattr(profile, field))
+        mine: tuple[_Named, ...] = getattr(own, field) or ()
         _beneath(field, theirs, ceiling, note)
         _beneath(field, mine, ceiling)
-        merged[field] = _merge(theirs, mine)
-    _not_over(profile.allow_write or (), pool_dirs, note)
+        merged[field] = _merge(tuple(p for _, p in theirs), tuple(p for _, p in mine))
+    _not_over(_named(profile.allow_write), pool_dirs, note)
     _not_over(own.allow_write or (), pool_dirs)
 
     network, origin = _pick(request.allow_network, profile.allow_network, note)
@@ -267,33 +293,41 @@ def resolve_script(
     """
     if request.script is None:
         return None
-    path = _resolve_field("script", request.script, cwd, resolve)
-    _beneath("script", (path,), _join(limits.allow_read, limits.allow_write))
+    path = request_path("script", request.script, cwd, resolve)
+    _beneath("script", ((request.script, path),), _join(limits.allow_read, limits.allow_write))
     return path
 
 
 # --------------------------------------------------------------------------- helpers
 
 
+#: A path as the request (or profile) wrote it, for messages, and as the policy holds it.
+_Named = tuple[str, Path]
+
+
 class _RequestPaths:
     """The request's own path lists, resolved against the caller's directory."""
 
     def __init__(self, request: JobRequest, cwd: str | Path, resolve: Resolver) -> None:
-        def each(field: str, paths: tuple[str, ...] | None) -> tuple[Path, ...] | None:
+        def each(field: str, paths: tuple[str, ...] | None) -> tuple[_Named, ...] | None:
             if paths is None:
                 return None
-            return tuple(_resolve_field(field, p, cwd, resolve) for p in paths)
+            return tuple((p, request_path(field, p, cwd, resolve)) for p in paths)
 
         self.allow_read = each("allow_read", request.allow_read)
         self.allow_write = each("allow_write", request.allow_write)
         self.package_dirs = each("package_dirs", request.package_dirs)
 
 
-def _resolve_field(field: str, path: str, cwd: str | Path, resolve: Resolver) -> Path:
-    try:
-        return resolve_path(path, cwd, resolve)
-    except (OSError, ValueError) as exc:  # NUL bytes, symlink loops on some systems
-        raise RequestError(f"cannot resolve {path!r}: {exc}", field) from None
+def _named(paths: tuple[Path, ...] | None) -> tuple[_Named, ...]:
+    """The operator's paths (a profile's): shown as they resolved."""
+    return tuple((str(path), path) for path in paths or ())
+
+
+def _normal(path: str) -> Path:
+    normal = os.path.normpath(path)
+    # POSIX keeps a leading "//" as it is; Linux means "/" by it.
+    return Path("/" + normal.lstrip("/") if normal.startswith("//") else normal)
 
 
 def _profile(name: str | None, profiles: Mapping[str, Profile]) -> Profile:
@@ -318,26 +352,25 @@ def _join(*groups: tuple[Path, ...] | None) -> tuple[Path, ...] | None:
 
 
 def _beneath(
-    field: str, paths: tuple[Path, ...], ceiling: tuple[Path, ...] | None, note: str = ""
+    field: str, paths: tuple[_Named, ...], ceiling: tuple[Path, ...] | None, note: str = ""
 ) -> None:
     if ceiling is None:
         return
-    for path in paths:
+    for shown, path in paths:
         if not any(path.is_relative_to(top) for top in ceiling):
             listed = ", ".join(str(top) for top in ceiling) or "none"
             raise RequestError(
-                f"{str(path)!r} is not beneath a path the pool's [pool.limits] allow "
-                f"({listed}){note}",
+                f"{shown!r} is not beneath a path the pool's [pool.limits] allow ({listed}){note}",
                 field,
             )
 
 
-def _not_over(writes: tuple[Path, ...], guarded: tuple[Path, ...], note: str = "") -> None:
-    for path in writes:
+def _not_over(writes: tuple[_Named, ...], guarded: tuple[Path, ...], note: str = "") -> None:
+    for shown, path in writes:
         for top in guarded:
             if path.is_relative_to(top) or top.is_relative_to(path):
                 raise RequestError(
-                    f"{str(path)!r} overlaps the pool's package dir {str(top)!r}, "
+                    f"{shown!r} overlaps the pool's package dir {str(top)!r}, "
                     f"which jobs may not write{note}",
                     "allow_write",
                 )

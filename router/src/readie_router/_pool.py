@@ -52,8 +52,6 @@ import asyncio
 import contextlib
 import enum
 import importlib.util
-import os
-import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +62,7 @@ from typing import Any, Protocol
 import structlog
 from readie_executor.jobs import bounds
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.paths import PathRefused, read_no_follow
 from readie_worker.sessions import StepOutcome
 
 from ._backend import BackendSession, JobBackend, Step
@@ -437,7 +436,7 @@ class PoolEngine:
         self._check_max_output(policy)
         script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
         if script is not None:
-            code = await asyncio.to_thread(read_script, script)
+            code = await asyncio.to_thread(read_script, script, str(request.script))
             # What the request wrote, as python3 shows the path it was given.
             name = request.name or str(request.script)
         else:
@@ -779,42 +778,21 @@ def _job_cwd(cwd: Path, policy: Policy) -> str:
     return FALLBACK_CWD
 
 
-def read_script(path: Path) -> str:
-    """The source of a script the pool runs, or RequestError naming ``script``.
+def read_script(path: Path, shown: str) -> str:
+    """The source of a script the pool runs, or RequestError naming ``script`` and quoting
+    ``shown`` (the path as the request wrote it).
 
-    Opened without blocking and checked to be a regular file, so a FIFO or a
-    device named as a script cannot hang the pool; decoded as python3 would
-    (a BOM or a coding cookie, else UTF-8).
+    Opened without following a symlink anywhere along the path and read from
+    that descriptor (``readie_worker.paths``), so a job that swaps the file
+    for a link after the check cannot make the pool read another file; a
+    FIFO or a device is refused before it is opened for reading. Decoded as
+    python3 would (a BOM or a coding cookie, else UTF-8).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise RequestError(f"cannot open {str(path)!r}: {exc.strerror}", "script") from None
+        source = read_no_follow(str(path), MAX_SCRIPT_BYTES)
+    except PathRefused as refused:
+        raise RequestError(f"{shown!r} {refused.reason}", "script") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RequestError(f"{str(path)!r} is not a regular file", "script")
-        if info.st_size > MAX_SCRIPT_BYTES:
-            raise RequestError(
-                f"{str(path)!r} has {info.st_size} bytes; scripts may have {MAX_SCRIPT_BYTES}",
-                "script",
-            )
-        chunks = []
-        size = 0
-        while chunk := os.read(fd, 1024 * 1024):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_SCRIPT_BYTES:  # grew while we read it
-                raise RequestError(
-                    f"{str(path)!r} is larger than {MAX_SCRIPT_BYTES} bytes", "script"
-                )
-    except OSError as exc:
-        raise RequestError(f"cannot read {str(path)!r}: {exc.strerror}", "script") from None
-    finally:
-        os.close(fd)
-    try:
-        return importlib.util.decode_source(b"".join(chunks))
+        return importlib.util.decode_source(source)
     except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
-        raise RequestError(
-            f"{str(path)!r} is not readable as Python source: {exc}", "script"
-        ) from None
+        raise RequestError(f"{shown!r} is not readable as Python source: {exc}", "script") from None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -28,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from readie_worker import enter_mount_namespace
 from readie_worker.client import WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
+from readie_worker.paths import remove_tree
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
 from ._config import CliOverrides, Config, apply_cli, load_config
@@ -61,6 +62,11 @@ EXIT_FAILED = 1
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
     configure_logging(json=args.log == "json")
+    try:
+        enter_mount_namespace()  # before any thread: an embedded worker's mounts live there
+    except ReadieError as exc:
+        _fail(str(exc))
+        return EXIT_USAGE
     try:
         cwd = Path(os.path.realpath(os.getcwd()))
         config = load_config(args.config) if args.config is not None else Config()
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out, args.router))
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_tree(scratch)
 
 
 async def _serve(

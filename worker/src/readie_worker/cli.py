@@ -10,7 +10,6 @@ every sandbox is destroyed, and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import sys
 import tempfile
@@ -20,9 +19,11 @@ from pathlib import Path
 import structlog
 
 from .core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
+from . import enter_mount_namespace
 from .errors import ReadieError
 from .grpc_service import serve
 from .logs import configure_logging
+from .paths import remove_tree
 
 log = structlog.get_logger("readie.worker")
 
@@ -37,6 +38,11 @@ _LOOPBACK_HOSTS = ("127.", "localhost:", "[::1]:")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
     configure_logging(json=args.log == "json")
+    try:
+        enter_mount_namespace()  # before any thread: the sandboxes' mounts live there
+    except ReadieError as exc:
+        log.error("cannot start", error=str(exc))
+        return 1
     # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
     # Only when a dir was not named: a worker killed outright cannot remove it.
     needs_scratch = args.state_dir is None or args.run_dir is None
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(config, args, stop)
     finally:
         if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(scratch)
 
 
 def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event) -> int:

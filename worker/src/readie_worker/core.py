@@ -10,7 +10,7 @@ is destroyed when the session ends, or when the worker closes or drains.
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import os
 import tempfile
 import threading
 import time
@@ -23,14 +23,17 @@ import structlog
 from . import runsc as runsc_module
 from .bundle import MountPlan, family_fingerprint, serve_env
 from .errors import PoolWorkerError, RequestError, SandboxSetupError
-from .packages import ensure_packages
-from .jobs import CodeJob, HostFunction, JobOutcome, MountedGrants, mount_grants, run_in_sandbox
+from ._mounts import enter_mount_namespace
+from .paths import remove_tree
+from .packages import ensure_packages, package_cache
+from .grants import HeldGrants, hold_grants
+from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
 from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
 from ._retire import Retirer
 from .pool import RefillBudget, WarmPool
 from .runsc import Runsc
-from .sandbox import LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
+from .sandbox import JOB_MEMORY_SLACK, LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
 from .sessions import Session, StepOutcome
 
 log = structlog.get_logger("readie.worker")
@@ -40,7 +43,8 @@ DEFAULT_SLOTS = 2
 # Without mounts there are no slots to fill, but the same request limits apply.
 UNISOLATED_PLAN = MountPlan()
 DEFAULT_SANDBOX_MEMORY = 4 * 1024**3
-# What gVisor's sentry and gofer take besides the job (~70-140 MB measured).
+# What gVisor's sentry and gofer take besides the job, for a checkpoint whose
+# manifest has no measurement (an idle pandas sandbox: 156 MB measured).
 SANDBOX_OVERHEAD = 256 * 1024**2
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
@@ -110,6 +114,10 @@ class Worker:
         self.networked: dict[str, SandboxFactory] = {}
         self._sessions: set[Session] = set()  # open ones; each holds a sandbox
         self._session_places = 0  # sessions open or being opened, at most config.max_sessions
+        # Paths no grant may touch (the worker's own), and paths no grant may write (what
+        # every sandbox is made from); absolute and symlink-free, set at start.
+        self._private_dirs: tuple[Path, ...] = ()
+        self._template_dirs: tuple[Path, ...] = ()
 
     def start(self) -> Worker:
         try:
@@ -122,12 +130,17 @@ class Worker:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         if not runsc_module.available():
             return self._start_unisolated("runsc is not installed or the worker is not root")
+        enter_mount_namespace()  # where the sandboxes' mounts live (_mounts.py)
         swept = self.runsc.sweep()
         if swept:
             log.warning("swept containers left by an earlier run", containers=swept)
+        for leftover in self.config.run_dir.iterdir():  # the worker owns its run dir alone
+            remove_tree(leftover)
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
+        self._private_dirs = _canonical(self.config.run_dir, self.config.state_dir)
+        self._template_dirs = _canonical(self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache())
         for problem in self.checkpoints.problems.values():
             log.warning("checkpoint unusable", problem=problem)
         budget = RefillBudget(self.config.refill_concurrency)
@@ -281,28 +294,51 @@ class Worker:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
         if job.network and not self.networked:
             raise RequestError("this worker has no network backend configured", field="allow_network")
-        ceiling = self.config.sandbox_memory_bytes - SANDBOX_OVERHEAD
+        ceiling = self.memory_ceiling(job.checkpoint)
         if job.memory_bytes is not None and job.memory_bytes > ceiling:
             raise RequestError(f"{job.memory_bytes} bytes is above this worker's ceiling of {ceiling}", field="memory")
 
-    def _acquire(self, job: CodeJob) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
-        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs mounts or the network."""
-        pool = self.pools[job.checkpoint]
-        if job.network:
-            mounted = self._mount(job)
-            return self.networked[job.checkpoint].with_sources(mounted.sources).create(), mounted.links
-        if job.needs_own_mounts:
-            mounted = self._mount(job)
-            sandbox = pool.factory.with_sources(mounted.sources).create()
-            # Unisolated, the job sees the host itself: links would be made on the host.
-            return sandbox, mounted.links if self.isolated else ()
-        return pool.take(), ()
+    def memory_ceiling(self, checkpoint: str) -> int:
+        """The most a job may ask for as ``memory``: the backstop less the sandbox's own share."""
+        measured = None
+        if self.checkpoints is not None and checkpoint in self.checkpoints.usable:
+            measured = self.checkpoints.usable[checkpoint].idle_memory_bytes
+        overhead = SANDBOX_OVERHEAD if measured is None else measured + JOB_MEMORY_SLACK
+        return self.config.sandbox_memory_bytes - overhead
 
-    def _mount(self, job: CodeJob) -> MountedGrants:
+    def _acquire(self, job: CodeJob) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
+        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs mounts
+        or the network. Grants are opened here, when the job has its slot, and held until its
+        sandbox has them mounted (``grants.py``)."""
+        pool = self.pools[job.checkpoint]
+        if job.network or job.needs_own_mounts:
+            factory = self.networked[job.checkpoint] if job.network else pool.factory
+            with self._hold_grants(job) as grants:
+                sandbox = factory.create(grants)
+            # Unisolated, the job sees the host itself: links would be made on the host.
+            links = grants.links if self.isolated else ()
+        else:
+            sandbox, links = pool.take(), ()
+        if job.memory_bytes is not None:
+            try:
+                sandbox.limit_memory(job.memory_bytes)
+            except BaseException:
+                self._retirer.retire(sandbox)
+                raise
+        return sandbox, links
+
+    def _hold_grants(self, job: CodeJob) -> HeldGrants:
+        package_dirs = job.package_dirs
         if job.packages:
-            installed = str(ensure_packages(job.packages))
-            job = dataclasses.replace(job, package_dirs=(*job.package_dirs, installed))
-        return mount_grants(job, self._mount_plan())
+            package_dirs = (*package_dirs, os.path.realpath(ensure_packages(job.packages)))
+        return hold_grants(
+            self._mount_plan(),
+            allow_read=job.allow_read,
+            allow_write=job.allow_write,
+            package_dirs=package_dirs,
+            private=self._private_dirs,
+            read_only=self._template_dirs,
+        )
 
     def _mount_plan(self) -> MountPlan:
         if self.checkpoints is None or self.checkpoints.manifest is None:
@@ -359,7 +395,7 @@ class Worker:
         if self.namespace is not None:
             self.namespace.delete()
         if self.config.scratch is not None and not (self.isolated and self.runsc.list_ids()):
-            shutil.rmtree(self.config.scratch, ignore_errors=True)
+            remove_tree(self.config.scratch)
 
     def _slot(self):  # noqa: ANN202 - context manager
         return _SlotGuard(self)
@@ -388,4 +424,8 @@ class _SlotGuard:
 
 def _since(started: float) -> int:
     return int((time.monotonic() - started) * 1_000_000)
+
+
+def _canonical(*paths: Path) -> tuple[Path, ...]:
+    return tuple(Path(os.path.realpath(path)) for path in paths)
 

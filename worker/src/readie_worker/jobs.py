@@ -16,7 +16,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
 
 import cloudpickle
 
@@ -34,7 +33,6 @@ from ._host_frames import (
     is_call_frame,
 )
 from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes, parse_job_result
-from .bundle import MountPlan
 from .errors import PoolWorkerError, RequestError
 from .sandbox import ExecutorTimeout, Sandbox
 
@@ -45,10 +43,8 @@ __all__ = [
     "HostReply",
     "HostStats",
     "JobOutcome",
-    "MountedGrants",
     "ask_host",
     "job_request",
-    "mount_grants",
     "run_in_sandbox",
 ]
 
@@ -62,9 +58,12 @@ BASE_JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": 
 # The pool spec's default cap on captured stdout and stderr, each.
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_TIMEOUT_MS = 30_000
+# Files count: /tmp, /dev/shm and everything written outside the grants live
+# in the sandbox's memory, under the same cgroup as its allocations.
 MEMORY_BACKSTOP_HINT = (
-    "the whole sandbox exceeded the worker's memory backstop (cgroup); "
-    "set a lower 'memory' limit so the job gets a MemoryError instead"
+    "the sandbox's memory, files it wrote to /tmp or anywhere outside its write grants "
+    "included, exceeded {limit}; write large files to a write grant, or keep allocations "
+    "under 'memory' to get a MemoryError the code can catch"
 )
 
 
@@ -98,12 +97,6 @@ class CodeJob:
 
 
 @dataclass(frozen=True)
-class MountedGrants:
-    sources: Mapping[PurePosixPath, Path]
-    links: tuple[Mapping[str, object], ...]
-
-
-@dataclass(frozen=True)
 class JobOutcome:
     """What a job came to: its own result, or the worker's account of why there is none."""
 
@@ -128,34 +121,6 @@ class JobOutcome:
                 sandbox_id: str | None = None, hint: str | None = None) -> JobOutcome:
         return cls(None, "", "", False, False, JobError(error_type, message, None, None, hint),
                    duration_us, "", (), sandbox_id, backend)
-
-
-def mount_grants(job: CodeJob, plan: MountPlan) -> MountedGrants:
-    """Map grants and package dirs onto the slots planned at capture, or refuse naming the limit."""
-    sources: dict[PurePosixPath, Path] = {}
-    links: list[Mapping[str, object]] = []
-    for field_name, paths, slots, slot_of, writable in (
-        ("allow_read", job.allow_read, plan.read_slots, plan.read_slot, False),
-        ("allow_write", job.allow_write, plan.write_slots, plan.write_slot, True),
-        ("package_dirs", job.package_dirs, plan.package_slots, plan.package_slot, False),
-    ):
-        if len(paths) > slots:
-            raise RequestError(
-                f"{len(paths)} paths asked for, but sandboxes have {slots} such slots "
-                f"(planned at capture: [mounts] in checkpoints.toml)",
-                field=field_name,
-            )
-        for index, raw in enumerate(paths):
-            host = Path(raw)
-            if not host.is_absolute():
-                raise RequestError(f"{raw!r} is not an absolute path", field=field_name)
-            if not host.is_dir():
-                raise RequestError(f"{raw!r} is not an existing directory", field=field_name)
-            slot = slot_of(index)
-            sources[slot] = host
-            if field_name != "package_dirs":  # packages are on sys.path already; grants appear at their host path
-                links.append({"path": str(host), "target": str(slot), "writable": writable})
-    return MountedGrants(sources, tuple(links))
 
 
 def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False) -> bytes:
@@ -226,13 +191,16 @@ def run_in_sandbox(
         outcome = JobOutcome.failure("PoolWorkerError", message, _since(started), backend, sandbox.id)
     except PoolWorkerError as exc:
         if sandbox.oom_killed():
+            limit = sandbox.memory_limit_bytes
             outcome = JobOutcome.failure(
                 "MemoryError",
                 "the sandbox ran out of memory and was killed",
                 _since(started),
                 backend,
                 sandbox.id,
-                hint=MEMORY_BACKSTOP_HINT,
+                hint=MEMORY_BACKSTOP_HINT.format(
+                    limit="the worker's memory backstop" if limit is None else f"its limit of {limit // 2**20} MiB"
+                ),
             )
         else:
             message = f"the sandbox failed under the job: {exc}"

@@ -44,6 +44,9 @@ class Checkpoint:
     restore_p50_ms: float  # runsc restore until the measure-mode executor exits
     cold_start_p50_ms: float  # runsc run, imports and all, until the socket answers
     restore_to_socket_p50_ms: float
+    # The memory cgroup of a restored, idle sandbox (sentry, gofer, template):
+    # what a job's 'memory' comes on top of. None in manifests that predate it.
+    idle_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
             restore_p50_ms=float(entry["restore_p50_ms"]),
             cold_start_p50_ms=float(entry["cold_start_p50_ms"]),
             restore_to_socket_p50_ms=float(entry["restore_to_socket_p50_ms"]),
+            idle_memory_bytes=None if entry.get("idle_memory_bytes") is None else int(entry["idle_memory_bytes"]),
         )
         checkpoints[checkpoint.name] = checkpoint
     return Manifest(

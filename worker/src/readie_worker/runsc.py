@@ -10,7 +10,9 @@ import select
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,10 @@ CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 # runsc keeps this much of its stderr in an error message.
 STDERR_TAIL = 2000
+# What is kept of a sandbox's stderr (runsc's own messages, and its executor's
+# log): the tail, for the message of a sandbox that failed to start. The rest
+# is read and dropped, so a sandbox writing without end costs nothing.
+STDERR_KEPT_BYTES = 16 * 1024
 
 
 class RunscError(SandboxSetupError):
@@ -79,32 +85,29 @@ class Runsc:
                 raise RunscError(args, completed.returncode, _read(stderr))
             return completed.stdout
 
-    def start_detached(
-        self, args: Sequence[str], stderr_path: Path, timeout: float = COMMAND_TIMEOUT_S
-    ) -> subprocess.Popen[bytes]:
+    def start_detached(self, args: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> Launched:
         """Start ``run --detach`` or ``restore --detach`` with pipes on the container's stdio.
 
-        A detached runsc leaves a grandchild holding its stdio, so stderr goes
-        to a file (a pipe would never see EOF); stdin and stdout stay pipes,
-        which is how the executor is handed its settings and announces itself.
-        The returned process has exited when this returns.
+        The container's stdio is runsc's own. stdin and stdout are pipes, which
+        is how the executor is handed its settings and announces itself.
+        stderr is a pipe too, drained by :class:`StderrTail`: never a host
+        file, which the sandbox could write to without bound. (A detached
+        runsc leaves a grandchild holding its stdio, so nothing here waits for
+        that pipe's end.) The runsc process has exited when this returns.
         """
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(stderr_path, "ab") as stderr:
-            process = _reaper.popen(
-                self.command(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
-            )
+        launched = Launched.popen(self.command(*args))
         try:
-            returncode = process.wait(timeout=timeout)
+            returncode = launched.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            _close(process)
-            raise RunscError(args, None, _tail(stderr_path)) from None
+            launched.process.kill()
+            launched.process.wait()
+            launched.close()
+            raise RunscError(args, None, launched.stderr.text()) from None
         if returncode != 0:
-            _close(process)
-            raise RunscError(args, returncode, _tail(stderr_path))
-        return process
+            launched.close()
+            raise RunscError(args, returncode, launched.stderr.text(wait_s=STDERR_SETTLE_S))
+        return launched
 
     def state(self, container_id: str) -> dict[str, object]:
         return json.loads(self.run("state", container_id))
@@ -144,6 +147,34 @@ class Runsc:
                 if line.startswith(marker):
                     return int(line.split()[1]) > 0
         return False
+
+    def memory_usage(self, container_id: str) -> int | None:
+        """Bytes the container's memory cgroup holds now (sentry, gofer, and the sandbox's
+        memory, files in its tmpfs and overlay included), or None without such a cgroup."""
+        for path in (CGROUP_V1_MEMORY / container_id / "memory.usage_in_bytes", CGROUP_V2 / container_id / "memory.current"):
+            try:
+                return int(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def limit_memory(self, container_id: str, limit_bytes: int) -> None:
+        """Lower a running container's memory cgroup limit (and its swap, so it cannot page out
+        past it). The kernel reclaims down to it or refuses; refused is a SandboxSetupError."""
+        v1 = CGROUP_V1_MEMORY / container_id
+        settings = (
+            [(v1 / "memory.limit_in_bytes", limit_bytes), (v1 / "memory.memsw.limit_in_bytes", limit_bytes)]
+            if v1.is_dir()
+            else [(CGROUP_V2 / container_id / "memory.max", limit_bytes), (CGROUP_V2 / container_id / "memory.swap.max", 0)]
+        )
+        for path, value in settings:
+            if path.name.startswith("memory.memsw") or path.name == "memory.swap.max":
+                if not path.exists():
+                    continue  # no swap accounting on this host: nothing to page out to
+            try:
+                path.write_text(str(value))
+            except OSError as exc:
+                raise SandboxSetupError(f"cannot limit the memory of {container_id} to {value} bytes: {exc}") from None
 
     def sweep(self) -> list[str]:
         """Destroy every container in this state dir and remove what runsc left behind.
@@ -213,17 +244,68 @@ def _read(stream: IO[str]) -> str:
     return stream.read()
 
 
-def _tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as file:
-            file.seek(0, os.SEEK_END)
-            file.seek(max(0, file.tell() - STDERR_TAIL))
-            return file.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+# A failed runsc has written its last words by the time it exits, but the
+# drain thread may not have read them yet.
+STDERR_SETTLE_S = 0.2
 
 
-def _close(process: subprocess.Popen[bytes]) -> None:
-    for stream in (process.stdin, process.stdout):
-        if stream is not None:
-            stream.close()
+class StderrTail:
+    """Drains a pipe on a thread of its own until every writer is gone, keeping the last bytes."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._kept: deque[bytes] = deque()
+        self._size = 0
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        threading.Thread(target=self._drain, name="sandbox-stderr", daemon=True).start()
+
+    def text(self, wait_s: float = 0.0) -> str:
+        """What was kept so far, decoded leniently; ``wait_s`` waits that long for the writers to end."""
+        self._ended.wait(wait_s)
+        with self._lock:
+            data = b"".join(self._kept)
+        return data.decode("utf-8", "replace")
+
+    def _drain(self) -> None:
+        try:
+            while chunk := os.read(self._fd, 65536):
+                with self._lock:
+                    self._kept.append(chunk)
+                    self._size += len(chunk)
+                    while self._size - len(self._kept[0]) >= STDERR_KEPT_BYTES:
+                        self._size -= len(self._kept.popleft())
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._ended.set()
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A process with pipes on its stdin and stdout, and its stderr drained into a tail."""
+
+    process: subprocess.Popen[bytes]
+    stderr: StderrTail
+
+    @classmethod
+    def popen(cls, argv: Sequence[str], **kwargs: object) -> Launched:
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        try:
+            process = _reaper.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=write_end, **kwargs)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return cls(process, StderrTail(read_end))
+
+    def close(self) -> None:
+        """Close our ends of stdin and stdout; the stderr drain ends with its last writer."""
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass

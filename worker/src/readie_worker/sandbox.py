@@ -14,19 +14,16 @@ socket. Transports differ only in how the process is started and destroyed:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import secrets
 import select
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO, Protocol
 
 import structlog
@@ -45,20 +42,23 @@ from readie_executor.protocol import (
 )
 from readie_executor.sockets import RECV_SIZE
 
-from . import _reaper
-from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec, capture_env, serve_env
+from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
+from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec, capture_env, serve_env
 from .errors import PoolWorkerError, SandboxSetupError
+from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
-from .runsc import Runsc, RunscError
+from .runsc import STDERR_SETTLE_S, Launched, Runsc, RunscError
 
 log = structlog.get_logger("readie.sandbox")
 
 # The executor spec: the worker retries the socket for up to 60 s by default.
 SOCKET_WAIT_S = 60.0
 SOCKET_POLL_S = 0.002
-# A sandbox id becomes part of the socket path, which may not exceed 107 bytes.
-SANDBOX_ID_BYTES = 6
+# What gVisor's sentry adds to the memory cgroup for a job's own memory: page
+# tables and bookkeeping for what the job maps, measured at ~2 % (244 MB of
+# cgroup growth for a 240 MB bytearray); this covers a multi-GiB job.
+JOB_MEMORY_SLACK = 64 * 1024**2
 # A healthy executor answers a ping in well under a millisecond; a second
 # means it is wedged, and a wedged sandbox is never handed a job.
 PROBE_TIMEOUT_S = 1.0
@@ -119,7 +119,7 @@ class Launcher(Protocol):
     name: str
     isolated: bool
 
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         """Start an executor at its capture point; its stdin and stdout are pipes."""
 
     def executor_dir(self, sandbox: SandboxDir) -> str:
@@ -130,37 +130,8 @@ class Launcher(Protocol):
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         """Whether the memory backstop killed the sandbox (asked before destroy)."""
 
-
-@dataclass(frozen=True)
-class SandboxDir:
-    """The host directory of one sandbox: its bundle, executor dir and logs."""
-
-    id: str
-    path: Path
-
-    @property
-    def executor_dir(self) -> Path:
-        return self.path / "run"
-
-    @property
-    def socket_path(self) -> Path:
-        return self.executor_dir / "executor.sock"
-
-    @property
-    def unused_slots(self) -> Path:
-        return self.path / "unused"
-
-    @property
-    def log_path(self) -> Path:
-        return self.path / "runsc.log"
-
-    @classmethod
-    def create(cls, run_dir: Path) -> SandboxDir:
-        sandbox_id = "rd-" + secrets.token_hex(SANDBOX_ID_BYTES)
-        path = run_dir / sandbox_id
-        for directory in (path, path / "run", path / "unused"):
-            directory.mkdir(parents=True, exist_ok=False)
-        return cls(sandbox_id, path)
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        """Bound the whole sandbox to what it holds now plus ``job_bytes``; the limit set, if any."""
 
 
 @dataclass
@@ -169,9 +140,11 @@ class Sandbox:
 
     dir: SandboxDir
     launcher: Launcher
-    process: subprocess.Popen[bytes]
+    launched: Launched
     ready_ms: float
     state: SandboxState = SandboxState.READY
+    # The memory cgroup's limit once a job's 'memory' set it (None: the worker's backstop).
+    memory_limit_bytes: int | None = None
     _connection: socket.socket | None = field(default=None, repr=False)
 
     @property
@@ -246,6 +219,11 @@ class Sandbox:
     def oom_killed(self) -> bool:
         return self.launcher.oom_killed(self.dir)
 
+    def limit_memory(self, job_bytes: int) -> None:
+        """Bound the whole sandbox, files in its memory-backed filesystems included, to what it
+        holds now plus ``job_bytes`` (a job's ``memory``) and the sentry's share of those."""
+        self.memory_limit_bytes = self.launcher.limit_memory(self.dir, job_bytes)
+
     def alive(self) -> bool:
         """The liveness probe: run before a sandbox that waited in a pool is trusted with a job."""
         try:
@@ -259,10 +237,10 @@ class Sandbox:
         self.state = SandboxState.DEAD
         self._drop_connection()
         try:
-            self.launcher.destroy(self.dir, self.process)
+            self.launcher.destroy(self.dir, self.launched.process)
         finally:
-            _close_pipes(self.process)
-            shutil.rmtree(self.dir.path, ignore_errors=True)
+            self.launched.close()
+            self.dir.remove()
 
     def _connect(self) -> socket.socket:
         if self._connection is None:
@@ -285,26 +263,29 @@ def launch(
     launcher: Launcher,
     run_dir: Path,
     env: Mapping[str, str],
+    grants: HeldGrants = NO_GRANTS,
     socket_wait_s: float = SOCKET_WAIT_S,
 ) -> Sandbox:
-    """Start a sandbox, hand its executor ``env``, and return it once its socket answers."""
+    """Start a sandbox with ``grants`` mounted, hand its executor ``env``, and return it once
+    its socket answers (its executor dir sealed read-only from then on)."""
     started = time.monotonic()
-    sandbox_dir = SandboxDir.create(run_dir)
-    process: subprocess.Popen[bytes] | None = None
+    sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated)
+    launched: Launched | None = None
     try:
         full_env = {**env, "EXECUTOR_DIR": launcher.executor_dir(sandbox_dir), "EXECUTOR_MODE": "sandbox"}
-        process = launcher.start(sandbox_dir, full_env)
-        hand_over(process, full_env)
-        _wait_for_socket(sandbox_dir, process, socket_wait_s)
+        launched = launcher.start(sandbox_dir, full_env)
+        hand_over(launched.process, full_env)
+        _wait_for_socket(sandbox_dir, launched, socket_wait_s)
+        sandbox_dir.seal()
     except BaseException:
-        if process is not None:
-            launcher.destroy(sandbox_dir, process)
-            _close_pipes(process)
-        shutil.rmtree(sandbox_dir.path, ignore_errors=True)
+        if launched is not None:
+            launcher.destroy(sandbox_dir, launched.process)
+            launched.close()
+        sandbox_dir.remove()
         raise
     ready_ms = (time.monotonic() - started) * 1000
     log.debug("sandbox ready", sandbox=sandbox_dir.id, launcher=launcher.name, ready_ms=round(ready_ms, 1))
-    return Sandbox(sandbox_dir, launcher, process, ready_ms)
+    return Sandbox(sandbox_dir, launcher, launched, ready_ms)
 
 
 def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
@@ -317,23 +298,33 @@ def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
         raise SandboxSetupError(f"executor took no handover: {exc}") from None
 
 
-def _wait_for_socket(sandbox: SandboxDir, process: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     path = os.fsencode(sandbox.socket_path)
     while True:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
+        if _answers(path):
             return
-        except OSError:
-            pass
-        finally:
-            probe.close()
-        if _stdout_closed(process.stdout):
-            raise SandboxSetupError(f"sandbox {sandbox.id}: executor exited before binding its socket{_log_tail(sandbox)}")
+        if _stdout_closed(launched.process.stdout):
+            # The executor lets go of its stdout once it listens, so look once more.
+            if _answers(path):
+                return
+            raise SandboxSetupError(
+                f"sandbox {sandbox.id}: executor exited before binding its socket{_stderr_tail(launched)}"
+            )
         if time.monotonic() >= deadline:
-            raise SandboxSetupError(f"sandbox {sandbox.id}: no executor socket after {timeout:.0f} s{_log_tail(sandbox)}")
+            raise SandboxSetupError(f"sandbox {sandbox.id}: no executor socket after {timeout:.0f} s{_stderr_tail(launched)}")
         time.sleep(SOCKET_POLL_S)
+
+
+def _answers(path: bytes) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _stdout_closed(stdout: IO[bytes] | None) -> bool:
@@ -344,21 +335,9 @@ def _stdout_closed(stdout: IO[bytes] | None) -> bool:
     return bool(ready) and not os.read(stdout.fileno(), 4096)
 
 
-def _log_tail(sandbox: SandboxDir) -> str:
-    try:
-        tail = sandbox.log_path.read_text(errors="replace")[-1500:].strip()
-    except OSError:
-        return ""
+def _stderr_tail(launched: Launched) -> str:
+    tail = launched.stderr.text(wait_s=STDERR_SETTLE_S)[-1500:].strip()
     return f": {tail}" if tail else ""
-
-
-def _close_pipes(process: subprocess.Popen[bytes]) -> None:
-    for stream in (process.stdin, process.stdout):
-        if stream is not None:
-            try:
-                stream.close()
-            except OSError:
-                pass
 
 
 @dataclass(frozen=True)
@@ -367,8 +346,7 @@ class _RunscLauncher:
     rootfs: Path
     plan: MountPlan
     base_env: Mapping[str, str]
-    sources: Mapping[PurePosixPath, Path] = field(default_factory=dict)
-    # The cgroup backstop under the per-job RLIMIT_AS: it kills the whole sandbox.
+    # The cgroup backstop of every sandbox, under the per-job RLIMIT_AS: it kills the whole sandbox.
     memory_limit_bytes: int | None = None
     isolated: bool = True
 
@@ -378,13 +356,23 @@ class _RunscLauncher:
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return self.runsc.oom_killed(sandbox.id)
 
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        usage = self.runsc.memory_usage(sandbox.id)
+        if usage is None:
+            return None
+        limit = usage + job_bytes + JOB_MEMORY_SLACK
+        if self.memory_limit_bytes is not None:
+            limit = min(limit, self.memory_limit_bytes)
+        self.runsc.limit_memory(sandbox.id, limit)
+        return limit
+
     def spec(self, sandbox: SandboxDir) -> SandboxSpec:
         return SandboxSpec(
             rootfs=self.rootfs,
             executor_dir=sandbox.executor_dir,
             env=self.base_env,
             plan=self.plan,
-            sources=self.sources,
+            sources=sandbox.sources,
             unused_slot_source=sandbox.unused_slots,
             memory_limit_bytes=self.memory_limit_bytes,
         )
@@ -401,11 +389,11 @@ class RunscRestore(_RunscLauncher):
     checkpoint: Checkpoint | None = None
     name: str = "runsc-restore"
 
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         assert self.checkpoint is not None
         self.spec(sandbox).write(sandbox.path)
         args = ["restore", "--detach", f"--image-path={self.checkpoint.image_path}", "--bundle", str(sandbox.path), sandbox.id]
-        return self.runsc.start_detached(args, sandbox.log_path)
+        return self.runsc.start_detached(args)
 
 
 @dataclass(frozen=True)
@@ -416,9 +404,9 @@ class RunscCold(_RunscLauncher):
 
     name: str = "runsc-cold"
 
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         self.spec(sandbox).write(sandbox.path)
-        return self.runsc.start_detached(["run", "--detach", "--bundle", str(sandbox.path), sandbox.id], sandbox.log_path)
+        return self.runsc.start_detached(["run", "--detach", "--bundle", str(sandbox.path), sandbox.id])
 
 
 @dataclass(frozen=True)
@@ -431,17 +419,10 @@ class SandboxFactory:
     fallback: Launcher | None = None
     socket_wait_s: float = SOCKET_WAIT_S
 
-    def with_sources(self, sources: Mapping[PurePosixPath, Path]) -> SandboxFactory:
-        """The same kind of sandbox with these mount slots pointed at host paths."""
-        return dataclasses.replace(
-            self,
-            primary=_with_sources(self.primary, sources),
-            fallback=None if self.fallback is None else _with_sources(self.fallback, sources),
-        )
-
-    def create(self) -> Sandbox:
+    def create(self, grants: HeldGrants = NO_GRANTS) -> Sandbox:
+        """A ready sandbox with ``grants`` (held by the caller until this returns) mounted."""
         try:
-            return launch(self.primary, self.run_dir, self.env, self.socket_wait_s)
+            return launch(self.primary, self.run_dir, self.env, grants, self.socket_wait_s)
         except SandboxSetupError as exc:
             if self.fallback is None:
                 raise
@@ -451,7 +432,7 @@ class SandboxFactory:
                 fallback=self.fallback.name,
                 error=str(exc),
             )
-        return launch(self.fallback, self.run_dir, self.env, self.socket_wait_s)
+        return launch(self.fallback, self.run_dir, self.env, grants, self.socket_wait_s)
 
 
 @dataclass(frozen=True)
@@ -466,7 +447,7 @@ class LocalProcess:
     def executor_dir(self, sandbox: SandboxDir) -> str:
         return str(sandbox.executor_dir)
 
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         capture_env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             **SINGLE_THREAD_ENV,
@@ -474,15 +455,7 @@ class LocalProcess:
             "EXECUTOR_MODE": "capture",
             "READIE_PREIMPORT": ",".join(self.preimport),
         }
-        with open(sandbox.log_path, "ab") as stderr:
-            return _reaper.popen(
-                [self.python, "-u", "-m", "readie_executor"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env=capture_env,
-                cwd=sandbox.path,
-            )
+        return Launched.popen([self.python, "-u", "-m", "readie_executor"], env=capture_env, cwd=sandbox.path)
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None:
         process.kill()
@@ -491,11 +464,8 @@ class LocalProcess:
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return False
 
-
-def _with_sources(launcher: Launcher, sources: Mapping[PurePosixPath, Path]) -> Launcher:
-    if isinstance(launcher, _RunscLauncher):
-        return dataclasses.replace(launcher, sources={**launcher.sources, **sources})
-    return launcher  # a local process sees the host as it is: there is nothing to mount
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        return None  # a host process: RLIMIT_AS inside is all there is
 
 
 def checkpoint_factory(

@@ -1,0 +1,169 @@
+"""The host mounts a worker makes for its sandboxes, and their removal.
+
+Each sandbox's directory is a small tmpfs of its own, and each grant is a
+bind mount of a descriptor the worker opened without following symlinks
+(``paths.open_no_follow``): runsc is handed a mount point inside that tmpfs,
+which nothing but the worker can change. Unmounting the tmpfs frees
+whatever a sandbox left in its executor dir, however deep, without walking
+it.
+
+The mounts live in a mount namespace of the worker's own
+(:func:`enter_mount_namespace`), a slave of the host's so that host mounts
+still arrive: a worker killed with its mounts in place takes them with it
+when its last process (a sandbox it started) ends, instead of leaving a bind
+mount of someone's write grant under ``/tmp`` for a tmp cleaner to walk into.
+
+Everything here needs CAP_SYS_ADMIN (a worker runs as root, as runsc does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+from pathlib import Path
+
+import structlog
+
+from .errors import SandboxSetupError
+
+__all__ = [
+    "bind_descriptor",
+    "bind_self",
+    "enter_mount_namespace",
+    "in_mount_namespace",
+    "mount_tmpfs",
+    "remount_read_only",
+    "unmount_beneath",
+]
+
+log = structlog.get_logger("readie.mounts")
+
+# <sys/mount.h>, <sched.h>
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_SLAVE = 0x80000
+MNT_DETACH = 0x2
+CLONE_NEWNS = 0x00020000
+# Flags every mount we make carries: nothing on them is a device or setuid.
+SAFE_FLAGS = MS_NOSUID | MS_NODEV
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+
+_entered = False
+# /proc/self/mountinfo escapes space, tab, newline and backslash in octal.
+_MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def enter_mount_namespace() -> None:
+    """Move this process into a mount namespace of its own (once); sandboxes it starts share it.
+
+    Only a single-threaded process can do it for all of itself: a thread
+    that unshares its namespace leaves the others in the old one. So this
+    runs first thing in ``readie worker``, ``readie pool`` and ``readie
+    capture``, and a program embedding a worker calls it before it starts
+    threads; :class:`~readie_worker.core.Worker` refuses to start otherwise.
+    Not root, it does nothing: such a process runs no gVisor sandbox.
+    """
+    global _entered
+    if _entered or os.geteuid() != 0:
+        return
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1:
+        raise SandboxSetupError(
+            f"cannot give the worker a mount namespace of its own: the process already runs "
+            f"{threads} threads (call readie_worker.enter_mount_namespace() before starting any)"
+        )
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        raise SandboxSetupError(f"cannot give the worker a mount namespace of its own: {_strerror()}")
+    # A slave receives the host's mount events and sends none back.
+    _mount(None, "/", None, MS_REC | MS_SLAVE)
+    _entered = True
+
+
+def in_mount_namespace() -> bool:
+    return _entered
+
+
+def mount_tmpfs(target: Path, *, size_bytes: int, inodes: int) -> None:
+    _mount("tmpfs", target, "tmpfs", SAFE_FLAGS | MS_NOEXEC, f"size={size_bytes},nr_inodes={inodes},mode=0700")
+
+
+def bind_descriptor(fd: int, target: Path, *, writable: bool) -> None:
+    """Mount the directory or file held open as ``fd`` at ``target``: not a path, so nothing
+    that happens to the path the descriptor was opened by can change what is mounted.
+
+    Not recursive: mounts beneath the granted directory (another sandbox's,
+    for one) are not part of the grant.
+    """
+    # The kernel follows /proc/self/fd/N to the open file itself, not to a name.
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
+    _remount(target, writable=writable)
+
+
+def bind_self(path: Path, *, writable: bool) -> None:
+    """Make ``path`` a mount of itself, so that it can be made read-only on its own."""
+    _mount(path, path, None, MS_BIND)
+    _remount(path, writable=writable)
+
+
+def remount_read_only(path: Path) -> None:
+    _remount(path, writable=False)
+
+
+def unmount_beneath(path: Path) -> bool:
+    """Detach every mount at or beneath ``path``, deepest first; whether none is left. Never raises."""
+    for mount_point in _mounts_beneath(path):
+        if _libc.umount2(os.fsencode(mount_point), MNT_DETACH) != 0:
+            code = ctypes.get_errno()
+            if code not in (errno.EINVAL, errno.ENOENT):  # not (or no longer) a mount point
+                log.error("cannot unmount", path=str(mount_point), error=os.strerror(code))
+    left = _mounts_beneath(path)
+    if left:
+        log.error("mounts left beneath a directory being removed", path=str(path), mounts=[str(m) for m in left])
+    return not left
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _mount(source: str | Path | None, target: str | Path, fstype: str | None, flags: int, data: str | None = None) -> None:
+    encoded = None if source is None else os.fsencode(source)
+    result = _libc.mount(
+        encoded, os.fsencode(target), None if fstype is None else fstype.encode(), flags, None if data is None else data.encode()
+    )
+    if result != 0:
+        raise SandboxSetupError(f"cannot mount {target}: {_strerror()}")
+
+
+def _remount(target: Path, *, writable: bool) -> None:
+    flags = MS_BIND | MS_REMOUNT | SAFE_FLAGS | (0 if writable else MS_RDONLY)
+    _mount(None, target, None, flags)
+
+
+def _strerror() -> str:
+    return os.strerror(ctypes.get_errno())
+
+
+def _mounts_beneath(path: Path) -> list[Path]:
+    """Mount points at or beneath ``path`` in this namespace, deepest first."""
+    top = os.fsencode(os.path.abspath(path))
+    found = []
+    with open("/proc/self/mountinfo", "rb") as mountinfo:
+        for line in mountinfo:
+            fields = line.split(b" ")
+            if len(fields) < 5:
+                continue
+            point = _MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            if point == top or point.startswith(top + b"/"):
+                found.append(Path(os.fsdecode(point)))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
