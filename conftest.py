@@ -82,6 +82,12 @@ def checkpoints(runsc: Runsc) -> LoadedCheckpoints:
     return loaded
 
 
+@pytest.fixture(scope="session")
+def checkpoint_dir() -> Path:
+    """Where ``make capture`` put the checkpoints (for fixtures, which cannot import this module)."""
+    return CHECKPOINTS
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A temp dir short enough for Unix socket paths (107 bytes)."""

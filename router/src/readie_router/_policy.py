@@ -163,7 +163,9 @@ def request_path(field: str, path: str, cwd: str | Path, resolve: Resolver = os.
     joined = os.path.join(cwd, path)
     try:
         resolved = _normal(resolve(joined))
-    except (OSError, ValueError) as exc:  # NUL bytes, symlink loops on some systems
+    except OSError as exc:  # its text would name where the walk got to: not the client's business
+        raise RequestError(f"cannot resolve {path!r}: {exc.strerror}", field) from None
+    except ValueError as exc:  # a NUL byte
         raise RequestError(f"cannot resolve {path!r}: {exc}", field) from None
     lexical = _normal(joined)
     if resolved != lexical:

@@ -153,6 +153,7 @@ async def _serve(
             workers=setup.workers,
             checkpoint=setup.checkpoint,
             state_dir=str(worker_config.state_dir),
+            run_dir=str(worker_config.run_dir),
         )
         return await engine.serve(FdReader(fd_in), FdWriter(fd_out))
     finally:

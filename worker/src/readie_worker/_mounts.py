@@ -34,7 +34,6 @@ __all__ = [
     "enter_mount_namespace",
     "in_mount_namespace",
     "mount_tmpfs",
-    "remount_read_only",
     "unmount_beneath",
 ]
 
@@ -114,10 +113,6 @@ def bind_self(path: Path, *, writable: bool) -> None:
     """Make ``path`` a mount of itself, so that it can be made read-only on its own."""
     _mount(path, path, None, MS_BIND)
     _remount(path, writable=writable)
-
-
-def remount_read_only(path: Path) -> None:
-    _remount(path, writable=False)
 
 
 def unmount_beneath(path: Path) -> bool:

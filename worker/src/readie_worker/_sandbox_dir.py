@@ -4,9 +4,11 @@ An isolated sandbox's directory is a tmpfs of its own, bounded in bytes and
 inodes, holding:
 
 * ``config.json``, the OCI bundle (written by the worker before start);
-* ``run/``, the sandbox's ``/readie/run``: the executor binds its socket
-  there, and once the socket answers the worker remounts it read-only
-  (:meth:`SandboxDir.seal`), so a job cannot write a byte into it;
+* ``run/``, the sandbox's ``/readie/run``, where the executor binds its
+  socket: writable, so what a job can put there is bounded by the tmpfs.
+  (Remounting it read-only once the socket answers would not help: runsc's
+  gofer works in a mount namespace copied at start, which a remount in ours
+  does not reach.)
 * ``unused/``, an empty read-only directory: the source of every slot the
   job was granted nothing for (a write slot included: writes there fail
   with EROFS at the host, whatever the sandbox's own mount table says);
@@ -27,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
-from ._mounts import bind_descriptor, bind_self, mount_tmpfs, remount_read_only
+from ._mounts import bind_descriptor, bind_self, mount_tmpfs
 from .grants import HeldGrant
 from .paths import remove_tree
 
@@ -80,11 +82,6 @@ class SandboxDir:
             raise
         return cls(sandbox_id, path, private, sources)
 
-    def seal(self) -> None:
-        """The executor is serving: nothing needs to write its directory any more."""
-        if self.private:
-            remount_read_only(self.executor_dir)
-
     def remove(self) -> bool:
         """Unmount and remove everything; whether it is gone (a failure is logged). Never raises."""
         gone = remove_tree(self.path)
@@ -103,7 +100,7 @@ def _populate(path: Path, grants: Sequence[HeldGrant]) -> dict[PurePosixPath, Pa
     mount_tmpfs(path, size_bytes=SANDBOX_DIR_BYTES, inodes=SANDBOX_DIR_INODES)
     for directory in ("run", "unused", "grants"):
         (path / directory).mkdir(mode=0o700)
-    bind_self(path / "run", writable=True)  # its own mount, so that seal() can make it read-only
+    # Before runsc starts: its gofer sees our mounts as they are then.
     bind_self(path / "unused", writable=False)
     sources: dict[PurePosixPath, Path] = {}
     for grant in grants:

@@ -1,10 +1,11 @@
 """One sandbox lifecycle, three transports.
 
 Every way of getting an executor ready follows the same steps, written once
-in :func:`launch`: make the sandbox's own directory, start an executor that
-sits at its capture point (restored from a checkpoint, or cold-started in
-capture mode), hand it the environment it should serve with, wait for its
-socket. Transports differ only in how the process is started and destroyed:
+in :func:`launch`: make the sandbox's own directory (a tmpfs with the job's
+held grants mounted in it, ``_sandbox_dir``), start an executor that sits at
+its capture point (restored from a checkpoint, or cold-started in capture
+mode), hand it the environment it should serve with, wait for its socket.
+Transports differ only in how the process is started and destroyed:
 
 * :class:`RunscRestore`: ``runsc restore`` from a checkpoint image;
 * :class:`RunscCold`: ``runsc run`` of the same rootfs and imports (fallback);
@@ -267,7 +268,7 @@ def launch(
     socket_wait_s: float = SOCKET_WAIT_S,
 ) -> Sandbox:
     """Start a sandbox with ``grants`` mounted, hand its executor ``env``, and return it once
-    its socket answers (its executor dir sealed read-only from then on)."""
+    its socket answers."""
     started = time.monotonic()
     sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated)
     launched: Launched | None = None
@@ -276,7 +277,6 @@ def launch(
         launched = launcher.start(sandbox_dir, full_env)
         hand_over(launched.process, full_env)
         _wait_for_socket(sandbox_dir, launched, socket_wait_s)
-        sandbox_dir.seal()
     except BaseException:
         if launched is not None:
             launcher.destroy(sandbox_dir, launched.process)
