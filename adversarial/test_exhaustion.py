@@ -72,6 +72,7 @@ def test_files_count_against_memory(target, where):
     assert result["error"]["type"] == "MemoryError", result
     assert "files it wrote to /tmp" in result["error"]["hint"] and "MiB" in result["error"]["hint"], result
     # 256 MiB + the sandbox's own ~160 MiB + 64 MiB; the rest is the machine's noise.
+    print(f"{BOMB_MIB} MiB of files in {where} with memory 256m took {host.taken // MIB} MiB of host memory")
     assert host.taken < 1024 * MIB, f"the bomb took {host.taken // MIB} MiB of host memory"
 
 
@@ -152,8 +153,9 @@ def test_no_host_disk_is_written_without_a_write_grant(target):
         "for path in ['/readie/run/d', '/readie/grants/write-0/d', '/readie/grants/write-3/d', '/readie/packages/0/d', '/tmp/d', '/d']:\n"
         "    print(path, fill(path, 512), flush=True)\n"
     )
-    before = _disk_free(target.scratch)
+    before, used_before = _disk_free(target.scratch), _du(target.scratch)
     result = target.attack(code, memory="256m", timeout="20s")
+    print(f"disk: {(before - _disk_free(target.scratch)) // 1024} KiB less free, scratch du {used_before} -> {_du(target.scratch)} bytes")
     assert result["error"] is None or result["error"]["type"] == "MemoryError", result
     for line in result["stdout"].splitlines()[:4]:
         assert line.endswith(("Read-only file system", "No space left on device")), result["stdout"]
