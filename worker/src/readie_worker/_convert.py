@@ -250,7 +250,7 @@ def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...]:
         raise RequestError(f"{len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
     for path in paths:
         _text(field, path, MAX_PATH_CHARS)
-    return paths  # absolute and existing: mount_grants checks, naming the same field
+    return paths  # absolute, normal, symlink-free and existing: the worker checks when it opens them (grants.py)
 
 
 def _optional_int(message: Message, field: str, low: int, high: int, default: int | None = None) -> int | None:
