@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from adversarial._target import target, unharmed  # noqa: F401 - fixtures
+
 pytestmark = pytest.mark.runsc
 
 MIB = 1024 * 1024

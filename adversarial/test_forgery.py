@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from adversarial._target import target, unharmed  # noqa: F401 - fixtures
+
 pytestmark = pytest.mark.runsc
 
 # Finds the executor's connection to the worker and writes raw bytes on it,

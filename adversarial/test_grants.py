@@ -17,6 +17,8 @@ from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import RequestError as WorkerRequestError
 from readie_worker.jobs import CodeJob
 
+from adversarial._target import target, unharmed  # noqa: F401 - fixtures
+
 pytestmark = pytest.mark.runsc
 
 SYMLINK_REFUSAL = "passes through a symbolic link, which readie never follows in a granted path"

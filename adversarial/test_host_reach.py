@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from adversarial._target import target, unharmed  # noqa: F401 - fixtures
+
 pytestmark = pytest.mark.runsc
 
 # Written with libc, so that the audit hooks (defence in depth, documented as

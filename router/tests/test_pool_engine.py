@@ -285,9 +285,9 @@ def test_script_is_read_by_the_pool_and_named_as_written(tmp_path):
 @pytest.mark.parametrize(
     ("make", "words"),
     [
-        (lambda p: None, "No such file"),
-        (lambda p: p.mkdir(), "not a regular file"),
-        (lambda p: os.mkfifo(p), "not a regular file"),  # must not block the pool
+        (lambda p: None, "'app.py' does not exist"),
+        (lambda p: p.mkdir(), "'app.py' is not a regular file"),
+        (lambda p: os.mkfifo(p), "'app.py' is neither a directory nor a regular file"),  # must not block the pool
         (lambda p: p.write_bytes(b"print('\xff')"), "not readable as Python source"),
     ],
 )

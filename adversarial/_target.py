@@ -1,7 +1,9 @@
 """The attacker's suite: jobs written to get out, run through the real ``readie pool`` under gVisor.
 
-Every case must end in a typed error or a harmless success, and after every
-case (checked here, not in the tests):
+Its fixtures, which each test module imports (a conftest.py here would
+shadow the root one that other packages' tests import). Every case must end
+in a typed error or a harmless success, and after every case (checked by
+the ``unharmed`` fixture, not in the tests):
 
 * the host's canary files, outside every grant, are byte for byte what they were;
 * the pool still serves a plain job;
