@@ -132,11 +132,56 @@ def test_the_executor_dir_is_bounded_in_bytes_and_inodes(target):
     assert "No space left on device" in result["stdout"] and result["stdout"].endswith("True\n"), result
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os, shutil\nshutil.copyfile('/usr/bin/id', 'out/id')\nos.chmod('out/id', 0o4755)",
+        "import os\nos.mkdir('out/d')\nos.chmod('out/d', 0o2777)",
+        "import os\nos.close(os.open('out/f', os.O_CREAT | os.O_WRONLY, 0o6755))",
+        "import os\nos.mkdir('out/d', 0o2777)",
+        "import os\nos.chmod('out', 0o6777)",
+        "import shutil\nshutil.copy2('/usr/bin/su', 'out/su')",  # su is setuid root in the rootfs
+    ],
+    ids=["chmod-file", "chmod-dir", "open-mode", "mkdir-mode", "chmod-grant", "copy-setuid"],
+)
+def test_no_setuid_or_setgid_file_is_left_in_a_write_grant(target, code):
+    """The review's finding: files a job makes in a grant are root's on the host; a setuid
+    copy of a program there would be root for whoever runs it."""
+    result = target.attack(code, allow_write=["out"])
+    assert result["error"] is not None and result["error"]["type"] == "PermissionError", result
+    for path in [target.out, *target.out.rglob("*")]:
+        assert not path.stat().st_mode & 0o6000, f"{path} is {oct(path.stat().st_mode)}"
+
+
 def test_a_write_grant_is_the_only_writable_host_directory(target):
     code = LIBC + "print(create('/readie/grants/write-0/through-the-slot'), create('out/by-name'))\n"
     result = target.attack(code, allow_write=["out"])
     assert result["stdout"] == "written written\n", result
     assert sorted(os.listdir(target.out)) == ["by-name", "through-the-slot"]
+
+
+def test_a_flood_on_the_sandbox_s_stderr_costs_the_pool_little(target):
+    """The job can reach the pipe the worker drains for runsc's messages; past 1 MiB the worker
+    stops reading it (its writers get EPIPE) instead of spending CPU on whatever comes."""
+    code = textwrap.dedent(
+        """
+        import os, stat, time
+        written, deadline = 0, time.monotonic() + 5
+        targets = [int(n) for n in os.listdir('/proc/self/fd') if int(n) > 2]
+        block = b'z' * 65536
+        while time.monotonic() < deadline:
+            for fd in targets:
+                try:
+                    written += os.write(fd, block)
+                except OSError:
+                    pass
+        print(written > 0)
+        """
+    )
+    pool = target.pool.process.pid
+    before = _cpu_seconds(pool)
+    target.attack(code, allow_write=["out"], timeout="20s")
+    assert _cpu_seconds(pool) - before < 1.5, "the pool spent its CPU on a job's stderr"
 
 
 def test_a_job_sees_nothing_of_another_running_job(target):
@@ -251,6 +296,11 @@ def test_privileged_calls_touch_only_the_sandbox(target, call):
     result = target.attack(LIBC + f"print({call})\n")
     assert result["error"] is None or result["error"]["type"] in ("PoolWorkerError", "PermissionError", "OSError"), result
     assert socket.gethostname() != "owned"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _du(path) -> int:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from readie_worker.testing import wait_until
 import readie
 from readie._pool import pool_flags
 
@@ -26,7 +27,8 @@ def test_ready_event_and_flags(pool, tmp_path):
     )
     assert pool.argv == [*FAKE, "pool"]  # the config's settings, else the pool's defaults
     assert pool.cwd == tmp_path
-    assert "fake pool started with ['pool']" in pool.stderr_tail
+    # stderr is its own pipe, read on its own thread: it may trail the ready event.
+    assert wait_until(lambda: "fake pool started with ['pool']" in pool.stderr_tail, 5), pool.stderr_tail
 
 
 def test_flags_name_only_what_was_given():

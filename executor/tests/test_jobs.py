@@ -293,6 +293,32 @@ def test_seccomp_refuses_fork_that_bypasses_the_hook_but_allows_threads() -> Non
     assert result["stdout"] == f"-1 {errno.EPERM}\n-1 {errno.EPERM}\nthread ran\n"
 
 
+def test_seccomp_refuses_setuid_and_setgid_modes(tmp_path: Path) -> None:
+    """Files a job makes in a write grant are root's on the host: none may be setuid or setgid."""
+    code = (
+        "import ctypes, os, stat\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"base = {str(tmp_path)!r}\n"
+        "results = []\n"
+        "def errno_of(call):\n"
+        "    return 0 if call() >= 0 else ctypes.get_errno()\n"
+        "libc.close(libc.open((base + '/f').encode(), os.O_CREAT | os.O_WRONLY, 0o644))\n"
+        "results.append(errno_of(lambda: libc.chmod((base + '/f').encode(), 0o4755)))\n"
+        "results.append(errno_of(lambda: libc.chmod((base + '/f').encode(), 0o2755)))\n"
+        "results.append(errno_of(lambda: libc.chmod((base + '/f').encode(), 0o1755)))\n"
+        "results.append(errno_of(lambda: libc.open((base + '/g').encode(), os.O_CREAT | os.O_WRONLY, 0o4755)))\n"
+        "results.append(errno_of(lambda: libc.mkdir((base + '/d').encode(), 0o2777)))\n"
+        "results.append(errno_of(lambda: libc.mkdir((base + '/e').encode(), 0o777)))\n"
+        "results.append(errno_of(lambda: libc.syscall(437, -100, (base + '/h').encode(), 0, 0)))\n"
+        "print(results, oct(stat.S_IMODE(os.stat(base + '/f').st_mode)))\n"
+    )
+    result = run_one(code)
+    assert result["policy_notes"] == [], result["policy_notes"]
+    eperm, enosys = errno.EPERM, errno.ENOSYS
+    assert result["stdout"] == f"[{eperm}, {eperm}, 0, {eperm}, {eperm}, 0, {enosys}] 0o1755\n", result
+    assert not os.path.exists(tmp_path / "g") and not os.path.exists(tmp_path / "d")
+
+
 def test_subprocesses_allowed_when_asked() -> None:
     result = run_one(
         "import subprocess\nprint(subprocess.run(['echo', 'child'], capture_output=True).stdout)",

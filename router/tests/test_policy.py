@@ -365,3 +365,26 @@ def test_granted_paths_always_lie_beneath_the_ceiling(paths: list[str], absolute
     for path in result.allow_read:
         assert path.is_relative_to("/srv/agent/data") or path.is_relative_to("/srv/agent/work")
         assert ".." not in path.parts
+
+
+def test_a_path_outside_the_ceiling_is_refused_without_being_looked_at(tmp_path: Path) -> None:
+    """No oracle: whether a path elsewhere exists or is a symlink never shapes the answer."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "elsewhere").symlink_to("/etc")
+    looked_at: list[str] = []
+
+    def watching(path: str) -> str:
+        looked_at.append(path)
+        return os.path.realpath(path)
+
+    limits = Limits(allow_read=(tmp_path / "data",), allow_write=())
+    for path in ("elsewhere/passwd", "missing/x", "/proc/1/root/etc"):
+        request = job('{"id": 1, "code": "x", "allow_read": ["' + path + '"]}')
+        with pytest.raises(RequestError, match="is not beneath"):
+            resolve_policy(request, cwd=tmp_path, limits=limits, resolve=watching)
+    assert looked_at == []
+
+
+def test_a_path_granted_both_ways_is_a_write_grant() -> None:
+    result = policy('{"id": 1, "code": "x", "allow_read": ["work", "data"], "allow_write": ["work"]}', limits=SPEC_LIMITS)
+    assert (result.allow_read, result.allow_write) == ((Path("/srv/agent/data"),), (Path("/srv/agent/work"),))

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.runsc
 def tree(tmp_path: Path) -> Path:
     (tmp_path / "dir" / "sub").mkdir(parents=True)
     (tmp_path / "dir" / "file.txt").write_text("inside")
+    (tmp_path / "loose.txt").write_text("loose")
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "secret").write_text("s3cr3t")
     (tmp_path / "dir" / "link").symlink_to(tmp_path / "outside")
@@ -133,7 +134,7 @@ def test_a_held_descriptor_keeps_its_directory_when_the_path_becomes_a_symlink(t
 
 def test_grants_fill_slots_and_refuse_what_they_must(tree: Path) -> None:
     plan = MountPlan(read_slots=2, write_slots=1, package_slots=1)
-    with hold_grants(plan, allow_read=[str(tree / "dir"), str(tree / "dir" / "file.txt")], allow_write=[str(tree / "outside")]) as held:
+    with hold_grants(plan, allow_read=[str(tree / "dir"), str(tree / "loose.txt")], allow_write=[str(tree / "outside")]) as held:
         assert [(g.slot, g.is_file, g.writable) for g in held.grants] == [
             (PurePosixPath("/readie/grants/read-0"), False, False),
             (PurePosixPath("/readie/grants/read-1"), True, False),
@@ -141,7 +142,7 @@ def test_grants_fill_slots_and_refuse_what_they_must(tree: Path) -> None:
         ]
         assert [link["target"] for link in held.links] == [
             "/readie/grants/read-0",
-            "/readie/grants/read-1/file.txt",
+            "/readie/grants/read-1/loose.txt",
             "/readie/grants/write-0",
         ]
     cases = [
@@ -153,6 +154,8 @@ def test_grants_fill_slots_and_refuse_what_they_must(tree: Path) -> None:
         (dict(allow_read=[str(tree / "dir" / "sub")], private=[tree / "dir"]), "allow_read", "overlaps a directory the worker keeps for itself"),
         (dict(allow_read=[str(tree)], private=[tree / "dir"]), "allow_read", "overlaps"),
         (dict(allow_write=[str(tree / "dir")], read_only=[tree / "dir" / "sub"]), "allow_write", "overlaps"),
+        (dict(allow_read=[str(tree / "dir" / "sub")], allow_write=[str(tree / "dir")]), "allow_read", "lies in another grant"),
+        (dict(allow_read=[str(tree / "dir"), str(tree / "dir")]), "allow_read", "lies in another grant"),
     ]
     for kwargs, field, message in cases:
         with pytest.raises(RequestError) as refused:
@@ -176,7 +179,7 @@ def test_a_refused_grant_leaves_no_descriptor_open(tree: Path) -> None:
 def test_a_sandbox_dir_mounts_what_was_held_and_nothing_else_is_writable(tree: Path, short_tmp: Path) -> None:
     plan = MountPlan(read_slots=2, write_slots=2, package_slots=0)
     with hold_grants(
-        plan, allow_read=[str(tree / "dir"), str(tree / "dir" / "file.txt")], allow_write=[str(tree / "outside")]
+        plan, allow_read=[str(tree / "dir"), str(tree / "loose.txt")], allow_write=[str(tree / "outside")]
     ) as held:
         sandbox = SandboxDir.create(short_tmp, held.grants, private=True)
     try:
@@ -187,7 +190,7 @@ def test_a_sandbox_dir_mounts_what_was_held_and_nothing_else_is_writable(tree: P
         assert sorted(os.listdir(read_dir)) == ["file-link", "file.txt", "link", "sub"]
         with pytest.raises(OSError, match="Read-only file system"):
             (read_dir / "new").write_text("x")
-        assert (sandbox.sources[plan.read_slot(1)] / "file.txt").read_text() == "inside"
+        assert (sandbox.sources[plan.read_slot(1)] / "loose.txt").read_text() == "loose"
         with pytest.raises(OSError, match="Read-only file system"):
             (sandbox.sources[plan.read_slot(1)] / "other").write_text("x")  # the file's own dir
         (sandbox.sources[plan.write_slot(0)] / "written").write_text("ok")

@@ -12,7 +12,6 @@ import datetime
 import json
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ from readie_worker.errors import CheckpointUnusable
 from readie_worker.runsc import STDERR_SETTLE_S, Launched, Runsc
 from readie_worker.sandbox import RunscCold, RunscRestore, SandboxDir, hand_over, launch
 from readie_worker import enter_mount_namespace
-from readie_worker.paths import remove_tree
+from readie_worker.paths import remove_tree, scratch_dir
 
 from .plan import CheckpointPlan, Plan
 from .rootfs import Rootfs, ensure_rootfs
@@ -250,7 +249,7 @@ def _previous_entries(output: Path, version: str, fingerprint: str, rootfs_finge
 @contextmanager
 def _scratch_dir() -> Iterator[Path]:
     # Socket paths are limited to 107 bytes, so sandboxes live under a short temp dir.
-    path = Path(tempfile.mkdtemp(prefix="rdc-", dir="/tmp"))
+    path = scratch_dir("rdc-")
     try:
         yield path
     finally:

@@ -63,6 +63,7 @@ __all__ = [
     "Policy",
     "Profile",
     "Resolver",
+    "refuse_symlinks",
     "request_path",
     "resolve_path",
     "resolve_policy",
@@ -155,24 +156,35 @@ def resolve_path(path: str | Path, base: str | Path, resolve: Resolver = os.path
     return _normal(resolve(joined))
 
 
-def request_path(field: str, path: str, cwd: str | Path, resolve: Resolver = os.path.realpath) -> Path:
-    """A path a request names, made absolute against ``cwd`` (symlink-free) and normalized;
-    RequestError, quoting ``path`` as written, if it passes through a symlink."""
+def request_path(field: str, path: str, cwd: str | Path) -> Path:
+    """A path a request names, made absolute against ``cwd`` (symlink-free) and normalized
+    lexically; :func:`refuse_symlinks` checks that the lexical reading is the true one."""
     if not os.path.isabs(cwd):
         raise ValueError(f"base directory must be absolute, got {cwd!r}")
-    joined = os.path.join(cwd, path)
+    if "\0" in path:
+        raise RequestError(f"{path!r} contains a NUL character", field)
+    return _normal(os.path.join(cwd, path))
+
+
+def refuse_symlinks(
+    field: str, shown: str, path: Path, cwd: str | Path, resolve: Resolver = os.path.realpath
+) -> None:
+    """RequestError if ``shown`` (the request's words, against ``cwd``) passes through a
+    symlink, so that ``path`` (its lexical reading) is not what the kernel would reach.
+
+    Asked only of paths already found beneath the ceiling: the host's other
+    paths are never looked at on a request's behalf, so a refusal tells
+    nothing about them (nor can a path elsewhere make the pool wait on it).
+    """
     try:
-        resolved = _normal(resolve(joined))
+        # The words as written: in "data/link/../x" the ".." applies to the link's target.
+        resolved = _normal(resolve(os.path.join(cwd, shown)))
     except OSError as exc:  # its text would name where the walk got to: not the client's business
-        raise RequestError(f"cannot resolve {path!r}: {exc.strerror}", field) from None
-    except ValueError as exc:  # a NUL byte
-        raise RequestError(f"cannot resolve {path!r}: {exc}", field) from None
-    lexical = _normal(joined)
-    if resolved != lexical:
+        raise RequestError(f"cannot resolve {shown!r}: {exc.strerror}", field) from None
+    if resolved != path:
         raise RequestError(
-            f"{path!r} passes through a symbolic link, which readie never follows in a granted path", field
+            f"{shown!r} passes through a symbolic link, which readie never follows in a granted path", field
         )
-    return lexical
 
 
 def resolve_policy(
@@ -194,7 +206,7 @@ def resolve_policy(
     # from one can fail here; the message says so, since the request's own
     # field is named but the request never set that value.
     note = f" (from profile {profile.name!r})"
-    own = _RequestPaths(request, cwd, resolve)
+    own = _RequestPaths(request, cwd)
     pool_dirs = tuple(protected)
     readable = _join(limits.allow_read, limits.allow_write)
     ceilings = {
@@ -208,9 +220,13 @@ def resolve_policy(
         mine: tuple[_Named, ...] = getattr(own, field) or ()
         _beneath(field, theirs, ceiling, note)
         _beneath(field, mine, ceiling)
+        for shown, path in mine:
+            refuse_symlinks(field, shown, path, cwd, resolve)
         merged[field] = _merge(tuple(p for _, p in theirs), tuple(p for _, p in mine))
     _not_over(_named(profile.allow_write), pool_dirs, note)
     _not_over(own.allow_write or (), pool_dirs)
+    # A path granted both ways is a write grant (writing implies reading).
+    merged["allow_read"] = tuple(p for p in merged["allow_read"] if p not in merged["allow_write"])
 
     network, origin = _pick(request.allow_network, profile.allow_network, note)
     if network and not limits.allow_network:
@@ -295,8 +311,9 @@ def resolve_script(
     """
     if request.script is None:
         return None
-    path = request_path("script", request.script, cwd, resolve)
+    path = request_path("script", request.script, cwd)
     _beneath("script", ((request.script, path),), _join(limits.allow_read, limits.allow_write))
+    refuse_symlinks("script", request.script, path, cwd, resolve)
     return path
 
 
@@ -310,11 +327,11 @@ _Named = tuple[str, Path]
 class _RequestPaths:
     """The request's own path lists, resolved against the caller's directory."""
 
-    def __init__(self, request: JobRequest, cwd: str | Path, resolve: Resolver) -> None:
+    def __init__(self, request: JobRequest, cwd: str | Path) -> None:
         def each(field: str, paths: tuple[str, ...] | None) -> tuple[_Named, ...] | None:
             if paths is None:
                 return None
-            return tuple((p, request_path(field, p, cwd, resolve)) for p in paths)
+            return tuple((p, request_path(field, p, cwd)) for p in paths)
 
         self.allow_read = each("allow_read", request.allow_read)
         self.allow_write = each("allow_write", request.allow_write)

@@ -21,7 +21,6 @@ import asyncio
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from readie_worker.client import WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
-from readie_worker.paths import remove_tree
+from readie_worker.paths import remove_tree, scratch_dir
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
 from ._config import CliOverrides, Config, apply_cli, load_config
@@ -50,9 +49,6 @@ DEFAULT_CHECKPOINTS = Path("build/checkpoints/manifest.json")
 CHECKPOINTS_VARIABLE = "READIE_CHECKPOINTS"
 #: runsc --root for this pool alone; swept at start and at exit.
 STATE_DIR_VARIABLE = "READIE_STATE_DIR"
-# Sandbox socket paths live under the run dir and may not exceed 107 bytes,
-# so the scratch dir is a short one under /tmp, never the working directory.
-SCRATCH_PARENT = "/tmp"
 # A router answers Capacity from memory; seconds mean it is not there.
 ROUTER_PROBE_TIMEOUT_S = 5.0
 EXIT_USAGE = 2
@@ -101,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=settings.max_sessions,
         session_idle_ms=settings.session_idle_ms,
     )
-    scratch = Path(tempfile.mkdtemp(prefix="rp-", dir=SCRATCH_PARENT))
+    scratch = scratch_dir("rp-")
     state_dir = args.state_dir or os.environ.get(STATE_DIR_VARIABLE)
     worker_config = WorkerConfig(
         manifest=manifest_path(checkpoints),

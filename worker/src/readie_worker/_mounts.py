@@ -151,7 +151,7 @@ def _strerror() -> str:
 
 def _mounts_beneath(path: Path) -> list[Path]:
     """Mount points at or beneath ``path`` in this namespace, deepest first."""
-    top = os.fsencode(os.path.abspath(path))
+    top = os.fsencode(os.path.realpath(path))  # the kernel reports mount points resolved
     found = []
     with open("/proc/self/mountinfo", "rb") as mountinfo:
         for line in mountinfo:

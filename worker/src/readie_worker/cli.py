@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -23,15 +22,12 @@ from . import enter_mount_namespace
 from .errors import ReadieError
 from .grpc_service import serve
 from .logs import configure_logging
-from .paths import remove_tree
+from .paths import remove_tree, scratch_dir
 
 log = structlog.get_logger("readie.worker")
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 DEFAULT_MANIFEST = Path("build/checkpoints/manifest.json")
-# Sandbox socket paths live under the run dir and may not exceed 107 bytes,
-# so the default run dir is a short one under /tmp, never the working directory.
-RUN_DIR_PARENT = "/tmp"
 _LOOPBACK_HOSTS = ("127.", "localhost:", "[::1]:")
 
 
@@ -46,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
     # Only when a dir was not named: a worker killed outright cannot remove it.
     needs_scratch = args.state_dir is None or args.run_dir is None
-    scratch = Path(tempfile.mkdtemp(prefix="rw-", dir=RUN_DIR_PARENT)) if needs_scratch else None
+    scratch = scratch_dir("rw-") if needs_scratch else None
     config = WorkerConfig(
         manifest=args.manifest,
         state_dir=args.state_dir or scratch / "state",  # type: ignore[operator]

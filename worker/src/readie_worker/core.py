@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
+import shutil
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, family_fingerprint, serve_env
 from .errors import PoolWorkerError, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
-from .paths import remove_tree
+from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
 from .packages import ensure_packages, package_cache
 from .grants import HeldGrants, hold_grants
 from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
@@ -80,7 +81,7 @@ class WorkerConfig:
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
         """State and sandbox dirs in a fresh temp dir that the worker removes on close."""
-        base = Path(tempfile.mkdtemp(prefix="rw-", dir="/tmp"))
+        base = scratch_dir("rw-")
         return cls(manifest=manifest, state_dir=base / "state", run_dir=base / "run", scratch=base, **overrides)  # type: ignore[arg-type]
 
 
@@ -128,6 +129,13 @@ class Worker:
 
     def _start(self) -> Worker:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        # Mount points are compared with what the kernel reports: resolved paths.
+        self.config = dataclasses.replace(
+            self.config,
+            run_dir=Path(os.path.realpath(self.config.run_dir)),
+            state_dir=Path(os.path.realpath(self.config.state_dir)),
+        )
+        self.runsc = dataclasses.replace(self.runsc, root=self.config.state_dir)
         if not runsc_module.available():
             return self._start_unisolated("runsc is not installed or the worker is not root")
         enter_mount_namespace()  # where the sandboxes' mounts live (_mounts.py)
@@ -139,8 +147,10 @@ class Worker:
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
-        self._private_dirs = _canonical(self.config.run_dir, self.config.state_dir)
-        self._template_dirs = _canonical(self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache())
+        self._private_dirs = _canonical(RUNTIME_ROOT, self.config.run_dir, self.config.state_dir)
+        self._template_dirs = _canonical(
+            self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *_own_code(self.runsc.binary)
+        )
         for problem in self.checkpoints.problems.values():
             log.warning("checkpoint unusable", problem=problem)
         budget = RefillBudget(self.config.refill_concurrency)
@@ -426,6 +436,16 @@ def _since(started: float) -> int:
     return int((time.monotonic() - started) * 1_000_000)
 
 
-def _canonical(*paths: Path) -> tuple[Path, ...]:
-    return tuple(Path(os.path.realpath(path)) for path in paths)
+def _canonical(*paths: Path | str) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(Path(os.path.realpath(path)) for path in paths))
+
+
+def _own_code(runsc_binary: str) -> list[str]:
+    """What this process runs as root: its Python, every directory it imports from, runsc.
+
+    A job that could write any of them would run its code as the worker next time.
+    """
+    places = [sys.prefix, sys.base_prefix, *(entry for entry in sys.path if entry and os.path.isdir(entry))]
+    binary = shutil.which(runsc_binary)
+    return [*places, *([binary] if binary else [])]
 

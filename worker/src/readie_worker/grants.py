@@ -99,6 +99,7 @@ def hold_grants(
     """
     private, read_only = tuple(private), tuple(read_only)
     held: list[HeldGrant] = []
+    linked: list[HeldGrant] = []  # the grants that appear at their host paths
     links: list[Mapping[str, object]] = []
     try:
         for field_name, paths, slots, slot_of, writable in (
@@ -121,10 +122,26 @@ def hold_grants(
                         raise RequestError(f"{path!r} is not a directory", field=field_name)
                     continue  # on sys.path already; grants appear at their host path
                 links.append({"path": path, "target": str(grant.target), "writable": writable})
+                linked.append(grant)
+        _refuse_nesting(linked)
     except BaseException:
         HeldGrants(held, ()).close()
         raise
     return HeldGrants(held, links)
+
+
+def _refuse_nesting(linked: list[HeldGrant]) -> None:
+    """Grants appear in the sandbox as links at their host paths, so one cannot lie in another
+    (or be named twice): its link would have to be made inside the other's mount."""
+    for grant in linked:
+        for other in linked:
+            if other is not grant and Path(grant.opened.path).is_relative_to(other.opened.path):
+                field = "allow_write" if grant.writable else "allow_read"
+                raise RequestError(
+                    f"{grant.opened.path!r} lies in another grant, {other.opened.path!r}; "
+                    "grants may not nest (grant the outer one, or each apart)",
+                    field=field,
+                )
 
 
 def _open(field: str, path: str, guarded: tuple[Path, ...]) -> OpenedPath:

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import structlog
 
 from ._mounts import unmount_beneath
+from .errors import SandboxSetupError
 
 log = structlog.get_logger("readie.paths")
 
@@ -44,10 +46,17 @@ __all__ = [
     "open_no_follow",
     "read_no_follow",
     "remove_tree",
+    "runtime_root",
+    "scratch_dir",
 ]
 
 # Linux's PATH_MAX: no longer path can be opened in one call anyway.
 MAX_PATH_BYTES = 4096
+#: Where every readie process on the host keeps its scratch (runsc state dirs,
+#: sandbox dirs): one directory, so that every worker can refuse grants that
+#: reach any of them, its own or another pool's. Short, because sandbox socket
+#: paths beneath it may not exceed 107 bytes.
+RUNTIME_ROOT = Path(os.environ.get("READIE_RUNTIME_DIR", "/tmp/readie"))
 # <linux/openat2.h>
 _SYS_OPENAT2 = 437  # x86_64 and aarch64 alike
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -225,6 +234,24 @@ def _first_subdirectory_emptying(fd: int, device: int) -> str | None:
             return name
         os.unlink(name, dir_fd=fd)
     return None
+
+
+def runtime_root() -> Path:
+    """:data:`RUNTIME_ROOT`, made if missing: a directory of this user's alone, never a link
+    (``/tmp`` is everyone's: someone could have planted one there first)."""
+    try:
+        os.mkdir(RUNTIME_ROOT, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(RUNTIME_ROOT)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise SandboxSetupError(f"{RUNTIME_ROOT} must be a directory of uid {os.geteuid()}'s alone (mode 0700), not a link")
+    return RUNTIME_ROOT
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new directory of this process's under :func:`runtime_root`."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=runtime_root()))
 
 
 def _reason(code: int) -> str:

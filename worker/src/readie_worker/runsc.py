@@ -38,9 +38,13 @@ CGROUP_V2 = Path("/sys/fs/cgroup")
 # runsc keeps this much of its stderr in an error message.
 STDERR_TAIL = 2000
 # What is kept of a sandbox's stderr (runsc's own messages, and its executor's
-# log): the tail, for the message of a sandbox that failed to start. The rest
-# is read and dropped, so a sandbox writing without end costs nothing.
+# log): the tail, for the message of a sandbox that failed to start.
 STDERR_KEPT_BYTES = 16 * 1024
+# What is read of it at most. A job can reach that pipe too, and reading
+# without end would spend the worker's CPU on whatever it writes (9 GB in 10 s,
+# measured); past this the pipe is closed and its writers get EPIPE. An honest
+# sandbox writes a few lines.
+STDERR_READ_BYTES = 1024 * 1024
 
 
 class RunscError(SandboxSetupError):
@@ -268,8 +272,10 @@ class StderrTail:
         return data.decode("utf-8", "replace")
 
     def _drain(self) -> None:
+        read = 0
         try:
-            while chunk := os.read(self._fd, 65536):
+            while read < STDERR_READ_BYTES and (chunk := os.read(self._fd, 65536)):
+                read += len(chunk)
                 with self._lock:
                     self._kept.append(chunk)
                     self._size += len(chunk)

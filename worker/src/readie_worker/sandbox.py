@@ -126,7 +126,8 @@ class Launcher(Protocol):
     def executor_dir(self, sandbox: SandboxDir) -> str:
         """EXECUTOR_DIR as the executor inside sees it."""
 
-    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None: ...
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        """Tear down whatever ``start`` left, ``process`` or not (a start that failed part-way)."""
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         """Whether the memory backstop killed the sandbox (asked before destroy)."""
@@ -270,16 +271,23 @@ def launch(
     """Start a sandbox with ``grants`` mounted, hand its executor ``env``, and return it once
     its socket answers."""
     started = time.monotonic()
-    sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated)
+    try:
+        sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated)
+    except OSError as exc:  # the host's /tmp full, out of descriptors: not the request's doing
+        raise SandboxSetupError(f"cannot make a sandbox directory: {exc.strerror}") from None
     launched: Launched | None = None
     try:
         full_env = {**env, "EXECUTOR_DIR": launcher.executor_dir(sandbox_dir), "EXECUTOR_MODE": "sandbox"}
-        launched = launcher.start(sandbox_dir, full_env)
+        try:
+            launched = launcher.start(sandbox_dir, full_env)
+        except OSError as exc:
+            raise SandboxSetupError(f"sandbox {sandbox_dir.id}: cannot start: {exc.strerror}") from None
         hand_over(launched.process, full_env)
         _wait_for_socket(sandbox_dir, launched, socket_wait_s)
     except BaseException:
+        # Also without a process: a runsc that timed out may have left a container behind.
+        launcher.destroy(sandbox_dir, None if launched is None else launched.process)
         if launched is not None:
-            launcher.destroy(sandbox_dir, launched.process)
             launched.close()
         sandbox_dir.remove()
         raise
@@ -358,8 +366,8 @@ class _RunscLauncher:
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         usage = self.runsc.memory_usage(sandbox.id)
-        if usage is None:
-            return None
+        if usage is None:  # fail closed: without the cgroup, files would not count against 'memory'
+            raise SandboxSetupError(f"sandbox {sandbox.id}: no memory cgroup found to limit")
         limit = usage + job_bytes + JOB_MEMORY_SLACK
         if self.memory_limit_bytes is not None:
             limit = min(limit, self.memory_limit_bytes)
@@ -377,11 +385,13 @@ class _RunscLauncher:
             memory_limit_bytes=self.memory_limit_bytes,
         )
 
-    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None:
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         try:
             self.runsc.destroy(sandbox.id)
         except RunscError as exc:
-            log.warning("sandbox destroy failed", sandbox=sandbox.id, error=str(exc))
+            # Its gofer keeps its own copy of the grants' mounts while it lives: the
+            # worker's close() sweeps the state dir for such survivors.
+            log.error("sandbox survived destroy", sandbox=sandbox.id, error=str(exc))
 
 
 @dataclass(frozen=True)
@@ -457,9 +467,10 @@ class LocalProcess:
         }
         return Launched.popen([self.python, "-u", "-m", "readie_executor"], env=capture_env, cwd=sandbox.path)
 
-    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes]) -> None:
-        process.kill()
-        process.wait()
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        if process is not None:
+            process.kill()
+            process.wait()
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return False

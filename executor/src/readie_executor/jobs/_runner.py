@@ -183,7 +183,7 @@ def _apply_subprocess_policy(allowed: bool) -> list[str]:
             return ["subprocesses: an earlier job in this process denied them, for good"]
         return []
     try:
-        _seccomp.deny_new_processes()
+        _seccomp.install_job_filter()
     except Exception as exc:  # SeccompUnavailable, or anything ctypes raises
         return [
             f"subprocesses: seccomp filter not installed ({safe_str(exc)}); only an audit hook "
