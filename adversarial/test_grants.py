@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from readie_router._errors import RequestError
-from readie_router._policy import Limits, resolve_script
+from readie_worker.policy import Limits, resolve_script
 from readie_router._pool import read_script
 from readie_router._requests import JobRequest
 import readie_worker

@@ -14,7 +14,7 @@ from readie_router._errors import RequestError as RouterRequestError
 from readie_router._events import ErrorInfo as RouterErrorInfo
 from readie_router._events import JobResult, Outcome, ready_event, result_line
 from readie_router._events import RuntimeInfo as RouterRuntimeInfo
-from readie_router._policy import Policy
+from readie_worker.policy import Policy
 
 # Verbatim from the pool protocol spec (pool-protocol.txt, "Results"), joined into one line.
 SPEC_RESULT = (

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from readie_router._config import (
+from readie_worker.config import (
     CLI_SOURCE,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_IDLE_MS,
@@ -19,7 +19,7 @@ from readie_router._config import (
     parse_config,
 )
 from readie_router._errors import ConfigError
-from readie_router._policy import NO_LIMITS, Limits, Profile
+from readie_worker.policy import NO_LIMITS, Limits, Profile
 
 SPEC_CONFIG = """\
 [pool]

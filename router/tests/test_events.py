@@ -31,7 +31,7 @@ from readie_router._events import (
     result_line,
     signal_exit,
 )
-from readie_router._policy import Policy
+from readie_worker.policy import Policy
 from readie_router._requests import Refused, parse_request
 from readie_router._wire import encode_line
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from readie_router._errors import RequestError
-from readie_router._policy import (
+from readie_worker.policy import (
     DEFAULT_MAX_FILE_SIZE,
     DEFAULT_MAX_OUTPUT,
     DEFAULT_MEMORY_BYTES,

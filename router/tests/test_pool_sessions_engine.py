@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from readie_router._config import parse_config
+from readie_worker.config import parse_config
 from readie_router._events import RuntimeInfo
 from readie_router._pool import PoolEngine, PoolSetup
 from readie_router._requests import SESSION_SETUP_FIELDS

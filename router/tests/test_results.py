@@ -12,7 +12,7 @@ from readie_router._events import (
     RuntimeInfo,
     result_line,
 )
-from readie_router._policy import Policy
+from readie_worker.policy import Policy
 from readie_router._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_router.testing import ok_outcome
 from readie_worker.jobs import JobError, JobOutcome

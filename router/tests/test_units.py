@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from readie_router._errors import ReadieError, UnitError
-from readie_router._units import MAX_VALUE, parse_duration_ms, parse_size
+from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
 
 KIB = 1024
 MIB = 1024 * KIB

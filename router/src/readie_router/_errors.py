@@ -11,7 +11,7 @@ single mapping next to its servicer.
 from __future__ import annotations
 
 # The families are the worker's: one hierarchy for all of readie.
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from readie_worker.errors import ConfigError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, UnitError
 
 __all__ = [
     "POOL_WORKER_ERROR",
@@ -34,21 +34,6 @@ TIMEOUT_ERROR = "TimeoutError"
 SIGNAL_ERROR = "SignalError"
 SANDBOX_SETUP_ERROR = "SandboxSetupError"
 POOL_WORKER_ERROR = "PoolWorkerError"
-
-
-class UnitError(ReadieError, ValueError):
-    """A size or duration could not be parsed; callers re-raise it naming the field or key."""
-
-
-class ConfigError(ReadieError):
-    """The pool's TOML configuration is unusable; names the file, the key and the reason."""
-
-    def __init__(self, path: str, key: str | None, reason: str) -> None:
-        where = f"{path}: {key}" if key else path
-        super().__init__(f"{where}: {reason}")
-        self.path = path
-        self.key = key
-        self.reason = reason
 
 
 # Most specific first; the first isinstance match wins.

@@ -40,7 +40,7 @@ from ._errors import (
     ReadieError,
     pool_error_type,
 )
-from ._policy import Policy
+from readie_worker.policy import Policy
 from ._requests import Refused
 from ._wire import RequestId
 

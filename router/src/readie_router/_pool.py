@@ -66,7 +66,7 @@ from readie_worker.paths import PathRefused, read_no_follow
 from readie_worker.sessions import StepOutcome
 
 from ._backend import BackendSession, JobBackend, Step
-from ._config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
+from readie_worker.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
 from ._errors import PoolWorkerError, ReadieError, RequestError
 from ._events import (
     JobResult,
@@ -79,7 +79,7 @@ from ._events import (
 )
 from ._host import HostCalls, WaitingCall, host_function
 from ._lines import Line, LineEvent, LineSplitter
-from ._policy import NO_LIMITS, Policy, resolve_policy, resolve_script, resolve_step
+from readie_worker.policy import NO_LIMITS, Policy, resolve_policy, resolve_script, resolve_step
 from ._requests import (
     CloseSession,
     JobRequest,

@@ -34,8 +34,10 @@ from readie_executor.hostwire import function_name_problem
 
 from ._errors import RequestError, UnitError
 from ._lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from ._units import MAX_VALUE, parse_duration_ms, parse_size
-from ._wire import RequestId, id_problem, json_type, shown
+from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
+from readie_worker.errors import shown
+
+from ._wire import RequestId, id_problem, json_type
 
 __all__ = [
     "MAX_FUNCTIONS",

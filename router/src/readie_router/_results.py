@@ -53,7 +53,7 @@ from ._events import (
     RuntimeInfo,
     signal_exit,
 )
-from ._policy import Policy
+from readie_worker.policy import Policy
 from ._wire import RequestId
 
 __all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "job_result"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ._backend import BackendSession
 from ._errors import RequestError
-from ._policy import Policy
+from readie_worker.policy import Policy
 from ._requests import JobRequest
 
 __all__ = ["MAX_PENDING_STEPS", "Session", "SessionPhase", "SessionTable"]

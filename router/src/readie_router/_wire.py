@@ -12,12 +12,10 @@ from typing import Any
 __all__ = [
     "MAX_ID_CHARS",
     "MAX_ID_INT",
-    "MAX_SHOWN_CHARS",
     "RequestId",
     "encode_line",
     "id_problem",
     "json_type",
-    "shown",
 ]
 
 RequestId = str | int
@@ -25,9 +23,6 @@ RequestId = str | int
 #: Ids are echoed in every result and log line; a client correlating calls
 #: needs far less than this, and a bound keeps a hostile id from bloating them.
 MAX_ID_CHARS = 256
-#: Error messages quote the value at fault, cut to this many characters: a
-#: megabyte-long "timeout" must not come back as a megabyte-long error.
-MAX_SHOWN_CHARS = 64
 #: Integer ids must survive clients whose JSON numbers are int64 (Go, Java).
 MAX_ID_INT = 2**63 - 1
 
@@ -52,13 +47,6 @@ def id_problem(value: object) -> str | None:
     if not _is_utf8(value):
         return "contains a lone surrogate"
     return None
-
-
-def shown(text: str) -> str:
-    """``text`` quoted for an error message, cut to :data:`MAX_SHOWN_CHARS`."""
-    if len(text) <= MAX_SHOWN_CHARS:
-        return repr(text)
-    return repr(text[:MAX_SHOWN_CHARS]) + f"... ({len(text)} characters)"
 
 
 def json_type(value: object) -> str:

@@ -34,7 +34,7 @@ from readie_worker.logs import configure_logging
 from readie_worker.paths import remove_tree, scratch_dir
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
-from ._config import CliOverrides, Config, apply_cli, load_config
+from readie_worker.config import CliOverrides, Config, apply_cli, load_config
 from ._errors import ConfigError
 from ._events import RuntimeInfo
 from ._pool import PoolEngine, PoolSetup

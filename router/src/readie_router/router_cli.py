@@ -25,7 +25,7 @@ from readie_worker.grpc_service import serve
 from readie_worker.logs import configure_logging
 
 from ._backend import choose_checkpoint, manifest_path
-from ._config import Config, load_config
+from readie_worker.config import Config, load_config
 from ._errors import ConfigError
 from ._events import RuntimeInfo
 from ._placement import DEFAULT_MAX_SESSIONS, PROBE_INTERVAL_S, Placement

@@ -39,3 +39,30 @@ class ManifestError(SandboxSetupError):
 
 class CheckpointUnusable(SandboxSetupError):
     """One checkpoint of an otherwise good manifest cannot be used (missing or corrupt image)."""
+
+
+class UnitError(ReadieError, ValueError):
+    """A size or duration could not be parsed; callers re-raise it naming the field or key."""
+
+
+class ConfigError(ReadieError):
+    """A TOML configuration (``readie.toml``) is unusable; names the file, the key and the reason."""
+
+    def __init__(self, path: str, key: str | None, reason: str) -> None:
+        where = f"{path}: {key}" if key else path
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.key = key
+        self.reason = reason
+
+
+#: Error messages quote the value at fault, cut to this many characters: a
+#: megabyte-long "timeout" must not come back as a megabyte-long error.
+MAX_SHOWN_CHARS = 64
+
+
+def shown(text: str) -> str:
+    """``text`` quoted for an error message, cut to :data:`MAX_SHOWN_CHARS`."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return repr(text)
+    return repr(text[:MAX_SHOWN_CHARS]) + f"... ({len(text)} characters)"

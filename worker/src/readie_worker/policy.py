@@ -21,7 +21,7 @@ does not set one.
 
 Paths: relative request paths resolve against the caller's working directory
 (the pool's, itself resolved), profile and ceiling paths against the config
-file's directory (``_config`` does that, following the operator's symlinks).
+file's directory (``config`` does that, following the operator's symlinks).
 A path a *request* names may not pass through a symlink at all: anything
 that can write beneath a grant (a job) can plant one, and readie never
 follows it (``readie_worker.paths``). Such a path is refused here, and again
@@ -48,10 +48,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Protocol, TypeVar, overload
 
-from ._errors import RequestError
-from ._requests import JobRequest
+from .errors import RequestError
 
 __all__ = [
     "DEFAULT_MAX_FILE_SIZE",
@@ -61,6 +60,7 @@ __all__ = [
     "NO_LIMITS",
     "Limits",
     "Policy",
+    "PolicyRequest",
     "Profile",
     "Resolver",
     "refuse_symlinks",
@@ -89,13 +89,41 @@ _T = TypeVar("_T")
 Resolver = Callable[[str], str]
 
 
+class PolicyRequest(Protocol):
+    """What a request says about its policy: the pool protocol's ``JobRequest`` or a gRPC
+    ``RunJobRequest`` read through ``_convert``. None means "not set"."""
+
+    @property
+    def profile(self) -> str | None: ...
+    @property
+    def allow_read(self) -> tuple[str, ...] | None: ...
+    @property
+    def allow_write(self) -> tuple[str, ...] | None: ...
+    @property
+    def package_dirs(self) -> tuple[str, ...] | None: ...
+    @property
+    def env(self) -> tuple[tuple[str, str], ...] | None: ...
+    @property
+    def allow_network(self) -> bool | None: ...
+    @property
+    def timeout_ms(self) -> int | None: ...
+    @property
+    def memory_bytes(self) -> int | None: ...
+    @property
+    def max_output(self) -> int | None: ...
+    @property
+    def max_file_size(self) -> int | None: ...
+    @property
+    def script(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """The ``[pool.limits]`` ceiling. None means no bound on that dimension.
 
     :data:`NO_LIMITS` is the pool without a ``[pool.limits]`` table: the
     client that starts the pool is trusted to grant what it likes. With the
-    table, ``_config`` fills absent path lists with ``()`` and an absent
+    table, ``config`` fills absent path lists with ``()`` and an absent
     ``allow_network`` with False: a ceiling that forgot a key grants nothing
     of that kind.
     """
@@ -114,7 +142,7 @@ NO_LIMITS = Limits()
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """A ``[profiles.NAME]`` preset; paths are absolute (resolved by ``_config``)."""
+    """A ``[profiles.NAME]`` preset; paths are absolute (resolved by ``config``)."""
 
     name: str
     allow_read: tuple[Path, ...] | None = None
@@ -188,7 +216,7 @@ def refuse_symlinks(
 
 
 def resolve_policy(
-    request: JobRequest,
+    request: PolicyRequest,
     *,
     cwd: str | Path,
     limits: Limits = NO_LIMITS,
@@ -273,7 +301,7 @@ def resolve_policy(
     )
 
 
-def resolve_step(policy: Policy, request: JobRequest, limits: Limits = NO_LIMITS) -> Policy:
+def resolve_step(policy: Policy, request: PolicyRequest, limits: Limits = NO_LIMITS) -> Policy:
     """A session step's policy: the session's, with the step's own timeout and max_output.
 
     The session manager refuses any other setup field before calling this.
@@ -297,7 +325,7 @@ def resolve_step(policy: Policy, request: JobRequest, limits: Limits = NO_LIMITS
 
 
 def resolve_script(
-    request: JobRequest,
+    request: PolicyRequest,
     *,
     cwd: str | Path,
     limits: Limits = NO_LIMITS,
@@ -327,7 +355,7 @@ _Named = tuple[str, Path]
 class _RequestPaths:
     """The request's own path lists, resolved against the caller's directory."""
 
-    def __init__(self, request: JobRequest, cwd: str | Path) -> None:
+    def __init__(self, request: PolicyRequest, cwd: str | Path) -> None:
         def each(field: str, paths: tuple[str, ...] | None) -> tuple[_Named, ...] | None:
             if paths is None:
                 return None

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import re
 
-from ._errors import UnitError
-from ._wire import shown
+from .errors import UnitError, shown
 
 __all__ = ["MAX_VALUE", "parse_duration_ms", "parse_size"]
 

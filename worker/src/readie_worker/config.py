@@ -4,11 +4,11 @@ Parsing is strict, like requests: an unknown key, a wrong type or a bad size
 or duration is a :class:`ConfigError` naming the file, the dotted key and the
 reason, so a typo never silently widens or drops a limit. Relative paths
 resolve against the file's directory and then through ``realpath`` (see
-``_policy`` for why). A file beneath one of its own write grants is refused:
+``policy`` for why). A file beneath one of its own write grants is refused:
 a job could rewrite the ceiling that confines it.
 
 Absent ``[pool.limits]`` means no ceiling at all; present, it is a full
-ceiling (see :class:`~readie_router._policy.Limits`). Profiles are *not*
+ceiling (see :class:`~readie_worker.policy.Limits`). Profiles are *not*
 checked against the ceiling at load: the spec's own example pairs
 ``allow_network = false`` with a ``fetch`` profile that asks for the network,
 and the spec says the ceiling applies after the profile. A request naming
@@ -29,15 +29,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, UnitError
-from ._policy import (
+from .errors import ConfigError, UnitError
+from .policy import (
     NO_LIMITS,
     Limits,
     Profile,
     Resolver,
     resolve_path,
 )
-from ._units import parse_duration_ms, parse_size
+from .units import parse_duration_ms, parse_size
 
 __all__ = [
     "CLI_SOURCE",
