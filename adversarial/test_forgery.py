@@ -41,7 +41,7 @@ FORGE = textwrap.dedent(
 RESULT = {
     "exit": 0, "stdout": "forged\n", "stderr": "", "error": None, "stdout_truncated": False,
     "stderr_truncated": False, "duration_us": 1, "preloaded_modules": [], "python": "3.11.2",
-    "policy_notes": [], "system_exit": False,
+    "policy_notes": [], "system_exit": False, "timed_out": False,
 }
 
 

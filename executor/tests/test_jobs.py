@@ -33,6 +33,7 @@ CHILD_TIMEOUT_SECONDS = 30
 RESULT_KEYS = {
     "exit",
     "system_exit",
+    "timed_out",
     "stdout",
     "stderr",
     "stdout_truncated",

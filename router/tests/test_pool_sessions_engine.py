@@ -369,16 +369,16 @@ class _SessionRunner:
         self.steps: list[tuple[str, int, int, str | None]] = []
         self.closed_sessions = 0
 
-    def run_job(self, job, job_id=None, host=None):
+    def run_job(self, job, job_id=None, host=None, cancel=None):
         return ok_outcome(job.code)
 
-    def open_session(self, job, job_id=None, host=None):
+    def open_session(self, job, job_id=None, host=None, cancel=None):
         from readie_worker.sessions import StepOutcome
 
         runner = self
 
         class _Session:
-            def run_step(self, code, name, args, timeout_ms, max_output, *, job_id=None, host=None):
+            def run_step(self, code, name, args, timeout_ms, max_output, *, job_id=None, host=None, cancel=None):
                 runner.steps.append((code, timeout_ms, max_output, job_id))
                 return StepOutcome(ok_outcome(code), len(runner.steps) + 1, False)
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from readie_worker import _convert
-from readie_worker._convert import call_payload, capacity_response, code_job, run_job_response, timeout_ms
+from readie_worker._convert import ANSWER_MARGIN_MS, call_payload, capacity_response, code_job, run_job_response, timeout_ms
 from readie_worker._job_result import JobError
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._status import DeadlineExpired, ResponseTooLarge, grpc_errors, status_for
@@ -122,9 +122,10 @@ def test_a_bad_value_is_a_request_error_naming_its_field(fields, field):
     [
         (None, None, DEFAULT_TIMEOUT_MS),
         (5000, None, 5000),
-        (60_000, 2.5, 2500),  # the caller's deadline is sooner: it wins
+        # The caller's deadline is sooner: it wins, less the time kept for the answer.
+        (60_000, 2.5, 2500 - ANSWER_MARGIN_MS),
         (1000, 10.0, 1000),  # the job's own timeout is sooner
-        (None, 3.0, 3000),
+        (None, 3.0, 3000 - ANSWER_MARGIN_MS),
     ],
 )
 def test_the_timeout_is_the_shorter_of_the_request_and_the_deadline(requested, remaining_s, expected):
@@ -134,9 +135,10 @@ def test_the_timeout_is_the_shorter_of_the_request_and_the_deadline(requested, r
     assert timeout_ms(request, remaining_s) == expected
 
 
-def test_a_deadline_already_past_is_deadline_expired():
+@pytest.mark.parametrize("remaining_s", [0.0004, ANSWER_MARGIN_MS / 1000])
+def test_a_deadline_that_leaves_no_time_to_answer_is_deadline_expired(remaining_s):
     with pytest.raises(DeadlineExpired):
-        timeout_ms(pb.ExecuteRequest(checkpoint="base", payload=b"x"), 0.0004)
+        timeout_ms(pb.ExecuteRequest(checkpoint="base", payload=b"x"), remaining_s)
 
 
 def test_a_call_payload_must_be_present_and_within_the_limit(monkeypatch):

@@ -43,11 +43,16 @@ from readie_worker.testing import (  # noqa: E402
     free_port,
     stop_worker,
 )
+from readie_worker.testing import ceiling_file  # noqa: E402
 from readie_worker.testing import start_worker as _start_worker  # noqa: E402
 
 
 def start_worker(base: Path, name: str, warm: str = "base=1") -> WorkerProcess:
-    return _start_worker(base, name, CHECKPOINTS / "manifest.json", warm)
+    # Under a ceiling that grants the tests' temp dirs: without one a network worker grants nothing.
+    return _start_worker(base, name, CHECKPOINTS / "manifest.json", warm, args=[f"--config={CEILING}"])
+
+
+CEILING = ceiling_file()
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +122,9 @@ def test_request_errors_are_invalid_argument_naming_the_field(worker, tmp_path):
     assert "no-such-checkpoint" in unknown.details()
 
     manifest = json.loads((CHECKPOINTS / "manifest.json").read_text())
-    too_many = [str(tmp_path)] * (manifest["mount_plan"]["read"] + 1)
+    too_many = [str(tmp_path / f"d{i}") for i in range(manifest["mount_plan"]["read"] + 1)]  # distinct: repeats merge
+    for path in too_many:
+        Path(path).mkdir()
     grants = refusal(lambda: run(worker, "pass", allow_read=too_many))
     assert grants.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(grants.trailing_metadata()) == {"readie-error": "RequestError", "readie-field": "allow_read"}
@@ -171,8 +178,12 @@ def test_an_execute_past_its_timeout_is_deadline_exceeded(worker):
 
 def test_the_callers_deadline_ends_a_job_that_asked_for_longer(worker):
     started = time.monotonic()
-    late = refusal(lambda: run(worker, "while True:\n    pass\n", timeout=2, timeout_ms=600_000))
-    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    code = "print('partial', flush=True)\nwhile True:\n    pass\n"
+    late = run(worker, code, timeout=3, timeout_ms=600_000)
+    # The job's timeout became the deadline less the answer's margin: the caller
+    # gets the job's own TimeoutError, with what it printed, before its deadline.
+    assert (late.error.type, late.stdout) == ("TimeoutError", "partial\n"), late
+    assert time.monotonic() - started < 3
     # The sandbox is killed at the caller's deadline, not after ten minutes: the slot frees up.
     while worker.stub.Capacity(pb.CapacityRequest(), timeout=5).busy:
         assert time.monotonic() - started < 15, "the job outlived its caller's deadline"

@@ -39,7 +39,7 @@ class FakeWorker:
     release: threading.Event = field(default_factory=threading.Event)
     hold: bool = False
 
-    def run_job(self, job: CodeJob, job_id: str | None = None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id: str | None = None, cancel=None) -> JobOutcome:
         if self.draining:
             raise SandboxSetupError("the worker is draining and takes no new work")
         if self.fail_with is not None:
@@ -49,7 +49,7 @@ class FakeWorker:
             self.release.wait(10)
         return JobOutcome(0, "out", "", False, False, None, 10, "3.11.2", (), "rd-fake", "fake")
 
-    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None) -> bytes:
+    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None, cancel=None) -> bytes:
         self.calls.append((checkpoint, payload, timeout_s))
         return self.envelope
 

@@ -370,7 +370,7 @@ def test_the_job_can_forge_its_own_result_but_not_a_call(worker):
     # What a job may always do (decision 2): answer for itself. A forged result
     # is checked like any other; it cannot make the worker call the host.
     code = FORGER + (
-        "fake = {'exit': 0, 'system_exit': False, 'stdout': 'forged\\n', 'stderr': '', "
+        "fake = {'exit': 0, 'system_exit': False, 'timed_out': False, 'stdout': 'forged\\n', 'stderr': '', "
         "'stdout_truncated': False, 'stderr_truncated': False, 'error': None, 'duration_us': 1, "
         "'preloaded_modules': [], 'python': '3.11.2', 'policy_notes': []}\n"
         "send(sock, json.dumps(fake).encode())\n"

@@ -73,7 +73,7 @@ class FakeSession:
         self.ended = False
         self.closed = threading.Event()
 
-    def run_step(self, code, name="<string>", args=(), timeout_ms=None, max_output=None, *, job_id=None, host=None):
+    def run_step(self, code, name="<string>", args=(), timeout_ms=None, max_output=None, *, job_id=None, host=None, cancel=None):
         self.steps.append(code)
         if code == "block":
             self._runner.release.wait(30)
@@ -108,7 +108,7 @@ class FakeRunner:
     def capacity(self) -> Capacity:
         return Capacity(2, self.running, False, {}, True, sum(not s.closed.is_set() for s in self.sessions), 4)
 
-    def run_job(self, job: CodeJob, job_id=None, host=None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id=None, host=None, cancel=None) -> JobOutcome:
         with self.lock:
             self.running += 1
         try:
@@ -133,7 +133,7 @@ class FakeRunner:
                 self.running -= 1
                 self.finished += 1
 
-    def open_session(self, job: CodeJob, job_id=None, host=None):
+    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None):
         with self.lock:
             session = FakeSession(self, len(self.sessions) + 1)
             self.sessions.append(session)

@@ -27,7 +27,7 @@ from readie_worker._job_result import (
 MAX_OUTPUT = 1000
 
 VALID = (
-    b'{"exit":1,"system_exit":false,"stdout":"hi\\n","stderr":"Traceback...\\n","stdout_truncated":false,'
+    b'{"exit":1,"system_exit":false,"timed_out":false,"stdout":"hi\\n","stderr":"Traceback...\\n","stdout_truncated":false,'
     b'"stderr_truncated":false,"error":{"type":"PermissionError",'
     b'"message":"[Errno 13] Permission denied: \'/etc/x\'","file":"step.py","line":2,'
     b'"hint":"This job may write only beneath: /srv/work."},"duration_us":1234,'
@@ -36,6 +36,7 @@ VALID = (
 EXPECTED = JobResult(
     exit=1,
     system_exit=False,
+    timed_out=False,
     stdout="hi\n",
     stderr="Traceback...\n",
     stdout_truncated=False,
@@ -96,6 +97,7 @@ def test_extra_fields_are_dropped() -> None:
     [
         "exit",
         "system_exit",
+        "timed_out",
         "stdout",
         "stderr",
         "stdout_truncated",
@@ -129,6 +131,7 @@ def test_missing_error_field_is_named(field: str) -> None:
         (with_fields(exit=True), "exit"),
         (with_fields(exit=1.0), "exit"),
         (with_fields(system_exit=1), "system_exit"),
+        (with_fields(timed_out="yes"), "timed_out"),
         (with_fields(stdout=None), "stdout"),
         (with_fields(stderr=["x"]), "stderr"),
         (with_fields(stdout_truncated=0), "stdout_truncated"),

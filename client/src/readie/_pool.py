@@ -94,7 +94,9 @@ class Pool:
     pool's flags; left unset (``None`` or empty), the config file's values
     apply, else the pool's defaults (2 workers, no preloads, no package dirs).
     ``router`` (``host:port``) runs the jobs through a ``readie router``
-    instead of a worker inside the pool process. ``cwd`` is the
+    instead of a worker inside the pool process; ``token_file``, ``tls_ca``,
+    ``tls_cert`` and ``tls_key`` say how to reach it (a bearer token in a
+    file; TLS against that CA; a client certificate for mTLS). ``cwd`` is the
     pool's working directory: relative grants and scripts resolve against it
     (default: this process's). ``command`` is the ``readie`` command to run
     (default: :func:`default_command`); ``checkpoints`` is passed as
@@ -114,11 +116,19 @@ class Pool:
         *,
         checkpoints: PathArg | None = None,
         start_timeout: float = START_TIMEOUT_S,
+        token_file: PathArg | None = None,
+        tls_ca: PathArg | None = None,
+        tls_cert: PathArg | None = None,
+        tls_key: PathArg | None = None,
     ) -> None:
         self.cwd = Path(os.path.abspath(cwd if cwd is not None else os.getcwd()))
+        security = {"token-file": token_file, "tls-ca": tls_ca, "tls-cert": tls_cert, "tls-key": tls_key}
+        if router is None and any(value is not None for value in security.values()):
+            raise TypeError("token_file, tls_ca, tls_cert and tls_key are for a router: pass router= too")
         self.argv = [
             *(command if command is not None else default_command()),
             *pool_flags(workers, preload, package_dirs, config, router, checkpoints),
+            *(f"--router-{name}={os.fspath(value)}" for name, value in security.items() if value is not None),
         ]
         self._lock = threading.Lock()  # _pending, _ended, _closed, _failure
         self._write_lock = threading.Lock()  # whole lines on stdin, one at a time

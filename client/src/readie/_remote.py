@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -48,7 +49,10 @@ class Client:
     importable). ``timeout`` bounds each call in seconds; the sandbox is
     destroyed when it runs out. With ``echo_output`` (the default), what a
     call printed is written to ``sys.stdout`` when it returns or raises.
-    Thread-safe; :meth:`close` (or ``with``) releases the connection.
+    ``token_file``, ``tls_ca``, ``tls_cert`` and ``tls_key`` say how to reach
+    the router (a bearer token in a file; TLS against that CA; a client
+    certificate for mTLS). Thread-safe; :meth:`close` (or ``with``) releases
+    the connection.
     """
 
     def __init__(
@@ -58,7 +62,12 @@ class Client:
         checkpoint: str = DEFAULT_CHECKPOINT,
         timeout: float = DEFAULT_TIMEOUT_S,
         echo_output: bool = True,
+        token_file: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        self._security = {"token_file": token_file, "ca": tls_ca, "cert": tls_cert, "key": tls_key}
         address = router or os.environ.get(ROUTER_VARIABLE)
         if not address:
             raise ValueError(f"no router: pass router='host:port' or set {ROUTER_VARIABLE}")
@@ -124,8 +133,10 @@ class Client:
         with self._lock:
             if self._worker is None:
                 from readie_worker.client import WorkerClient
+                from readie_worker.security import ClientSecurity
 
-                self._worker = WorkerClient(self.router)
+                files = {name: None if value is None else Path(value) for name, value in self._security.items()}
+                self._worker = WorkerClient(self.router, ClientSecurity.from_files(**files))
             return self._worker
 
 

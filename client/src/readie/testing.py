@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._pool import Pool
 from ._requests import PathArg
@@ -83,19 +83,30 @@ def temp_pool(workers: int = 1, *, checkpoints: PathArg | None = None, **options
 
 @contextmanager
 def local_router(
-    workers: int = 2, *, checkpoints: PathArg | None = None, warm: str = "base=1", slots: int = 2
+    workers: int = 2,
+    *,
+    checkpoints: PathArg | None = None,
+    warm: str = "base=1",
+    slots: int = 2,
+    config: PathArg | None = None,
 ) -> Iterator[Cluster]:
     """``readie router`` in front of ``workers`` ``readie worker`` processes, all on loopback.
 
-    Everything is stopped on exit (SIGTERM: a graceful drain) and must exit 0;
-    workers must leave no sandbox behind.
+    ``config`` is the router's and workers' ``--config`` (their ceiling): by
+    default one that grants paths under /tmp (``readie_worker.testing.TEST_CEILING``);
+    a network server without one grants nothing. Everything is stopped on exit
+    (SIGTERM: a graceful drain) and must exit 0; workers must leave no sandbox behind.
     """
     from readie_worker.testing import start_cluster
 
     # Short: sandbox socket paths under it may not exceed 107 bytes.
     base = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+    given = [f"--config={os.fspath(config)}"] if config is not None else []
     try:
-        cluster = start_cluster(base, find_checkpoints(checkpoints), workers=workers, warm=warm, slots=slots)
+        cluster = start_cluster(
+            base, find_checkpoints(checkpoints), workers=workers, warm=warm, slots=slots,
+            router_args=given, worker_args=given,
+        )
         try:
             yield cluster
         finally:

@@ -13,7 +13,7 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
-from .protocol import MessageReader
+from .protocol import FramingError, MessageReader
 from .sockets import receive_message, send_message
 
 
@@ -47,9 +47,12 @@ class Channel:
         self._check()
         try:
             payload = receive_message(self._connection, self._reader)
-        except BaseException as exc:
+        except (OSError, FramingError) as exc:
             self._broken = f"receiving failed: {type(exc).__name__}: {exc}"
             raise ChannelBroken(self._broken) from None
+        # Anything else (a signal handler's exception: the job's deadline) interrupted
+        # a wait between reads; the reader keeps every byte it had, so the channel is
+        # as good as before, and the exception is the job's to end with.
         if payload is None:
             self._broken = "the worker closed the connection"
             raise ChannelBroken(self._broken)

@@ -11,15 +11,13 @@ from . import _channel
 from ._calls import run_call
 from .hostwire import REPLY_PREFIX
 from .protocol import FramingError, MessageReader
-from .sockets import receive_message, send_message
+from .sockets import MAX_SOCKET_PATH, receive_message, send_message
 
 log = logging.getLogger("readie_executor")
 
 # A sandbox holds one interpreter that runs one call at a time; a second
 # caller waits in the kernel's queue rather than in ours.
 LISTEN_BACKLOG = 1
-# sun_path is 108 bytes on Linux, and the path needs its terminating NUL.
-MAX_SOCKET_PATH = 107
 
 
 class ServeError(Exception):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .protocol import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+from .sockets import SOCKET_NAME
 
-SOCKET_NAME = "executor.sock"
 
 
 class SettingsError(Exception):

@@ -9,6 +9,11 @@ from .protocol import DEFAULT_CHUNK_SIZE, END_OF_STREAM, Message, MessageReader,
 # One recv() per this many bytes: big enough for few syscalls on a 100 MB
 # payload, small enough that an idle reader does not pin much memory.
 RECV_SIZE = 256 * 1024
+#: The executor's socket in its EXECUTOR_DIR (the executor spec's name).
+SOCKET_NAME = "executor.sock"
+#: sun_path is 108 bytes on Linux, and the path needs its terminating NUL:
+#: every host path of a socket, the sandbox's seen from the worker included.
+MAX_SOCKET_PATH = 107
 
 
 def send_message(sock: socket.socket, payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:

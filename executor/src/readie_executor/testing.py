@@ -35,7 +35,7 @@ from typing import IO, Any
 import cloudpickle
 
 from ._checkpoint import READY_MARKER
-from ._settings import SOCKET_NAME
+from .sockets import SOCKET_NAME
 from .protocol import DEFAULT_CHUNK_SIZE, MessageReader
 from .sockets import receive_message, send_message
 

@@ -35,11 +35,13 @@ from typing import TypeVar
 
 import structlog
 
+from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.client import WorkerClient
 from readie_worker.core import Capacity
-from readie_worker.errors import PoolWorkerError, SandboxSetupError
+from readie_worker.errors import Cancelled, PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
 from readie_worker.remote_session import RemoteSession, SessionLost, StreamBroken
+from readie_worker.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
 
 log = structlog.get_logger("readie.placement")
@@ -49,6 +51,8 @@ log = structlog.get_logger("readie.placement")
 PROBE_INTERVAL_S = 1.0
 # One missed probe can be a hiccup; three in a row is a dead worker.
 EVICT_AFTER_FAILURES = 3
+# The longest a router stays quiet about a worker that does not answer its probes.
+COMPLAINT_GAP_MAX_S = 60.0
 # How long a job waits for a free slot anywhere before it is refused.
 PLACEMENT_WAIT_S = 60.0
 PLACEMENT_POLL_S = 0.02
@@ -68,6 +72,9 @@ class _Member:
     capacity: Capacity | None = None
     failures: int = 0
     in_flight: int = 0
+    # When its next failed probe is logged: at once, then ever more rarely (see _complain).
+    next_complaint: float = 0.0
+    complaint_gap_s: float = 0.0
     sessions: int = 0  # placed here by this router and not yet ended
 
     def free(self) -> int:
@@ -103,6 +110,7 @@ class Placement:
     probe_interval_s: float = PROBE_INTERVAL_S
     wait_s: float = PLACEMENT_WAIT_S
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    security: ClientSecurity = ClientSecurity()  # how this router reaches its workers
     _members: list[_Member] = field(init=False)
     _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
@@ -111,7 +119,7 @@ class Placement:
     _sessions: set[PlacedSession] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
-        self._members = [_Member(WorkerClient(address)) for address in self.addresses]
+        self._members = [_Member(WorkerClient(address, self.security)) for address in self.addresses]
 
     def start(self) -> Placement:
         self.probe_all()
@@ -121,23 +129,25 @@ class Placement:
 
     # -- the Worker shape ---------------------------------------------------
 
-    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
+    def run_job(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
         started = time.monotonic()
         try:
-            return self._place(lambda client: client.run_job(job, job_id, host), job.checkpoint)
+            return self._place(lambda client: client.run_job(job, job_id, host, cancel=cancel), job.checkpoint)
         except PoolWorkerError as exc:
             duration_us = int((time.monotonic() - started) * 1_000_000)
             return JobOutcome.failure("PoolWorkerError", str(exc), duration_us, "remote")
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
     ) -> tuple[PlacedSession, StepOutcome]:
         """Open a session on one worker, where it stays (``Worker.open_session``'s shape)."""
         refused: set[int] = set()
         while True:
             member = self._choose(refused, session=True)
             try:
-                remote, first = member.client.open_session(job, job_id, host)
+                remote, first = member.client.open_session(job, job_id, host, cancel=cancel)
             except SandboxSetupError as exc:
                 log.info("worker refused a session; placing it elsewhere", worker=member.name, error=str(exc))
                 refused.add(id(member))
@@ -157,8 +167,18 @@ class Placement:
             log.info("session placed", session=remote.id, worker=member.name)
             return placed, first
 
-    def execute_call(self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None) -> bytes:
-        return self._place(lambda client: client.execute_call(checkpoint, payload, timeout_s, max_response), checkpoint)
+    def execute_call(
+        self,
+        checkpoint: str,
+        payload: bytes,
+        timeout_s: float,
+        max_response: int | None = None,
+        *,
+        cancel: Cancellation = NEVER,
+    ) -> bytes:
+        return self._place(
+            lambda client: client.execute_call(checkpoint, payload, timeout_s, max_response, cancel=cancel), checkpoint
+        )
 
     def capacity(self) -> Capacity:
         with self._lock:
@@ -177,7 +197,9 @@ class Placement:
                 pools=pools,
                 isolated=all(m.capacity.isolated for m in live if m.capacity),
                 sessions=sum(m.sessions for m in self._members),
-                max_sessions=sum(m.capacity.max_sessions for m in live if m.capacity),
+                # The router's own cap, unless its live workers keep fewer between them.
+                max_sessions=min(self.max_sessions, sum(m.capacity.max_sessions for m in live if m.capacity)),
+                problem=None if live else f"no healthy worker (of {len(self._members)})",
             )
 
     def drain(self, grace_s: float = 30.0) -> None:
@@ -212,6 +234,8 @@ class Placement:
                 # Refused before anything ran (draining, no sandbox): another worker may take it.
                 log.info("worker refused a job; placing it elsewhere", worker=member.name, error=str(exc))
                 refused.add(id(member))
+            except Cancelled:
+                raise  # our caller left: the worker is as healthy as it was
             except PoolWorkerError:
                 self._mark_failed(member)
                 raise  # it may have run: never retried
@@ -285,12 +309,30 @@ class Placement:
                 if member.failures >= EVICT_AFTER_FAILURES and member.healthy:
                     member.healthy = False
                     log.warning("worker evicted", worker=member.name or member.client.address, error=str(exc))
+                self._complain(member, exc)
             return
         with self._lock:
             if not member.healthy:
                 log.info("worker admitted", worker=name, address=member.client.address, slots=capacity.slots)
             member.name, member.capacity, member.failures, member.healthy = name, capacity, 0, True
+            member.next_complaint, member.complaint_gap_s = 0.0, 0.0
             self._lock.notify_all()
+
+    def _complain(self, member: _Member, exc: Exception) -> None:
+        """Log a failed probe: the first at once (a mistyped --worker shows at start), then after
+        gaps that double up to COMPLAINT_GAP_MAX_S, so a dead worker does not flood the log."""
+        now = time.monotonic()
+        if now < member.next_complaint:
+            return
+        member.complaint_gap_s = min(COMPLAINT_GAP_MAX_S, max(self.probe_interval_s, member.complaint_gap_s * 2))
+        member.next_complaint = now + member.complaint_gap_s
+        log.warning(
+            "worker unreachable",
+            worker=member.name or member.client.address,
+            failed_probes=member.failures,
+            error=str(exc),
+            next_report_s=round(member.complaint_gap_s, 1),
+        )
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.probe_interval_s):
@@ -321,12 +363,13 @@ class PlacedSession:
         *,
         job_id: str | None = None,
         host: HostFunction | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
         placement = self._placement
         placement._take_slot(self._member)
         try:
-            return self._remote.run_step(code, name, args, timeout_ms, max_output, job_id=job_id, host=host)
+            return self._remote.run_step(code, name, args, timeout_ms, max_output, job_id=job_id, host=host, cancel=cancel)
         except SessionLost:
             placement._mark_failed(self._member)  # as for a job lost with its worker
             raise

@@ -79,7 +79,7 @@ from ._events import (
 )
 from ._host import HostCalls, WaitingCall, host_function
 from ._lines import Line, LineEvent, LineSplitter
-from readie_worker.policy import NO_LIMITS, Policy, resolve_policy, resolve_script, resolve_step
+from readie_worker.policy import Policy, resolve_policy, resolve_script, resolve_step
 from ._requests import (
     CloseSession,
     JobRequest,
@@ -427,12 +427,6 @@ class PoolEngine:
 
     async def _code_job(self, request: JobRequest, policy: Policy) -> CodeJob:
         setup = self.setup
-        if request.packages is not None and setup.config.limits is not NO_LIMITS:
-            # The ceiling has no key for packages; one that does not name a
-            # kind of grant grants none of it (see _policy.Limits).
-            raise RequestError(
-                "the pool's [pool.limits] ceiling does not allow per-request packages", "packages"
-            )
         self._check_max_output(policy)
         script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
         if script is not None:

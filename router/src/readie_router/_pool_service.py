@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import grpc
 import structlog
+from readie_worker.cancel import NEVER, Cancellation
 
 from readie_worker._proto.readie.v1 import pool_pb2 as pb
 from readie_worker._proto.readie.v1 import pool_pb2_grpc as pb_grpc
@@ -44,13 +45,15 @@ class _Shared:
     def __init__(self, runner: JobRunner) -> None:
         self._runner = runner
 
-    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
-        return self._runner.run_job(job, job_id, host)
+    def run_job(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
+        return self._runner.run_job(job, job_id, host, cancel=cancel)
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
     ) -> tuple[SessionHandle, StepOutcome]:
-        return self._runner.open_session(job, job_id, host)
+        return self._runner.open_session(job, job_id, host, cancel=cancel)
 
     def close(self) -> None:
         pass

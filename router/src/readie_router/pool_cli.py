@@ -32,6 +32,7 @@ from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
 from readie_worker.paths import remove_tree, scratch_dir
+from readie_worker.security import ClientSecurity, add_client_arguments, client_security
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
 from readie_worker.config import CliOverrides, Config, apply_cli, load_config
@@ -97,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=settings.max_sessions,
         session_idle_ms=settings.session_idle_ms,
     )
+    try:
+        router_security = client_security(args, "router")
+    except ReadieError as exc:
+        _fail(str(exc))
+        return EXIT_USAGE
     scratch = scratch_dir("rp-")
     state_dir = args.state_dir or os.environ.get(STATE_DIR_VARIABLE)
     worker_config = WorkerConfig(
@@ -111,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     # and nothing but the pool reads stdin.
     protocol_in, protocol_out = _claim_stdio()
     try:
-        return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out, args.router))
+        return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out, args.router, router_security))
     finally:
         remove_tree(scratch)
 
 
 async def _serve(
-    setup: PoolSetup, worker_config: WorkerConfig, fd_in: int, fd_out: int, router: str | None = None
+    setup: PoolSetup,
+    worker_config: WorkerConfig,
+    fd_in: int,
+    fd_out: int,
+    router: str | None = None,
+    router_security: ClientSecurity = ClientSecurity(),
 ) -> int:
     signals = _Signals()
     loop = asyncio.get_running_loop()
@@ -126,7 +137,7 @@ async def _serve(
     try:
         if router is not None:
             # The router's workers restore the same checkpoints (the manifest read here names them).
-            client = WorkerClient(router)
+            client = WorkerClient(router, router_security)
             try:
                 await asyncio.to_thread(client.capacity, ROUTER_PROBE_TIMEOUT_S)
             except ReadieError as exc:
@@ -271,4 +282,5 @@ def _parser() -> argparse.ArgumentParser:
         help=f"runsc --root, owned by this pool alone and swept at start and exit "
         f"(default: ${STATE_DIR_VARIABLE}, else a new temp dir)",
     )
+    add_client_arguments(parser, "router", "the router")
     return parser

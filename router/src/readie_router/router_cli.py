@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -23,6 +24,7 @@ from readie_worker._proto.readie.v1.pool_pb2_grpc import add_PoolServicer_to_ser
 from readie_worker.errors import ReadieError
 from readie_worker.grpc_service import serve
 from readie_worker.logs import configure_logging
+from readie_worker.security import add_client_arguments, add_server_arguments, client_security, server_security
 
 from ._backend import choose_checkpoint, manifest_path
 from readie_worker.config import Config, load_config
@@ -54,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
+        security = server_security(args)
+        security.check(args.listen)
+        to_workers = client_security(args, "worker")
         setup = _pool_setup(args)
     except ReadieError as exc:
-        log.error("cannot serve the pool protocol", error=str(exc))
+        log.error("cannot serve", error=str(exc))
         return 2
-    placement = Placement(args.worker, probe_interval_s=args.probe_interval, max_sessions=args.max_sessions).start()
+    placement = Placement(
+        args.worker, probe_interval_s=args.probe_interval, max_sessions=args.max_sessions, security=to_workers
+    ).start()
     pool_service = (POOL_SERVICE, lambda server: add_PoolServicer_to_server(PoolServicer(setup, placement), server))
     try:
         server = serve(
@@ -69,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             max_streams=args.max_sessions + ROUTER_JOB_STREAMS,
             threads=ROUTER_THREADS + args.max_sessions + ROUTER_JOB_STREAMS,
             extra_services=[pool_service],
+            security=security,
+            config=setup.config,
         )
     except RuntimeError as exc:
         log.error("cannot listen", address=args.listen, error=str(exc))
@@ -93,7 +102,8 @@ def _pool_setup(args: argparse.Namespace) -> PoolSetup:
         checkpoint=checkpoint.name,
         runtime=RuntimeInfo(python=manifest.python, preloaded_modules=checkpoint.preimport),
         cwd=cwd,
-        config=config,
+        # Pool sessions come over the network: without [pool.limits] they are granted nothing.
+        config=replace(config, limits=config.network_limits),
     )
 
 
@@ -105,11 +115,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-interval", type=float, default=PROBE_INTERVAL_S, help="seconds between worker probes")
     parser.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S, help="seconds running calls get on SIGTERM")
     parser.add_argument("--log", choices=("json", "console"), default="console")
-    parser.add_argument("--config", type=Path, default=None, help="pool config (TOML): the ceiling and profiles of Pool sessions")
+    parser.add_argument(
+        "--config", type=Path, default=None, help="[pool.limits] and profiles for every job and session (without: nothing is granted)"
+    )
     parser.add_argument("--checkpoints", default="build/checkpoints", help="the workers' checkpoint manifest (or its directory)")
     parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
+    add_server_arguments(parser)
+    add_client_arguments(parser, "worker", "the workers")
     return parser
 
 

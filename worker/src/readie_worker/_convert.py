@@ -14,6 +14,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from google.protobuf.message import Message
 
@@ -25,10 +26,13 @@ from .core import Capacity
 from ._host_frames import HostStats, check_functions
 from ._job_result import JobError
 from .errors import RequestError
-from .jobs import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
+from .jobs import DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
+from .policy import NO_LIMITS, Limits, Profile, check_step, resolve_policy
 from .sessions import StepOutcome
 from .packages import validate_requirements
 
+# Profile names in a config file are at most this long (config.py).
+MAX_PROFILE_NAME = 64
 # Checkpoint names are short identifiers from checkpoints.toml; the bound keeps
 # the worker's "no checkpoint named ..." message short.
 MAX_CHECKPOINT_NAME = 128
@@ -55,36 +59,97 @@ MAX_LIMIT_BYTES = 1 << 40
 # and its arguments, data frames included; 64 MiB is generous for that and
 # small enough to hold a few in memory at once on these 24 GiB machines.
 MAX_CALL_PAYLOAD_BYTES = 64 * 1024 * 1024
+# A job whose caller's deadline comes before its own timeout gets the deadline
+# less this: time to kill its sandbox (~0.1 s) and send the structured
+# TimeoutError, partial output and all, before the caller stops listening.
+ANSWER_MARGIN_MS = 1000
 DEFAULT_JOB_NAME = "<string>"
 DEFAULT_CWD = "/tmp"
 
 
-def code_job(request: pb.RunJobRequest, time_remaining_s: float | None) -> CodeJob:
-    """The job ``request`` asks for, or a RequestError naming the first bad field.
+def code_job(
+    request: pb.RunJobRequest,
+    time_remaining_s: float | None,
+    limits: Limits = NO_LIMITS,
+    profiles: Mapping[str, Profile] | None = None,
+) -> CodeJob:
+    """The job ``request`` asks for under the server's ceiling, or a RequestError naming the
+    first bad field (as the proto names it).
 
-    ``time_remaining_s`` is what is left of the caller's gRPC deadline (None
-    without one): the job's timeout is never longer.
+    ``limits`` and ``profiles`` are that ceiling: a server passes
+    ``Config.network_limits``, which grants nothing unless its operator said
+    so. Paths are checked lexically here; the worker opens them without
+    following symlinks (``grants.py``). ``time_remaining_s`` is what is left
+    of the caller's gRPC deadline (None without one): the job's timeout is
+    never longer, less :data:`ANSWER_MARGIN_MS`.
     """
-    args = tuple(request.args)
-    env = dict(request.env)
+    args = _args(tuple(request.args))
+    env = _env(dict(request.env), budget=MAX_ARGV_ENV_CHARS - sum(len(arg) + 1 for arg in args))
+    asked = _AskedPolicy(
+        profile=_text("profile", request.profile, MAX_PROFILE_NAME) if request.HasField("profile") else None,
+        allow_read=_paths("allow_read", request.allow_read),
+        allow_write=_paths("allow_write", request.allow_write),
+        package_dirs=_paths("package_dirs", request.package_dirs),
+        env=tuple(env.items()) or None,
+        allow_network=True if request.network else None,
+        timeout_ms=_optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS),
+        memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
+        max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+        max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
+        packages=validate_requirements(tuple(request.packages)) or None,
+    )
+    try:
+        policy = resolve_policy(asked, cwd="/", limits=limits, profiles=profiles, resolve=None)
+    except RequestError as exc:
+        raise RequestError(exc.reason, field=_PROTO_FIELDS.get(exc.field or "", exc.field)) from None
     return CodeJob(
         checkpoint=checkpoint_name(request.checkpoint),
         code=_text("code", request.code, MAX_CODE_CHARS),
         name=_text("name", request.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
-        args=_args(args),
-        env=_env(env, budget=MAX_ARGV_ENV_CHARS - sum(len(arg) + 1 for arg in args)),
+        args=args,
+        env=dict(policy.env),
         cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
-        allow_read=_paths("allow_read", request.allow_read),
-        allow_write=_paths("allow_write", request.allow_write),
-        package_dirs=_paths("package_dirs", request.package_dirs),
-        packages=validate_requirements(tuple(request.packages)),
-        network=request.network,
-        timeout_ms=timeout_ms(request, time_remaining_s),
-        memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
-        max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT, DEFAULT_MAX_OUTPUT),
-        max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
+        allow_read=tuple(str(path) for path in policy.allow_read),
+        allow_write=tuple(str(path) for path in policy.allow_write),
+        package_dirs=tuple(str(path) for path in policy.package_dirs),
+        packages=asked.packages or (),
+        network=policy.network,
+        timeout_ms=cut_to_deadline(policy.timeout_ms, time_remaining_s),
+        memory_bytes=policy.memory_bytes,
+        max_output=policy.max_output,
+        max_file_size=policy.max_file_size,
         functions=_functions(tuple(request.functions)),
     )
+
+
+class Ceiling(NamedTuple):
+    """What a server lets requests ask for: ``code_job``'s last two arguments."""
+
+    limits: Limits
+    profiles: Mapping[str, Profile]
+
+
+# The pool protocol's names, in policy refusals, as the proto spells those fields.
+_PROTO_FIELDS = {"allow_network": "network", "timeout": "timeout_ms", "memory": "memory_bytes"}
+
+
+@dataclass(frozen=True, slots=True)
+class _AskedPolicy:
+    """What a RunJobRequest asks of the ceiling, in the shape ``policy.resolve_policy`` reads;
+    None: not asked. A request over gRPC names no script: it sends code."""
+
+    profile: str | None
+    allow_read: tuple[str, ...] | None
+    allow_write: tuple[str, ...] | None
+    package_dirs: tuple[str, ...] | None
+    env: tuple[tuple[str, str], ...] | None
+    allow_network: bool | None
+    timeout_ms: int | None
+    memory_bytes: int | None
+    max_output: int | None
+    max_file_size: int | None
+    packages: tuple[str, ...] | None
+    script: None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,18 +163,21 @@ class StepRequest:
     max_output: int | None = None
 
 
-def session_step(message: pb.SessionStep) -> StepRequest:
-    """The step ``message`` asks for, or a RequestError naming the first bad field."""
+def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> StepRequest:
+    """The step ``message`` asks for within the server's ceiling, or a RequestError naming the
+    first bad field (``step.timeout_ms``: the step's, not the job's)."""
     try:
-        return StepRequest(
+        step = StepRequest(
             code=_text("code", message.code, MAX_CODE_CHARS),
             name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
             args=_args(tuple(message.args)),
             timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
             max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
         )
-    except RequestError as exc:  # named as the step's field, not the job's
-        raise RequestError(exc.reason, field=f"step.{exc.field}") from None
+        check_step(step.timeout_ms, step.max_output, limits)
+    except RequestError as exc:
+        raise RequestError(exc.reason, field=f"step.{_PROTO_FIELDS.get(exc.field or '', exc.field)}") from None
+    return step
 
 
 def call_payload(request: pb.ExecuteRequest) -> bytes:
@@ -127,15 +195,22 @@ def checkpoint_name(name: str) -> str:
 
 
 def timeout_ms(request: pb.RunJobRequest | pb.ExecuteRequest, time_remaining_s: float | None) -> int:
-    """The requested timeout (or the default), cut to what the caller's deadline leaves."""
+    """The requested timeout (or the default), cut to what the caller's deadline leaves less
+    :data:`ANSWER_MARGIN_MS`, so that a deadline ends the job with its own TimeoutError."""
     timeout = _optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
     assert timeout is not None
+    return cut_to_deadline(timeout, time_remaining_s)
+
+
+def cut_to_deadline(timeout: int, time_remaining_s: float | None) -> int:
     if time_remaining_s is None:
         return timeout
-    remaining_ms = int(time_remaining_s * 1000)
-    if remaining_ms < 1:
-        raise DeadlineExpired("the call's deadline passed before the job could start")
-    return min(timeout, remaining_ms)
+    left_ms = int(time_remaining_s * 1000) - ANSWER_MARGIN_MS
+    if left_ms < 1:
+        raise DeadlineExpired(
+            f"the call's deadline leaves no time to run anything and answer ({ANSWER_MARGIN_MS} ms are kept for the answer)"
+        )
+    return min(timeout, left_ms)
 
 
 def run_job_response(
@@ -199,6 +274,7 @@ def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb
         protocol=protocol,
         sessions=capacity.sessions,
         max_sessions=capacity.max_sessions,
+        problem=capacity.problem,
     )
 
 
@@ -244,13 +320,12 @@ def _absolute(field: str, path: str) -> str:
     return path
 
 
-def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...]:
+def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...] | None:
+    """Absolute paths, or None for none: the ceiling checks them next, the worker opens them (grants.py)."""
     paths = tuple(paths)
     if len(paths) > MAX_GRANTS:
         raise RequestError(f"{len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
-    for path in paths:
-        _text(field, path, MAX_PATH_CHARS)
-    return paths  # absolute, normal, symlink-free and existing: the worker checks when it opens them (grants.py)
+    return tuple(_absolute(field, path) for path in paths) or None
 
 
 def _optional_int(message: Message, field: str, low: int, high: int, default: int | None = None) -> int | None:

@@ -14,8 +14,10 @@ The stream is the session's life. When the client's side ends, whether it
 closed it or cancelled or went away, steps not yet started are dropped (the
 two look alike to the reader for a moment: grpc ends the request iterator
 cleanly on a cancel too, before its termination callback runs), a waiting
-host call is answered with an error, the step running finishes, and the
-driver closes the session (its sandbox is destroyed). The first message of
+host call is answered with an error, and the driver closes the session (its
+sandbox is destroyed). A step running then finishes after a clean close;
+after a cancel (the RPC terminated: cancelled, deadline, connection lost) it
+is stopped at once. The first message of
 a stream is always served. The server's stream place is given back only
 when the driver is done, so work a cancelled stream left running still
 counts. A client that breaks the protocol (a first message
@@ -37,11 +39,13 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from ._convert import code_job, run_job_response, session_step
+from ._convert import Ceiling, code_job, run_job_response, session_step
 from ._host_wire import call_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
+from .cancel import Cancellation
 from .errors import PoolWorkerError, RequestError
-from .jobs import HostCall, HostReply
+from .jobs import HostCall, HostReply, JobOutcome
+from .policy import NO_LIMITS
 from .runner import JobRunner, SessionHandle
 from .sessions import StepOutcome
 
@@ -123,6 +127,7 @@ class Interaction:
         requests: Iterator[pb.InteractRequest],
         context: grpc.ServicerContext,
         job_id: str,
+        ceiling: Ceiling = Ceiling(NO_LIMITS, {}),
         bind: Callable[..., None] = lambda **fields: None,
         done: Callable[[], None] = lambda: None,
     ) -> None:
@@ -130,6 +135,7 @@ class Interaction:
         self._requests = requests
         self._context = context
         self._job_id = job_id
+        self._ceiling = ceiling  # what the server's operator lets a request ask for
         self._bind = bind  # the call's log line
         self._done = done  # called once the driver has finished, however the stream ended
         self._inbox: Mailbox[pb.InteractRequest] = Mailbox(INBOX_MESSAGES)
@@ -139,6 +145,8 @@ class Interaction:
         self._broken: RequestError | None = None  # the client broke the protocol during a call
         self._stale_replies = 0
         self._client_done = False  # the request stream ended: no further step starts
+        # Set when the RPC ends (cancelled, deadline, client gone): the running job or step stops.
+        self._cancel = Cancellation()
 
     def start(self) -> Interaction:
         # Called when the RPC ends for any reason, cancellation included: a
@@ -162,6 +170,7 @@ class Interaction:
     def _hang_up(self) -> None:
         self._inbox.close(discard=True)
         self._outbox.close(discard=True)
+        self._cancel.cancel()
 
     def _read(self) -> None:
         try:
@@ -186,15 +195,15 @@ class Interaction:
                 return  # the client left before asking anything
             kind = first.WhichOneof("kind")
             if kind == "job":
-                job = code_job(first.job, self._context.time_remaining())
+                job = code_job(first.job, self._context.time_remaining(), *self._ceiling)
                 self._bind(kind="job", checkpoint=job.checkpoint, functions=len(job.functions))
-                outcome = self._runner.run_job(job, self._job_id, host=self._relay)
+                outcome = self._runner.run_job(job, self._job_id, host=self._relay, cancel=self._cancel)
                 self._check_protocol()
                 self._send(pb.InteractEvent(result=run_job_response(outcome)), RESULT_SEND_S)
             elif kind == "open_session":
-                job = code_job(first.open_session, self._context.time_remaining())
+                job = code_job(first.open_session, self._context.time_remaining(), *self._ceiling)
                 self._bind(kind="session", checkpoint=job.checkpoint, functions=len(job.functions))
-                session, step = self._runner.open_session(job, self._job_id, host=self._relay)
+                session, step = self._runner.open_session(job, self._job_id, host=self._relay, cancel=self._cancel)
                 self._bind(session=session.id)
                 self._serve_session(session, step)
             else:
@@ -222,7 +231,12 @@ class Interaction:
                 return
             if request.WhichOneof("kind") != "step":
                 raise RequestError("an open session takes steps and replies only", field=request.WhichOneof("kind") or "kind")
-            asked = session_step(request.step)
+            try:
+                asked = session_step(request.step, self._ceiling.limits)
+            except RequestError as refused:  # as in the pool protocol: the step is refused, the session goes on
+                outcome = JobOutcome.failure("RequestError", str(refused), 0, "")
+                step = StepOutcome(outcome, step.step, False)
+                continue
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
             step = session.run_step(
@@ -233,6 +247,7 @@ class Interaction:
                 asked.max_output,
                 job_id=self._job_id,
                 host=self._relay,
+                cancel=self._cancel,
             )
 
     def _next_request(self) -> pb.InteractRequest | None:

@@ -45,6 +45,7 @@ _PYTHON_VERSION = re.compile(r"3\.[0-9]{1,3}\.[0-9]{1,3}[a-z0-9+]{0,16}", re.ASC
 _RESULT_FIELDS = (
     "exit",
     "system_exit",
+    "timed_out",
     "stdout",
     "stderr",
     "stdout_truncated",
@@ -74,6 +75,7 @@ class JobError:
 class JobResult:
     exit: int
     system_exit: bool  # the code raised SystemExit; in a session that ends the session
+    timed_out: bool  # stopped at its deadline from inside: its output is what it wrote so far
     stdout: str
     stderr: str
     stdout_truncated: bool
@@ -182,6 +184,7 @@ class _Fields:
         return JobResult(
             exit=self.integer("exit", 0, bounds.MAX_EXIT_STATUS),
             system_exit=self.boolean("system_exit"),
+            timed_out=self.boolean("timed_out"),
             stdout=stdout,
             stderr=stderr,
             stdout_truncated=self.boolean("stdout_truncated") or stdout_cut,

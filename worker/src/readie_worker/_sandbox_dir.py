@@ -29,6 +29,8 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
+from readie_executor.sockets import SOCKET_NAME
+
 from ._mounts import bind_descriptor, bind_self, mount_tmpfs
 from .grants import HeldGrant
 from .paths import remove_tree
@@ -63,7 +65,12 @@ class SandboxDir:
 
     @property
     def socket_path(self) -> Path:
-        return self.executor_dir / "executor.sock"
+        return self.executor_dir / SOCKET_NAME
+
+    @staticmethod
+    def socket_path_in(run_dir: Path) -> Path:
+        """The socket path of a sandbox under ``run_dir`` (all have the same length)."""
+        return run_dir / ("rd-" + "0" * 2 * SANDBOX_ID_BYTES) / "run" / SOCKET_NAME
 
     @property
     def unused_slots(self) -> Path:

@@ -20,6 +20,8 @@ manifest, checkpoint)                            well succeed on another worker 
                                                  and UNAVAILABLE is what clients retry.
 ResponseTooLarge            RESOURCE_EXHAUSTED   what gRPC itself says of an oversized
                                                  message.
+Cancelled                   CANCELLED            the caller went away before the work
+                                                 started (the status is mostly for the log).
 PoolWorkerError, any other  INTERNAL             the worker or the sandbox failed under
 ReadieError                                      the call. Not UNAVAILABLE: a call that
                                                  crashes its sandbox would crash the next
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from .errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from .errors import Cancelled, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from .sandbox import ExecutorTimeout
 
 log = structlog.get_logger("readie.grpc")
@@ -67,6 +69,7 @@ _STATUS_CODES: tuple[tuple[type[ReadieError], grpc.StatusCode], ...] = (
     (ExecutorTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),  # before PoolWorkerError, its base
     (SandboxSetupError, grpc.StatusCode.UNAVAILABLE),
     (ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Cancelled, grpc.StatusCode.CANCELLED),  # before PoolWorkerError, its base
     (PoolWorkerError, grpc.StatusCode.INTERNAL),
 )
 

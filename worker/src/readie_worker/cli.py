@@ -22,13 +22,16 @@ from . import enter_mount_namespace
 from .errors import ReadieError
 from .grpc_service import serve
 from .logs import configure_logging
+from .config import Config, load_config
 from .paths import remove_tree, scratch_dir
+from .security import add_server_arguments, is_local_address, server_security
 
 log = structlog.get_logger("readie.worker")
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 DEFAULT_MANIFEST = Path("build/checkpoints/manifest.json")
-_LOOPBACK_HOSTS = ("127.", "localhost:", "[::1]:")
+# Refused flags and settings, as argparse exits for its own.
+EXIT_USAGE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,15 +65,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event) -> int:
-    if not args.listen.startswith(_LOOPBACK_HOSTS):
-        log.warning("serving without TLS on a non-loopback address", address=args.listen)
+    try:
+        security = server_security(args)
+        security.check(args.listen)  # before any sandbox is made
+        ceiling = load_config(args.config) if args.config is not None else Config()
+    except ReadieError as exc:
+        log.error("cannot serve", error=str(exc))
+        return EXIT_USAGE
+    if security.insecure and not is_local_address(args.listen):
+        log.warning("serving unprotected beyond loopback (--insecure)", address=args.listen, **security.describe())
     try:
         worker = Worker(config).start()
     except ReadieError as exc:
         log.error("worker did not start", error=str(exc))
         return 1
     try:
-        server = serve(worker, args.listen, name=args.name)
+        server = serve(worker, args.listen, name=args.name, security=security, config=ceiling)
     except RuntimeError as exc:  # grpc's way of saying it cannot bind
         log.error("cannot listen", address=args.listen, error=str(exc))
         worker.close()
@@ -110,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
     parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")
     parser.add_argument("--allow-unisolated", action="store_true", help="DEVELOPMENT ONLY: without runsc, run jobs as plain host processes")
+    parser.add_argument(
+        "--config", type=Path, metavar="TOML", help="[pool.limits] and profiles for every job (without: nothing is granted)"
+    )
+    add_server_arguments(parser)
     return parser
 
 

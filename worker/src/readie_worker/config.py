@@ -32,6 +32,7 @@ from typing import Any
 from .errors import ConfigError, UnitError
 from .policy import (
     NO_LIMITS,
+    NOTHING_GRANTED,
     Limits,
     Profile,
     Resolver,
@@ -71,6 +72,10 @@ MAX_SESSIONS = 4096
 DEFAULT_SESSION_IDLE_MS = 10 * 60 * 1000
 #: ``json`` writes one line per finished job to stderr; ``none`` writes none.
 LOG_FORMATS = frozenset({"json", "none"})
+#: An answer carries stdout and stderr, each up to max_output, and a few KiB
+#: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
+#: by default. A [pool.limits] max_output raises it (and clients must then too).
+NETWORK_MAX_OUTPUT = 1024 * 1024
 #: What ConfigError names as the "file" for command-line values.
 CLI_SOURCE = "command line"
 #: Profile names are echoed in the ready event and named in requests.
@@ -97,6 +102,17 @@ class Config:
     pool: PoolSettings = PoolSettings()
     limits: Limits = NO_LIMITS
     profiles: tuple[Profile, ...] = ()
+
+    @property
+    def network_limits(self) -> Limits:
+        """The ceiling of requests that come over the network (a worker's or router's gRPC).
+
+        The file's ``[pool.limits]``; without one, :data:`NOTHING_GRANTED`. A
+        ``max_output`` it leaves unset is :data:`NETWORK_MAX_OUTPUT`, so that a
+        client library's default receive limit holds any answer.
+        """
+        limits = NOTHING_GRANTED if self.limits is NO_LIMITS else self.limits
+        return limits if limits.max_output is not None else replace(limits, max_output=NETWORK_MAX_OUTPUT)
 
     @property
     def profile_map(self) -> Mapping[str, Profile]:

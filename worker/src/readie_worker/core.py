@@ -23,7 +23,8 @@ import structlog
 
 from . import runsc as runsc_module
 from .bundle import MountPlan, family_fingerprint, serve_env
-from .errors import PoolWorkerError, RequestError, SandboxSetupError
+from .cancel import NEVER, Cancellation
+from .errors import Cancelled, PoolWorkerError, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
 from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
 from .packages import ensure_packages, package_cache
@@ -34,6 +35,9 @@ from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
 from ._retire import Retirer
 from .pool import RefillBudget, WarmPool
 from .runsc import Runsc
+from readie_executor.sockets import MAX_SOCKET_PATH
+
+from ._sandbox_dir import SandboxDir
 from .sandbox import JOB_MEMORY_SLACK, LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
 from .sessions import Session, StepOutcome
 
@@ -47,6 +51,8 @@ DEFAULT_SANDBOX_MEMORY = 4 * 1024**3
 # What gVisor's sentry and gofer take besides the job, for a checkpoint whose
 # manifest has no measurement (an idle pandas sandbox: 156 MB measured).
 SANDBOX_OVERHEAD = 256 * 1024**2
+# A call waiting for a slot notices its cancellation this often.
+SLOT_WAIT_POLL_S = 0.1
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
 # Sessions a worker keeps open at once: each holds a sandbox (150 MB PSS for
@@ -94,6 +100,8 @@ class Capacity:
     isolated: bool
     sessions: int = 0
     max_sessions: int = 0
+    # Why nothing can be served, when nothing can: health says NOT_SERVING then.
+    problem: str | None = None
 
 
 class Worker:
@@ -129,6 +137,7 @@ class Worker:
 
     def _start(self) -> Worker:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        _check_socket_paths(self.config.run_dir)
         # Mount points are compared with what the kernel reports: resolved paths.
         self.config = dataclasses.replace(
             self.config,
@@ -209,12 +218,18 @@ class Worker:
             strict=self.config.strict_manifest,
         )
 
-    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome:
-        """Run ``job`` in a pristine sandbox; ``host`` answers its calls to declared host functions."""
+    def run_job(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
+        """Run ``job`` in a pristine sandbox; ``host`` answers its calls to declared host functions.
+
+        ``cancel`` stops it at any point: waiting for a slot (Cancelled), or
+        running (its sandbox interrupted and destroyed; the outcome says so).
+        """
         started = time.monotonic()
-        with self._slot():
+        with self._slot(cancel):
             queued_us = _since(started)
-            outcome = self._run_job(job, host)
+            outcome = self._run_job(job, host, cancel)
         # One line per job: identifiers, outcome and timing, never captured output.
         log.info(
             "job",
@@ -227,12 +242,12 @@ class Worker:
             duration_us=outcome.duration_us,
             queue_us=queued_us,
             truncated=outcome.stdout_truncated or outcome.stderr_truncated,
-            host_calls=outcome.host.calls,
-            host_refused=outcome.host.refused,
+            host_calls=outcome.host.calls if outcome.host else 0,  # None: no job ran
+            host_refused=outcome.host.refused if outcome.host else 0,
         )
         return outcome
 
-    def _run_job(self, job: CodeJob, host: HostFunction | None = None) -> JobOutcome:
+    def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation) -> JobOutcome:
         self._check_job(job)
         started = time.monotonic()
         try:
@@ -240,22 +255,28 @@ class Worker:
         except SandboxSetupError as exc:
             return JobOutcome.failure("SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local")
         try:
-            return run_in_sandbox(sandbox, job, links, host=host)
+            return run_in_sandbox(sandbox, job, links, host=host, cancel=cancel)
         finally:
             self._retirer.retire(sandbox)
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+        self,
+        job: CodeJob,
+        job_id: str | None = None,
+        host: HostFunction | None = None,
+        *,
+        cancel: Cancellation = NEVER,
     ) -> tuple[Session, StepOutcome]:
         """Open a session whose setup and first step are ``job``; see ``sessions.py``.
 
         ``job.functions`` are the session's host functions for every step;
         ``host`` answers the first step's calls. Raises RequestError as
         :meth:`run_job` does. A sandbox that cannot be made ready gives an
-        ended session and a SandboxSetupError outcome.
+        ended session and a SandboxSetupError outcome. ``cancel`` stops the
+        first step as :meth:`run_job`'s job (and so ends the session).
         """
         started = time.monotonic()
-        with self._slot():
+        with self._slot(cancel):
             queued_us = _since(started)
             self._check_job(job)
             self._take_session_place()
@@ -277,7 +298,7 @@ class Worker:
                 session.close()
                 raise PoolWorkerError("the worker is closing; the session did not start")
             try:
-                return session, session.run_in_slot(job, job_id=job_id, queue_us=queued_us, host=host)
+                return session, session.run_in_slot(job, job_id=job_id, queue_us=queued_us, host=host, cancel=cancel)
             except BaseException:
                 session.close()
                 raise
@@ -356,16 +377,23 @@ class Worker:
         return self.checkpoints.manifest.mount_plan
 
     def execute_call(
-        self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None
+        self,
+        checkpoint: str,
+        payload: bytes,
+        timeout_s: float,
+        max_response: int | None = None,
+        *,
+        cancel: Cancellation = NEVER,
     ) -> bytes:
         """A readie-style call: pickled function in, envelope bytes out, never opened here."""
-        with self._slot():
+        with self._slot(cancel):
             pool = self.pools.get(checkpoint)
             if pool is None:
                 raise RequestError(f"no checkpoint named {checkpoint!r} on this worker", field="checkpoint")
             sandbox = pool.take()
             try:
-                return sandbox.call(payload, timeout=timeout_s, max_response=max_response)
+                with cancel.stopping(sandbox.interrupt):
+                    return sandbox.call(payload, timeout=timeout_s, max_response=max_response)
             finally:
                 self._retirer.retire(sandbox)
 
@@ -380,7 +408,16 @@ class Worker:
             isolated=self.isolated,
             sessions=sessions,
             max_sessions=self.config.max_sessions,
+            problem=self._problem(),
         )
+
+    def _problem(self) -> str | None:
+        if self.pools:
+            return None
+        if self.checkpoints is None:
+            return "the worker has not started"
+        reasons = "; ".join(self.checkpoints.problems.values()) or "the manifest lists none"
+        return f"no usable checkpoint: {reasons}"
 
     def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
         """Stop taking work, let running jobs finish (up to ``grace_s``), destroy everything."""
@@ -407,20 +444,23 @@ class Worker:
         if self.config.scratch is not None and not (self.isolated and self.runsc.list_ids()):
             remove_tree(self.config.scratch)
 
-    def _slot(self):  # noqa: ANN202 - context manager
-        return _SlotGuard(self)
+    def _slot(self, cancel: Cancellation = NEVER):  # noqa: ANN202 - context manager
+        return _SlotGuard(self, cancel)
 
 
 class _SlotGuard:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, cancel: Cancellation) -> None:
         self._worker = worker
+        self._cancel = cancel
 
     def __enter__(self) -> None:
         worker = self._worker
         with worker._lock:
             if worker._draining:
                 raise SandboxSetupError("the worker is draining and takes no new work")
-        worker._slots.acquire()
+        while not worker._slots.acquire(timeout=SLOT_WAIT_POLL_S):
+            if self._cancel.cancelled:
+                raise Cancelled("the call was cancelled while it waited for a slot")
         with worker._lock:
             worker._busy += 1
 
@@ -434,6 +474,17 @@ class _SlotGuard:
 
 def _since(started: float) -> int:
     return int((time.monotonic() - started) * 1_000_000)
+
+
+def _check_socket_paths(run_dir: Path) -> None:
+    """Refuse a run dir too long for its sandboxes' sockets (a Unix socket path has 107 bytes
+    at most), which would otherwise fail every sandbox with little to say why."""
+    longest = SandboxDir.socket_path_in(Path(os.path.realpath(run_dir)))
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+        raise SandboxSetupError(
+            f"run dir {run_dir} is too long: its sandboxes' socket paths ({longest}) would exceed "
+            f"{MAX_SOCKET_PATH} bytes; use a shorter one (the default is under {RUNTIME_ROOT})"
+        )
 
 
 def _canonical(*paths: Path | str) -> tuple[Path, ...]:

@@ -33,6 +33,10 @@ class PoolWorkerError(ReadieError):
     """The worker (or the sandbox under a job) failed in a way that is not the job's doing."""
 
 
+class Cancelled(PoolWorkerError):
+    """The caller gave up (a cancelled call, a passed deadline) before the work could start."""
+
+
 class ManifestError(SandboxSetupError):
     """The checkpoint manifest cannot be trusted as a whole."""
 

@@ -33,8 +33,9 @@ from ._host_frames import (
     is_call_frame,
 )
 from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes, parse_job_result
+from .cancel import NEVER, Cancellation
 from .errors import PoolWorkerError, RequestError
-from .sandbox import ExecutorTimeout, Sandbox
+from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
 
 __all__ = [
     "CodeJob",
@@ -60,6 +61,11 @@ DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_TIMEOUT_MS = 30_000
 # Files count: /tmp, /dev/shm and everything written outside the grants live
 # in the sandbox's memory, under the same cgroup as its allocations.
+# After a job's timeout its code is stopped inside the sandbox (SIGALRM) and
+# answers with what it printed; C code that never yields to Python gets this
+# long before the sandbox is killed instead.
+TIMEOUT_GRACE_S = 0.5
+CANCELLED_MESSAGE = "the call was cancelled (or its deadline passed): the job was stopped"
 MEMORY_BACKSTOP_HINT = (
     "the sandbox's memory, files it wrote to /tmp or anywhere outside its write grants "
     "included, exceeded {limit}; write large files to a write grant, or keep allocations "
@@ -141,6 +147,7 @@ def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...], session: 
             "max_file_size": job.max_file_size,
             "max_output": job.max_output,
             "subprocesses": False,
+            "timeout_ms": job.timeout_ms,
         },
         "session": session,
         "functions": list(job.functions),
@@ -155,13 +162,16 @@ def run_in_sandbox(
     host: HostFunction | None = None,
     *,
     session: bool = False,
+    cancel: Cancellation = NEVER,
 ) -> JobOutcome:
-    """Run ``job`` in ``sandbox`` until it answers or its deadline passes.
+    """Run ``job`` in ``sandbox`` until it answers, its deadline passes or ``cancel`` is set.
 
     ``host`` answers the calls the job makes to its declared ``functions``,
     on this thread; the time it takes counts against the job's timeout. A
     job that declares functions needs one (RequestError otherwise).
-    ``session``: run as a step in the sandbox's persistent ``__main__``.
+    ``session``: run as a step in the sandbox's persistent ``__main__``. A
+    cancel interrupts the exchange at once (the job then counts as failed
+    under the worker, and the sandbox is not trusted again).
 
     The caller destroys the sandbox afterwards: a timed-out or crashed one is
     never reused, and by default neither is a healthy one.
@@ -181,30 +191,12 @@ def run_in_sandbox(
     # Call frames may be larger than a small job's whole result.
     limit = max(max_result_bytes(job.max_output), MAX_CALL_FRAME_BYTES)
     try:
-        raw = sandbox.exchange(request, timeout=job.timeout_ms / 1000, max_response=limit, answer=answer)
-    except ExecutorTimeout:
-        sandbox.destroy()  # the deadline kills the sandbox, whatever the job is doing
-        message = f"job exceeded its timeout of {job.timeout_ms} ms"
-        outcome = JobOutcome.failure("TimeoutError", message, _since(started), backend, sandbox.id)
-    except TooManyRefusedFrames as exc:
-        message = f"the job was ended: {exc}"
-        outcome = JobOutcome.failure("PoolWorkerError", message, _since(started), backend, sandbox.id)
+        with cancel.stopping(sandbox.interrupt):
+            # The job stops itself at its timeout and answers with its output so far;
+            # the grace is for that answer, and then the sandbox is killed regardless.
+            raw = sandbox.exchange(request, timeout=job.timeout_ms / 1000 + TIMEOUT_GRACE_S, max_response=limit, answer=answer)
     except PoolWorkerError as exc:
-        if sandbox.oom_killed():
-            limit = sandbox.memory_limit_bytes
-            outcome = JobOutcome.failure(
-                "MemoryError",
-                "the sandbox ran out of memory and was killed",
-                _since(started),
-                backend,
-                sandbox.id,
-                hint=MEMORY_BACKSTOP_HINT.format(
-                    limit="the worker's memory backstop" if limit is None else f"its limit of {limit // 2**20} MiB"
-                ),
-            )
-        else:
-            message = f"the sandbox failed under the job: {exc}"
-            outcome = JobOutcome.failure("PoolWorkerError", message, _since(started), backend, sandbox.id)
+        outcome = _broken_exchange(exc, sandbox, job, backend, _since(started))
     else:
         elapsed = _since(started)
         try:
@@ -213,8 +205,30 @@ def run_in_sandbox(
             message = f"the sandbox answered with an invalid result: {exc}"
             outcome = JobOutcome.failure("PoolWorkerError", message, elapsed, backend, sandbox.id)
         else:
+            if result.timed_out:  # the deadline kills the sandbox, whatever else the job left running
+                sandbox.destroy()
             outcome = _from_result(result, elapsed, backend, sandbox.id)
     return dataclasses.replace(outcome, host=conversation.stats)
+
+
+def _broken_exchange(exc: PoolWorkerError, sandbox: Sandbox, job: CodeJob, backend: str, duration_us: int) -> JobOutcome:
+    """What a job came to when its exchange with the sandbox ended without an answer."""
+    if sandbox.interrupted:  # cancelled: the caller is gone, but the log line still tells
+        return JobOutcome.failure("PoolWorkerError", CANCELLED_MESSAGE, duration_us, backend, sandbox.id)
+    if isinstance(exc, ExecutorTimeout):
+        sandbox.destroy()  # the deadline kills the sandbox, whatever the job is doing
+        return JobOutcome.failure("TimeoutError", f"job exceeded its timeout of {job.timeout_ms} ms", duration_us, backend, sandbox.id)
+    if isinstance(exc, TooManyRefusedFrames):
+        return JobOutcome.failure("PoolWorkerError", f"the job was ended: {exc}", duration_us, backend, sandbox.id)
+    if sandbox.oom_killed():
+        limit = sandbox.memory_limit_bytes
+        hint = MEMORY_BACKSTOP_HINT.format(
+            limit="the worker's memory backstop" if limit is None else f"its limit of {limit // 2**20} MiB"
+        )
+        return JobOutcome.failure(
+            "MemoryError", "the sandbox ran out of memory and was killed", duration_us, backend, sandbox.id, hint=hint
+        )
+    return JobOutcome.failure("PoolWorkerError", f"the sandbox failed under the job: {exc}", duration_us, backend, sandbox.id)
 
 
 def _no_host(call: HostCall) -> HostReply:
@@ -239,7 +253,12 @@ class _HostAnswer:
         call = dataclasses.replace(event, deadline=self._deadline)
         started = time.monotonic_ns()
         reply = ask_host(self._host, call)
-        return self._conversation.answer(call, reply, time.monotonic_ns() - started)
+        answered = self._conversation.answer(call, reply, time.monotonic_ns() - started)
+        if time.monotonic() >= self._deadline:
+            # The task is over: its code is being stopped inside the sandbox, and
+            # its answer (a TimeoutError) is what comes next. The call is dropped.
+            return NO_REPLY
+        return answered
 
 
 def ask_host(host: HostFunction, call: HostCall) -> HostReply:
@@ -255,7 +274,9 @@ def ask_host(host: HostFunction, call: HostCall) -> HostReply:
 
 def _from_result(result: JobResult, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:
     return JobOutcome(
-        exit=result.exit,
+        # Stopped at its deadline, it did not end on its own: a timeout, as if the
+        # worker had killed it, but with the output it wrote.
+        exit=None if result.timed_out else result.exit,
         stdout=result.stdout,
         stderr=result.stderr,
         stdout_truncated=result.stdout_truncated,

@@ -58,11 +58,13 @@ __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "DEFAULT_TIMEOUT_MS",
     "NO_LIMITS",
+    "NOTHING_GRANTED",
     "Limits",
     "Policy",
     "PolicyRequest",
     "Profile",
     "Resolver",
+    "check_step",
     "refuse_symlinks",
     "request_path",
     "resolve_path",
@@ -86,7 +88,10 @@ DEFAULT_MAX_FILE_SIZE: int | None = None
 _T = TypeVar("_T")
 
 #: Turns a path into its absolute, symlink-free form; injectable for tests.
-Resolver = Callable[[str], str]
+#: None: paths are checked lexically only, because they name another host's
+#: files (a router's requests, the worker's; the worker opens them without
+#: following symlinks itself).
+Resolver = Callable[[str], str] | None
 
 
 class PolicyRequest(Protocol):
@@ -115,6 +120,8 @@ class PolicyRequest(Protocol):
     def max_file_size(self) -> int | None: ...
     @property
     def script(self) -> str | None: ...
+    @property
+    def packages(self) -> tuple[str, ...] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +145,10 @@ class Limits:
 
 
 NO_LIMITS = Limits()
+#: The ceiling of a request that came over the network when the operator set
+#: none: no grant, no package dir, no script, no network. The stdio pool's
+#: client started the pool and is trusted (NO_LIMITS); a peer on the wire is not.
+NOTHING_GRANTED = Limits(allow_read=(), allow_write=(), allow_network=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +184,7 @@ class Policy:
     max_file_size: int | None = DEFAULT_MAX_FILE_SIZE
 
 
-def resolve_path(path: str | Path, base: str | Path, resolve: Resolver = os.path.realpath) -> Path:
+def resolve_path(path: str | Path, base: str | Path, resolve: Callable[[str], str] = os.path.realpath) -> Path:
     """``path`` made absolute against ``base``, normalized and symlink-free (symlinks followed:
     for the operator's paths; a request's go through :func:`request_path`)."""
     if not os.path.isabs(base):
@@ -195,7 +206,7 @@ def request_path(field: str, path: str, cwd: str | Path) -> Path:
 
 
 def refuse_symlinks(
-    field: str, shown: str, path: Path, cwd: str | Path, resolve: Resolver = os.path.realpath
+    field: str, shown: str, path: Path, cwd: str | Path, resolve: Callable[[str], str] = os.path.realpath
 ) -> None:
     """RequestError if ``shown`` (the request's words, against ``cwd``) passes through a
     symlink, so that ``path`` (its lexical reading) is not what the kernel would reach.
@@ -229,6 +240,10 @@ def resolve_policy(
     ``protected`` are paths no job may write beneath or over: the pool's own
     package dirs (the spec: "no job may write over preloaded runtime paths").
     """
+    if request.packages is not None and limits is not NO_LIMITS:
+        # The ceiling has no key for packages (installed on the host, as root):
+        # one that does not name a kind of grant grants none of it.
+        raise RequestError("the [pool.limits] ceiling does not allow per-request packages", "packages")
     profile = _profile(request.profile, profiles or {})
     # Profiles are not held to the ceiling at load (see _config), so a value
     # from one can fail here; the message says so, since the request's own
@@ -249,7 +264,8 @@ def resolve_policy(
         _beneath(field, theirs, ceiling, note)
         _beneath(field, mine, ceiling)
         for shown, path in mine:
-            refuse_symlinks(field, shown, path, cwd, resolve)
+            if resolve is not None:
+                refuse_symlinks(field, shown, path, cwd, resolve)
         merged[field] = _merge(tuple(p for _, p in theirs), tuple(p for _, p in mine))
     _not_over(_named(profile.allow_write), pool_dirs, note)
     _not_over(own.allow_write or (), pool_dirs)
@@ -306,11 +322,9 @@ def resolve_step(policy: Policy, request: PolicyRequest, limits: Limits = NO_LIM
 
     The session manager refuses any other setup field before calling this.
     """
-    timeout_ms, max_output = policy.timeout_ms, policy.max_output
-    if request.timeout_ms is not None:
-        timeout_ms = _within("timeout", request.timeout_ms, limits.timeout_ms, _ms)
-    if request.max_output is not None:
-        max_output = _within("max_output", request.max_output, limits.max_output, _bytes)
+    check_step(request.timeout_ms, request.max_output, limits)
+    timeout_ms = policy.timeout_ms if request.timeout_ms is None else request.timeout_ms
+    max_output = policy.max_output if request.max_output is None else request.max_output
     return Policy(
         allow_read=policy.allow_read,
         allow_write=policy.allow_write,
@@ -322,6 +336,14 @@ def resolve_step(policy: Policy, request: PolicyRequest, limits: Limits = NO_LIM
         max_output=max_output,
         max_file_size=policy.max_file_size,
     )
+
+
+def check_step(timeout_ms: int | None, max_output: int | None, limits: Limits) -> None:
+    """RequestError if a session step's own ``timeout`` or ``max_output`` exceeds the ceiling."""
+    if timeout_ms is not None:
+        _within("timeout", timeout_ms, limits.timeout_ms, _ms)
+    if max_output is not None:
+        _within("max_output", max_output, limits.max_output, _bytes)
 
 
 def resolve_script(
@@ -341,7 +363,8 @@ def resolve_script(
         return None
     path = request_path("script", request.script, cwd)
     _beneath("script", ((request.script, path),), _join(limits.allow_read, limits.allow_write))
-    refuse_symlinks("script", request.script, path, cwd, resolve)
+    if resolve is not None:
+        refuse_symlinks("script", request.script, path, cwd, resolve)
     return path
 
 

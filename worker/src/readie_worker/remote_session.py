@@ -28,6 +28,7 @@ from ._host_wire import call_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import answered_by_readie, error_from_status
+from .cancel import NEVER, Cancellation
 from .errors import PoolWorkerError, ReadieError, RequestError
 from .jobs import CodeJob, HostFunction, HostReply, ask_host
 from .sessions import StepOutcome
@@ -168,12 +169,14 @@ class RemoteSession:
         *,
         job_id: str | None = None,  # noqa: ARG002 - the worker logs steps under the stream's request id
         host: HostFunction | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         """Run one step on the session's worker.
 
         RequestError for a step the worker would refuse (the session goes on);
         SessionLost when the stream broke under it; PoolWorkerError when the
         worker ended the session otherwise. After either, the session has ended.
+        ``cancel`` ends the stream, which stops the step and ends the session.
         """
         step = StepRequest(code, name, tuple(args), timeout_ms, max_output)
         message = session_step_message(step)
@@ -187,7 +190,8 @@ class RemoteSession:
         task_s = (timeout_ms or self.job.timeout_ms) / 1000
         try:
             self._stream.send(pb.InteractRequest(step=message))
-            response = self._stream.result(host, task_s, task_s + DEADLINE_MARGIN_S)
+            with cancel.stopping(self.close):
+                response = self._stream.result(host, task_s, task_s + DEADLINE_MARGIN_S)
         except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
             closed = self.ended  # close() cancelled the stream under the step
             self._end()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from .cancel import Cancellation
 from .jobs import CodeJob, HostFunction, JobOutcome
 from .sessions import StepOutcome
 
@@ -40,16 +41,21 @@ class SessionHandle(Protocol):
         *,
         job_id: str | None = ...,
         host: HostFunction | None = ...,
+        cancel: Cancellation = ...,
     ) -> StepOutcome: ...
 
     def close(self) -> None: ...
 
 
 class JobRunner(Protocol):
-    def run_job(self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None) -> JobOutcome: ...
+    """``cancel`` (``cancel.py``): when it is set, the work stops and its sandbox is freed."""
+
+    def run_job(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = ...
+    ) -> JobOutcome: ...
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = ...
     ) -> tuple[SessionHandle, StepOutcome]: ...
 
     def close(self) -> None: ...

@@ -21,6 +21,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ log = structlog.get_logger("readie.sandbox")
 # The executor spec: the worker retries the socket for up to 60 s by default.
 SOCKET_WAIT_S = 60.0
 SOCKET_POLL_S = 0.002
+# How long a socket may take to answer after the executor's stdout ended (it
+# closes stdout once it listens): beyond this, the executor died instead.
+STDOUT_END_GRACE_S = 1.0
 # What gVisor's sentry adds to the memory cgroup for a job's own memory: page
 # tables and bookkeeping for what the job maps, measured at ~2 % (244 MB of
 # cgroup growth for a 240 MB bytearray); this covers a multi-GiB job.
@@ -70,6 +74,10 @@ PROBE_TIMEOUT_S = 1.0
 SINGLE_WRITE_BYTES = 64 * 1024
 # Pickled once: a reference to readie_executor.probe.ping, not code.
 _PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}})
+
+
+#: What ``exchange``'s ``answer`` returns for a message that gets no reply.
+NO_REPLY = b""
 
 
 class ExecutorTimeout(PoolWorkerError):
@@ -148,6 +156,9 @@ class Sandbox:
     # The memory cgroup's limit once a job's 'memory' set it (None: the worker's backstop).
     memory_limit_bytes: int | None = None
     _connection: socket.socket | None = field(default=None, repr=False)
+    # interrupt() may come from another thread at any moment of an exchange.
+    _interrupted: bool = field(default=False, repr=False)
+    _connecting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def id(self) -> str:
@@ -181,7 +192,8 @@ class Sandbox:
 
         With ``answer``, each message from the executor is offered to it
         first: bytes it returns are sent back as a reply and the next message
-        is read; None means this message is the response. The whole exchange
+        is read; :data:`NO_REPLY` sends nothing and reads on; None means this
+        message is the response. The whole exchange
         keeps one deadline, ``timeout`` seconds from now, and time spent in
         ``answer`` counts against it. ``max_response`` bounds every message.
         Any failure, or an exception from ``answer``, drops the connection.
@@ -198,7 +210,8 @@ class Sandbox:
                 reply = None if answer is None else answer(response)
                 if reply is None:
                     return response
-                _send(connection, reply, deadline)
+                if reply is not NO_REPLY:
+                    _send(connection, reply, deadline)
         except TimeoutError:
             self._drop_connection()
             raise ExecutorTimeout(f"sandbox {self.id}: no response within {timeout} s") from None
@@ -220,6 +233,26 @@ class Sandbox:
 
     def oom_killed(self) -> bool:
         return self.launcher.oom_killed(self.dir)
+
+    def interrupt(self) -> None:
+        """Make the exchange under way, or the next one, fail at once: from any thread.
+
+        Shutting the socket down wakes a thread blocked on it (closing it would
+        not, and its descriptor number could be reused under that thread). The
+        sandbox is not trusted again; its owner destroys it as after any
+        broken exchange.
+        """
+        with self._connecting:
+            self._interrupted = True
+            if self._connection is not None:
+                try:
+                    self._connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted
 
     def limit_memory(self, job_bytes: int) -> None:
         """Bound the whole sandbox, files in its memory-backed filesystems included, to what it
@@ -245,20 +278,24 @@ class Sandbox:
             self.dir.remove()
 
     def _connect(self) -> socket.socket:
-        if self._connection is None:
-            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                connection.connect(os.fsencode(self.dir.socket_path))
-            except OSError as exc:
-                connection.close()
-                raise PoolWorkerError(f"sandbox {self.id}: cannot connect to the executor: {exc}") from exc
-            self._connection = connection
-        return self._connection
+        with self._connecting:
+            if self._interrupted:
+                raise PoolWorkerError(f"sandbox {self.id}: interrupted")
+            if self._connection is None:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    connection.connect(os.fsencode(self.dir.socket_path))
+                except OSError as exc:
+                    connection.close()
+                    raise PoolWorkerError(f"sandbox {self.id}: cannot connect to the executor: {exc}") from exc
+                self._connection = connection
+            return self._connection
 
     def _drop_connection(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        with self._connecting:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
 
 
 def launch(
@@ -309,17 +346,21 @@ def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
 def _wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     path = os.fsencode(sandbox.socket_path)
+    gone_at: float | None = None  # when its stdout ended
     while True:
         if _answers(path):
             return
-        if _stdout_closed(launched.process.stdout):
-            # The executor lets go of its stdout once it listens, so look once more.
-            if _answers(path):
-                return
+        now = time.monotonic()
+        if gone_at is None and _stdout_closed(launched.process.stdout):
+            gone_at = now
+        # The executor lets go of its stdout once it listens, a moment before the host
+        # side of its socket may answer: an end of stdout is death only when no socket
+        # follows within STDOUT_END_GRACE_S.
+        if gone_at is not None and now - gone_at >= STDOUT_END_GRACE_S:
             raise SandboxSetupError(
                 f"sandbox {sandbox.id}: executor exited before binding its socket{_stderr_tail(launched)}"
             )
-        if time.monotonic() >= deadline:
+        if now >= deadline:
             raise SandboxSetupError(f"sandbox {sandbox.id}: no executor socket after {timeout:.0f} s{_stderr_tail(launched)}")
         time.sleep(SOCKET_POLL_S)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import structlog
 
 from ._states import SandboxState, SessionState, check_transition
+from .cancel import NEVER, Cancellation
 from .errors import RequestError
 from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
 from .sandbox import Sandbox
@@ -73,7 +74,7 @@ class Session:
         sandbox: Sandbox | None,
         links: tuple[Mapping[str, object], ...],
         *,
-        slot: Callable[[], AbstractContextManager[None]],
+        slot: Callable[[Cancellation], AbstractContextManager[None]],
         forget: Callable[[Session], None] = lambda session: None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
@@ -106,6 +107,7 @@ class Session:
         *,
         job_id: str | None = None,
         host: HostFunction | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         """Run one step in the session's ``__main__``; ``timeout_ms`` and ``max_output`` default to the session's.
 
@@ -132,8 +134,8 @@ class Session:
             self._sandbox.move(SandboxState.BUSY)
         started = time.monotonic()
         try:
-            with self._slot():
-                return self.run_in_slot(step, job_id=job_id, queue_us=_since(started), host=host)
+            with self._slot(cancel):
+                return self.run_in_slot(step, job_id=job_id, queue_us=_since(started), host=host, cancel=cancel)
         except BaseException:
             # The slot was refused (a draining worker) or a bug: nothing is known
             # about the sandbox's state, so it is not trusted with another step.
@@ -141,7 +143,13 @@ class Session:
             raise
 
     def run_in_slot(
-        self, step: CodeJob, *, job_id: str | None, queue_us: int, host: HostFunction | None = None
+        self,
+        step: CodeJob,
+        *,
+        job_id: str | None,
+        queue_us: int,
+        host: HostFunction | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         """Run ``step`` now; the caller holds a worker slot. ``Worker.open_session`` calls it
         for the first step, :meth:`run_step` for the others."""
@@ -153,7 +161,7 @@ class Session:
             sandbox = self._sandbox
         # Raises only for the caller's mistakes (functions declared, no host); the
         # caller ends the session then, as after anything unexpected.
-        outcome, ends = call_step(sandbox, step, self._links, host)
+        outcome, ends = call_step(sandbox, step, self._links, host, cancel)
         doomed = None
         with self._lock:
             self.steps += 1
@@ -210,6 +218,7 @@ def call_step(
     job: CodeJob,
     links: tuple[Mapping[str, object], ...],
     host: HostFunction | None = None,
+    cancel: Cancellation = NEVER,
 ) -> tuple[JobOutcome, bool]:
     """Run one session step in ``sandbox``: its outcome, and whether it ends the session.
 
@@ -218,7 +227,7 @@ def call_step(
     when the runner could not set it up. The sandbox is destroyed by the
     session's end, not here (``run_in_sandbox`` destroys it at a timeout).
     """
-    outcome = run_in_sandbox(sandbox, job, links, host, session=True)
+    outcome = run_in_sandbox(sandbox, job, links, host, session=True, cancel=cancel)
     setup_failed = (
         outcome.exit == EXIT_NOT_STARTED
         and outcome.error is not None

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ._host_frames import HostCall, HostReply
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from .runsc import Runsc
+from .security import ClientSecurity
 
 # Start-up is a manifest check and a sweep; pools fill in the background.
 STARTUP_TIMEOUT_S = 30.0
@@ -81,7 +84,43 @@ def readie_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from readie._cli import main; sys.exit(main())"]
 
 
-def start_worker(base: Path, name: str, manifest: Path, warm: str = "base=1", slots: int = 2) -> WorkerProcess:
+#: A ceiling for test clusters: grants anywhere under /tmp, where tests keep
+#: their projects (the worker still refuses its own directories), and answers
+#: as large as a worker makes them. Without one a network server grants nothing.
+TEST_CEILING = """
+[pool.limits]
+allow_read = ["/tmp"]
+allow_write = ["/tmp"]
+max_output = "16m"
+"""
+
+
+def ceiling_file() -> Path:
+    """:data:`TEST_CEILING` as a config file for ``--config``; remove its directory when done.
+
+    Not under /tmp: a config beneath one of its own write grants is refused
+    (a job could rewrite it), so it goes on /dev/shm.
+    """
+    path = Path(tempfile.mkdtemp(prefix="readie-ceiling-", dir="/dev/shm")) / "ceiling.toml"
+    path.write_text(TEST_CEILING)
+    return path
+
+
+def start_worker(
+    base: Path,
+    name: str,
+    manifest: Path,
+    warm: str = "base=1",
+    slots: int = 2,
+    *,
+    args: Iterable[str] = (),
+    security: ClientSecurity = ClientSecurity(),
+) -> WorkerProcess:
+    """A ``readie worker`` process on a free loopback port, serving once this returns.
+
+    ``args`` are further flags (``--config``, ``--token-file``, ...);
+    ``security`` is how the returned channel reaches it.
+    """
     port = free_port()
     base.mkdir(parents=True, exist_ok=True)
     state_dir, run_dir, log_path = base / "state", base / "run", base / "worker.log"
@@ -97,10 +136,11 @@ def start_worker(base: Path, name: str, manifest: Path, warm: str = "base=1", sl
         f"--name={name}",
         "--drain-grace=20",
         "--log=json",
+        *args,
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    worker = WorkerProcess(process, port, state_dir, log_path, grpc.insecure_channel(f"127.0.0.1:{port}"))
+    worker = WorkerProcess(process, port, state_dir, log_path, security.channel(f"127.0.0.1:{port}"))
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if process.poll() is not None:
@@ -139,6 +179,7 @@ class Cluster:
     port: int
     log_path: Path
     channel: grpc.Channel
+    ceiling: Path | None = None  # the config file start_cluster wrote, removed by stop()
 
     @property
     def address(self) -> str:
@@ -171,14 +212,35 @@ class Cluster:
                 problems.append(f"{worker.log_path.parent.name} left runsc containers: {leftovers}")
         if status != 0:
             problems.append(f"the router exited {status}:\n{self.log_path.read_text()[-3000:]}")
+        if self.ceiling is not None:
+            shutil.rmtree(self.ceiling.parent, ignore_errors=True)
         assert not problems, "\n".join(problems)
 
 
 def start_cluster(
-    base: Path, manifest: Path, *, workers: int = 2, warm: str = "base=1", slots: int = 2, router_args: Iterable[str] = ()
+    base: Path,
+    manifest: Path,
+    *,
+    workers: int = 2,
+    warm: str = "base=1",
+    slots: int = 2,
+    router_args: Iterable[str] = (),
+    worker_args: Iterable[str] = (),
+    security: ClientSecurity = ClientSecurity(),
 ) -> Cluster:
-    """Start ``workers`` workers and a router in front of them; wait until the router serves."""
-    started = [start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots) for i in range(workers)]
+    """Start ``workers`` workers and a router in front of them; wait until the router serves.
+
+    Router and workers run under :data:`TEST_CEILING` unless the args name another
+    ``--config``; ``security`` is how the cluster's channel reaches the router.
+    """
+    ceiling = ceiling_file()
+    worker_args, router_args = list(worker_args), list(router_args)
+    worker_args += [] if any(a.startswith("--config") for a in worker_args) else [f"--config={ceiling}"]
+    router_args += [] if any(a.startswith("--config") for a in router_args) else [f"--config={ceiling}"]
+    started = [
+        start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots, args=worker_args)
+        for i in range(workers)
+    ]
     port = free_port()
     log_path = base / "router.log"
     with open(log_path, "wb") as log:
@@ -196,7 +258,7 @@ def start_cluster(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    cluster = Cluster(base, started, router, port, log_path, grpc.insecure_channel(f"127.0.0.1:{port}"))
+    cluster = Cluster(base, started, router, port, log_path, security.channel(f"127.0.0.1:{port}"), ceiling)
     health = health_pb2_grpc.HealthStub(cluster.channel)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
@@ -293,3 +355,80 @@ def ask(sock, payload):
 
 sock = channel()
 '''
+
+
+@dataclass(frozen=True)
+class TestPki:
+    """PEM files of a throwaway CA, a server certificate for 127.0.0.1 and localhost, a
+    client certificate it signed, and a client certificate of another CA (for refusals)."""
+
+    __test__ = False  # not a pytest class
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    stranger_cert: Path
+    stranger_key: Path
+
+
+def make_pki(base: Path) -> TestPki:
+    """Write :class:`TestPki` under ``base`` (needs the ``cryptography`` package, a dev dependency)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    base.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+                    *, ca: bool = False, server: bool = False) -> x509.Certificate:
+        issuer_name, issuer_key = issuer if issuer is not None else (name(subject), key)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if server:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        elif not ca:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def write(stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> tuple[Path, Path | None]:
+        cert_path = base / f"{stem}.crt"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if key is None:
+            return cert_path, None
+        key_path = base / f"{stem}.key"
+        key_path.write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+        key_path.chmod(0o600)
+        return cert_path, key_path
+
+    ca_key, stranger_ca_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = certificate("readie test CA", ca_key, None, ca=True)
+    stranger_ca = certificate("some other CA", stranger_ca_key, None, ca=True)
+    server_key, client_key, stranger_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    ca_path, _ = write("ca", ca)
+    server = write("server", certificate("readie test server", server_key, (ca.subject, ca_key), server=True), server_key)
+    client = write("client", certificate("readie test client", client_key, (ca.subject, ca_key)), client_key)
+    stranger = write("stranger", certificate("a stranger", stranger_key, (stranger_ca.subject, stranger_ca_key)), stranger_key)
+    return TestPki(ca_path, server[0], server[1], client[0], client[1], stranger[0], stranger[1])  # type: ignore[arg-type]

@@ -1,4 +1,6 @@
-"""Memory and file-size limits, applied from inside the sandbox with setrlimit.
+"""Memory and file-size limits, applied from inside the sandbox with setrlimit, and the
+job's deadline, kept from inside with SIGALRM so that a timed-out job still answers
+with its output so far.
 
 These give honest code the errors it expects (MemoryError, OSError EFBIG) and
 leave the sandbox alive to report them. They are not the last line: the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 PROC_STATUS = "/proc/self/status"
@@ -26,6 +29,36 @@ MEMORY_HEADROOM_BYTES = 64 * 1024 * 1024
 # Per output byte kept, the result costs a few copies (raw, decoded, escaped,
 # encoded); the headroom grows with max_output by this factor.
 HEADROOM_PER_OUTPUT_BYTE = 8
+
+
+class JobTimedOut(BaseException):
+    """Raised in the job's code at its deadline: a BaseException, so ``except Exception`` in
+    the job does not swallow it (``except BaseException`` can; then the worker's kill follows)."""
+
+
+@contextlib.contextmanager
+def deadline(timeout_ms: int | None) -> Iterator[None]:
+    """Raise :class:`JobTimedOut` in the main thread once ``timeout_ms`` have passed.
+
+    SIGALRM, so that a blocking call (a sleep, a socket read) is cut short
+    too; C code that holds the GIL without checking for signals is not,
+    and the worker's own deadline kills the sandbox shortly after.
+    """
+    if timeout_ms is None:
+        yield
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        raise JobTimedOut
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout_ms / 1000)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass(slots=True)

@@ -165,12 +165,14 @@ def encode_result(
     policy_notes: list[str],
     max_output: int,
     system_exit: bool = False,
+    timed_out: bool = False,
 ) -> bytes:
     stdout_text, stdout_truncated = fit_stream(stdout, max_output)
     stderr_text, stderr_truncated = fit_stream(stderr, max_output)
     result = {
         "exit": exit_status & _bounds.MAX_EXIT_STATUS,
         "system_exit": system_exit,
+        "timed_out": timed_out,
         "stdout": stdout_text,
         "stderr": stderr_text,
         "stdout_truncated": stdout_truncated,

@@ -31,6 +31,8 @@ from ._spec import JobSpec, JobSpecError, Link, parse_job
 # Python's exit status for "could not start": ``python3 missing.py`` exits 2.
 EXIT_NOT_STARTED = 2
 EXIT_EXCEPTION = 1
+# What timeout(1) exits with, as the pool protocol reports a timed-out job.
+EXIT_TIMED_OUT = 124
 PREIMPORT_VARIABLE = "READIE_PREIMPORT"
 # Frames in the executor's own files (the exec call, the audit hook, host
 # functions and their JSON encoder) are not the job's and are left out of its tracebacks.
@@ -50,6 +52,7 @@ class _Outcome:
     error: ErrorInfo | None
     duration_us: int
     system_exit: bool = False  # ended by SystemExit: in a session, that ends the session
+    timed_out: bool = False  # stopped at its deadline: in a session, that ends the session too
 
 
 def run_job(job: dict[str, object]) -> bytes:
@@ -111,6 +114,7 @@ def _run(spec: JobSpec) -> bytes:
         policy_notes=notes,
         max_output=spec.limits.max_output,
         system_exit=outcome.system_exit,
+        timed_out=outcome.timed_out,
     )
 
 
@@ -133,11 +137,14 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
         started = time.perf_counter_ns()
         try:
             try:
-                with _guards.guarded(guard):
+                with _limits.deadline(spec.limits.timeout_ms), _guards.guarded(guard):
                     exec(code, module.__dict__)
             finally:
                 _limits.relax_memory_limit()
                 duration_us = (time.perf_counter_ns() - started) // 1000
+        except _limits.JobTimedOut:
+            message = f"job exceeded its timeout of {spec.limits.timeout_ms} ms"
+            return _Outcome(EXIT_TIMED_OUT, ErrorInfo("TimeoutError", message), duration_us, timed_out=True)
         except SystemExit as exc:
             return _Outcome(_exit_status(exc.code), None, duration_us, system_exit=True)
         except BaseException as exc:

@@ -21,7 +21,7 @@ DEFAULT_INLINE_NAME = "<string>"
 _KNOWN_FIELDS = frozenset(
     {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions"}
 )
-_LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses"})
+_LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses", "timeout_ms"})
 _LINK_FIELDS = frozenset({"path", "target", "writable"})
 
 
@@ -44,6 +44,9 @@ class Limits:
     max_file_size: int | None
     max_output: int
     subprocesses: bool
+    # Where the job's code is stopped from inside (a TimeoutError with its
+    # output so far); the worker kills the sandbox a little later regardless.
+    timeout_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ def _limits(raw: object) -> Limits:
         max_file_size=_optional_positive_int(raw.get("max_file_size"), "limits.max_file_size"),
         max_output=max_output,
         subprocesses=_bool(raw.get("subprocesses", False), "limits.subprocesses"),
+        timeout_ms=_optional_positive_int(raw.get("timeout_ms"), "limits.timeout_ms"),
     )
 
 

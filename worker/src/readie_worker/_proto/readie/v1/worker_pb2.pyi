@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class RunJobRequest(_message.Message):
     MAX_FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PACKAGES_FIELD_NUMBER: _ClassVar[int]
     FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -47,7 +48,8 @@ class RunJobRequest(_message.Message):
     max_file_size: int
     packages: _containers.RepeatedScalarFieldContainer[str]
     functions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ...) -> None: ...
+    profile: str
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("type", "message", "file", "line", "hint")
@@ -204,7 +206,7 @@ class PoolState(_message.Message):
     def __init__(self, ready: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class CapacityResponse(_message.Message):
-    __slots__ = ("slots", "busy", "draining", "isolated", "pools", "worker_name", "protocol", "sessions", "max_sessions")
+    __slots__ = ("slots", "busy", "draining", "isolated", "pools", "worker_name", "protocol", "sessions", "max_sessions", "problem")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,7 @@ class CapacityResponse(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
     slots: int
     busy: int
     draining: bool
@@ -230,4 +233,5 @@ class CapacityResponse(_message.Message):
     protocol: int
     sessions: int
     max_sessions: int
-    def __init__(self, slots: _Optional[int] = ..., busy: _Optional[int] = ..., draining: _Optional[bool] = ..., isolated: _Optional[bool] = ..., pools: _Optional[_Mapping[str, PoolState]] = ..., worker_name: _Optional[str] = ..., protocol: _Optional[int] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    problem: str
+    def __init__(self, slots: _Optional[int] = ..., busy: _Optional[int] = ..., draining: _Optional[bool] = ..., isolated: _Optional[bool] = ..., pools: _Optional[_Mapping[str, PoolState]] = ..., worker_name: _Optional[str] = ..., protocol: _Optional[int] = ..., sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., problem: _Optional[str] = ...) -> None: ...
