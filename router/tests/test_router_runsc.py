@@ -14,7 +14,7 @@ import pytest
 
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_router.testing import PoolProcess
-from readie_worker.testing import Cluster, start_cluster
+from readie_worker.testing import Cluster, start_cluster, wait_until
 
 pytestmark = pytest.mark.runsc
 
@@ -197,3 +197,42 @@ def test_the_pool_protocol_streams_over_grpc_with_sessions_and_host_functions(cl
     assert stats["host"]["calls"] == 1
     inbox.put(None)
     assert list(stream) == []  # EOF: the session is closed, the stream ends
+
+
+def test_a_router_drain_tells_its_balancers_first_and_ends_open_pool_sessions_as_its_failure(short_tmp):
+    """SIGTERM: health NOT_SERVING while the port is still open; an open pool session's next step is
+    PoolWorkerError with session_ended (the router's doing, not the client's)."""
+    import json
+    import queue
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from readie_worker._proto.readie.v1 import pool_pb2, pool_pb2_grpc
+
+    cluster = start_cluster(short_tmp, CHECKPOINTS / "manifest.json", workers=1, router_args=["--drain-notice=3"])
+    try:
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        stream = pool_pb2_grpc.PoolStub(cluster.channel).Session(iter(inbox.get, None), timeout=60)
+        read = lambda: json.loads(next(stream).line)  # noqa: E731
+        assert read()["event"] == "ready"
+        inbox.put(pool_pb2.PoolInput(data=b'{"id": 1, "session": "nb", "code": "x = 1"}\n'))
+        assert read()["step"] == 1
+        cluster.router.send_signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(cluster.address))
+        assert wait_until(lambda: _status(health) == health_pb2.HealthCheckResponse.NOT_SERVING, 2)
+        inbox.put(pool_pb2.PoolInput(data=b'{"id": 2, "session": "nb", "code": "print(x)"}\n'))
+        late = read()
+        assert (late["id"], late["error"]["type"], late["session_ended"]) == (2, "PoolWorkerError", True), late
+        assert "ws-" not in late["error"]["message"]  # the client knows its session as "nb"
+        inbox.put(None)
+    finally:
+        cluster.stop()
+
+
+def _status(health) -> int | None:
+    from grpc_health.v1 import health_pb2
+
+    try:
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+    except grpc.RpcError:
+        return None

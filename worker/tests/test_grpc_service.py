@@ -153,3 +153,19 @@ def test_drain_turns_health_not_serving_finishes_the_running_job_and_stops(serve
         stub.Capacity(pb.CapacityRequest(), timeout=2)
     assert after.value.code() == grpc.StatusCode.UNAVAILABLE
     assert isinstance(server, WorkerServer)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_as_v1_and_v1alpha(served, version):
+    """Tools (grpcurl, grpc-requests, Postman) ask grpc.reflection.v1 first now; older ones v1alpha."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _, _, _, channel = served
+    method = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    [answer] = list(method(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    names = {service.name for service in answer.list_services_response.service}
+    assert {"readie.v1.Worker", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names

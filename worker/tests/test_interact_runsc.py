@@ -464,7 +464,8 @@ def test_a_remote_session_is_lost_when_its_worker_drains(worker_dir):
         assert process.containers() == []
         with pytest.raises(SessionLost, match="ended") as lost:
             session.run_step("print(x)")
-        assert session.id in str(lost.value) and session.ended
+        # The message names the worker, not the worker's internal session id.
+        assert client.address in str(lost.value) and session.id not in str(lost.value) and session.ended
     finally:
         client.close()
         stop_worker(process)

@@ -217,6 +217,8 @@ class Placement:
         with self._lock:
             sessions = list(self._sessions)
         if sessions:  # their sandboxes, on their workers; all at once, each waits for its worker
+            for session in sessions:
+                session.ended_by = "the router is shutting down"
             with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
                 list(closing.map(PlacedSession.close, sessions))
         for member in self._members:
@@ -348,6 +350,9 @@ class PlacedSession:
         self._remote = remote
         self.id = remote.id
         self._counted = True  # holds one of the member's session places until it ends
+        # Why the router ended it under its client, if it did: the next step is then the
+        # router's failure (PoolWorkerError, the session gone), not the client's mistake.
+        self.ended_by: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -366,6 +371,8 @@ class PlacedSession:
         cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
+        if self.ended_by is not None:
+            raise PoolWorkerError(f"the session has ended: {self.ended_by}")
         placement = self._placement
         placement._take_slot(self._member)
         try:

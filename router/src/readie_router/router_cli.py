@@ -22,7 +22,7 @@ import structlog
 
 from readie_worker._proto.readie.v1.pool_pb2_grpc import add_PoolServicer_to_server
 from readie_worker.errors import ReadieError
-from readie_worker.grpc_service import serve
+from readie_worker.grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
 from readie_worker.security import add_client_arguments, add_server_arguments, client_security, server_security
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("router serving", address=server.address, workers=list(args.worker))
     stop.wait()
-    server.drain(args.drain_grace)
+    server.drain(args.drain_grace, args.drain_notice)
     return 0
 
 
@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=None, help="what Capacity reports as this router's name")
     parser.add_argument("--probe-interval", type=float, default=PROBE_INTERVAL_S, help="seconds between worker probes")
     parser.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S, help="seconds running calls get on SIGTERM")
+    parser.add_argument(
+        "--drain-notice", type=float, default=DRAIN_NOTICE_S, help="seconds a drain answers NOT_SERVING before it closes the port"
+    )
     parser.add_argument("--log", choices=("json", "console"), default="console")
     parser.add_argument(
         "--config", type=Path, default=None, help="[pool.limits] and profiles for every job and session (without: nothing is granted)"

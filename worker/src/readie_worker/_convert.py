@@ -98,10 +98,7 @@ def code_job(
         max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
         packages=validate_requirements(tuple(request.packages)) or None,
     )
-    try:
-        policy = resolve_policy(asked, cwd="/", limits=limits, profiles=profiles, resolve=None)
-    except RequestError as exc:
-        raise RequestError(exc.reason, field=_PROTO_FIELDS.get(exc.field or "", exc.field)) from None
+    policy = resolve_policy(asked, cwd="/", limits=limits, profiles=profiles, resolve=None)
     return CodeJob(
         checkpoint=checkpoint_name(request.checkpoint),
         code=_text("code", request.code, MAX_CODE_CHARS),
@@ -127,10 +124,6 @@ class Ceiling(NamedTuple):
 
     limits: Limits
     profiles: Mapping[str, Profile]
-
-
-# The pool protocol's names, in policy refusals, as the proto spells those fields.
-_PROTO_FIELDS = {"allow_network": "network", "timeout": "timeout_ms", "memory": "memory_bytes"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +168,8 @@ def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> StepReq
             max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
         )
         check_step(step.timeout_ms, step.max_output, limits)
-    except RequestError as exc:
-        raise RequestError(exc.reason, field=f"step.{_PROTO_FIELDS.get(exc.field or '', exc.field)}") from None
+    except RequestError as exc:  # named as the step's field, not the session's
+        raise RequestError(exc.reason, field=f"step.{exc.field}") from None
     return step
 
 

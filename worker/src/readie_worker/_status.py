@@ -81,8 +81,22 @@ class Status:
     metadata: tuple[tuple[str, str], ...]
 
 
+# Fields the pool protocol (and so the policy module) names otherwise than the proto does.
+_WIRE_NAMES = {"allow_network": "network", "timeout": "timeout_ms", "memory": "memory_bytes"}
+
+
+def on_the_wire(error: RequestError) -> RequestError:
+    """``error`` naming its field as the proto does (``step.timeout`` is ``step.timeout_ms``)."""
+    if error.field is None:
+        return error
+    field = ".".join(_WIRE_NAMES.get(part, part) for part in error.field.split("."))
+    return error if field == error.field else RequestError(error.reason, field=field)
+
+
 def status_for(error: BaseException) -> Status:
     """The status (code, details, trailing metadata) a failed call ends with."""
+    if isinstance(error, RequestError):
+        error = on_the_wire(error)
     if not isinstance(error, ReadieError):
         # A bug: its message could hold anything, so only its type leaves the worker.
         return Status(grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})", ((ERROR_METADATA_KEY, "InternalError"),))

@@ -20,7 +20,7 @@ import structlog
 from .core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
 from . import enter_mount_namespace
 from .errors import ReadieError
-from .grpc_service import serve
+from .grpc_service import DRAIN_NOTICE_S, serve
 from .logs import configure_logging
 from .config import Config, load_config
 from .paths import remove_tree, scratch_dir
@@ -86,7 +86,7 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event
         worker.close()
         return 1
     stop.wait()
-    server.drain(args.drain_grace)
+    server.drain(args.drain_grace, args.drain_notice)
     return 0
 
 
@@ -118,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
     parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
     parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
+    parser.add_argument("--drain-notice", type=_seconds, default=DRAIN_NOTICE_S, metavar="SECONDS", help="how long a drain answers NOT_SERVING before it closes the port (default %(default)s)")
     parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")
     parser.add_argument("--allow-unisolated", action="store_true", help="DEVELOPMENT ONLY: without runsc, run jobs as plain host processes")
     parser.add_argument(

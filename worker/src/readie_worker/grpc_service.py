@@ -72,6 +72,10 @@ MAX_MESSAGE_BYTES = MAX_ENVELOPE_BYTES + MESSAGE_OVERHEAD_BYTES
 # every slot is busy and a few jobs wait for one. Calls beyond that wait in
 # grpc's own queue; a router that respects Capacity never sends them.
 RPC_HEADROOM_THREADS = 8
+# A drain keeps the port open, answering NOT_SERVING, at least this long: the
+# interval of a balancer's or an orchestrator's readiness probe, so that it
+# moves its traffic before connections are refused.
+DRAIN_NOTICE_S = 2.0
 # Health follows Capacity's problem within this long (a Capacity call is answered from memory).
 HEALTH_POLL_S = 1.0
 # After the worker drained, running calls have returned; this only lets
@@ -261,17 +265,19 @@ class WorkerServer:
     port: int
     watch: _Health
 
-    def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
+    def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S, notice_s: float = DRAIN_NOTICE_S) -> None:
         """Stop taking work, let running jobs finish (up to ``grace_s``), destroy sandboxes, stop.
 
-        Health turns NOT_SERVING first, so load balancers stop routing here
-        while the jobs already running still complete and answer.
+        Health turns NOT_SERVING first, and the port stays open for at least
+        ``notice_s``, so balancers polling health stop routing here before
+        connections are refused, while the jobs already running complete.
         """
         started = time.monotonic()
         log.info("draining", grace_s=grace_s, busy=self.worker.capacity().busy)
         self.watch.stop()
         self.health.enter_graceful_shutdown()
         self.worker.drain(grace_s)  # new calls get UNAVAILABLE from here on
+        time.sleep(max(0.0, notice_s - (time.monotonic() - started)))
         self.server.stop(STOP_GRACE_S).wait()
         # Once more now that no handler runs: a job cut off at the grace could
         # have been restoring a sandbox when drain swept.

@@ -196,13 +196,13 @@ class RemoteSession:
             closed = self.ended  # close() cancelled the stream under the step
             self._end()
             if closed:
-                raise PoolWorkerError(f"session {self.id} was closed while its step ran") from None
+                raise PoolWorkerError("the session was closed while its step ran") from None
             if isinstance(exc, StreamBroken):
                 raise SessionLost(
-                    f"session {self.id} ended: its worker at {self.address} was lost ({exc}); "
+                    f"the session ended: its worker at {self.address} was lost ({exc}); "
                     "its state is gone, and only a new session can go on"
                 ) from None
-            raise PoolWorkerError(f"session {self.id} ended: {exc}") from None
+            raise PoolWorkerError(f"the session ended: {exc}") from None
         finally:
             with self._lock:
                 self._running = False

@@ -135,6 +135,7 @@ def start_worker(
         f"--slots={slots}",
         f"--name={name}",
         "--drain-grace=20",
+        "--drain-notice=0",  # tests stop hundreds of workers; none has a balancer to tell
         "--log=json",
         *args,
     ]
@@ -250,6 +251,7 @@ def start_cluster(
                 "router",
                 f"--listen=127.0.0.1:{port}",
                 "--probe-interval=0.2",
+                "--drain-notice=0",
                 f"--checkpoints={manifest.parent}",
                 *router_args,
                 *(f"--worker=127.0.0.1:{w.port}" for w in started),
