@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian 12 machine lacks for readie: gVisor's runsc and
-# debootstrap from Debian, uv from PyPI. Idempotent: does nothing when present.
+# debootstrap from Debian, uv from PyPI, Node.js for one test. Idempotent: does
+# nothing when present.
 set -euo pipefail
 
 need_apt=()
 command -v runsc >/dev/null || need_apt+=(runsc)
 command -v debootstrap >/dev/null || need_apt+=(debootstrap)
 command -v docker-compose >/dev/null || need_apt+=(docker-compose)
+# The test suite's non-Python gRPC client (worker/tests/node).
+command -v node >/dev/null || need_apt+=(nodejs)
+command -v npm >/dev/null || need_apt+=(npm)
 if ((${#need_apt[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     echo "setup: need root to install ${need_apt[*]} (readie runs runsc as root)" >&2
