@@ -8,34 +8,22 @@ import json
 import textwrap
 
 import pytest
+from readie_worker.testing import CHANNEL_FORGER
 
 from adversarial._target import target, unharmed  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.runsc
 
-# Finds the executor's connection to the worker and writes raw bytes on it,
-# as a job that wants to speak for the executor would; then blocks, so that
-# whatever the worker does comes from what was forged.
-FORGE = textwrap.dedent(
+# The forger's channel() finds the executor's connection to the worker; forge()
+# writes raw bytes on it, as a job that wants to speak for the executor would.
+# The caller then blocks, so that whatever the worker does comes from what was forged.
+FORGE = CHANNEL_FORGER + textwrap.dedent(
     """
-    import os, socket, stat, time
+    import time
     from readie_executor.protocol import encode_message
 
-    def connection():
-        for name in os.listdir('/proc/self/fd'):
-            fd = int(name)
-            try:
-                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    continue
-                sock = socket.socket(fileno=os.dup(fd))
-                sock.getpeername()
-                return sock
-            except OSError:
-                continue
-        raise SystemExit('no connection')
-
     def forge(payload, raw=False):
-        connection().sendall(payload if raw else encode_message(payload))
+        sock.sendall(payload if raw else encode_message(payload))
     """
 )
 RESULT = {
@@ -85,12 +73,12 @@ def test_a_forged_invalid_result_is_a_worker_error(target, payload, why):
     ids=["bad-framing", "truncated"],
 )
 def test_broken_framing_on_the_socket_is_a_worker_error(target, raw):
-    result = forge(target, f"forge({raw}, raw=True)\nconnection().shutdown(socket.SHUT_RDWR)")
+    result = forge(target, f"forge({raw}, raw=True)\nsock.shutdown(socket.SHUT_RDWR)")
     assert result["error"]["type"] == "PoolWorkerError", result
 
 
 def test_a_job_that_hangs_up_the_socket_is_a_worker_error_not_a_hang(target):
-    result = forge(target, "connection().shutdown(socket.SHUT_RDWR)")
+    result = forge(target, "sock.shutdown(socket.SHUT_RDWR)")
     assert result["error"]["type"] == "PoolWorkerError" and result["duration_ms"] < 10_000, result
 
 
@@ -121,7 +109,6 @@ def test_a_forged_call_to_an_undeclared_function_never_reaches_the_client(target
 def test_a_flood_of_forged_calls_ends_the_job(target):
     code = (
         "from readie_executor import hostwire\n"
-        "sock = connection()\n"
         "for i in range(5000):\n    sock.sendall(encode_message(hostwire.encode_call(i + 1, 'nope', [], {})))\n"
     )
     result = forge(target, code)

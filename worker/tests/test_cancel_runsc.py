@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -34,23 +33,11 @@ def worker(checkpoints, checkpoint_dir, tmp_path_factory):
     assert process.containers() == []
 
 
-class Steps:
-    """An Interact request stream the test feeds one message at a time."""
-
-    def __init__(self, *first: pb.InteractRequest) -> None:
-        self._queue: queue.Queue[pb.InteractRequest | None] = queue.Queue()
-        for message in first:
-            self._queue.put(message)
-
-    def send(self, message: pb.InteractRequest) -> None:
-        self._queue.put(message)
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def __iter__(self) -> Iterator[pb.InteractRequest]:
-        while (message := self._queue.get()) is not None:
-            yield message
+def open_steps(stub: pb_grpc.WorkerStub):
+    """An Interact call opened with a session of ``x = 1``; returns (its requests, its events)."""
+    steps: queue.Queue[pb.InteractRequest | None] = queue.Queue()
+    steps.put(pb.InteractRequest(open_session=pb.RunJobRequest(checkpoint="base", code="x = 1", timeout_ms=40_000)))
+    return steps, stub.Interact(iter(steps.get, None), timeout=120)
 
 
 def test_a_cancelled_run_job_stops_and_frees_its_sandbox(worker):
@@ -67,17 +54,16 @@ def test_a_cancelled_run_job_stops_and_frees_its_sandbox(worker):
 
 
 def test_a_cancelled_session_step_stops_and_ends_its_session(worker):
-    steps = Steps(pb.InteractRequest(open_session=pb.RunJobRequest(checkpoint="base", code="x = 1", timeout_ms=40_000)))
-    events = worker.stub.Interact(iter(steps), timeout=120)
+    steps, events = open_steps(worker.stub)
     first = next(events).result
     sandbox = first.sandbox_id
     assert sandbox in worker.containers()
-    steps.send(pb.InteractRequest(step=pb.SessionStep(code=SLEEP)))
+    steps.put(pb.InteractRequest(step=pb.SessionStep(code=SLEEP)))
     assert wait_until(lambda: busy(worker.stub) == 1, 10)
     time.sleep(1)
     events.cancel()
     assert wait_until(lambda: sandbox not in worker.containers() and busy(worker.stub) == 0, FREED_WITHIN_S)
-    steps.close()
+    steps.put(None)
 
 
 def test_a_deadline_before_the_jobs_timeout_ends_it_with_its_own_timeout_error(worker):
@@ -99,15 +85,14 @@ def test_cancelling_through_a_router_frees_the_workers_sandbox(checkpoints, chec
         call.cancel()
         assert wait_until(lambda: worker.containers() == [] and busy(worker.stub) == 0, FREED_WITHIN_S)
         # And a session's step.
-        steps = Steps(pb.InteractRequest(open_session=pb.RunJobRequest(checkpoint="base", code="x = 1", timeout_ms=40_000)))
-        events = cluster.stub.Interact(iter(steps), timeout=120)
+        steps, events = open_steps(cluster.stub)
         assert next(events).result.step == 1
-        steps.send(pb.InteractRequest(step=pb.SessionStep(code=SLEEP)))
+        steps.put(pb.InteractRequest(step=pb.SessionStep(code=SLEEP)))
         assert wait_until(lambda: busy(worker.stub) == 1, 10)
         time.sleep(1)
         events.cancel()
         assert wait_until(lambda: worker.containers() == [] and busy(worker.stub) == 0, FREED_WITHIN_S)
-        steps.close()
+        steps.put(None)
         with pytest.raises(grpc.FutureCancelledError):
             call.result()
     finally:

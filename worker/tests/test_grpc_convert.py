@@ -14,7 +14,8 @@ from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._status import DeadlineExpired, ResponseTooLarge, grpc_errors, status_for
 from readie_worker.core import Capacity, Worker, WorkerConfig
 from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
-from readie_worker.jobs import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
+from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from readie_worker.runsc import RunscError
 from readie_worker.sandbox import ExecutorTimeout
 

@@ -26,8 +26,8 @@ from .core import Capacity
 from ._host_frames import HostStats, check_functions
 from ._job_result import JobError
 from .errors import RequestError
-from .jobs import DEFAULT_TIMEOUT_MS, CodeJob, JobOutcome
-from .policy import NO_LIMITS, Limits, Profile, check_step, resolve_policy
+from .jobs import CodeJob, JobOutcome
+from .policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
 from .sessions import StepOutcome
 from .packages import validate_requirements
 

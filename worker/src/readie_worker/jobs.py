@@ -35,6 +35,7 @@ from ._host_frames import (
 from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
 from .errors import PoolWorkerError, RequestError
+from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
 
 __all__ = [
@@ -56,9 +57,6 @@ HostFunction = Callable[[HostCall], HostReply]
 # What every job's environment starts from; the request's env goes on top.
 # Nothing of the worker's own environment is ever copied in.
 BASE_JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
-# The pool spec's default cap on captured stdout and stderr, each.
-DEFAULT_MAX_OUTPUT = 1024 * 1024
-DEFAULT_TIMEOUT_MS = 30_000
 # Files count: /tmp, /dev/shm and everything written outside the grants live
 # in the sandbox's memory, under the same cgroup as its allocations.
 # After a job's timeout its code is stopped inside the sandbox (SIGALRM) and

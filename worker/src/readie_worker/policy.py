@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar, overload
 
@@ -286,34 +286,11 @@ def resolve_policy(
         package_dirs=merged["package_dirs"],
         env=tuple(env.items()),
         network=bool(network),
-        timeout_ms=_limited(
-            "timeout",
-            _pick(request.timeout_ms, profile.timeout_ms, note),
-            limits.timeout_ms,
-            DEFAULT_TIMEOUT_MS,
-            _ms,
-        ),
-        memory_bytes=_limited(
-            "memory",
-            _pick(request.memory_bytes, profile.memory_bytes, note),
-            limits.memory_bytes,
-            DEFAULT_MEMORY_BYTES,
-            _bytes,
-        ),
-        max_output=_limited(
-            "max_output",
-            _pick(request.max_output, profile.max_output, note),
-            limits.max_output,
-            DEFAULT_MAX_OUTPUT,
-            _bytes,
-        ),
-        max_file_size=_limited(
-            "max_file_size",
-            _pick(request.max_file_size, profile.max_file_size, note),
-            limits.max_file_size,
-            DEFAULT_MAX_FILE_SIZE,
-            _bytes,
-        ),
+        **{
+            attribute: _limited(field, _pick(getattr(request, attribute), getattr(profile, attribute), note),
+                                getattr(limits, attribute), default, show)
+            for field, attribute, default, show in _SCALARS
+        },
     )
 
 
@@ -323,18 +300,10 @@ def resolve_step(policy: Policy, request: PolicyRequest, limits: Limits = NO_LIM
     The session manager refuses any other setup field before calling this.
     """
     check_step(request.timeout_ms, request.max_output, limits)
-    timeout_ms = policy.timeout_ms if request.timeout_ms is None else request.timeout_ms
-    max_output = policy.max_output if request.max_output is None else request.max_output
-    return Policy(
-        allow_read=policy.allow_read,
-        allow_write=policy.allow_write,
-        package_dirs=policy.package_dirs,
-        env=policy.env,
-        network=policy.network,
-        timeout_ms=timeout_ms,
-        memory_bytes=policy.memory_bytes,
-        max_output=max_output,
-        max_file_size=policy.max_file_size,
+    return replace(
+        policy,
+        timeout_ms=policy.timeout_ms if request.timeout_ms is None else request.timeout_ms,
+        max_output=policy.max_output if request.max_output is None else request.max_output,
     )
 
 
@@ -461,6 +430,16 @@ def _ms(value: int) -> str:
 
 def _bytes(value: int) -> str:
     return f"{value} bytes"
+
+
+#: The policy's numbers: (name in messages, attribute of request, profile, ceiling and
+#: policy, default when none sets it, how a value reads in a refusal).
+_SCALARS: tuple[tuple[str, str, int | None, Callable[[int], str]], ...] = (
+    ("timeout", "timeout_ms", DEFAULT_TIMEOUT_MS, _ms),
+    ("memory", "memory_bytes", DEFAULT_MEMORY_BYTES, _bytes),
+    ("max_output", "max_output", DEFAULT_MAX_OUTPUT, _bytes),
+    ("max_file_size", "max_file_size", DEFAULT_MAX_FILE_SIZE, _bytes),
+)
 
 
 @overload
