@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from readie_worker.errors import ReadieError
 from readie_worker.grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
 from readie_worker.security import add_client_arguments, add_server_arguments, client_security, server_security
+from readie_worker.stop_signal import StopSignal
 
 from ._backend import choose_checkpoint, manifest_path
 from readie_worker.config import Config, load_config
@@ -52,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.worker:
         log.error("no workers: pass --worker HOST:PORT at least once")
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = StopSignal()
     try:
         security = server_security(args)
         security.check(args.listen)

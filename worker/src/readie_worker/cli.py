@@ -10,9 +10,7 @@ every sandbox is destroyed, and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import structlog
@@ -25,6 +23,7 @@ from .logs import configure_logging
 from .config import Config, load_config
 from .paths import remove_tree, scratch_dir
 from .security import add_server_arguments, is_local_address, server_security
+from .stop_signal import StopSignal
 
 log = structlog.get_logger("readie.worker")
 
@@ -55,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_unisolated=args.allow_unisolated,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
-    stop = threading.Event()
-    _on_signals(stop)
+    stop = StopSignal()
     try:
         return _serve(config, args, stop)
     finally:
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             remove_tree(scratch)
 
 
-def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event) -> int:
+def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     try:
         security = server_security(args)
         security.check(args.listen)  # before any sandbox is made
@@ -88,16 +86,6 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: threading.Event
     stop.wait()
     server.drain(args.drain_grace, args.drain_notice)
     return 0
-
-
-def _on_signals(stop: threading.Event) -> None:
-    def handle(signum: int, frame: object) -> None:
-        if stop.is_set():
-            log.info("already draining", signal=signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handle)
 
 
 def _warm_spec(text: str) -> tuple[str, int]:
