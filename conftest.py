@@ -20,8 +20,7 @@ from readie_pipeline.plan import load_plan
 from readie_pipeline.rootfs import rootfs_fingerprint
 from readie_worker import enter_mount_namespace
 from readie_worker import runsc as runsc_module
-from readie_worker.bundle import family_fingerprint
-from readie_worker.manifest import MANIFEST_NAME, LoadedCheckpoints, load_checkpoints, read_manifest
+from readie_worker.manifest import MANIFEST_NAME, LoadedCheckpoints, checkpoints_for, read_manifest
 from readie_worker.runsc import Runsc
 
 REPO = Path(__file__).resolve().parent
@@ -72,12 +71,7 @@ def checkpoints(runsc: Runsc) -> LoadedCheckpoints:
             f"checkpoints in {CHECKPOINTS} were captured from another rootfs (the executor or the plan "
             "changed since): run make capture (make test does)"
         )
-    loaded = load_checkpoints(
-        CHECKPOINTS / MANIFEST_NAME,
-        runsc_version=runsc_module.version(),
-        spec_fingerprint=family_fingerprint(manifest.rootfs, manifest.mount_plan, runsc.flags),
-        strict=True,
-    )
+    loaded = checkpoints_for(runsc, CHECKPOINTS / MANIFEST_NAME, strict=True)
     assert not loaded.problems, loaded.problems
     return loaded
 

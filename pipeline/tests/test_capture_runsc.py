@@ -11,7 +11,7 @@ from readie_executor.protocol import PROTOCOL_VERSION
 from readie_pipeline.capture import CaptureError, CaptureOptions, capture
 from readie_pipeline.plan import CheckpointPlan, load_plan
 from readie_worker.manifest import MANIFEST_NAME, file_sha256
-from readie_worker.runsc import Runsc
+from readie_worker.runsc import Runsc, features
 
 pytestmark = pytest.mark.runsc
 
@@ -28,7 +28,11 @@ def test_capture_writes_a_complete_manifest_and_leaves_no_container(plan, tmp_pa
     raw = json.loads((tmp_path / MANIFEST_NAME).read_text())
     assert raw["executor_protocol"] == PROTOCOL_VERSION
     assert raw["runsc_version"].startswith("runsc version")
-    assert "--platform=ptrace" in raw["runsc_flags"] and "--network=none" in raw["runsc_flags"]
+    # What this host's runsc supports best: systrap and uncompressed images on runsc 2024.
+    supported = features()
+    assert raw["runsc_version"] == supported.version
+    assert raw["runsc_flags"] == [*supported.sandbox_flags, *supported.checkpoint_flags]
+    assert f"--platform={supported.platform}" in raw["runsc_flags"] and "--network=none" in raw["runsc_flags"]
     assert raw["spec_fingerprint"].startswith("sha256:")
     assert raw["rootfs_fingerprint"].startswith("sha256:")
     assert raw["python"].startswith("3.11")
@@ -36,12 +40,16 @@ def test_capture_writes_a_complete_manifest_and_leaves_no_container(plan, tmp_pa
     assert raw["created_at"]
     [entry] = raw["checkpoints"]
     assert entry["name"] == "base" and entry["preimport"] == [] and entry["image_path"] == "base"
-    image = tmp_path / "base" / "checkpoint.img"
-    assert entry["size_bytes"] == image.stat().st_size > 0
-    assert entry["sha256"] == file_sha256(image)
+    # Every file of the image directory, sized and hashed (three when uncompressed).
+    image_dir = tmp_path / "base"
+    assert [f["name"] for f in entry["files"]] == sorted(p.name for p in image_dir.iterdir())
+    assert "checkpoint.img" in [f["name"] for f in entry["files"]]
+    for file in entry["files"]:
+        assert file["size_bytes"] == (image_dir / file["name"]).stat().st_size > 0
+        assert file["sha256"] == file_sha256(image_dir / file["name"])
     for timing in ("restore_p50_ms", "restore_to_socket_p50_ms", "cold_start_p50_ms"):
         assert entry[timing] > 0
-    assert manifest.checkpoints["base"].sha256 == entry["sha256"]
+    assert [f.sha256 for f in manifest.checkpoints["base"].files] == [f["sha256"] for f in entry["files"]]
 
     # Progress names the checkpoint, the step and how long it took.
     assert any(line.startswith("[base] checkpoint:") and line.endswith(" s") for line in lines)

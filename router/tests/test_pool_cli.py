@@ -24,8 +24,7 @@ def write_manifest(directory: Path, checkpoints: dict[str, list[str]]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "manifest.json"
     entry = {
-        "size_bytes": 1,
-        "sha256": "sha256:0",
+        "files": [{"name": "checkpoint.img", "size_bytes": 1, "sha256": "sha256:0"}],
         "restore_p50_ms": 1.0,
         "cold_start_p50_ms": 1.0,
         "restore_to_socket_p50_ms": 1.0,

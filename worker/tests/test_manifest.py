@@ -18,6 +18,7 @@ from readie_worker.manifest import (
     Checkpoint,
     Manifest,
     file_sha256,
+    image_files,
     load_checkpoints,
     protocol_mismatch_message,
     read_manifest,
@@ -29,16 +30,19 @@ RUNSC = "runsc version release-20250101.0"
 FINGERPRINT = "sha256:" + "ab" * 32
 
 
-def make_checkpoint(out: Path, name: str, data: bytes) -> Checkpoint:
+def make_checkpoint(out: Path, name: str, data: bytes, pages: bytes | None = None) -> Checkpoint:
+    """One compressed file, or with ``pages`` the three of an uncompressed runsc 2024 image."""
     image_dir = out / "images" / name
     image_dir.mkdir(parents=True)
     (image_dir / "checkpoint.img").write_bytes(data)
+    if pages is not None:
+        (image_dir / "pages.img").write_bytes(pages)
+        (image_dir / "pages_meta.img").write_bytes(b"meta" + pages[:16])
     return Checkpoint(
         name=name,
         preimport=(name,) if name != "base" else (),
         image_path=image_dir,
-        size_bytes=len(data),
-        sha256=file_sha256(image_dir / "checkpoint.img"),
+        files=image_files(image_dir),
         restore_p50_ms=12.5,
         cold_start_p50_ms=800.0,
         restore_to_socket_p50_ms=20.25,
@@ -48,7 +52,7 @@ def make_checkpoint(out: Path, name: str, data: bytes) -> Checkpoint:
 def make_manifest(out: Path, **overrides: object) -> Manifest:
     checkpoints = {
         "base": make_checkpoint(out, "base", b"base image bytes \x00\x01\x02"),
-        "numpy": make_checkpoint(out, "numpy", b"numpy image bytes " * 100),
+        "numpy": make_checkpoint(out, "numpy", b"numpy image bytes " * 100, pages=os.urandom(3 * 4096)),
     }
     fields: dict[str, object] = dict(
         executor_protocol=PROTOCOL_VERSION,
@@ -244,7 +248,7 @@ def test_missing_image_makes_only_that_checkpoint_unusable(written, out):
     assert list(loaded.usable) == ["numpy"]
     assert list(loaded.problems) == ["base"]
     assert "missing" in loaded.problems["base"]
-    with pytest.raises(CheckpointUnusable, match="'base': image missing"):
+    with pytest.raises(CheckpointUnusable, match=r"'base'.*\(missing \['checkpoint.img'\]"):
         verify_image(loaded.manifest.checkpoints["base"])
 
 
@@ -257,22 +261,55 @@ def test_missing_image_is_not_fatal_even_when_strict(written, out):
     assert list(loaded.problems) == ["base"]
 
 
-def test_corrupt_image_names_both_digests(written, out):
+@pytest.mark.parametrize("name", ["checkpoint.img", "pages.img", "pages_meta.img"])
+def test_a_corrupt_file_of_an_image_names_it_and_both_digests(written, out, name):
     path, manifest = written
-    image = out / "images" / "numpy" / "checkpoint.img"
+    image = out / "images" / "numpy" / name
     data = bytearray(image.read_bytes())
     data[len(data) // 2] ^= 0x01
     image.write_bytes(bytes(data))
     actual = file_sha256(image)
-    expected = manifest.checkpoints["numpy"].sha256
+    [expected] = [f.sha256 for f in manifest.checkpoints["numpy"].files if f.name == name]
     assert actual != expected
 
     loaded = load(path)
     assert list(loaded.usable) == ["base"]
     problem = loaded.problems["numpy"]
-    assert "corrupt" in problem
+    assert f"{name} is corrupt" in problem
     assert actual in problem
     assert expected in problem
+
+
+def test_an_image_file_of_another_size_is_refused_before_hashing(written, out):
+    path, _ = written
+    with open(out / "images" / "numpy" / "pages.img", "ab") as pages:
+        pages.write(b"appended")
+    assert "pages.img is 12296 bytes, the manifest says 12288" in load(path).problems["numpy"]
+
+
+def test_a_file_added_to_an_image_dir_is_refused(written, out):
+    # runsc reads what it finds in an image dir: an unrecorded file there is not trusted.
+    path, _ = written
+    (out / "images" / "base" / "pages.img").write_bytes(b"planted")
+    assert "unexpected ['pages.img']" in load(path).problems["base"]
+
+
+def test_an_image_file_swapped_for_a_symlink_is_refused(written, out):
+    path, _ = written
+    pages = out / "images" / "numpy" / "pages.img"
+    (out / "copy").write_bytes(pages.read_bytes())
+    pages.unlink()
+    pages.symlink_to(out / "copy")
+    assert "pages.img is not a regular file" in load(path).problems["numpy"]
+
+
+def test_a_flags_mismatch_names_both_flag_sets(written):
+    # A systrap image under ptrace is not refused by runsc (the job segfaults): the worker must.
+    path, _ = written
+    flags = ("--platform=ptrace", "--network=none", "--overlay2=root:memory")
+    problem = load(path, spec_fingerprint="sha256:" + "ef" * 32, runsc_flags=flags).problems["*"]
+    assert "captured with flags --network=none --overlay2=root:memory" in problem
+    assert "this host uses --platform=ptrace --network=none --overlay2=root:memory" in problem
 
 
 def test_images_are_not_hashed_when_verification_is_off(written, out):
@@ -322,14 +359,14 @@ def test_missing_top_level_key_is_a_manifest_error(written, key):
 
 def test_missing_checkpoint_key_is_a_manifest_error(written):
     path, _ = written
-    rewrite_json(path, lambda raw: raw["checkpoints"][1].pop("sha256"))
-    with pytest.raises(ManifestError, match="malformed checkpoint manifest: KeyError: 'sha256'"):
+    rewrite_json(path, lambda raw: raw["checkpoints"][1].pop("files"))
+    with pytest.raises(ManifestError, match="malformed checkpoint manifest: KeyError: 'files'"):
         read_manifest(path)
 
 
 def test_wrongly_typed_field_is_a_manifest_error(written):
     path, _ = written
-    rewrite_json(path, lambda raw: raw["checkpoints"][0].update(size_bytes="big"))
+    rewrite_json(path, lambda raw: raw["checkpoints"][0]["files"][0].update(size_bytes="big"))
     with pytest.raises(ManifestError, match="malformed checkpoint manifest: ValueError"):
         read_manifest(path)
 
@@ -361,6 +398,6 @@ def test_deeply_nested_json_is_a_manifest_error(out):
 def test_non_finite_number_is_a_manifest_error(written):
     path, _ = written
     # json.dumps writes Infinity, which json.loads accepts.
-    rewrite_json(path, lambda raw: raw["checkpoints"][0].update(size_bytes=float("inf")))
+    rewrite_json(path, lambda raw: raw["checkpoints"][0]["files"][0].update(size_bytes=float("inf")))
     with pytest.raises(ManifestError):
         read_manifest(path)

@@ -30,7 +30,7 @@ from readie_worker.manifest import (
     Checkpoint,
     Manifest,
     ManifestError,
-    file_sha256,
+    image_files,
     read_manifest,
     verify_image,
     write_manifest,
@@ -64,6 +64,7 @@ class CaptureOptions:
     runs: int = 3
     only: tuple[str, ...] = ()
     force: bool = False  # recapture even checkpoints that are up to date
+    runsc: str = "runsc"  # the binary: its version and features shape the images
 
 
 Report = Callable[[str], None]
@@ -73,10 +74,10 @@ def capture(plan: Plan, options: CaptureOptions, report: Report) -> Manifest:
     selected = plan.select(list(options.only))
     enter_mount_namespace()  # sandbox dirs are tmpfs mounts (readie_worker._sandbox_dir)
     rootfs = ensure_rootfs(plan, report)
-    runsc = Runsc(root=options.output / ".runsc-state")
+    runsc = Runsc(root=options.output / ".runsc-state", binary=options.runsc)
     runsc.sweep()
-    version = runsc_module.version()
-    fingerprint = family_fingerprint(rootfs.path, plan.mounts, runsc.flags)
+    version = runsc_module.features(runsc.binary).version
+    fingerprint = family_fingerprint(rootfs.path, plan.mounts, runsc.family_flags)
     previous = _previous_entries(options.output, version, fingerprint, rootfs.fingerprint)
     captured: dict[str, Checkpoint] = {}
     with _scratch_dir() as scratch:
@@ -88,7 +89,7 @@ def capture(plan: Plan, options: CaptureOptions, report: Report) -> Manifest:
     manifest = Manifest(
         executor_protocol=PROTOCOL_VERSION,
         runsc_version=version,
-        runsc_flags=runsc.flags,
+        runsc_flags=runsc.family_flags,
         spec_fingerprint=fingerprint,
         rootfs=rootfs.path,
         rootfs_fingerprint=rootfs.fingerprint,
@@ -137,19 +138,17 @@ def capture_one(
                     raise CaptureError(f"checkpoint {name!r}: {exc}: {_tail(launched)}") from None
                 verify_template(name, json.loads(announced))
                 with _step(report, name, "checkpoint"):
-                    runsc.run("checkpoint", f"--image-path={staging}", sandbox.id)
+                    runsc.checkpoint(sandbox.id, staging)
             finally:
                 runsc.destroy(sandbox.id)
                 launched.close()
         finally:
             sandbox.remove()
-    image = staging / "checkpoint.img"
     staged = Checkpoint(
         name=name,
         preimport=checkpoint.preimport,
         image_path=staging.resolve(),
-        size_bytes=image.stat().st_size,
-        sha256=file_sha256(image),
+        files=image_files(staging),
         restore_p50_ms=0.0,
         cold_start_p50_ms=0.0,
         restore_to_socket_p50_ms=0.0,

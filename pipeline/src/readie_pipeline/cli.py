@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--only", action="append", default=[], metavar="NAME", help="capture only this checkpoint")
     cap.add_argument("--runs", type=int, default=3, help="timed restores and cold starts per checkpoint")
     cap.add_argument("--force", action="store_true", help="recapture checkpoints that are up to date")
+    cap.add_argument("--runsc", default="runsc", metavar="BINARY", help="the runsc to capture with (default: runsc on PATH)")
     args = parser.parse_args(argv)
     configure_logging()
     started = time.monotonic()
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.runs < 1:
             parser.error("--runs must be at least 1")
-        manifest = capture(plan, CaptureOptions(args.output, args.runs, tuple(args.only), args.force), _report)
+        manifest = capture(plan, CaptureOptions(args.output, args.runs, tuple(args.only), args.force, args.runsc), _report)
     except (PlanError, RootfsError, CaptureError, ReadieError) as exc:
         _report(f"capture failed: {exc}")
         return 1

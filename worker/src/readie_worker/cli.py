@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         slots=args.slots,
         max_sessions=args.max_sessions,
         allow_unisolated=args.allow_unisolated,
+        runsc=args.runsc,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
     stop = StopSignal()
@@ -105,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=_positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
     parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
+    parser.add_argument("--runsc", default="runsc", metavar="BINARY", help="the runsc to run sandboxes with; its checkpoints must come from the same one (default: runsc on PATH)")
     parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
     parser.add_argument("--drain-notice", type=_seconds, default=DRAIN_NOTICE_S, metavar="SECONDS", help="how long a drain answers NOT_SERVING before it closes the port (default %(default)s)")
     parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")

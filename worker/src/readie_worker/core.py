@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from . import runsc as runsc_module
-from .bundle import MountPlan, family_fingerprint, serve_env
+from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from .errors import Cancelled, PoolWorkerError, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
@@ -31,7 +31,7 @@ from .packages import ensure_packages, package_cache
 from .grants import HeldGrants, hold_grants
 from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
 from .network import BACKENDS, NetworkNamespace
-from .manifest import LoadedCheckpoints, load_checkpoints, read_manifest
+from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
 from .pool import RefillBudget, WarmPool
 from .runsc import Runsc
@@ -83,6 +83,8 @@ class WorkerConfig:
     network_setup: str | None = None
     # A directory the worker created for itself and removes on close.
     scratch: Path | None = None
+    # The runsc binary; its flags follow from what it supports (runsc.RunscFeatures).
+    runsc: str = "runsc"
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
@@ -107,7 +109,7 @@ class Capacity:
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.runsc = Runsc(root=config.state_dir)
+        self.runsc = Runsc(root=config.state_dir, binary=config.runsc)
         self._slots = threading.BoundedSemaphore(config.slots)
         self._busy = 0
         self._lock = threading.Lock()
@@ -207,16 +209,7 @@ class Worker:
         return self
 
     def _load_checkpoints(self) -> LoadedCheckpoints:
-        path = self.config.manifest
-        if not path.exists():
-            return LoadedCheckpoints(None, problems={"*": f"no manifest at {path}"})
-        manifest = read_manifest(path)
-        return load_checkpoints(
-            path,
-            runsc_version=runsc_module.version(),
-            spec_fingerprint=family_fingerprint(manifest.rootfs, manifest.mount_plan, self.runsc.flags),
-            strict=self.config.strict_manifest,
-        )
+        return checkpoints_for(self.runsc, self.config.manifest, strict=self.config.strict_manifest)
 
     def run_job(
         self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER

@@ -18,15 +18,16 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from readie_executor.protocol import PROTOCOL_VERSION
 
-from .bundle import MountPlan
+from .bundle import MountPlan, family_fingerprint
 from .errors import CheckpointUnusable, ManifestError
+from .runsc import Runsc, features
 
 MANIFEST_NAME = "manifest.json"
 # A manifest lists a handful of checkpoints; anything near this is not one.
@@ -35,18 +36,30 @@ _HASH_BLOCK = 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ImageFile:
+    """One file of an image directory: runsc 2024 writes three when uncompressed."""
+
+    name: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     name: str
     preimport: tuple[str, ...]
     image_path: Path  # absolute; stored relative to the manifest's directory
-    size_bytes: int
-    sha256: str
+    files: tuple[ImageFile, ...]  # every file of image_path, no more, no fewer
     restore_p50_ms: float  # runsc restore until the measure-mode executor exits
     cold_start_p50_ms: float  # runsc run, imports and all, until the socket answers
     restore_to_socket_p50_ms: float
     # The memory cgroup of a restored, idle sandbox (sentry, gofer, template):
     # what a job's 'memory' comes on top of. None in manifests that predate it.
     idle_memory_bytes: int | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(file.size_bytes for file in self.files)
 
 
 @dataclass(frozen=True)
@@ -135,22 +148,43 @@ def protocol_mismatch_message(path: Path, found: object) -> str:
     )
 
 
+def checkpoints_for(runsc: Runsc, path: Path, *, strict: bool = False) -> LoadedCheckpoints:
+    """The checkpoints at ``path`` that ``runsc`` (its binary and flags) can restore."""
+    if not path.exists():
+        return load_checkpoints(path, runsc_version="", spec_fingerprint="")
+    manifest = read_manifest(path)
+    return load_checkpoints(
+        path,
+        runsc_version=features(runsc.binary).version,
+        spec_fingerprint=family_fingerprint(manifest.rootfs, manifest.mount_plan, runsc.family_flags),
+        runsc_flags=runsc.family_flags,
+        strict=strict,
+    )
+
+
 def load_checkpoints(
     path: Path,
     *,
     runsc_version: str,
     spec_fingerprint: str,
+    runsc_flags: Sequence[str] | None = None,
     strict: bool = False,
     verify_images: bool = True,
 ) -> LoadedCheckpoints:
+    """Load ``path`` for a runsc of ``runsc_version`` whose family has ``spec_fingerprint``.
+
+    ``runsc_flags``, when given, are named beside the manifest's in a mismatch.
+    """
     if not path.exists():
         return LoadedCheckpoints(None, problems={"*": f"no manifest at {path}: cold starts only"})
     manifest = read_manifest(path)
     mismatch = []
     if manifest.runsc_version != runsc_version:
-        mismatch.append(f"runsc version {manifest.runsc_version!r} != installed {runsc_version!r}")
+        mismatch.append(f"captured with {manifest.runsc_version!r}, this host runs {runsc_version!r}")
     if manifest.spec_fingerprint != spec_fingerprint:
         mismatch.append(f"spec fingerprint {manifest.spec_fingerprint} != expected {spec_fingerprint}")
+        if runsc_flags is not None and tuple(runsc_flags) != manifest.runsc_flags:
+            mismatch.append(f"captured with flags {' '.join(manifest.runsc_flags)}, this host uses {' '.join(runsc_flags)}")
     if mismatch:
         reason = f"{path}: checkpoints dropped: " + "; ".join(mismatch) + " (rebuild with make capture)"
         if strict:
@@ -169,17 +203,41 @@ def load_checkpoints(
     return LoadedCheckpoints(manifest, usable, problems)
 
 
+def image_files(image_dir: Path) -> tuple[ImageFile, ...]:
+    """Name, size and hash of every file in ``image_dir``, as the pipeline records them."""
+    return tuple(
+        ImageFile(path.name, path.stat().st_size, file_sha256(path)) for path in sorted(image_dir.iterdir())
+    )
+
+
 def verify_image(checkpoint: Checkpoint) -> None:
-    image = checkpoint.image_path / "checkpoint.img"
+    """Refuse an image directory whose files are not exactly those recorded, byte for byte.
+
+    Sizes first (cheap), then hashes. A file added beside the image counts:
+    runsc reads every file it finds there.
+    """
+    where = f"checkpoint {checkpoint.name!r}: image {checkpoint.image_path}"
     try:
-        digest = file_sha256(image)
+        entries = {entry.name: entry for entry in os.scandir(checkpoint.image_path)}
     except OSError as exc:
-        raise CheckpointUnusable(f"checkpoint {checkpoint.name!r}: image missing: {exc}") from None
-    if digest != checkpoint.sha256:
-        raise CheckpointUnusable(
-            f"checkpoint {checkpoint.name!r}: image {image} is corrupt "
-            f"(sha256 {digest}, manifest says {checkpoint.sha256})"
-        )
+        raise CheckpointUnusable(f"{where} missing: {exc}") from None
+    recorded = {file.name: file for file in checkpoint.files}
+    if entries.keys() != recorded.keys():
+        missing, extra = sorted(recorded.keys() - entries.keys()), sorted(entries.keys() - recorded.keys())
+        raise CheckpointUnusable(f"{where} has other files than recorded (missing {missing}, unexpected {extra})")
+    for name, file in recorded.items():
+        entry = entries[name]
+        if not entry.is_file(follow_symlinks=False):
+            raise CheckpointUnusable(f"{where}: {name} is not a regular file")
+        if entry.stat(follow_symlinks=False).st_size != file.size_bytes:
+            raise CheckpointUnusable(f"{where}: {name} is {entry.stat().st_size} bytes, the manifest says {file.size_bytes}")
+    for name, file in recorded.items():
+        try:
+            digest = file_sha256(checkpoint.image_path / name)
+        except OSError as exc:
+            raise CheckpointUnusable(f"{where}: cannot read {name}: {exc}") from None
+        if digest != file.sha256:
+            raise CheckpointUnusable(f"{where}: {name} is corrupt (sha256 {digest}, manifest says {file.sha256})")
 
 
 def file_sha256(path: Path) -> str:
@@ -197,8 +255,9 @@ def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
             name=str(entry["name"]),
             preimport=tuple(str(name) for name in entry["preimport"]),
             image_path=(base / str(entry["image_path"])).resolve(),
-            size_bytes=int(entry["size_bytes"]),
-            sha256=str(entry["sha256"]),
+            files=tuple(
+                ImageFile(str(file["name"]), int(file["size_bytes"]), str(file["sha256"])) for file in entry["files"]
+            ),
             restore_p50_ms=float(entry["restore_p50_ms"]),
             cold_start_p50_ms=float(entry["cold_start_p50_ms"]),
             restore_to_socket_p50_ms=float(entry["restore_to_socket_p50_ms"]),

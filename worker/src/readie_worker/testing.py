@@ -26,6 +26,10 @@ from .security import ClientSecurity
 
 # Start-up is a manifest check and a sweep; pools fill in the background.
 STARTUP_TIMEOUT_S = 30.0
+#: Debian 12's own runsc (0.0~20221219, ptrace, compressed images), kept beside
+#: the default one by scripts/install-runsc.sh (OLD_BINARY there) for the
+#: tests and the bench's comparison arm.
+DEBIAN_12_RUNSC = Path("/usr/local/lib/readie/runsc-0.0~20221219.0/runsc")
 # A drain with nothing running takes well under a second; the rest is margin.
 EXIT_TIMEOUT_S = 30.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
