@@ -26,6 +26,8 @@ def render(result: dict[str, Any]) -> str:
         ("6. memory per idle sandbox, MB", "memory", _memory),
         ("7. scaling: print(1) through the warm pool, ms p50 (p95)", "scaling", _scaling),
         ("8. router hop: readie pool local vs --router, ms p50 (p95)", "router_hop", _router_hop),
+        ("9. a warm-pool job's phases, ms p50 (p95), in process", "phases", _phases),
+        ("10. Debian 12's runsc beside the default one", "old_runsc", _old_runsc),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -142,6 +144,31 @@ def _router_hop(entry: dict[str, Any]) -> list[str]:
     lines.append(f"  {entry['what']} ({entry['checkpoint']}); "
                  f"first step {first.get('local')} / {first.get('routed')} ms")
     return lines
+
+
+def _phases(entry: dict[str, Any]) -> list[str]:
+    parts = ("acquire_ms", "runner_ms", "code_ms", "worker_ms")
+    rows = [
+        [arm, _ms(e.get("total_ms"), 1), *(_ms(e.get(part), 2) for part in parts)]
+        for arm, e in entry["arms"].items()
+    ]
+    return [
+        *_grid(["arm", "total", "acquire", "runner", "code", "worker"], rows),
+        f"  {entry['checkpoint']}: not warmed up / warmed up {_x(entry.get('not_warmed_over_warmed'))}",
+    ]
+
+
+def _old_runsc(entry: dict[str, Any]) -> list[str]:
+    rows = [
+        [arm, e["runsc_version"], e["platform"], e["image_mb"], _ms(e["ready_ms"]), _p50(e["lifecycle_cpu_s"]),
+         _ms(e["warm_job_ms"], 1)]
+        for arm, e in entry["arms"].items()
+    ]
+    return [
+        *_grid(["arm", "runsc", "platform", "image MB", "restore", "CPU-s restore+destroy", "warm job"], rows),
+        f"  {entry['checkpoint']}: old / new restore+destroy CPU {_x(entry.get('old_over_new_cpu'))}, "
+        f"warm job {_x(entry.get('old_over_new_job'))}",
+    ]
 
 
 def _grid(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

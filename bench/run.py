@@ -121,10 +121,15 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     figures[f"{name}: cold job / warm-pool job"] = pick(f"{job}/ratios/cold_over_warm")
     figures[f"{name}: warm-pool job / host python -c"] = pick(f"{job}/ratios/warm_over_host")
     figures[f"{name}: cold start / restore (to socket)"] = pick(f"start/checkpoints/{name}/cold_over_restore")
+    figures[f"{name}: restore+destroy CPU-s"] = pick(f"start/checkpoints/{name}/restore_lifecycle_cpu_s/p50")
     figures[f"{name}: sustained jobs/s"] = pick(f"throughput/checkpoints/{name}/jobs_per_s")
     figures[f"{name}: restore-CPU bound jobs/s"] = pick(f"throughput/checkpoints/{name}/bound_jobs_per_s")
     figures[f"{name}: throughput / bound"] = pick(f"throughput/checkpoints/{name}/throughput_over_bound")
     figures[f"{name}: PSS per idle warm sandbox MB"] = pick(f"memory/checkpoints/{name}/restored/pss_mb/p50")
+    figures[f"{name}: session step p50 ms"] = pick(f"session_step/checkpoints/{name}/step_ms/p50")
+    figures[f"{name}: warm-pool job / session step"] = pick(f"session_step/checkpoints/{name}/warm_job_over_step")
+    figures[f"{name}: warm-pool job, not warmed up / warmed up"] = pick("phases/not_warmed_over_warmed")
+    figures[f"{name}: restore+destroy CPU-s, Debian 12's runsc / default"] = pick("old_runsc/old_over_new_cpu")
     return {key: value for key, value in figures.items() if value is not None}
 
 

@@ -16,7 +16,10 @@ pytestmark = pytest.mark.runsc
 
 # The issue's budget for the smoke run inside `make test`.
 SMOKE_BUDGET_S = 60.0
-SCENARIOS = ("start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop")
+SCENARIOS = (
+    "start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop", "phases",
+    "old_runsc",
+)
 
 
 def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None:
@@ -67,5 +70,14 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
     for figure in ("session_step_ms", "host_round_trip_ms"):
         assert hop[figure]["local"]["n"] >= 1 and hop[figure]["routed"]["n"] >= 1, (figure, hop["errors"])
         assert hop[figure]["routed_over_local"]["p50"] > 0, figure
+    # A warm job's phases, warmed up and not (the before/after pair of that change).
+    for arm in ("warmed", "not_warmed"):
+        phases = scenarios["phases"]["arms"][arm]
+        assert phases["total_ms"]["n"] >= 1, (arm, scenarios["phases"]["errors"])
+        assert {"acquire_ms", "runner_ms", "code_ms", "worker_ms"} <= phases.keys()
+    # Debian 12's runsc beside the default one, each arm naming its version and platform.
+    old = scenarios["old_runsc"]
+    assert old["arms"]["old"]["platform"] == "ptrace" and old["arms"]["new"]["platform"] == "systrap", old["errors"]
+    assert old["arms"]["old"]["warm_job_ms"]["n"] >= 1 and old["old_over_new_cpu"] > 0, old["errors"]
     # The table renders from the JSON alone.
     assert "key figures" in done.stdout

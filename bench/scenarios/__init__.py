@@ -7,7 +7,7 @@ figures that combine two (restore time vs image size uses scenario 1).
 
 from __future__ import annotations
 
-from . import later, latency, memory, router, scaling, throughput
+from . import later, latency, memory, old_runsc, phases, router, scaling, throughput
 
 # (what --only calls it, module, entries it produces)
 SCENARIOS = (
@@ -17,4 +17,6 @@ SCENARIOS = (
     ("scaling", scaling, ("scaling",)),
     ("later", later, ("session_step", "host_function")),
     ("router", router, ("router_hop",)),
+    ("phases", phases, ("phases",)),
+    ("old_runsc", old_runsc, ("old_runsc",)),
 )

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from readie_worker.errors import ReadieError
+from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.jobs import CodeJob, run_in_sandbox
+from readie_worker.sandbox import SandboxFactory
 
 from .._bench import Bench
 from .._jobs import JobKind, Sample, check, kinds_for
@@ -53,8 +54,16 @@ class _Arm:
         return [s.elapsed_ms for s in self.samples.values()]
 
 
-def measure_restore(bench: Bench, name: str) -> StartSample:
+def measure_restore(bench: Bench, name: str, *, warm_up: bool = False) -> StartSample:
+    """One bare restore of checkpoint ``name`` (see :func:`restore_cycle`)."""
+    return restore_cycle(bench.restore_factory(name), warm_up=warm_up)
+
+
+def restore_cycle(factory: SandboxFactory, *, warm_up: bool = False) -> StartSample:
     """One bare restore to a ready socket, then destroy; CPU from rusage and /proc.
+
+    ``warm_up``: also the warm-up call a pool makes before hand-out, so the
+    cycle costs what each warm-pool sandbox costs (scenario 3's bound).
 
     The worker reaps its sandboxes (child subreaper), so once destroyed their
     CPU shows in RUSAGE_CHILDREN: the delta around create+destroy is the whole
@@ -62,10 +71,13 @@ def measure_restore(bench: Bench, name: str) -> StartSample:
     spent getting ready.
     """
     before = children_cpu_s()
-    sandbox = bench.restore_factory(name).create()
+    sandbox = factory.create()
     try:
         command_cpu = children_cpu_s() - before  # `runsc restore --detach`, waited for
         ready_cpu = command_cpu + cpu_s(sandbox_pids(sandbox.id))
+        problem = sandbox.warm_up() if warm_up else None
+        if problem is not None:
+            raise SandboxSetupError(f"warm-up failed: {problem}")
     finally:
         destroy_started = time.monotonic()
         sandbox.destroy()

@@ -28,7 +28,8 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
     return {
         "throughput": {
             "what": f"print(1) jobs/s with {settings.throughput_clients} closed-loop clients on "
-            f"{settings.slots} slots for {settings.throughput_s:.0f} s, vs cores / CPU-s per restore",
+            f"{settings.slots} slots for {settings.throughput_s:.0f} s, vs cores / CPU-s per warm-pool sandbox "
+            "(restore, warm-up, destroy)",
             "via": {name: bench.warm_path(name).via for name in bench.load_names},
             "cores": bench.cores,
             "checkpoints": entries,
@@ -45,7 +46,7 @@ def _measure(bench: Bench, name: str) -> dict[str, Any]:
         for _ in range(half):
             bench.settle()
             try:
-                cycles.append(measure_restore(bench, name))
+                cycles.append(measure_restore(bench, name, warm_up=True))
             except ReadieError as exc:
                 errors.append(str(exc))
 

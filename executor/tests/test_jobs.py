@@ -608,3 +608,38 @@ def _connect(path: Path, executor: subprocess.Popen[bytes]) -> socket.socket:
                     f"executor did not listen on {path}: {executor.communicate()[1]!r}"
                 ) from None
             time.sleep(0.05)
+
+
+WARM_UP_CHILD = """
+import json, linecache, os, resource, sys, threading
+from readie_executor.jobs import WARMED_UP, warm_up, _limits, _seccomp
+before = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
+main = sys.modules["__main__"]
+answer = warm_up()
+after = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
+print(json.dumps({
+    "answer": answer.decode(),
+    "same_process_state": before == after and sys.modules["__main__"] is main,
+    "seccomp": _seccomp.is_installed(),
+    "memory_ceiling": _limits.memory_limit_bytes(),
+    "linecache": [name for name in linecache.cache if "warm-up" in name],
+    "threads": len(os.listdir("/proc/self/task")),
+}))
+"""
+
+
+def test_the_warm_up_leaves_the_process_as_it_found_it() -> None:
+    # It runs in every warm sandbox before its job: nothing a job could notice may stay behind,
+    # above all no seccomp filter or rlimit (those last for the process) and no thread.
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_UP_CHILD], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "answer": "warm",
+        "same_process_state": True,
+        "seccomp": False,
+        "memory_ceiling": None,
+        "linecache": [],
+        "threads": 1,
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -70,6 +71,40 @@ def test_a_dead_warm_sandbox_is_never_handed_out(pool_factory, runsc):
         assert sandbox.id != victim.id
         assert sandbox.alive()
         assert victim.destroyed
+    finally:
+        sandbox.destroy()
+
+
+def test_ready_sandboxes_are_warmed_up_and_keep_the_warm_up_s_connection(pool_factory):
+    pool = pool_factory("pandas", target=1)
+    assert pool.wait_until_full(timeout=60)
+    [ready] = [entry.sandbox for entry in pool._ready]
+    # What lets take() skip the ping for a sandbox that answered moments ago.
+    assert ready.connection_intact()
+
+
+def test_a_sandbox_idle_past_the_ping_threshold_is_pinged_and_a_wedged_one_replaced(pool_factory, runsc):
+    import os
+    import signal
+
+    from readie_worker.pool import PING_AFTER_IDLE_S
+
+    pool = pool_factory("base", target=1)
+    assert pool.wait_until_full(timeout=60)
+    [entry] = list(pool._ready)
+    entry.since -= PING_AFTER_IDLE_S + 1  # as if it had idled that long
+    pids = [runsc.state(entry.sandbox.id)["pid"]]  # the sentry
+    for pid in pids:  # wedged: alive, its connection quiet, but it answers nothing
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        sandbox = pool.take()
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # destroyed by then, as it should be
+                os.kill(pid, signal.SIGCONT)
+    try:
+        assert sandbox.id != entry.sandbox.id and entry.sandbox.destroyed
+        assert sandbox.alive()
     finally:
         sandbox.destroy()
 

@@ -76,6 +76,11 @@ class SandboxDir:
     def unused_slots(self) -> Path:
         return self.path / "unused"
 
+    @property
+    def pid_file(self) -> Path:
+        """Where runsc writes the sandbox process's pid (beside the bundle, out of the sandbox's sight)."""
+        return self.path / "sandbox.pid"
+
     @classmethod
     def create(cls, run_dir: Path, grants: Sequence[HeldGrant] = (), *, private: bool) -> SandboxDir:
         """A new directory under ``run_dir``; with ``private``, its tmpfs and the mounts of ``grants``."""

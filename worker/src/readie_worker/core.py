@@ -70,6 +70,9 @@ class WorkerConfig:
     slots: int = DEFAULT_SLOTS
     max_sessions: int = DEFAULT_MAX_SESSIONS
     refill_concurrency: int = 1
+    # Warm sandboxes run the warm-up call before hand-out (see WarmPool). Off
+    # only to measure what it saves (the bench's before/after arm).
+    warm_up: bool = True
     strict_manifest: bool = False
     # Development without gVisor: jobs run as plain host processes. Never a default.
     allow_unisolated: bool = False
@@ -174,7 +177,7 @@ class Worker:
                 memory_limit_bytes=self.config.sandbox_memory_bytes,
             )
             self.factories[name] = factory
-            self.pools[name] = WarmPool(name, factory, self.config.warm.get(name, 0), budget).start()
+            self.pools[name] = WarmPool(name, factory, self.config.warm.get(name, 0), budget, warm_up=self.config.warm_up).start()
         if self.config.network_backend == "netns":
             self._start_network()
         elif self.config.network_backend != "none":
@@ -234,6 +237,7 @@ class Worker:
             error=outcome.error.type if outcome.error else None,
             duration_us=outcome.duration_us,
             queue_us=queued_us,
+            acquire_us=outcome.acquire_us,
             truncated=outcome.stdout_truncated or outcome.stderr_truncated,
             host_calls=outcome.host.calls if outcome.host else 0,  # None: no job ran
             host_refused=outcome.host.refused if outcome.host else 0,
@@ -247,8 +251,9 @@ class Worker:
             sandbox, links = self._acquire(job)
         except SandboxSetupError as exc:
             return JobOutcome.failure("SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local")
+        acquire_us = _since(started)
         try:
-            return run_in_sandbox(sandbox, job, links, host=host, cancel=cancel)
+            return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel), acquire_us=acquire_us)
         finally:
             self._retirer.retire(sandbox)
 

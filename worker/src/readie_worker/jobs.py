@@ -119,6 +119,11 @@ class JobOutcome:
     system_exit: bool = False
     # What the host-function channel carried (None only where no job ran).
     host: HostStats | None = None
+    # Where the time went, for stats and the bench (None where not measured):
+    # getting a sandbox (a warm one's check, or a restore) on the worker's
+    # clock, and the job's own claim of how long its code ran (untrusted).
+    acquire_us: int | None = None
+    code_us: int | None = None
 
     @classmethod
     def failure(cls, error_type: str, message: str, duration_us: int, backend: str,
@@ -286,6 +291,7 @@ def _from_result(result: JobResult, duration_us: int, backend: str, sandbox_id: 
         sandbox_id=sandbox_id,
         backend=backend,
         system_exit=result.system_exit,
+        code_us=result.duration_us,
     )
 
 

@@ -1,8 +1,11 @@
 """Warm pools: sandboxes restored before anyone asks for them.
 
 A pool keeps ``target`` ready sandboxes of one kind (one checkpoint, one
-restore-time policy shape). Taking one is a liveness probe and a pop; the
-refill happens in the background, one restore at a time per worker by
+restore-time policy shape), each warmed up before it is ready (its first-touch
+costs paid, see Sandbox.warm_up). Taking one is a pop and a liveness check:
+the connection the warm-up left open tells of an executor that died since
+(~10 us); one that waited longer than PING_AFTER_IDLE_S is pinged as well
+(~5 ms under gVisor). The refill happens in the background, one restore at a time per worker by
 default, because restore is CPU-bound (~0.2-0.45 CPU-s each here) and a
 refill that took every core would starve the jobs it is preparing for.
 
@@ -34,6 +37,10 @@ REFILL_BACKOFF_S = 0.5
 REFILL_BACKOFF_MAX_S = 30.0
 # Surplus ready sandboxes (above target) idle longer than this are destroyed.
 DEFAULT_IDLE_TTL_S = 300.0
+# A sandbox warmed up less than this ago answered a call moments before; its
+# open connection is check enough. Past it (an idle worker, where 5 ms do not
+# show) the executor must answer a ping before it gets a job.
+PING_AFTER_IDLE_S = 10.0
 
 
 class RefillBudget:
@@ -63,12 +70,15 @@ class WarmPool:
         target: int,
         budget: RefillBudget,
         idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+        *,
+        warm_up: bool = True,
     ) -> None:
         self.name = name
         self.factory = factory
         self.target = target
         self._budget = budget
         self._idle_ttl_s = idle_ttl_s
+        self._warm_up = warm_up
         self._ready: deque[_Ready] = deque()
         self._restoring = 0
         self._closed = False
@@ -97,7 +107,8 @@ class WarmPool:
                 self._changed.notify_all()
             if entry is None:
                 break
-            if entry.sandbox.alive():
+            recent = time.monotonic() - entry.since < PING_AFTER_IDLE_S
+            if (recent and entry.sandbox.connection_intact()) or entry.sandbox.alive():
                 entry.sandbox.move(SandboxState.BUSY)
                 self.hits += 1
                 return entry.sandbox
@@ -155,7 +166,7 @@ class WarmPool:
                 self._restoring += 1
             try:
                 with self._budget:
-                    sandbox = None if self._closed else self.factory.create()
+                    sandbox = None if self._closed else self._warmed(self.factory.create())
             except Exception as exc:  # a refill failure must never kill the refiller
                 log.warning("background restore failed", pool=self.name, error=str(exc), retry_in_s=backoff)
                 sandbox = None
@@ -171,6 +182,16 @@ class WarmPool:
                     else:
                         self._ready.append(_Ready(sandbox, time.monotonic()))
                 self._changed.notify_all()
+
+    def _warmed(self, sandbox: Sandbox) -> Sandbox:
+        """``sandbox`` once its first-touch costs are paid (Sandbox.warm_up); destroyed if that fails."""
+        if not self._warm_up:
+            return sandbox
+        problem = sandbox.warm_up()
+        if problem is not None:
+            sandbox.destroy()
+            raise SandboxSetupError(f"sandbox {sandbox.id} failed its warm-up: {problem}")
+        return sandbox
 
     def wait_until_full(self, timeout: float) -> bool:
         """Block until the pool holds its target (tests, benchmarks, start-up)."""

@@ -10,6 +10,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -203,12 +204,18 @@ class Runsc:
         lines = self.run("list", "--quiet").split()
         return [line for line in lines if line]
 
-    def destroy(self, container_id: str) -> None:
-        """Kill and delete a container, quickly and without raising for one already gone."""
-        try:
-            self.run("kill", container_id, "KILL", reaping=True)
-        except RunscError:
-            pass  # already stopped, or never started
+    def destroy(self, container_id: str, pid_file: Path | None = None) -> None:
+        """Kill and delete a container, quickly and without raising for one already gone.
+
+        With the ``pid_file`` it was started with, the sandbox process is
+        SIGKILLed from here: that works on a sentry too wedged (or stopped) to
+        take ``runsc kill``'s request, and saves a runsc start (~20 ms CPU).
+        """
+        if pid_file is None or not kill_sandbox_process(container_id, pid_file):
+            try:
+                self.run("kill", container_id, "KILL", reaping=True)
+            except RunscError:
+                pass  # already stopped, or never started
         try:
             self.run("delete", "--force", container_id, reaping=True)
         except RunscError:
@@ -278,6 +285,35 @@ class Runsc:
                 else:
                     leftover.unlink(missing_ok=True)
         return swept
+
+
+# A pid file holds a decimal pid and a newline.
+MAX_PID_FILE_BYTES = 32
+
+
+def kill_sandbox_process(container_id: str, pid_file: Path) -> bool:
+    """SIGKILL the runsc-sandbox process of ``container_id`` named in ``pid_file``; whether it was.
+
+    The pid is checked through a pidfd: once open, it names that process for
+    good, so the command line read next (``runsc-sandbox ... <id>``) proves
+    that a pid reused since the sandbox died is not signalled.
+    """
+    try:
+        pid = int(pid_file.read_bytes()[:MAX_PID_FILE_BYTES])
+        pidfd = os.pidfd_open(pid)
+    except (OSError, ValueError):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read(64 * 1024).split(b"\0")
+        if argv[0] != b"runsc-sandbox" or container_id.encode() not in argv:
+            return False
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)
 
 
 def version(binary: str = "runsc") -> str:

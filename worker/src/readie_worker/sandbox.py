@@ -32,6 +32,7 @@ import structlog
 
 import cloudpickle
 
+from readie_executor import jobs as executor_jobs
 from readie_executor import probe
 from readie_executor.protocol import (
     END_OF_STREAM,
@@ -74,6 +75,12 @@ PROBE_TIMEOUT_S = 1.0
 SINGLE_WRITE_BYTES = 64 * 1024
 # Pickled once: a reference to readie_executor.probe.ping, not code.
 _PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}})
+# The warm-up runs a do-nothing job through the runner (~10-30 ms in a fresh
+# sandbox); ten seconds means the sandbox is wedged and is not handed out.
+WARM_UP_TIMEOUT_S = 10.0
+# An honest warm-up answers jobs.WARMED_UP or a short failure line.
+MAX_WARM_UP_ANSWER = 4096
+_WARM_UP_REQUEST = cloudpickle.dumps({"func": executor_jobs.warm_up, "args": (), "kwargs": {}})
 
 
 #: What ``exchange``'s ``answer`` returns for a message that gets no reply.
@@ -266,6 +273,33 @@ class Sandbox:
         except PoolWorkerError:
             return False
 
+    def connection_intact(self) -> bool:
+        """Whether the connection kept from the last call is open and quiet, without a round trip.
+
+        An idle executor never writes unasked, so anything readable (end of
+        file above all: the executor or its sandbox died) means it is not.
+        False too with no kept connection.
+        """
+        with self._connecting:
+            if self._connection is None or self._interrupted:
+                return False
+            try:
+                readable, _, failed = select.select([self._connection], [], [self._connection], 0)
+            except (OSError, ValueError):
+                return False
+            return not readable and not failed
+
+    def warm_up(self) -> str | None:
+        """Pay a restored sandbox's first-touch costs now, not in its first job; why not, if it failed.
+
+        Before hand-out only: the sandbox has run nothing but the template.
+        """
+        try:
+            answer = self.call(_WARM_UP_REQUEST, timeout=WARM_UP_TIMEOUT_S, max_response=MAX_WARM_UP_ANSWER)
+        except PoolWorkerError as exc:
+            return str(exc)
+        return None if answer == executor_jobs.WARMED_UP else repr(answer[:200])
+
     def destroy(self) -> None:
         if self.destroyed:
             return
@@ -428,7 +462,7 @@ class _RunscLauncher:
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         try:
-            self.runsc.destroy(sandbox.id)
+            self.runsc.destroy(sandbox.id, sandbox.pid_file)
         except RunscError as exc:
             # Its gofer keeps its own copy of the grants' mounts while it lives: the
             # worker's close() sweeps the state dir for such survivors.
@@ -443,7 +477,7 @@ class RunscRestore(_RunscLauncher):
     def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         assert self.checkpoint is not None
         self.spec(sandbox).write(sandbox.path)
-        args = ["restore", "--detach", f"--image-path={self.checkpoint.image_path}", "--bundle", str(sandbox.path), sandbox.id]
+        args = ["restore", "--detach", f"--image-path={self.checkpoint.image_path}", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id]
         return self.runsc.start_detached(args)
 
 
@@ -457,7 +491,7 @@ class RunscCold(_RunscLauncher):
 
     def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         self.spec(sandbox).write(sandbox.path)
-        return self.runsc.start_detached(["run", "--detach", "--bundle", str(sandbox.path), sandbox.id])
+        return self.runsc.start_detached(["run", "--detach", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id])
 
 
 @dataclass(frozen=True)
