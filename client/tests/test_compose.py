@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from readie_router.router_cli import _parser as router_parser
-from readie_worker.cli import _parser as worker_parser
+from readie_router.router_cli import build_parser as router_parser
+from readie_worker.cli import build_parser as worker_parser
 
 from conftest import REPO
 

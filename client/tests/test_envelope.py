@@ -18,7 +18,7 @@ from readie._envelope import (
     check_python,
     decode_envelope,
 )
-from readie_executor._calls import run_call
+from readie_executor import run_call
 
 
 def greet(name, punctuation="!"):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from readie import MAX_LINE_BYTES, RequestError
 from readie._requests import encode_line, job_request, stats_request
-from readie_router._lines import MAX_LINE_BYTES as POOL_MAX_LINE_BYTES
-from readie_router._lines import Line, LineSplitter, OversizeLine
-from readie_router._requests import JobRequest, Refused, StatsRequest, parse_request
+from readie_router.protocol import MAX_LINE_BYTES as POOL_MAX_LINE_BYTES
+from readie_router.protocol import Line, LineSplitter, OversizeLine
+from readie_router.protocol import JobRequest, Refused, StatsRequest, parse_request
 
 # {"id":1,"code":""} around the code
 OVERHEAD = len(b'{"id":1,"code":""}')

@@ -9,11 +9,11 @@ import pytest
 import readie
 from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
 from readie._results import PROTOCOL_VERSION, parse_ready, parse_result, parse_stats
-from readie_router._errors import PoolWorkerError as RouterPoolWorkerError
-from readie_router._errors import RequestError as RouterRequestError
-from readie_router._events import ErrorInfo as RouterErrorInfo
-from readie_router._events import JobResult, Outcome, ready_event, result_line
-from readie_router._events import RuntimeInfo as RouterRuntimeInfo
+from readie_router.protocol import PoolWorkerError as RouterPoolWorkerError
+from readie_router.protocol import RequestError as RouterRequestError
+from readie_router.protocol import ErrorInfo as RouterErrorInfo
+from readie_router.protocol import JobResult, Outcome, ready_event, result_line
+from readie_router.protocol import RuntimeInfo as RouterRuntimeInfo
 from readie_worker.policy import Policy
 
 # Verbatim from the pool protocol spec (pool-protocol.txt, "Results"), joined into one line.

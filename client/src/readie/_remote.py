@@ -104,7 +104,7 @@ class Client:
         check_python()
         payload = call_payload(func, args, kwargs)
         worker = self._connection()
-        from readie_worker._convert import MAX_CALL_PAYLOAD_BYTES
+        from readie_worker.rpc import MAX_CALL_PAYLOAD_BYTES
 
         if len(payload) > MAX_CALL_PAYLOAD_BYTES:
             raise RequestError(

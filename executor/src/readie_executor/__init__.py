@@ -1,5 +1,7 @@
 """readie's in-sandbox executor. Standard library and cloudpickle only."""
 
+from ._calls import run_call
+from ._checkpoint import READY_MARKER
 from .protocol import PROTOCOL_VERSION
 
-__all__ = ["PROTOCOL_VERSION"]
+__all__ = ["PROTOCOL_VERSION", "READY_MARKER", "run_call"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from readie_executor._checkpoint import READY_MARKER
+from readie_executor import READY_MARKER
 from readie_executor.protocol import PROTOCOL_VERSION
 from readie_worker import runsc as runsc_module
 from readie_worker.bundle import EXECUTOR_ARGV, SandboxSpec, capture_env, family_fingerprint, serve_env

@@ -59,7 +59,7 @@ PLACEMENT_POLL_S = 0.02
 # Sessions this router keeps open across its workers. A session served over
 # the router's own Interact stream holds one of its server threads for its
 # life, so the router's thread pool is sized with this (router_cli).
-DEFAULT_MAX_SESSIONS = 64
+DEFAULT_ROUTER_SESSIONS = 64
 
 _T = TypeVar("_T")
 
@@ -109,7 +109,7 @@ class Placement:
     addresses: Sequence[str]
     probe_interval_s: float = PROBE_INTERVAL_S
     wait_s: float = PLACEMENT_WAIT_S
-    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions: int = DEFAULT_ROUTER_SESSIONS
     security: ClientSecurity = ClientSecurity()  # how this router reaches its workers
     _members: list[_Member] = field(init=False)
     _lock: threading.Condition = field(init=False, default_factory=threading.Condition)

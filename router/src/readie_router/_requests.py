@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from readie_executor import hostwire
-from readie_executor.hostwire import function_name_problem
+from readie_executor.hostwire import MAX_FUNCTIONS, function_name_problem
+from readie_worker.packages import MAX_REQUIREMENT_CHARS
+from readie_worker.paths import MAX_PATH_CHARS
 
 from ._errors import RequestError, UnitError
 from ._lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
@@ -60,17 +62,10 @@ __all__ = [
 
 #: The spec: host-function "arguments and results are JSON, at most 1 MB each way".
 MAX_REPLY_BYTES = 1_000_000
-#: Linux's PATH_MAX; a longer path cannot be opened, so refuse it up front.
-MAX_PATH_CHARS = 4096
 #: Linux's NAME_MAX: ``name`` becomes the file name in tracebacks.
 MAX_NAME_CHARS = 255
 #: Session names are echoed in every step's result and log line.
 MAX_SESSION_CHARS = 256
-#: Each declared function becomes a stub in the sandbox and a line in a tool
-#: description; far more than a model can use well, small enough to bound both.
-MAX_FUNCTIONS = 256
-#: Requirement strings (``pandas>=2.2``) are short; this bounds what reaches pip.
-MAX_REQUIREMENT_CHARS = 256
 
 #: Fields only a session's first request may carry: they fix the session's
 #: permissions, limits, environment and host functions for its whole life.

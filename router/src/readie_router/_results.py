@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import signal
 
+from readie_executor.jobs import EXIT_NOT_STARTED
 from readie_worker.jobs import JobOutcome
 
 from ._errors import (
@@ -58,9 +59,6 @@ from ._wire import RequestId
 
 __all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "job_result"]
 
-#: The in-sandbox runner's exit status for a job whose code never started
-#: (``readie_executor.jobs``; python3 uses 2 for "can't open file").
-EXIT_NOT_STARTED = 2
 #: A sandbox killed by the memory backstop: the kernel's OOM killer sends SIGKILL.
 MEMORY_BACKSTOP_EXIT = signal_exit(signal.SIGKILL)
 MEMORY_ERROR = "MemoryError"

@@ -57,7 +57,7 @@ EXIT_FAILED = 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
+    args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
     configure_logging(json=args.log == "json")
     try:
         enter_mount_namespace()  # before any thread: an embedded worker's mounts live there
@@ -229,7 +229,7 @@ def _preload(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="readie pool", description="serve the pool JSONL protocol on stdin and stdout"
     )

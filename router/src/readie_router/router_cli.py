@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from readie_worker._proto.readie.v1.pool_pb2_grpc import add_PoolServicer_to_server
+from readie_worker.rpc import pool_pb2_grpc
 from readie_worker.errors import ReadieError
 from readie_worker.grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
@@ -29,7 +29,7 @@ from ._backend import choose_checkpoint, manifest_path
 from readie_worker.config import Config, load_config
 from ._errors import ConfigError
 from ._events import RuntimeInfo
-from ._placement import DEFAULT_MAX_SESSIONS, PROBE_INTERVAL_S, Placement
+from ._placement import DEFAULT_ROUTER_SESSIONS, PROBE_INTERVAL_S, Placement
 from ._pool import PoolSetup
 from ._pool_service import POOL_SERVICE, PoolServicer
 
@@ -46,7 +46,7 @@ ROUTER_JOB_STREAMS = 32
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "router"
+    args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "router"
     configure_logging(json=args.log == "json")
     if not args.worker:
         log.error("no workers: pass --worker HOST:PORT at least once")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     placement = Placement(
         args.worker, probe_interval_s=args.probe_interval, max_sessions=args.max_sessions, security=to_workers
     ).start()
-    pool_service = (POOL_SERVICE, lambda server: add_PoolServicer_to_server(PoolServicer(setup, placement), server))
+    pool_service = (POOL_SERVICE, lambda server: pool_pb2_grpc.add_PoolServicer_to_server(PoolServicer(setup, placement), server))
     try:
         server = serve(
             placement,  # type: ignore[arg-type]  # a Placement has the Worker's shape
@@ -104,7 +104,7 @@ def _pool_setup(args: argparse.Namespace) -> PoolSetup:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="readie router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve on")
     parser.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker to place jobs on")
@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--checkpoints", default="build/checkpoints", help="the workers' checkpoint manifest (or its directory)")
     parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
-    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once across the workers")
+    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_ROUTER_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
     add_server_arguments(parser)
     add_client_arguments(parser, "worker", "the workers")

@@ -30,6 +30,7 @@ from .jobs import CodeJob, JobOutcome
 from .policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
 from .sessions import StepOutcome
 from .packages import validate_requirements
+from .paths import MAX_PATH_CHARS
 
 # Profile names in a config file are at most this long (config.py).
 MAX_PROFILE_NAME = 64
@@ -45,8 +46,6 @@ MAX_ARGV_ENV_CHARS = 2 * 1024 * 1024
 MAX_ARG_CHARS = 128 * 1024
 MAX_ARGS = 4096
 MAX_ENV_VARS = 1024
-# PATH_MAX: no longer path can be opened anyway.
-MAX_PATH_CHARS = 4096
 # Far above any mount plan (a few slots each); past it the request is garbage,
 # below it the worker refuses with the real slot count.
 MAX_GRANTS = 64

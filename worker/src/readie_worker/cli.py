@@ -34,7 +34,7 @@ EXIT_USAGE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
+    args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
     configure_logging(json=args.log == "json")
     try:
         enter_mount_namespace()  # before any thread: the sandboxes' mounts live there
@@ -96,7 +96,7 @@ def _warm_spec(text: str) -> tuple[str, int]:
     return name, int(count)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="readie worker", description="serve a readie worker over gRPC")
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="address to serve on (default %(default)s)")
     parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="checkpoint manifest (default %(default)s)")

@@ -24,6 +24,7 @@ import structlog
 from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
+from .config import DEFAULT_MAX_SESSIONS
 from .errors import Cancelled, PoolWorkerError, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
 from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
@@ -55,10 +56,6 @@ SANDBOX_OVERHEAD = 256 * 1024**2
 SLOT_WAIT_POLL_S = 0.1
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
-# Sessions a worker keeps open at once: each holds a sandbox (150 MB PSS for
-# pandas, measured) and, served over gRPC, a server thread for its stream.
-# The pool protocol's own default cap, so one pool's sessions fit one worker.
-DEFAULT_MAX_SESSIONS = 16
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from readie_executor.jobs import run_job
 
 from ._host_frames import (
     MAX_CALL_FRAME_BYTES,
+    MAX_REFUSED_FRAMES,
     HostCall,
     HostConversation,
     HostReply,
@@ -45,6 +46,7 @@ __all__ = [
     "HostReply",
     "HostStats",
     "JobOutcome",
+    "MAX_REFUSED_FRAMES",
     "ask_host",
     "job_request",
     "run_in_sandbox",

@@ -39,6 +39,7 @@ log = structlog.get_logger("readie.paths")
 
 __all__ = [
     "MAX_PATH_BYTES",
+    "MAX_PATH_CHARS",
     "OpenedPath",
     "PathKind",
     "PathRefused",
@@ -52,6 +53,8 @@ __all__ = [
 
 # Linux's PATH_MAX: no longer path can be opened in one call anyway.
 MAX_PATH_BYTES = 4096
+# What request checks count in characters: more of them means more bytes too.
+MAX_PATH_CHARS = MAX_PATH_BYTES
 #: Where every readie process on the host keeps its scratch (runsc state dirs,
 #: sandbox dirs): one directory, so that every worker can refuse grants that
 #: reach any of them, its own or another pool's. Short, because sandbox socket

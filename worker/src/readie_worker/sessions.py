@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import structlog
 
 from ._states import SandboxState, SessionState, check_transition
+from readie_executor.jobs import EXIT_NOT_STARTED
+
 from .cancel import NEVER, Cancellation
 from .errors import RequestError
 from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
@@ -50,8 +52,6 @@ __all__ = ["EXIT_NOT_STARTED", "Session", "StepOutcome"]
 
 log = structlog.get_logger("readie.worker")
 
-# The in-sandbox runner's exit status for a step whose code never started.
-EXIT_NOT_STARTED = 2
 # Session ids appear in logs next to sandbox ids; the same width.
 SESSION_ID_BYTES = 6
 

@@ -10,6 +10,6 @@ Standard library only: this runs in the sandbox's own python3.
 """
 
 from . import _bounds as bounds
-from ._runner import WARMED_UP, run_job, warm_up
+from ._runner import EXIT_NOT_STARTED, WARMED_UP, run_job, warm_up
 
-__all__ = ["WARMED_UP", "bounds", "run_job", "warm_up"]
+__all__ = ["EXIT_NOT_STARTED", "WARMED_UP", "bounds", "run_job", "warm_up"]

@@ -1,0 +1,78 @@
+"""No package imports another package's private modules: each one's public API is what others use.
+
+Read with ``ast`` from every source and test file of the workspace, so an
+import inside a function, or one spelled ``from pkg._x import y``, counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+# Workspace member dir -> the import package it ships.
+PACKAGES = {
+    "executor": "readie_executor",
+    "worker": "readie_worker",
+    "router": "readie_router",
+    "client": "readie",
+    "pipeline": "readie_pipeline",
+}
+OURS = frozenset(PACKAGES.values())
+# Trees outside the members that are their own code: the bench and the adversarial suite use public APIs too.
+OTHER_TREES = ("bench", "adversarial", "fixtures")
+
+
+def imported_modules(tree: ast.AST) -> list[str]:
+    modules = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from pkg._x import y`` names pkg._x; ``from pkg import _x`` names pkg._x too.
+            modules += [node.module] if is_private(node.module) else [f"{node.module}.{a.name}" for a in node.names]
+    return modules
+
+
+def is_private(module: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split(".")[1:])
+
+
+def private_imports(path: Path, own: str | None) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return sorted(
+        {
+            module
+            for module in imported_modules(tree)
+            if module.split(".")[0] in OURS and module.split(".")[0] != own and is_private(module)
+        }
+    )
+
+
+def sources() -> list[tuple[Path, str | None]]:
+    found = [(path, package) for member, package in PACKAGES.items() for path in (REPO / member).rglob("*.py")]
+    found += [(path, None) for tree in OTHER_TREES for path in (REPO / tree).rglob("*.py")]
+    return [(path, own) for path, own in found if "_pb2" not in path.name and ".venv" not in path.parts]
+
+
+def test_no_package_imports_another_package_s_private_modules():
+    offenders = {str(path.relative_to(REPO)): bad for path, own in sources() if (bad := private_imports(path, own))}
+    assert offenders == {}
+
+
+def test_the_check_sees_private_imports_in_every_spelling(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import readie_worker._mounts\n"
+        "from readie_router._events import result_line\n"
+        "def f():\n    from readie_executor import _calls\n"
+        "from readie_worker.jobs import CodeJob\n"  # public: fine
+        "from ._x import y\n"  # relative: the package's own
+    )
+    assert private_imports(sample, "readie") == [
+        "readie_executor._calls",
+        "readie_router._events",
+        "readie_worker._mounts",
+    ]
+    assert private_imports(sample, "readie_worker") == ["readie_executor._calls", "readie_router._events"]
