@@ -60,6 +60,9 @@ fi
 if [[ $(installed_version) != "$WANTED" ]]; then
   echo "setup: installing runsc $WANTED from Debian trixie (held; trixie is not added to the sources)" >&2
   deb=$(download_runsc trixie "$WANTED" "$work/trixie")
+  # Checked before installing: trixie may have moved on, and nothing else gets held.
+  version=$(dpkg-deb -f "$deb" Version)
+  [[ $version == "$WANTED"-* ]] || { echo "setup: trixie offers runsc $version, not $WANTED; not installed" >&2; exit 1; }
   DEBIAN_FRONTEND=noninteractive dpkg -i "$deb" >/dev/null
   apt-mark hold runsc >/dev/null
   found=$(installed_version)

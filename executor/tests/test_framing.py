@@ -314,3 +314,33 @@ def test_garbage_yields_messages_or_a_framing_error(
     except FramingError:
         pass
     assert decoded_size <= len(stream)
+
+
+class _ShortWriter:
+    """A socket whose sendmsg writes at most ``limit`` bytes (as after a signal), recording every call."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.data, self.calls = limit, bytearray(), []
+
+    def sendmsg(self, pieces):
+        joined = b"".join(bytes(piece) for piece in pieces)[: self.limit]
+        self.calls.append(("sendmsg", len(pieces)))
+        self.data += joined
+        return len(joined)
+
+    def sendall(self, piece):
+        self.calls.append(("sendall", 1))
+        self.data += bytes(piece)
+
+
+@pytest.mark.parametrize("limit", [1, 3, 4, 7, 10_000])
+@pytest.mark.parametrize("size", [0, 5, 64, 150])
+def test_send_message_writes_each_frame_once_and_finishes_a_short_write(limit, size):
+    from readie_executor.sockets import send_message
+
+    payload = bytes(range(256))[:size] * 1
+    sock = _ShortWriter(limit)
+    send_message(sock, payload, chunk_size=64)  # type: ignore[arg-type]
+    assert bytes(sock.data) == encode_message(payload, 64)
+    frames = max(1, -(-size // 64))
+    assert sum(1 for call, _ in sock.calls if call == "sendmsg") == frames  # one vectored write per frame

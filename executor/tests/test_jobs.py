@@ -615,7 +615,7 @@ import json, linecache, os, resource, sys, threading
 from readie_executor.jobs import WARMED_UP, warm_up, _limits, _seccomp
 before = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
 main = sys.modules["__main__"]
-answer = warm_up()
+answer = warm_up(subprocesses=False)
 after = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
 print(json.dumps({
     "answer": answer.decode(),
@@ -623,14 +623,17 @@ print(json.dumps({
     "seccomp": _seccomp.is_installed(),
     "memory_ceiling": _limits.memory_limit_bytes(),
     "linecache": [name for name in linecache.cache if "warm-up" in name],
-    "threads": len(os.listdir("/proc/self/task")),
+    "threads": sorted(thread.name for thread in threading.enumerate()),
+    "os_threads": len(os.listdir("/proc/self/task")),
 }))
 """
 
 
 def test_the_warm_up_leaves_the_process_as_it_found_it() -> None:
     # It runs in every warm sandbox before its job: nothing a job could notice may stay behind,
-    # above all no seccomp filter or rlimit (those last for the process) and no thread.
+    # above all no rlimit, link or memory ceiling (those last for the process), and no thread
+    # but the output drain thread every job's capture uses (started once, kept). The seccomp
+    # filter it installs is the one every job of the worker installs first (subprocesses=False).
     done = subprocess.run(
         [sys.executable, "-c", WARM_UP_CHILD], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS
     )
@@ -638,8 +641,28 @@ def test_the_warm_up_leaves_the_process_as_it_found_it() -> None:
     assert json.loads(done.stdout) == {
         "answer": "warm",
         "same_process_state": True,
-        "seccomp": False,
+        "seccomp": True,
         "memory_ceiling": None,
         "linecache": [],
-        "threads": 1,
+        "threads": ["MainThread", "readie-capture"],
+        "os_threads": 2,
     }
+
+
+def test_jobs_in_one_process_share_one_drain_thread_and_a_kept_copy_of_stdout_holds_up_only_its_own_job() -> None:
+    # The drain thread is kept between jobs; a job that leaves a copy of fd 1 open (a
+    # background writer) delays only its own result (by the drain grace), and the next
+    # job's output is its own.
+    keeper = "import os, threading\nfd = os.dup(1)\nprint('first', flush=True)\n"
+    census = "import threading\nprint(sorted(t.name for t in threading.enumerate()))\n"
+    first, second, third = run_in_child(job(keeper), job(census), job("print('third')"))
+    assert first["stdout"] == "first\n"
+    assert second["stdout"] == "['MainThread', 'readie-capture']\n"
+    assert third["stdout"] == "third\n"
+
+
+def test_a_warm_up_for_jobs_that_may_start_processes_installs_no_filter() -> None:
+    code = WARM_UP_CHILD.replace("warm_up(subprocesses=False)", "warm_up(subprocesses=True)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["seccomp"] is False

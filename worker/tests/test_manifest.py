@@ -401,3 +401,10 @@ def test_non_finite_number_is_a_manifest_error(written):
     rewrite_json(path, lambda raw: raw["checkpoints"][0]["files"][0].update(size_bytes=float("inf")))
     with pytest.raises(ManifestError):
         read_manifest(path)
+
+
+def test_a_checkpoint_that_lists_a_file_twice_is_a_manifest_error(written):
+    path, _ = written
+    rewrite_json(path, lambda raw: raw["checkpoints"][0]["files"].append(dict(raw["checkpoints"][0]["files"][0])))
+    with pytest.raises(ManifestError, match="lists a file twice"):
+        read_manifest(path)

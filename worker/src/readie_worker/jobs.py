@@ -37,7 +37,7 @@ from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes
 from .cancel import NEVER, Cancellation
 from .errors import PoolWorkerError, RequestError
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
-from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
+from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
 
 __all__ = [
     "CodeJob",
@@ -151,7 +151,7 @@ def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...], session: 
             "memory_bytes": job.memory_bytes,
             "max_file_size": job.max_file_size,
             "max_output": job.max_output,
-            "subprocesses": False,
+            "subprocesses": JOB_SUBPROCESSES,
             "timeout_ms": job.timeout_ms,
         },
         "session": session,

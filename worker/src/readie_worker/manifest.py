@@ -233,11 +233,24 @@ def verify_image(checkpoint: Checkpoint) -> None:
             raise CheckpointUnusable(f"{where}: {name} is {entry.stat().st_size} bytes, the manifest says {file.size_bytes}")
     for name, file in recorded.items():
         try:
-            digest = file_sha256(checkpoint.image_path / name)
+            digest = _sha256_no_follow(checkpoint.image_path / name, file.size_bytes)
         except OSError as exc:
             raise CheckpointUnusable(f"{where}: cannot read {name}: {exc}") from None
         if digest != file.sha256:
             raise CheckpointUnusable(f"{where}: {name} is corrupt (sha256 {digest}, manifest says {file.sha256})")
+
+
+def _sha256_no_follow(path: Path, size: int) -> str:
+    """The hash of at most ``size`` bytes of ``path``, opened without following a symlink
+    swapped in since the directory was listed; a file of another size is corrupt."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        if os.fstat(file.fileno()).st_size != size:
+            return "sha256:size-changed"
+        digest = hashlib.sha256()
+        while block := file.read(min(_HASH_BLOCK, size - file.tell())):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
 
 
 def file_sha256(path: Path) -> str:
@@ -263,6 +276,9 @@ def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
             restore_to_socket_p50_ms=float(entry["restore_to_socket_p50_ms"]),
             idle_memory_bytes=None if entry.get("idle_memory_bytes") is None else int(entry["idle_memory_bytes"]),
         )
+        names = [file.name for file in checkpoint.files]
+        if len(set(names)) != len(names):
+            raise ValueError(f"checkpoint {checkpoint.name!r} lists a file twice")
         checkpoints[checkpoint.name] = checkpoint
     return Manifest(
         executor_protocol=int(raw["executor_protocol"]),

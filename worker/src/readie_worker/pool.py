@@ -115,7 +115,9 @@ class WarmPool:
             log.warning("warm sandbox failed its probe", pool=self.name, sandbox=entry.sandbox.id)
             entry.sandbox.destroy()
         self.misses += 1
-        sandbox = self.factory.create()
+        # Warmed here too, so that every sandbox a pool hands out is in the same state
+        # (the seccomp filter in place above all), hit or miss.
+        sandbox = self._warmed(self.factory.create())
         sandbox.move(SandboxState.BUSY)
         return sandbox
 
@@ -187,7 +189,11 @@ class WarmPool:
         """``sandbox`` once its first-touch costs are paid (Sandbox.warm_up); destroyed if that fails."""
         if not self._warm_up:
             return sandbox
-        problem = sandbox.warm_up()
+        try:
+            problem = sandbox.warm_up()
+        except BaseException:
+            sandbox.destroy()
+            raise
         if problem is not None:
             sandbox.destroy()
             raise SandboxSetupError(f"sandbox {sandbox.id} failed its warm-up: {problem}")

@@ -301,7 +301,7 @@ def kill_sandbox_process(container_id: str, pid_file: Path) -> bool:
     try:
         pid = int(pid_file.read_bytes()[:MAX_PID_FILE_BYTES])
         pidfd = os.pidfd_open(pid)
-    except (OSError, ValueError):
+    except (OSError, ValueError, OverflowError):
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:

@@ -80,7 +80,12 @@ _PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}}
 WARM_UP_TIMEOUT_S = 10.0
 # An honest warm-up answers jobs.WARMED_UP or a short failure line.
 MAX_WARM_UP_ANSWER = 4096
-_WARM_UP_REQUEST = cloudpickle.dumps({"func": executor_jobs.warm_up, "args": (), "kwargs": {}})
+# No job may start processes (the seccomp filter refuses fork and exec): what
+# job_request sends, and what a warm-up prepares for by installing that filter.
+JOB_SUBPROCESSES = False
+_WARM_UP_REQUEST = cloudpickle.dumps(
+    {"func": executor_jobs.warm_up, "args": (), "kwargs": {"subprocesses": JOB_SUBPROCESSES}}
+)
 
 
 #: What ``exchange``'s ``answer`` returns for a message that gets no reply.
@@ -283,11 +288,12 @@ class Sandbox:
         with self._connecting:
             if self._connection is None or self._interrupted:
                 return False
+            poller = select.poll()  # not select(): it refuses descriptors past 1023
+            poller.register(self._connection, select.POLLIN | select.POLLPRI)
             try:
-                readable, _, failed = select.select([self._connection], [], [self._connection], 0)
-            except (OSError, ValueError):
+                return not poller.poll(0)  # POLLHUP and POLLERR are reported whatever was asked
+            except OSError:
                 return False
-            return not readable and not failed
 
     def warm_up(self) -> str | None:
         """Pay a restored sandbox's first-touch costs now, not in its first job; why not, if it failed.

@@ -13,10 +13,6 @@ from __future__ import annotations
 import signal
 import threading
 
-import structlog
-
-log = structlog.get_logger("readie.signals")
-
 #: How long a signal delivered to another thread can wait for the main thread.
 SIGNAL_POLL_S = 0.1
 
@@ -24,7 +20,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignal:
-    """Set by the first SIGTERM or SIGINT; a later one is logged, not acted on twice.
+    """Set by the first SIGTERM or SIGINT; a later one changes nothing.
 
     Construct it in the main thread (where Python installs signal handlers).
     """
@@ -35,8 +31,7 @@ class StopSignal:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self._event.is_set():
-            log.info("already stopping", signal=signal.Signals(signum).name)
+        # Nothing but the flag: the handler may run while the main thread is inside a log call.
         self._event.set()
 
     def is_set(self) -> bool:

@@ -10,6 +10,11 @@ overlay, so a job printing in a loop would grow the sandbox's memory until the
 cgroup kills it, and RLIMIT_FSIZE (the job's max_file_size) would make print()
 fail with EFBIG. A drain thread keeps the first bytes of each pipe and counts
 the rest, so memory stays bounded by max_output however much the job writes.
+
+The drain thread is started once and kept (:class:`_Drainer`): a thread
+started per job cost a clone and a join under gVisor on every job and
+session step. The first capture starts it, which in a warm sandbox is the
+warm-up, after the checkpoint (a template has no thread but its main one).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class OutputCapture:
         self._sinks = {STDOUT_FD: _BoundedSink(keep), STDERR_FD: _BoundedSink(keep)}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._drained = threading.Event()
         self.stdout = CapturedBytes(b"", 0)
         self.stderr = CapturedBytes(b"", 0)
 
@@ -85,10 +91,7 @@ class OutputCapture:
     def active(self) -> Iterator[None]:
         pipes = {fd: os.pipe() for fd in (STDOUT_FD, STDERR_FD)}
         readers = {read_end: fd for fd, (read_end, _) in pipes.items()}
-        thread = threading.Thread(
-            target=self._drain, args=(readers,), name="readie-capture", daemon=True
-        )
-        thread.start()
+        _drainer().submit(self, readers)
         saved_streams = (sys.stdin, sys.stdout, sys.stderr)
         _flush_python_streams(saved_streams)
         saved_fds = {fd: os.dup(fd) for fd in (STDIN_FD, STDOUT_FD, STDERR_FD)}
@@ -119,14 +122,21 @@ class OutputCapture:
             # the drain thread sees end of file unless the job kept a copy.
             for _, write_end in pipes.values():
                 os.close(write_end)
-            thread.join(DRAIN_GRACE_SECONDS)
+            self._drained.wait(DRAIN_GRACE_SECONDS)
             self._stop.set()
-            thread.join()
+            self._drained.wait()
             for read_end in readers:
                 os.close(read_end)
             with self._lock:
                 self.stdout = self._sinks[STDOUT_FD].result()
                 self.stderr = self._sinks[STDERR_FD].result()
+
+    def drain(self, readers: dict[int, int]) -> None:
+        """Read ``readers`` until each ends or the capture stops (on the drain thread)."""
+        try:
+            self._drain(readers)
+        finally:
+            self._drained.set()
 
     def _drain(self, readers: dict[int, int]) -> None:
         poller = select.poll()
@@ -150,6 +160,44 @@ class OutputCapture:
                         self._sinks[readers[read_end]].take(view[:count])
             except MemoryError:
                 continue  # the job holds all its memory; the next round may find some freed
+
+
+class _Drainer:
+    """The process's one drain thread: it drains one capture at a time, then waits for the next."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._next: tuple[OutputCapture, dict[int, int]] | None = None
+        self.thread = threading.Thread(target=self._run, name="readie-capture", daemon=True)
+        self.thread.start()
+
+    def submit(self, capture: OutputCapture, readers: dict[int, int]) -> None:
+        with self._ready:
+            self._next = (capture, readers)
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while self._next is None:
+                    self._ready.wait()
+                capture, readers = self._next
+                self._next = None
+            capture.drain(readers)
+            # Not kept while waiting: the capture's buffers (up to 2 x max_output) would stay allocated.
+            del capture, readers
+
+
+_the_drainer: _Drainer | None = None
+_drainer_lock = threading.Lock()
+
+
+def _drainer() -> _Drainer:
+    global _the_drainer
+    with _drainer_lock:
+        if _the_drainer is None or not _the_drainer.thread.is_alive():
+            _the_drainer = _Drainer()
+        return _the_drainer
 
 
 def _job_streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]:

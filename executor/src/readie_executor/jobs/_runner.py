@@ -75,29 +75,32 @@ def run_job(job: dict[str, object]) -> bytes:
 setattr(run_job, RAW_RESPONSE_ATTRIBUTE, True)
 
 WARMED_UP = b"warm"
-# A job that changes nothing for good: no links, limits or seccomp filter
-# (run_job installs those for the rest of the process), a fresh __main__.
-_WARM_UP_JOB: dict[str, object] = {
-    "code": "pass",
-    "name": "<readie warm-up>",
-    "limits": {"subprocesses": True, "max_output": 1024 * 1024, "timeout_ms": 10_000},
-}
+WARM_UP_NAME = "<readie warm-up>"
 
 
-def warm_up() -> bytes:
+def warm_up(subprocesses: bool = False) -> bytes:
     """Run a job that does nothing, so that the first real job does not pay first-touch costs.
 
     A restored sandbox pays on its first call for what the template never
-    did: its first thread, pipes and descriptors, pages of the interpreter
-    faulted in from the image. The worker calls this before it hands a
-    restored sandbox out (in the background), so no job waits for them. It
-    leaves the process as it found it, which is why its job asks for nothing
-    that run_job keeps (see _WARM_UP_JOB).
+    did: its first thread (the output drain thread, kept), pipes and
+    descriptors, the seccomp filter, pages of the interpreter faulted in
+    from the image. The worker calls this before it hands a restored sandbox
+    out (in the background), so no job waits for them. The job asks for
+    nothing else run_job keeps for the process (no links, rlimits or session
+    ``__main__``). ``subprocesses`` must be what every later job gets: with
+    False (the worker's only setting) the filter each job would install
+    first is installed now, and the job finds it in place.
     """
-    result = json.loads(run_job(dict(_WARM_UP_JOB)))
-    linecache.cache.pop(str(_WARM_UP_JOB["name"]), None)
-    if result["exit"] != 0 or result["error"] is not None:
-        return b"warm-up failed: " + json.dumps(result["error"]).encode()
+    job = {
+        "code": "pass",
+        "name": WARM_UP_NAME,
+        "limits": {"subprocesses": subprocesses, "max_output": 64, "timeout_ms": 10_000},
+    }
+    result = json.loads(run_job(job))
+    linecache.cache.pop(WARM_UP_NAME, None)
+    # A policy note means the filter did not go in: such a sandbox is not handed out.
+    if result["exit"] != 0 or result["error"] is not None or result["policy_notes"]:
+        return b"warm-up failed: " + json.dumps([result["error"], result["policy_notes"]]).encode()
     return WARMED_UP
 
 
