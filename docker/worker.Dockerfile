@@ -13,15 +13,16 @@ FROM ghcr.io/astral-sh/uv:${UV_VERSION} AS uv
 
 FROM debian:bookworm-slim
 
-# runsc from Debian, as on the capturing host: the manifest records the
-# version (`runsc --version`) and a worker with another one drops the
-# checkpoints. Set RUNSC_VERSION (e.g. 0.0~20221219.0-2+b3) to pin it.
+# runsc as on the capturing host (scripts/install-runsc.sh: Debian trixie's
+# 0.0~20240729, without trixie in the image's sources): the manifest records
+# the version and flags, and a worker with others drops the checkpoints.
 # iproute2 and util-linux (nsenter): the netns network backend.
-ARG RUNSC_VERSION=
+COPY scripts/install-runsc.sh /tmp/install-runsc.sh
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      "runsc${RUNSC_VERSION:+=$RUNSC_VERSION}" python3 iproute2 util-linux ca-certificates \
- && rm -rf /var/lib/apt/lists/*
+      python3 iproute2 util-linux ca-certificates \
+ && bash /tmp/install-runsc.sh --without-debian12 \
+ && rm -rf /var/lib/apt/lists/* /tmp/install-runsc.sh
 
 # The worker also runs uv at run time: per-call `packages` are installed on
 # the worker host (wheels only) and mounted read-only into the sandbox.

@@ -11,7 +11,7 @@
 # by the trixie keys Debian 12's keyring already holds, then held.
 #
 # Idempotent: nothing happens when the wanted version is installed and the
-# old binary is in place.
+# old binary is in place. --without-debian12: skip the old binary (images).
 set -euo pipefail
 
 WANTED=0.0~20240729.0
@@ -44,7 +44,7 @@ work=$(mktemp -d)
 chmod 0755 "$work"  # apt fetches as _apt
 trap 'rm -rf "$work"' EXIT
 
-if [[ $(installed_version "$OLD_BINARY") != "$OLD" ]]; then
+if [[ ${1:-} != --without-debian12 && $(installed_version "$OLD_BINARY") != "$OLD" ]]; then
   mkdir -p "$(dirname "$OLD_BINARY")"
   if [[ $(installed_version) == "$OLD" ]]; then
     cp "$(command -v runsc)" "$OLD_BINARY"
