@@ -79,7 +79,7 @@ def cmdline(pid: int) -> bytes:
 
 def sandbox_pids(sandbox_id: str, table: dict[int, Proc] | None = None) -> set[int]:
     """runsc-sandbox and runsc-gofer whose command line names the sandbox, plus their
-    descendants: on the ptrace platform the sentry's stub processes (empty cmdline)
+    descendants: the sentry's stub processes (systrap and ptrace alike; empty cmdline)
     hold the application's address space, so leaving them out undercounts memory."""
     table = processes() if table is None else table
     marker = sandbox_id.encode()

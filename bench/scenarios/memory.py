@@ -3,7 +3,7 @@
 Several restored sandboxes of one checkpoint sit idle at once (as in a warm
 pool), next to one cold-started sandbox and a host Python with the same
 imports (the floor). Each sandbox's figure sums smaps_rollup over its
-runsc-sandbox, runsc-gofer and their descendants (the ptrace stubs).
+runsc-sandbox, runsc-gofer and their descendants (the platform's stub processes).
 """
 
 from __future__ import annotations

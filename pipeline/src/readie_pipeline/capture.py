@@ -46,7 +46,7 @@ from .rootfs import Rootfs, ensure_rootfs
 
 log = structlog.get_logger("readie.capture")
 
-# Pre-importing pandas under ptrace takes ~2-3 s; a minute means something hangs.
+# Pre-importing pandas takes ~1 s under systrap (~2-3 s under ptrace); a minute means something hangs.
 CAPTURE_POINT_TIMEOUT_S = 120.0
 # A template may hold stdin, stdout and stderr, nothing else: any other
 # descriptor would be shared by every sandbox restored from it.
