@@ -10,6 +10,7 @@ import pytest
 from readie_worker._states import SandboxState
 from readie_worker.pool import RefillBudget, WarmPool
 from readie_worker.sandbox import checkpoint_factory
+from readie_worker.testing import wait_until
 
 pytestmark = pytest.mark.runsc
 
@@ -66,6 +67,9 @@ def test_a_dead_warm_sandbox_is_never_handed_out(pool_factory, runsc):
     assert pool.wait_until_full(timeout=60)
     [victim] = [entry.sandbox for entry in pool._ready]
     runsc.run("kill", victim.id, "KILL", reaping=True)
+    # A take checks the warm-up's kept connection, which shows the death a few ms after
+    # runsc kill returns; a death racing the take is a death under the job (decision 0012).
+    assert wait_until(lambda: not victim.connection_intact(), timeout=5)
     sandbox = pool.take()
     try:
         assert sandbox.id != victim.id
