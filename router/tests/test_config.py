@@ -18,7 +18,7 @@ from readie_worker.config import (
     load_config,
     parse_config,
 )
-from readie_router._errors import ConfigError
+from readie_worker.errors import ConfigError
 from readie_worker.policy import NO_LIMITS, Limits, Profile
 
 SPEC_CONFIG = """\

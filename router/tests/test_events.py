@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from readie_router._errors import (
+from readie_worker.errors import (
     PoolWorkerError,
     RequestError,
     SandboxSetupError,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from readie_router._errors import RequestError
+from readie_worker.errors import RequestError
 from readie_worker.policy import (
     DEFAULT_MAX_FILE_SIZE,
     DEFAULT_MAX_OUTPUT,

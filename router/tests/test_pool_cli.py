@@ -9,7 +9,7 @@ import pytest
 import structlog
 from readie_executor.protocol import PROTOCOL_VERSION
 from readie_router._backend import CHECKPOINT_PLAN, choose_checkpoint, manifest_path
-from readie_router._errors import SandboxSetupError
+from readie_worker.errors import SandboxSetupError
 from readie_router.pool_cli import main
 
 

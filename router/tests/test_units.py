@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from readie_router._errors import ReadieError, UnitError
+from readie_worker.errors import ReadieError, UnitError
 from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
 
 KIB = 1024

@@ -32,6 +32,8 @@ from typing import IO, Any, Self
 
 from readie_executor import hostwire
 
+from readie_worker.errors import ErrorType
+
 from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostCalls, HostFunctions, check_functions
 from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, session_setup, stats_request
@@ -224,7 +226,7 @@ class Pool:
             )
         )
         result = parse_result(self._exchange(request_id, line, declared))
-        if result.error is not None and result.error.type == "RequestError":
+        if result.error is not None and result.error.type == ErrorType.REQUEST:
             raise RequestError(result.error.message, result=result)
         return result
 

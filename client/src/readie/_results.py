@@ -13,14 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ._errors import (
-    JobError,
-    PoolError,
-    PoolWorkerError,
-    RequestError,
-    SandboxSetupError,
-    VersionMismatch,
-)
+from readie_worker.errors import ErrorType, family_of
+
+from ._errors import JobError, PoolError, RequestError, VersionMismatch
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -38,14 +33,6 @@ __all__ = [
 #: The pool protocol version this client speaks (the ready event's
 #: ``protocol``; a pool that omits it speaks version 1, the spec's).
 PROTOCOL_VERSION = 1
-
-# Error types that are readie's own, not the job's: raise_for_error maps them
-# back to the exception families (anything else is the job's: JobError).
-_REQUEST_ERROR = "RequestError"
-_FAMILIES: dict[str, type[Exception]] = {
-    "SandboxSetupError": SandboxSetupError,
-    "PoolWorkerError": PoolWorkerError,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,15 +110,14 @@ class Result:
         or :class:`PoolWorkerError` for readie's own error types, :class:`JobError` for the job's."""
         if self.ok:
             return self
-        kind = None if self.error is None else self.error.type
-        if kind == _REQUEST_ERROR:
-            assert self.error is not None
+        if self.error is None:
+            raise JobError(self)
+        family = family_of(self.error.type)
+        if family is None:
+            raise JobError(self)
+        if self.error.type == ErrorType.REQUEST:  # the client's own subclass, carrying this result
             raise RequestError(self.error.message, result=self)
-        family = _FAMILIES.get(kind or "")
-        if family is not None:
-            assert self.error is not None
-            raise family(self.error.message)
-        raise JobError(self)
+        raise family(self.error.message)
 
 
 @dataclass(frozen=True, slots=True)

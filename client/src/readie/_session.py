@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+from readie_worker.errors import ErrorType
+
 from ._errors import RequestError
 from ._requests import Duration, Size, close_request, encode_line, step_request
 from ._results import Result, parse_closed, parse_result
@@ -84,7 +86,7 @@ class Session:
                 setup=None if self._open else self.setup,
             )
             result = parse_result(self.pool._exchange(request_id, encode_line(request), self.functions))
-            if result.error is not None and result.error.type == "RequestError":
+            if result.error is not None and result.error.type == ErrorType.REQUEST:
                 raise RequestError(result.error.message, result=result)
             self._open = not result.session_ended
             self.last_step = result.step or 0

@@ -31,15 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import (
-    POOL_WORKER_ERROR,
-    REQUEST_ERROR,
-    SANDBOX_SETUP_ERROR,
-    SIGNAL_ERROR,
-    TIMEOUT_ERROR,
-    ReadieError,
-    pool_error_type,
-)
+from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
 from ._requests import Refused
 from ._wire import RequestId
@@ -96,10 +88,10 @@ class Outcome(enum.Enum):
 
 # The error type each non-Python outcome must carry.
 _OUTCOME_TYPES: dict[Outcome, frozenset[str]] = {
-    Outcome.TIMEOUT: frozenset({TIMEOUT_ERROR}),
-    Outcome.SIGNAL: frozenset({SIGNAL_ERROR}),
-    Outcome.REQUEST_ERROR: frozenset({REQUEST_ERROR}),
-    Outcome.WORKER_ERROR: frozenset({POOL_WORKER_ERROR, SANDBOX_SETUP_ERROR}),
+    Outcome.TIMEOUT: frozenset({ErrorType.TIMEOUT}),
+    Outcome.SIGNAL: frozenset({ErrorType.SIGNAL}),
+    Outcome.REQUEST_ERROR: frozenset({ErrorType.REQUEST}),
+    Outcome.WORKER_ERROR: frozenset({ErrorType.POOL_WORKER, ErrorType.SANDBOX_SETUP}),
 }
 
 
@@ -203,8 +195,8 @@ class JobResult:
         step: int | None = None,
     ) -> JobResult:
         """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError."""
-        kind = pool_error_type(error)
-        outcome = Outcome.REQUEST_ERROR if kind == REQUEST_ERROR else Outcome.WORKER_ERROR
+        kind = error_type(error)
+        outcome = Outcome.REQUEST_ERROR if kind is ErrorType.REQUEST else Outcome.WORKER_ERROR
         return cls(
             id=id,
             outcome=outcome,

@@ -38,7 +38,7 @@ import structlog
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.client import WorkerClient
 from readie_worker.core import Capacity
-from readie_worker.errors import Cancelled, PoolWorkerError, SandboxSetupError
+from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
 from readie_worker.remote_session import RemoteSession, SessionLost, StreamBroken
 from readie_worker.security import ClientSecurity
@@ -137,7 +137,7 @@ class Placement:
             return self._place(lambda client: client.run_job(job, job_id, host, cancel=cancel), job.checkpoint)
         except PoolWorkerError as exc:
             duration_us = int((time.monotonic() - started) * 1_000_000)
-            return JobOutcome.failure("PoolWorkerError", str(exc), duration_us, "remote")
+            return JobOutcome.failure(ErrorType.POOL_WORKER, str(exc), duration_us, "remote")
 
     def open_session(
         self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER

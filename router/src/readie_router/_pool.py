@@ -67,7 +67,7 @@ from readie_worker.sessions import StepOutcome
 
 from ._backend import BackendSession, JobBackend, Step
 from readie_worker.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
-from ._errors import PoolWorkerError, ReadieError, RequestError
+from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
 from ._events import (
     JobResult,
     RuntimeInfo,

@@ -34,7 +34,7 @@ from readie_executor.hostwire import MAX_FUNCTIONS, function_name_problem
 from readie_worker.packages import MAX_REQUIREMENT_CHARS
 from readie_worker.paths import MAX_PATH_CHARS
 
-from ._errors import RequestError, UnitError
+from readie_worker.errors import RequestError, UnitError
 from ._lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
 from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
 from readie_worker.errors import shown

@@ -38,13 +38,7 @@ import signal
 from readie_executor.jobs import EXIT_NOT_STARTED
 from readie_worker.jobs import JobOutcome
 
-from ._errors import (
-    POOL_WORKER_ERROR,
-    REQUEST_ERROR,
-    SANDBOX_SETUP_ERROR,
-    SIGNAL_ERROR,
-    TIMEOUT_ERROR,
-)
+from readie_worker.errors import ErrorType
 from ._events import (
     EXIT_NOT_RUN,
     EXIT_TIMEOUT,
@@ -65,8 +59,8 @@ MEMORY_ERROR = "MemoryError"
 
 # Error types the runner reports for a job it did not start, and their counter.
 _NOT_STARTED: dict[str, Outcome] = {
-    REQUEST_ERROR: Outcome.REQUEST_ERROR,
-    SANDBOX_SETUP_ERROR: Outcome.WORKER_ERROR,
+    ErrorType.REQUEST: Outcome.REQUEST_ERROR,
+    ErrorType.SANDBOX_SETUP: Outcome.WORKER_ERROR,
 }
 
 
@@ -121,16 +115,16 @@ def _classify(outcome: JobOutcome) -> tuple[Outcome, int, ErrorInfo | None]:
 def _without_exit(info: ErrorInfo | None) -> tuple[Outcome, int, ErrorInfo | None]:
     kind = None if info is None else info.type
     if info is not None:
-        if kind == TIMEOUT_ERROR:
+        if kind == ErrorType.TIMEOUT:
             return Outcome.TIMEOUT, EXIT_TIMEOUT, info
         if kind == MEMORY_ERROR:
             return Outcome.FAILED, MEMORY_BACKSTOP_EXIT, info
-        if kind == SIGNAL_ERROR:
+        if kind == ErrorType.SIGNAL:
             return Outcome.SIGNAL, EXIT_NOT_RUN, info
-        if kind in (POOL_WORKER_ERROR, SANDBOX_SETUP_ERROR):
+        if kind in (ErrorType.POOL_WORKER, ErrorType.SANDBOX_SETUP):
             return Outcome.WORKER_ERROR, EXIT_NOT_RUN, info
-        if kind == REQUEST_ERROR:
+        if kind == ErrorType.REQUEST:
             return Outcome.REQUEST_ERROR, EXIT_NOT_RUN, info
     what = "no error" if info is None else f"{info.type}: {info.message}"
     message = f"the job ended without an exit status ({what})"
-    return Outcome.WORKER_ERROR, EXIT_NOT_RUN, ErrorInfo(POOL_WORKER_ERROR, message)
+    return Outcome.WORKER_ERROR, EXIT_NOT_RUN, ErrorInfo(ErrorType.POOL_WORKER, message)

@@ -35,7 +35,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ._backend import BackendSession
-from ._errors import RequestError
+from readie_worker.errors import RequestError
 from readie_worker.policy import Policy
 from ._requests import JobRequest
 

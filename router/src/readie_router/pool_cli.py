@@ -36,7 +36,7 @@ from readie_worker.security import ClientSecurity, add_client_arguments, client_
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
 from readie_worker.config import CliOverrides, Config, apply_cli, load_config
-from ._errors import ConfigError
+from readie_worker.errors import ConfigError
 from ._events import RuntimeInfo
 from ._pool import PoolEngine, PoolSetup
 from ._stdio import FdReader, FdWriter

@@ -5,7 +5,7 @@ results out (``ready_event``, ``result_line``), and the error families the
 result lines name. The engine that drives them is ``readie pool``.
 """
 
-from ._errors import PoolWorkerError, RequestError
+from readie_worker.errors import PoolWorkerError, RequestError
 from ._events import ErrorInfo, JobResult, Outcome, RuntimeInfo, ready_event, result_line
 from ._lines import MAX_LINE_BYTES, Line, LineSplitter, OversizeLine
 from ._requests import JobRequest, Refused, StatsRequest, parse_request

@@ -27,7 +27,7 @@ from readie_worker.stop_signal import StopSignal
 
 from ._backend import choose_checkpoint, manifest_path
 from readie_worker.config import Config, load_config
-from ._errors import ConfigError
+from readie_worker.errors import ConfigError
 from ._events import RuntimeInfo
 from ._placement import DEFAULT_ROUTER_SESSIONS, PROBE_INTERVAL_S, Placement
 from ._pool import PoolSetup

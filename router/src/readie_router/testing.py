@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
 from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome
 from readie_worker.sessions import StepOutcome
 from readie_worker.testing import readie_command, start_cluster
@@ -292,8 +293,6 @@ class FakeBackend:
         return session, await session.step(job, job_id, host)
 
     async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
-        from ._errors import PoolWorkerError
-
         if self.closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
         self.started.append(job)
@@ -342,12 +341,10 @@ class FakeSession:
 
     async def step(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
         if self.ended:
-            from ._errors import RequestError
-
             raise RequestError("the session has ended", "session")
         outcome = await self.backend.run(job, job_id, host)
         self.steps += 1
-        timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == "TimeoutError"
+        timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == ErrorType.TIMEOUT
         self.ended = self.backend.session_ends(job) or timed_out
         return StepOutcome(outcome, self.steps, self.ended)
 

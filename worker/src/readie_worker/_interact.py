@@ -44,7 +44,7 @@ from ._host_wire import call_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
 from .cancel import Cancellation
-from .errors import PoolWorkerError, RequestError
+from .errors import ErrorType, PoolWorkerError, RequestError
 from .jobs import HostCall, HostReply, JobOutcome
 from .policy import NO_LIMITS
 from .runner import JobRunner, SessionHandle
@@ -235,7 +235,7 @@ class Interaction:
             try:
                 asked = session_step(request.step, self._ceiling.limits)
             except RequestError as refused:  # as in the pool protocol: the step is refused, the session goes on
-                outcome = JobOutcome.failure("RequestError", str(on_the_wire(refused)), 0, "")
+                outcome = JobOutcome.failure(ErrorType.REQUEST, str(on_the_wire(refused)), 0, "")
                 step = StepOutcome(outcome, step.step, False)
                 continue
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing

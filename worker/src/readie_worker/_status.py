@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from .errors import Cancelled, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from .errors import Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from .sandbox import ExecutorTimeout
 
 log = structlog.get_logger("readie.grpc")
@@ -140,7 +140,7 @@ def error_from_status(error: grpc.RpcError) -> ReadieError:
     metadata = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
     kind = metadata.get(ERROR_METADATA_KEY)
     code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
-    if kind == "RequestError":
+    if kind == ErrorType.REQUEST:
         field = metadata.get(FIELD_METADATA_KEY)
         prefix = f"{field}: "
         return RequestError(details.removeprefix(prefix) if field else details, field=field)

@@ -25,7 +25,7 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from .config import DEFAULT_MAX_SESSIONS
-from .errors import Cancelled, PoolWorkerError, RequestError, SandboxSetupError
+from .errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
 from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
 from .packages import ensure_packages, package_cache
@@ -247,7 +247,7 @@ class Worker:
         try:
             sandbox, links = self._acquire(job)
         except SandboxSetupError as exc:
-            return JobOutcome.failure("SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local")
+            return JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local")
         acquire_us = _since(started)
         try:
             return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel), acquire_us=acquire_us)
@@ -282,7 +282,7 @@ class Worker:
                 if not isinstance(exc, SandboxSetupError):
                     raise
                 failed = JobOutcome.failure(
-                    "SandboxSetupError", str(exc), _since(started), "gvisor" if self.isolated else "local"
+                    ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local"
                 )
                 return Session(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
             session = Session(job, sandbox, links, slot=self._slot, forget=self._forget_session)

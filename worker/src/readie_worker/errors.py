@@ -1,10 +1,16 @@
-"""readie's error hierarchy: one base, a few families.
+"""readie's error hierarchy: one base, a few families, and the error types results name.
 
-Mapped to pool error types and gRPC status codes in exactly one place each
-(the router's boundary), never ad hoc.
+A result's ``error.type`` is either the job's Python exception class or one
+of readie's own :class:`ErrorType` values. The table between the families
+and those types is here, once: :func:`error_type` for the side that reports
+an error (the pool engine's result lines, the worker's outcomes) and
+:func:`family_of` for the side that raises it again (the client). The gRPC
+status mapping is the other edge, in ``_status``.
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 
 class ReadieError(Exception):
@@ -58,6 +64,57 @@ class ConfigError(ReadieError):
         self.path = path
         self.key = key
         self.reason = reason
+
+
+class ErrorType(StrEnum):
+    """The error types that are readie's own, not a Python exception of the job.
+
+    The values are the pool protocol's and the in-sandbox JSON's ``error.type``
+    strings (the executor writes the same names with the standard library
+    only; a test holds them to this set). ``TimeoutError`` is also a Python
+    builtin: a job's own TimeoutError is told apart by the result's outcome.
+    """
+
+    REQUEST = "RequestError"
+    TIMEOUT = "TimeoutError"
+    SIGNAL = "SignalError"
+    SANDBOX_SETUP = "SandboxSetupError"
+    POOL_WORKER = "PoolWorkerError"
+
+
+# Most specific first; the first isinstance match wins.
+_TYPE_OF_FAMILY: tuple[tuple[type[BaseException], ErrorType], ...] = (
+    (RequestError, ErrorType.REQUEST),
+    (UnitError, ErrorType.REQUEST),
+    (SandboxSetupError, ErrorType.SANDBOX_SETUP),
+    (PoolWorkerError, ErrorType.POOL_WORKER),
+)
+
+# The families a client raises again for a result's error type; the others
+# (a timeout, a signal, the job's exceptions) are the job's outcome.
+_FAMILY_OF_TYPE: dict[str, type[ReadieError]] = {
+    ErrorType.REQUEST: RequestError,
+    ErrorType.SANDBOX_SETUP: SandboxSetupError,
+    ErrorType.POOL_WORKER: PoolWorkerError,
+}
+
+
+def error_type(exc: BaseException) -> ErrorType:
+    """The result ``error.type`` for an error readie raised.
+
+    Anything not in the table (``ConfigError`` at run time, an unexpected bug)
+    is ``PoolWorkerError``: the job failed because of the pool, not because of
+    the request or the job's own code.
+    """
+    for cls, kind in _TYPE_OF_FAMILY:
+        if isinstance(exc, cls):
+            return kind
+    return ErrorType.POOL_WORKER
+
+
+def family_of(kind: str) -> type[ReadieError] | None:
+    """The exception family a result's ``error.type`` stands for; None for the job's own errors."""
+    return _FAMILY_OF_TYPE.get(kind)
 
 
 #: Error messages quote the value at fault, cut to this many characters: a

@@ -35,7 +35,7 @@ from ._host_frames import (
 )
 from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
-from .errors import PoolWorkerError, RequestError
+from .errors import ErrorType, PoolWorkerError, RequestError
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
 
@@ -208,7 +208,7 @@ def run_in_sandbox(
             result = parse_job_result(raw, job.max_output)
         except JobResultInvalid as exc:
             message = f"the sandbox answered with an invalid result: {exc}"
-            outcome = JobOutcome.failure("PoolWorkerError", message, elapsed, backend, sandbox.id)
+            outcome = JobOutcome.failure(ErrorType.POOL_WORKER, message, elapsed, backend, sandbox.id)
         else:
             if result.timed_out:  # the deadline kills the sandbox, whatever else the job left running
                 sandbox.destroy()
@@ -219,12 +219,12 @@ def run_in_sandbox(
 def _broken_exchange(exc: PoolWorkerError, sandbox: Sandbox, job: CodeJob, backend: str, duration_us: int) -> JobOutcome:
     """What a job came to when its exchange with the sandbox ended without an answer."""
     if sandbox.interrupted:  # cancelled: the caller is gone, but the log line still tells
-        return JobOutcome.failure("PoolWorkerError", CANCELLED_MESSAGE, duration_us, backend, sandbox.id)
+        return JobOutcome.failure(ErrorType.POOL_WORKER, CANCELLED_MESSAGE, duration_us, backend, sandbox.id)
     if isinstance(exc, ExecutorTimeout):
         sandbox.destroy()  # the deadline kills the sandbox, whatever the job is doing
-        return JobOutcome.failure("TimeoutError", f"job exceeded its timeout of {job.timeout_ms} ms", duration_us, backend, sandbox.id)
+        return JobOutcome.failure(ErrorType.TIMEOUT, f"job exceeded its timeout of {job.timeout_ms} ms", duration_us, backend, sandbox.id)
     if isinstance(exc, TooManyRefusedFrames):
-        return JobOutcome.failure("PoolWorkerError", f"the job was ended: {exc}", duration_us, backend, sandbox.id)
+        return JobOutcome.failure(ErrorType.POOL_WORKER, f"the job was ended: {exc}", duration_us, backend, sandbox.id)
     if sandbox.oom_killed():
         limit = sandbox.memory_limit_bytes
         hint = MEMORY_BACKSTOP_HINT.format(
@@ -233,7 +233,7 @@ def _broken_exchange(exc: PoolWorkerError, sandbox: Sandbox, job: CodeJob, backe
         return JobOutcome.failure(
             "MemoryError", "the sandbox ran out of memory and was killed", duration_us, backend, sandbox.id, hint=hint
         )
-    return JobOutcome.failure("PoolWorkerError", f"the sandbox failed under the job: {exc}", duration_us, backend, sandbox.id)
+    return JobOutcome.failure(ErrorType.POOL_WORKER, f"the sandbox failed under the job: {exc}", duration_us, backend, sandbox.id)
 
 
 def _no_host(call: HostCall) -> HostReply:

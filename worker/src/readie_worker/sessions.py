@@ -44,7 +44,7 @@ from ._states import SandboxState, SessionState, check_transition
 from readie_executor.jobs import EXIT_NOT_STARTED
 
 from .cancel import NEVER, Cancellation
-from .errors import RequestError
+from .errors import ErrorType, RequestError
 from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
 from .sandbox import Sandbox
 
@@ -231,7 +231,7 @@ def call_step(
     setup_failed = (
         outcome.exit == EXIT_NOT_STARTED
         and outcome.error is not None
-        and outcome.error.type == "SandboxSetupError"
+        and outcome.error.type == ErrorType.SANDBOX_SETUP
     )
     return outcome, outcome.exit is None or outcome.system_exit or setup_failed
 
