@@ -23,6 +23,7 @@ COPY pyproject.toml uv.lock .python-version ./
 COPY executor executor
 COPY worker worker
 COPY pipeline pipeline
+COPY protocol protocol
 COPY router router
 COPY client client
 RUN uv sync --frozen --no-dev --no-editable --python /usr/bin/python3 \

@@ -33,7 +33,7 @@ from readie_router._events import (
 )
 from readie_worker.policy import Policy
 from readie_router._requests import Refused, parse_request
-from readie_router._wire import encode_line
+from readie_protocol.wire import encode_line
 
 # The spec's examples, verbatim, with "pynox" read as "readie" where the spec says so.
 SPEC_READY = """{"event": "ready", "workers": 2, "runtime": "pynox", "preloaded_modules": [], "package_dirs": [],

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from readie_worker.errors import RequestError
-from readie_router._lines import MAX_LINE_BYTES, Line, OversizeLine
+from readie_protocol.lines import MAX_LINE_BYTES, Line, OversizeLine
 from readie_router._requests import (
     MAX_REPLY_BYTES,
     SESSION_SETUP_FIELDS,

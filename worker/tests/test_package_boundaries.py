@@ -7,17 +7,19 @@ import inside a function, or one spelled ``from pkg._x import y``, counts.
 from __future__ import annotations
 
 import ast
+import sys
+import tomllib
 from pathlib import Path
 
 from conftest import REPO
 
-# Workspace member dir -> the import package it ships.
+# Workspace member dir -> the import package it ships, from the workspace itself:
+# a member added later is checked without anyone remembering to list it here.
 PACKAGES = {
-    "executor": "readie_executor",
-    "worker": "readie_worker",
-    "router": "readie_router",
-    "client": "readie",
-    "pipeline": "readie_pipeline",
+    member: package.name
+    for member in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["uv"]["workspace"]["members"]
+    for package in (REPO / member / "src").iterdir()
+    if package.is_dir() and (package / "__init__.py").exists()
 }
 OURS = frozenset(PACKAGES.values())
 # Trees outside the members that are their own code: the bench and the adversarial suite use public APIs too.
@@ -76,3 +78,15 @@ def test_the_check_sees_private_imports_in_every_spelling(tmp_path):
         "readie_worker._mounts",
     ]
     assert private_imports(sample, "readie_worker") == ["readie_executor._calls", "readie_router._events"]
+
+
+def test_every_workspace_member_is_checked() -> None:
+    assert set(PACKAGES.values()) >= {"readie_protocol", "readie_executor", "readie_worker", "readie_router", "readie"}
+
+
+def test_the_pool_protocol_needs_only_the_standard_library() -> None:
+    """Any client may depend on readie_protocol: it must not pull in readie's or anyone's packages."""
+    for path in (REPO / "protocol" / "src").rglob("*.py"):
+        for module in imported_modules(ast.parse(path.read_text())):
+            top = module.split(".")[0]
+            assert top in sys.stdlib_module_names or top in ("", "readie_protocol"), (path, module)

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeAlias
 
+from readie_protocol import MAX_LINE_BYTES, RequestId
+
 from ._errors import RequestError
 
 __all__ = [
@@ -37,12 +39,9 @@ __all__ = [
     "step_request",
 ]
 
-#: The pool discards any line longer than 1 MiB (the spec; the newline is not
-#: counted). Checked here too, before sending, so the caller learns it from an
-#: exception naming the field instead of from a refusal after the upload.
-MAX_LINE_BYTES = 1024 * 1024
-
-RequestId: TypeAlias = str | int
+# MAX_LINE_BYTES is the pool's own limit (readie_protocol), checked here too,
+# before sending, so the caller learns it from an exception naming the field
+# instead of from a refusal after the upload.
 PathArg: TypeAlias = str | os.PathLike[str]
 #: int: seconds (as the pool reads a bare number); float and timedelta are
 #: converted to whole milliseconds, rounded up; str is sent as is ("250ms", "5s").

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from readie_protocol import PROTOCOL_VERSION
 from readie_worker.errors import ErrorType, family_of
 
 from ._errors import JobError, PoolError, RequestError, VersionMismatch
@@ -30,9 +31,6 @@ __all__ = [
     "parse_stats",
 ]
 
-#: The pool protocol version this client speaks (the ready event's
-#: ``protocol``; a pool that omits it speaks version 1, the spec's).
-PROTOCOL_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from typing import Any
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
 from ._requests import Refused
-from ._wire import RequestId
+from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -56,9 +56,6 @@ __all__ = [
     "signal_exit",
 ]
 
-#: Version of the pool JSONL protocol, sent in the ready event. Bump it when a
-#: field changes meaning or disappears; adding a field does not need a bump.
-PROTOCOL_VERSION = 1
 #: The spec's "runtime" value, with pynox read as readie.
 RUNTIME_NAME = "readie"
 #: The sandbox that enforces a policy, reported in every result's policy.

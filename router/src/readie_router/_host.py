@@ -45,7 +45,7 @@ from readie_worker.jobs import HostCall, HostFunction, HostReply
 
 from ._events import call_event
 from ._requests import ReplyRequest
-from ._wire import RequestId
+from readie_protocol.wire import RequestId
 
 __all__ = ["HostCalls", "WaitingCall", "encode_call_event", "host_function"]
 

@@ -78,7 +78,7 @@ from ._events import (
     result_line,
 )
 from ._host import HostCalls, WaitingCall, host_function
-from ._lines import Line, LineEvent, LineSplitter
+from readie_protocol.lines import Line, LineEvent, LineSplitter
 from readie_worker.policy import Policy, resolve_policy, resolve_script, resolve_step
 from ._requests import (
     CloseSession,
@@ -91,7 +91,7 @@ from ._requests import (
 )
 from ._results import job_result
 from ._sessions import Session, SessionPhase, SessionTable
-from ._wire import RequestId, encode_line
+from readie_protocol.wire import RequestId, encode_line
 
 __all__ = [
     "ABORT_WRITE_GRACE_S",

@@ -35,11 +35,11 @@ from readie_worker.packages import MAX_REQUIREMENT_CHARS
 from readie_worker.paths import MAX_PATH_CHARS
 
 from readie_worker.errors import RequestError, UnitError
-from ._lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
+from readie_protocol.lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
 from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
 from readie_worker.errors import shown
 
-from ._wire import RequestId, id_problem, json_type
+from readie_protocol.wire import RequestId, id_problem, json_type
 
 __all__ = [
     "MAX_FUNCTIONS",

@@ -49,7 +49,7 @@ from ._events import (
     signal_exit,
 )
 from readie_worker.policy import Policy
-from ._wire import RequestId
+from readie_protocol.wire import RequestId
 
 __all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "job_result"]
 

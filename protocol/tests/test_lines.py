@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from readie_router._lines import (
+from readie_protocol.lines import (
     ID_SCAN_BYTES,
     MAX_LINE_BYTES,
     Line,

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from ._wire import RequestId, id_problem
+from .wire import RequestId, id_problem
 
 __all__ = [
     "ID_SCAN_BYTES",

@@ -1,4 +1,4 @@
-"""JSON wire rules shared by both directions of the pool protocol.
+"""JSON wire rules shared by both directions and both ends of the pool protocol.
 
 Request ids, the names of JSON types in error messages, and the one encoder
 that turns an outgoing object into a line.
@@ -11,12 +11,17 @@ from typing import Any
 
 __all__ = [
     "MAX_ID_CHARS",
+    "PROTOCOL_VERSION",
     "MAX_ID_INT",
     "RequestId",
     "encode_line",
     "id_problem",
     "json_type",
 ]
+
+#: Version of the pool JSONL protocol, sent in the ready event. Bump it when a
+#: field changes meaning or disappears; adding a field does not need a bump.
+PROTOCOL_VERSION = 1
 
 RequestId = str | int
 
