@@ -6,6 +6,6 @@ how ``readie pool`` reads a request's script without following a symlink.
 Everything else is private.
 """
 
-from ._pool import read_script
+from ._job_building import read_script
 
 __all__ = ["read_script"]

@@ -36,14 +36,9 @@ accepted job finish and writes its result, then closes every open session
 running jobs end with a worker error; their results are still written if
 stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
 
-Sessions (``_sessions`` decides what a line naming one means): each
-accepted step or close is a task like a job's and holds a permit until it
-is answered, but waits for the request of its session read before it; a
-step holds one of the ``workers`` slots only while it runs, so an idle
-session costs a sandbox and no slot. The first step's task opens the
-session through the backend (``open_session``); later steps go to its
-handle. A session idle for ``session_idle`` is closed by a timer, without
-an output line (nobody asked).
+Sessions are driven by ``_session_driver`` on the engine's slots and
+output; jobs are built (policy, script, cwd) by ``_job_building``; intake's
+buffers are ``_intake``'s.
 """
 
 from __future__ import annotations
@@ -51,51 +46,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import importlib.util
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-from readie_executor.jobs import bounds
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
-from readie_worker.paths import PathRefused, read_no_follow
-from readie_worker.sessions import StepOutcome
-
-from ._backend import BackendSession, JobBackend, Step
-from readie_worker.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
-from ._events import (
-    JobResult,
-    RuntimeInfo,
-    Stats,
-    closed_event,
-    job_log_line,
-    ready_event,
-    result_line,
-)
-from ._host import HostCalls, WaitingCall, host_function
-from readie_protocol.lines import Line, LineEvent, LineSplitter
-from readie_worker.policy import Policy, resolve_policy, resolve_script, resolve_step
-from ._requests import (
-    CloseSession,
-    JobRequest,
-    Refused,
-    ReplyRequest,
-    Request,
-    StatsRequest,
-    parse_event,
-)
-from ._results import job_result
-from ._sessions import Session, SessionPhase, SessionTable
+from readie_protocol.lines import Line
 from readie_protocol.wire import RequestId, encode_line
+from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
+from readie_worker.jobs import HostFunction, JobOutcome
+
+from ._backend import JobBackend
+from ._events import JobResult, Stats, job_log_line, ready_event, result_line
+from ._host import HostCalls, WaitingCall, host_function
+from ._intake import MAX_PARKED_BYTES, ByteSource, LineReader, Parked
+from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
+from ._requests import CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest, parse_event
+from ._results import job_result
+from ._session_driver import SessionDriver
+from ._setup import QUEUE_FACTOR, PoolSetup
 
 __all__ = [
     "ABORT_WRITE_GRACE_S",
     "FALLBACK_CWD",
+    "MAX_OUTPUT_BYTES",
     "MAX_PARKED_BYTES",
     "MAX_SCRIPT_BYTES",
     "QUEUE_FACTOR",
@@ -108,26 +82,9 @@ __all__ = [
 
 log = structlog.get_logger("readie.pool")
 
-#: The spec: "the pool's queue holds twice the worker count". One batch runs
-#: while the next waits, so a worker never idles between jobs, and no more.
-QUEUE_FACTOR = 2
-#: A script is read whole into the pool and sent as the job's code; every
-#: queued job may hold one. 16 MiB is far beyond hand-written code and keeps
-#: a queue of 2 x workers bounded. (Inline code is bounded by the 1 MiB line.)
-MAX_SCRIPT_BYTES = 16 * 1024 * 1024
-#: The largest max_output the in-sandbox runner accepts (its capture ceiling).
-MAX_OUTPUT_BYTES = bounds.MAX_OUTPUT_LIMIT
-#: Working directory of a job that cannot see the pool's (see ``_job_cwd``):
-#: the sandbox's own /tmp, which is also the job's HOME.
-FALLBACK_CWD = "/tmp"
 #: After a second signal: how long the pool still tries to write the results
 #: of the jobs it stopped before giving up on a stdout nobody reads.
 ABORT_WRITE_GRACE_S = 5.0
-#: While a host call waits for its reply, intake reads past lines that wait
-#: for a permit, so the reply is not stuck behind them; this bounds the bytes
-#: of such lines held (at least one is always held). A client that writes
-#: more than this ahead of its reply waits for the call's timeout.
-MAX_PARKED_BYTES = 8 * 1024 * 1024
 
 # Why a waiting host call gets no reply once intake stops.
 _STDIN_ENDED = "stdin has ended, so no reply can come"
@@ -148,41 +105,10 @@ _TRANSITIONS = {
 }
 
 
-class ByteSource(Protocol):
-    async def read(self) -> bytes:
-        """The next bytes, ``b""`` at the end."""
-        ...
-
-
 class ByteSink(Protocol):
     async def write(self, data: bytes) -> None:
         """Returns once ``data`` is written; raises OSError when it cannot be."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSetup:
-    """What the operator fixed at start-up; nothing here comes off the wire."""
-
-    workers: int
-    checkpoint: str
-    runtime: RuntimeInfo
-    cwd: Path  # absolute and resolved; relative request paths resolve against it
-    config: Config = field(default_factory=Config)
-    package_dirs: tuple[Path, ...] = ()  # the pool's own, absolute; every job gets them
-    log_jobs: bool = False  # --log=json: one job_log_line per finished job
-    max_sessions: int = DEFAULT_MAX_SESSIONS  # [pool] max_sessions after --max-sessions
-    session_idle_ms: int = DEFAULT_SESSION_IDLE_MS  # [pool] session_idle after --session-idle
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if not self.cwd.is_absolute():
-            raise ValueError(f"cwd must be absolute, got {self.cwd}")
-
-    @property
-    def queue_limit(self) -> int:
-        return QUEUE_FACTOR * self.workers
 
 
 class PoolEngine:
@@ -219,7 +145,7 @@ class PoolEngine:
         self._drain_calls = 0
         self._output_lost = False
         self.accepted = 0  # lines that took a permit so far (tests and logs); replies take none
-        self.sessions = SessionTable(setup.max_sessions)
+        self._session_driver = SessionDriver(self)
 
     # ------------------------------------------------------------------ control
 
@@ -247,6 +173,10 @@ class PoolEngine:
             self._intake_task.cancel()
         if serving:
             log.info(why, accepted_jobs=len(self._jobs))
+
+    @property
+    def serving(self) -> bool:
+        return self.state is PoolState.SERVING
 
     def _move(self, state: PoolState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -298,8 +228,8 @@ class PoolEngine:
         while self._jobs:
             await asyncio.wait(set(self._jobs))
         # Sessions end with the pool: every step was answered, nobody waits on a close.
-        for session in self.sessions.sessions():
-            self._close_in_background(session, "the pool is draining")
+        for session in self._session_driver.table.sessions():
+            self._session_driver.close_in_background(session, "the pool is draining")
         while self._jobs:
             await asyncio.wait(set(self._jobs))
         self._outbox.put_nowait(None)
@@ -315,8 +245,8 @@ class PoolEngine:
         its reply, up to :data:`MAX_PARKED_BYTES` ahead. :meth:`_admit` takes
         the parked lines in order, a permit each.
         """
-        lines = _LineReader(source)
-        parked = _Parked()
+        lines = LineReader(source)
+        parked = Parked()
         admitting = asyncio.create_task(self._admit(parked), name="readie-pool-admit")
         try:
             while True:
@@ -339,12 +269,12 @@ class PoolEngine:
             admitting.cancel()
             self._host_calls.close(_INTAKE_STOPPED)
 
-    def _may_read(self, parked: _Parked) -> bool:
+    def _may_read(self, parked: Parked) -> bool:
         if not parked.lines and not self._permits.locked():
             return True
         return len(self._host_calls) > 0 and parked.size < MAX_PARKED_BYTES
 
-    async def _admit(self, parked: _Parked) -> None:
+    async def _admit(self, parked: Parked) -> None:
         while True:
             await self._until(lambda: bool(parked.lines) or parked.ended)
             if not parked.lines:
@@ -374,9 +304,9 @@ class PoolEngine:
         elif isinstance(request, StatsRequest):
             self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers))
         elif isinstance(request, CloseSession):
-            self._accept_close(request)
+            self._session_driver.accept_close(request)
         elif isinstance(request, JobRequest) and request.session is not None:
-            self._accept_step(request, parsed_at)
+            self._session_driver.accept_step(request, parsed_at)
         elif isinstance(request, JobRequest):
             self._spawn(self._run(request, parsed_at))
         else:  # pragma: no cover - replies never take a permit (_intake)
@@ -401,14 +331,8 @@ class PoolEngine:
     async def _result_for(self, request: JobRequest, parsed_at: int) -> JobResult:
         runtime = self.setup.runtime
         try:
-            policy = resolve_policy(
-                request,
-                cwd=self.setup.cwd,
-                limits=self.setup.config.limits,
-                profiles=self.setup.config.profile_map,
-                protected=self.setup.package_dirs,
-            )
-            job = await self._code_job(request, policy)
+            policy = request_policy(self.setup, request)
+            job = await code_job(self.setup, request, policy)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
             return JobResult.from_error(request.id, exc, runtime=runtime)
         async with self._slots:
@@ -424,36 +348,6 @@ class PoolEngine:
                     request.id, exc, runtime=runtime, policy=policy, queue_us=queue_us
                 )
         return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
-
-    async def _code_job(self, request: JobRequest, policy: Policy) -> CodeJob:
-        setup = self.setup
-        self._check_max_output(policy)
-        script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
-        if script is not None:
-            code = await asyncio.to_thread(read_script, script, str(request.script))
-            # What the request wrote, as python3 shows the path it was given.
-            name = request.name or str(request.script)
-        else:
-            code, name = request.code or "", request.name or "<string>"
-        package_dirs = dict.fromkeys((*setup.package_dirs, *policy.package_dirs))
-        return CodeJob(
-            checkpoint=setup.checkpoint,
-            code=code,
-            name=name,
-            args=request.args,
-            env=dict(policy.env),
-            cwd=_job_cwd(setup.cwd, policy),
-            allow_read=tuple(str(p) for p in policy.allow_read),
-            allow_write=tuple(str(p) for p in policy.allow_write),
-            package_dirs=tuple(str(p) for p in package_dirs),
-            packages=request.packages or (),
-            network=policy.network,
-            timeout_ms=policy.timeout_ms,
-            memory_bytes=policy.memory_bytes,
-            max_output=policy.max_output,
-            max_file_size=policy.max_file_size,
-            functions=request.functions or (),
-        )
 
     # ------------------------------------------------------------------ host functions
 
@@ -486,190 +380,6 @@ class PoolEngine:
     def _count_host(self, outcome: JobOutcome) -> None:
         if outcome.host is not None:
             self.stats.host_frames_refused += outcome.host.refused
-
-    # ------------------------------------------------------------------ sessions
-
-    def _accept_step(self, request: JobRequest, parsed_at: int) -> None:
-        try:
-            session, first = self.sessions.admit(request)
-        except RequestError as exc:
-            self._finish(
-                JobResult.from_error(request.id, exc, runtime=self.setup.runtime, session=request.session)
-            )
-            return
-        if first:
-            self.stats.session_started()
-        previous, done = session.enqueue()
-        self._spawn(self._session_step(session, request, parsed_at, previous, done))
-
-    def _accept_close(self, request: CloseSession) -> None:
-        session = self.sessions.get(request.session)
-        if session is None:  # never opened, or ended already: closed either way
-            self._answer(closed_event(request.id, request.session))
-            return
-        if self.sessions.closing(session):
-            self.stats.session_ended()
-        previous, done = session.enqueue()
-        self._spawn(self._session_close(session, request, previous, done))
-
-    async def _session_step(
-        self,
-        session: Session,
-        request: JobRequest,
-        parsed_at: int,
-        previous: asyncio.Event | None,
-        done: asyncio.Event,
-    ) -> None:
-        result: JobResult | None = None
-        try:
-            if previous is not None:
-                await previous.wait()
-            result = await self._step_result(session, request, parsed_at)
-        except Exception as exc:  # a bug must cost this step (and its session), never the pool
-            log.exception("internal error running a session step", id=request.id)
-            error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
-            result = JobResult.from_error(
-                request.id, error, runtime=self.setup.runtime, session=session.name
-            )
-            self._close_in_background(session, "internal error")
-        finally:
-            # Answered before the next request of the session may start.
-            session.answered()
-            if result is not None:
-                self._finish(result)
-            done.set()
-            self._arm_idle_timer(session)
-
-    async def _step_result(self, session: Session, request: JobRequest, parsed_at: int) -> JobResult:
-        runtime, name = self.setup.runtime, session.name
-        if session.ended:
-            why = RequestError(f"session {name!r} ended before this step ran", "session")
-            return JobResult.from_error(request.id, why, runtime=runtime, session=name)
-        first = session.handle is None
-        try:
-            if first:
-                policy = resolve_policy(
-                    request,
-                    cwd=self.setup.cwd,
-                    limits=self.setup.config.limits,
-                    profiles=self.setup.config.profile_map,
-                    protected=self.setup.package_dirs,
-                )
-                job = await self._code_job(request, policy)
-                session.functions = job.functions
-            else:
-                assert session.policy is not None
-                policy = resolve_step(session.policy, request, self.setup.config.limits)
-                self._check_max_output(policy)
-        except ReadieError as exc:  # refused before anything ran
-            if first:
-                self._end_session(session)
-            return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
-        async with self._slots:
-            queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
-            host = self._host_for(request.id, session.functions)
-            try:
-                if first:
-                    session.handle, outcome = await self.backend.open_session(job, str(request.id), host)
-                    session.policy = policy
-                    if session.phase is SessionPhase.OPENING:  # not CLOSING already
-                        session.move(SessionPhase.OPEN)
-                else:
-                    assert session.handle is not None
-                    step = Step(
-                        code=request.code or "",
-                        name=request.name or "<string>",
-                        args=request.args,
-                        timeout_ms=policy.timeout_ms,
-                        max_output=policy.max_output,
-                    )
-                    outcome = await session.handle.run_step(step, str(request.id), host)
-                self._count_host(outcome.outcome)
-            except ReadieError as exc:
-                # A refusal of the first step leaves no session; any other failure ends it.
-                if first or not isinstance(exc, RequestError):
-                    self._close_in_background(session, "its backend failed")
-                return JobResult.from_error(
-                    request.id,
-                    exc,
-                    runtime=runtime,
-                    policy=None if isinstance(exc, RequestError) else policy,
-                    queue_us=queue_us,
-                    session=name,
-                )
-        if outcome.session_ended:
-            self._end_session(session)  # the backend's side has ended already
-        return self._step_line(request, outcome, policy, queue_us, name)
-
-    def _step_line(
-        self, request: JobRequest, outcome: StepOutcome, policy: Policy, queue_us: int, name: str
-    ) -> JobResult:
-        return job_result(
-            request.id,
-            outcome.outcome,
-            runtime=self.setup.runtime,
-            policy=policy,
-            queue_us=queue_us,
-            session=name,
-            step=outcome.step,
-            session_ended=outcome.session_ended,
-        )
-
-    async def _session_close(
-        self,
-        session: Session,
-        request: CloseSession,
-        previous: asyncio.Event | None,
-        done: asyncio.Event,
-    ) -> None:
-        try:
-            if previous is not None:
-                await previous.wait()
-            handle = self._end_session(session)
-            if handle is not None:
-                await handle.close()
-        except Exception:  # the session is out of the table either way; the close is answered
-            log.exception("internal error closing a session", session=session.name)
-        finally:
-            session.answered()
-            self._answer(closed_event(request.id, request.session))
-            done.set()
-
-    def _end_session(self, session: Session) -> BackendSession | None:
-        """Take ``session`` out of the table and the count, at once, so the next request under
-        its name starts a new one; returns its handle for the caller to close (or None)."""
-        if self.sessions.end(session):
-            self.stats.session_ended()
-        return session.handle
-
-    def _close_in_background(self, session: Session, why: str) -> None:
-        handle = self._end_session(session)
-        if handle is not None:
-            log.info("closing a session", session=session.name, why=why)
-            self._spawn(handle.close())
-
-    def _arm_idle_timer(self, session: Session) -> None:
-        if session.phase is not SessionPhase.OPEN or session.pending or self.state is not PoolState.SERVING:
-            return
-        session.stop_idle_timer()
-        loop = asyncio.get_running_loop()
-        session.idle = loop.call_later(
-            self.setup.session_idle_ms / 1000, self._idle_expired, session
-        )
-
-    def _idle_expired(self, session: Session) -> None:
-        session.idle = None
-        if session.phase is SessionPhase.OPEN and not session.pending:
-            self._close_in_background(session, "idle")
-
-    @staticmethod
-    def _check_max_output(policy: Policy) -> None:
-        if policy.max_output > MAX_OUTPUT_BYTES:
-            raise RequestError(
-                f"{policy.max_output} bytes is above the sandbox's capture limit of "
-                f"{MAX_OUTPUT_BYTES}",
-                "max_output",
-            )
 
     # ------------------------------------------------------------------ output
 
@@ -714,79 +424,3 @@ class PoolEngine:
         return (self._now_ns() - self._started_ns) // 1_000_000
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-class _LineReader:
-    """stdin as lines: one read of the source only when no split line is left."""
-
-    def __init__(self, source: ByteSource) -> None:
-        self._source = source
-        self._splitter = LineSplitter()
-        self._pending: deque[LineEvent] = deque()
-
-    async def next(self) -> LineEvent | None:
-        """The next line, None at the end."""
-        while not self._pending and not self._splitter.ended:
-            try:
-                data = await self._source.read()
-            except OSError as exc:
-                log.error("cannot read stdin; treating it as ended", error=str(exc))
-                data = b""
-            self._pending.extend(self._splitter.feed(data))
-        return self._pending.popleft() if self._pending else None
-
-
-@dataclass
-class _Parked:
-    """Lines read and parsed that wait, in order, for a permit."""
-
-    # (request, parsed_at, size in bytes)
-    lines: deque[tuple[Request | Refused, int, int]] = field(default_factory=deque)
-    size: int = 0  # bytes of the lines held
-    ended: bool = False  # stdin ended: no more lines come
-
-    def push(self, request: Request | Refused, parsed_at: int, size: int) -> None:
-        self.lines.append((request, parsed_at, size))
-        self.size += size
-
-    def pop(self) -> tuple[Request | Refused, int]:
-        request, parsed_at, size = self.lines.popleft()
-        self.size -= size
-        return request, parsed_at
-
-
-def _job_cwd(cwd: Path, policy: Policy) -> str:
-    """The pool's working directory when the job can see it, else :data:`FALLBACK_CWD`.
-
-    Inside the sandbox a grant appears at its host path, and the directories
-    above it are created on the way (empty but for the grant). So the pool's
-    directory exists there exactly when a grant lies beneath it (or it lies
-    beneath a grant), and then relative paths in the code mean what the
-    request's relative grants meant. A job with no grant there sees nothing
-    of the pool's directory anyway.
-    """
-    for grant in (*policy.allow_read, *policy.allow_write):
-        if grant.is_relative_to(cwd) or cwd.is_relative_to(grant):
-            return str(cwd)
-    return FALLBACK_CWD
-
-
-def read_script(path: Path, shown: str) -> str:
-    """The source of a script the pool runs, or RequestError naming ``script`` and quoting
-    ``shown`` (the path as the request wrote it).
-
-    Opened without following a symlink anywhere along the path and read from
-    that descriptor (``readie_worker.paths``), so a job that swaps the file
-    for a link after the check cannot make the pool read another file; a
-    FIFO or a device is refused before it is opened for reading. Decoded as
-    python3 would (a BOM or a coding cookie, else UTF-8).
-    """
-    try:
-        source = read_no_follow(str(path), MAX_SCRIPT_BYTES)
-    except PathRefused as refused:
-        raise RequestError(f"{shown!r} {refused.reason}", "script") from None
-    try:
-        return importlib.util.decode_source(source)
-    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
-        raise RequestError(f"{shown!r} is not readable as Python source: {exc}", "script") from None

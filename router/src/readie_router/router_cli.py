@@ -30,7 +30,7 @@ from readie_worker.config import Config, load_config
 from readie_worker.errors import ConfigError
 from ._events import RuntimeInfo
 from ._placement import DEFAULT_ROUTER_SESSIONS, PROBE_INTERVAL_S, Placement
-from ._pool import PoolSetup
+from ._setup import PoolSetup
 from ._pool_service import POOL_SERVICE, PoolServicer
 
 log = structlog.get_logger("readie.router")

@@ -1,0 +1,71 @@
+"""Intake's two buffers: stdin as split lines, and the parsed lines that wait for a permit.
+
+The engine (``_pool``) decides when to read and when to admit; these only
+hold what was read, each with its bound.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+from readie_protocol.lines import LineEvent, LineSplitter
+
+from ._requests import Refused, Request
+
+__all__ = ["MAX_PARKED_BYTES", "ByteSource", "LineReader", "Parked"]
+
+log = structlog.get_logger("readie.pool")
+
+#: While a host call waits for its reply, intake reads past lines that wait
+#: for a permit, so the reply is not stuck behind them; this bounds the bytes
+#: of such lines held (at least one is always held). A client that writes
+#: more than this ahead of its reply waits for the call's timeout.
+MAX_PARKED_BYTES = 8 * 1024 * 1024
+
+
+class ByteSource(Protocol):
+    async def read(self) -> bytes:
+        """The next bytes, ``b""`` at the end."""
+        ...
+
+
+class LineReader:
+    """stdin as lines: one read of the source only when no split line is left."""
+
+    def __init__(self, source: ByteSource) -> None:
+        self._source = source
+        self._splitter = LineSplitter()
+        self._pending: deque[LineEvent] = deque()
+
+    async def next(self) -> LineEvent | None:
+        """The next line, None at the end."""
+        while not self._pending and not self._splitter.ended:
+            try:
+                data = await self._source.read()
+            except OSError as exc:
+                log.error("cannot read stdin; treating it as ended", error=str(exc))
+                data = b""
+            self._pending.extend(self._splitter.feed(data))
+        return self._pending.popleft() if self._pending else None
+
+
+@dataclass
+class Parked:
+    """Lines read and parsed that wait, in order, for a permit."""
+
+    # (request, parsed_at, size in bytes)
+    lines: deque[tuple[Request | Refused, int, int]] = field(default_factory=deque)
+    size: int = 0  # bytes of the lines held
+    ended: bool = False  # stdin ended: no more lines come
+
+    def push(self, request: Request | Refused, parsed_at: int, size: int) -> None:
+        self.lines.append((request, parsed_at, size))
+        self.size += size
+
+    def pop(self) -> tuple[Request | Refused, int]:
+        request, parsed_at, size = self.lines.popleft()
+        self.size -= size
+        return request, parsed_at
