@@ -44,7 +44,7 @@ from readie_worker.testing import wait_until as wait_for
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.grpc_service import WorkerServer, serve
-from readie_worker.jobs import CodeJob, JobOutcome
+from readie_worker.jobs import CodeJob, JobOutcome, Step
 from readie_worker.remote_session import InteractStream, SessionLost
 from readie_worker.sessions import StepOutcome
 
@@ -69,7 +69,8 @@ class FakeSession:
         self.ended = False
         self.closed = threading.Event()
 
-    def run_step(self, code, name="<string>", args=(), timeout_ms=None, max_output=None, *, job_id=None, host=None, cancel=None):
+    def run_step(self, step, *, job_id=None, host=None, cancel=None):
+        code = step.code
         with self._worker.busy():
             self.steps.append(code)
             if code == "block":
@@ -252,7 +253,7 @@ def test_a_session_a_worker_refuses_is_placed_on_the_other(cluster, how):
     assert [line["worker"] for line in refusals] == ["w0"]  # w0 was asked first, and said no
     assert c.member(0).healthy, "a refusal is not a failure: the worker stays"
     assert c.counts() == [(0, 0), (0, 1)]
-    assert session.run_step("x").outcome.stdout == "x"
+    assert session.run_step(Step("x")).outcome.stdout == "x"
 
 
 def test_the_routers_own_session_limit_is_refused_naming_it(cluster):
@@ -296,7 +297,7 @@ def test_a_first_step_that_ends_the_session_gives_its_place_back(cluster):
     assert c.idle()
     assert wait_until(lambda: c.workers[0].sessions[0].closed.is_set())
     with pytest.raises(RequestError, match="has ended"):
-        session.run_step("x")
+        session.run_step(Step("x"))
     assert c.idle()
     again, _ = c.placement.open_session(JOB)  # the router's one place is free again
     assert not again.ended
@@ -321,14 +322,14 @@ def test_placed_session_counters_never_go_negative_and_end_at_zero(cluster):
 
         def use(session: PlacedSession, end: str | None) -> None:
             for step in range(5):
-                session.run_step(f"step {step}")
+                session.run_step(Step(f"step {step}"))
             if end in ("exit", "fail"):
                 try:
-                    session.run_step(end)
+                    session.run_step(Step(end))
                 except PoolWorkerError:
                     pass
                 with pytest.raises(RequestError):
-                    session.run_step("after the end")
+                    session.run_step(Step("after the end"))
             if end == "close twice":
                 session.close()
                 session.close()
@@ -358,7 +359,7 @@ def test_a_session_whose_worker_stopped_is_lost_and_the_worker_evicted(cluster):
     assert session.id.startswith("w0")
     c.servers[0].server.stop(0).wait()
     with pytest.raises(SessionLost, match="was lost"):
-        session.run_step("x")
+        session.run_step(Step("x"))
     assert session.ended
     assert not c.member(0).healthy
     assert c.member(1).healthy
@@ -371,7 +372,7 @@ def test_a_worker_side_failure_ends_the_session_without_evicting_the_worker(clus
     c = cluster()
     session, _ = c.placement.open_session(JOB)
     with pytest.raises(PoolWorkerError) as caught:
-        session.run_step("fail")
+        session.run_step(Step("fail"))
     assert not isinstance(caught.value, SessionLost)
     assert "ended" in str(caught.value)
     assert session.ended
@@ -384,12 +385,12 @@ def test_a_step_refused_for_a_bad_field_evicts_nobody_and_the_session_goes_on(cl
     c = cluster()
     session, _ = c.placement.open_session(JOB)
     with pytest.raises(RequestError) as caught:
-        session.run_step("x", timeout_ms=3_600_001)
+        session.run_step(Step("x", timeout_ms=3_600_001))
     assert caught.value.field == "step.timeout_ms"
     assert not session.ended
     assert c.member(0).healthy and c.member(1).healthy
     assert c.counts() == [(0, 1), (0, 0)]
-    assert session.run_step("y").step == 2
+    assert session.run_step(Step("y")).step == 2
     fake = c.workers[0].sessions[0]
     assert fake.steps == ["y"] and not fake.closed.is_set()
 
@@ -423,7 +424,7 @@ def test_a_step_waits_for_a_free_slot_on_its_worker_instead_of_oversubscribing_i
     session, _ = c.placement.open_session(JOB)
     job, job_outcome = in_thread(lambda: c.placement.run_job(CodeJob("base", "block", timeout_ms=5000)))
     assert wait_until(lambda: worker.running == 1)
-    step, step_outcome = in_thread(lambda: session.run_step("s"))
+    step, step_outcome = in_thread(lambda: session.run_step(Step("s")))
     time.sleep(0.3)  # long enough for the step to have reached the worker, had it not waited
     assert worker.sessions[0].steps == [] and step_outcome == []
     assert c.counts() == [(1, 1)]
@@ -438,7 +439,7 @@ def test_a_step_waits_for_a_free_slot_on_its_worker_instead_of_oversubscribing_i
 
     # And a running step holds the slot: a job waits for it.
     worker.release.clear()
-    step, step_outcome = in_thread(lambda: session.run_step("block"))
+    step, step_outcome = in_thread(lambda: session.run_step(Step("block")))
     assert wait_until(lambda: worker.running == 1)
     assert c.counts() == [(1, 1)]
     job, job_outcome = in_thread(lambda: c.placement.run_job(CodeJob("base", "after", timeout_ms=5000)))

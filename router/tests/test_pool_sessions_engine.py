@@ -378,9 +378,9 @@ class _SessionRunner:
         runner = self
 
         class _Session:
-            def run_step(self, code, name, args, timeout_ms, max_output, *, job_id=None, host=None, cancel=None):
-                runner.steps.append((code, timeout_ms, max_output, job_id))
-                return StepOutcome(ok_outcome(code), len(runner.steps) + 1, False)
+            def run_step(self, step, *, job_id=None, host=None, cancel=None):
+                runner.steps.append((step.code, step.timeout_ms, step.max_output, job_id))
+                return StepOutcome(ok_outcome(step.code), len(runner.steps) + 1, False)
 
             def close(self):
                 runner.closed_sessions += 1
@@ -392,8 +392,8 @@ class _SessionRunner:
 
 
 def test_threaded_backend_runs_a_runners_session_steps_on_its_threads():
-    from readie_router._backend import Step, ThreadedBackend
-    from readie_worker.jobs import CodeJob
+    from readie_router._backend import ThreadedBackend
+    from readie_worker.jobs import CodeJob, Step
 
     runner = _SessionRunner()
 

@@ -47,7 +47,7 @@ from readie_worker._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_worker.client import WorkerClient
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.grpc_service import serve
-from readie_worker.jobs import CodeJob
+from readie_worker.jobs import CodeJob, Step
 from readie_worker.remote_session import SessionLost
 from readie_worker.testing import FakeHost, WorkerProcess, stop_worker
 from readie_worker.testing import wait_until as wait_for
@@ -457,13 +457,13 @@ def test_a_remote_session_is_lost_when_its_worker_drains(worker_dir):
         session, first = client.open_session(opening)
         assert (first.step, first.session_ended, first.outcome.exit) == (1, False, 0)
         assert session.id.startswith("ws-") and session.address == client.address
-        step = session.run_step("print(x + 1)")
+        step = session.run_step(Step("print(x + 1)"))
         assert (step.step, step.session_ended, step.outcome.stdout) == (2, False, "42\n")
         assert step.outcome.sandbox_id in process.containers()
         assert stop_worker(process) == 0, process.log_path.read_text()[-3000:]
         assert process.containers() == []
         with pytest.raises(SessionLost, match="ended") as lost:
-            session.run_step("print(x)")
+            session.run_step(Step("print(x)"))
         # The message names the worker, not the worker's internal session id.
         assert client.address in str(lost.value) and session.id not in str(lost.value) and session.ended
     finally:

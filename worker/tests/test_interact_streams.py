@@ -47,7 +47,7 @@ from readie_worker.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError
 from readie_worker.grpc_service import WorkerServer, serve
-from readie_worker.jobs import CodeJob, HostCall, HostReply, JobOutcome
+from readie_worker.jobs import CodeJob, HostCall, HostReply, JobOutcome, Step
 from readie_worker.remote_session import SessionLost
 from readie_worker.sessions import StepOutcome
 
@@ -73,7 +73,8 @@ class FakeSession:
         self.ended = False
         self.closed = threading.Event()
 
-    def run_step(self, code, name="<string>", args=(), timeout_ms=None, max_output=None, *, job_id=None, host=None, cancel=None):
+    def run_step(self, step, *, job_id=None, host=None, cancel=None):
+        code = step.code
         self.steps.append(code)
         if code == "block":
             self._runner.release.wait(30)
@@ -275,7 +276,7 @@ SESSION_JOB = CodeJob("base", "open", timeout_ms=2000)
 def _session_ended_by_a_step(served: Served) -> None:
     session, _ = served.client().open_session(SESSION_JOB)
     assert request_writers() >= 1  # the detector sees a live stream's writer
-    assert session.run_step("exit").session_ended
+    assert session.run_step(Step("exit")).session_ended
     assert session.ended
 
 
@@ -283,7 +284,7 @@ def _session_lost_after_the_server_stops(served: Served) -> None:
     session, _ = served.client().open_session(SESSION_JOB)
     served.server.server.stop(0).wait()
     with pytest.raises(SessionLost, match="was lost"):
-        session.run_step("x")
+        session.run_step(Step("x"))
     assert session.ended
 
 
@@ -293,7 +294,7 @@ def _session_closed_while_its_step_runs(served: Served) -> None:
 
     def step() -> None:
         try:
-            session.run_step("block")
+            session.run_step(Step("block"))
         except BaseException as exc:  # noqa: BLE001
             failure.append(exc)
 
@@ -322,7 +323,7 @@ def _job_that_succeeds(served: Served) -> None:
 
 def _session_closed_between_steps(served: Served) -> None:
     session, _ = served.client().open_session(SESSION_JOB)
-    session.run_step("x")
+    session.run_step(Step("x"))
     session.close()
     assert served.runner.sessions[0].closed.is_set()
 
@@ -355,7 +356,7 @@ def test_request_writer_threads_do_not_pile_up_over_many_sessions(serve_fake):
     def sessions(count: int) -> None:
         for _ in range(count):
             session, _ = client.open_session(SESSION_JOB)
-            session.run_step("exit")
+            session.run_step(Step("exit"))
             session, _ = client.open_session(SESSION_JOB)
             session.close()
 

@@ -19,7 +19,8 @@ import pytest
 
 from readie_executor.hostwire import MAX_ARGUMENT_BYTES, MAX_CALL_ID, MAX_RESULT_BYTES
 from readie_executor.jobs import bounds
-from readie_worker._convert import StepRequest, session_step, session_step_message
+from readie_worker._convert import session_step, session_step_message
+from readie_worker.jobs import Step
 from readie_worker._host_wire import call_from_message, call_message, reply_from_message, reply_message
 from readie_worker._interact import CLOSED, Mailbox
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
@@ -170,9 +171,9 @@ def test_a_result_over_a_megabyte_is_refused_by_size():
 
 
 def test_a_step_round_trips_and_unset_limits_stay_unset():
-    asked = StepRequest("x += 1", "cell-2.py", ("a",), 5000, 64)
+    asked = Step("x += 1", "cell-2.py", ("a",), 5000, 64)
     assert session_step(session_step_message(asked)) == asked
-    assert session_step(pb.SessionStep(code="pass")) == StepRequest("pass", "<string>", ())
+    assert session_step(pb.SessionStep(code="pass")) == Step("pass", "<string>", ())
 
 
 @pytest.mark.parametrize(

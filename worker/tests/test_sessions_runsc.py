@@ -8,7 +8,7 @@ import pytest
 
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import RequestError, SandboxSetupError
-from readie_worker.jobs import CodeJob
+from readie_worker.jobs import CodeJob, Step
 
 pytestmark = pytest.mark.runsc
 
@@ -34,7 +34,7 @@ def test_main_survives_between_steps_in_one_sandbox(worker):
     try:
         assert (first.step, first.session_ended, first.outcome.exit, first.outcome.stdout) == (1, False, 0, "set\n")
         assert first.outcome.backend == "gvisor:runsc-restore"
-        second = session.run_step("x += 1\nprint(x, math.pi > 3)", name="cell-2.py")
+        second = session.run_step(Step("x += 1\nprint(x, math.pi > 3)", name="cell-2.py"))
         assert (second.step, second.session_ended, second.outcome.stdout) == (2, False, "21 True\n")
         assert second.outcome.sandbox_id == first.outcome.sandbox_id == session.sandbox_id
         assert session.sandbox_id in worker.runsc.list_ids()
@@ -45,23 +45,23 @@ def test_main_survives_between_steps_in_one_sandbox(worker):
     assert session.ended and worker.capacity().sessions == 0
     assert session.sandbox_id not in worker.runsc.list_ids()
     with pytest.raises(RequestError, match="has ended"):
-        session.run_step("print(x)")
+        session.run_step(Step("print(x)"))
 
 
 def test_an_exception_keeps_the_session_and_its_state(worker):
     session, _ = worker.open_session(job("x = 1"))
     try:
-        failed = session.run_step("x = 2\nraise KeyError('k')", name="cell.py")
+        failed = session.run_step(Step("x = 2\nraise KeyError('k')", name="cell.py"))
         assert (failed.session_ended, failed.outcome.exit, failed.outcome.error.type) == (False, 1, "KeyError")
         assert (failed.outcome.error.file, failed.outcome.error.line) == ("cell.py", 2)
-        assert session.run_step("print(x)").outcome.stdout == "2\n"
+        assert session.run_step(Step("print(x)")).outcome.stdout == "2\n"
     finally:
         session.close()
 
 
 def test_a_timeout_ends_the_session_and_destroys_its_sandbox(worker):
     session, _ = worker.open_session(job("x = 1", timeout_ms=1000))
-    spun = session.run_step("while True:\n    pass\n")
+    spun = session.run_step(Step("while True:\n    pass\n"))
     assert spun.session_ended and spun.outcome.error.type == "TimeoutError" and spun.outcome.exit is None
     assert "1000 ms" in spun.outcome.error.message
     assert session.ended and worker.capacity().sessions == 0
@@ -70,7 +70,7 @@ def test_a_timeout_ends_the_session_and_destroys_its_sandbox(worker):
 
 def test_sys_exit_ends_the_session_with_its_status(worker):
     session, _ = worker.open_session(job("x = 1"))
-    exited = session.run_step("import sys\nprint('bye')\nsys.exit(3)")
+    exited = session.run_step(Step("import sys\nprint('bye')\nsys.exit(3)"))
     assert (exited.session_ended, exited.outcome.exit, exited.outcome.stdout) == (True, 3, "bye\n")
     assert session.ended and exited.outcome.sandbox_id not in worker.runsc.list_ids()
 
@@ -86,11 +86,11 @@ def test_a_step_timeout_overrides_the_sessions_and_grants_persist(worker, tmp_pa
         assert first.outcome.exit == 0, first
         assert first.outcome.backend == "gvisor:runsc-restore"
         step = session.run_step(
-            f"import os\nprint(n + 1, open('{data}/n.txt').read(), os.environ['K'])", timeout_ms=5000
+            Step(f"import os\nprint(n + 1, open('{data}/n.txt').read(), os.environ['K'])", timeout_ms=5000)
         )
         assert step.outcome.stdout == "42 41 v\n", step
         # The grant is read-only in every step, as it was in the first.
-        denied = session.run_step(f"open('{data}/w.txt', 'w')")
+        denied = session.run_step(Step(f"open('{data}/w.txt', 'w')"))
         assert denied.outcome.error.type in ("PermissionError", "OSError") and not denied.session_ended
     finally:
         session.close()
@@ -103,7 +103,7 @@ def test_one_step_at_a_time(worker):
 
     def slow():
         started.set()
-        results.append(session.run_step("time.sleep(1)\nprint('slept')"))
+        results.append(session.run_step(Step("time.sleep(1)\nprint('slept')")))
 
     thread = threading.Thread(target=slow)
     thread.start()
@@ -114,7 +114,7 @@ def test_one_step_at_a_time(worker):
                 break
             threading.Event().wait(0.01)
         with pytest.raises(RequestError, match="one at a time"):
-            session.run_step("print('too soon')")
+            session.run_step(Step("print('too soon')"))
         thread.join()
         assert results[0].outcome.stdout == "slept\n"
     finally:

@@ -41,14 +41,13 @@ import asyncio
 import functools
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import structlog
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, Step
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
@@ -59,7 +58,6 @@ __all__ = [
     "BackendSession",
     "JobBackend",
     "LocalWorkerBackend",
-    "Step",
     "ThreadedBackend",
     "choose_checkpoint",
     "manifest_path",
@@ -75,17 +73,6 @@ CHECKPOINT_PLAN = "pipeline/src/readie_pipeline/checkpoints.toml"
 #: anyway. A restore takes 0.3-0.7 s here and refills run one at a time, so
 #: this covers dozens of workers; past it the first jobs restore their own.
 WARM_TIMEOUT_S = 60.0
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """A later step of a session: code, and the step's own timeout and output cap (resolved)."""
-
-    code: str
-    name: str
-    args: tuple[str, ...]
-    timeout_ms: int
-    max_output: int
-
 
 class BackendSession(Protocol):
     """An open session: one sandbox, steps in it one at a time."""
@@ -150,16 +137,7 @@ class _ThreadedSession:
         self.session = session
 
     async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
-        run = functools.partial(
-            self.session.run_step,
-            step.code,
-            step.name,
-            step.args,
-            step.timeout_ms,
-            step.max_output,
-            job_id=job_id,
-            host=host,
-        )
+        run = functools.partial(self.session.run_step, step, job_id=job_id, host=host)
         return await self._backend._on_thread(run)
 
     async def close(self) -> None:

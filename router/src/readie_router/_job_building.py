@@ -14,7 +14,7 @@ from pathlib import Path
 
 from readie_executor.jobs import bounds
 from readie_worker.errors import RequestError
-from readie_worker.jobs import CodeJob
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
 from readie_worker.paths import PathRefused, read_no_follow
 from readie_worker.policy import Policy, resolve_policy, resolve_script
 
@@ -63,7 +63,7 @@ async def code_job(setup: PoolSetup, request: JobRequest, policy: Policy) -> Cod
         # What the request wrote, as python3 shows the path it was given.
         name = request.name or str(request.script)
     else:
-        code, name = request.code or "", request.name or "<string>"
+        code, name = request.code or "", request.name or DEFAULT_INLINE_NAME
     package_dirs = dict.fromkeys((*setup.package_dirs, *policy.package_dirs))
     return CodeJob(
         checkpoint=setup.checkpoint,

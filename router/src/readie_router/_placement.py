@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -39,7 +39,7 @@ from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, Step
 from readie_worker.remote_session import RemoteSession, SessionLost, StreamBroken
 from readie_worker.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
@@ -360,11 +360,7 @@ class PlacedSession:
 
     def run_step(
         self,
-        code: str,
-        name: str = "<string>",
-        args: Iterable[str] = (),
-        timeout_ms: int | None = None,
-        max_output: int | None = None,
+        step: Step,
         *,
         job_id: str | None = None,
         host: HostFunction | None = None,
@@ -376,7 +372,7 @@ class PlacedSession:
         placement = self._placement
         placement._take_slot(self._member)
         try:
-            return self._remote.run_step(code, name, args, timeout_ms, max_output, job_id=job_id, host=host, cancel=cancel)
+            return self._remote.run_step(step, job_id=job_id, host=host, cancel=cancel)
         except SessionLost:
             placement._mark_failed(self._member)  # as for a job lost with its worker
             raise

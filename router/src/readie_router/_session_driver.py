@@ -23,7 +23,9 @@ from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
 from readie_worker.policy import Policy, resolve_step
 from readie_worker.sessions import StepOutcome
 
-from ._backend import BackendSession, Step
+from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
+
+from ._backend import BackendSession
 from ._events import JobResult, closed_event
 from ._job_building import check_max_output, code_job, request_policy
 from ._requests import CloseSession, JobRequest
@@ -129,7 +131,7 @@ class SessionDriver:
                     assert session.handle is not None
                     step = Step(
                         code=request.code or "",
-                        name=request.name or "<string>",
+                        name=request.name or DEFAULT_INLINE_NAME,
                         args=request.args,
                         timeout_ms=policy.timeout_ms,
                         max_output=policy.max_output,

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any, Self
 
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
-from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome
+from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome, Step
 from readie_worker.sessions import StepOutcome
 from readie_worker.testing import readie_command, start_cluster
 
-from ._backend import Step
 
 __all__ = [
     "FakeBackend",

@@ -26,7 +26,7 @@ from .core import Capacity
 from ._host_frames import HostStats, check_functions
 from ._job_result import JobError
 from .errors import RequestError
-from .jobs import CodeJob, JobOutcome
+from .jobs import DEFAULT_INLINE_NAME, CodeJob, JobOutcome, Step
 from .policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
 from .sessions import StepOutcome
 from .packages import validate_requirements
@@ -62,7 +62,6 @@ MAX_CALL_PAYLOAD_BYTES = 64 * 1024 * 1024
 # less this: time to kill its sandbox (~0.1 s) and send the structured
 # TimeoutError, partial output and all, before the caller stops listening.
 ANSWER_MARGIN_MS = 1000
-DEFAULT_JOB_NAME = "<string>"
 DEFAULT_CWD = "/tmp"
 
 
@@ -101,7 +100,7 @@ def code_job(
     return CodeJob(
         checkpoint=checkpoint_name(request.checkpoint),
         code=_text("code", request.code, MAX_CODE_CHARS),
-        name=_text("name", request.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
+        name=_text("name", request.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
         args=args,
         env=dict(policy.env),
         cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
@@ -144,24 +143,13 @@ class _AskedPolicy:
     script: None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StepRequest:
-    """A later step of a session, validated; None means the session's own value."""
-
-    code: str
-    name: str
-    args: tuple[str, ...]
-    timeout_ms: int | None = None
-    max_output: int | None = None
-
-
-def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> StepRequest:
+def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> Step:
     """The step ``message`` asks for within the server's ceiling, or a RequestError naming the
     first bad field (``step.timeout_ms``: the step's, not the job's)."""
     try:
-        step = StepRequest(
+        step = Step(
             code=_text("code", message.code, MAX_CODE_CHARS),
-            name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_JOB_NAME,
+            name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
             args=_args(tuple(message.args)),
             timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
             max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
@@ -356,7 +344,7 @@ def run_job_request(job: CodeJob) -> pb.RunJobRequest:
     return request
 
 
-def session_step_message(step: StepRequest) -> pb.SessionStep:
+def session_step_message(step: Step) -> pb.SessionStep:
     message = pb.SessionStep(code=step.code, name=step.name, args=step.args)
     if step.timeout_ms is not None:
         message.timeout_ms = step.timeout_ms

@@ -241,11 +241,7 @@ class Interaction:
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
             step = session.run_step(
-                asked.code,
-                asked.name,
-                asked.args,
-                asked.timeout_ms,
-                asked.max_output,
+                asked,
                 job_id=self._job_id,
                 host=self._relay,
                 cancel=self._cancel,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from readie_executor.jobs import run_job
+from readie_executor.jobs import DEFAULT_INLINE_NAME, run_job
 
 from ._host_frames import (
     MAX_CALL_FRAME_BYTES,
@@ -40,12 +40,14 @@ from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
 
 __all__ = [
+    "DEFAULT_INLINE_NAME",
     "CodeJob",
     "HostCall",
     "HostFunction",
     "HostReply",
     "HostStats",
     "JobOutcome",
+    "Step",
     "MAX_REFUSED_FRAMES",
     "ask_host",
     "job_request",
@@ -79,7 +81,7 @@ class CodeJob:
 
     checkpoint: str
     code: str
-    name: str = "<string>"
+    name: str = DEFAULT_INLINE_NAME
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str = "/tmp"
@@ -100,6 +102,23 @@ class CodeJob:
     def needs_own_mounts(self) -> bool:
         """Grants and packages are mount sources, fixed at restore: no warm sandbox has them."""
         return bool(self.allow_read or self.allow_write or self.package_dirs or self.packages)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A later step of an open session: its code, and its own timeout and output cap.
+
+    ``timeout_ms`` and ``max_output`` left None are the session's (its first
+    job's). Every layer passes this one value: the pool engine, the router's
+    placement, the gRPC stream (``session_step`` converts the wire's) and the
+    worker's session, which runs it as its job with these fields replaced.
+    """
+
+    code: str
+    name: str = DEFAULT_INLINE_NAME
+    args: tuple[str, ...] = ()
+    timeout_ms: int | None = None
+    max_output: int | None = None
 
 
 @dataclass(frozen=True)

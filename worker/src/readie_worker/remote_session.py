@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
 
 from readie_executor.hostwire import MAX_CALLS_PER_TASK
 
-from ._convert import StepRequest, job_outcome, session_step, session_step_message
+from ._convert import job_outcome, session_step, session_step_message
 from ._host_wire import call_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import answered_by_readie, error_from_status
 from .cancel import NEVER, Cancellation
 from .errors import PoolWorkerError, ReadieError, RequestError
-from .jobs import CodeJob, HostFunction, HostReply, ask_host
+from .jobs import CodeJob, HostFunction, HostReply, Step, ask_host
 from .sessions import StepOutcome
 
 __all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
@@ -161,11 +161,7 @@ class RemoteSession:
 
     def run_step(
         self,
-        code: str,
-        name: str = "<string>",
-        args: Iterable[str] = (),
-        timeout_ms: int | None = None,
-        max_output: int | None = None,
+        step: Step,
         *,
         job_id: str | None = None,  # noqa: ARG002 - the worker logs steps under the stream's request id
         host: HostFunction | None = None,
@@ -178,7 +174,6 @@ class RemoteSession:
         worker ended the session otherwise. After either, the session has ended.
         ``cancel`` ends the stream, which stops the step and ends the session.
         """
-        step = StepRequest(code, name, tuple(args), timeout_ms, max_output)
         message = session_step_message(step)
         session_step(message)  # the worker's own checks, here, so a refusal does not cost the session
         with self._lock:
@@ -187,7 +182,7 @@ class RemoteSession:
             if self._running:
                 raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
             self._running = True
-        task_s = (timeout_ms or self.job.timeout_ms) / 1000
+        task_s = (step.timeout_ms or self.job.timeout_ms) / 1000
         try:
             self._stream.send(pb.InteractRequest(step=message))
             with cancel.stopping(self.close):

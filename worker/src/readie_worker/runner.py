@@ -8,11 +8,10 @@ engine runs on any of them, without knowing which.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Protocol
 
 from .cancel import Cancellation
-from .jobs import CodeJob, HostFunction, JobOutcome
+from .jobs import CodeJob, HostFunction, JobOutcome, Step
 from .sessions import StepOutcome
 
 __all__ = ["JobRunner", "SessionHandle"]
@@ -33,11 +32,7 @@ class SessionHandle(Protocol):
 
     def run_step(
         self,
-        code: str,
-        name: str = ...,
-        args: Iterable[str] = ...,
-        timeout_ms: int | None = ...,
-        max_output: int | None = ...,
+        step: Step,
         *,
         job_id: str | None = ...,
         host: HostFunction | None = ...,

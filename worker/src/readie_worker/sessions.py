@@ -34,7 +34,7 @@ import dataclasses
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -45,7 +45,7 @@ from readie_executor.jobs import EXIT_NOT_STARTED
 
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, RequestError
-from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
+from .jobs import CodeJob, HostFunction, JobOutcome, Step, run_in_sandbox
 from .sandbox import Sandbox
 
 __all__ = ["EXIT_NOT_STARTED", "Session", "StepOutcome"]
@@ -99,11 +99,7 @@ class Session:
 
     def run_step(
         self,
-        code: str,
-        name: str = "<string>",
-        args: Iterable[str] = (),
-        timeout_ms: int | None = None,
-        max_output: int | None = None,
+        step: Step,
         *,
         job_id: str | None = None,
         host: HostFunction | None = None,
@@ -116,13 +112,13 @@ class Session:
         step is running; a step that raises rather than returning an outcome
         (declared functions and no ``host``) ends the session.
         """
-        step = dataclasses.replace(
+        job = dataclasses.replace(
             self.job,
-            code=code,
-            name=name,
-            args=tuple(args),
-            timeout_ms=self.job.timeout_ms if timeout_ms is None else timeout_ms,
-            max_output=self.job.max_output if max_output is None else max_output,
+            code=step.code,
+            name=step.name,
+            args=step.args,
+            timeout_ms=self.job.timeout_ms if step.timeout_ms is None else step.timeout_ms,
+            max_output=self.job.max_output if step.max_output is None else step.max_output,
         )
         with self._lock:
             if self.state is SessionState.ENDED:
@@ -135,7 +131,7 @@ class Session:
         started = time.monotonic()
         try:
             with self._slot(cancel):
-                return self.run_in_slot(step, job_id=job_id, queue_us=_since(started), host=host, cancel=cancel)
+                return self.run_in_slot(job, job_id=job_id, queue_us=_since(started), host=host, cancel=cancel)
         except BaseException:
             # The slot was refused (a draining worker) or a bug: nothing is known
             # about the sandbox's state, so it is not trusted with another step.

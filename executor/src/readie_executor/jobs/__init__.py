@@ -11,5 +11,6 @@ Standard library only: this runs in the sandbox's own python3.
 
 from . import _bounds as bounds
 from ._runner import EXIT_NOT_STARTED, WARMED_UP, run_job, warm_up
+from ._spec import DEFAULT_INLINE_NAME
 
-__all__ = ["EXIT_NOT_STARTED", "WARMED_UP", "bounds", "run_job", "warm_up"]
+__all__ = ["DEFAULT_INLINE_NAME", "EXIT_NOT_STARTED", "WARMED_UP", "bounds", "run_job", "warm_up"]
