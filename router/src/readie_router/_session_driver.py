@@ -30,7 +30,7 @@ from ._events import JobResult, closed_event
 from ._job_building import check_max_output, code_job, request_policy
 from ._requests import CloseSession, JobRequest
 from ._results import job_result
-from ._sessions import Session, SessionPhase, SessionTable
+from ._sessions import NamedSession, SessionPhase, SessionTable
 
 if TYPE_CHECKING:
     from ._pool import PoolEngine
@@ -73,7 +73,7 @@ class SessionDriver:
 
     async def _session_step(
         self,
-        session: Session,
+        session: NamedSession,
         request: JobRequest,
         parsed_at: int,
         previous: asyncio.Event | None,
@@ -99,7 +99,7 @@ class SessionDriver:
             done.set()
             self._arm_idle_timer(session)
 
-    async def _step_result(self, session: Session, request: JobRequest, parsed_at: int) -> JobResult:
+    async def _step_result(self, session: NamedSession, request: JobRequest, parsed_at: int) -> JobResult:
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
@@ -170,7 +170,7 @@ class SessionDriver:
 
     async def _session_close(
         self,
-        session: Session,
+        session: NamedSession,
         request: CloseSession,
         previous: asyncio.Event | None,
         done: asyncio.Event,
@@ -188,20 +188,20 @@ class SessionDriver:
             self._engine._answer(closed_event(request.id, request.session))
             done.set()
 
-    def _end_session(self, session: Session) -> BackendSession | None:
+    def _end_session(self, session: NamedSession) -> BackendSession | None:
         """Take ``session`` out of the table and the count, at once, so the next request under
         its name starts a new one; returns its handle for the caller to close (or None)."""
         if self.table.end(session):
             self._engine.stats.session_ended()
         return session.handle
 
-    def close_in_background(self, session: Session, why: str) -> None:
+    def close_in_background(self, session: NamedSession, why: str) -> None:
         handle = self._end_session(session)
         if handle is not None:
             log.info("closing a session", session=session.name, why=why)
             self._engine._spawn(handle.close())
 
-    def _arm_idle_timer(self, session: Session) -> None:
+    def _arm_idle_timer(self, session: NamedSession) -> None:
         if session.phase is not SessionPhase.OPEN or session.pending or not self._engine.serving:
             return
         session.stop_idle_timer()
@@ -210,7 +210,7 @@ class SessionDriver:
             self._setup.session_idle_ms / 1000, self._idle_expired, session
         )
 
-    def _idle_expired(self, session: Session) -> None:
+    def _idle_expired(self, session: NamedSession) -> None:
         session.idle = None
         if session.phase is SessionPhase.OPEN and not session.pending:
             self.close_in_background(session, "idle")

@@ -13,7 +13,7 @@ What this module decides, for each line naming a session:
   more until it catches up.
 
 Each session's requests (steps and its close) run one at a time, in the
-order they were read: each waits for the one before it (:meth:`Session.enqueue`).
+order they were read: each waits for the one before it (:meth:`NamedSession.enqueue`).
 A session leaves the table, and stops counting against ``max_sessions``, as
 soon as the pool reads its close (the steps read before the close still run
 first: CLOSING) or it ends: a step timed out, crashed or exited, it was idle
@@ -39,7 +39,7 @@ from readie_worker.errors import RequestError
 from readie_worker.policy import Policy
 from ._requests import JobRequest
 
-__all__ = ["MAX_PENDING_STEPS", "Session", "SessionPhase", "SessionTable"]
+__all__ = ["MAX_PENDING_STEPS", "NamedSession", "SessionPhase", "SessionTable"]
 
 #: The spec: "a session with eight pending steps answers RequestError until
 #: it catches up". Pending means accepted and not yet answered, the running
@@ -66,7 +66,7 @@ _TRANSITIONS: dict[SessionPhase, frozenset[SessionPhase]] = {
 
 
 @dataclass(eq=False)
-class Session:
+class NamedSession:
     """One session as the pool sees it; the sandbox is behind ``handle``."""
 
     name: str
@@ -110,18 +110,18 @@ class SessionTable:
 
     def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
-        self._open: dict[str, Session] = {}
+        self._open: dict[str, NamedSession] = {}
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def get(self, name: str) -> Session | None:
+    def get(self, name: str) -> NamedSession | None:
         return self._open.get(name)
 
-    def sessions(self) -> list[Session]:
+    def sessions(self) -> list[NamedSession]:
         return list(self._open.values())
 
-    def admit(self, request: JobRequest) -> tuple[Session, bool]:
+    def admit(self, request: JobRequest) -> tuple[NamedSession, bool]:
         """The session ``request`` is a step of, and whether it is the first; RequestError if refused."""
         name = request.session
         assert name is not None
@@ -149,23 +149,23 @@ class SessionTable:
                 "(or let one idle out) before starting another",
                 "session",
             )
-        session = Session(name)
+        session = NamedSession(name)
         self._open[name] = session
         return session, True
 
-    def closing(self, session: Session) -> bool:
+    def closing(self, session: NamedSession) -> bool:
         """A close for ``session`` was read: out of the table; True if this took it out."""
         if session.phase in (SessionPhase.OPENING, SessionPhase.OPEN):
             session.move(SessionPhase.CLOSING)
         return self._leave(session)
 
-    def end(self, session: Session) -> bool:
+    def end(self, session: NamedSession) -> bool:
         """``session`` ended: out of the table; True if this took it out."""
         if not session.ended:
             session.move(SessionPhase.ENDED)
         return self._leave(session)
 
-    def _leave(self, session: Session) -> bool:
+    def _leave(self, session: NamedSession) -> bool:
         session.stop_idle_timer()
         if self._open.get(session.name) is session:
             del self._open[session.name]

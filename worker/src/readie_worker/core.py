@@ -40,7 +40,7 @@ from readie_executor.sockets import MAX_SOCKET_PATH
 
 from ._sandbox_dir import SandboxDir
 from .sandbox import JOB_MEMORY_SLACK, LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
-from .sessions import Session, StepOutcome
+from .sessions import SandboxSession, StepOutcome
 
 log = structlog.get_logger("readie.worker")
 
@@ -123,7 +123,7 @@ class Worker:
         self._retirer = Retirer()
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
-        self._sessions: set[Session] = set()  # open ones; each holds a sandbox
+        self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox
         self._session_places = 0  # sessions open or being opened, at most config.max_sessions
         # Paths no grant may touch (the worker's own), and paths no grant may write (what
         # every sandbox is made from); absolute and symlink-free, set at start.
@@ -261,7 +261,7 @@ class Worker:
         host: HostFunction | None = None,
         *,
         cancel: Cancellation = NEVER,
-    ) -> tuple[Session, StepOutcome]:
+    ) -> tuple[SandboxSession, StepOutcome]:
         """Open a session whose setup and first step are ``job``; see ``sessions.py``.
 
         ``job.functions`` are the session's host functions for every step;
@@ -284,8 +284,8 @@ class Worker:
                 failed = JobOutcome.failure(
                     ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local"
                 )
-                return Session(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
-            session = Session(job, sandbox, links, slot=self._slot, forget=self._forget_session)
+                return SandboxSession(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
+            session = SandboxSession(job, sandbox, links, slot=self._slot, forget=self._forget_session)
             with self._lock:
                 self._sessions.add(session)
                 closed = self._closed
@@ -309,7 +309,7 @@ class Worker:
         with self._lock:
             self._session_places -= 1
 
-    def _forget_session(self, session: Session) -> None:
+    def _forget_session(self, session: SandboxSession) -> None:
         with self._lock:
             if session in self._sessions:
                 self._sessions.remove(session)

@@ -5,7 +5,7 @@ it writes requests, reads events until a result, and answers each ``call``
 event with the caller's host function on the caller's own thread.
 :class:`RemoteSession` is a session that lives in a sandbox on the worker at
 the other end, with the shape of the worker's own
-:class:`~readie_worker.sessions.Session`, so a router serves both alike.
+:class:`~readie_worker.sessions.SandboxSession`, so a router serves both alike.
 
 A session is the stream: it cannot move to another worker, and when the
 stream breaks (the worker died, drained, or was restarted at the same

@@ -18,7 +18,7 @@ __all__ = ["JobRunner", "SessionHandle"]
 
 
 class SessionHandle(Protocol):
-    """An open session: ``sessions.Session`` here, ``RemoteSession`` on another worker.
+    """An open session: ``sessions.SandboxSession`` here, ``RemoteSession`` on another worker.
 
     ``timeout_ms`` and ``max_output`` of None mean the session's own; a
     step asked for while another runs, or after the session ended, is a

@@ -48,7 +48,7 @@ from .errors import ErrorType, RequestError
 from .jobs import CodeJob, HostFunction, JobOutcome, Step, run_in_sandbox
 from .sandbox import Sandbox
 
-__all__ = ["EXIT_NOT_STARTED", "Session", "StepOutcome"]
+__all__ = ["EXIT_NOT_STARTED", "SandboxSession", "StepOutcome"]
 
 log = structlog.get_logger("readie.worker")
 
@@ -65,7 +65,7 @@ class StepOutcome:
     session_ended: bool
 
 
-class Session:
+class SandboxSession:
     """A worker session: see the module docstring. Made by ``Worker.open_session``."""
 
     def __init__(
@@ -75,7 +75,7 @@ class Session:
         links: tuple[Mapping[str, object], ...],
         *,
         slot: Callable[[Cancellation], AbstractContextManager[None]],
-        forget: Callable[[Session], None] = lambda session: None,
+        forget: Callable[[SandboxSession], None] = lambda session: None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
         self.job = job  # the setup; its code was the first step's
