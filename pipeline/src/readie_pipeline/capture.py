@@ -37,7 +37,8 @@ from readie_worker.manifest import (
 )
 from readie_worker.errors import CheckpointUnusable
 from readie_worker.runsc import STDERR_SETTLE_S, Launched, Runsc
-from readie_worker.sandbox import RunscCold, RunscRestore, SandboxDir, hand_over, launch
+from readie_worker.launchers import RunscCold, RunscRestore
+from readie_worker.sandbox import SandboxDir, hand_over, launch
 from readie_worker import enter_mount_namespace
 from readie_worker.paths import remove_tree, scratch_dir
 

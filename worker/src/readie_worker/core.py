@@ -39,7 +39,8 @@ from .runsc import Runsc
 from readie_executor.sockets import MAX_SOCKET_PATH
 
 from ._sandbox_dir import SandboxDir
-from .sandbox import JOB_MEMORY_SLACK, LocalProcess, RunscCold, Sandbox, SandboxFactory, checkpoint_factory
+from .launchers import JOB_MEMORY_SLACK, LocalProcess, RunscCold
+from .sandbox import Sandbox, SandboxFactory, checkpoint_factory
 from .sessions import SandboxSession, StepOutcome
 
 log = structlog.get_logger("readie.worker")

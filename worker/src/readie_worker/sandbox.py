@@ -1,16 +1,12 @@
-"""One sandbox lifecycle, three transports.
+"""One sandbox lifecycle, its launchers pluggable.
 
 Every way of getting an executor ready follows the same steps, written once
 in :func:`launch`: make the sandbox's own directory (a tmpfs with the job's
 held grants mounted in it, ``_sandbox_dir``), start an executor that sits at
 its capture point (restored from a checkpoint, or cold-started in capture
 mode), hand it the environment it should serve with, wait for its socket.
-Transports differ only in how the process is started and destroyed:
-
-* :class:`RunscRestore`: ``runsc restore`` from a checkpoint image;
-* :class:`RunscCold`: ``runsc run`` of the same rootfs and imports (fallback);
-* :class:`LocalProcess`: a plain host subprocess, for development only: no
-  isolation at all, refused unless explicitly enabled.
+Launchers (``launchers``) differ only in how the process is started and
+destroyed: a runsc restore, a runsc cold start, a plain host process.
 """
 
 from __future__ import annotations
@@ -20,13 +16,12 @@ import os
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO
 
 import structlog
 
@@ -47,11 +42,12 @@ from readie_executor.sockets import RECV_SIZE
 
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
-from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec, capture_env, serve_env
+from .bundle import capture_env, serve_env
 from .errors import PoolWorkerError, SandboxSetupError
 from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
-from .runsc import STDERR_SETTLE_S, Launched, Runsc, RunscError
+from .launchers import Launcher, RunscCold, RunscRestore
+from .runsc import STDERR_SETTLE_S, Launched, Runsc
 
 log = structlog.get_logger("readie.sandbox")
 
@@ -61,10 +57,6 @@ SOCKET_POLL_S = 0.002
 # How long a socket may take to answer after the executor's stdout ended (it
 # closes stdout once it listens): beyond this, the executor died instead.
 STDOUT_END_GRACE_S = 1.0
-# What gVisor's sentry adds to the memory cgroup for a job's own memory: page
-# tables and bookkeeping for what the job maps, measured at ~2 % (244 MB of
-# cgroup growth for a 240 MB bytearray); this covers a multi-GiB job.
-JOB_MEMORY_SLACK = 64 * 1024**2
 # A healthy executor answers a ping in well under a millisecond; a second
 # means it is wedged, and a wedged sandbox is never handed a job.
 PROBE_TIMEOUT_S = 1.0
@@ -132,28 +124,6 @@ def _receive(connection: socket.socket, reader: MessageReader, deadline: float |
             return None
         _set_timeout(connection, deadline)
         reader.feed(connection.recv(RECV_SIZE))
-
-
-class Launcher(Protocol):
-    """How one kind of sandbox is started and torn down."""
-
-    name: str
-    isolated: bool
-
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
-        """Start an executor at its capture point; its stdin and stdout are pipes."""
-
-    def executor_dir(self, sandbox: SandboxDir) -> str:
-        """EXECUTOR_DIR as the executor inside sees it."""
-
-    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        """Tear down whatever ``start`` left, ``process`` or not (a start that failed part-way)."""
-
-    def oom_killed(self, sandbox: SandboxDir) -> bool:
-        """Whether the memory backstop killed the sandbox (asked before destroy)."""
-
-    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
-        """Bound the whole sandbox to what it holds now plus ``job_bytes``; the limit set, if any."""
 
 
 @dataclass
@@ -430,77 +400,6 @@ def _stderr_tail(launched: Launched) -> str:
 
 
 @dataclass(frozen=True)
-class _RunscLauncher:
-    runsc: Runsc
-    rootfs: Path
-    plan: MountPlan
-    base_env: Mapping[str, str]
-    # The cgroup backstop of every sandbox, under the per-job RLIMIT_AS: it kills the whole sandbox.
-    memory_limit_bytes: int | None = None
-    isolated: bool = True
-
-    def executor_dir(self, sandbox: SandboxDir) -> str:
-        return str(EXECUTOR_DIR)
-
-    def oom_killed(self, sandbox: SandboxDir) -> bool:
-        return self.runsc.oom_killed(sandbox.id)
-
-    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
-        usage = self.runsc.memory_usage(sandbox.id)
-        if usage is None:  # fail closed: without the cgroup, files would not count against 'memory'
-            raise SandboxSetupError(f"sandbox {sandbox.id}: no memory cgroup found to limit")
-        limit = usage + job_bytes + JOB_MEMORY_SLACK
-        if self.memory_limit_bytes is not None:
-            limit = min(limit, self.memory_limit_bytes)
-        self.runsc.limit_memory(sandbox.id, limit)
-        return limit
-
-    def spec(self, sandbox: SandboxDir) -> SandboxSpec:
-        return SandboxSpec(
-            rootfs=self.rootfs,
-            executor_dir=sandbox.executor_dir,
-            env=self.base_env,
-            plan=self.plan,
-            sources=sandbox.sources,
-            unused_slot_source=sandbox.unused_slots,
-            memory_limit_bytes=self.memory_limit_bytes,
-        )
-
-    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        try:
-            self.runsc.destroy(sandbox.id, sandbox.pid_file)
-        except RunscError as exc:
-            # Its gofer keeps its own copy of the grants' mounts while it lives: the
-            # worker's close() sweeps the state dir for such survivors.
-            log.error("sandbox survived destroy", sandbox=sandbox.id, error=str(exc))
-
-
-@dataclass(frozen=True)
-class RunscRestore(_RunscLauncher):
-    checkpoint: Checkpoint | None = None
-    name: str = "runsc-restore"
-
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
-        assert self.checkpoint is not None
-        self.spec(sandbox).write(sandbox.path)
-        args = ["restore", "--detach", f"--image-path={self.checkpoint.image_path}", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id]
-        return self.runsc.start_detached(args)
-
-
-@dataclass(frozen=True)
-class RunscCold(_RunscLauncher):
-    """A cold runsc start that still pre-imports: the executor starts in capture
-    mode and is handed its serving environment at once, so the path to the
-    socket is the same as after a restore."""
-
-    name: str = "runsc-cold"
-
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
-        self.spec(sandbox).write(sandbox.path)
-        return self.runsc.start_detached(["run", "--detach", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id])
-
-
-@dataclass(frozen=True)
 class SandboxFactory:
     """Makes sandboxes of one kind; falls back to ``fallback`` when ``primary`` fails."""
 
@@ -524,40 +423,6 @@ class SandboxFactory:
                 error=str(exc),
             )
         return launch(self.fallback, self.run_dir, self.env, grants, self.socket_wait_s)
-
-
-@dataclass(frozen=True)
-class LocalProcess:
-    """No isolation whatsoever: the executor runs as a host process. Development only."""
-
-    preimport: tuple[str, ...] = ()
-    python: str = sys.executable  # the worker's own environment has readie_executor
-    name: str = "local-unisolated"
-    isolated: bool = False
-
-    def executor_dir(self, sandbox: SandboxDir) -> str:
-        return str(sandbox.executor_dir)
-
-    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
-        capture_env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            **SINGLE_THREAD_ENV,
-            "EXECUTOR_DIR": str(sandbox.executor_dir),
-            "EXECUTOR_MODE": "capture",
-            "READIE_PREIMPORT": ",".join(self.preimport),
-        }
-        return Launched.popen([self.python, "-u", "-m", "readie_executor"], env=capture_env, cwd=sandbox.path)
-
-    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        if process is not None:
-            process.kill()
-            process.wait()
-
-    def oom_killed(self, sandbox: SandboxDir) -> bool:
-        return False
-
-    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
-        return None  # a host process: RLIMIT_AS inside is all there is
 
 
 def checkpoint_factory(

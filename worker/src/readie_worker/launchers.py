@@ -1,0 +1,164 @@
+"""Launchers: how one kind of sandbox is started and torn down, behind one protocol.
+
+The lifecycle around them (directory, hand-over, socket, exchange, destroy)
+is ``sandbox.launch``'s, written once; a launcher only starts a process that
+sits at its capture point and tears down what it started:
+
+* :class:`RunscRestore`: ``runsc restore`` from a checkpoint image;
+* :class:`RunscCold`: ``runsc run`` of the same rootfs and imports (fallback);
+* :class:`LocalProcess`: a plain host subprocess, for development only: no
+  isolation at all, refused unless explicitly enabled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from ._sandbox_dir import SandboxDir
+from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec
+from .errors import SandboxSetupError
+from .manifest import Checkpoint
+from .runsc import Launched, Runsc, RunscError
+
+__all__ = ["JOB_MEMORY_SLACK", "Launcher", "LocalProcess", "RunscCold", "RunscRestore"]
+
+log = structlog.get_logger("readie.sandbox")
+
+# What gVisor's sentry adds to the memory cgroup for a job's own memory: page
+# tables and bookkeeping for what the job maps, measured at ~2 % (244 MB of
+# cgroup growth for a 240 MB bytearray); this covers a multi-GiB job.
+JOB_MEMORY_SLACK = 64 * 1024**2
+
+class Launcher(Protocol):
+    """How one kind of sandbox is started and torn down."""
+
+    name: str
+    isolated: bool
+
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
+        """Start an executor at its capture point; its stdin and stdout are pipes."""
+
+    def executor_dir(self, sandbox: SandboxDir) -> str:
+        """EXECUTOR_DIR as the executor inside sees it."""
+
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        """Tear down whatever ``start`` left, ``process`` or not (a start that failed part-way)."""
+
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        """Whether the memory backstop killed the sandbox (asked before destroy)."""
+
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        """Bound the whole sandbox to what it holds now plus ``job_bytes``; the limit set, if any."""
+
+
+@dataclass(frozen=True)
+class _RunscLauncher:
+    runsc: Runsc
+    rootfs: Path
+    plan: MountPlan
+    base_env: Mapping[str, str]
+    # The cgroup backstop of every sandbox, under the per-job RLIMIT_AS: it kills the whole sandbox.
+    memory_limit_bytes: int | None = None
+    isolated: bool = True
+
+    def executor_dir(self, sandbox: SandboxDir) -> str:
+        return str(EXECUTOR_DIR)
+
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        return self.runsc.oom_killed(sandbox.id)
+
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        usage = self.runsc.memory_usage(sandbox.id)
+        if usage is None:  # fail closed: without the cgroup, files would not count against 'memory'
+            raise SandboxSetupError(f"sandbox {sandbox.id}: no memory cgroup found to limit")
+        limit = usage + job_bytes + JOB_MEMORY_SLACK
+        if self.memory_limit_bytes is not None:
+            limit = min(limit, self.memory_limit_bytes)
+        self.runsc.limit_memory(sandbox.id, limit)
+        return limit
+
+    def spec(self, sandbox: SandboxDir) -> SandboxSpec:
+        return SandboxSpec(
+            rootfs=self.rootfs,
+            executor_dir=sandbox.executor_dir,
+            env=self.base_env,
+            plan=self.plan,
+            sources=sandbox.sources,
+            unused_slot_source=sandbox.unused_slots,
+            memory_limit_bytes=self.memory_limit_bytes,
+        )
+
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        try:
+            self.runsc.destroy(sandbox.id, sandbox.pid_file)
+        except RunscError as exc:
+            # Its gofer keeps its own copy of the grants' mounts while it lives: the
+            # worker's close() sweeps the state dir for such survivors.
+            log.error("sandbox survived destroy", sandbox=sandbox.id, error=str(exc))
+
+
+@dataclass(frozen=True)
+class RunscRestore(_RunscLauncher):
+    checkpoint: Checkpoint | None = None
+    name: str = "runsc-restore"
+
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
+        assert self.checkpoint is not None
+        self.spec(sandbox).write(sandbox.path)
+        args = ["restore", "--detach", f"--image-path={self.checkpoint.image_path}", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id]
+        return self.runsc.start_detached(args)
+
+
+@dataclass(frozen=True)
+class RunscCold(_RunscLauncher):
+    """A cold runsc start that still pre-imports: the executor starts in capture
+    mode and is handed its serving environment at once, so the path to the
+    socket is the same as after a restore."""
+
+    name: str = "runsc-cold"
+
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
+        self.spec(sandbox).write(sandbox.path)
+        return self.runsc.start_detached(["run", "--detach", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id])
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    """No isolation whatsoever: the executor runs as a host process. Development only."""
+
+    preimport: tuple[str, ...] = ()
+    python: str = sys.executable  # the worker's own environment has readie_executor
+    name: str = "local-unisolated"
+    isolated: bool = False
+
+    def executor_dir(self, sandbox: SandboxDir) -> str:
+        return str(sandbox.executor_dir)
+
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
+        capture_env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            **SINGLE_THREAD_ENV,
+            "EXECUTOR_DIR": str(sandbox.executor_dir),
+            "EXECUTOR_MODE": "capture",
+            "READIE_PREIMPORT": ",".join(self.preimport),
+        }
+        return Launched.popen([self.python, "-u", "-m", "readie_executor"], env=capture_env, cwd=sandbox.path)
+
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        if process is not None:
+            process.kill()
+            process.wait()
+
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        return False
+
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        return None  # a host process: RLIMIT_AS inside is all there is
