@@ -12,9 +12,9 @@ the id when one could be recovered and a :class:`RequestError` naming the
 field. Every accepted value is rebuilt into a frozen dataclass, so a field the
 spec does not know cannot ride along (unknown fields are refused anyway).
 
-Types are strict: a bool is not an integer, a float is not an integer,
-strings must be valid Unicode (no lone surrogates: they cannot cross into the
-sandbox as UTF-8), duplicate keys and NaN/Infinity are refused. What a request
+Types are strict (``_values``): a bool is not an integer, a float is not an
+integer, strings must be valid Unicode (no lone surrogates: they cannot
+cross into the sandbox as UTF-8), duplicate keys and NaN/Infinity are refused. What a request
 asks for is only checked for shape here; whether the pool grants it is
 ``_policy``'s business, and whether a session step may carry it is the
 session manager's (see :attr:`JobRequest.setup_fields`).
@@ -22,24 +22,32 @@ session manager's (see :attr:`JobRequest.setup_fields`).
 
 from __future__ import annotations
 
-import json
-import keyword
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from readie_executor import hostwire
-from readie_executor.hostwire import MAX_FUNCTIONS, function_name_problem
-from readie_worker.packages import MAX_REQUIREMENT_CHARS
-from readie_worker.paths import MAX_PATH_CHARS
-
-from readie_worker.errors import RequestError, UnitError
+from readie_executor.hostwire import MAX_FUNCTIONS
 from readie_protocol.lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
-from readie_worker.errors import shown
-
 from readie_protocol.wire import RequestId, id_problem, json_type
+from readie_worker.errors import RequestError, UnitError
+from readie_worker.paths import MAX_PATH_CHARS
+from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
+
+from ._values import (
+    Invalid,
+    argv_string,
+    bool_value,
+    bounded_text,
+    code_value,
+    env_value,
+    function_names,
+    list_of,
+    load_strict,
+    positive,
+    requirement,
+    text_value,
+)
 
 __all__ = [
     "MAX_FUNCTIONS",
@@ -172,8 +180,8 @@ def parse_request(line: bytes | str) -> Request | Refused:
     if len(raw) > MAX_LINE_BYTES:
         return Refused(recover_id(raw[:ID_SCAN_BYTES]), _oversize_error(len(raw)))
     try:
-        obj = _load(raw)
-    except _Invalid as exc:
+        obj = load_strict(raw)
+    except Invalid as exc:
         return Refused(recover_id(raw[:ID_SCAN_BYTES]), RequestError(str(exc)))
     if not isinstance(obj, dict):
         return Refused(None, RequestError(f"a request must be a JSON object, got {json_type(obj)}"))
@@ -206,61 +214,6 @@ def _oversize_error(size: int) -> RequestError:
     )
 
 
-# --------------------------------------------------------------------------- JSON
-
-
-class _Invalid(ValueError):
-    """A value has the wrong shape; the caller adds the field name."""
-
-
-def _load(raw: bytes) -> Any:
-    try:
-        # Decode first: json.loads(bytes) would also accept UTF-16 and UTF-32.
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _Invalid(f"line is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        return json.loads(
-            text,
-            object_pairs_hook=_unique_keys,
-            parse_constant=_no_constant,
-            parse_float=_finite_float,
-        )
-    except _Invalid:
-        raise
-    except RecursionError:
-        # Deep nesting is valid JSON: a host function's result may nest as deep
-        # as its megabyte allows. hostwire's parser is iterative and as strict.
-        try:
-            return hostwire.loads(text)
-        except hostwire.WireError as exc:
-            raise _Invalid(f"line is not valid JSON: {exc}") from None
-    except ValueError as exc:  # JSONDecodeError, and int() past CPython's digit limit
-        raise _Invalid(f"line is not valid JSON: {exc}") from None
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        # json.loads keeps the last of duplicate keys; a second "id" or
-        # "allow_write" could then hide from whatever looked at the first.
-        if key in obj:
-            raise _Invalid(f"duplicate key {shown(key)}")
-        obj[key] = value
-    return obj
-
-
-def _no_constant(name: str) -> Any:
-    raise _Invalid(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _Invalid(f"number {text} is out of range")
-    return value
-
-
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -279,7 +232,7 @@ def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
             raise RequestError("must be true", "stats")
         return StatsRequest(_required_id(rid))
     if "close" in obj:
-        close = _field(obj, "close", _bool)
+        close = _field(obj, "close", bool_value)
         if close:
             _only(obj, _CLOSE_FIELDS, "a close request")
             if "session" not in obj:
@@ -307,7 +260,7 @@ def _required_id(rid: RequestId | None) -> RequestId:
 def _field(obj: dict[str, Any], name: str, check: Callable[[Any], Any]) -> Any:
     try:
         return check(obj[name])
-    except (_Invalid, UnitError) as exc:
+    except (Invalid, UnitError) as exc:
         raise RequestError(str(exc), name) from None
 
 
@@ -332,149 +285,28 @@ def _job(obj: dict[str, Any], rid: RequestId) -> JobRequest:
     return JobRequest(id=rid, fields=frozenset(obj) - {"id"}, **values)
 
 
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise _Invalid(f"expected a string, got {json_type(value)}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _Invalid("contains a lone surrogate (\\ud800-\\udfff)") from None
-    return value
-
-
-def _bounded_text(limit: int, *, newlines: bool = False) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        text = _str(value)
-        if not text:
-            raise _Invalid("must not be empty")
-        if len(text) > limit:
-            raise _Invalid(f"longer than {limit} characters")
-        if "\x00" in text:
-            raise _Invalid("contains a NUL character")
-        if not newlines and any(c in text for c in "\n\r"):
-            raise _Invalid("contains a line break")
-        return text
-
-    return check
-
-
-def _code(value: Any) -> str:
-    # Empty code is a valid (if idle) program; NUL bytes are left for
-    # Python's compile() to report as the SyntaxError users know.
-    return _str(value)
-
-
-def _argv_string(value: Any) -> str:
-    text = _str(value)
-    if "\x00" in text:
-        raise _Invalid("contains a NUL character, which argv cannot carry")
-    return text
-
-
-def _list_of(check: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
-    def parse(value: Any) -> tuple[Any, ...]:
-        if not isinstance(value, list):
-            raise _Invalid(f"expected an array, got {json_type(value)}")
-        items = []
-        for index, item in enumerate(value):
-            try:
-                items.append(check(item))
-            except _Invalid as exc:
-                raise _Invalid(f"item {index}: {exc}") from None
-        return tuple(items)
-
-    return parse
-
-
-def _env(value: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(value, dict):
-        raise _Invalid(f"expected an object of strings, got {json_type(value)}")
-    pairs = []
-    for key, item in value.items():
-        name = _str(key)
-        if not name or "=" in name or "\x00" in name:
-            raise _Invalid(f"{shown(name)} is not a variable name (empty, '=' or NUL)")
-        try:
-            text = _str(item)
-        except _Invalid as exc:
-            raise _Invalid(f"{shown(name)}: {exc}") from None
-        if "\x00" in text:
-            raise _Invalid(f"{shown(name)}: contains a NUL character")
-        pairs.append((name, text))
-    return tuple(pairs)
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid(f"expected true or false, got {json_type(value)}")
-    return value
-
-
-def _positive(parse: Callable[[Any], int]) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        result = parse(value)
-        if result == 0:
-            raise _Invalid("must be greater than zero")
-        return result
-
-    return check
-
-
-def _function_names(value: Any) -> tuple[str, ...]:
-    names = _list_of(_identifier)(value)
-    if len(names) > MAX_FUNCTIONS:
-        raise _Invalid(f"at most {MAX_FUNCTIONS} functions")
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            raise _Invalid(f"{shown(name)} declared twice")
-        seen.add(name)
-    return names
-
-
-def _identifier(value: Any) -> str:
-    name = _str(value)
-    # ASCII only: lookalike Unicode names would let two declared functions
-    # read the same in a tool description and differ in the sandbox.
-    if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
-        raise _Invalid(f"{shown(name)} is not a Python identifier")
-    # What else readie_host cannot offer: HostError, dunders, over-long names.
-    problem = function_name_problem(name)
-    if problem is not None:
-        raise _Invalid(problem)
-    return name
-
-
-def _requirement(value: Any) -> str:
-    text = _bounded_text(MAX_REQUIREMENT_CHARS)(value)
-    # A leading dash would reach the installer as an option (--index-url=...).
-    if text.lstrip().startswith("-"):
-        raise _Invalid(f"{shown(text)} is not a requirement (starts with '-')")
-    return text
-
-
-_path = _bounded_text(MAX_PATH_CHARS)
-_session = _bounded_text(MAX_SESSION_CHARS)
+_path = bounded_text(MAX_PATH_CHARS)
+_session = bounded_text(MAX_SESSION_CHARS)
 
 # wire name -> (JobRequest attribute, check)
 _JOB_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "code": ("code", _code),
+    "code": ("code", code_value),
     "script": ("script", _path),
-    "name": ("name", _bounded_text(MAX_NAME_CHARS)),
-    "args": ("args", _list_of(_argv_string)),
-    "allow_read": ("allow_read", _list_of(_path)),
-    "allow_write": ("allow_write", _list_of(_path)),
-    "package_dirs": ("package_dirs", _list_of(_path)),
-    "env": ("env", _env),
-    "allow_network": ("allow_network", _bool),
-    "timeout": ("timeout_ms", _positive(parse_duration_ms)),
-    "memory": ("memory_bytes", _positive(parse_size)),
+    "name": ("name", bounded_text(MAX_NAME_CHARS)),
+    "args": ("args", list_of(argv_string)),
+    "allow_read": ("allow_read", list_of(_path)),
+    "allow_write": ("allow_write", list_of(_path)),
+    "package_dirs": ("package_dirs", list_of(_path)),
+    "env": ("env", env_value),
+    "allow_network": ("allow_network", bool_value),
+    "timeout": ("timeout_ms", positive(parse_duration_ms)),
+    "memory": ("memory_bytes", positive(parse_size)),
     "max_output": ("max_output", parse_size),
     "max_file_size": ("max_file_size", parse_size),
-    "profile": ("profile", _bounded_text(MAX_SESSION_CHARS)),
-    "functions": ("functions", _function_names),
+    "profile": ("profile", bounded_text(MAX_SESSION_CHARS)),
+    "functions": ("functions", function_names),
     "session": ("session", _session),
-    "packages": ("packages", _list_of(_requirement)),
+    "packages": ("packages", list_of(requirement)),
 }
 
 _JOB_KEYS = frozenset(_JOB_FIELDS) | {"id"}
@@ -505,8 +337,8 @@ def _reply(value: Any) -> ReplyRequest:
         raise RequestError("give exactly one of result and error", "reply")
     if has_error:
         try:
-            error = _str(value["error"])
-        except _Invalid as exc:
+            error = text_value(value["error"])
+        except Invalid as exc:
             raise RequestError(str(exc), "reply.error") from None
         _check_reply_size(error, "reply.error")
         return ReplyRequest(call_id=call_id, error=error)
