@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from readie_worker.testing import wait_until
 import readie
-from readie._pool import pool_flags
+from readie._process import pool_flags
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
 
@@ -152,3 +152,14 @@ def test_close_waits_for_the_drain_and_checks_the_exit_status(tmp_path, monkeypa
     monkeypatch.setenv("FAKE_POOL", "exit-3-at-eof")
     with pytest.raises(readie.PoolError, match="exited with status 3"), readie.Pool(command=FAKE, cwd=tmp_path):
         pass
+
+
+def test_a_line_over_the_event_limit_breaks_the_pool_instead_of_growing_the_client(tmp_path, monkeypatch):
+    """The reader holds no line past MAX_EVENT_LINE_BYTES (lowered here: the real one is 193 MiB)."""
+    monkeypatch.setattr(readie._pool, "MAX_EVENT_LINE_BYTES", 4096)
+    with readie.Pool(command=FAKE, cwd=tmp_path) as pool:
+        assert pool.run("say short").stdout == "short\n"
+        with pytest.raises(readie.PoolError, match=r"broke the protocol: the pool wrote a line of \d+ bytes, over 4096"):
+            pool.run("say " + "x" * 5000)
+        with pytest.raises(readie.PoolError, match="broke the protocol"):
+            pool.run("say again")

@@ -21,54 +21,40 @@ import itertools
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
 from readie_executor import hostwire
+from readie_executor.jobs import bounds
+from readie_protocol import MAX_LINE_BYTES, LineEvent, LineSplitter, OversizeLine
 
 from readie_worker.errors import ErrorType
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostCalls, HostFunctions, check_functions
+from ._process import EXIT_WAIT_S, PoolProcess, default_command, pool_flags
 from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, session_setup, stats_request
 from ._results import ReadyEvent, Result, parse_ready, parse_result, parse_stats
 from ._session import Session, new_session_name
 
-__all__ = ["CLOSE_KILL_GRACE_S", "START_TIMEOUT_S", "STDERR_TAIL_LINES", "Pool", "default_command"]
+__all__ = ["START_TIMEOUT_S", "Pool"]
 
 log = logging.getLogger("readie")
 
 #: Start-up is a manifest check, a sweep and the first warm restores (about a
 #: second here); a minute leaves room for a loaded machine and cold caches.
 START_TIMEOUT_S = 60.0
-#: After close(timeout=...) runs out: SIGTERM stops running jobs (the pool is
-#: already draining, so this signal aborts), then this long before SIGKILL.
-CLOSE_KILL_GRACE_S = 10.0
-#: Error messages end with the pool's last stderr lines: this many of them, a
-#: longer line read as pieces of STDERR_LINE_BYTES bytes, so a chatty pool
-#: cannot grow the client.
-STDERR_TAIL_LINES = 40
-STDERR_LINE_BYTES = 2000
-#: After stdout ends: how long to wait for the pool's exit status and the rest
-#: of its stderr before reporting without them.
-EXIT_WAIT_S = 10.0
-
-_RUNNER = "import sys; from readie._cli import main; sys.exit(main())"
-
-
-def default_command() -> list[str]:
-    """The ``readie`` command of this Python: the entry point beside it, else ``python -c``."""
-    entry_point = Path(sys.executable).with_name("readie")
-    if entry_point.exists():
-        return [str(entry_point)]
-    return [sys.executable, "-c", _RUNNER]
-
+#: The longest line the pool can write: a result carries stdout and stderr of
+#: up to the sandbox's capture ceiling each, and JSON may spell one captured
+#: byte as six (``\\udcXX``, an undecodable byte); the rest of a result, and a
+#: call event's arguments, fit in one request line's worth. A longer line is
+#: not the pool's: the reader stops there instead of buffering it.
+MAX_EVENT_LINE_BYTES = 2 * 6 * bounds.MAX_OUTPUT_LIMIT + MAX_LINE_BYTES
+#: What one read of stdout asks for; a line longer than this comes in several.
+READ_BYTES = 64 * 1024
 
 class _Waiter:
     """One caller's pending line: set exactly once, with the pool's answer or an error."""
@@ -139,37 +125,22 @@ class Pool:
         self._ended = False  # stdout is done: nothing more will be answered
         self._closed = False
         self._failure: str | None = None  # why the pool is unusable, once it is
-        self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         # Host-function calls: at most one per running task, so the pool's workers bound them.
         self._host_calls = HostCalls(self._send_line, threads=workers or 2)
         self._ready = threading.Event()
         self._start_error: ReadieError | None = None
         self.ready: ReadyEvent
-        try:
-            self._process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=self.cwd,
-            )
-        except OSError as exc:
-            raise PoolError(f"cannot start {' '.join(self.argv)}: {exc}") from None
-        assert self._process.stdin and self._process.stdout and self._process.stderr
+        self._process = PoolProcess(self.argv, self.cwd)
         self._stdin: IO[bytes] = self._process.stdin
-        self._stderr_thread = threading.Thread(
-            target=self._keep_stderr, args=(self._process.stderr,), name="readie-pool-stderr", daemon=True
-        )
         self._reader = threading.Thread(
             target=self._read_stdout, args=(self._process.stdout,), name="readie-pool-results", daemon=True
         )
-        self._stderr_thread.start()
         self._reader.start()
         if not self._ready.wait(start_timeout):
-            self._stop_process()
-            raise PoolError(f"readie pool was not ready within {start_timeout} s{self._stderr_suffix()}")
+            self._stop()
+            raise PoolError(f"readie pool was not ready within {start_timeout} s{self._process.stderr_suffix()}")
         if self._start_error is not None:
-            self._stop_process()
+            self._stop()
             raise self._start_error
         self._host_calls.threads = self.ready.workers
 
@@ -182,7 +153,7 @@ class Pool:
     @property
     def stderr_tail(self) -> str:
         """The last lines the pool wrote on stderr (its log)."""
-        return "\n".join(self._stderr_tail)
+        return self._process.stderr_tail
 
     def run(
         self,
@@ -284,21 +255,18 @@ class Pool:
                 return
             self._closed = True
         with self._write_lock:
-            try:
-                self._stdin.close()
-            except OSError:
-                pass  # the pool is gone already; its exit status says why
+            self._process.close_stdin()
         try:
-            status = self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._stop_process()
-            raise PoolError(f"readie pool did not finish within {timeout} s and was stopped{self._stderr_suffix()}") from None
+            status = self._process.status(timeout)
+            if status is None:
+                self._stop()
+                raise PoolError(f"readie pool did not finish within {timeout} s and was stopped{self._process.stderr_suffix()}")
         finally:
             self._reader.join(EXIT_WAIT_S)
-            self._stderr_thread.join(EXIT_WAIT_S)
+            self._process.settle()
             self._host_calls.close()
         if status != 0:
-            raise PoolError(f"readie pool exited with status {status}{self._stderr_suffix()}")
+            raise PoolError(f"readie pool exited with status {status}{self._process.stderr_suffix()}")
 
     def __enter__(self) -> Self:
         return self
@@ -348,7 +316,7 @@ class Pool:
                     self._pending.pop(request_id, None)
                 if self._closed:
                     raise PoolError("the pool is closed") from None
-                self._process_status(EXIT_WAIT_S)
+                self._process.status(EXIT_WAIT_S)
                 raise self._ended_error("stopped reading requests") from None
             waiter.done.wait()
         finally:
@@ -363,9 +331,13 @@ class Pool:
 
     def _read_stdout(self, stdout: IO[bytes]) -> None:
         try:
-            if self._read_ready(stdout):
-                for raw in stdout:
-                    self._dispatch(raw)
+            lines = _lines(stdout)
+            if self._read_ready(next(lines, None)):
+                for event in lines:
+                    if isinstance(event, OversizeLine):
+                        self._broken(f"the pool wrote a line of {event.size} bytes, over {MAX_EVENT_LINE_BYTES}")
+                        return
+                    self._dispatch(event.data)
         except Exception as exc:  # a bug here must not leave callers waiting forever
             log.exception("readie pool reader failed")
             with self._lock:
@@ -374,16 +346,18 @@ class Pool:
             stdout.close()
             self._end_of_output()
 
-    def _read_ready(self, stdout: IO[bytes]) -> bool:
+    def _read_ready(self, event: LineEvent | None) -> bool:
         try:
-            first = stdout.readline()
-            if not first:
-                status = self._process_status(EXIT_WAIT_S)
-                self._stderr_thread.join(EXIT_WAIT_S)
+            if event is None:
+                status = self._process.settle()
                 self._start_error = PoolError(
-                    f"readie pool exited with status {status} before it was ready{self._stderr_suffix()}"
+                    f"readie pool exited with status {status} before it was ready{self._process.stderr_suffix()}"
                 )
                 return False
+            if isinstance(event, OversizeLine):
+                self._start_error = PoolError(f"readie pool's first line is {event.size} bytes long, not a ready event")
+                return False
+            first = event.data
             try:
                 obj = json.loads(first)
             except ValueError:
@@ -447,36 +421,14 @@ class Pool:
             self._pending.clear()
         if not waiters:
             return
-        self._process_status(EXIT_WAIT_S)
-        self._stderr_thread.join(EXIT_WAIT_S)
+        self._process.settle()
         for request_id, waiter in waiters:
             waiter.fail(self._ended_error(f"did not answer request {request_id!r}"))
 
-    def _keep_stderr(self, stderr: IO[bytes]) -> None:
-        with stderr:
-            # Bounded reads: an endless line arrives as several pieces, never as one huge one.
-            for raw in iter(lambda: stderr.readline(STDERR_LINE_BYTES), b""):
-                self._stderr_tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
     # ------------------------------------------------------------------ process
 
-    def _process_status(self, timeout: float) -> int | None:
-        try:
-            return self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def _stop_process(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            if self._process_status(CLOSE_KILL_GRACE_S) is None:
-                self._process.kill()
-                self._process.wait()
-        # stdout and stderr end now; their threads read them to the end and close them.
-        try:
-            self._stdin.close()
-        except OSError:
-            pass
+    def _stop(self) -> None:
+        self._process.stop()  # stdout ends now; the reader reads it to the end and closes it
         self._host_calls.close()
 
     def _ended_error(self, what: str) -> PoolError:
@@ -484,11 +436,14 @@ class Pool:
         state = "is still running" if status is None else f"exited with status {status}"
         if self._failure is not None:
             return PoolError(self._failure)
-        return PoolError(f"readie pool {what}: its output ended and it {state}{self._stderr_suffix()}")
+        return PoolError(f"readie pool {what}: its output ended and it {state}{self._process.stderr_suffix()}")
 
-    def _stderr_suffix(self) -> str:
-        tail = self.stderr_tail
-        return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+
+def _lines(stdout: IO[bytes]) -> Iterator[LineEvent]:
+    """The pool's stdout as lines, none held past :data:`MAX_EVENT_LINE_BYTES`."""
+    splitter = LineSplitter(MAX_EVENT_LINE_BYTES)
+    while not splitter.ended:
+        yield from splitter.feed(stdout.read1(READ_BYTES))
 
 
 def _loads(raw: bytes) -> Any:
@@ -498,34 +453,3 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw)
     except RecursionError:
         return hostwire.loads(raw)
-
-
-def pool_flags(
-    workers: int | None,
-    preload: Iterable[str],
-    package_dirs: Iterable[PathArg],
-    config: PathArg | None,
-    router: str | None,
-    checkpoints: PathArg | None,
-) -> list[str]:
-    """``pool`` and its flags, as ``readie pool`` reads them."""
-    flags = ["pool"]
-    if workers is not None:
-        if isinstance(workers, bool) or not isinstance(workers, int):
-            raise TypeError(f"workers: expected an int, got {type(workers).__name__}")
-        flags.append(f"--workers={workers}")
-    if isinstance(preload, str):
-        raise TypeError(f"preload: expected a list of module names, got a str; write preload=[{preload!r}]")
-    names = list(preload)
-    if names:
-        flags.append(f"--preload={','.join(names)}")
-    if isinstance(package_dirs, str | os.PathLike):
-        raise TypeError("package_dirs: expected a list of directories, got a single one")
-    flags.extend(f"--package-dir={os.fspath(path)}" for path in package_dirs)
-    if config is not None:
-        flags.append(f"--config={os.fspath(config)}")
-    if router is not None:
-        flags.append(f"--router={router}")
-    if checkpoints is not None:
-        flags.append(f"--checkpoints={os.fspath(checkpoints)}")
-    return flags
