@@ -1,0 +1,121 @@
+"""readie's error families and the error types results name: one hierarchy for every layer.
+
+Both ends of every wire raise these classes: the worker and the pool engine
+refuse and fail with them, the client raises them again from a result line
+or a status. A result's ``error.type`` is either the job's Python exception
+class or one of readie's own :class:`ErrorType` values; the table between
+the families and those types is here, once: :func:`error_type` for the side
+that reports an error and :func:`family_of` for the side that raises it
+again. Layers add subclasses of their own (the worker's ``ConfigError``,
+the client's ``RemoteError``), never a second family.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = [
+    "MAX_SHOWN_CHARS",
+    "ErrorType",
+    "PoolWorkerError",
+    "ReadieError",
+    "RequestError",
+    "SandboxSetupError",
+    "UnitError",
+    "error_type",
+    "family_of",
+    "shown",
+]
+
+
+class ReadieError(Exception):
+    """Base of every error readie raises on purpose."""
+
+
+class RequestError(ReadieError):
+    """A request was refused before anything ran.
+
+    ``field`` names the request field at fault when there is one (dotted for
+    nested values, e.g. ``reply.call_id``); the message then starts with it,
+    so a client that only shows the message still learns which field.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.reason = message
+
+
+class SandboxSetupError(ReadieError):
+    """A sandbox could not be made ready: restore, cold start, mounts, socket."""
+
+
+class PoolWorkerError(ReadieError):
+    """The worker (or the sandbox under a job) failed in a way that is not the job's doing."""
+
+
+class UnitError(ReadieError, ValueError):
+    """A size or duration could not be parsed; callers re-raise it naming the field or key."""
+
+
+class ErrorType(StrEnum):
+    """The error types that are readie's own, not a Python exception of the job.
+
+    The values are the pool protocol's and the in-sandbox JSON's ``error.type``
+    strings (the executor writes the same names with the standard library
+    only; a test holds them to this set). ``TimeoutError`` is also a Python
+    builtin: a job's own TimeoutError is told apart by the result's outcome.
+    """
+
+    REQUEST = "RequestError"
+    TIMEOUT = "TimeoutError"
+    SIGNAL = "SignalError"
+    SANDBOX_SETUP = "SandboxSetupError"
+    POOL_WORKER = "PoolWorkerError"
+
+
+# Most specific first; the first isinstance match wins.
+_TYPE_OF_FAMILY: tuple[tuple[type[BaseException], ErrorType], ...] = (
+    (RequestError, ErrorType.REQUEST),
+    (UnitError, ErrorType.REQUEST),
+    (SandboxSetupError, ErrorType.SANDBOX_SETUP),
+    (PoolWorkerError, ErrorType.POOL_WORKER),
+)
+
+# The families a client raises again for a result's error type; the others
+# (a timeout, a signal, the job's exceptions) are the job's outcome.
+_FAMILY_OF_TYPE: dict[str, type[ReadieError]] = {
+    ErrorType.REQUEST: RequestError,
+    ErrorType.SANDBOX_SETUP: SandboxSetupError,
+    ErrorType.POOL_WORKER: PoolWorkerError,
+}
+
+
+def error_type(exc: BaseException) -> ErrorType:
+    """The result ``error.type`` for an error readie raised.
+
+    Anything not in the table (``ConfigError`` at run time, an unexpected bug)
+    is ``PoolWorkerError``: the job failed because of the pool, not because of
+    the request or the job's own code.
+    """
+    for cls, kind in _TYPE_OF_FAMILY:
+        if isinstance(exc, cls):
+            return kind
+    return ErrorType.POOL_WORKER
+
+
+def family_of(kind: str) -> type[ReadieError] | None:
+    """The exception family a result's ``error.type`` stands for; None for the job's own errors."""
+    return _FAMILY_OF_TYPE.get(kind)
+
+
+#: Error messages quote the value at fault, cut to this many characters: a
+#: megabyte-long "timeout" must not come back as a megabyte-long error.
+MAX_SHOWN_CHARS = 64
+
+
+def shown(text: str) -> str:
+    """``text`` quoted for an error message, cut to :data:`MAX_SHOWN_CHARS`."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return repr(text)
+    return repr(text[:MAX_SHOWN_CHARS]) + f"... ({len(text)} characters)"
