@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import readie
 from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
-from readie._results import PROTOCOL_VERSION, parse_ready, parse_result, parse_stats
+from readie_protocol import PROTOCOL_VERSION
+from readie_protocol.events import parse_ready, parse_result, parse_stats
 from readie_router.protocol import PoolWorkerError as RouterPoolWorkerError
 from readie_router.protocol import RequestError as RouterRequestError
 from readie_router.protocol import ErrorInfo as RouterErrorInfo
@@ -63,7 +64,7 @@ def test_the_specs_ready_and_stats_events():
 
 
 def test_what_the_pool_writes_for_every_outcome_parses_back():
-    runtime = RouterRuntimeInfo(python="3.11.2", preloaded_modules=("pandas",))
+    runtime = RouterRuntimeInfo.pool("3.11.2", ("pandas",))
     policy = Policy(allow_write=(Path("/w"),), timeout_ms=5000, memory_bytes=None)
     cases = [
         JobResult(id=1, outcome=Outcome.OK, exit=0, stdout="hi\n", duration_us=4001, runtime=runtime, policy=policy),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import readie
-from readie._results import Result
+from readie_protocol.events import Result
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
 

@@ -26,7 +26,7 @@ from readie_router._events import (
     call_event,
     closed_event,
     job_log_line,
-    policy_json,
+    policy_info,
     ready_event,
     result_line,
     signal_exit,
@@ -92,7 +92,7 @@ SPEC_RESULT_VALUE = JobResult(
     stdout='{"ok": true}\n',
     duration_us=4001,
     queue_us=120,
-    runtime=RuntimeInfo(python="3.11.17"),
+    runtime=RuntimeInfo.pool("3.11.17"),
     policy=Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=536870912),
     backend="landlock+seccomp",
 )
@@ -103,10 +103,10 @@ def test_spec_result() -> None:
 
 
 def test_spec_result_default_backend_is_gvisor() -> None:
-    policy = policy_json(Policy())
+    policy = policy_info(Policy()).to_json()
     assert policy["backend"] == "gvisor"
     assert (policy["network"], policy["subprocesses"], policy["memory_bytes"]) == ("deny", "deny", None)
-    assert policy_json(Policy(network=True))["network"] == "allow"
+    assert policy_info(Policy(network=True)).network == "allow"
 
 
 def test_spec_stats() -> None:
@@ -218,7 +218,7 @@ def test_log_line_for_a_session_step_and_a_refusal() -> None:
 def test_refusal_result_line() -> None:
     refusal = parse_request(b'{"id": "task-9", "code": "x", "timeout": "1.5s"}')
     assert isinstance(refusal, Refused)
-    runtime = RuntimeInfo(python="3.11.7", preloaded_modules=("pandas",))
+    runtime = RuntimeInfo.pool("3.11.7", ("pandas",))
     line = result_line(JobResult.refused(refusal, runtime))
     assert_same(line, {
         "id": "task-9",

@@ -24,7 +24,7 @@ from readie_router._pool import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, Pool
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_worker.jobs import CodeJob, JobError
 
-RUNTIME = RuntimeInfo(python="3.11.2")
+RUNTIME = RuntimeInfo.pool("3.11.2")
 
 Scenario = Callable[[PoolEngine, MemorySource, MemorySink, FakeBackend], Awaitable[None]]
 

@@ -21,7 +21,7 @@ from readie_worker.jobs import HostCall, HostReply
 
 
 def setup_for(cwd: Path, workers: int = 1) -> PoolSetup:
-    return PoolSetup(workers=workers, checkpoint="base", runtime=RuntimeInfo(python="3.11.2"), cwd=cwd)
+    return PoolSetup(workers=workers, checkpoint="base", runtime=RuntimeInfo.pool("3.11.2"), cwd=cwd)
 
 
 def serve(setup, scenario, backend):

@@ -19,7 +19,7 @@ from readie_router._sessions import MAX_PENDING_STEPS
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_worker.jobs import JobError
 
-RUNTIME = RuntimeInfo(python="3.11.2")
+RUNTIME = RuntimeInfo.pool("3.11.2")
 
 
 def setup_for(cwd: Path, workers: int = 1, **extra) -> PoolSetup:

@@ -17,7 +17,7 @@ from readie_router._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_router.testing import ok_outcome
 from readie_worker.jobs import JobError, JobOutcome
 
-RUNTIME = RuntimeInfo(python="3.11.2", preloaded_modules=("numpy",))
+RUNTIME = RuntimeInfo.pool("3.11.2", ("numpy",))
 POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)
 
 

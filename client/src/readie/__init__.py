@@ -14,6 +14,8 @@ Two ways in:
 See client/README.md for the decisions behind the API.
 """
 
+from readie_protocol.events import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+
 from ._envelope import SANDBOX_PYTHON, RemoteResult
 from ._errors import (
     CallTimeout,
@@ -30,7 +32,6 @@ from ._errors import (
 from ._pool import Pool
 from ._remote import Client, RemoteFunction, remote
 from ._requests import MAX_LINE_BYTES
-from ._results import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
 from ._session import Session
 from ._tool import Tool, describe_functions, format_result, tool
 

@@ -1,9 +1,12 @@
 """The client's errors: readie's one hierarchy, plus what only a client can see.
 
-The families (:class:`ReadieError`, :class:`SandboxSetupError`,
-:class:`PoolWorkerError`) are the worker's own classes, so one ``except``
-covers a local pool and a remote router alike. :class:`RequestError` is a
-subclass of the worker's that may carry the pool's result line.
+The families (:class:`ReadieError`, :class:`RequestError`,
+:class:`SandboxSetupError`, :class:`PoolWorkerError`) and the pool
+protocol's :class:`PoolError`, :class:`VersionMismatch` and
+:class:`JobError` are ``readie_protocol.errors``'s, the classes the worker
+and the pool raise too, so one ``except`` covers a local pool and a remote
+router alike. A :class:`RequestError` raised again from a pool's answer
+carries that result line (``result``).
 
 What a job does (an exception, a non-zero exit, a timeout) is not an error
 of the client: :meth:`Pool.run` returns it as a :class:`~readie.Result`, and
@@ -13,13 +16,15 @@ remote function that raises is the exception: :class:`RemoteError`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from readie_worker.errors import PoolWorkerError, ReadieError, SandboxSetupError
-from readie_worker.errors import RequestError as _WorkerRequestError
-
-if TYPE_CHECKING:
-    from ._results import Result
+from readie_protocol.errors import (
+    JobError,
+    PoolError,
+    PoolWorkerError,
+    ReadieError,
+    RequestError,
+    SandboxSetupError,
+    VersionMismatch,
+)
 
 __all__ = [
     "CallTimeout",
@@ -33,44 +38,6 @@ __all__ = [
     "SandboxSetupError",
     "VersionMismatch",
 ]
-
-
-class RequestError(_WorkerRequestError):
-    """A request was refused before anything ran: by this client, by the pool or by a router.
-
-    ``result`` is the pool's result line for the refusal (``None`` when the
-    client or a router refused). ``field`` names the request field at fault
-    when the refuser said which.
-    """
-
-    def __init__(self, message: str, field: str | None = None, *, result: Result | None = None) -> None:
-        super().__init__(message, field)
-        self.result = result
-
-
-class PoolError(ReadieError):
-    """The ``readie pool`` process failed: it did not start, it exited, or it broke the protocol.
-
-    The message ends with the last lines the pool wrote on stderr.
-    """
-
-
-class VersionMismatch(ReadieError):
-    """The two ends of a wire speak different versions; the message names both."""
-
-
-class JobError(ReadieError):
-    """Raised by :meth:`Result.raise_for_error` for a job whose code failed (exception, exit, timeout)."""
-
-    def __init__(self, result: Result) -> None:
-        error = result.error
-        if error is None:
-            text = f"job {result.id!r} exited with status {result.exit}"
-        else:
-            where = f" ({error.file}, line {error.line})" if error.file and error.line else ""
-            text = f"job {result.id!r} failed: {error.type}: {error.message}{where}"
-        super().__init__(text)
-        self.result = result
 
 
 class RemoteError(ReadieError):

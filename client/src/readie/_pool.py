@@ -30,6 +30,7 @@ from typing import IO, Any, Self
 from readie_executor import hostwire
 from readie_executor.jobs import bounds
 from readie_protocol import MAX_LINE_BYTES, LineEvent, LineSplitter, OversizeLine
+from readie_protocol.events import ReadyEvent, Result, parse_ready, parse_result, parse_stats
 
 from readie_worker.errors import ErrorType
 
@@ -37,7 +38,6 @@ from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostCalls, HostFunctions, check_functions
 from ._process import EXIT_WAIT_S, PoolProcess, default_command, pool_flags
 from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, session_setup, stats_request
-from ._results import ReadyEvent, Result, parse_ready, parse_result, parse_stats
 from ._session import Session, new_session_name
 
 __all__ = ["START_TIMEOUT_S", "Pool"]

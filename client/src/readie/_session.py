@@ -25,7 +25,7 @@ from readie_worker.errors import ErrorType
 
 from ._errors import RequestError
 from ._requests import Duration, Size, close_request, encode_line, step_request
-from ._results import Result, parse_closed, parse_result
+from readie_protocol.events import Result, parse_closed, parse_result
 
 if TYPE_CHECKING:
     from ._pool import Pool

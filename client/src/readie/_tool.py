@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Self
 from ._envelope import SANDBOX_PYTHON
 from ._host import check_functions
 from ._requests import session_setup
-from ._results import Result
+from readie_protocol.events import Result
 from ._session import Session
 
 if TYPE_CHECKING:

@@ -13,15 +13,22 @@ the client's ``RemoteError``), never a second family.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .events import Result
 
 __all__ = [
     "MAX_SHOWN_CHARS",
     "ErrorType",
+    "JobError",
+    "PoolError",
     "PoolWorkerError",
     "ReadieError",
     "RequestError",
     "SandboxSetupError",
     "UnitError",
+    "VersionMismatch",
     "error_type",
     "family_of",
     "shown",
@@ -38,12 +45,15 @@ class RequestError(ReadieError):
     ``field`` names the request field at fault when there is one (dotted for
     nested values, e.g. ``reply.call_id``); the message then starts with it,
     so a client that only shows the message still learns which field.
+    ``result`` is the result line that carried the refusal, when one did (a
+    client raising it again from a pool's answer); None when raised at once.
     """
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, *, result: Result | None = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
         self.reason = message
+        self.result = result
 
 
 class SandboxSetupError(ReadieError):
@@ -52,6 +62,31 @@ class SandboxSetupError(ReadieError):
 
 class PoolWorkerError(ReadieError):
     """The worker (or the sandbox under a job) failed in a way that is not the job's doing."""
+
+
+class PoolError(ReadieError):
+    """The ``readie pool`` process failed: it did not start, it exited, or it broke the protocol.
+
+    A client's message ends with the last lines the pool wrote on stderr.
+    """
+
+
+class VersionMismatch(ReadieError):
+    """The two ends of a wire speak different versions; the message names both."""
+
+
+class JobError(ReadieError):
+    """Raised by :meth:`Result.raise_for_error` for a job whose code failed (exception, exit, timeout)."""
+
+    def __init__(self, result: Result) -> None:
+        error = result.error
+        if error is None:
+            text = f"job {result.id!r} exited with status {result.exit}"
+        else:
+            where = f" ({error.file}, line {error.line})" if error.file and error.line else ""
+            text = f"job {result.id!r} failed: {error.type}: {error.message}{where}"
+        super().__init__(text)
+        self.result = result
 
 
 class UnitError(ReadieError, ValueError):

@@ -1,9 +1,11 @@
 """What the pool writes: the ready event, results, stats, call and close events, job logs.
 
 Each builder returns a dict with every field the spec shows, in the spec's
-key order, ready for :func:`~readie_router._wire.encode_line`. Results are
-built from :class:`JobResult`, a frozen value that also says which outcome
-counter the job belongs to, so :class:`Stats` never guesses from strings.
+key order, ready for :func:`~readie_protocol.wire.encode_line`. The ready
+event and results are ``readie_protocol.events`` values, the ones a client
+parses them back into; :class:`JobResult` is the engine's account of a job,
+which also says which outcome counter it belongs to, so :class:`Stats`
+never guesses from strings, and :meth:`JobResult.to_wire` is its line.
 
 ``exit`` is always an integer, so a client testing ``exit == 0`` (or a shell
 habit, ``if exit:``) never mistakes a job that did not run for a success:
@@ -31,10 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
+
 from ._requests import Refused
-from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -50,14 +54,12 @@ __all__ = [
     "call_event",
     "closed_event",
     "job_log_line",
-    "policy_json",
+    "policy_info",
     "ready_event",
     "result_line",
     "signal_exit",
 ]
 
-#: The spec's "runtime" value, with pynox read as readie.
-RUNTIME_NAME = "readie"
 #: The sandbox that enforces a policy, reported in every result's policy.
 DEFAULT_BACKEND = "gvisor"
 
@@ -90,43 +92,6 @@ _OUTCOME_TYPES: dict[Outcome, frozenset[str]] = {
     Outcome.REQUEST_ERROR: frozenset({ErrorType.REQUEST}),
     Outcome.WORKER_ERROR: frozenset({ErrorType.POOL_WORKER, ErrorType.SANDBOX_SETUP}),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorInfo:
-    """A result's ``error``: ``hint`` only for permission and memory errors."""
-
-    type: str
-    message: str
-    file: str | None = None
-    line: int | None = None
-    hint: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "type": self.type,
-            "message": self.message,
-            "file": self.file,
-            "line": self.line,
-        }
-        if self.hint is not None:
-            out["hint"] = self.hint
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeInfo:
-    python: str
-    mode: str = "pool"
-    preloaded_modules: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": RUNTIME_NAME,
-            "python": self.python,
-            "mode": self.mode,
-            "preloaded_modules": list(self.preloaded_modules),
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +139,26 @@ class JobResult:
     def truncated(self) -> bool:
         return self.stdout_truncated or self.stderr_truncated
 
+    def to_wire(self) -> Result:
+        """The result line this stands for, as a client reads it back."""
+        return Result(
+            id=self.id,
+            exit=self.exit,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            error=self.error,
+            stdout_truncated=self.stdout_truncated,
+            stderr_truncated=self.stderr_truncated,
+            duration_ms=self.duration_ms,
+            duration_us=self.duration_us,
+            queue_us=self.queue_us,
+            runtime=self.runtime,
+            policy=None if self.policy is None else policy_info(self.policy, self.backend),
+            session=self.session,
+            step=self.step,
+            session_ended=self.session_ended,
+        )
+
     @classmethod
     def refused(cls, refusal: Refused, runtime: RuntimeInfo | None = None) -> JobResult:
         """The result line answering a refused request."""
@@ -220,50 +205,31 @@ def ready_event(
     config: str | Path | None = None,
     profiles: Iterable[str] = (),
 ) -> dict[str, Any]:
-    return {
-        "event": "ready",
-        "workers": workers,
-        "runtime": RUNTIME_NAME,
-        "preloaded_modules": list(preloaded_modules),
-        "package_dirs": [str(p) for p in package_dirs],
-        "config": None if config is None else str(config),
-        "profiles": list(profiles),
-        "protocol": PROTOCOL_VERSION,
-    }
+    return ReadyEvent(
+        workers=workers,
+        runtime=RUNTIME_NAME,
+        preloaded_modules=tuple(preloaded_modules),
+        package_dirs=tuple(str(p) for p in package_dirs),
+        config=None if config is None else str(config),
+        profiles=tuple(profiles),
+    ).to_json()
 
 
 def result_line(result: JobResult) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": result.id,
-        "exit": result.exit,
-        "stdout": result.stdout,
-        "stderr": result.stderr,
-        "error": None if result.error is None else result.error.to_json(),
-        "stdout_truncated": result.stdout_truncated,
-        "stderr_truncated": result.stderr_truncated,
-        "duration_ms": result.duration_ms,
-        "duration_us": result.duration_us,
-        "queue_us": result.queue_us,
-        "runtime": None if result.runtime is None else result.runtime.to_json(),
-        "policy": None if result.policy is None else policy_json(result.policy, result.backend),
-    }
-    if result.session is not None:
-        out["session"] = result.session
-        out["step"] = result.step
-        out["session_ended"] = result.session_ended
-    return out
+    return result.to_wire().to_json()
 
 
-def policy_json(policy: Policy, backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
-    return {
-        "allow_read": [str(p) for p in policy.allow_read],
-        "allow_write": [str(p) for p in policy.allow_write],
-        "network": "allow" if policy.network else "deny",
-        "subprocesses": "allow" if policy.subprocesses else "deny",
-        "timeout_ms": policy.timeout_ms,
-        "memory_bytes": policy.memory_bytes,
-        "backend": backend,
-    }
+def policy_info(policy: Policy, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
+    """What a result line says about the policy a job ran under."""
+    return PolicyInfo(
+        allow_read=tuple(str(p) for p in policy.allow_read),
+        allow_write=tuple(str(p) for p in policy.allow_write),
+        network="allow" if policy.network else "deny",
+        subprocesses="allow" if policy.subprocesses else "deny",
+        timeout_ms=policy.timeout_ms,
+        memory_bytes=policy.memory_bytes,
+        backend=backend,
+    )
 
 
 def closed_event(id: RequestId, session: str) -> dict[str, Any]:

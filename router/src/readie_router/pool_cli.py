@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = PoolSetup(
         workers=settings.workers,
         checkpoint=checkpoint.name,
-        runtime=RuntimeInfo(python=manifest.python, preloaded_modules=checkpoint.preimport),
+        runtime=RuntimeInfo.pool(manifest.python, checkpoint.preimport),
         cwd=cwd,
         config=config,
         package_dirs=settings.package_dirs,

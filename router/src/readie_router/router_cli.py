@@ -97,7 +97,7 @@ def _pool_setup(args: argparse.Namespace) -> PoolSetup:
     return PoolSetup(
         workers=args.session_workers,
         checkpoint=checkpoint.name,
-        runtime=RuntimeInfo(python=manifest.python, preloaded_modules=checkpoint.preimport),
+        runtime=RuntimeInfo.pool(manifest.python, checkpoint.preimport),
         cwd=cwd,
         # Pool sessions come over the network: without [pool.limits] they are granted nothing.
         config=replace(config, limits=config.network_limits),

@@ -1,10 +1,12 @@
-"""What ``readie pool`` writes, as frozen values: the ready event and job results, without I/O.
+"""The pool protocol's lines as frozen values, for both ends: the ready event and job results.
 
-The pool is the trusted half the client started, so its lines are parsed
-strictly (a wrong type is a :class:`PoolError`: the pool broke the protocol)
-but forward-compatibly: fields this client does not know are ignored, since
-adding a field does not bump the protocol version. The version itself is
-checked once, on the ready event.
+The pool builds these and writes ``to_json()``; a client parses a line with
+``parse_result`` and the like. Parsing is strict (a wrong type is a
+:class:`PoolError`: the pool broke the protocol) but forward-compatible:
+fields this side does not know are ignored, since adding a field does not
+bump the protocol version. The version itself is checked once, on the ready
+event. Field order in ``to_json`` is the spec's: lines are compared byte for
+byte by the conformance suite.
 """
 
 from __future__ import annotations
@@ -13,13 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from readie_protocol import PROTOCOL_VERSION
-from readie_worker.errors import ErrorType, family_of
-
-from ._errors import JobError, PoolError, RequestError, VersionMismatch
+from .errors import ErrorType, JobError, PoolError, RequestError, VersionMismatch, family_of
+from .wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
-    "PROTOCOL_VERSION",
+    "RUNTIME_NAME",
     "ErrorInfo",
     "PolicyInfo",
     "ReadyEvent",
@@ -31,6 +31,8 @@ __all__ = [
     "parse_stats",
 ]
 
+#: The spec's "runtime" value, with pynox read as readie.
+RUNTIME_NAME = "readie"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +40,8 @@ class ErrorInfo:
     """A result's ``error``: the Python exception class or one of readie's error types.
 
     ``file`` and ``line`` point at the script or inline name; ``hint`` says
-    what was granted, for permission and memory errors.
+    what was granted, for permission and memory errors (and only then is it
+    written).
     """
 
     type: str
@@ -47,13 +50,34 @@ class ErrorInfo:
     line: int | None = None
     hint: str | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": str(self.type), "message": self.message, "file": self.file, "line": self.line}
+        if self.hint is not None:
+            out["hint"] = self.hint
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeInfo:
+    """What ran the job: readie, the sandbox's Python, the mode and what it had imported."""
+
     name: str
     python: str
     mode: str
     preloaded_modules: tuple[str, ...]
+
+    @classmethod
+    def pool(cls, python: str, preloaded_modules: tuple[str, ...] = ()) -> RuntimeInfo:
+        """The runtime of a ``readie pool``'s jobs."""
+        return cls(RUNTIME_NAME, python, "pool", preloaded_modules)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "python": self.python,
+            "mode": self.mode,
+            "preloaded_modules": list(self.preloaded_modules),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +92,17 @@ class PolicyInfo:
     memory_bytes: int | None
     backend: str
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "allow_read": list(self.allow_read),
+            "allow_write": list(self.allow_write),
+            "network": self.network,
+            "subprocesses": self.subprocesses,
+            "timeout_ms": self.timeout_ms,
+            "memory_bytes": self.memory_bytes,
+            "backend": self.backend,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Result:
@@ -78,7 +113,7 @@ class Result:
     ``session``, ``step`` and ``session_ended`` are set for session steps only.
     """
 
-    id: str | int | None
+    id: RequestId | None
     exit: int
     stdout: str
     stderr: str
@@ -104,18 +139,38 @@ class Result:
         return self.stdout_truncated or self.stderr_truncated
 
     def raise_for_error(self) -> Result:
-        """Return this result if ok, else raise: :class:`RequestError`, :class:`SandboxSetupError`
-        or :class:`PoolWorkerError` for readie's own error types, :class:`JobError` for the job's."""
+        """Return this result if ok, else raise: :class:`RequestError` (carrying this result),
+        :class:`SandboxSetupError` or :class:`PoolWorkerError` for readie's own error types,
+        :class:`JobError` for the job's."""
         if self.ok:
             return self
-        if self.error is None:
+        family = None if self.error is None else family_of(self.error.type)
+        if self.error is None or family is None:
             raise JobError(self)
-        family = family_of(self.error.type)
-        if family is None:
-            raise JobError(self)
-        if self.error.type == ErrorType.REQUEST:  # the client's own subclass, carrying this result
+        if self.error.type == ErrorType.REQUEST:
             raise RequestError(self.error.message, result=self)
         raise family(self.error.message)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "exit": self.exit,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "error": None if self.error is None else self.error.to_json(),
+            "stdout_truncated": self.stdout_truncated,
+            "stderr_truncated": self.stderr_truncated,
+            "duration_ms": self.duration_ms,
+            "duration_us": self.duration_us,
+            "queue_us": self.queue_us,
+            "runtime": None if self.runtime is None else self.runtime.to_json(),
+            "policy": None if self.policy is None else self.policy.to_json(),
+        }
+        if self.session is not None:
+            out["session"] = self.session
+            out["step"] = self.step
+            out["session_ended"] = self.session_ended
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +183,19 @@ class ReadyEvent:
     package_dirs: tuple[str, ...]
     config: str | None
     profiles: tuple[str, ...]
-    protocol: int
+    protocol: int = PROTOCOL_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "ready",
+            "workers": self.workers,
+            "runtime": self.runtime,
+            "preloaded_modules": list(self.preloaded_modules),
+            "package_dirs": list(self.package_dirs),
+            "config": self.config,
+            "profiles": list(self.profiles),
+            "protocol": self.protocol,
+        }
 
 
 # --------------------------------------------------------------------------- parsing
