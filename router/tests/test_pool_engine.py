@@ -1,6 +1,6 @@
 """The pool engine in memory: permits, order, drain, refusals, job building. No gVisor.
 
-The real process against real sandboxes is test_pool_conformance.py; here a
+The real process against real sandboxes is test_pool_conformance_protocol.py and _lifecycle.py; here a
 fake backend lets each test decide when jobs finish, so the accounting
 (what was read, what runs, what is held back) is checked exactly.
 """

@@ -90,3 +90,19 @@ def test_the_pool_protocol_needs_only_the_standard_library() -> None:
         for module in imported_modules(ast.parse(path.read_text())):
             top = module.split(".")[0]
             assert top in sys.stdlib_module_names or top in ("", "readie_protocol"), (path, module)
+
+
+#: A module a reader can hold in their head; past it, a module is two ideas
+#: (the issue that split the pool engine, the sandbox and the big test files).
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_the_line_limit_outside_generated_code() -> None:
+    skipped = {".venv", ".git", "build", "node_modules"}  # not ours, or made by the build
+    modules = [
+        path
+        for path in REPO.rglob("*.py")
+        if not skipped & set(path.relative_to(REPO).parts) and not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+    ]
+    long = {str(path.relative_to(REPO)): n for path in modules if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert len(modules) > 200 and long == {}, long

@@ -1,0 +1,255 @@
+"""Code jobs' process and spec: run_job in a child process, and through a real executor.
+
+run_job changes process-wide state that cannot be undone (rlimits, a seccomp
+filter, an audit hook), so every job runs in a fresh ``python -c`` child that
+prints one result per line (_jobs_child.py). Covered: the job's environment,
+argv, ``__main__`` and working directory, scripts, sessions, preloaded
+modules, invalid jobs, a job through a real executor, and the warm-up. Only
+pure helpers are tested in this process. Output and errors:
+test_jobs_output.py; limits and grants: test_jobs_sandbox.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from executor.tests._jobs_child import CHILD_TIMEOUT_SECONDS, job, run_in_child, run_one
+from readie_executor.jobs import run_job
+from readie_executor.jobs._spec import JobSpecError, parse_job
+from readie_executor.protocol import MessageReader
+from readie_executor.sockets import receive_message, send_message
+
+
+def test_environment_is_replaced() -> None:
+    [result] = run_in_child(
+        job(
+            "import os\nprint(os.environ.get('HOST_SECRET'), os.environ['GIVEN'], len(os.environ))",
+            env={"GIVEN": "yes"},
+        ),
+        env={"HOST_SECRET": "hunter2"},
+    )
+    assert result["stdout"] == "None yes 1\n"
+
+
+def test_args_become_argv() -> None:
+    result = run_one("import sys\nprint(sys.argv)", args=["one", "two words"])
+    assert result["stdout"] == "['step.py', 'one', 'two words']\n"
+
+
+def test_main_namespace() -> None:
+    result = run_one(
+        "import sys\nprint(__name__, __file__, sys.modules['__main__'].__dict__ is globals())"
+    )
+    assert result["stdout"] == "__main__ step.py True\n"
+
+
+def test_cwd(tmp_path: Path) -> None:
+    result = run_one("import os\nprint(os.getcwd())", cwd=str(tmp_path))
+    assert result["stdout"] == f"{tmp_path}\n"
+
+
+def test_bad_cwd_is_a_setup_error(tmp_path: Path) -> None:
+    result = run_one("print('never')", cwd=str(tmp_path / "missing"))
+    assert result["exit"] == 2
+    assert result["error"]["type"] == "SandboxSetupError"
+    assert result["stdout"] == ""
+
+
+def test_script_path(tmp_path: Path) -> None:
+    script = tmp_path / "app.py"
+    script.write_text("import sys\nprint(sys.argv[0])\nraise ValueError('bad')\n")
+    result = run_in_child(job(None, script_path=str(script), name=None))[0]
+    assert result["stdout"] == f"{script}\n"
+    assert result["error"] == {
+        "type": "ValueError",
+        "message": "bad",
+        "file": str(script),
+        "line": 3,
+    }
+
+
+def test_missing_script(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.py")
+    result = run_in_child(job(None, script_path=missing))[0]
+    assert result["exit"] == 2
+    assert result["error"]["type"] == "FileNotFoundError"
+    assert result["stderr"].startswith(f"python3: can't open file {missing!r}")
+
+
+def test_session_keeps_its_namespace_and_fresh_jobs_do_not() -> None:
+    results = run_in_child(
+        job("x = 41", session=True),
+        job("x += 1\nprint(x)", session=True),
+        job("print(x)"),
+    )
+    assert results[1]["stdout"] == "42\n"
+    assert results[2]["error"]["type"] == "NameError"
+
+
+def test_an_exception_leaves_the_session_alive() -> None:
+    results = run_in_child(
+        job("y = 'kept'\n1 / 0", session=True),
+        job("print(y)", session=True),
+    )
+    assert results[0]["error"]["type"] == "ZeroDivisionError"
+    assert results[1]["stdout"] == "kept\n"
+
+
+def test_preloaded_modules_come_from_the_template() -> None:
+    [result] = run_in_child(job("pass"), env={"READIE_PREIMPORT": "json, not_a_real_module"})
+    assert result["preloaded_modules"] == ["json"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "complaint"),
+    [
+        ({"script_path": "/x.py"}, "exactly one of code and script_path"),
+        ({"limits": {"max_output": -1}}, "limits.max_output"),
+        ({"env": {"A": 1}}, "env['A']"),
+        ({"links": [{"path": "relative", "target": "/t"}]}, "links[0].path"),
+        ({"surprise": True}, "unknown fields: surprise"),
+    ],
+)
+def test_invalid_job_is_a_request_error(fields: dict[str, Any], complaint: str) -> None:
+    result = run_in_child(job("pass", **fields))[0]
+    assert result["exit"] == 2
+    assert result["error"]["type"] == "RequestError"
+    assert complaint in result["error"]["message"]
+
+
+# -- pure helpers, in this process ---------------------------------------------------
+
+
+def test_parse_job_defaults_inline_name() -> None:
+    spec = parse_job({"code": "pass", "limits": {"max_output": 10}})
+    assert spec.name == "<string>" and spec.args == () and not spec.session
+    with pytest.raises(JobSpecError, match="must be a dict"):
+        parse_job(["code"])
+
+
+# -- through the real executor -------------------------------------------------------
+
+EXECUTOR_START_SECONDS = 15
+
+
+def test_executor_answers_a_job_with_raw_json_not_a_pickle() -> None:
+    executor_dir = tempfile.mkdtemp(
+        prefix="rj", dir="/tmp"
+    )  # short: a socket path has at most 107 bytes
+    env = {**os.environ, "EXECUTOR_DIR": executor_dir, "EXECUTOR_MODE": "sandbox"}
+    env.pop("READIE_NAMESERVER", None)
+    executor = subprocess.Popen(
+        [sys.executable, "-u", "-m", "readie_executor"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        with _connect(Path(executor_dir) / "executor.sock", executor) as sock:
+            request = cloudpickle.dumps(
+                {"func": run_job, "args": (job("print('in the executor')"),), "kwargs": {}}
+            )
+            assert b"readie_executor.jobs._runner" in request  # by reference, not by value
+            reader = MessageReader()
+            send_message(sock, request)
+            response = receive_message(sock, reader)
+            assert response is not None and response.startswith(b"{")
+            result = json.loads(response)
+            assert (result["exit"], result["stdout"]) == (0, "in the executor\n")
+            # An ordinary call on the same connection still gets a pickled envelope.
+            send_message(sock, cloudpickle.dumps({"func": len, "args": ("abc",), "kwargs": {}}))
+            envelope = pickle.loads(receive_message(sock, reader))
+            assert envelope == {"ok": True, "value": 3, "output": []}
+    finally:
+        executor.kill()
+        executor.communicate(timeout=EXECUTOR_START_SECONDS)
+        for leftover in Path(executor_dir).iterdir():
+            leftover.unlink()
+        os.rmdir(executor_dir)
+
+
+def _connect(path: Path, executor: subprocess.Popen[bytes]) -> socket.socket:
+    deadline = time.monotonic() + EXECUTOR_START_SECONDS
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError:
+            sock.close()
+            if executor.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"executor did not listen on {path}: {executor.communicate()[1]!r}"
+                ) from None
+            time.sleep(0.05)
+
+
+WARM_UP_CHILD = """
+import json, linecache, os, resource, sys, threading
+from readie_executor.jobs import WARMED_UP, warm_up, _limits, _seccomp
+before = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
+main = sys.modules["__main__"]
+answer = warm_up(subprocesses=False)
+after = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
+print(json.dumps({
+    "answer": answer.decode(),
+    "same_process_state": before == after and sys.modules["__main__"] is main,
+    "seccomp": _seccomp.is_installed(),
+    "memory_ceiling": _limits.memory_limit_bytes(),
+    "linecache": [name for name in linecache.cache if "warm-up" in name],
+    "threads": sorted(thread.name for thread in threading.enumerate()),
+    "os_threads": len(os.listdir("/proc/self/task")),
+}))
+"""
+
+
+def test_the_warm_up_leaves_the_process_as_it_found_it() -> None:
+    # It runs in every warm sandbox before its job: nothing a job could notice may stay behind,
+    # above all no rlimit, link or memory ceiling (those last for the process), and no thread
+    # but the output drain thread every job's capture uses (started once, kept). The seccomp
+    # filter it installs is the one every job of the worker installs first (subprocesses=False).
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_UP_CHILD], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "answer": "warm",
+        "same_process_state": True,
+        "seccomp": True,
+        "memory_ceiling": None,
+        "linecache": [],
+        "threads": ["MainThread", "readie-capture"],
+        "os_threads": 2,
+    }
+
+
+def test_jobs_in_one_process_share_one_drain_thread_and_a_kept_copy_of_stdout_holds_up_only_its_own_job() -> None:
+    # The drain thread is kept between jobs; a job that leaves a copy of fd 1 open (a
+    # background writer) delays only its own result (by the drain grace), and the next
+    # job's output is its own.
+    keeper = "import os, threading\nfd = os.dup(1)\nprint('first', flush=True)\n"
+    census = "import threading\nprint(sorted(t.name for t in threading.enumerate()))\n"
+    first, second, third = run_in_child(job(keeper), job(census), job("print('third')"))
+    assert first["stdout"] == "first\n"
+    assert second["stdout"] == "['MainThread', 'readie-capture']\n"
+    assert third["stdout"] == "third\n"
+
+
+def test_a_warm_up_for_jobs_that_may_start_processes_installs_no_filter() -> None:
+    code = WARM_UP_CHILD.replace("warm_up(subprocesses=False)", "warm_up(subprocesses=True)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["seccomp"] is False
