@@ -50,7 +50,7 @@ __all__ = [
     "Step",
     "MAX_REFUSED_FRAMES",
     "ask_host",
-    "job_request",
+    "runner_call",
     "run_in_sandbox",
 ]
 
@@ -153,7 +153,7 @@ class JobOutcome:
                    duration_us, "", (), sandbox_id, backend)
 
 
-def job_request(job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False) -> bytes:
+def runner_call(job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False) -> bytes:
     """The pickled call: a reference to the trusted runner, and plain data.
 
     ``session``: run in the sandbox's persistent ``__main__`` (a notebook
@@ -207,7 +207,7 @@ def run_in_sandbox(
             field="functions",
         )
     backend = f"gvisor:{sandbox.launcher.name}" if sandbox.launcher.isolated else sandbox.launcher.name
-    request = job_request(job, links, session=session)
+    request = runner_call(job, links, session=session)
     # Even without functions: a frame the job writes by hand is refused, not taken for its result.
     conversation = HostConversation(job.functions)
     started = time.monotonic()

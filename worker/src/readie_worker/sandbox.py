@@ -73,7 +73,7 @@ WARM_UP_TIMEOUT_S = 10.0
 # An honest warm-up answers jobs.WARMED_UP or a short failure line.
 MAX_WARM_UP_ANSWER = 4096
 # No job may start processes (the seccomp filter refuses fork and exec): what
-# job_request sends, and what a warm-up prepares for by installing that filter.
+# runner_call sends, and what a warm-up prepares for by installing that filter.
 JOB_SUBPROCESSES = False
 _WARM_UP_REQUEST = cloudpickle.dumps(
     {"func": executor_jobs.warm_up, "args": (), "kwargs": {"subprocesses": JOB_SUBPROCESSES}}

@@ -4,7 +4,7 @@ A session is opened with a :class:`~readie_worker.jobs.CodeJob` that is both
 its setup and its first step: grants, package dirs, network, environment and
 limits are fixed then, like any job's (mount sources are fixed at restore, so
 a session with grants restores its own sandbox; one without takes a warm
-one). Each step is ``job_request(step, links, session=True)``, which the
+one). Each step is ``runner_call(step, links, session=True)``, which the
 in-sandbox runner executes in the sandbox's persistent ``__main__``.
 
 What a step's end means for the session:
