@@ -1,12 +1,13 @@
-"""A stand-in for ``readie pool`` speaking the JSONL protocol, for the client's tests without gVisor.
+"""A stand-in for ``readie pool`` that misbehaves on purpose, for the client's tests without gVisor.
 
-Behaviour comes from ``FAKE_POOL`` (a mode) and from each request's code,
-which is a tiny script of its own: ``sleep 0.2`` then ``say TEXT`` answers
-after 0.2 s with stdout TEXT, so results can come out of request order;
-``refuse`` answers a RequestError; ``raise`` answers a ValueError result;
-``die`` exits at once with status 7 and a word on stderr;
-``call NAME ARGS KWARGS`` (JSON each, space-free) writes a call event and
-prints the reply line's answer once it arrives.
+A client's tests against a pool that behaves run the real engine
+(``engine_pool.py``); this one does what no real pool should, or shows
+what the client sent. Behaviour comes from ``FAKE_POOL`` (a mode: dying
+before ready, silence, another protocol version, a bad exit status) and
+from each request's code, a tiny script of its own: ``sleep 0.2`` then
+``say TEXT`` answers after 0.2 s with stdout TEXT; ``die`` exits at once
+with status 7 and a word on stderr; ``raise`` answers a ValueError result;
+``garbage`` writes a line that is not JSON.
 
 Sessions are answered in order, inline: ``request`` prints the request line
 as received (sorted keys), ``exit`` ends the session, a later step carrying
@@ -22,9 +23,6 @@ import time
 MODE = os.environ.get("FAKE_POOL", "normal")
 write_lock = threading.Lock()
 jobs = []
-replies = {}  # call_id -> the reply's answer
-replied = threading.Condition()
-call_ids = iter(range(1, 1_000_000))
 
 
 def write(obj):
@@ -70,18 +68,6 @@ def result(rid, code):
             time.sleep(float(arg))
         elif verb == "say":
             out += arg + "\n"
-        elif verb == "call":
-            name, args, kwargs = arg.split(" ")
-            with replied:
-                call_id = next(call_ids)
-            write({"event": "call", "id": rid, "call_id": call_id, "function": name,
-                   "args": json.loads(args), "kwargs": json.loads(kwargs)})
-            with replied:
-                replied.wait_for(lambda: call_id in replies)
-                out += json.dumps(replies.pop(call_id), sort_keys=True) + "\n"
-        elif verb == "refuse":
-            error, exit_status = {"type": "RequestError", "message": "allow_read: not beneath the limits",
-                                  "file": None, "line": None}, -1
         elif verb == "raise":
             error, exit_status = {"type": "ValueError", "message": "boom", "file": "<string>", "line": 1}, 1
         elif verb == "die":
@@ -96,7 +82,7 @@ def result(rid, code):
     write({"id": rid, "exit": exit_status, "stdout": out, "stderr": "", "error": error,
            "stdout_truncated": False, "stderr_truncated": False, "duration_ms": 1, "duration_us": 1000,
            "queue_us": 5, "runtime": {"name": "readie", "python": "3.11.2", "mode": "pool", "preloaded_modules": []},
-           "policy": None if exit_status == -1 else {
+           "policy": {
                "allow_read": [], "allow_write": [], "network": "deny", "subprocesses": "deny",
                "timeout_ms": 30000, "memory_bytes": None, "backend": "fake"},
            "future_field": "ignored by clients"})
@@ -120,12 +106,6 @@ def main():
     received = 0
     for line in sys.stdin:
         request = json.loads(line)
-        if "reply" in request:
-            with replied:
-                answer = dict(request["reply"])
-                replies[answer.pop("call_id")] = answer
-                replied.notify_all()
-            continue
         received += 1
         if request.get("stats"):
             write({"id": request["id"], "event": "stats", "jobs": received - 1, "lines": received})

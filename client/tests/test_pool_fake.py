@@ -1,4 +1,10 @@
-"""``Pool`` against a stand-in pool process: demultiplexing, refusals, failures and shutdown, no gVisor."""
+"""``Pool`` against a stand-in pool that misbehaves on purpose: flags, dying, garbage, start failures,
+another protocol version, a bad exit status, an endless line. No gVisor.
+
+How a client meets a pool that behaves (demultiplexing, refusals, host
+functions, sessions, the drain) is test_pool_engine_backed.py's, against the
+real engine.
+"""
 
 from __future__ import annotations
 
@@ -39,39 +45,6 @@ def test_flags_name_only_what_was_given():
     ]
     with pytest.raises(TypeError, match=r"preload=\['pandas'\]"):
         pool_flags(None, "pandas", (), None, None, None)
-
-
-def test_results_reach_their_callers_in_completion_order(pool):
-    answers: dict[str, str] = {}
-    finished: list[str] = []
-
-    def run(name: str, code: str) -> None:
-        answers[name] = pool.run(code).stdout
-        finished.append(name)
-
-    slow = threading.Thread(target=run, args=("slow", "sleep 0.5\nsay slow"))
-    slow.start()
-    time.sleep(0.1)
-    fast = [threading.Thread(target=run, args=(f"fast{i}", f"say fast{i}")) for i in range(4)]
-    for thread in fast:
-        thread.start()
-    for thread in [slow, *fast]:
-        thread.join(10)
-    assert answers == {"slow": "slow\n", **{f"fast{i}": f"fast{i}\n" for i in range(4)}}
-    assert finished[-1] == "slow"
-
-
-def test_a_job_failure_is_a_result_and_a_refusal_raises(pool):
-    failed = pool.run("raise")
-    assert not failed.ok and failed.exit == 1
-    assert failed.error == readie.ErrorInfo("ValueError", "boom", "<string>", 1)
-    with pytest.raises(readie.JobError, match=r"job 1 failed: ValueError: boom \(<string>, line 1\)"):
-        failed.raise_for_error()
-    with pytest.raises(readie.RequestError) as refused:
-        pool.run("refuse", allow_read=["/etc"])
-    assert str(refused.value) == "allow_read: not beneath the limits"
-    assert refused.value.result is not None and refused.value.result.exit == -1
-    assert pool.run("say fine").raise_for_error().stdout == "fine\n"
 
 
 def test_an_oversize_request_is_refused_before_it_is_sent(pool):
@@ -136,19 +109,7 @@ def test_a_pool_speaking_another_protocol_version_is_refused(tmp_path, monkeypat
         readie.Pool(command=FAKE, cwd=tmp_path)
 
 
-def test_close_waits_for_the_drain_and_checks_the_exit_status(tmp_path, monkeypatch):
-    pool = readie.Pool(command=FAKE, cwd=tmp_path)
-    answers: list[str] = []
-    waiting = threading.Thread(target=lambda: answers.append(pool.run("sleep 0.3\nsay drained").stdout))
-    waiting.start()
-    time.sleep(0.1)
-    pool.close()
-    waiting.join(10)
-    assert answers == ["drained\n"]  # accepted before close, answered during the drain
-    pool.close()  # again: nothing
-    with pytest.raises(readie.PoolError, match="closed"):
-        pool.run("say no")
-
+def test_close_checks_the_exit_status(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_POOL", "exit-3-at-eof")
     with pytest.raises(readie.PoolError, match="exited with status 3"), readie.Pool(command=FAKE, cwd=tmp_path):
         pass

@@ -11,6 +11,7 @@ import readie
 from readie_protocol.events import Result
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
+ENGINE = [sys.executable, str(Path(__file__).with_name("engine_pool.py"))]
 
 
 @pytest.fixture
@@ -131,10 +132,12 @@ def test_describe_functions_gives_each_signature_and_docstring():
     )
 
 
-def test_a_tool_with_functions_describes_and_runs_them(pool):
-    tool = readie.tool(pool=pool, functions={"search": search}, timeout="5s")
-    assert tool.description.endswith(readie.describe_functions({"search": search}))
-    assert tool('call search ["readie"] {"limit":2}') == '{"result": ["readie 1", "readie 2"]}'
+def test_a_tool_with_functions_describes_and_runs_them(tmp_path):
+    """Through the real engine's call and reply handling (the stand-in only shows what was sent)."""
+    with readie.Pool(command=ENGINE, cwd=tmp_path) as pool:
+        tool = readie.tool(pool=pool, functions={"search": search}, timeout="5s")
+        assert tool.description.endswith(readie.describe_functions({"search": search}))
+        assert tool('call search ["readie"] {"limit":2}') == '{"result": ["readie 1", "readie 2"]}'
 
 
 def test_a_session_tool_declares_its_functions_with_the_first_step(pool):

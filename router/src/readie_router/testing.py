@@ -10,7 +10,9 @@
 * :class:`FakeBackend`, :class:`MemorySource` and :class:`MemorySink` run a
   :class:`~readie_router._pool.PoolEngine` in memory, without gVisor, with
   jobs (and session steps, :class:`FakeSession`) that finish when the test
-  says so.
+  says so. :func:`serve_stdio` runs the same engine over a process's stdin
+  and stdout with any backend: a ``readie pool`` without sandboxes, for a
+  client's tests.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOu
 from readie_worker.sessions import StepOutcome
 from readie_worker.testing import readie_command, start_cluster
 
+from ._events import RuntimeInfo
+from ._pool import PoolEngine
+from ._setup import PoolSetup
+from ._stdio import FdReader, FdWriter
+
 
 __all__ = [
     "FakeBackend",
@@ -43,6 +50,7 @@ __all__ = [
     "PoolProcess",
     "ok_outcome",
     "pool_placement",
+    "serve_stdio",
     "readie_command",
 ]
 
@@ -403,3 +411,22 @@ class MemorySink:
         async with self.written:
             await self.written.wait_for(lambda: len(self.lines) >= count)
         return self.lines
+
+
+def serve_stdio(backend: Any, *, workers: int = 2, cwd: Path | None = None) -> int:
+    """Serve the pool protocol on this process's stdin and stdout with the real engine and
+    ``backend`` (a :class:`FakeBackend`, say); returns the engine's exit status at EOF."""
+    setup = PoolSetup(
+        workers=workers,
+        checkpoint="fake",
+        runtime=RuntimeInfo.pool("3.11.2"),
+        cwd=(cwd or Path.cwd()).resolve(),
+    )
+
+    async def serve() -> int:
+        try:
+            return await PoolEngine(setup, backend).serve(FdReader(0), FdWriter(1))
+        finally:
+            await backend.close()
+
+    return asyncio.run(serve())

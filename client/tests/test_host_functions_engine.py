@@ -1,8 +1,10 @@
-"""Host functions in ``Pool.run`` against the stand-in pool process: call events in, replies out. No gVisor.
+"""Host functions in ``Pool.run`` against the real pool engine with a faked backend: call events in,
+replies out. No gVisor.
 
-The stand-in writes a call event for ``call NAME ARGS KWARGS`` and prints
-the reply's answer (``{"result": ...}`` or ``{"error": ...}``) as the job's
-stdout, so each test sees exactly what the client sent back.
+The backend (``engine_pool.py``) makes a host call for ``call NAME ARGS
+KWARGS`` and prints the reply's answer (``{"result": ...}`` or
+``{"error": ...}``) as the job's stdout, so each test sees exactly what the
+client sent back, through the engine's own call and reply handling.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from pathlib import Path
 import pytest
 import readie
 
-FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
+ENGINE = [sys.executable, str(Path(__file__).with_name("engine_pool.py"))]
 
 
 @pytest.fixture
 def pool(tmp_path):
-    with readie.Pool(command=FAKE, cwd=tmp_path) as pool:
+    with readie.Pool(command=ENGINE, cwd=tmp_path) as pool:
         yield pool
 
 

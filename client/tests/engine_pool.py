@@ -1,0 +1,52 @@
+"""``readie pool``'s real engine on stdin/stdout over a fake backend: no sandboxes, the real protocol.
+
+The client's tests start it as the pool command (``Pool(command=[python,
+this file])``); its arguments (``pool --workers=N ...``) are read for the
+worker count only. A job's code is a script of verbs, one per line:
+
+* ``say TEXT``: print TEXT; ``sleep S``: take S seconds;
+* ``raise``: end with an uncaught ValueError (a job failure, exit 1);
+* ``call NAME ARGS KWARGS``: call host function NAME (ARGS and KWARGS JSON)
+  and print the reply's answer, ``{"result": ...}`` or ``{"error": ...}``;
+* ``exit``: in a session, end it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from readie_router.testing import FakeBackend, ok_outcome, serve_stdio
+from readie_worker.jobs import CodeJob, HostCall, HostFunction, JobError, JobOutcome
+
+
+class ScriptedBackend(FakeBackend):
+    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
+        out, error, status = [], None, 0
+        for line in job.code.splitlines():
+            verb, _, arg = line.partition(" ")
+            if verb == "say":
+                out.append(arg)
+            elif verb == "sleep":
+                await asyncio.sleep(float(arg))
+            elif verb == "raise":
+                error, status = JobError("ValueError", "boom", job.name, 1, None), 1
+            elif verb == "call" and host is not None:
+                name, args, kwargs = arg.split(" ")
+                call = HostCall(len(out) + 1, name, tuple(json.loads(args)), json.loads(kwargs), time.monotonic() + 5)
+                reply = await asyncio.to_thread(host, call)
+                answer = {"result": reply.result} if reply.error is None else {"error": reply.error}
+                out.append(json.dumps(answer, sort_keys=True))
+        stdout = "".join(f"{text}\n" for text in out)
+        return ok_outcome(stdout, exit=status, error=error)
+
+
+def main() -> int:
+    workers = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--workers=")), 2)
+    return serve_stdio(ScriptedBackend(), workers=workers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
