@@ -19,7 +19,8 @@ import sys
 import time
 
 from readie_router.testing import FakeBackend, ok_outcome, serve_stdio
-from readie_worker.jobs import CodeJob, HostCall, HostFunction, JobError, JobOutcome
+from readie_protocol.events import ErrorInfo
+from readie_worker.jobs import CodeJob, HostCall, HostFunction, JobOutcome
 
 
 class ScriptedBackend(FakeBackend):
@@ -32,7 +33,7 @@ class ScriptedBackend(FakeBackend):
             elif verb == "sleep":
                 await asyncio.sleep(float(arg))
             elif verb == "raise":
-                error, status = JobError("ValueError", "boom", job.name, 1, None), 1
+                error, status = ErrorInfo("ValueError", "boom", job.name, 1, None), 1
             elif verb == "call" and host is not None:
                 name, args, kwargs = arg.split(" ")
                 call = HostCall(len(out) + 1, name, tuple(json.loads(args)), json.loads(kwargs), time.monotonic() + 5)

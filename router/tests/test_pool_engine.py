@@ -22,7 +22,8 @@ from readie_worker.errors import PoolWorkerError
 from readie_router._events import RuntimeInfo
 from readie_router._pool import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, PoolSetup, PoolState
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
-from readie_worker.jobs import CodeJob, JobError
+from readie_protocol.events import ErrorInfo
+from readie_worker.jobs import CodeJob
 
 RUNTIME = RuntimeInfo.pool("3.11.2")
 
@@ -142,11 +143,11 @@ def test_stats_answer_at_once_with_the_counters(tmp_path):
     def answer(job):
         return {
             "ok": ok_outcome(),
-            "raise": ok_outcome(exit=1, error=JobError("NameError", "x", "<string>", 1, None)),
+            "raise": ok_outcome(exit=1, error=ErrorInfo("NameError", "x", "<string>", 1, None)),
             "exit3": ok_outcome(exit=3),
-            "slow": ok_outcome(exit=None, error=JobError("TimeoutError", "t", None, None, None)),
+            "slow": ok_outcome(exit=None, error=ErrorInfo("TimeoutError", "t", None, None, None)),
             "crash": ok_outcome(
-                exit=None, error=JobError("PoolWorkerError", "c", None, None, None)
+                exit=None, error=ErrorInfo("PoolWorkerError", "c", None, None, None)
             ),
         }[job.code]
 

@@ -17,7 +17,7 @@ from readie_router._pool import PoolEngine, PoolSetup
 from readie_router._requests import SESSION_SETUP_FIELDS
 from readie_router._sessions import MAX_PENDING_STEPS
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
-from readie_worker.jobs import JobError
+from readie_protocol.events import ErrorInfo
 
 RUNTIME = RuntimeInfo.pool("3.11.2")
 
@@ -163,7 +163,7 @@ def test_an_ending_step_ends_the_session_and_the_next_request_starts_fresh(tmp_p
 def test_a_timeout_ends_the_session_and_queued_requests_are_answered_without_running(tmp_path):
     def answer(job):
         if job.code == "spin":
-            return ok_outcome(exit=None, error=JobError("TimeoutError", "step exceeded its timeout", None, None, None))
+            return ok_outcome(exit=None, error=ErrorInfo("TimeoutError", "step exceeded its timeout", None, None, None))
         return ok_outcome(job.code)
 
     backend = FakeBackend(answer=answer, gates={"spin": asyncio.Event()})

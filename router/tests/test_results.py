@@ -15,7 +15,8 @@ from readie_router._events import (
 from readie_worker.policy import Policy
 from readie_router._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_router.testing import ok_outcome
-from readie_worker.jobs import JobError, JobOutcome
+from readie_protocol.events import ErrorInfo
+from readie_worker.jobs import JobOutcome
 
 RUNTIME = RuntimeInfo.pool("3.11.2", ("numpy",))
 POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)
@@ -27,8 +28,8 @@ def error(
     file: str | None = None,
     line: int | None = None,
     hint: str | None = None,
-) -> JobError:
-    return JobError(type_, message, file, line, hint)
+) -> ErrorInfo:
+    return ErrorInfo(type_, message, file, line, hint)
 
 
 def mapped(outcome: JobOutcome):
@@ -81,7 +82,7 @@ def test_every_field_of_the_line_comes_from_outcome_pool_and_policy():
         stderr="Traceback...",
         stdout_truncated=True,
         stderr_truncated=False,
-        error=JobError("PermissionError", "denied", "step.py", 3, "granted: /abs/out"),
+        error=ErrorInfo("PermissionError", "denied", "step.py", 3, "granted: /abs/out"),
         duration_us=4001,
         python="9.9.9",  # the job's claim; the pool reports its own
         preloaded_modules=("forged",),

@@ -9,7 +9,7 @@ import pytest
 
 from readie_worker import _convert
 from readie_worker._convert import ANSWER_MARGIN_MS, call_payload, capacity_response, code_job, run_job_response, timeout_ms
-from readie_worker._job_result import JobError
+from readie_protocol.events import ErrorInfo
 from readie_worker._proto.readie.v1 import worker_pb2 as pb
 from readie_worker._status import DeadlineExpired, ResponseTooLarge, grpc_errors, status_for
 from readie_worker.core import Capacity, Worker, WorkerConfig
@@ -182,7 +182,7 @@ def test_a_job_that_did_not_end_on_its_own_has_no_exit_and_its_error():
 
 
 def test_a_job_error_keeps_file_line_and_hint():
-    error = JobError("PermissionError", "denied", "step.py", 3, "granted: /srv/out")
+    error = ErrorInfo("PermissionError", "denied", "step.py", 3, "granted: /srv/out")
     outcome = JobOutcome(1, "", "tb", False, False, error, 7, "3.11.2", (), "rd-y", "gvisor:runsc-restore")
     assert run_job_response(outcome).error == pb.JobError(type="PermissionError", message="denied", file="step.py", line=3, hint="granted: /srv/out")
 

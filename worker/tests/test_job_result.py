@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from readie_protocol.events import ErrorInfo
 from readie_worker._job_result import (
     INVALID_ERROR_TYPE,
-    JobError,
     JobResult,
     JobResultInvalid,
     max_result_bytes,
@@ -41,7 +41,7 @@ EXPECTED = JobResult(
     stderr="Traceback...\n",
     stdout_truncated=False,
     stderr_truncated=False,
-    error=JobError(
+    error=ErrorInfo(
         type="PermissionError",
         message="[Errno 13] Permission denied: '/etc/x'",
         file="step.py",

@@ -98,10 +98,7 @@ def job_result(
 
 
 def _classify(outcome: JobOutcome) -> tuple[Outcome, int, ErrorInfo | None]:
-    error = outcome.error
-    info = None
-    if error is not None:
-        info = ErrorInfo(error.type, error.message, error.file, error.line, error.hint)
+    info = outcome.error  # already the result line's ErrorInfo
     if outcome.exit is None:
         return _without_exit(info)
     if info is not None and outcome.exit == EXIT_NOT_STARTED and info.type in _NOT_STARTED:

@@ -24,8 +24,9 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from .core import Capacity
 from ._host_frames import HostStats, check_functions
-from ._job_result import JobError
 from .errors import RequestError
+from readie_protocol.events import ErrorInfo
+
 from .jobs import DEFAULT_INLINE_NAME, CodeJob, JobOutcome, Step
 from .policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
 from .sessions import StepOutcome
@@ -357,7 +358,7 @@ def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
     error = None
     if response.HasField("error"):
         e = response.error
-        error = JobError(
+        error = ErrorInfo(
             type=e.type,
             message=e.message,
             file=e.file if e.HasField("file") else None,

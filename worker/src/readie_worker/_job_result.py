@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from readie_executor.jobs import bounds
+from readie_protocol.events import ErrorInfo
 
 __all__ = [
     "INVALID_ERROR_TYPE",
-    "JobError",
     "JobResult",
     "JobResultInvalid",
     "max_result_bytes",
@@ -63,15 +63,6 @@ class JobResultInvalid(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class JobError:
-    type: str
-    message: str
-    file: str | None
-    line: int | None
-    hint: str | None  # only for PermissionError and MemoryError
-
-
-@dataclass(frozen=True, slots=True)
 class JobResult:
     exit: int
     system_exit: bool  # the code raised SystemExit; in a session that ends the session
@@ -80,7 +71,7 @@ class JobResult:
     stderr: str
     stdout_truncated: bool
     stderr_truncated: bool
-    error: JobError | None
+    error: ErrorInfo | None
     duration_us: int
     preloaded_modules: tuple[str, ...]
     python: str
@@ -203,7 +194,7 @@ class _Fields:
             ),
         )
 
-    def error(self, field: str) -> JobError | None:
+    def error(self, field: str) -> ErrorInfo | None:
         value = self._get(field)
         if value is None:
             return None
@@ -213,7 +204,7 @@ class _Fields:
         error_type = fields.error_type("type")
         line = fields._get("line")
         hint = fields._get_optional("hint")
-        return JobError(
+        return ErrorInfo(
             type=error_type,
             message=fields.text("message", bounds.MAX_ERROR_MESSAGE)[0],
             file=None

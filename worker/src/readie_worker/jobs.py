@@ -33,7 +33,9 @@ from ._host_frames import (
     check_functions,
     is_call_frame,
 )
-from ._job_result import JobError, JobResult, JobResultInvalid, max_result_bytes, parse_job_result
+from readie_protocol.events import ErrorInfo
+
+from ._job_result import JobResult, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
@@ -130,7 +132,7 @@ class JobOutcome:
     stderr: str
     stdout_truncated: bool
     stderr_truncated: bool
-    error: JobError | None
+    error: ErrorInfo | None
     duration_us: int  # the worker's clock around the call, not the job's claim
     python: str
     preloaded_modules: tuple[str, ...]
@@ -149,7 +151,7 @@ class JobOutcome:
     @classmethod
     def failure(cls, error_type: str, message: str, duration_us: int, backend: str,
                 sandbox_id: str | None = None, hint: str | None = None) -> JobOutcome:
-        return cls(None, "", "", False, False, JobError(error_type, message, None, None, hint),
+        return cls(None, "", "", False, False, ErrorInfo(error_type, message, None, None, hint),
                    duration_us, "", (), sandbox_id, backend)
 
 
