@@ -29,7 +29,7 @@ from readie_worker._host_frames import (
     HostCall,
     HostConversation,
     HostReply,
-    Refused,
+    RefusedFrame,
     TooManyRefusedFrames,
     check_functions,
     encode_reply,
@@ -172,10 +172,10 @@ def test_a_conversation_numbers_calls_and_counts_everything():
     assert isinstance(first, HostCall)
     assert conversation.answer(first, HostReply(["hit"]), waited_ns=5000) == b'{"reply":{"call_id":1,"result":["hit"]}}'
     junk = conversation.receive(b'{"call":nope')
-    assert isinstance(junk, Refused) and junk.kind == "junk"
+    assert isinstance(junk, RefusedFrame) and junk.kind == "junk"
     assert json.loads(junk.reply) == {"reply": {"call_id": None, "error": junk_text(junk)}}
     forged = conversation.receive(frame(call_body(call_id=2, function="fetch")))
-    assert isinstance(forged, Refused) and json.loads(forged.reply)["reply"]["call_id"] == 2
+    assert isinstance(forged, RefusedFrame) and json.loads(forged.reply)["reply"]["call_id"] == 2
     second = conversation.receive(frame(call_body(call_id=2)))  # refusals use up no id
     assert isinstance(second, HostCall) and second.call_id == 2
     conversation.answer(second, HostReply(error="backend unavailable"))
@@ -184,14 +184,14 @@ def test_a_conversation_numbers_calls_and_counts_everything():
     assert stats.wait_us == 5 and stats.refused == 2
 
 
-def junk_text(refused: Refused) -> str:
+def junk_text(refused: RefusedFrame) -> str:
     return f"host call refused: {refused.reason}"
 
 
 def test_a_flood_of_refused_frames_ends_the_job_at_the_named_limit():
     conversation = HostConversation(["search"])
     for index in range(MAX_REFUSED_FRAMES):
-        assert isinstance(conversation.receive(b"%d" % index if index % 2 else b'{"call":[]}'), Refused)
+        assert isinstance(conversation.receive(b"%d" % index if index % 2 else b'{"call":[]}'), RefusedFrame)
     with pytest.raises(TooManyRefusedFrames, match=f"at most {MAX_REFUSED_FRAMES} are answered") as caught:
         conversation.receive(frame(call_body(function="nope")))
     assert isinstance(caught.value, PoolWorkerError)
@@ -204,7 +204,7 @@ def test_the_call_limit_holds_even_for_frames_written_by_hand():
     for call_id in (1, 2, 3):
         assert isinstance(conversation.receive(frame(call_body(call_id=call_id))), HostCall)
     over = conversation.receive(frame(call_body(call_id=4)))
-    assert isinstance(over, Refused) and "made its 3 host calls" in over.reason
+    assert isinstance(over, RefusedFrame) and "made its 3 host calls" in over.reason
 
 
 @pytest.mark.parametrize(

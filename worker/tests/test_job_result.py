@@ -1,4 +1,4 @@
-"""parse_job_result: hostile bytes in, a rebuilt JobResult or JobResultInvalid out, nothing else.
+"""parse_job_result: hostile bytes in, a rebuilt SandboxAnswer or JobResultInvalid out, nothing else.
 
 Vectors are literal bytes written by hand, not produced by the runner, so a
 bug shared by both sides cannot hide; one test at the end feeds a real
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from readie_protocol.events import ErrorInfo
 from readie_worker._job_result import (
     INVALID_ERROR_TYPE,
-    JobResult,
+    SandboxAnswer,
     JobResultInvalid,
     max_result_bytes,
     parse_job_result,
@@ -33,7 +33,7 @@ VALID = (
     b'"hint":"This job may write only beneath: /srv/work."},"duration_us":1234,'
     b'"preloaded_modules":["numpy","pandas.core"],"python":"3.11.2","policy_notes":["a note"]}'
 )
-EXPECTED = JobResult(
+EXPECTED = SandboxAnswer(
     exit=1,
     system_exit=False,
     timed_out=False,
@@ -327,7 +327,7 @@ def _parse_or_refuse(raw: bytes) -> None:
         result = parse_job_result(raw, MAX_OUTPUT)
     except JobResultInvalid:
         return
-    assert isinstance(result, JobResult)
+    assert isinstance(result, SandboxAnswer)
     assert len(result.stdout) <= MAX_OUTPUT and len(result.stderr) <= MAX_OUTPUT
 
 

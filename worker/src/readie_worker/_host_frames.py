@@ -14,7 +14,7 @@ that socket, so every frame is hostile input (specs/hostile-frames.md):
   next call id in sequence ever reaches the host.
 
 Nothing here does I/O: :class:`HostConversation` takes a frame's bytes and
-gives back a :class:`HostCall` for the host or a :class:`Refused` whose reply
+gives back a :class:`HostCall` for the host or a :class:`RefusedFrame` whose reply
 goes back to the sandbox, and encodes the host's :class:`HostReply`. The
 socket loop is ``Sandbox.exchange``; the glue is ``jobs.run_in_sandbox``.
 """
@@ -45,7 +45,7 @@ __all__ = [
     "HostConversation",
     "HostReply",
     "HostStats",
-    "Refused",
+    "RefusedFrame",
     "TooManyRefusedFrames",
     "check_functions",
     "encode_reply",
@@ -130,7 +130,7 @@ class HostStats:
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class RefusedFrame:
     """A refused frame and the error reply that answers it."""
 
     kind: Literal["junk", "forged"]
@@ -253,7 +253,7 @@ class HostConversation:
     def stats(self) -> HostStats:
         return HostStats(**self._counts, wait_us=self._wait_ns // 1000)
 
-    def receive(self, payload: bytes) -> HostCall | Refused:
+    def receive(self, payload: bytes) -> HostCall | RefusedFrame:
         """A call for the host, or a refusal to send back; TooManyRefusedFrames ends the job."""
         try:
             call = parse_call_frame(payload, self._functions, self._next_id, self._max_calls)
@@ -267,7 +267,7 @@ class HostConversation:
                 ) from None
             self._counts["replies"] += 1
             error = HostReply(error=f"host call refused: {refusal.reason}")
-            return Refused(refusal.kind, refusal.reason, encode_reply(refusal.call_id, error))
+            return RefusedFrame(refusal.kind, refusal.reason, encode_reply(refusal.call_id, error))
         self._next_id += 1
         self._counts["calls"] += 1
         return call

@@ -26,7 +26,7 @@ from readie_protocol.events import ErrorInfo
 
 __all__ = [
     "INVALID_ERROR_TYPE",
-    "JobResult",
+    "SandboxAnswer",
     "JobResultInvalid",
     "max_result_bytes",
     "parse_job_result",
@@ -63,7 +63,9 @@ class JobResultInvalid(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class JobResult:
+class SandboxAnswer:
+    """The in-sandbox runner's answer to one job, checked field by field and rebuilt."""
+
     exit: int
     system_exit: bool  # the code raised SystemExit; in a session that ends the session
     timed_out: bool  # stopped at its deadline from inside: its output is what it wrote so far
@@ -90,7 +92,7 @@ def max_result_bytes(max_output: int) -> int:
     return bounds.result_budget(max_output)
 
 
-def parse_job_result(raw: bytes, max_output: int) -> JobResult:
+def parse_job_result(raw: bytes, max_output: int) -> SandboxAnswer:
     """Check and rebuild a job result; raise :class:`JobResultInvalid` for anything else."""
     budget = max_result_bytes(max_output)  # ValueError for a bad max_output: the caller's bug
     if not isinstance(raw, (bytes, bytearray, memoryview)):
@@ -167,12 +169,12 @@ class _Fields:
         self._document = document
         self._prefix = prefix
 
-    def result(self, max_output: int) -> JobResult:
+    def result(self, max_output: int) -> SandboxAnswer:
         for field in _RESULT_FIELDS:
             self._get(field)
         stdout, stdout_cut = self.text("stdout", max_output)
         stderr, stderr_cut = self.text("stderr", max_output)
-        return JobResult(
+        return SandboxAnswer(
             exit=self.integer("exit", 0, bounds.MAX_EXIT_STATUS),
             system_exit=self.boolean("system_exit"),
             timed_out=self.boolean("timed_out"),

@@ -28,14 +28,14 @@ from ._host_frames import (
     HostConversation,
     HostReply,
     HostStats,
-    Refused,
+    RefusedFrame,
     TooManyRefusedFrames,
     check_functions,
     is_call_frame,
 )
 from readie_protocol.events import ErrorInfo
 
-from ._job_result import JobResult, JobResultInvalid, max_result_bytes, parse_job_result
+from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
@@ -274,7 +274,7 @@ class _HostAnswer:
         if not is_call_frame(message):
             return None
         event = self._conversation.receive(message)  # TooManyRefusedFrames ends the job
-        if isinstance(event, Refused):
+        if isinstance(event, RefusedFrame):
             return event.reply
         call = dataclasses.replace(event, deadline=self._deadline)
         started = time.monotonic_ns()
@@ -298,7 +298,7 @@ def ask_host(host: HostFunction, call: HostCall) -> HostReply:
     return reply
 
 
-def _from_result(result: JobResult, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:
+def _from_result(result: SandboxAnswer, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:
     return JobOutcome(
         # Stopped at its deadline, it did not end on its own: a timeout, as if the
         # worker had killed it, but with the output it wrote.
