@@ -15,7 +15,7 @@ from pathlib import Path
 from readie_executor import hostwire
 from readie_router._events import RuntimeInfo
 from readie_router._host import encode_call_event
-from readie_router._pool import PoolEngine, PoolSetup
+from readie_router._engine import PoolEngine, PoolSetup
 from readie_router.testing import FakeBackend, MemorySink, MemorySource
 from readie_worker.jobs import HostCall, HostReply
 

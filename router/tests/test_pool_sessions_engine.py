@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from readie_worker.config import parse_config
 from readie_router._events import RuntimeInfo
-from readie_router._pool import PoolEngine, PoolSetup
+from readie_router._engine import PoolEngine, PoolSetup
 from readie_router._requests import SESSION_SETUP_FIELDS
 from readie_router._sessions import MAX_PENDING_STEPS
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome

@@ -27,7 +27,7 @@ from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
 from ._backend import ThreadedBackend
-from ._pool import PoolEngine, PoolSetup
+from ._engine import PoolEngine, PoolSetup
 
 log = structlog.get_logger("readie.router.pool")
 

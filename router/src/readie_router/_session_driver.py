@@ -33,7 +33,7 @@ from ._results import job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
 
 if TYPE_CHECKING:
-    from ._pool import PoolEngine
+    from ._engine import PoolEngine
 
 __all__ = ["SessionDriver"]
 

@@ -38,7 +38,7 @@ from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_ch
 from readie_worker.config import CliOverrides, Config, apply_cli, load_config
 from readie_worker.errors import ConfigError
 from ._events import RuntimeInfo
-from ._pool import PoolEngine, PoolSetup
+from ._engine import PoolEngine, PoolSetup
 from ._stdio import FdReader, FdWriter
 
 __all__ = ["DEFAULT_CHECKPOINTS", "main"]

@@ -8,7 +8,7 @@
   explicit (nothing reads stdout behind your back), so a test can leave
   results unread and watch backpressure.
 * :class:`FakeBackend`, :class:`MemorySource` and :class:`MemorySink` run a
-  :class:`~readie_router._pool.PoolEngine` in memory, without gVisor, with
+  :class:`~readie_router._engine.PoolEngine` in memory, without gVisor, with
   jobs (and session steps, :class:`FakeSession`) that finish when the test
   says so. :func:`serve_stdio` runs the same engine over a process's stdin
   and stdout with any backend: a ``readie pool`` without sandboxes, for a
@@ -37,7 +37,7 @@ from readie_worker.sessions import StepOutcome
 from readie_worker.testing import readie_command, start_cluster
 
 from ._events import RuntimeInfo
-from ._pool import PoolEngine
+from ._engine import PoolEngine
 from ._setup import PoolSetup
 from ._stdio import FdReader, FdWriter
 

@@ -2,7 +2,7 @@
 
 Public modules, for the router, the client, the pipeline and operators:
 ``core`` (Worker, WorkerConfig), ``runner`` (what the worker, its client and the router all implement), ``jobs`` (CodeJob, JobOutcome, run_in_sandbox),
-``sessions``, ``sandbox``, ``launchers`` and ``pool`` (one lifecycle, its launchers, warm pools), ``runsc``,
+``sessions``, ``sandbox``, ``launchers`` and ``warm`` (one lifecycle, its launchers, warm sandboxes), ``runsc``,
 ``manifest``, ``bundle``, ``policy`` and ``config`` (the operator's ceiling),
 ``errors``, ``grpc_service`` and ``client`` (the Worker service and its
 client), ``rpc`` (the generated gRPC code), ``remote_session``, ``security``,

@@ -34,7 +34,7 @@ from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
 from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
-from .pool import RefillBudget, WarmPool
+from .warm import RefillBudget, WarmSandboxes
 from .runsc import Runsc
 from readie_executor.sockets import MAX_SOCKET_PATH
 
@@ -68,7 +68,7 @@ class WorkerConfig:
     slots: int = DEFAULT_SLOTS
     max_sessions: int = DEFAULT_MAX_SESSIONS
     refill_concurrency: int = 1
-    # Warm sandboxes run the warm-up call before hand-out (see WarmPool). Off
+    # Warm sandboxes run the warm-up call before hand-out (see WarmSandboxes). Off
     # only to measure what it saves (the bench's before/after arm).
     warm_up: bool = True
     strict_manifest: bool = False
@@ -117,7 +117,7 @@ class Worker:
         self._draining = False
         self._closed = False
         self._idle = threading.Condition(self._lock)
-        self.pools: dict[str, WarmPool] = {}
+        self.pools: dict[str, WarmSandboxes] = {}
         self.factories: dict[str, SandboxFactory] = {}
         self.checkpoints: LoadedCheckpoints | None = None
         self.isolated = True
@@ -175,7 +175,7 @@ class Worker:
                 memory_limit_bytes=self.config.sandbox_memory_bytes,
             )
             self.factories[name] = factory
-            self.pools[name] = WarmPool(name, factory, self.config.warm.get(name, 0), budget, warm_up=self.config.warm_up).start()
+            self.pools[name] = WarmSandboxes(name, factory, self.config.warm.get(name, 0), budget, warm_up=self.config.warm_up).start()
         if self.config.network_backend == "netns":
             self._start_network()
         elif self.config.network_backend != "none":
@@ -206,7 +206,7 @@ class Worker:
         self.isolated = False
         factory = SandboxFactory(LocalProcess(), self.config.run_dir, serve_env(()))
         self.factories = {"base": factory}
-        self.pools = {"base": WarmPool("base", factory, 0, RefillBudget()).start()}
+        self.pools = {"base": WarmSandboxes("base", factory, 0, RefillBudget()).start()}
         return self
 
     def _load_checkpoints(self) -> LoadedCheckpoints:

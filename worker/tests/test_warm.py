@@ -8,7 +8,7 @@ import time
 import pytest
 
 from readie_worker._states import SandboxState
-from readie_worker.pool import RefillBudget, WarmPool
+from readie_worker.warm import RefillBudget, WarmSandboxes
 from readie_worker.sandbox import checkpoint_factory
 from readie_worker.testing import wait_until
 
@@ -17,11 +17,11 @@ pytestmark = pytest.mark.runsc
 
 @pytest.fixture
 def pool_factory(runsc, checkpoints, short_tmp):
-    pools: list[WarmPool] = []
+    pools: list[WarmSandboxes] = []
 
-    def make(name: str = "base", target: int = 2) -> WarmPool:
+    def make(name: str = "base", target: int = 2) -> WarmSandboxes:
         factory = checkpoint_factory(runsc, checkpoints.manifest, checkpoints.usable[name], short_tmp)
-        pool = WarmPool(name, factory, target, RefillBudget()).start()
+        pool = WarmSandboxes(name, factory, target, RefillBudget()).start()
         pools.append(pool)
         return pool
 
@@ -91,7 +91,7 @@ def test_a_sandbox_idle_past_the_ping_threshold_is_pinged_and_a_wedged_one_repla
     import os
     import signal
 
-    from readie_worker.pool import PING_AFTER_IDLE_S
+    from readie_worker.warm import PING_AFTER_IDLE_S
 
     pool = pool_factory("base", target=1)
     assert pool.wait_until_full(timeout=60)

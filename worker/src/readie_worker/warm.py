@@ -62,7 +62,7 @@ class _Ready:
     since: float
 
 
-class WarmPool:
+class WarmSandboxes:
     def __init__(
         self,
         name: str,
@@ -88,7 +88,7 @@ class WarmPool:
         self.hits = 0
         self.misses = 0
 
-    def start(self) -> WarmPool:
+    def start(self) -> WarmSandboxes:
         self._refiller.start()
         return self
 
