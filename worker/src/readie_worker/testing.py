@@ -1,5 +1,6 @@
 """Helpers for tests (ours and yours): real ``readie worker`` processes on loopback, a
-``readie router`` in front of some (:func:`start_cluster`), a fake host."""
+``readie router`` in front of some (:func:`start_cluster`), a fake host, and
+:class:`FaultyLauncher`, a launcher that fails on demand."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._host_frames import HostCall, HostReply
+from ._sandbox_dir import SandboxDir
+from .errors import SandboxSetupError
+from .launchers import Launcher, LocalProcess
+from .runsc import Launched
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from .runsc import Runsc
 from .security import ClientSecurity
@@ -438,3 +443,47 @@ def make_pki(base: Path) -> TestPki:
     client = write("client", certificate("readie test client", client_key, (ca.subject, ca_key)), client_key)
     stranger = write("stranger", certificate("a stranger", stranger_key, (stranger_ca.subject, stranger_ca_key)), stranger_key)
     return TestPki(ca_path, server[0], server[1], client[0], client[1], stranger[0], stranger[1])  # type: ignore[arg-type]
+
+
+@dataclass
+class FaultyLauncher:
+    """A launcher (``launchers.Launcher``) that fails its next ``fail_starts`` starts, else passes
+    them to ``inner``: by default a plain host executor (:class:`LocalProcess`), so the worker's
+    lifecycle (fallback, warm sandboxes, refills) runs for real, fast and without gVisor.
+
+    ``starts`` and ``destroys`` count calls; a failed start still gets its destroy, as a real
+    one that died part-way does.
+    """
+
+    inner: Launcher = field(default_factory=LocalProcess)
+    fail_starts: int = 0
+    starts: int = 0
+    destroys: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"faulty-{self.inner.name}"
+
+    @property
+    def isolated(self) -> bool:
+        return self.inner.isolated
+
+    def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
+        self.starts += 1
+        if self.fail_starts > 0:
+            self.fail_starts -= 1
+            raise SandboxSetupError(f"sandbox {sandbox.id}: start failed as the test asked")
+        return self.inner.start(sandbox, env)
+
+    def executor_dir(self, sandbox: SandboxDir) -> str:
+        return self.inner.executor_dir(sandbox)
+
+    def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        self.destroys += 1
+        self.inner.destroy(sandbox, process)
+
+    def oom_killed(self, sandbox: SandboxDir) -> bool:
+        return self.inner.oom_killed(sandbox)
+
+    def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
+        return self.inner.limit_memory(sandbox, job_bytes)

@@ -1,0 +1,98 @@
+"""The sandbox lifecycle around a launcher that fails on demand: cold fallback, cleanup of a
+failed start, warm sandboxes that refill, die and are replaced. Real executor processes on the
+host (``LocalProcess`` under ``testing.FaultyLauncher``), no gVisor: seconds, not minutes.
+
+The same logic under runsc is test_restore.py's and test_warm.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from readie_worker.bundle import serve_env
+from readie_worker.errors import SandboxSetupError
+from readie_worker.jobs import CodeJob, run_in_sandbox
+from readie_worker.sandbox import SandboxFactory
+from readie_worker.testing import FaultyLauncher, wait_until
+from readie_worker.warm import RefillBudget, WarmSandboxes
+
+
+def factory(tmp_path, primary: FaultyLauncher, fallback: FaultyLauncher | None = None) -> SandboxFactory:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    return SandboxFactory(primary=primary, fallback=fallback, run_dir=run_dir, env=serve_env(()), socket_wait_s=20)
+
+
+def leftovers(made: SandboxFactory) -> list[str]:
+    return sorted(path.name for path in made.run_dir.iterdir())
+
+
+def test_a_failed_start_falls_back_and_the_failed_one_leaves_nothing(tmp_path):
+    primary, fallback = FaultyLauncher(fail_starts=1), FaultyLauncher()
+    made = factory(tmp_path, primary, fallback)
+    sandbox = made.create()
+    try:
+        assert sandbox.launcher is fallback and sandbox.alive()
+        assert (primary.starts, primary.destroys, fallback.starts) == (1, 1, 1)
+        assert leftovers(made) == [sandbox.id]  # the failed start's directory is gone
+        outcome = run_in_sandbox(sandbox, CodeJob(checkpoint="x", code="print(6 * 7)"), links=())
+        assert (outcome.exit, outcome.stdout) == (0, "42\n"), outcome
+    finally:
+        sandbox.destroy()
+    assert leftovers(made) == [] and fallback.destroys == 1
+
+
+def test_a_start_that_fails_everywhere_is_a_setup_error_and_leaves_nothing(tmp_path):
+    primary, fallback = FaultyLauncher(fail_starts=1), FaultyLauncher(fail_starts=1)
+    made = factory(tmp_path, primary, fallback)
+    with pytest.raises(SandboxSetupError, match="start failed as the test asked"):
+        made.create()
+    assert (primary.destroys, fallback.destroys) == (1, 1)
+    assert leftovers(made) == []
+
+
+def test_warm_sandboxes_refill_to_their_target_and_hand_out_warmed_ones(tmp_path):
+    launcher = FaultyLauncher()
+    warm = WarmSandboxes("fast", factory(tmp_path, launcher), target=2, budget=RefillBudget()).start()
+    taken = None
+    try:
+        assert wait_until(lambda: warm.ready_count == 2, 30)
+        taken = warm.take()
+        assert (warm.hits, warm.misses) == (1, 0)
+        assert wait_until(lambda: warm.ready_count == 2, 30)  # refilled behind the take
+        assert launcher.starts == 3
+        outcome = run_in_sandbox(taken, CodeJob(checkpoint="x", code="print('warm')"), links=())
+        assert outcome.stdout == "warm\n", outcome
+    finally:
+        if taken is not None:
+            taken.destroy()
+        warm.close()
+    assert launcher.destroys == 3 and leftovers(warm.factory) == []
+
+
+def test_a_warm_sandbox_that_died_is_destroyed_and_never_handed_out(tmp_path):
+    launcher = FaultyLauncher()
+    warm = WarmSandboxes("fast", factory(tmp_path, launcher), target=1, budget=RefillBudget()).start()
+    try:
+        assert wait_until(lambda: warm.ready_count == 1, 30)
+        (entry,) = list(warm._ready)
+        entry.sandbox.launched.process.kill()
+        entry.sandbox.launched.process.wait()
+        taken = warm.take()
+        try:
+            assert taken is not entry.sandbox and taken.alive()
+            assert entry.sandbox.destroyed
+        finally:
+            taken.destroy()
+    finally:
+        warm.close()
+
+
+def test_a_refill_that_fails_is_retried_and_the_pool_recovers(tmp_path):
+    launcher = FaultyLauncher(fail_starts=2)
+    warm = WarmSandboxes("fast", factory(tmp_path, launcher), target=1, budget=RefillBudget()).start()
+    try:
+        assert wait_until(lambda: warm.ready_count == 1, 30)
+        assert launcher.starts == 3 and launcher.destroys == 2
+    finally:
+        warm.close()
+    assert leftovers(warm.factory) == []
