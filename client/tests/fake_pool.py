@@ -7,7 +7,8 @@ before ready, silence, another protocol version, a bad exit status) and
 from each request's code, a tiny script of its own: ``sleep 0.2`` then
 ``say TEXT`` answers after 0.2 s with stdout TEXT; ``die`` exits at once
 with status 7 and a word on stderr; ``raise`` answers a ValueError result;
-``garbage`` writes a line that is not JSON.
+``garbage`` writes a line that is not JSON; ``endless N`` writes N bytes
+with no newline and then nothing.
 
 Sessions are answered in order, inline: ``request`` prints the request line
 as received (sorted keys), ``exit`` ends the session, a later step carrying
@@ -74,6 +75,12 @@ def result(rid, code):
             sys.stderr.write("fake pool: dying as asked\n")
             sys.stderr.flush()
             os._exit(7)
+        elif verb == "endless":  # a line that never ends: N bytes, no newline, then silence
+            with write_lock:
+                sys.stdout.write("x" * int(arg))
+                sys.stdout.flush()
+                time.sleep(60)
+            return
         elif verb == "garbage":
             with write_lock:
                 sys.stdout.write("this is not json\n")

@@ -120,7 +120,18 @@ def test_a_line_over_the_event_limit_breaks_the_pool_instead_of_growing_the_clie
     monkeypatch.setattr(readie._pool, "MAX_EVENT_LINE_BYTES", 4096)
     with readie.Pool(command=FAKE, cwd=tmp_path) as pool:
         assert pool.run("say short").stdout == "short\n"
-        with pytest.raises(readie.PoolError, match=r"broke the protocol: the pool wrote a line of \d+ bytes, over 4096"):
+        with pytest.raises(readie.PoolError, match=r"broke the protocol: the pool wrote a line of at least \d+ bytes, over 4096"):
             pool.run("say " + "x" * 5000)
         with pytest.raises(readie.PoolError, match="broke the protocol"):
             pool.run("say again")
+
+
+def test_a_line_without_end_breaks_the_pool_once_it_is_over_the_limit_not_at_its_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(readie._pool, "MAX_EVENT_LINE_BYTES", 4096)
+    pool = readie.Pool(command=FAKE, cwd=tmp_path)
+    started = time.monotonic()
+    with pytest.raises(readie.PoolError, match="broke the protocol: the pool wrote a line of at least"):
+        pool.run("endless 10000")
+    assert time.monotonic() - started < 30  # the fake writes nothing more for 60 s
+    with pytest.raises(readie.PoolError):
+        pool.close(timeout=1)

@@ -197,3 +197,11 @@ def test_any_bytes_any_chunking_matches_the_reference(
 def test_recover_id_never_raises(head: bytes) -> None:
     value = recover_id(head)
     assert value is None or isinstance(value, str | int)
+
+
+def test_oversize_so_far_tells_a_reader_before_the_line_ends():
+    splitter = LineSplitter(max_line_bytes=8)
+    assert splitter.feed(b"12345") == [] and splitter.oversize_so_far is None
+    assert splitter.feed(b"6789") == [] and splitter.oversize_so_far == 9
+    assert splitter.feed(b"0\nok\n") == [OversizeLine(size=10, id=None), Line(b"ok")]
+    assert splitter.oversize_so_far is None

@@ -187,6 +187,25 @@ def test_a_job_error_keeps_file_line_and_hint():
     assert run_job_response(outcome).error == pb.JobError(type="PermissionError", message="denied", file="step.py", line=3, hint="granted: /srv/out")
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"stdout": "x" * (16 * 1024 * 1024 + 1)},
+        {"stderr": "\x01" * (16 * 1024 * 1024 + 1)},
+        {"error": pb.JobError(type="E", message="m" * 4097)},
+        {"error": pb.JobError(type="T" * 101, message="m")},
+        {"preloaded_modules": ["m"] * 257},
+    ],
+    ids=["stdout", "stderr", "error-message", "error-type", "modules"],
+)
+def test_a_worker_answer_past_what_a_sandbox_writes_is_a_worker_error(answer):
+    """A broken or hostile worker behind a router: nothing past the sandbox's bounds is passed on."""
+    with pytest.raises(PoolWorkerError, match="the worker answered"):
+        _convert.job_outcome(pb.RunJobResponse(exit=0, **answer))
+    honest = {key: value[:1] if isinstance(value, (str, list)) else pb.JobError(type="E", message="m") for key, value in answer.items()}
+    assert _convert.job_outcome(pb.RunJobResponse(exit=0, **honest)).exit == 0
+
+
 def test_capacity_becomes_a_response_with_pools_and_protocol():
     capacity = Capacity(slots=2, busy=1, draining=False, pools={"base": {"ready": 1, "target": 2}}, isolated=True)
     assert capacity_response(capacity, "w1", 7) == pb.CapacityResponse(

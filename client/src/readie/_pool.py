@@ -332,10 +332,10 @@ class Pool:
     def _read_stdout(self, stdout: IO[bytes]) -> None:
         try:
             lines = _lines(stdout)
-            if self._read_ready(next(lines, None)):
+            if self._read_ready(lines):
                 for event in lines:
                     if isinstance(event, OversizeLine):
-                        self._broken(f"the pool wrote a line of {event.size} bytes, over {MAX_EVENT_LINE_BYTES}")
+                        self._broken(f"the pool wrote a line of at least {event.size} bytes, over {MAX_EVENT_LINE_BYTES}")
                         return
                     self._dispatch(event.data)
         except Exception as exc:  # a bug here must not leave callers waiting forever
@@ -346,8 +346,13 @@ class Pool:
             stdout.close()
             self._end_of_output()
 
-    def _read_ready(self, event: LineEvent | None) -> bool:
+    def _read_ready(self, lines: Iterator[LineEvent]) -> bool:
         try:
+            try:
+                event = next(lines, None)
+            except (OSError, ValueError) as exc:  # the pipe failed under us: not ready, say so at once
+                self._start_error = PoolError(f"cannot read readie pool's output: {exc}{self._process.stderr_suffix()}")
+                return False
             if event is None:
                 status = self._process.settle()
                 self._start_error = PoolError(
@@ -355,7 +360,7 @@ class Pool:
                 )
                 return False
             if isinstance(event, OversizeLine):
-                self._start_error = PoolError(f"readie pool's first line is {event.size} bytes long, not a ready event")
+                self._start_error = PoolError(f"readie pool's first line is over {event.size} bytes, not a ready event")
                 return False
             first = event.data
             try:
@@ -440,10 +445,18 @@ class Pool:
 
 
 def _lines(stdout: IO[bytes]) -> Iterator[LineEvent]:
-    """The pool's stdout as lines, none held past :data:`MAX_EVENT_LINE_BYTES`."""
+    """The pool's stdout as lines, none held past :data:`MAX_EVENT_LINE_BYTES`.
+
+    A line over the limit comes out as soon as it is over, not at its end: a
+    pool writing without end must not keep callers waiting. Blank lines are
+    skipped, as the pool skips them on its input.
+    """
     splitter = LineSplitter(MAX_EVENT_LINE_BYTES)
     while not splitter.ended:
         yield from splitter.feed(stdout.read1(READ_BYTES))
+        if (size := splitter.oversize_so_far) is not None:
+            yield OversizeLine(size=size, id=None)
+            return
 
 
 def _loads(raw: bytes) -> Any:

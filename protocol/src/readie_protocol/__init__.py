@@ -1,11 +1,13 @@
-"""The pool protocol's wire, shared by both ends: ``readie pool`` and its clients.
+"""What both ends of the pool protocol share: ``readie pool`` and its clients.
 
-What both sides must agree on byte for byte lives here once: the protocol
-version, the line limit and the splitter that enforces it without I/O
-(:mod:`readie_protocol.lines`), request ids and the one line encoder
-(:mod:`readie_protocol.wire`). Standard library only, so any client can
-depend on it. What a line means (requests, results, events) is parsed by
-each end into its own types; those are not here yet.
+What both sides must agree on lives here once: readie's error families and
+the error types results name (:mod:`readie_protocol.errors`), the protocol
+version, request ids and the one line encoder (:mod:`readie_protocol.wire`),
+the line limit and the splitter that enforces it without I/O
+(:mod:`readie_protocol.lines`), and the ready event and result line as
+values both ends build and parse (:mod:`readie_protocol.events`). Standard
+library only, so any client can depend on it. Requests are still built by
+the client and parsed by the engine, each into its own shape.
 """
 
 from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine, recover_id

@@ -111,6 +111,15 @@ class LineSplitter:
     def ended(self) -> bool:
         return self._ended
 
+    @property
+    def oversize_so_far(self) -> int | None:
+        """The bytes so far of a line already over the limit whose end has not come; else None.
+
+        For a reader that will not wait for the end of a line it will discard
+        anyway (a client facing a pool that writes without end).
+        """
+        return self._size if self._draining else None
+
     def feed(self, data: bytes) -> list[LineEvent]:
         """Take the next bytes of input; ``b""`` ends it. Returns the events now complete."""
         if self._ended:

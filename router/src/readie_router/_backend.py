@@ -1,6 +1,6 @@
 """Where the pool's jobs run: the :class:`JobBackend` seam and the in-process worker behind it.
 
-The pool engine (``_pool``) only knows :class:`JobBackend`: hand it a
+The pool engine (``_engine``) only knows :class:`JobBackend`: hand it a
 :class:`~readie_worker.jobs.CodeJob`, await a
 :class:`~readie_worker.jobs.JobOutcome`. :class:`ThreadedBackend` adapts any
 of readie's blocking runners (``run_job`` and ``close``: the in-process

@@ -1,6 +1,6 @@
 """Intake's two buffers: stdin as split lines, and the parsed lines that wait for a permit.
 
-The engine (``_pool``) decides when to read and when to admit; these only
+The engine (``_engine``) decides when to read and when to admit; these only
 hold what was read, each with its bound.
 """
 

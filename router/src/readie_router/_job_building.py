@@ -2,7 +2,7 @@
 
 Everything here decides what a job is granted, before it waits for a slot,
 and raises :class:`RequestError` for what the request may not have. The
-engine (``_pool``) and the session driver (``_session_driver``) both build
+engine (``_engine``) and the session driver (``_session_driver``) both build
 their first job here, so a job and a session's first step are granted alike.
 """
 

@@ -1,6 +1,6 @@
 """The pool's sessions: a table of named sessions and the rules that admit a request to one.
 
-No I/O and no backend calls here: the engine (``_pool``) runs the steps.
+No I/O and no backend calls here: the session driver (``_session_driver``) runs the steps.
 What this module decides, for each line naming a session:
 
 * no open session of that name: the line is the first request. It creates

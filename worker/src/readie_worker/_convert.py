@@ -24,7 +24,7 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from .core import Capacity
 from ._host_frames import HostStats, check_functions
-from .errors import RequestError
+from .errors import PoolWorkerError, RequestError
 from readie_protocol.events import ErrorInfo
 
 from .jobs import DEFAULT_INLINE_NAME, CodeJob, JobOutcome, Step
@@ -355,6 +355,15 @@ def session_step_message(step: Step) -> pb.SessionStep:
 
 
 def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
+    """A worker's answer as an outcome; PoolWorkerError for one past what a sandbox can write.
+
+    An honest worker's answer keeps the sandbox's own bounds (the runner
+    caps each field by its encoded size, so by characters too); a router or
+    a pool must not pass on more than that, whatever a broken or hostile
+    worker sends, since everything after (a result line, a client's reader)
+    is sized by them.
+    """
+    _check_bounds(response)
     error = None
     if response.HasField("error"):
         e = response.error
@@ -380,6 +389,32 @@ def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
         system_exit=response.system_exit,
         host=_stats(response.host) if response.HasField("host") else None,
     )
+
+
+# The text fields of an answer and the most characters an honest sandbox writes in each.
+_ANSWER_BOUNDS = (
+    ("stdout", bounds.MAX_OUTPUT_LIMIT),
+    ("stderr", bounds.MAX_OUTPUT_LIMIT),
+    ("python", bounds.MAX_PYTHON_VERSION),
+)
+_ERROR_BOUNDS = (
+    ("type", bounds.MAX_ERROR_TYPE),
+    ("message", bounds.MAX_ERROR_MESSAGE),
+    ("file", bounds.MAX_FILE_NAME),
+    ("hint", bounds.MAX_HINT),
+)
+
+
+def _check_bounds(response: pb.RunJobResponse) -> None:
+    fields = [(name, getattr(response, name), limit) for name, limit in _ANSWER_BOUNDS]
+    fields += [(f"error.{name}", getattr(response.error, name), limit) for name, limit in _ERROR_BOUNDS]
+    for name, value, limit in fields:
+        if len(value) > limit:
+            raise PoolWorkerError(f"the worker answered a {name} of {len(value)} characters, over the sandbox's {limit}")
+    if len(response.preloaded_modules) > bounds.MAX_PRELOADED_MODULES or any(
+        len(module) > bounds.MAX_MODULE_NAME for module in response.preloaded_modules
+    ):
+        raise PoolWorkerError("the worker answered more preloaded modules than a sandbox reports")
 
 
 def _stats(message: pb.HostStats) -> HostStats:
