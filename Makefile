@@ -27,7 +27,7 @@ capture: deps ## capture the planned checkpoints into build/checkpoints (skips u
 fixtures: deps ## regenerate fixtures/frames.golden.json
 	$(RUN) python fixtures/generate_golden.py
 
-proto: deps ## regenerate the gRPC code in worker/src/readie_worker/_proto from proto/
+proto: deps ## regenerate the gRPC code in rpc/src/readie_rpc/_proto from proto/
 	$(RUN) python proto/generate.py
 
 test: capture ## run every test, gVisor ones included

@@ -22,6 +22,7 @@ WORKDIR /opt/readie
 COPY pyproject.toml uv.lock .python-version ./
 COPY executor executor
 COPY worker worker
+COPY rpc rpc
 COPY pipeline pipeline
 COPY protocol protocol
 COPY router router

@@ -7,7 +7,7 @@ set -euo pipefail
 need_apt=()
 command -v debootstrap >/dev/null || need_apt+=(debootstrap)
 command -v docker-compose >/dev/null || need_apt+=(docker-compose)
-# The test suite's non-Python gRPC client (worker/tests/node).
+# The test suite's non-Python gRPC client (rpc/tests/node).
 command -v node >/dev/null || need_apt+=(nodejs)
 command -v npm >/dev/null || need_apt+=(npm)
 # uv goes into a venv of its own: Debian's python3 has no pip and refuses to

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from readie_worker.testing import start_cluster
+from readie_rpc.testing import start_cluster
 
 from .._bench import Bench
 from .._pool_client import PoolClient

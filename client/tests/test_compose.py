@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from readie_router.router_cli import build_parser as router_parser
-from readie_worker.cli import build_parser as worker_parser
+from readie_rpc.cli import build_parser as worker_parser
 
 from conftest import REPO
 

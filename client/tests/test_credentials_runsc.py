@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import readie
-from readie_worker.security import ClientSecurity
-from readie_worker.testing import make_pki, start_cluster
+from readie_rpc.security import ClientSecurity
+from readie_rpc.testing import make_pki, start_cluster
 
 from conftest import CHECKPOINTS
 

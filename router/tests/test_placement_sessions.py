@@ -43,9 +43,9 @@ from readie_router._placement import Placement, PlacedSession
 from readie_worker.testing import wait_until as wait_for
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
-from readie_worker.grpc_service import WorkerServer, serve
+from readie_rpc.grpc_service import WorkerServer, serve
 from readie_worker.jobs import CodeJob, JobOutcome, Step
-from readie_worker.remote_session import InteractStream, SessionLost
+from readie_rpc.remote_session import InteractStream, SessionLost
 from readie_worker.sessions import StepOutcome
 
 WAIT_S = 5.0  # the most any bounded wait below takes when things go right

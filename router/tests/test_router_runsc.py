@@ -12,9 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from readie_worker.rpc import worker_pb2 as pb
+from readie_rpc.stubs import worker_pb2 as pb
 from readie_router.testing import PoolProcess
-from readie_worker.testing import Cluster, start_cluster, wait_until
+from readie_rpc.testing import Cluster, start_cluster
+from readie_worker.testing import wait_until
 
 pytestmark = pytest.mark.runsc
 
@@ -161,7 +162,7 @@ def test_the_pool_protocol_streams_over_grpc_with_sessions_and_host_functions(cl
     import json
     import queue
 
-    from readie_worker.rpc import pool_pb2, pool_pb2_grpc
+    from readie_rpc.stubs import pool_pb2, pool_pb2_grpc
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -207,7 +208,7 @@ def test_a_router_drain_tells_its_balancers_first_and_ends_open_pool_sessions_as
     import signal
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from readie_worker.rpc import pool_pb2, pool_pb2_grpc
+    from readie_rpc.stubs import pool_pb2, pool_pb2_grpc
 
     cluster = start_cluster(short_tmp, CHECKPOINTS / "manifest.json", workers=1, router_args=["--drain-notice=3"])
     try:

@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "pool": "readie_router.pool_cli",
     "rootfs": "readie_pipeline.cli",
     "router": "readie_router.router_cli",
-    "worker": "readie_worker.cli",
+    "worker": "readie_rpc.cli",
 }
 
 

@@ -27,7 +27,7 @@ from ._envelope import RemoteResult, call_payload, check_python, decode_envelope
 from ._errors import CallTimeout, RequestError
 
 if TYPE_CHECKING:
-    from readie_worker.client import WorkerClient
+    from readie_rpc.client import WorkerClient
 
 __all__ = ["DEFAULT_CHECKPOINT", "DEFAULT_TIMEOUT_S", "ROUTER_VARIABLE", "Client", "RemoteFunction", "remote"]
 
@@ -104,7 +104,7 @@ class Client:
         check_python()
         payload = call_payload(func, args, kwargs)
         worker = self._connection()
-        from readie_worker.rpc import MAX_CALL_PAYLOAD_BYTES
+        from readie_rpc.stubs import MAX_CALL_PAYLOAD_BYTES
 
         if len(payload) > MAX_CALL_PAYLOAD_BYTES:
             raise RequestError(
@@ -132,8 +132,8 @@ class Client:
     def _connection(self) -> WorkerClient:
         with self._lock:
             if self._worker is None:
-                from readie_worker.client import WorkerClient
-                from readie_worker.security import ClientSecurity
+                from readie_rpc.client import WorkerClient
+                from readie_rpc.security import ClientSecurity
 
                 files = {name: None if value is None else Path(value) for name, value in self._security.items()}
                 self._worker = WorkerClient(self.router, ClientSecurity.from_files(**files))

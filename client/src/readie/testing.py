@@ -28,7 +28,7 @@ from ._pool import Pool
 from ._requests import PathArg
 
 if TYPE_CHECKING:
-    from readie_worker.testing import Cluster
+    from readie_rpc.testing import Cluster
 
 __all__ = ["LocalRouter", "find_checkpoints", "local_router", "temp_pool"]
 
@@ -37,7 +37,7 @@ def __getattr__(name: str) -> object:
     # LocalRouter was local_router's own class until the cluster launcher was
     # shared; kept as a name for it (address, router, workers, log_path all remain).
     if name == "LocalRouter":
-        from readie_worker.testing import Cluster
+        from readie_rpc.testing import Cluster
 
         return Cluster
     raise AttributeError(name)
@@ -97,7 +97,7 @@ def local_router(
     a network server without one grants nothing. Everything is stopped on exit
     (SIGTERM: a graceful drain) and must exit 0; workers must leave no sandbox behind.
     """
-    from readie_worker.testing import start_cluster
+    from readie_rpc.testing import start_cluster
 
     # Short: sandbox socket paths under it may not exceed 107 bytes.
     base = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))

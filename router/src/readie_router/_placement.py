@@ -14,7 +14,7 @@ the job is offered to another worker.
 A session is placed once, on the healthy worker with the fewest sessions
 (among those with a free slot and room for one more), and stays there: its
 steps go down the session's own Interact stream to that worker
-(:class:`~readie_worker.remote_session.RemoteSession`). If the worker is
+(:class:`~readie_rpc.remote_session.RemoteSession`). If the worker is
 lost, the session has ended; the next step says so and nothing starts a
 fresh one elsewhere. Jobs with host functions are placed like any job; their
 calls come back on the job's stream.
@@ -36,12 +36,12 @@ from typing import TypeVar
 import structlog
 
 from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.client import WorkerClient
+from readie_rpc.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, Step
-from readie_worker.remote_session import RemoteSession, SessionLost, StreamBroken
-from readie_worker.security import ClientSecurity
+from readie_rpc.remote_session import RemoteSession, SessionLost, StreamBroken
+from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
 
 log = structlog.get_logger("readie.placement")

@@ -20,8 +20,8 @@ import grpc
 import structlog
 from readie_worker.cancel import NEVER, Cancellation
 
-from readie_worker.rpc import pool_pb2 as pb
-from readie_worker.rpc import pool_pb2_grpc as pb_grpc
+from readie_rpc.stubs import pool_pb2 as pb
+from readie_rpc.stubs import pool_pb2_grpc as pb_grpc
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome

@@ -27,12 +27,12 @@ from typing import Any
 
 import structlog
 from readie_worker import enter_mount_namespace
-from readie_worker.client import WorkerClient
+from readie_rpc.client import WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
 from readie_worker.paths import remove_tree, scratch_dir
-from readie_worker.security import ClientSecurity, add_client_arguments, client_security
+from readie_rpc.security import ClientSecurity, add_client_arguments, client_security
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
 from readie_worker.config import CliOverrides, Config, apply_cli, load_config

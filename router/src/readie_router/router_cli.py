@@ -18,11 +18,11 @@ from pathlib import Path
 
 import structlog
 
-from readie_worker.rpc import pool_pb2_grpc
+from readie_rpc.stubs import pool_pb2_grpc
 from readie_worker.errors import ReadieError
-from readie_worker.grpc_service import DRAIN_NOTICE_S, serve
+from readie_rpc.grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
-from readie_worker.security import add_client_arguments, add_server_arguments, client_security, server_security
+from readie_rpc.security import add_client_arguments, add_server_arguments, client_security, server_security
 from readie_worker.stop_signal import StopSignal
 
 from ._backend import choose_checkpoint, manifest_path

@@ -34,7 +34,8 @@ from typing import Any, Self
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
 from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome, Step
 from readie_worker.sessions import StepOutcome
-from readie_worker.testing import readie_command, start_cluster
+from readie_rpc.testing import start_cluster
+from readie_worker.testing import readie_command
 
 from ._events import RuntimeInfo
 from ._engine import PoolEngine

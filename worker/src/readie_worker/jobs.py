@@ -52,6 +52,7 @@ __all__ = [
     "Step",
     "MAX_REFUSED_FRAMES",
     "ask_host",
+    "check_functions",
     "runner_call",
     "run_in_sandbox",
 ]

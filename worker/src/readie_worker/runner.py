@@ -1,7 +1,7 @@
 """What runs jobs and sessions, whichever process it lives in.
 
 Three things have this shape: the in-process :class:`~readie_worker.core.Worker`,
-a :class:`~readie_worker.client.WorkerClient` of a remote one, and a router's
+a :class:`~readie_rpc.client.WorkerClient` of a remote one, and a router's
 placement across many. The gRPC service serves any of them, and the pool
 engine runs on any of them, without knowing which.
 """

@@ -1,73 +1,29 @@
-"""Helpers for tests (ours and yours): real ``readie worker`` processes on loopback, a
-``readie router`` in front of some (:func:`start_cluster`), a fake host, and
-:class:`FaultyLauncher`, a launcher that fails on demand."""
+"""Helpers for tests (ours and yours) of the worker without its gRPC edge: waiting, ports,
+the ``readie`` command, a fake host, a raw executor socket, and :class:`FaultyLauncher`, a
+launcher that fails on demand. Real ``readie worker`` processes and clusters are
+``readie_rpc.testing``'s."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._host_frames import HostCall, HostReply
 from ._sandbox_dir import SandboxDir
 from .errors import SandboxSetupError
 from .launchers import Launcher, LocalProcess
 from .runsc import Launched
-from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from .runsc import Runsc
-from .security import ClientSecurity
 
-# Start-up is a manifest check and a sweep; pools fill in the background.
-STARTUP_TIMEOUT_S = 30.0
 #: Debian 12's own runsc (0.0~20221219, ptrace, compressed images), kept beside
 #: the default one by scripts/install-runsc.sh (OLD_BINARY there) for the
 #: tests and the bench's comparison arm.
 DEBIAN_12_RUNSC = Path("/usr/local/lib/readie/runsc-0.0~20221219.0/runsc")
-# A drain with nothing running takes well under a second; the rest is margin.
-EXIT_TIMEOUT_S = 30.0
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass
-class WorkerProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-    state_dir: Path
-    log_path: Path
-    channel: grpc.Channel
-
-    @property
-    def stub(self) -> pb_grpc.WorkerStub:
-        return pb_grpc.WorkerStub(self.channel)
-
-    @property
-    def health(self) -> health_pb2_grpc.HealthStub:
-        return health_pb2_grpc.HealthStub(self.channel)
-
-    def health_status(self, service: str = "") -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-
-    def log_lines(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-
-    def containers(self) -> list[str]:
-        listed = subprocess.run(
-            ["runsc", f"--root={self.state_dir}", "list", "--quiet"], capture_output=True, text=True, timeout=30, check=True
-        )
-        return listed.stdout.split()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, poll_s: float = 0.01) -> bool:
@@ -91,198 +47,6 @@ def readie_command() -> list[str]:
     if entry_point.exists():
         return [str(entry_point)]
     return [sys.executable, "-c", "import sys; from readie._cli import main; sys.exit(main())"]
-
-
-#: A ceiling for test clusters: grants anywhere under /tmp, where tests keep
-#: their projects (the worker still refuses its own directories), and answers
-#: as large as a worker makes them. Without one a network server grants nothing.
-TEST_CEILING = """
-[pool.limits]
-allow_read = ["/tmp"]
-allow_write = ["/tmp"]
-max_output = "16m"
-"""
-
-
-def ceiling_file() -> Path:
-    """:data:`TEST_CEILING` as a config file for ``--config``; remove its directory when done.
-
-    Not under /tmp: a config beneath one of its own write grants is refused
-    (a job could rewrite it), so it goes on /dev/shm.
-    """
-    path = Path(tempfile.mkdtemp(prefix="readie-ceiling-", dir="/dev/shm")) / "ceiling.toml"
-    path.write_text(TEST_CEILING)
-    return path
-
-
-def start_worker(
-    base: Path,
-    name: str,
-    manifest: Path,
-    warm: str = "base=1",
-    slots: int = 2,
-    *,
-    args: Iterable[str] = (),
-    security: ClientSecurity = ClientSecurity(),
-) -> WorkerProcess:
-    """A ``readie worker`` process on a free loopback port, serving once this returns.
-
-    ``args`` are further flags (``--config``, ``--token-file``, ...);
-    ``security`` is how the returned channel reaches it.
-    """
-    port = free_port()
-    base.mkdir(parents=True, exist_ok=True)
-    state_dir, run_dir, log_path = base / "state", base / "run", base / "worker.log"
-    command = [
-        *readie_command(),
-        "worker",
-        f"--listen=127.0.0.1:{port}",
-        f"--manifest={manifest}",
-        f"--state-dir={state_dir}",
-        f"--run-dir={run_dir}",
-        f"--warm={warm}",
-        f"--slots={slots}",
-        f"--name={name}",
-        "--drain-grace=20",
-        "--drain-notice=0",  # tests stop hundreds of workers; none has a balancer to tell
-        "--log=json",
-        *args,
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    worker = WorkerProcess(process, port, state_dir, log_path, security.channel(f"127.0.0.1:{port}"))
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"worker exited {process.returncode} at start:\n{log_path.read_text()}")
-        try:
-            if worker.health_status() == SERVING:
-                return worker
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"worker not serving after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}")
-        time.sleep(0.1)
-
-
-def stop_worker(worker: WorkerProcess) -> int:
-    if worker.process.poll() is None:
-        worker.process.send_signal(signal.SIGTERM)
-    try:
-        return worker.process.wait(EXIT_TIMEOUT_S)
-    finally:
-        worker.channel.close()
-        if worker.process.poll() is None:
-            worker.process.kill()
-
-
-
-
-@dataclass
-class Cluster:
-    """``readie router`` on a free loopback port, placing on ``workers`` (see :func:`start_cluster`)."""
-
-    base: Path
-    workers: list[WorkerProcess]
-    router: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    channel: grpc.Channel
-    ceiling: Path | None = None  # the config file start_cluster wrote, removed by stop()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def stub(self) -> pb_grpc.WorkerStub:
-        return pb_grpc.WorkerStub(self.channel)
-
-    def containers(self) -> dict[str, list[str]]:
-        """Each worker's runsc containers (warm sandboxes included), by its state dir."""
-        return {str(w.state_dir): w.containers() for w in self.workers if w.process.poll() is None}
-
-    def stop(self) -> None:
-        """SIGTERM the router and every worker; raises if one fails to drain or leaves a container."""
-        self.channel.close()
-        if self.router.poll() is None:
-            self.router.terminate()
-        status = self.router.wait(EXIT_TIMEOUT_S)
-        problems = []
-        for worker in self.workers:
-            alive = worker.process.poll() is None
-            exit_status = stop_worker(worker)
-            if not alive:  # killed by its test: its sandboxes outlive it, as after a crash
-                Runsc(root=worker.state_dir).sweep()
-            elif exit_status != 0:
-                problems.append(f"{worker.log_path.parent.name} exited {exit_status}:\n{worker.log_path.read_text()[-2000:]}")
-            leftovers = worker.containers()
-            if leftovers:
-                problems.append(f"{worker.log_path.parent.name} left runsc containers: {leftovers}")
-        if status != 0:
-            problems.append(f"the router exited {status}:\n{self.log_path.read_text()[-3000:]}")
-        if self.ceiling is not None:
-            shutil.rmtree(self.ceiling.parent, ignore_errors=True)
-        assert not problems, "\n".join(problems)
-
-
-def start_cluster(
-    base: Path,
-    manifest: Path,
-    *,
-    workers: int = 2,
-    warm: str = "base=1",
-    slots: int = 2,
-    router_args: Iterable[str] = (),
-    worker_args: Iterable[str] = (),
-    security: ClientSecurity = ClientSecurity(),
-) -> Cluster:
-    """Start ``workers`` workers and a router in front of them; wait until the router serves.
-
-    Router and workers run under :data:`TEST_CEILING` unless the args name another
-    ``--config``; ``security`` is how the cluster's channel reaches the router.
-    """
-    ceiling = ceiling_file()
-    worker_args, router_args = list(worker_args), list(router_args)
-    worker_args += [] if any(a.startswith("--config") for a in worker_args) else [f"--config={ceiling}"]
-    router_args += [] if any(a.startswith("--config") for a in router_args) else [f"--config={ceiling}"]
-    started = [
-        start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots, args=worker_args)
-        for i in range(workers)
-    ]
-    port = free_port()
-    log_path = base / "router.log"
-    with open(log_path, "wb") as log:
-        router = subprocess.Popen(
-            [
-                *readie_command(),
-                "router",
-                f"--listen=127.0.0.1:{port}",
-                "--probe-interval=0.2",
-                "--drain-notice=0",
-                f"--checkpoints={manifest.parent}",
-                *router_args,
-                *(f"--worker=127.0.0.1:{w.port}" for w in started),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    cluster = Cluster(base, started, router, port, log_path, security.channel(f"127.0.0.1:{port}"), ceiling)
-    health = health_pb2_grpc.HealthStub(cluster.channel)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        try:
-            serving = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            if serving == health_pb2.HealthCheckResponse.SERVING:
-                return cluster
-        except grpc.RpcError:
-            pass
-        if router.poll() is not None or time.monotonic() > deadline:
-            cluster.stop()
-            raise AssertionError(f"the router did not serve:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
 
 
 class FakeHost:
@@ -316,7 +80,6 @@ class FakeHost:
             return HostReply(result=function(*call.args, **call.kwargs))
         except Exception as exc:
             return HostReply(error=str(exc))
-
 
 # Code a test runs INSIDE a sandbox to play a hostile job: it finds the
 # executor's connected socket and can write framing-v2 frames by hand
@@ -366,84 +129,6 @@ def ask(sock, payload):
 
 sock = channel()
 '''
-
-
-@dataclass(frozen=True)
-class TestPki:
-    """PEM files of a throwaway CA, a server certificate for 127.0.0.1 and localhost, a
-    client certificate it signed, and a client certificate of another CA (for refusals)."""
-
-    __test__ = False  # not a pytest class
-
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    stranger_cert: Path
-    stranger_key: Path
-
-
-def make_pki(base: Path) -> TestPki:
-    """Write :class:`TestPki` under ``base`` (needs the ``cryptography`` package, a dev dependency)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    base.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(common: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
-                    *, ca: bool = False, server: bool = False) -> x509.Certificate:
-        issuer_name, issuer_key = issuer if issuer is not None else (name(subject), key)
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name(subject))
-            .issuer_name(issuer_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if server:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False,
-            ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        elif not ca:
-            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    def write(stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> tuple[Path, Path | None]:
-        cert_path = base / f"{stem}.crt"
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        if key is None:
-            return cert_path, None
-        key_path = base / f"{stem}.key"
-        key_path.write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        )
-        key_path.chmod(0o600)
-        return cert_path, key_path
-
-    ca_key, stranger_ca_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = certificate("readie test CA", ca_key, None, ca=True)
-    stranger_ca = certificate("some other CA", stranger_ca_key, None, ca=True)
-    server_key, client_key, stranger_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    ca_path, _ = write("ca", ca)
-    server = write("server", certificate("readie test server", server_key, (ca.subject, ca_key), server=True), server_key)
-    client = write("client", certificate("readie test client", client_key, (ca.subject, ca_key)), client_key)
-    stranger = write("stranger", certificate("a stranger", stranger_key, (stranger_ca.subject, stranger_ca_key)), stranger_key)
-    return TestPki(ca_path, server[0], server[1], client[0], client[1], stranger[0], stranger[1])  # type: ignore[arg-type]
-
 
 @dataclass
 class FaultyLauncher:

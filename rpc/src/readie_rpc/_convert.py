@@ -1,0 +1,427 @@
+"""Proto messages to readie values and back: validation without I/O.
+
+A request from the wire becomes a :class:`~readie_worker.jobs.CodeJob` only
+through :func:`code_job`, which refuses what no job needs with a
+:class:`~readie_worker.errors.RequestError` naming the field: negative or
+absurd numbers, NUL characters (no path, argument or variable can hold one,
+and ``compile`` refuses them in source), oversized strings and lists. Checks
+that need the worker's state (the checkpoint exists, a grant fits a mount slot,
+a path is an existing directory) stay with the worker.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from google.protobuf.message import Message
+
+from readie_executor.jobs import bounds
+
+from ._proto.readie.v1 import worker_pb2 as pb
+from ._status import DeadlineExpired
+from readie_worker.core import Capacity
+from readie_worker.errors import PoolWorkerError, RequestError
+from readie_protocol.events import ErrorInfo
+
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
+from readie_worker.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
+from readie_worker.sessions import StepOutcome
+from readie_worker.packages import validate_requirements
+from readie_worker.paths import MAX_PATH_CHARS
+
+# Profile names in a config file are at most this long (config.py).
+MAX_PROFILE_NAME = 64
+# Checkpoint names are short identifiers from checkpoints.toml; the bound keeps
+# the worker's "no checkpoint named ..." message short.
+MAX_CHECKPOINT_NAME = 128
+# Source text of one job. The executor compiles it inside the sandbox; a
+# larger "script" is data, which belongs in a read grant, not in the request.
+MAX_CODE_CHARS = 4 * 1024 * 1024
+# Linux's default ARG_MAX budget for argv and the environment together, and its
+# MAX_ARG_STRLEN for one string: what a script started from a shell could get.
+MAX_ARGV_ENV_CHARS = 2 * 1024 * 1024
+MAX_ARG_CHARS = 128 * 1024
+MAX_ARGS = 4096
+MAX_ENV_VARS = 1024
+# Far above any mount plan (a few slots each); past it the request is garbage,
+# below it the worker refuses with the real slot count.
+MAX_GRANTS = 64
+# An hour: a slot held longer starves the worker's other callers.
+MAX_TIMEOUT_MS = 3600 * 1000
+# More memory or file size than any worker has is a mistake, not a limit, and
+# the executor adds its own baseline to memory_bytes, which must stay in rlim_t.
+MAX_LIMIT_BYTES = 1 << 40
+# A pickled call carries the function (by value, for code the sandbox lacks)
+# and its arguments, data frames included; 64 MiB is generous for that and
+# small enough to hold a few in memory at once on these 24 GiB machines.
+MAX_CALL_PAYLOAD_BYTES = 64 * 1024 * 1024
+# A job whose caller's deadline comes before its own timeout gets the deadline
+# less this: time to kill its sandbox (~0.1 s) and send the structured
+# TimeoutError, partial output and all, before the caller stops listening.
+ANSWER_MARGIN_MS = 1000
+DEFAULT_CWD = "/tmp"
+
+
+def code_job(
+    request: pb.RunJobRequest,
+    time_remaining_s: float | None,
+    limits: Limits = NO_LIMITS,
+    profiles: Mapping[str, Profile] | None = None,
+) -> CodeJob:
+    """The job ``request`` asks for under the server's ceiling, or a RequestError naming the
+    first bad field (as the proto names it).
+
+    ``limits`` and ``profiles`` are that ceiling: a server passes
+    ``Config.network_limits``, which grants nothing unless its operator said
+    so. Paths are checked lexically here; the worker opens them without
+    following symlinks (``grants.py``). ``time_remaining_s`` is what is left
+    of the caller's gRPC deadline (None without one): the job's timeout is
+    never longer, less :data:`ANSWER_MARGIN_MS`.
+    """
+    args = _args(tuple(request.args))
+    env = _env(dict(request.env), budget=MAX_ARGV_ENV_CHARS - sum(len(arg) + 1 for arg in args))
+    asked = _AskedPolicy(
+        profile=_text("profile", request.profile, MAX_PROFILE_NAME) if request.HasField("profile") else None,
+        allow_read=_paths("allow_read", request.allow_read),
+        allow_write=_paths("allow_write", request.allow_write),
+        package_dirs=_paths("package_dirs", request.package_dirs),
+        env=tuple(env.items()) or None,
+        allow_network=True if request.network else None,
+        timeout_ms=_optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS),
+        memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
+        max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+        max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
+        packages=validate_requirements(tuple(request.packages)) or None,
+    )
+    policy = resolve_policy(asked, cwd="/", limits=limits, profiles=profiles, resolve=None)
+    return CodeJob(
+        checkpoint=checkpoint_name(request.checkpoint),
+        code=_text("code", request.code, MAX_CODE_CHARS),
+        name=_text("name", request.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
+        args=args,
+        env=dict(policy.env),
+        cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
+        allow_read=tuple(str(path) for path in policy.allow_read),
+        allow_write=tuple(str(path) for path in policy.allow_write),
+        package_dirs=tuple(str(path) for path in policy.package_dirs),
+        packages=asked.packages or (),
+        network=policy.network,
+        timeout_ms=cut_to_deadline(policy.timeout_ms, time_remaining_s),
+        memory_bytes=policy.memory_bytes,
+        max_output=policy.max_output,
+        max_file_size=policy.max_file_size,
+        functions=_functions(tuple(request.functions)),
+    )
+
+
+class Ceiling(NamedTuple):
+    """What a server lets requests ask for: ``code_job``'s last two arguments."""
+
+    limits: Limits
+    profiles: Mapping[str, Profile]
+
+
+@dataclass(frozen=True, slots=True)
+class _AskedPolicy:
+    """What a RunJobRequest asks of the ceiling, in the shape ``policy.resolve_policy`` reads;
+    None: not asked. A request over gRPC names no script: it sends code."""
+
+    profile: str | None
+    allow_read: tuple[str, ...] | None
+    allow_write: tuple[str, ...] | None
+    package_dirs: tuple[str, ...] | None
+    env: tuple[tuple[str, str], ...] | None
+    allow_network: bool | None
+    timeout_ms: int | None
+    memory_bytes: int | None
+    max_output: int | None
+    max_file_size: int | None
+    packages: tuple[str, ...] | None
+    script: None = None
+
+
+def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> Step:
+    """The step ``message`` asks for within the server's ceiling, or a RequestError naming the
+    first bad field (``step.timeout_ms``: the step's, not the job's)."""
+    try:
+        step = Step(
+            code=_text("code", message.code, MAX_CODE_CHARS),
+            name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
+            args=_args(tuple(message.args)),
+            timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
+            max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+        )
+        check_step(step.timeout_ms, step.max_output, limits)
+    except RequestError as exc:  # named as the step's field, not the session's
+        raise RequestError(exc.reason, field=f"step.{exc.field}") from None
+    return step
+
+
+def call_payload(request: pb.ExecuteRequest) -> bytes:
+    if not request.payload:
+        raise RequestError("empty; it must be a pickled call", field="payload")
+    if len(request.payload) > MAX_CALL_PAYLOAD_BYTES:
+        raise RequestError(f"{len(request.payload)} bytes; at most {MAX_CALL_PAYLOAD_BYTES} are allowed", field="payload")
+    return request.payload
+
+
+def checkpoint_name(name: str) -> str:
+    if not name:
+        raise RequestError("required", field="checkpoint")
+    return _text("checkpoint", name, MAX_CHECKPOINT_NAME)
+
+
+def timeout_ms(request: pb.RunJobRequest | pb.ExecuteRequest, time_remaining_s: float | None) -> int:
+    """The requested timeout (or the default), cut to what the caller's deadline leaves less
+    :data:`ANSWER_MARGIN_MS`, so that a deadline ends the job with its own TimeoutError."""
+    timeout = _optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
+    assert timeout is not None
+    return cut_to_deadline(timeout, time_remaining_s)
+
+
+def cut_to_deadline(timeout: int, time_remaining_s: float | None) -> int:
+    if time_remaining_s is None:
+        return timeout
+    left_ms = int(time_remaining_s * 1000) - ANSWER_MARGIN_MS
+    if left_ms < 1:
+        raise DeadlineExpired(
+            f"the call's deadline leaves no time to run anything and answer ({ANSWER_MARGIN_MS} ms are kept for the answer)"
+        )
+    return min(timeout, left_ms)
+
+
+def run_job_response(
+    outcome: JobOutcome, step: StepOutcome | None = None, session_id: str | None = None
+) -> pb.RunJobResponse:
+    """The response for a job, or for a session's step (``step`` and ``session_id`` set)."""
+    response = pb.RunJobResponse(
+        stdout=outcome.stdout,
+        stderr=outcome.stderr,
+        stdout_truncated=outcome.stdout_truncated,
+        stderr_truncated=outcome.stderr_truncated,
+        duration_us=outcome.duration_us,
+        python=outcome.python,
+        preloaded_modules=outcome.preloaded_modules,
+        backend=outcome.backend,
+        system_exit=outcome.system_exit,
+    )
+    if outcome.host is not None:
+        response.host.CopyFrom(_stats_message(outcome.host))
+    if step is not None:
+        response.step = step.step
+        response.session_ended = step.session_ended
+    if session_id is not None:
+        response.session_id = session_id
+    if outcome.exit is not None:
+        response.exit = outcome.exit
+    if outcome.sandbox_id is not None:
+        response.sandbox_id = outcome.sandbox_id
+    if outcome.error is not None:
+        error = outcome.error
+        response.error.type = error.type
+        response.error.message = error.message
+        if error.file is not None:
+            response.error.file = error.file
+        if error.line is not None:
+            response.error.line = error.line
+        if error.hint is not None:
+            response.error.hint = error.hint
+    return response
+
+
+def _stats_message(stats: HostStats) -> pb.HostStats:
+    return pb.HostStats(
+        calls=stats.calls,
+        replies=stats.replies,
+        junk=stats.junk,
+        forged=stats.forged,
+        host_errors=stats.host_errors,
+        wait_us=stats.wait_us,
+    )
+
+
+def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb.CapacityResponse:
+    return pb.CapacityResponse(
+        slots=capacity.slots,
+        busy=capacity.busy,
+        draining=capacity.draining,
+        isolated=capacity.isolated,
+        pools={name: pb.PoolState(ready=pool["ready"], target=pool["target"]) for name, pool in capacity.pools.items()},
+        worker_name=worker_name,
+        protocol=protocol,
+        sessions=capacity.sessions,
+        max_sessions=capacity.max_sessions,
+        problem=capacity.problem,
+    )
+
+
+def _text(field: str, value: str, limit: int) -> str:
+    if len(value) > limit:
+        raise RequestError(f"{len(value)} characters long; at most {limit} are allowed", field=field)
+    if "\0" in value:
+        raise RequestError("contains a NUL character", field=field)
+    return value
+
+
+def _args(args: tuple[str, ...]) -> tuple[str, ...]:
+    if len(args) > MAX_ARGS:
+        raise RequestError(f"{len(args)} entries; at most {MAX_ARGS} are allowed", field="args")
+    for index, arg in enumerate(args):
+        _text(f"args[{index}]", arg, MAX_ARG_CHARS)
+    if sum(len(arg) + 1 for arg in args) > MAX_ARGV_ENV_CHARS:
+        raise RequestError(f"add up to more than {MAX_ARGV_ENV_CHARS} characters", field="args")
+    return args
+
+
+def _env(env: Mapping[str, str], budget: int) -> dict[str, str]:
+    if len(env) > MAX_ENV_VARS:
+        raise RequestError(f"{len(env)} variables; at most {MAX_ENV_VARS} are allowed", field="env")
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key:
+            raise RequestError(f"invalid variable name: {key[:100]!r}", field="env")
+        _text(f"env[{key[:100]!r}]", value, MAX_ARG_CHARS)
+    if sum(len(key) + len(value) + 2 for key, value in env.items()) > budget:
+        raise RequestError(f"args and env add up to more than {MAX_ARGV_ENV_CHARS} characters", field="env")
+    return env
+
+
+def _functions(functions: tuple[str, ...]) -> tuple[str, ...]:
+    check_functions(functions)  # bounded count, valid names, no repeats
+    return functions
+
+
+def _absolute(field: str, path: str) -> str:
+    _text(field, path, MAX_PATH_CHARS)
+    if not posixpath.isabs(path):
+        raise RequestError(f"{path[:200]!r} is not an absolute path", field=field)
+    return path
+
+
+def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...] | None:
+    """Absolute paths, or None for none: the ceiling checks them next, the worker opens them (grants.py)."""
+    paths = tuple(paths)
+    if len(paths) > MAX_GRANTS:
+        raise RequestError(f"{len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
+    return tuple(_absolute(field, path) for path in paths) or None
+
+
+def _optional_int(message: Message, field: str, low: int, high: int, default: int | None = None) -> int | None:
+    if not message.HasField(field):
+        return default
+    value: int = getattr(message, field)
+    if not low <= value <= high:
+        raise RequestError(f"must be between {low} and {high}, got {value}", field=field)
+    return value
+
+
+# The other direction: what a router (or any client of a worker) sends and reads.
+
+
+def run_job_request(job: CodeJob) -> pb.RunJobRequest:
+    request = pb.RunJobRequest(
+        checkpoint=job.checkpoint,
+        code=job.code,
+        name=job.name,
+        args=job.args,
+        env=dict(job.env),
+        cwd=job.cwd,
+        allow_read=job.allow_read,
+        allow_write=job.allow_write,
+        package_dirs=job.package_dirs,
+        network=job.network,
+        timeout_ms=job.timeout_ms,
+        max_output=job.max_output,
+        packages=job.packages,
+        functions=job.functions,
+    )
+    if job.memory_bytes is not None:
+        request.memory_bytes = job.memory_bytes
+    if job.max_file_size is not None:
+        request.max_file_size = job.max_file_size
+    return request
+
+
+def session_step_message(step: Step) -> pb.SessionStep:
+    message = pb.SessionStep(code=step.code, name=step.name, args=step.args)
+    if step.timeout_ms is not None:
+        message.timeout_ms = step.timeout_ms
+    if step.max_output is not None:
+        message.max_output = step.max_output
+    return message
+
+
+def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
+    """A worker's answer as an outcome; PoolWorkerError for one past what a sandbox can write.
+
+    An honest worker's answer keeps the sandbox's own bounds (the runner
+    caps each field by its encoded size, so by characters too); a router or
+    a pool must not pass on more than that, whatever a broken or hostile
+    worker sends, since everything after (a result line, a client's reader)
+    is sized by them.
+    """
+    _check_bounds(response)
+    error = None
+    if response.HasField("error"):
+        e = response.error
+        error = ErrorInfo(
+            type=e.type,
+            message=e.message,
+            file=e.file if e.HasField("file") else None,
+            line=e.line if e.HasField("line") else None,
+            hint=e.hint if e.HasField("hint") else None,
+        )
+    return JobOutcome(
+        exit=response.exit if response.HasField("exit") else None,
+        stdout=response.stdout,
+        stderr=response.stderr,
+        stdout_truncated=response.stdout_truncated,
+        stderr_truncated=response.stderr_truncated,
+        error=error,
+        duration_us=response.duration_us,
+        python=response.python,
+        preloaded_modules=tuple(response.preloaded_modules),
+        sandbox_id=response.sandbox_id if response.HasField("sandbox_id") else None,
+        backend=response.backend,
+        system_exit=response.system_exit,
+        host=_stats(response.host) if response.HasField("host") else None,
+    )
+
+
+# The text fields of an answer and the most characters an honest sandbox writes in each.
+_ANSWER_BOUNDS = (
+    ("stdout", bounds.MAX_OUTPUT_LIMIT),
+    ("stderr", bounds.MAX_OUTPUT_LIMIT),
+    ("python", bounds.MAX_PYTHON_VERSION),
+)
+_ERROR_BOUNDS = (
+    ("type", bounds.MAX_ERROR_TYPE),
+    ("message", bounds.MAX_ERROR_MESSAGE),
+    ("file", bounds.MAX_FILE_NAME),
+    ("hint", bounds.MAX_HINT),
+)
+
+
+def _check_bounds(response: pb.RunJobResponse) -> None:
+    fields = [(name, getattr(response, name), limit) for name, limit in _ANSWER_BOUNDS]
+    fields += [(f"error.{name}", getattr(response.error, name), limit) for name, limit in _ERROR_BOUNDS]
+    for name, value, limit in fields:
+        if len(value) > limit:
+            raise PoolWorkerError(f"the worker answered a {name} of {len(value)} characters, over the sandbox's {limit}")
+    if len(response.preloaded_modules) > bounds.MAX_PRELOADED_MODULES or any(
+        len(module) > bounds.MAX_MODULE_NAME for module in response.preloaded_modules
+    ):
+        raise PoolWorkerError("the worker answered more preloaded modules than a sandbox reports")
+
+
+def _stats(message: pb.HostStats) -> HostStats:
+    return HostStats(
+        calls=message.calls,
+        replies=message.replies,
+        junk=message.junk,
+        forged=message.forged,
+        host_errors=message.host_errors,
+        wait_us=max(0, message.wait_us),
+    )

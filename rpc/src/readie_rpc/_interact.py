@@ -1,0 +1,316 @@
+"""The serving side of the ``Interact`` stream: a job or a session, its host calls relayed to the client.
+
+One stream, three threads, each blocking on one thing:
+
+* the *reader* pulls the client's messages off the request stream into a
+  bounded inbox (grpc's own flow control pushes back when it is full);
+* the *driver* runs the job, or opens the session and runs its steps, on the
+  runner (the in-process :class:`~readie_worker.core.Worker`, or a router's
+  placement). Its host callback puts a ``call`` event in the outbox and waits
+  in the inbox for the matching ``reply``, both up to the task's deadline;
+* grpc's handler thread yields the outbox's events onto the response stream.
+
+The stream is the session's life. When the client's side ends, whether it
+closed it or cancelled or went away, steps not yet started are dropped (the
+two look alike to the reader for a moment: grpc ends the request iterator
+cleanly on a cancel too, before its termination callback runs), a waiting
+host call is answered with an error, and the driver closes the session (its
+sandbox is destroyed). A step running then finishes after a clean close;
+after a cancel (the RPC terminated: cancelled, deadline, connection lost) it
+is stopped at once. The first message of
+a stream is always served. The server's stream place is given back only
+when the driver is done, so work a cancelled stream left running still
+counts. A client that breaks the protocol (a first message
+that is neither ``job`` nor ``open_session``, or none within
+:data:`FIRST_MESSAGE_S`; a job message mid-session; a reply that is not
+JSON) gets INVALID_ARGUMENT naming the field, and its session ends. Steps
+sent before the previous one's result are not a break: they wait (a few at
+most, :data:`INBOX_MESSAGES`) and run in order, even while a host call
+waits, as long as the client's side stays open.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+import grpc
+
+from ._convert import Ceiling, code_job, run_job_response, session_step
+from ._host_wire import call_message, reply_from_message
+from ._proto.readie.v1 import worker_pb2 as pb
+from ._status import on_the_wire
+from readie_worker.cancel import Cancellation
+from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
+from readie_worker.jobs import HostCall, HostReply, JobOutcome
+from readie_worker.policy import NO_LIMITS
+from readie_worker.runner import JobRunner, SessionHandle
+from readie_worker.sessions import StepOutcome
+
+__all__ = ["Interaction", "Mailbox"]
+
+# A client that keeps to the protocol has one message in flight (a step, or
+# the reply to the one waiting call); a few more absorb a late reply racing
+# the next step. Beyond that the reader stops reading and grpc pushes back.
+INBOX_MESSAGES = 4
+# Events waiting for grpc to send them. The driver blocks past this, and the
+# job with it: a client that stops reading stops its own job's calls (until
+# the call's deadline).
+OUTBOX_EVENTS = 4
+# How long a result may wait for a client that stopped reading before the
+# stream is given up; by then the job or step is over and its slot free.
+RESULT_SEND_S = 60.0
+# Replies to no waiting call that one stream may send: a reply can honestly
+# lose a race with the task's deadline, but not thousands of times.
+MAX_STALE_REPLIES = 64
+# A stream holds a server thread from its start: one that does not say what
+# it wants within this long is refused, and its thread freed.
+FIRST_MESSAGE_S = 30.0
+
+_T = TypeVar("_T")
+
+
+class _Closed:
+    """What a closed, empty mailbox gives instead of an item."""
+
+
+CLOSED = _Closed()
+
+
+class Mailbox(Generic[_T]):
+    """A bounded queue one side can close: puts then fail, gets drain what is left, then CLOSED."""
+
+    def __init__(self, bound: int) -> None:
+        self._items: deque[_T] = deque()
+        self._bound = bound
+        self._closed = False
+        self._changed = threading.Condition()
+
+    def put(self, item: _T, timeout: float | None = None) -> bool:
+        """Wait for room; False (and the item dropped) once the mailbox is closed or ``timeout`` passes."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._closed or len(self._items) < self._bound, timeout)
+            if self._closed or len(self._items) >= self._bound:
+                return False
+            self._items.append(item)
+            self._changed.notify_all()
+            return True
+
+    def get(self, timeout: float | None = None) -> _T | _Closed | None:
+        """The next item; CLOSED once closed and drained; None when ``timeout`` passes first."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._closed or self._items, timeout):
+                return None
+            if not self._items:
+                return CLOSED
+            item = self._items.popleft()
+            self._changed.notify_all()
+            return item
+
+    def close(self, discard: bool = False) -> None:
+        """Refuse further puts; with ``discard``, drop what is waiting too."""
+        with self._changed:
+            self._closed = True
+            if discard:
+                self._items.clear()
+            self._changed.notify_all()
+
+
+class Interaction:
+    """One Interact stream: :meth:`start` it, then :meth:`events` is the handler's response iterator."""
+
+    def __init__(
+        self,
+        runner: JobRunner,
+        requests: Iterator[pb.InteractRequest],
+        context: grpc.ServicerContext,
+        job_id: str,
+        ceiling: Ceiling = Ceiling(NO_LIMITS, {}),
+        bind: Callable[..., None] = lambda **fields: None,
+        done: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._runner = runner
+        self._requests = requests
+        self._context = context
+        self._job_id = job_id
+        self._ceiling = ceiling  # what the server's operator lets a request ask for
+        self._bind = bind  # the call's log line
+        self._done = done  # called once the driver has finished, however the stream ended
+        self._inbox: Mailbox[pb.InteractRequest] = Mailbox(INBOX_MESSAGES)
+        self._outbox: Mailbox[pb.InteractEvent] = Mailbox(OUTBOX_EVENTS)
+        self._held: deque[pb.InteractRequest] = deque()  # steps that came while a host call waited
+        self._error: BaseException | None = None
+        self._broken: RequestError | None = None  # the client broke the protocol during a call
+        self._stale_replies = 0
+        self._client_done = False  # the request stream ended: no further step starts
+        # Set when the RPC ends (cancelled, deadline, client gone): the running job or step stops.
+        self._cancel = Cancellation()
+
+    def start(self) -> Interaction:
+        # Called when the RPC ends for any reason, cancellation included: a
+        # handler blocked on the outbox, or a driver blocked on the inbox, wakes.
+        if not self._context.add_callback(self._hang_up):
+            self._hang_up()  # it has ended already
+        threading.Thread(target=self._read, name="interact-read", daemon=True).start()
+        # Not joined: after a hang-up the driver finishes its job (the worker's
+        # slot and deadline bound it), closes the session and calls ``done``.
+        threading.Thread(target=self._drive, name="interact-drive", daemon=True).start()
+        return self
+
+    def events(self) -> Iterator[pb.InteractEvent]:
+        """Events for the client, in order; raises what ended the stream badly (mapped by the caller)."""
+        while not isinstance(event := self._outbox.get(), _Closed):
+            assert event is not None  # no timeout given
+            yield event
+        if self._error is not None:
+            raise self._error
+
+    def _hang_up(self) -> None:
+        self._inbox.close(discard=True)
+        self._outbox.close(discard=True)
+        self._cancel.cancel()
+
+    def _read(self) -> None:
+        try:
+            for request in self._requests:
+                if not self._inbox.put(request):
+                    return
+        except Exception:  # noqa: BLE001 - the stream broke: the same as the client's side closing
+            pass
+        finally:
+            self._client_done = True
+            self._inbox.close()
+
+    # -- the driver ---------------------------------------------------------
+
+    def _drive(self) -> None:
+        session: SessionHandle | None = None
+        try:
+            first = self._inbox.get(FIRST_MESSAGE_S)
+            if first is None:
+                raise RequestError(f"no job or open_session within {FIRST_MESSAGE_S:.0f} s", field="kind")
+            if isinstance(first, _Closed):
+                return  # the client left before asking anything
+            kind = first.WhichOneof("kind")
+            if kind == "job":
+                job = code_job(first.job, self._context.time_remaining(), *self._ceiling)
+                self._bind(kind="job", checkpoint=job.checkpoint, functions=len(job.functions))
+                outcome = self._runner.run_job(job, self._job_id, host=self._relay, cancel=self._cancel)
+                self._check_protocol()
+                self._send(pb.InteractEvent(result=run_job_response(outcome)), RESULT_SEND_S)
+            elif kind == "open_session":
+                job = code_job(first.open_session, self._context.time_remaining(), *self._ceiling)
+                self._bind(kind="session", checkpoint=job.checkpoint, functions=len(job.functions))
+                session, step = self._runner.open_session(job, self._job_id, host=self._relay, cancel=self._cancel)
+                self._bind(session=session.id)
+                self._serve_session(session, step)
+            else:
+                raise RequestError("the first message must be a job or open_session", field=kind or "kind")
+        except BaseException as exc:  # noqa: BLE001 - reported to the client by events()
+            self._error = exc
+        finally:
+            try:
+                if session is not None:
+                    session.close()
+            finally:
+                self._outbox.close()
+                self._done()
+
+    def _serve_session(self, session: SessionHandle, step: StepOutcome) -> None:
+        while True:
+            self._check_protocol()
+            if not self._send(pb.InteractEvent(result=run_job_response(step.outcome, step, session.id)), RESULT_SEND_S):
+                return  # the client is gone or stopped reading: the session ends
+            self._bind(steps=step.step)
+            if step.session_ended:
+                return
+            request = self._next_request()
+            if request is None:  # the client closed its side: the session ends with the stream
+                return
+            if request.WhichOneof("kind") != "step":
+                raise RequestError("an open session takes steps and replies only", field=request.WhichOneof("kind") or "kind")
+            try:
+                asked = session_step(request.step, self._ceiling.limits)
+            except RequestError as refused:  # as in the pool protocol: the step is refused, the session goes on
+                outcome = JobOutcome.failure(ErrorType.REQUEST, str(on_the_wire(refused)), 0, "")
+                step = StepOutcome(outcome, step.step, False)
+                continue
+            if session.ended:  # the worker closed it between steps (a drain): not the client's doing
+                raise PoolWorkerError(f"session {session.id} was closed by the worker")
+            step = session.run_step(
+                asked,
+                job_id=self._job_id,
+                host=self._relay,
+                cancel=self._cancel,
+            )
+
+    def _next_request(self) -> pb.InteractRequest | None:
+        """The client's next step, skipping stale replies; None once its side ended."""
+        if self._client_done:
+            return None
+        if self._held:
+            return self._held.popleft()
+        while True:
+            message = self._inbox.get()
+            if isinstance(message, _Closed) or message is None:
+                return None
+            if message.WhichOneof("kind") != "reply":
+                return message
+            self._stale_reply()
+
+    def _send(self, event: pb.InteractEvent, timeout: float | None) -> bool:
+        return self._outbox.put(event, timeout)
+
+    # -- host calls, on the driver's thread inside the job -------------------
+
+    def _relay(self, call: HostCall) -> HostReply:
+        """The runner's host callback: the call to the client, its reply back, by the task's deadline."""
+        deadline = call.deadline if call.deadline is not None else time.monotonic() + RESULT_SEND_S
+        event = pb.InteractEvent(call=call_message(call))
+        if self._broken is not None or not self._send(event, _left(deadline)):
+            return HostReply(error=f"{call.function}: the client is gone or not reading")
+        while True:
+            message = self._inbox.get(_left(deadline))
+            if message is None:
+                return HostReply(error=f"{call.function}: no reply from the client before the task's deadline")
+            if isinstance(message, _Closed):
+                return HostReply(error=f"{call.function}: the client closed the stream")
+            try:
+                if self._hold(message):
+                    continue
+                call_id, reply = reply_from_message(message.reply)
+                if call_id == call.call_id:
+                    return reply
+                self._stale_reply()
+            except RequestError as exc:
+                self._broken = exc  # raised once the job has ended; the job sees a failed call
+                self._inbox.close(discard=True)
+                return HostReply(error=f"{call.function}: the client broke the protocol")
+
+    def _hold(self, message: pb.InteractRequest) -> bool:
+        """Keep a step that came early for after this one; False for a reply; RequestError for anything else."""
+        kind = message.WhichOneof("kind")
+        if kind == "reply":
+            return False
+        if kind != "step":
+            raise RequestError("only a reply or a later step may come while a host call waits", field=kind or "kind")
+        if len(self._held) >= INBOX_MESSAGES:
+            raise RequestError(f"more than {INBOX_MESSAGES} steps sent ahead", field="step")
+        self._held.append(message)
+        return True
+
+    def _stale_reply(self) -> None:
+        self._stale_replies += 1
+        if self._stale_replies > MAX_STALE_REPLIES:
+            raise RequestError(f"more than {MAX_STALE_REPLIES} replies to no waiting call", field="reply.call_id")
+
+    def _check_protocol(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

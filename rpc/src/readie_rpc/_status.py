@@ -1,0 +1,153 @@
+"""readie's errors as gRPC status codes: the one place they are mapped.
+
+Every RPC of the worker service runs inside :func:`grpc_errors`, which turns
+whatever the call raised into a status through :func:`status_for`. Nothing
+else in the service picks a status code.
+
+The mapping, and why:
+
+==========================  ===================  =======================================
+error                       status               why
+==========================  ===================  =======================================
+RequestError                INVALID_ARGUMENT     the request is wrong; retrying it as is
+                                                 fails again. The field goes in the
+                                                 details and in ``readie-field``.
+DeadlineExpired,            DEADLINE_EXCEEDED    the caller's time ran out.
+ExecutorTimeout
+SandboxSetupError           UNAVAILABLE          no sandbox to be had here (draining,
+(draining, restore failed,                       restore failed): the same request may
+manifest, checkpoint)                            well succeed on another worker or later,
+                                                 and UNAVAILABLE is what clients retry.
+ResponseTooLarge            RESOURCE_EXHAUSTED   what gRPC itself says of an oversized
+                                                 message.
+Cancelled                   CANCELLED            the caller went away before the work
+                                                 started (the status is mostly for the log).
+PoolWorkerError, any other  INTERNAL             the worker or the sandbox failed under
+ReadieError                                      the call. Not UNAVAILABLE: a call that
+                                                 crashes its sandbox would crash the next
+                                                 one too, and clients must not retry it
+                                                 blindly.
+anything else               INTERNAL             a bug; the details name only its type,
+                                                 the traceback goes to the log.
+==========================  ===================  =======================================
+
+A code job that fails (exception, timeout, crash under the job) is not an RPC
+failure: the worker reports it in the response's ``error``, status OK.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from readie_worker.sandbox import ExecutorTimeout
+
+log = structlog.get_logger("readie.grpc")
+
+# Trailing metadata on every failed call, so clients branch on a name, not on prose.
+ERROR_METADATA_KEY = "readie-error"
+FIELD_METADATA_KEY = "readie-field"
+
+
+class DeadlineExpired(ReadieError):
+    """The caller's gRPC deadline left no time to run anything."""
+
+
+class ResponseTooLarge(ReadieError):
+    """An answer is larger than the service may send."""
+
+
+# Most specific first; the first isinstance match wins. Any other ReadieError is INTERNAL.
+_STATUS_CODES: tuple[tuple[type[ReadieError], grpc.StatusCode], ...] = (
+    (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DeadlineExpired, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ExecutorTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),  # before PoolWorkerError, its base
+    (SandboxSetupError, grpc.StatusCode.UNAVAILABLE),
+    (ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Cancelled, grpc.StatusCode.CANCELLED),  # before PoolWorkerError, its base
+    (PoolWorkerError, grpc.StatusCode.INTERNAL),
+)
+
+
+@dataclass(frozen=True)
+class Status:
+    code: grpc.StatusCode
+    details: str
+    metadata: tuple[tuple[str, str], ...]
+
+
+# Fields the pool protocol (and so the policy module) names otherwise than the proto does.
+_WIRE_NAMES = {"allow_network": "network", "timeout": "timeout_ms", "memory": "memory_bytes"}
+
+
+def on_the_wire(error: RequestError) -> RequestError:
+    """``error`` naming its field as the proto does (``step.timeout`` is ``step.timeout_ms``)."""
+    if error.field is None:
+        return error
+    field = ".".join(_WIRE_NAMES.get(part, part) for part in error.field.split("."))
+    return error if field == error.field else RequestError(error.reason, field=field)
+
+
+def status_for(error: BaseException) -> Status:
+    """The status (code, details, trailing metadata) a failed call ends with."""
+    if isinstance(error, RequestError):
+        error = on_the_wire(error)
+    if not isinstance(error, ReadieError):
+        # A bug: its message could hold anything, so only its type leaves the worker.
+        return Status(grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})", ((ERROR_METADATA_KEY, "InternalError"),))
+    code = next((code for cls, code in _STATUS_CODES if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
+    metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
+    if isinstance(error, RequestError) and error.field:
+        metadata += ((FIELD_METADATA_KEY, error.field),)
+    # A RequestError's message already starts with its field.
+    return Status(code, str(error), metadata)
+
+
+@contextmanager
+def grpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
+    """Run an RPC's body; end the call with :func:`status_for` of anything it raises.
+
+    The body must not call ``context.abort`` itself: abort works by raising,
+    and that exception would be mapped to INTERNAL here.
+    """
+    try:
+        yield
+    except Exception as error:
+        status = status_for(error)
+        if not isinstance(error, ReadieError):
+            log.error("rpc failed with an unexpected error", exc_info=True)
+        context.set_trailing_metadata(status.metadata)
+        context.abort(status.code, status.details)
+
+
+def answered_by_readie(error: grpc.RpcError) -> bool:
+    """Whether a failed call's status came from readie's code (:func:`grpc_errors`), not the transport."""
+    return any(key == ERROR_METADATA_KEY for key, _ in error.trailing_metadata() or ())  # type: ignore[attr-defined]
+
+
+def error_from_status(error: grpc.RpcError) -> ReadieError:
+    """The readie error a failed call to a worker stands for: the inverse of :func:`status_for`.
+
+    A call that failed without readie's metadata never got an answer from the
+    worker's code (connection reset, worker gone): it may have run, so it is
+    a PoolWorkerError and must not be retried blindly.
+    """
+    metadata = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    kind = metadata.get(ERROR_METADATA_KEY)
+    code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
+    if kind == ErrorType.REQUEST:
+        field = metadata.get(FIELD_METADATA_KEY)
+        prefix = f"{field}: "
+        return RequestError(details.removeprefix(prefix) if field else details, field=field)
+    if kind is not None and code == grpc.StatusCode.UNAVAILABLE:
+        return SandboxSetupError(details)  # refused before anything ran: another worker may take it
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # an older worker: the method never ran
+        return SandboxSetupError(f"the worker does not implement this call (older protocol): {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ExecutorTimeout(details or "deadline exceeded")
+    return PoolWorkerError(f"worker call failed ({code.name}): {details}")

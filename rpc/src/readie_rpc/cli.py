@@ -1,0 +1,139 @@
+"""``readie worker``: serve one worker over gRPC until SIGTERM or SIGINT, then drain.
+
+    readie worker --listen 127.0.0.1:50061 --warm base=2 --warm pandas=1 --log=json
+
+A signal starts a graceful drain: health turns NOT_SERVING, new work is
+refused with UNAVAILABLE, running jobs finish (up to --drain-grace seconds),
+every sandbox is destroyed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import structlog
+
+from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
+from readie_worker import enter_mount_namespace
+from readie_worker.errors import ReadieError
+from .grpc_service import DRAIN_NOTICE_S, serve
+from readie_worker.logs import configure_logging
+from readie_worker.config import Config, load_config
+from readie_worker.paths import remove_tree, scratch_dir
+from .security import add_server_arguments, is_local_address, server_security
+from readie_worker.stop_signal import StopSignal
+
+log = structlog.get_logger("readie.worker")
+
+DEFAULT_LISTEN = "127.0.0.1:50061"
+DEFAULT_MANIFEST = Path("build/checkpoints/manifest.json")
+# Refused flags and settings, as argparse exits for its own.
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
+    configure_logging(json=args.log == "json")
+    try:
+        enter_mount_namespace()  # before any thread: the sandboxes' mounts live there
+    except ReadieError as exc:
+        log.error("cannot start", error=str(exc))
+        return 1
+    # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
+    # Only when a dir was not named: a worker killed outright cannot remove it.
+    needs_scratch = args.state_dir is None or args.run_dir is None
+    scratch = scratch_dir("rw-") if needs_scratch else None
+    config = WorkerConfig(
+        manifest=args.manifest,
+        state_dir=args.state_dir or scratch / "state",  # type: ignore[operator]
+        run_dir=args.run_dir or scratch / "run",  # type: ignore[operator]
+        slots=args.slots,
+        max_sessions=args.max_sessions,
+        allow_unisolated=args.allow_unisolated,
+        runsc=args.runsc,
+        **({"warm": dict(args.warm)} if args.warm else {}),
+    )
+    stop = StopSignal()
+    try:
+        return _serve(config, args, stop)
+    finally:
+        if scratch is not None:
+            remove_tree(scratch)
+
+
+def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> int:
+    try:
+        security = server_security(args)
+        security.check(args.listen)  # before any sandbox is made
+        ceiling = load_config(args.config) if args.config is not None else Config()
+    except ReadieError as exc:
+        log.error("cannot serve", error=str(exc))
+        return EXIT_USAGE
+    if security.insecure and not is_local_address(args.listen):
+        log.warning("serving unprotected beyond loopback (--insecure)", address=args.listen, **security.describe())
+    try:
+        worker = Worker(config).start()
+    except ReadieError as exc:
+        log.error("worker did not start", error=str(exc))
+        return 1
+    try:
+        server = serve(worker, args.listen, name=args.name, security=security, config=ceiling)
+    except RuntimeError as exc:  # grpc's way of saying it cannot bind
+        log.error("cannot listen", address=args.listen, error=str(exc))
+        worker.close()
+        return 1
+    stop.wait()
+    server.drain(args.drain_grace, args.drain_notice)
+    return 0
+
+
+def _warm_spec(text: str) -> tuple[str, int]:
+    name, _, count = text.partition("=")
+    if not name or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"wants NAME=N, got {text!r}")
+    return name, int(count)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="readie worker", description="serve a readie worker over gRPC")
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="address to serve on (default %(default)s)")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="checkpoint manifest (default %(default)s)")
+    parser.add_argument("--state-dir", type=Path, help="runsc --root, owned by this worker alone (default: a new temp dir)")
+    parser.add_argument("--run-dir", type=Path, help="sandbox dirs; keep it short (default: a new dir under /tmp)")
+    parser.add_argument("--warm", type=_warm_spec, action="append", default=[], metavar="NAME=N", help="keep N sandboxes of checkpoint NAME ready (repeatable)")
+    parser.add_argument("--slots", type=_positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
+    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
+    parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
+    parser.add_argument("--runsc", default="runsc", metavar="BINARY", help="the runsc to run sandboxes with; its checkpoints must come from the same one (default: runsc on PATH)")
+    parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
+    parser.add_argument("--drain-notice", type=_seconds, default=DRAIN_NOTICE_S, metavar="SECONDS", help="how long a drain answers NOT_SERVING before it closes the port (default %(default)s)")
+    parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")
+    parser.add_argument("--allow-unisolated", action="store_true", help="DEVELOPMENT ONLY: without runsc, run jobs as plain host processes")
+    parser.add_argument(
+        "--config", type=Path, metavar="TOML", help="[pool.limits] and profiles for every job (without: nothing is granted)"
+    )
+    add_server_arguments(parser)
+    return parser
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value

@@ -1,0 +1,224 @@
+"""The calling side of the ``Interact`` stream: host calls answered here, sessions on another worker.
+
+:class:`InteractStream` is one stream from :class:`~readie_rpc.client.WorkerClient`:
+it writes requests, reads events until a result, and answers each ``call``
+event with the caller's host function on the caller's own thread.
+:class:`RemoteSession` is a session that lives in a sandbox on the worker at
+the other end, with the shape of the worker's own
+:class:`~readie_worker.sessions.SandboxSession`, so a router serves both alike.
+
+A session is the stream: it cannot move to another worker, and when the
+stream breaks (the worker died, drained, or was restarted at the same
+address) the session has ended. The step that finds out fails with a
+PoolWorkerError saying so; nothing ever starts a fresh session in its place.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Collection, Sequence
+
+import grpc
+
+from readie_executor.hostwire import MAX_CALLS_PER_TASK
+
+from ._convert import job_outcome, session_step, session_step_message
+from ._host_wire import call_from_message, reply_message
+from ._proto.readie.v1 import worker_pb2 as pb
+from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from ._status import answered_by_readie, error_from_status
+from readie_worker.cancel import NEVER, Cancellation
+from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
+from readie_worker.jobs import CodeJob, HostFunction, HostReply, Step, ask_host
+from readie_worker.sessions import StepOutcome
+
+__all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
+
+# Beyond a job's (or step's) own timeout: the worker enforces the timeout; this
+# only keeps a worker that stopped answering from holding the caller forever.
+DEADLINE_MARGIN_S = 30.0
+# How long closing a session waits for the worker to confirm its sandbox is gone.
+CLOSE_WAIT_S = 10.0
+_END = None
+
+
+class StreamBroken(PoolWorkerError):
+    """The stream ended without the worker's word: the connection or the worker process went away."""
+
+
+class SessionLost(StreamBroken):
+    """A session's stream broke: its worker died, drained or restarted, and the session with it."""
+
+
+class InteractStream:
+    """One Interact call: the first request sent at once, then events read in order."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.WorkerStub,
+        first: pb.InteractRequest,
+        functions: Collection[str],
+        *,
+        timeout_s: float | None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        self._functions = frozenset(functions)
+        # This side writes a message only after reading an event, and a task
+        # makes at most MAX_CALLS_PER_TASK calls (counted in result()), so
+        # the queue holds at most that many replies even if the worker stops reading.
+        self._requests: queue.SimpleQueue[pb.InteractRequest | None] = queue.SimpleQueue()
+        self._requests.put(first)
+        # grpc reads this iterator on a thread of its own until it yields _END.
+        self._call = stub.Interact(iter(self._requests.get, _END), timeout=timeout_s, metadata=metadata)
+        self._overdue = threading.Event()
+
+    def send(self, request: pb.InteractRequest) -> None:
+        self._requests.put(request)
+
+    def result(self, host: HostFunction | None, task_s: float, within_s: float | None = None) -> pb.RunJobResponse:
+        """Read events until the job's (or step's) result, answering its host calls with ``host``.
+
+        ``task_s`` is the task's own timeout: no call waits on the host longer,
+        whatever deadline the worker names. ``within_s`` bounds the whole
+        wait when the stream has no deadline of its own (a session's). Raises
+        the worker's error (``error_from_status``), StreamBroken when the
+        stream broke without one, or PoolWorkerError for events no honest
+        worker sends; in every case the stream is over.
+        """
+        watchdog = None
+        if within_s is not None:
+            watchdog = threading.Timer(within_s, self._give_up)
+            watchdog.daemon = True
+            watchdog.start()
+        calls = 0
+        try:
+            while True:
+                event = self._next_event(within_s)
+                if event.WhichOneof("kind") == "result":
+                    return event.result
+                if event.WhichOneof("kind") != "call":
+                    raise PoolWorkerError("the worker sent an event that is neither a call nor a result")
+                calls += 1
+                if calls > MAX_CALLS_PER_TASK:
+                    raise PoolWorkerError(f"the worker relayed more than {MAX_CALLS_PER_TASK} calls for one task")
+                call = call_from_message(event.call, self._functions, task_s)
+                reply = ask_host(host, call) if host is not None else HostReply(error=f"{call.function}: no host here")
+                self.send(pb.InteractRequest(reply=reply_message(call.call_id, reply)))
+        except BaseException:
+            self.cancel()
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    def _next_event(self, within_s: float | None) -> pb.InteractEvent:
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise PoolWorkerError("the worker ended the stream without a result") from None
+        except grpc.RpcError as error:
+            if self._overdue.is_set():
+                raise PoolWorkerError(f"the worker sent no result within {within_s:.0f} s") from None
+            if not answered_by_readie(error):
+                raise StreamBroken(f"the stream to the worker broke ({error.code().name}: {error.details()})") from None
+            raise error_from_status(error) from None
+
+    def _give_up(self) -> None:
+        self._overdue.set()
+        self.cancel()
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Close this side and wait (up to ``wait_s``) for the worker to end the stream."""
+        self._requests.put(_END)
+        timer = threading.Timer(wait_s, self._call.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            for _ in self._call:  # an honest worker sends nothing more
+                pass
+        except grpc.RpcError:
+            pass  # it ended badly or was cancelled: either way it is over
+        finally:
+            timer.cancel()
+
+    def cancel(self) -> None:
+        self._requests.put(_END)  # else grpc's request thread waits on the queue forever
+        self._call.cancel()
+
+
+class RemoteSession:
+    """A session in a sandbox on another worker; see the module docstring."""
+
+    def __init__(self, stream: InteractStream, job: CodeJob, session_id: str, address: str) -> None:
+        self.id = session_id
+        self.job = job  # the setup, as opened
+        self.address = address
+        self._stream = stream
+        self._lock = threading.Lock()  # one step at a time
+        self._running = False
+        self.ended = False
+
+    def run_step(
+        self,
+        step: Step,
+        *,
+        job_id: str | None = None,  # noqa: ARG002 - the worker logs steps under the stream's request id
+        host: HostFunction | None = None,
+        cancel: Cancellation = NEVER,
+    ) -> StepOutcome:
+        """Run one step on the session's worker.
+
+        RequestError for a step the worker would refuse (the session goes on);
+        SessionLost when the stream broke under it; PoolWorkerError when the
+        worker ended the session otherwise. After either, the session has ended.
+        ``cancel`` ends the stream, which stops the step and ends the session.
+        """
+        message = session_step_message(step)
+        session_step(message)  # the worker's own checks, here, so a refusal does not cost the session
+        with self._lock:
+            if self.ended:
+                raise RequestError(f"session {self.id} has ended", field="session")
+            if self._running:
+                raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
+            self._running = True
+        task_s = (step.timeout_ms or self.job.timeout_ms) / 1000
+        try:
+            self._stream.send(pb.InteractRequest(step=message))
+            with cancel.stopping(self.close):
+                response = self._stream.result(host, task_s, task_s + DEADLINE_MARGIN_S)
+        except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
+            closed = self.ended  # close() cancelled the stream under the step
+            self._end()
+            if closed:
+                raise PoolWorkerError("the session was closed while its step ran") from None
+            if isinstance(exc, StreamBroken):
+                raise SessionLost(
+                    f"the session ended: its worker at {self.address} was lost ({exc}); "
+                    "its state is gone, and only a new session can go on"
+                ) from None
+            raise PoolWorkerError(f"the session ended: {exc}") from None
+        finally:
+            with self._lock:
+                self._running = False
+        outcome = StepOutcome(job_outcome(response), response.step, response.session_ended)
+        if outcome.session_ended:
+            self._end()
+        return outcome
+
+    def close(self) -> None:
+        """End the session; its sandbox is destroyed by the time this returns (or the worker is gone)."""
+        with self._lock:
+            if self.ended:
+                return
+            self.ended = True
+            running = self._running
+        if running:
+            self._stream.cancel()  # the step's own read ends with it; the worker destroys the sandbox
+        else:
+            self._stream.close()
+
+    def _end(self) -> None:
+        with self._lock:
+            self.ended = True
+        self._stream.cancel()

@@ -1,0 +1,227 @@
+"""The fake runner and stream helpers the ``test_interact_streams_*`` modules share.
+
+A fake runner (jobs and session steps that block on an Event, raise, end
+the session or make host calls) stands in for the worker behind the real
+``serve()`` on loopback; ``serve_fake`` starts one per call and stops them
+all at the end. ``hang_ups`` spies on ``Interaction._hang_up`` (the RPC's
+end callback), for tests that must know the server has seen a cancellation.
+Each test module imports the fixtures it uses.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from readie_worker.testing import wait_until as wait_for
+from readie_rpc._interact import Interaction
+from readie_rpc._proto.readie.v1 import worker_pb2 as pb
+from readie_rpc._proto.readie.v1 import worker_pb2_grpc as pb_grpc
+from readie_rpc.client import WorkerClient
+from readie_worker.core import Capacity
+from readie_worker.errors import PoolWorkerError
+from readie_rpc.grpc_service import WorkerServer, serve
+from readie_worker.jobs import CodeJob, HostCall, HostReply, JobOutcome
+from readie_worker.sessions import StepOutcome
+
+WAIT_S = 5.0  # the most any bounded wait below takes when things go right
+
+
+# --------------------------------------------------------------------------- the fake runner
+
+
+def _ok(text: str) -> JobOutcome:
+    return JobOutcome(0, text, "", False, False, None, 1, "", (), None, "fake")
+
+
+class FakeSession:
+    """Steps by code: ``block`` waits for the runner's release, ``exit`` ends the session,
+    ``call N`` makes N host calls (5 s deadline each); anything else returns at once."""
+
+    def __init__(self, runner: FakeRunner, number: int) -> None:
+        self._runner = runner
+        self.id = f"fs-{number}"
+        self.steps: list[str] = []  # codes, recorded as each step starts
+        self.replies: list[HostReply] = []
+        self.ended = False
+        self.closed = threading.Event()
+
+    def run_step(self, step, *, job_id=None, host=None, cancel=None):
+        code = step.code
+        self.steps.append(code)
+        if code == "block":
+            self._runner.release.wait(30)
+        if code.startswith("call"):
+            for call_id in range(1, int(code.split()[1]) + 1):
+                self.replies.append(host(HostCall(call_id, "f", (), {}, time.monotonic() + 5)))
+        if code == "exit":
+            self.ended = True
+        return StepOutcome(_ok(code), len(self.steps) + 1, code == "exit")
+
+    def close(self) -> None:
+        self.ended = True
+        self.closed.set()
+
+
+class FakeRunner:
+    """The runner shape (runner.JobRunner) plus capacity/drain/close; jobs and openings by code.
+
+    ``block`` waits for ``release``; ``raise`` is a bug; ``fail`` a PoolWorkerError;
+    ``call N DEADLINE_S [ARG_BYTES]`` makes N host calls sharing one deadline.
+    """
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.running = 0
+        self.finished = 0
+        self.sessions: list[FakeSession] = []
+        self.replies: list[tuple[HostReply, float]] = []  # a job's host replies, seconds after the job began
+        self.job_done = threading.Event()
+
+    def capacity(self) -> Capacity:
+        return Capacity(2, self.running, False, {}, True, sum(not s.closed.is_set() for s in self.sessions), 4)
+
+    def run_job(self, job: CodeJob, job_id=None, host=None, cancel=None) -> JobOutcome:
+        with self.lock:
+            self.running += 1
+        try:
+            started = time.monotonic()
+            word, *rest = job.code.split()
+            if word == "block":
+                self.release.wait(30)
+            elif word == "raise":
+                raise RuntimeError("a bug in the fake runner")
+            elif word == "fail":
+                raise PoolWorkerError("the fake worker failed the job")
+            elif word == "call":
+                calls, deadline = int(rest[0]), started + float(rest[1])
+                payload = "x" * int(rest[2]) if len(rest) > 2 else None
+                for call_id in range(1, calls + 1):
+                    reply = host(HostCall(call_id, "f", (payload,) if payload else (), {}, deadline))
+                    self.replies.append((reply, time.monotonic() - started))
+                self.job_done.set()
+            return _ok(job.code)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.finished += 1
+
+    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None):
+        with self.lock:
+            session = FakeSession(self, len(self.sessions) + 1)
+            self.sessions.append(session)
+        if job.code == "block":
+            self.release.wait(30)
+        return session, StepOutcome(_ok(job.code), 1, job.code == "exit")
+
+    def drain(self, grace_s: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
+    return wait_for(predicate, timeout)
+
+
+def job_message(code: str, functions: tuple[str, ...] = (), timeout_ms: int = 5000) -> pb.InteractRequest:
+    return pb.InteractRequest(job=pb.RunJobRequest(checkpoint="base", code=code, timeout_ms=timeout_ms, functions=functions))
+
+
+def open_message(code: str, functions: tuple[str, ...] = ()) -> pb.InteractRequest:
+    return pb.InteractRequest(open_session=pb.RunJobRequest(checkpoint="base", code=code, timeout_ms=5000, functions=functions))
+
+
+def step_message(code: str) -> pb.InteractRequest:
+    return pb.InteractRequest(step=pb.SessionStep(code=code))
+
+
+def reply_message(call_id: int, result_json: bytes = b"1") -> pb.InteractRequest:
+    return pb.InteractRequest(reply=pb.HostReply(call_id=call_id, result_json=result_json))
+
+
+class RawStream:
+    """An Interact call driven by hand: messages queued, events read only when asked."""
+
+    def __init__(self, stub: pb_grpc.WorkerStub, *first: pb.InteractRequest, timeout: float | None = None) -> None:
+        self.requests: queue.SimpleQueue[pb.InteractRequest | None] = queue.SimpleQueue()
+        for message in first:
+            self.requests.put(message)
+        self.call = stub.Interact(iter(self.requests.get, None), timeout=timeout)
+
+    def send(self, *messages: pb.InteractRequest) -> None:
+        for message in messages:
+            self.requests.put(message)
+
+    def next(self) -> pb.InteractEvent:
+        return next(self.call)
+
+    def cancel(self) -> None:
+        self.requests.put(None)  # grpc's writer thread ends with the iterator
+        self.call.cancel()
+
+
+class Served:
+    def __init__(self, runner: FakeRunner, server: WorkerServer) -> None:
+        self.runner = runner
+        self.server = server
+        self.address = server.address
+        self._channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.WorkerStub(self._channel)
+        self._cleanups: list[Callable[[], None]] = []
+
+    def client(self) -> WorkerClient:
+        client = WorkerClient(self.address)
+        self._cleanups.append(client.close)
+        return client
+
+    def stream(self, *first: pb.InteractRequest, timeout: float | None = None) -> RawStream:
+        stream = RawStream(self.stub, *first, timeout=timeout)
+        self._cleanups.append(stream.cancel)
+        return stream
+
+    def stop(self) -> None:
+        self.runner.release.set()
+        for cleanup in reversed(self._cleanups):
+            cleanup()
+        self._channel.close()
+        self.server.server.stop(0).wait()
+
+
+@pytest.fixture
+def serve_fake() -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(max_streams: int | None = None) -> Served:
+        runner = FakeRunner()
+        served = Served(runner, serve(runner, "127.0.0.1:0", max_streams=max_streams))  # type: ignore[arg-type]
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.stop()
+
+
+@pytest.fixture
+def hang_ups(monkeypatch: pytest.MonkeyPatch) -> list[Interaction]:
+    """Interactions whose RPC has ended on the server (its hang-up callback ran), in order."""
+    ended: list[Interaction] = []
+    original = Interaction._hang_up
+
+    def spy(self: Interaction) -> None:
+        original(self)
+        ended.append(self)
+
+    monkeypatch.setattr(Interaction, "_hang_up", spy)
+    return ended

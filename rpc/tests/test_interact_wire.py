@@ -1,0 +1,276 @@
+"""The Interact stream's pure parts: no server, no sandbox.
+
+Covered: host calls and replies as proto messages and back (``_host_wire``:
+lossless big integers, undeclared functions, oversized or malformed arguments,
+unencodable results turned into error replies, replies without an outcome or
+with bad JSON), a session step's bounds (``_convert.session_step``, each
+refusal naming its field under ``step.``), and the ``_interact.Mailbox`` that
+joins the stream's threads (bounded puts, close, drain, timeouts), and an
+error text with a lone surrogate still becoming an error reply.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from readie_executor.hostwire import MAX_ARGUMENT_BYTES, MAX_CALL_ID, MAX_RESULT_BYTES
+from readie_executor.jobs import bounds
+from readie_rpc._convert import session_step, session_step_message
+from readie_worker.jobs import Step
+from readie_rpc._host_wire import call_from_message, call_message, reply_from_message, reply_message
+from readie_rpc._interact import CLOSED, Mailbox
+from readie_rpc._proto.readie.v1 import worker_pb2 as pb
+from readie_worker.errors import PoolWorkerError, RequestError
+from readie_worker.jobs import HostCall, HostReply
+
+BIG = [2**64 + 1, -(2**200), 10**4000]
+# Long enough for a thread to block; short enough to keep the tests quick.
+BLOCKED_S = 0.2
+
+
+# --------------------------------------------------------------------------- calls: worker -> client
+
+
+def test_a_call_crosses_both_ways_with_big_integers_exact():
+    kwargs = {"limit": 2**70, "deep": {"a": [None, True, 0.5]}}
+    message = call_message(HostCall(3, "lookup", ("q", BIG), kwargs, time.monotonic() + 10))
+    assert (message.call_id, message.function) == (3, "lookup")
+    assert (json.loads(message.args_json), json.loads(message.kwargs_json)) == (["q", BIG], kwargs)
+    assert 9_000 < message.deadline_ms <= 10_000
+
+    back = call_from_message(message, {"lookup"})
+    assert back == HostCall(3, "lookup", ("q", BIG), kwargs)
+    assert 9 < back.deadline - time.monotonic() <= 10
+
+
+def test_a_call_past_its_deadline_says_zero_ms():
+    assert call_message(HostCall(1, "f", (), {}, time.monotonic() - 5)).deadline_ms == 0
+    assert call_message(HostCall(1, "f", (), {}, None)).deadline_ms == 0
+
+
+def test_a_call_to_an_undeclared_function_is_refused():
+    message = pb.HostCall(call_id=1, function="delete_everything", args_json=b"[]", kwargs_json=b"{}")
+    with pytest.raises(PoolWorkerError, match="'delete_everything', which was not declared"):
+        call_from_message(message, {"lookup"})
+
+
+@pytest.mark.parametrize("call_id", [0, MAX_CALL_ID + 1])
+def test_a_call_id_out_of_range_is_refused(call_id):
+    message = pb.HostCall(call_id=call_id, function="f", args_json=b"[]", kwargs_json=b"{}")
+    with pytest.raises(PoolWorkerError, match=f"id {call_id}"):
+        call_from_message(message, {"f"})
+
+
+def test_arguments_over_a_megabyte_are_refused_before_parsing():
+    half = MAX_ARGUMENT_BYTES // 2
+    args = b'["' + b"x" * half + b'"]'
+    kwargs = b'{"k":"' + b"y" * half + b'"}'
+    message = pb.HostCall(call_id=1, function="f", args_json=args, kwargs_json=kwargs)
+    with pytest.raises(PoolWorkerError, match=f"{len(args) + len(kwargs)} bytes of arguments"):
+        call_from_message(message, {"f"})
+
+
+@pytest.mark.parametrize(
+    ("args_json", "kwargs_json"),
+    [(b'{"a": 1}', b"{}"), (b"1", b"{}"), (b"[]", b"[]"), (b"[]", b"null")],
+)
+def test_arguments_that_are_not_an_array_and_an_object_are_refused(args_json, kwargs_json):
+    message = pb.HostCall(call_id=1, function="f", args_json=args_json, kwargs_json=kwargs_json)
+    with pytest.raises(PoolWorkerError, match="not an array and an object"):
+        call_from_message(message, {"f"})
+
+
+@pytest.mark.parametrize("args_json", [b"[NaN]", b"[1,", b"\xff[]", b""])
+def test_arguments_that_are_not_json_are_refused(args_json):
+    message = pb.HostCall(call_id=1, function="f", args_json=args_json, kwargs_json=b"{}")
+    with pytest.raises(PoolWorkerError, match="not valid JSON"):
+        call_from_message(message, {"f"})
+
+
+# --------------------------------------------------------------------------- replies: client -> worker
+
+
+def test_a_result_crosses_both_ways_losslessly():
+    deep = "bottom"
+    for _ in range(10_000):
+        deep = [deep]
+    message = reply_message(9, HostReply(result={"big": BIG, "deep": deep, "text": "é😀\ud800"}))
+    assert message.WhichOneof("outcome") == "result_json"
+    call_id, reply = reply_from_message(message)
+    assert (call_id, reply.error) == (9, None)
+    assert reply.result["big"] == BIG and reply.result["text"] == "é😀\ud800"
+    depth, value = 0, reply.result["deep"]
+    while isinstance(value, list):
+        depth, value = depth + 1, value[0]
+    assert (depth, value) == (10_000, "bottom")
+
+
+def test_an_error_crosses_both_ways():
+    message = reply_message(4, HostReply(error="backend unavailable"))
+    assert (message.call_id, message.WhichOneof("outcome"), message.error) == (4, "error", "backend unavailable")
+    assert reply_from_message(message) == (4, HostReply(error="backend unavailable"))
+
+
+@pytest.mark.parametrize(
+    ("result", "problem"),
+    [
+        (float("nan"), "nan is not JSON"),
+        (float("inf"), "inf is not JSON"),
+        (object(), "object is not JSON"),
+        ({1: "non-str key"}, "keys must be str"),
+        ("x" * (MAX_RESULT_BYTES + 1), "result too large"),
+    ],
+)
+def test_an_unencodable_result_becomes_an_error_reply(result, problem):
+    message = reply_message(2, HostReply(result=result))
+    assert (message.call_id, message.WhichOneof("outcome")) == (2, "error")
+    assert message.error.startswith("the host's result cannot be sent: ") and problem in message.error
+
+
+def test_a_circular_result_becomes_an_error_reply():
+    loop: list = []
+    loop.append(loop)
+    message = reply_message(1, HostReply(result=loop))
+    assert message.WhichOneof("outcome") == "error" and "circular reference" in message.error
+
+
+def test_an_error_text_with_a_lone_surrogate_still_makes_an_error_reply():
+    message = reply_message(1, HostReply(error="no such file: 'data-\udcff.csv'"))
+    assert message.WhichOneof("outcome") == "error" and message.error.startswith("no such file: 'data-")
+
+
+def test_a_reply_without_an_outcome_is_refused():
+    with pytest.raises(RequestError, match="result_json or error") as refused:
+        reply_from_message(pb.HostReply(call_id=1))
+    assert refused.value.field == "reply"
+
+
+@pytest.mark.parametrize(
+    "result_json", [b"{not json", b"NaN", b"[Infinity]", b'{"a":1,"a":2}', b"\xff", b""]
+)
+def test_a_result_that_is_not_json_is_refused(result_json):
+    with pytest.raises(RequestError, match="not valid JSON") as refused:
+        reply_from_message(pb.HostReply(call_id=1, result_json=result_json))
+    assert refused.value.field == "reply.result_json"
+
+
+def test_a_result_over_a_megabyte_is_refused_by_size():
+    result_json = b'"' + b"x" * MAX_RESULT_BYTES + b'"'
+    with pytest.raises(RequestError, match=f"{len(result_json)} bytes; at most {MAX_RESULT_BYTES}") as refused:
+        reply_from_message(pb.HostReply(call_id=1, result_json=result_json))
+    assert refused.value.field == "reply.result_json"
+    exactly = b'"' + b"x" * (MAX_RESULT_BYTES - 2) + b'"'
+    assert reply_from_message(pb.HostReply(call_id=1, result_json=exactly))[1].result == "x" * (MAX_RESULT_BYTES - 2)
+
+
+# --------------------------------------------------------------------------- session steps
+
+
+def test_a_step_round_trips_and_unset_limits_stay_unset():
+    asked = Step("x += 1", "cell-2.py", ("a",), 5000, 64)
+    assert session_step(session_step_message(asked)) == asked
+    assert session_step(pb.SessionStep(code="pass")) == Step("pass", "<string>", ())
+
+
+@pytest.mark.parametrize(
+    ("step", "field", "problem"),
+    [
+        (pb.SessionStep(code="print(1)\0"), "step.code", "contains a NUL character"),
+        (pb.SessionStep(code="pass", name="n" * (bounds.MAX_FILE_NAME + 1)), "step.name", "characters long"),
+        (pb.SessionStep(code="pass", name="cell\0.py"), "step.name", "contains a NUL character"),
+        (pb.SessionStep(code="pass", args=["ok", "a\0"]), "step.args[1]", "contains a NUL character"),
+        (pb.SessionStep(code="pass", timeout_ms=-1), "step.timeout_ms", "must be between 1 and 3600000, got -1"),
+        (pb.SessionStep(code="pass", timeout_ms=0), "step.timeout_ms", "must be between 1 and 3600000, got 0"),
+        (pb.SessionStep(code="pass", timeout_ms=3600 * 1000 + 1), "step.timeout_ms", "got 3600001"),
+        (pb.SessionStep(code="pass", max_output=-1), "step.max_output", "must be between 0 and"),
+    ],
+    ids=["nul-code", "long-name", "nul-name", "nul-arg", "negative-timeout", "zero-timeout", "over-an-hour", "negative-output"],
+)
+def test_a_bad_step_is_refused_naming_its_field(step, field, problem):
+    with pytest.raises(RequestError, match=problem) as refused:
+        session_step(step)
+    assert refused.value.field == field
+    assert str(refused.value).startswith(f"{field}: ")
+
+
+# --------------------------------------------------------------------------- the mailbox
+
+
+def _in_thread(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_items_come_out_in_order():
+    box: Mailbox[int] = Mailbox(3)
+    assert [box.put(n) for n in (1, 2, 3)] == [True, True, True]
+    assert [box.get(), box.get(), box.get()] == [1, 2, 3]
+
+
+def test_a_full_mailbox_blocks_put_until_a_get():
+    box: Mailbox[int] = Mailbox(1)
+    assert box.put(1)
+    outcome: list[bool] = []
+    putter = _in_thread(lambda: outcome.append(box.put(2)))
+    putter.join(BLOCKED_S)
+    assert putter.is_alive() and outcome == []
+    assert box.get() == 1
+    putter.join(5)
+    assert outcome == [True]
+    assert box.get() == 2
+
+
+def test_close_wakes_a_blocked_put_and_later_puts_fail():
+    box: Mailbox[int] = Mailbox(1)
+    assert box.put(1)
+    outcome: list[bool] = []
+    putter = _in_thread(lambda: outcome.append(box.put(2)))
+    putter.join(BLOCKED_S)
+    assert putter.is_alive()
+    box.close()
+    putter.join(5)
+    assert outcome == [False]
+    assert box.put(3) is False
+    assert (box.get(), box.get()) == (1, CLOSED)  # the dropped items never arrive
+
+
+def test_get_drains_what_is_left_after_close_then_says_closed():
+    box: Mailbox[str] = Mailbox(4)
+    box.put("a")
+    box.put("b")
+    box.close()
+    assert [box.get(), box.get(), box.get(), box.get(timeout=0)] == ["a", "b", CLOSED, CLOSED]
+
+
+def test_get_with_a_timeout_gives_none_when_nothing_comes():
+    box: Mailbox[int] = Mailbox(1)
+    started = time.monotonic()
+    assert box.get(timeout=BLOCKED_S) is None
+    assert time.monotonic() - started >= BLOCKED_S * 0.9
+    assert box.get(timeout=0) is None
+
+
+def test_close_wakes_a_blocked_get():
+    box: Mailbox[int] = Mailbox(1)
+    got: list[object] = []
+    getter = _in_thread(lambda: got.append(box.get()))
+    getter.join(BLOCKED_S)
+    assert getter.is_alive()
+    box.close()
+    getter.join(5)
+    assert got == [CLOSED]
+
+
+def test_a_put_wakes_a_get_waiting_with_a_timeout():
+    box: Mailbox[int] = Mailbox(1)
+    got: list[object] = []
+    getter = _in_thread(lambda: got.append(box.get(timeout=10)))
+    getter.join(BLOCKED_S)
+    box.put(7)
+    getter.join(5)
+    assert got == [7]
