@@ -106,3 +106,10 @@ def test_no_module_is_over_the_line_limit_outside_generated_code() -> None:
     ]
     long = {str(path.relative_to(REPO)): n for path in modules if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert len(modules) > 200 and long == {}, long
+
+
+def test_the_worker_has_no_grpc_the_rpc_layer_does():
+    """The worker is a library any front end drives; gRPC and protobuf are readie_rpc's alone."""
+    for path in (REPO / "worker" / "src").rglob("*.py"):
+        for module in imported_modules(ast.parse(path.read_text())):
+            assert module.split(".")[0] not in ("grpc", "grpc_health", "grpc_reflection", "google", "readie_rpc"), (path, module)
