@@ -39,7 +39,7 @@ from .runsc import Runsc
 from readie_executor.sockets import MAX_SOCKET_PATH
 
 from ._sandbox_dir import SandboxDir
-from .launchers import JOB_MEMORY_SLACK, LocalProcess, RunscCold
+from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
 from .sandbox import Sandbox, SandboxFactory, checkpoint_factory
 from .sessions import SandboxSession, StepOutcome
 
@@ -74,6 +74,8 @@ class WorkerConfig:
     strict_manifest: bool = False
     # Development without gVisor: jobs run as plain host processes. Never a default.
     allow_unisolated: bool = False
+    # An unisolated worker's launcher: LocalProcess, or testing.FaultyLauncher in tests.
+    unisolated_launcher: Launcher | None = None
     # The cgroup backstop of every sandbox (sentry and gofer included). A job's
     # own 'memory' limit (RLIMIT_AS inside) must leave SANDBOX_OVERHEAD below it.
     sandbox_memory_bytes: int = DEFAULT_SANDBOX_MEMORY
@@ -204,7 +206,7 @@ class Worker:
             raise SandboxSetupError(f"cannot start an isolated worker: {reason}")
         log.warning("NO ISOLATION: jobs run as plain host processes", reason=reason)
         self.isolated = False
-        factory = SandboxFactory(LocalProcess(), self.config.run_dir, serve_env(()))
+        factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.config.run_dir, serve_env(()))
         self.factories = {"base": factory}
         self.pools = {"base": WarmSandboxes("base", factory, 0, RefillBudget()).start()}
         return self

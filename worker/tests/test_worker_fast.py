@@ -1,0 +1,106 @@
+"""The Worker's own lifecycle on a launcher that fails on demand: slots, a failed start, the drain,
+session places. Host executor processes (an unisolated worker), no gVisor: seconds.
+
+Under runsc the same rules run in the conformance suites and test_restore.py; here each is
+checked alone, and fast.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from readie_worker.core import Worker, WorkerConfig
+from readie_worker.errors import SandboxSetupError
+from readie_worker.jobs import CodeJob
+from readie_worker.testing import FaultyLauncher, wait_until
+
+
+@pytest.fixture
+def launcher() -> FaultyLauncher:
+    return FaultyLauncher()
+
+
+def start(tmp_path, launcher: FaultyLauncher, **config: object) -> Worker:
+    settings = WorkerConfig.in_temp(tmp_path / "no-manifest.json", allow_unisolated=True, unisolated_launcher=launcher, **config)
+    return Worker(settings).start()
+
+
+def job(code: str) -> CodeJob:
+    return CodeJob(checkpoint="base", code=code, timeout_ms=20_000)
+
+
+def test_jobs_wait_for_one_of_the_slots_and_never_run_more_at_once(tmp_path, launcher):
+    worker = start(tmp_path, launcher, slots=2)
+    busiest: list[int] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            busiest.append(worker.capacity().busy)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outcomes: list[str] = []
+        runs = [threading.Thread(target=lambda i=i: outcomes.append(worker.run_job(job(f"import time\ntime.sleep(0.4)\nprint({i})")).stdout)) for i in range(3)]
+        for run in runs:
+            run.start()
+        for run in runs:
+            run.join(30)
+        assert sorted(outcomes) == ["0\n", "1\n", "2\n"]
+        assert max(busiest) == 2 and launcher.starts == 3
+    finally:
+        watching.set()
+        watcher.join()
+        worker.close()
+
+
+def test_a_sandbox_that_cannot_start_fails_its_job_and_the_worker_keeps_serving(tmp_path):
+    launcher = FaultyLauncher(fail_starts=1)
+    worker = start(tmp_path, launcher)
+    try:
+        failed = worker.run_job(job("print('never')"))
+        assert failed.exit is None and failed.error.type == "SandboxSetupError", failed
+        assert "start failed as the test asked" in failed.error.message
+        served = worker.run_job(job("print('next')"))
+        assert (served.exit, served.stdout) == (0, "next\n"), served
+        # The failed start's, and the served job's sandbox (retired on the worker's retire thread).
+        assert wait_until(lambda: launcher.destroys == 2, 10), launcher
+    finally:
+        worker.close()
+
+
+def test_a_drain_refuses_new_work_and_lets_running_jobs_finish(tmp_path, launcher):
+    worker = start(tmp_path, launcher)
+    finished: list[str] = []
+    running = threading.Thread(target=lambda: finished.append(worker.run_job(job("import time\ntime.sleep(0.5)\nprint('done')")).stdout))
+    running.start()
+    assert wait_until(lambda: worker.capacity().busy == 1, 10)
+    draining = threading.Thread(target=worker.drain, kwargs={"grace_s": 10})
+    draining.start()
+    assert wait_until(lambda: worker.capacity().draining, 5)
+    with pytest.raises(SandboxSetupError, match="draining"):
+        worker.run_job(job("print('late')"))
+    running.join(10)
+    draining.join(15)
+    assert finished == ["done\n"] and not draining.is_alive()
+    assert wait_until(lambda: launcher.destroys == launcher.starts, 10)
+
+
+def test_a_worker_keeps_at_most_max_sessions_and_a_closed_one_frees_its_place(tmp_path, launcher):
+    worker = start(tmp_path, launcher, max_sessions=1)
+    try:
+        session, first = worker.open_session(job("x = 41"))
+        assert first.outcome.exit == 0, first
+        with pytest.raises(SandboxSetupError, match="at most 1 sessions"):
+            worker.open_session(job("y = 1"))
+        assert worker.capacity().sessions == 1
+        session.close()
+        again, _ = worker.open_session(job("y = 1"))
+        assert worker.capacity().sessions == 1
+        again.close()
+    finally:
+        worker.close()
