@@ -32,7 +32,7 @@ from readie_router._events import (
     signal_exit,
 )
 from readie_worker.policy import Policy
-from readie_router._requests import Refused, parse_request
+from readie_protocol.requests import Refused, parse_request
 from readie_protocol.wire import encode_line
 
 # The spec's examples, verbatim, with "pynox" read as "readie" where the spec says so.

@@ -23,7 +23,7 @@ from readie_worker.policy import (
     resolve_script,
     resolve_step,
 )
-from readie_router._requests import JobRequest, parse_request
+from readie_protocol.requests import JobRequest, parse_request
 
 GIB = 1024**3
 MIB = 1024**2

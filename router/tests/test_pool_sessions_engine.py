@@ -14,7 +14,7 @@ import pytest
 from readie_worker.config import parse_config
 from readie_router._events import RuntimeInfo
 from readie_router._engine import PoolEngine, PoolSetup
-from readie_router._requests import SESSION_SETUP_FIELDS
+from readie_protocol.requests import SESSION_SETUP_FIELDS
 from readie_router._sessions import MAX_PENDING_STEPS
 from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_protocol.events import ErrorInfo

@@ -61,7 +61,7 @@ from ._events import JobResult, Stats, job_log_line, ready_event, result_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._intake import MAX_PARKED_BYTES, ByteSource, LineReader, Parked
 from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
-from ._requests import CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest, parse_event
+from readie_protocol.requests import CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest, parse_event
 from ._results import job_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup

@@ -38,7 +38,7 @@ from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
 
-from ._requests import Refused
+from readie_protocol.requests import Refused
 
 __all__ = [
     "DEFAULT_BACKEND",

@@ -44,7 +44,7 @@ from readie_executor import hostwire
 from readie_worker.jobs import HostCall, HostFunction, HostReply
 
 from ._events import call_event
-from ._requests import ReplyRequest
+from readie_protocol.requests import ReplyRequest
 from readie_protocol.wire import RequestId
 
 __all__ = ["HostCalls", "WaitingCall", "encode_call_event", "host_function"]

@@ -13,7 +13,7 @@ from typing import Protocol
 import structlog
 from readie_protocol.lines import LineEvent, LineSplitter
 
-from ._requests import Refused, Request
+from readie_protocol.requests import Refused, Request
 
 __all__ = ["MAX_PARKED_BYTES", "ByteSource", "LineReader", "Parked"]
 

@@ -18,7 +18,7 @@ from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
 from readie_worker.paths import PathRefused, read_no_follow
 from readie_worker.policy import Policy, resolve_policy, resolve_script
 
-from ._requests import JobRequest
+from readie_protocol.requests import JobRequest
 from ._setup import PoolSetup
 
 __all__ = [

@@ -28,7 +28,7 @@ from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
 from ._backend import BackendSession
 from ._events import JobResult, closed_event
 from ._job_building import check_max_output, code_job, request_policy
-from ._requests import CloseSession, JobRequest
+from readie_protocol.requests import CloseSession, JobRequest
 from ._results import job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
 

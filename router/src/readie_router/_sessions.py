@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from ._backend import BackendSession
 from readie_worker.errors import RequestError
 from readie_worker.policy import Policy
-from ._requests import JobRequest
+from readie_protocol.requests import JobRequest
 
 __all__ = ["MAX_PENDING_STEPS", "NamedSession", "SessionPhase", "SessionTable"]
 

@@ -8,7 +8,7 @@ result lines name. The engine that drives them is ``readie pool``.
 from readie_worker.errors import PoolWorkerError, RequestError
 from ._events import ErrorInfo, JobResult, Outcome, RuntimeInfo, ready_event, result_line
 from readie_protocol.lines import MAX_LINE_BYTES, Line, LineSplitter, OversizeLine
-from ._requests import JobRequest, Refused, StatsRequest, parse_request
+from readie_protocol.requests import JobRequest, Refused, StatsRequest, parse_request
 
 __all__ = [
     "MAX_LINE_BYTES",

@@ -38,7 +38,7 @@ from .policy import (
     Resolver,
     resolve_path,
 )
-from .units import parse_duration_ms, parse_size
+from readie_protocol.units import parse_duration_ms, parse_size
 
 __all__ = [
     "CLI_SOURCE",

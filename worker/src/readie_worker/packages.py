@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from readie_protocol.requests import MAX_REQUIREMENT_CHARS
+
 from .errors import RequestError, SandboxSetupError
 
 # name[extras] with optional version clauses; no URLs, paths, options or markers.
@@ -31,7 +33,6 @@ _REQUIREMENT = re.compile(
 )
 # Enough for any real job's list; bounds the install command and the cache key.
 MAX_REQUIREMENTS = 32
-MAX_REQUIREMENT_CHARS = 200
 # A cold install of a few wheels takes seconds; minutes mean a stuck index.
 INSTALL_TIMEOUT_S = 300.0
 STAMP = "readie-packages.json"

@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 
 import structlog
+from readie_protocol.requests import MAX_PATH_BYTES, MAX_PATH_CHARS
 
 from ._mounts import unmount_beneath
 from .errors import SandboxSetupError
@@ -51,10 +52,6 @@ __all__ = [
     "scratch_dir",
 ]
 
-# Linux's PATH_MAX: no longer path can be opened in one call anyway.
-MAX_PATH_BYTES = 4096
-# What request checks count in characters: more of them means more bytes too.
-MAX_PATH_CHARS = MAX_PATH_BYTES
 #: Where every readie process on the host keeps its scratch (runsc state dirs,
 #: sandbox dirs): one directory, so that every worker can refuse grants that
 #: reach any of them, its own or another pool's. Short, because sandbox socket

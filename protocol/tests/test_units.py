@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from readie_worker.errors import ReadieError, UnitError
-from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
+from readie_protocol.errors import ReadieError, UnitError
+from readie_protocol.units import MAX_VALUE, parse_duration_ms, parse_size
 
 KIB = 1024
 MIB = 1024 * KIB

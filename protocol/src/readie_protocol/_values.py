@@ -17,11 +17,11 @@ from typing import Any
 
 from readie_executor import hostwire
 from readie_executor.hostwire import MAX_FUNCTIONS, function_name_problem
-from readie_protocol.wire import json_type
-from readie_worker.errors import shown
-from readie_worker.packages import MAX_REQUIREMENT_CHARS
+from .errors import shown
+from .wire import json_type
 
 __all__ = [
+    "MAX_REQUIREMENT_CHARS",
     "Invalid",
     "argv_string",
     "bool_value",
@@ -36,6 +36,10 @@ __all__ = [
     "requirement",
     "text_value",
 ]
+
+#: One requirement (name[extras] and version clauses): enough for any real
+#: one, and it bounds the install command and the package cache key.
+MAX_REQUIREMENT_CHARS = 200
 
 
 class Invalid(ValueError):

@@ -28,13 +28,14 @@ from typing import Any
 
 from readie_executor import hostwire
 from readie_executor.hostwire import MAX_FUNCTIONS
-from readie_protocol.lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from readie_protocol.wire import RequestId, id_problem, json_type
-from readie_worker.errors import RequestError, UnitError
-from readie_worker.paths import MAX_PATH_CHARS
-from readie_worker.units import MAX_VALUE, parse_duration_ms, parse_size
+
+from .errors import RequestError, UnitError
+from .lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
+from .units import MAX_VALUE, parse_duration_ms, parse_size
+from .wire import RequestId, id_problem, json_type
 
 from ._values import (
+    MAX_REQUIREMENT_CHARS,
     Invalid,
     argv_string,
     bool_value,
@@ -51,8 +52,10 @@ from ._values import (
 
 __all__ = [
     "MAX_FUNCTIONS",
+    "MAX_PATH_BYTES",
     "MAX_NAME_CHARS",
     "MAX_PATH_CHARS",
+    "MAX_REQUIREMENT_CHARS",
     "MAX_REPLY_BYTES",
     "MAX_SESSION_CHARS",
     "SESSION_SETUP_FIELDS",
@@ -68,6 +71,10 @@ __all__ = [
     "refuse_oversize",
 ]
 
+#: Linux's PATH_MAX: no longer path can be opened in one call anyway.
+MAX_PATH_BYTES = 4096
+#: What request checks count in characters: more of them means more bytes too.
+MAX_PATH_CHARS = MAX_PATH_BYTES
 #: The spec: host-function "arguments and results are JSON, at most 1 MB each way".
 MAX_REPLY_BYTES = 1_000_000
 #: Linux's NAME_MAX: ``name`` becomes the file name in tracebacks.
@@ -198,7 +205,7 @@ def parse_request(line: bytes | str) -> Request | Refused:
 
 
 def parse_event(event: LineEvent) -> Request | Refused:
-    """Parse what :class:`~readie_router._lines.LineSplitter` produced."""
+    """Parse what :class:`~readie_protocol.lines.LineSplitter` produced."""
     if isinstance(event, OversizeLine):
         return refuse_oversize(event)
     return parse_request(event.data)

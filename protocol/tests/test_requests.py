@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from readie_worker.errors import RequestError
+from readie_protocol.errors import RequestError
 from readie_protocol.lines import MAX_LINE_BYTES, Line, OversizeLine
-from readie_router._requests import (
+from readie_protocol.requests import (
     MAX_REPLY_BYTES,
     SESSION_SETUP_FIELDS,
     SESSION_STEP_FIELDS,
