@@ -16,7 +16,9 @@ results and call events behind it), and writes the reply:
   value that cannot be sent (not JSON, NaN, too large) is an error too.
 
 A call for a name or a request this client did not declare (which the pool
-never forwards) is answered with an error, so nothing waits on it.
+never forwards) is answered with an error, so nothing waits on it. (A call
+event that is not well formed is the pool breaking the protocol: the
+connection refuses it, and the pool with it.)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from readie_executor import hostwire
 from readie_executor.hostwire import MAX_RESULT_BYTES, function_name_problem
+from readie_protocol.events import CallEvent
 
 from ._errors import RequestError
 
@@ -108,19 +111,12 @@ class HostCalls:
         with self._lock:
             self._by_request.pop(request_id, None)
 
-    def handle(self, event: Mapping[str, Any]) -> None:
+    def handle(self, event: CallEvent) -> None:
         """Start answering one ``call`` event (on the reader thread: never blocks)."""
-        call_id, name = event.get("call_id"), event.get("function")
-        args, kwargs = event.get("args"), event.get("kwargs")
-        if isinstance(call_id, bool) or not isinstance(call_id, int):
-            return  # nothing a reply could name
-        if not isinstance(name, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
-            self._submit(lambda: error_reply(call_id, "the call event is malformed"))
-            return
         with self._lock:
-            functions = self._by_request.get(event.get("id"), {})
-        function = functions.get(name)
-        self._submit(lambda: answer(function, name, call_id, args, kwargs))
+            functions = self._by_request.get(event.id, {})
+        function = functions.get(event.function)
+        self._submit(lambda: answer(function, event.function, event.call_id, event.args, event.kwargs))
 
     def _submit(self, reply: Callable[[], bytes]) -> None:
         with self._lock:

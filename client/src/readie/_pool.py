@@ -1,7 +1,8 @@
 """``Pool``: a ``readie pool`` process driven over its JSONL pipes, safe to share between threads.
 
-One thread reads the pool's stdout and hands each line to the caller waiting
-on its id (results come in completion order, not request order); another
+Both directions go through one :class:`~readie_protocol.connection.PoolConnection`
+(the client's end of the protocol, without I/O). One thread reads the pool's
+stdout into it and hands each answer to the caller waiting on its id (results come in completion order, not request order); another
 keeps the last lines of its stderr for error messages. Callers write their
 request lines under a lock and wait on their own event, so any number of
 threads can have jobs in flight; the pool's own queue (twice its workers)
@@ -18,26 +19,24 @@ the job's exception, a timeout, a worker failure, is returned as the
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-from readie_executor import hostwire
 from readie_executor.jobs import bounds
-from readie_protocol import MAX_LINE_BYTES, LineEvent, LineSplitter, OversizeLine
-from readie_protocol.events import ReadyEvent, Result, parse_ready, parse_result, parse_stats
-
-from readie_worker.errors import ErrorType
+from readie_protocol import MAX_LINE_BYTES
+from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
+from readie_protocol.errors import ErrorType
+from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostCalls, HostFunctions, check_functions
 from ._process import EXIT_WAIT_S, PoolProcess, default_command, pool_flags
-from ._requests import Duration, PathArg, RequestId, Size, encode_line, job_request, session_setup, stats_request
+from ._requests import Duration, PathArg, RequestId, Size, job_request, session_setup, stats_request
 from ._session import Session, new_session_name
 
 __all__ = ["START_TIMEOUT_S", "Pool"]
@@ -56,18 +55,22 @@ MAX_EVENT_LINE_BYTES = 2 * 6 * bounds.MAX_OUTPUT_LIMIT + MAX_LINE_BYTES
 #: What one read of stdout asks for; a line longer than this comes in several.
 READ_BYTES = 64 * 1024
 
-class _Waiter:
-    """One caller's pending line: set exactly once, with the pool's answer or an error."""
+#: What answers a request: its result, or the stats or closed event it asked for.
+Answer = Result | StatsEvent | ClosedEvent
 
-    __slots__ = ("done", "error", "line")
+
+class _Waiter:
+    """One caller's pending answer: set exactly once, with the pool's answer or an error."""
+
+    __slots__ = ("answer", "done", "error")
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.line: dict[str, Any] | None = None
+        self.answer: Answer | None = None
         self.error: ReadieError | None = None
 
-    def answer(self, line: dict[str, Any]) -> None:
-        self.line = line
+    def set(self, answer: Answer) -> None:
+        self.answer = answer
         self.done.set()
 
     def fail(self, error: ReadieError) -> None:
@@ -118,8 +121,9 @@ class Pool:
             *pool_flags(workers, preload, package_dirs, config, router, checkpoints),
             *(f"--router-{name}={os.fspath(value)}" for name, value in security.items() if value is not None),
         ]
-        self._lock = threading.Lock()  # _pending, _ended, _closed, _failure
+        self._lock = threading.Lock()  # _connection, _pending, _ended, _closed, _failure; never held for I/O
         self._write_lock = threading.Lock()  # whole lines on stdin, one at a time
+        self._connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)
         self._pending: dict[RequestId, _Waiter] = {}
         self._ids = itertools.count(1)
         self._ended = False  # stdout is done: nothing more will be answered
@@ -187,16 +191,14 @@ class Pool:
         :class:`~readie.PoolError` when the pool process fails.
         """
         declared = check_functions(functions)
-        request_id = self._next_id()
-        line = encode_line(
-            job_request(
-                request_id, code, script=script, name=name, args=args, allow_read=allow_read,
-                allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
-                timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
-                profile=profile, packages=packages, functions=declared,
-            )
+        request = job_request(
+            self._next_id(), code, script=script, name=name, args=args, allow_read=allow_read,
+            allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
+            timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
+            profile=profile, packages=packages, functions=declared,
         )
-        result = parse_result(self._exchange(request_id, line, declared))
+        result = self._exchange(request, declared)
+        assert isinstance(result, Result)
         if result.error is not None and result.error.type == ErrorType.REQUEST:
             raise RequestError(result.error.message, result=result)
         return result
@@ -239,8 +241,9 @@ class Pool:
 
     def stats(self) -> dict[str, Any]:
         """The pool's counters: the spec's stats event, as the pool wrote it."""
-        request_id = self._next_id()
-        return parse_stats(self._exchange(request_id, encode_line(stats_request(request_id))))
+        stats = self._exchange(stats_request(self._next_id()))
+        assert isinstance(stats, StatsEvent)
+        return stats.to_json()
 
     def close(self, timeout: float | None = None) -> None:
         """End stdin, let the pool finish every accepted job and wait for it to exit.
@@ -289,11 +292,9 @@ class Pool:
         with self._lock:
             return next(self._ids)
 
-    def _exchange(
-        self, request_id: RequestId, line: bytes, functions: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Write ``line`` and wait for the line answering ``request_id``; ``functions`` answer
-        the calls the task makes meanwhile."""
+    def _exchange(self, request: dict[str, Any], functions: dict[str, Any] | None = None) -> Answer:
+        """Send ``request`` and wait for its answer; ``functions`` answer the calls the task makes meanwhile."""
+        request_id = request["id"]
         waiter = _Waiter()
         with self._lock:
             if self._closed:
@@ -303,6 +304,7 @@ class Pool:
             if self._ended:
                 raise self._ended_error("no longer answers")
             # Registered before the line is written: the answer can come at once.
+            line = self._connection.send(request)
             self._pending[request_id] = waiter
         if functions:
             self._host_calls.register(request_id, functions)
@@ -314,6 +316,7 @@ class Pool:
             except (OSError, ValueError):  # ValueError: close() closed stdin meanwhile
                 with self._lock:
                     self._pending.pop(request_id, None)
+                    self._connection.forget(request_id)
                 if self._closed:
                     raise PoolError("the pool is closed") from None
                 self._process.status(EXIT_WAIT_S)
@@ -324,81 +327,60 @@ class Pool:
             self._host_calls.unregister(request_id)
         if waiter.error is not None:
             raise waiter.error
-        assert waiter.line is not None
-        return waiter.line
+        assert waiter.answer is not None
+        return waiter.answer
 
     # ------------------------------------------------------------------ reader threads
 
     def _read_stdout(self, stdout: IO[bytes]) -> None:
         try:
-            lines = _lines(stdout)
-            if self._read_ready(lines):
-                for event in lines:
-                    if isinstance(event, OversizeLine):
-                        self._broken(f"the pool wrote a line of at least {event.size} bytes, over {MAX_EVENT_LINE_BYTES}")
-                        return
-                    self._dispatch(event.data)
+            self._read_events(stdout)
+        except ReadieError as exc:  # the pool broke the protocol (or speaks another version)
+            if self._ready.is_set():
+                self._broken(str(exc))
+            else:
+                self._start_error = exc
         except Exception as exc:  # a bug here must not leave callers waiting forever
             log.exception("readie pool reader failed")
             with self._lock:
                 self._failure = f"the client's reader failed: {type(exc).__name__}: {exc}"
         finally:
+            self._ready.set()
             stdout.close()
             self._end_of_output()
 
-    def _read_ready(self, lines: Iterator[LineEvent]) -> bool:
-        try:
-            try:
-                event = next(lines, None)
-            except (OSError, ValueError) as exc:  # the pipe failed under us: not ready, say so at once
-                self._start_error = PoolError(f"cannot read readie pool's output: {exc}{self._process.stderr_suffix()}")
-                return False
-            if event is None:
-                status = self._process.settle()
-                self._start_error = PoolError(
-                    f"readie pool exited with status {status} before it was ready{self._process.stderr_suffix()}"
-                )
-                return False
-            if isinstance(event, OversizeLine):
-                self._start_error = PoolError(f"readie pool's first line is over {event.size} bytes, not a ready event")
-                return False
-            first = event.data
-            try:
-                obj = json.loads(first)
-            except ValueError:
-                self._start_error = PoolError(f"readie pool's first line is not JSON: {first[:200]!r}")
-                return False
-            try:
-                self.ready = parse_ready(obj)
-            except ReadieError as exc:
-                self._start_error = exc
-                return False
-            return True
-        finally:
-            self._ready.set()
-
-    def _dispatch(self, raw: bytes) -> None:
-        try:
-            obj = _loads(raw)
-        except ValueError:
-            self._broken(f"the pool wrote a line that is not JSON: {raw[:200]!r}")
-            return
-        if not isinstance(obj, dict):
-            self._broken(f"the pool wrote a line that is not an object: {raw[:200]!r}")
-            return
-        if obj.get("event") == "call":
-            self._host_calls.handle(obj)
-            return
-        request_id = obj.get("id")
-        waiter = None
-        if isinstance(request_id, str | int) and not isinstance(request_id, bool):
+    def _read_events(self, stdout: IO[bytes]) -> None:
+        while True:
             with self._lock:
-                waiter = self._pending.pop(request_id, None)
-        if waiter is None:
-            # A caller that was interrupted while waiting, or a pool bug: nobody to tell.
-            log.warning("readie pool answered a request nobody waits for: %.200r", raw)
-            return
-        waiter.answer(obj)
+                event = self._connection.next_event()
+            if event is NEED_DATA:
+                try:
+                    data = stdout.read1(READ_BYTES)
+                except (OSError, ValueError) as exc:
+                    if self._ready.is_set():
+                        raise
+                    # The pipe failed under us: not ready, say so at once.
+                    raise PoolError(f"cannot read readie pool's output: {exc}{self._process.stderr_suffix()}") from None
+                with self._lock:
+                    self._connection.receive_data(data)
+            elif event is ENDED:
+                if not self._ready.is_set():
+                    status = self._process.settle()
+                    raise PoolError(f"readie pool exited with status {status} before it was ready{self._process.stderr_suffix()}")
+                return
+            elif isinstance(event, ReadyEvent):
+                self.ready = event
+                self._ready.set()
+            elif isinstance(event, CallEvent):
+                self._host_calls.handle(event)
+            elif isinstance(event, Stray):
+                # A caller that was interrupted while waiting, or a pool bug: nobody to tell.
+                log.warning("readie pool answered a request nobody waits for: %.200r", event.line)
+            else:
+                with self._lock:
+                    waiter = self._pending.pop(event.id, None)
+                if waiter is not None:
+                    waiter.set(event)
 
     def _send_line(self, line: bytes) -> None:
         """Write one line (a host call's reply) from any thread; a pool that is gone drops it."""
@@ -411,9 +393,9 @@ class Pool:
 
     def _broken(self, why: str) -> None:
         """The pool broke the protocol: nothing it says can be trusted to match a caller any more."""
-        log.error("readie pool broke the protocol: %s", why)
+        log.error("%s", why)
         with self._lock:
-            self._failure = f"readie pool broke the protocol: {why}"
+            self._failure = why
             waiters = list(self._pending.values())
             self._pending.clear()
         for waiter in waiters:
@@ -443,26 +425,3 @@ class Pool:
             return PoolError(self._failure)
         return PoolError(f"readie pool {what}: its output ended and it {state}{self._process.stderr_suffix()}")
 
-
-def _lines(stdout: IO[bytes]) -> Iterator[LineEvent]:
-    """The pool's stdout as lines, none held past :data:`MAX_EVENT_LINE_BYTES`.
-
-    A line over the limit comes out as soon as it is over, not at its end: a
-    pool writing without end must not keep callers waiting. Blank lines are
-    skipped, as the pool skips them on its input.
-    """
-    splitter = LineSplitter(MAX_EVENT_LINE_BYTES)
-    while not splitter.ended:
-        yield from splitter.feed(stdout.read1(READ_BYTES))
-        if (size := splitter.oversize_so_far) is not None:
-            yield OversizeLine(size=size, id=None)
-            return
-
-
-def _loads(raw: bytes) -> Any:
-    """One line of the pool's output. A call event's arguments may nest deeper than
-    ``json.loads`` recurses; hostwire's parser is iterative (and as strict)."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        return hostwire.loads(raw)

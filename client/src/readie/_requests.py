@@ -14,7 +14,6 @@ limit). Whether the pool grants a request is the pool's decision.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -32,16 +31,12 @@ __all__ = [
     "RequestId",
     "Size",
     "close_request",
-    "encode_line",
     "job_request",
     "session_setup",
     "stats_request",
     "step_request",
 ]
 
-# MAX_LINE_BYTES is the pool's own limit (readie_protocol), checked here too,
-# before sending, so the caller learns it from an exception naming the field
-# instead of from a refusal after the upload.
 PathArg: TypeAlias = str | os.PathLike[str]
 #: int: seconds (as the pool reads a bare number); float and timedelta are
 #: converted to whole milliseconds, rounded up; str is sent as is ("250ms", "5s").
@@ -158,41 +153,7 @@ def close_request(id: RequestId, session: str) -> dict[str, Any]:
     return {"id": id, "session": _text(session, "session"), "close": True}
 
 
-def encode_line(request: Mapping[str, Any]) -> bytes:
-    """``request`` as one UTF-8 JSON line with its newline; :class:`RequestError` if the pool would refuse its size."""
-    try:
-        data = _dumps(request).encode("utf-8")
-    except UnicodeEncodeError:
-        field = next((key for key, value in request.items() if not _encodable(value)), None)
-        raise RequestError("contains a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry", field) from None
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"request is not JSON: {exc}") from None
-    if len(data) > MAX_LINE_BYTES:
-        sizes = {key: len(_dumps(value).encode("utf-8")) for key, value in request.items()}
-        biggest = max(sizes, key=sizes.__getitem__)
-        hint = " (pass long code as a file with script=...)" if biggest == "code" else ""
-        raise RequestError(
-            f"the request line is {len(data)} bytes, {sizes[biggest]} of them {biggest}; "
-            f"the pool reads at most {MAX_LINE_BYTES} bytes (1 MiB) per line{hint}; "
-            "put large data in a file under allow_read instead",
-            biggest,
-        )
-    return data + b"\n"
-
-
 # --------------------------------------------------------------------------- conversions
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _encodable(value: Any) -> bool:
-    try:
-        _dumps(value).encode("utf-8")
-    except (UnicodeEncodeError, TypeError, ValueError):
-        return False
-    return True
 
 
 def _put(request: dict[str, Any], key: str, value: Any, convert: Any) -> None:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Self
 from readie_worker.errors import ErrorType
 
 from ._errors import RequestError
-from ._requests import Duration, Size, close_request, encode_line, step_request
-from readie_protocol.events import Result, parse_closed, parse_result
+from ._requests import Duration, Size, close_request, step_request
+from readie_protocol.events import Result
 
 if TYPE_CHECKING:
     from ._pool import Pool
@@ -80,12 +80,12 @@ class Session:
         the pool refuses the step and :class:`~readie.PoolError` when the pool fails.
         """
         with self._lock:
-            request_id = self.pool._next_id()
             request = step_request(
-                request_id, self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
+                self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
                 setup=None if self._open else self.setup,
             )
-            result = parse_result(self.pool._exchange(request_id, encode_line(request), self.functions))
+            result = self.pool._exchange(request, self.functions)
+            assert isinstance(result, Result)
             if result.error is not None and result.error.type == ErrorType.REQUEST:
                 raise RequestError(result.error.message, result=result)
             self._open = not result.session_ended
@@ -98,13 +98,10 @@ class Session:
             if not self._open:
                 return
             self._open = False
-            request_id = self.pool._next_id()
-            answer = self.pool._exchange(request_id, encode_line(close_request(request_id, self.name)))
-            if answer.get("closed") is not True:
-                result = parse_result(answer)
-                assert result.error is not None
-                raise RequestError(result.error.message, result=result)
-            parse_closed(answer)
+            answer = self.pool._exchange(close_request(self.pool._next_id(), self.name))
+            if isinstance(answer, Result):  # the pool refused the close
+                assert answer.error is not None
+                raise RequestError(answer.error.message, result=answer)
 
     def __enter__(self) -> Self:
         return self

@@ -1,7 +1,9 @@
-"""The pool protocol's lines as frozen values, for both ends: the ready event and job results.
+"""The pool protocol's lines as frozen values, for both ends: the ready event, job
+results, the stats, closed and call events.
 
 The pool builds these and writes ``to_json()``; a client parses a line with
-``parse_result`` and the like. Parsing is strict (a wrong type is a
+``parse_result`` and the like (:class:`~readie_protocol.connection.PoolConnection`
+does both). Parsing is strict (a wrong type is a
 :class:`PoolError`: the pool broke the protocol) but forward-compatible:
 fields this side does not know are ignored, since adding a field does not
 bump the protocol version. The version itself is checked once, on the ready
@@ -20,11 +22,15 @@ from .wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
     "RUNTIME_NAME",
+    "CallEvent",
+    "ClosedEvent",
     "ErrorInfo",
     "PolicyInfo",
     "ReadyEvent",
     "Result",
     "RuntimeInfo",
+    "StatsEvent",
+    "parse_call",
     "parse_closed",
     "parse_ready",
     "parse_result",
@@ -198,6 +204,54 @@ class ReadyEvent:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class StatsEvent:
+    """The answer to ``{"id", "stats": true}``: the counters, in the order the pool wrote them."""
+
+    id: RequestId
+    counters: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "event": "stats", **self.counters}
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedEvent:
+    """The answer to ``{"id", "session", "close": true}``; a refused close is answered by a result."""
+
+    id: RequestId
+    session: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "session": self.session, "closed": True}
+
+
+@dataclass(frozen=True, slots=True)
+class CallEvent:
+    """A host-function call the sandbox of request ``id`` made; the client answers with a reply.
+
+    ``args`` and ``kwargs`` are JSON values exactly as the sandbox sent them
+    (integers of any size, any depth): the line is written and read by
+    hostwire's iterative codec, never by ``json`` alone.
+    """
+
+    id: RequestId
+    call_id: int
+    function: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "call",
+            "id": self.id,
+            "call_id": self.call_id,
+            "function": self.function,
+            "args": list(self.args),
+            "kwargs": dict(self.kwargs),
+        }
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -246,21 +300,36 @@ def parse_result(obj: Any) -> Result:
     )
 
 
-def parse_stats(obj: Any) -> dict[str, Any]:
-    """The stats event, as the pool wrote it (the spec: "the same object")."""
+def parse_stats(obj: Any) -> StatsEvent:
+    """The stats event; its counters are kept as the pool wrote them (the spec: "the same object")."""
     fields = _Fields(obj, "the stats event")
     if fields.get("event", str) != "stats":
         _broken(f"expected a stats event, got {_short(obj)}")
     fields.get("jobs", int)
-    return dict(obj)
+    return StatsEvent(
+        id=fields.get("id", (str, int)),
+        counters={key: value for key, value in obj.items() if key not in ("id", "event")},
+    )
 
 
-def parse_closed(obj: Any) -> bool:
+def parse_closed(obj: Any) -> ClosedEvent:
     """The answer to a close: ``{"id", "session", "closed": true}``; a refusal comes as a result."""
     fields = _Fields(obj, "the answer to a close")
     if fields.optional("closed", bool) is not True:
         _broken(f"expected a closed event, got {_short(obj)}")
-    return True
+    return ClosedEvent(id=fields.get("id", (str, int)), session=fields.get("session", str))
+
+
+def parse_call(obj: Any) -> CallEvent:
+    """A ``call`` event."""
+    fields = _Fields(obj, "a call event")
+    return CallEvent(
+        id=fields.get("id", (str, int)),
+        call_id=fields.get("call_id", int),
+        function=fields.get("function", str),
+        args=fields.get("args", list),
+        kwargs=fields.get("kwargs", Mapping),
+    )
 
 
 def _error(fields: _Fields) -> ErrorInfo:

@@ -22,7 +22,8 @@ session manager's (see :attr:`JobRequest.setup_fields`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ __all__ = [
     "ReplyRequest",
     "Request",
     "StatsRequest",
+    "encode_request",
     "parse_event",
     "parse_request",
     "refuse_oversize",
@@ -360,3 +362,44 @@ def _check_reply_size(value: Any, field: str) -> None:
         hostwire.dumps(value, MAX_REPLY_BYTES)
     except ValueError:
         raise RequestError(f"too large: the limit is {MAX_REPLY_BYTES} bytes of JSON", field) from None
+
+
+# --------------------------------------------------------------------------- a client's request lines
+
+
+def encode_request(request: Mapping[str, Any]) -> bytes:
+    """``request`` as one UTF-8 JSON line with its newline; :class:`RequestError` if the pool would refuse its size.
+
+    Checked before sending, so the caller learns the limit from an exception
+    naming the field instead of from a refusal after the upload.
+    """
+    try:
+        data = _dumps(request).encode("utf-8")
+    except UnicodeEncodeError:
+        field = next((key for key, value in request.items() if not _encodable(value)), None)
+        raise RequestError("contains a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry", field) from None
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"request is not JSON: {exc}") from None
+    if len(data) > MAX_LINE_BYTES:
+        sizes = {key: len(_dumps(value).encode("utf-8")) for key, value in request.items()}
+        biggest = max(sizes, key=sizes.__getitem__)
+        hint = " (pass long code as a file with script=...)" if biggest == "code" else ""
+        raise RequestError(
+            f"the request line is {len(data)} bytes, {sizes[biggest]} of them {biggest}; "
+            f"the pool reads at most {MAX_LINE_BYTES} bytes (1 MiB) per line{hint}; "
+            "put large data in a file under allow_read instead",
+            biggest,
+        )
+    return data + b"\n"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        _dumps(value).encode("utf-8")
+    except (UnicodeEncodeError, TypeError, ValueError):
+        return False
+    return True

@@ -1,0 +1,249 @@
+"""One end of a ``readie pool`` conversation, without I/O (h11's ``Connection`` is the model).
+
+Both ends drive the same object. The pool is ``PoolConnection(Role.POOL)``:
+request lines in, events out. A client is ``PoolConnection(Role.CLIENT)``:
+request lines out, events in. Bytes read go to :meth:`receive_data`
+(``b""`` once the other side's output ended); :meth:`next_event` then
+returns what they held, one event at a time, until :data:`NEED_DATA` (or
+:data:`ENDED`); :meth:`send` returns the bytes of one outgoing line for the
+caller to write.
+
+What it keeps beyond single lines is what the two sides must agree on:
+
+* the ready event comes first, and names the protocol version (a client
+  refuses another version with :class:`~readie_protocol.errors.VersionMismatch`);
+* lines are bounded: a request line by :data:`~readie_protocol.lines.MAX_LINE_BYTES`
+  (the pool refuses a longer one, naming its id when it can; a client
+  refuses to send one, naming the field that made it long), an event line by
+  the client's own bound (a pool writing past it, even without ever ending
+  the line, is broken at once);
+* an answer is read as what its request asked for (a result, the stats
+  event, the closed event), matched by id among the requests in flight.
+
+The pool side never raises on input: a bad line is a
+:class:`~readie_protocol.requests.Refused`. The client side raises
+:class:`~readie_protocol.errors.PoolError` when the pool breaks the
+protocol, and keeps raising it: nothing after a broken line can be trusted
+to match a caller.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Final
+
+from readie_executor import hostwire
+
+from .errors import PoolError, ReadieError
+from .events import (
+    CallEvent,
+    ClosedEvent,
+    ReadyEvent,
+    Result,
+    StatsEvent,
+    parse_call,
+    parse_closed,
+    parse_ready,
+    parse_result,
+    parse_stats,
+)
+from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine
+from .requests import Refused, Request, encode_request, parse_event
+from .wire import RequestId, encode_line
+
+__all__ = [
+    "ENDED",
+    "NEED_DATA",
+    "ClientEvent",
+    "PoolConnection",
+    "Role",
+    "Stray",
+]
+
+
+class Role(enum.Enum):
+    CLIENT = "client"  # writes requests, reads the pool's events
+    POOL = "pool"  # reads requests, writes events
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: :meth:`PoolConnection.next_event`: no whole line yet, feed more bytes.
+NEED_DATA: Final = _Marker("NEED_DATA")
+#: :meth:`PoolConnection.next_event`: the other side's output ended, and every line of it was read.
+ENDED: Final = _Marker("ENDED")
+
+
+class Stray:
+    """A line answering no request in flight: a caller that gave up on it, or a pool bug."""
+
+    __slots__ = ("line",)
+
+    def __init__(self, line: bytes) -> None:
+        self.line = line
+
+    def __repr__(self) -> str:
+        return f"Stray({self.line[:200]!r})"
+
+
+ClientEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CallEvent | Stray
+PoolEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CallEvent
+
+
+class _Answer(enum.Enum):
+    """What a request in flight is answered with."""
+
+    RESULT = "result"
+    STATS = "stats"
+    CLOSE = "close"  # the closed event, or a result when the close is refused
+
+
+class PoolConnection:
+    """The protocol state of one side of a pool's stdin/stdout pair.
+
+    ``max_line_bytes`` bounds incoming lines: the request limit on the pool's
+    side (the default), the client's own bound for event lines on a client's.
+    Not thread-safe: a client that sends from several threads holds one lock
+    around every call.
+    """
+
+    def __init__(self, our_role: Role, *, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+        self.our_role = our_role
+        self._splitter = LineSplitter(max_line_bytes)
+        self._max_line_bytes = max_line_bytes
+        self._lines: deque[LineEvent] = deque()
+        self._ready_seen = False  # the ready event was sent (pool) or read (client)
+        self._in_flight: dict[RequestId, _Answer] = {}
+        self._broken: PoolError | None = None
+        #: The size of the line the last event of :meth:`next_event` came from
+        #: (0 for an oversize line, which is never held): what a pool counts
+        #: against the bytes it keeps parked.
+        self.last_line_bytes = 0
+
+    # ------------------------------------------------------------------ incoming
+
+    def receive_data(self, data: bytes) -> None:
+        """Bytes the other side wrote; ``b""`` when its output ended."""
+        self._lines.extend(self._splitter.feed(data))
+        if self.our_role is Role.CLIENT and (size := self._splitter.oversize_so_far) is not None:
+            # A pool writing without end must not keep callers waiting for its newline.
+            self._lines.append(OversizeLine(size=size, id=None))
+
+    def next_event(self) -> Request | Refused | ClientEvent | _Marker:
+        """The next event the bytes so far hold, or :data:`NEED_DATA` / :data:`ENDED`.
+
+        The pool's side gets requests and refusals; a client's gets the
+        ready event first, then results, stats, closed and call events, and
+        :class:`Stray` lines.
+        """
+        if self._broken is not None:
+            raise self._broken
+        if not self._lines:
+            return ENDED if self._splitter.ended else NEED_DATA
+        line = self._lines.popleft()
+        self.last_line_bytes = len(line.data) if isinstance(line, Line) else 0
+        if self.our_role is Role.POOL:
+            return parse_event(line)
+        try:
+            return self._client_event(line)
+        except PoolError as exc:
+            self._broken = exc
+            raise
+        except ReadieError:  # VersionMismatch: nothing after it is read either
+            self._broken = PoolError("the pool speaks another protocol version")
+            raise
+
+    # ------------------------------------------------------------------ outgoing
+
+    def send(self, event: Mapping[str, Any] | PoolEvent) -> bytes:
+        """The line for one outgoing request (a client's: a JSON object) or event (the pool's).
+
+        A client's request line over the limit raises
+        :class:`~readie_protocol.errors.RequestError` naming the field that made
+        it long; a request with an id expects its answer by that id.
+        """
+        if self.our_role is Role.CLIENT:
+            assert isinstance(event, Mapping), "a client sends requests as JSON objects"
+            line = encode_request(event)
+            request_id = event.get("id")
+            if "reply" not in event and request_id is not None:
+                self._in_flight[request_id] = _answer_to(event)
+            return line
+        assert not isinstance(event, Mapping), "the pool sends typed events"
+        if isinstance(event, ReadyEvent) != (not self._ready_seen):
+            raise RuntimeError("the ready event is the pool's first line, and only that")
+        self._ready_seen = True
+        if isinstance(event, CallEvent):
+            # Arguments may hold integers of any size and any depth: hostwire writes both.
+            return hostwire.dumps(event.to_json()) + b"\n"
+        return encode_line(event.to_json())
+
+    def forget(self, request_id: RequestId) -> None:
+        """A request whose line could not be written: no answer will come for it."""
+        self._in_flight.pop(request_id, None)
+
+    # ------------------------------------------------------------------ the client's reading
+
+    def _client_event(self, line: LineEvent) -> ClientEvent:
+        if not self._ready_seen:
+            self._ready_seen = True
+            return parse_ready(_first_line(line))
+        if isinstance(line, OversizeLine):
+            _broken(f"the pool wrote a line of at least {line.size} bytes, over {self._max_line_bytes}")
+        obj = _loads(line.data)
+        if obj.get("event") == "call":
+            return parse_call(obj)
+        request_id = obj.get("id")
+        answer = self._in_flight.pop(request_id, None) if isinstance(request_id, str | int) else None
+        if answer is None or isinstance(request_id, bool):
+            return Stray(line.data)
+        if answer is _Answer.STATS:
+            return parse_stats(obj)
+        if answer is _Answer.CLOSE and obj.get("closed") is not None:
+            return parse_closed(obj)
+        return parse_result(obj)
+
+
+def _answer_to(request: Mapping[str, Any]) -> _Answer:
+    if "stats" in request:
+        return _Answer.STATS
+    if request.get("close") is True:
+        return _Answer.CLOSE
+    return _Answer.RESULT
+
+
+def _first_line(line: LineEvent) -> Any:
+    if isinstance(line, OversizeLine):
+        raise PoolError(f"readie pool's first line is over {line.size} bytes, not a ready event")
+    try:
+        return json.loads(line.data)
+    except (ValueError, RecursionError):
+        raise PoolError(f"readie pool's first line is not JSON: {line.data[:200]!r}") from None
+
+
+def _loads(raw: bytes) -> dict[str, Any]:
+    """One line of the pool's. A call event's arguments may nest deeper than
+    ``json.loads`` recurses; hostwire's parser is iterative (and as strict)."""
+    try:
+        try:
+            obj = json.loads(raw)
+        except RecursionError:
+            obj = hostwire.loads(raw)
+    except ValueError:  # hostwire.WireError is one too
+        _broken(f"the pool wrote a line that is not JSON: {raw[:200]!r}")
+    if not isinstance(obj, dict):
+        _broken(f"the pool wrote a line that is not an object: {raw[:200]!r}")
+    return obj
+
+
+def _broken(why: str) -> Any:
+    raise PoolError(f"readie pool broke the protocol: {why}")
