@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import readie
@@ -13,9 +14,17 @@ from readie_protocol.events import parse_ready, parse_result, parse_stats
 from readie_router.protocol import PoolWorkerError as RouterPoolWorkerError
 from readie_router.protocol import RequestError as RouterRequestError
 from readie_router.protocol import ErrorInfo as RouterErrorInfo
-from readie_router.protocol import JobResult, Outcome, ready_event, result_line
+from readie_router.protocol import JobResult, Outcome
 from readie_router.protocol import RuntimeInfo as RouterRuntimeInfo
 from readie_worker.policy import Policy
+
+
+def result_line(result: JobResult) -> dict[str, Any]:
+    return result.to_wire().to_json()
+
+
+def ready_event(**fields: Any) -> dict[str, Any]:
+    return ReadyEvent.pool(**fields).to_json()
 
 # Verbatim from the pool protocol spec (pool-protocol.txt, "Results"), joined into one line.
 SPEC_RESULT = (

@@ -23,17 +23,22 @@ from readie_router._events import (
     Outcome,
     RuntimeInfo,
     Stats,
-    call_event,
-    closed_event,
     job_log_line,
     policy_info,
-    ready_event,
-    result_line,
     signal_exit,
 )
 from readie_worker.policy import Policy
 from readie_protocol.requests import Refused, parse_request
+from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent
 from readie_protocol.wire import encode_line
+
+def result_line(result: JobResult) -> dict[str, Any]:
+    return result.to_wire().to_json()
+
+
+def ready_event(**fields: Any) -> dict[str, Any]:
+    return ReadyEvent.pool(**fields).to_json()
+
 
 # The spec's examples, verbatim, with "pynox" read as "readie" where the spec says so.
 SPEC_READY = """{"event": "ready", "workers": 2, "runtime": "pynox", "preloaded_modules": [], "package_dirs": [],
@@ -130,7 +135,7 @@ def test_spec_stats() -> None:
             ))
     stats.session_started()
     stats.session_started()
-    snapshot = stats.snapshot("s1", uptime_ms=81234, workers=4)
+    snapshot = stats.snapshot("s1", uptime_ms=81234, workers=4).to_json()
     # The spec's fields, in its order; then readie's extra host-function counters.
     host = snapshot.pop("host")
     assert_same(snapshot, spec(SPEC_STATS))
@@ -143,7 +148,7 @@ def test_stats_jobs_is_the_sum_of_disjoint_outcomes() -> None:
     stats.record(JobResult.from_error(2, SandboxSetupError("no mount")))
     stats.record(JobResult(id=3, outcome=Outcome.SIGNAL, exit=signal_exit(9), error=ErrorInfo("SignalError", "killed by SIGKILL")))
     stats.record(JobResult(id=4, outcome=Outcome.FAILED, exit=1, error=ErrorInfo("TimeoutError", "raised by the code")))
-    snap = stats.snapshot(5, uptime_ms=0, workers=1)
+    snap = stats.snapshot(5, uptime_ms=0, workers=1).to_json()
     assert (snap["jobs"], snap["worker_errors"], snap["signals"], snap["failed"], snap["timeouts"]) == (4, 2, 1, 1, 0)
     # A TimeoutError the code raised is a failure, not a pool timeout.
     assert snap["errors"] == {"PoolWorkerError": 1, "SandboxSetupError": 1, "SignalError": 1, "TimeoutError": 1}
@@ -151,9 +156,9 @@ def test_stats_jobs_is_the_sum_of_disjoint_outcomes() -> None:
 
 def test_stats_snapshot_is_a_copy() -> None:
     stats = Stats()
-    snap = stats.snapshot(1, 0, 1)
+    snap = stats.snapshot(1, 0, 1).to_json()
     snap["errors"]["X"] = 1
-    assert stats.snapshot(1, 0, 1)["errors"] == {}
+    assert stats.snapshot(1, 0, 1).to_json()["errors"] == {}
 
 
 def test_sessions_active_cannot_go_negative() -> None:
@@ -178,7 +183,7 @@ def test_stats_counters_add_up(outcomes: list[Outcome]) -> None:
     for outcome in outcomes:
         exit = 0 if outcome is Outcome.OK else 1
         stats.record(JobResult(id=1, outcome=outcome, exit=exit, error=error_for[outcome], duration_us=1500))
-    snap = stats.snapshot(1, 0, 1)
+    snap = stats.snapshot(1, 0, 1).to_json()
     counters = ("ok", "failed", "timeouts", "signals", "request_errors", "worker_errors")
     assert snap["jobs"] == len(outcomes) == sum(snap[c] for c in counters)
     assert sum(snap["errors"].values()) == len(outcomes) - snap["ok"]
@@ -297,8 +302,8 @@ def test_duration_ms_rounds_down() -> None:
 
 
 def test_spec_call_event_and_close() -> None:
-    assert_same(call_event("t1", 7, "search", ["readie"], {"limit": 2}), spec(SPEC_CALL))
-    assert_same(closed_event(3, "notebook-7"), {"id": 3, "session": "notebook-7", "closed": True})
+    assert_same(CallEvent("t1", 7, "search", ["readie"], {"limit": 2}).to_json(), spec(SPEC_CALL))
+    assert_same(ClosedEvent(3, "notebook-7").to_json(), {"id": 3, "session": "notebook-7", "closed": True})
 
 
 # --------------------------------------------------------------------------- encoding

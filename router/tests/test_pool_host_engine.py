@@ -14,7 +14,8 @@ from pathlib import Path
 
 from readie_executor import hostwire
 from readie_router._events import RuntimeInfo
-from readie_router._host import encode_call_event
+from readie_protocol.connection import PoolConnection, Role
+from readie_protocol.events import CallEvent, ReadyEvent
 from readie_router._engine import PoolEngine, PoolSetup
 from readie_router.testing import FakeBackend, MemorySink, MemorySource
 from readie_worker.jobs import HostCall, HostReply
@@ -222,7 +223,9 @@ def test_call_events_of_deep_values_are_written_without_recursion():
     deep: list = []
     for _ in range(100_000):
         deep = [deep]
-    line = encode_call_event("t", 3, HostCall(1, "echo", (deep,), {"s": "a\nb\ud800"}))
+    connection = PoolConnection(Role.POOL)
+    connection.send(ReadyEvent.pool(workers=1))
+    line = connection.send(CallEvent("t", 3, "echo", [deep], {"s": "a\nb\ud800"}))
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     event = hostwire.loads(line)
     assert (event["event"], event["id"], event["call_id"], event["kwargs"]) == ("call", "t", 3, {"s": "a\nb\ud800"})

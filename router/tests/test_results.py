@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from readie_router._events import (
     EXIT_NOT_RUN,
     EXIT_TIMEOUT,
     Outcome,
+    JobResult,
     RuntimeInfo,
-    result_line,
 )
 from readie_worker.policy import Policy
 from readie_router._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_router.testing import ok_outcome
 from readie_protocol.events import ErrorInfo
 from readie_worker.jobs import JobOutcome
+
+
+def result_line(result: JobResult) -> dict[str, Any]:
+    return result.to_wire().to_json()
 
 RUNTIME = RuntimeInfo.pool("3.11.2", ("numpy",))
 POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)

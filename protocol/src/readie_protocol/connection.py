@@ -58,6 +58,7 @@ __all__ = [
     "ENDED",
     "NEED_DATA",
     "ClientEvent",
+    "PoolEvent",
     "PoolConnection",
     "Role",
     "Stray",

@@ -13,7 +13,8 @@ byte by the conformance suite.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -190,6 +191,25 @@ class ReadyEvent:
     config: str | None
     profiles: tuple[str, ...]
     protocol: int = PROTOCOL_VERSION
+
+    @classmethod
+    def pool(
+        cls,
+        workers: int,
+        preloaded_modules: Iterable[str] = (),
+        package_dirs: Iterable[str | os.PathLike[str]] = (),
+        config: str | os.PathLike[str] | None = None,
+        profiles: Iterable[str] = (),
+    ) -> ReadyEvent:
+        """The ready event of a ``readie pool`` set up so."""
+        return cls(
+            workers=workers,
+            runtime=RUNTIME_NAME,
+            preloaded_modules=tuple(preloaded_modules),
+            package_dirs=tuple(os.fspath(path) for path in package_dirs),
+            config=None if config is None else os.fspath(config),
+            profiles=tuple(profiles),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

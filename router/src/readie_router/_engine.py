@@ -51,17 +51,18 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
-from readie_protocol.lines import Line
+from readie_protocol.connection import PoolConnection, PoolEvent, Role
+from readie_protocol.events import ReadyEvent
 from readie_protocol.wire import RequestId, encode_line
 from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
 from readie_worker.jobs import HostFunction, JobOutcome
 
 from ._backend import JobBackend
-from ._events import JobResult, Stats, job_log_line, ready_event, result_line
+from ._events import JobResult, Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
-from ._intake import MAX_PARKED_BYTES, ByteSource, LineReader, Parked
+from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
-from readie_protocol.requests import CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest, parse_event
+from readie_protocol.requests import CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest
 from ._results import job_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
@@ -138,7 +139,9 @@ class PoolEngine:
         # Each line with the budget it releases once written (None: a call event).
         self._outbox: asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None] = asyncio.Queue()
         self._changed = asyncio.Event()  # intake's conditions may have changed (see _until)
-        self._host_calls = HostCalls()
+        # The pool's end of the protocol: requests in, events out.
+        self._connection = PoolConnection(Role.POOL)
+        self._host_calls = HostCalls(self._connection.send)
         self._jobs: set[asyncio.Task[None]] = set()
         self._intake_task: asyncio.Task[None] | None = None
         self._aborted = asyncio.Event()
@@ -190,7 +193,7 @@ class PoolEngine:
         failed or an abort gave up on writing.
         """
         try:
-            await sink.write(encode_line(self._ready()))
+            await sink.write(self._connection.send(self._ready()))
         except OSError as exc:
             log.error("cannot write the ready event", error=str(exc))
             return 1
@@ -245,21 +248,21 @@ class PoolEngine:
         its reply, up to :data:`MAX_PARKED_BYTES` ahead. :meth:`_admit` takes
         the parked lines in order, a permit each.
         """
-        lines = LineReader(source)
+        requests = RequestReader(source, self._connection)
         parked = Parked()
         admitting = asyncio.create_task(self._admit(parked), name="readie-pool-admit")
         try:
             while True:
                 await self._until(lambda: self._may_read(parked))
-                event = await lines.next()
-                if event is None:
+                received = await requests.next()
+                if received is None:
                     break
+                request, size = received
                 parsed_at = self._now_ns()
-                request = parse_event(event)
                 if isinstance(request, ReplyRequest):
                     await self._accept_reply(request)
                     continue
-                parked.push(request, parsed_at, len(event.data) if isinstance(event, Line) else 0)
+                parked.push(request, parsed_at, size)
                 self._changed.set()
             self._host_calls.close(_STDIN_ENDED)
             parked.ended = True
@@ -390,10 +393,10 @@ class PoolEngine:
             line = encode_line(job_log_line(result, self._wall_ms()))
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_line(line.decode("utf-8").rstrip("\n"))
-        self._outbox.put_nowait((encode_line(result_line(result)), budget or self._permits))
+        self._outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
 
-    def _answer(self, obj: dict[str, Any]) -> None:
-        self._outbox.put_nowait((encode_line(obj), self._permits))
+    def _answer(self, event: PoolEvent) -> None:
+        self._outbox.put_nowait((self._connection.send(event), self._permits))
 
     async def _write_out(self, sink: ByteSink) -> None:
         while (item := await self._outbox.get()) is not None:
@@ -410,9 +413,9 @@ class PoolEngine:
                     budget.release()
                     self._changed.set()
 
-    def _ready(self) -> dict[str, Any]:
+    def _ready(self) -> ReadyEvent:
         setup = self.setup
-        return ready_event(
+        return ReadyEvent.pool(
             workers=setup.workers,
             preloaded_modules=setup.runtime.preloaded_modules,
             package_dirs=setup.package_dirs,

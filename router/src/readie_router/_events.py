@@ -1,9 +1,8 @@
-"""What the pool writes: the ready event, results, stats, call and close events, job logs.
+"""What the pool reports: results, stats, job logs.
 
-Each builder returns a dict with every field the spec shows, in the spec's
-key order, ready for :func:`~readie_protocol.wire.encode_line`. The ready
-event and results are ``readie_protocol.events`` values, the ones a client
-parses them back into; :class:`JobResult` is the engine's account of a job,
+The lines themselves are ``readie_protocol.events`` values, written through
+the pool's :class:`~readie_protocol.connection.PoolConnection` and parsed
+back into the same values by a client; :class:`JobResult` is the engine's account of a job,
 which also says which outcome counter it belongs to, so :class:`Stats`
 never guesses from strings, and :meth:`JobResult.to_wire` is its line.
 
@@ -28,12 +27,10 @@ refuse a pool that speaks a version they do not.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent
 from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
@@ -51,12 +48,8 @@ __all__ = [
     "Outcome",
     "RuntimeInfo",
     "Stats",
-    "call_event",
-    "closed_event",
     "job_log_line",
     "policy_info",
-    "ready_event",
-    "result_line",
     "signal_exit",
 ]
 
@@ -197,28 +190,6 @@ class JobResult:
 # --------------------------------------------------------------------------- builders
 
 
-def ready_event(
-    *,
-    workers: int,
-    preloaded_modules: Iterable[str] = (),
-    package_dirs: Iterable[str | Path] = (),
-    config: str | Path | None = None,
-    profiles: Iterable[str] = (),
-) -> dict[str, Any]:
-    return ReadyEvent(
-        workers=workers,
-        runtime=RUNTIME_NAME,
-        preloaded_modules=tuple(preloaded_modules),
-        package_dirs=tuple(str(p) for p in package_dirs),
-        config=None if config is None else str(config),
-        profiles=tuple(profiles),
-    ).to_json()
-
-
-def result_line(result: JobResult) -> dict[str, Any]:
-    return result.to_wire().to_json()
-
-
 def policy_info(policy: Policy, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
     """What a result line says about the policy a job ran under."""
     return PolicyInfo(
@@ -230,25 +201,6 @@ def policy_info(policy: Policy, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
         memory_bytes=policy.memory_bytes,
         backend=backend,
     )
-
-
-def closed_event(id: RequestId, session: str) -> dict[str, Any]:
-    """The answer to ``{"id", "session", "close": true}``."""
-    return {"id": id, "session": session, "closed": True}
-
-
-def call_event(
-    id: RequestId, call_id: int, function: str, args: list[Any], kwargs: Mapping[str, Any]
-) -> dict[str, Any]:
-    """A host-function call the sandbox made, for the client to answer with a reply."""
-    return {
-        "event": "call",
-        "id": id,
-        "call_id": call_id,
-        "function": function,
-        "args": list(args),
-        "kwargs": dict(kwargs),
-    }
 
 
 def job_log_line(result: JobResult, ts_ms: int) -> dict[str, Any]:
@@ -315,11 +267,9 @@ class Stats:
             raise RuntimeError("session_ended() without a session")
         self.sessions_active -= 1
 
-    def snapshot(self, id: RequestId, uptime_ms: int, workers: int) -> dict[str, Any]:
+    def snapshot(self, id: RequestId, uptime_ms: int, workers: int) -> StatsEvent:
         """The stats event answering ``{"id": id, "stats": true}``."""
-        return {
-            "id": id,
-            "event": "stats",
+        return StatsEvent(id, {
             "uptime_ms": uptime_ms,
             "workers": workers,
             "sessions_active": self.sessions_active,
@@ -335,4 +285,4 @@ class Stats:
                 "late_replies": self.late_replies,
                 "refused_frames": self.host_frames_refused,
             },
-        }
+        })

@@ -40,14 +40,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-from readie_executor import hostwire
 from readie_worker.jobs import HostCall, HostFunction, HostReply
 
-from ._events import call_event
+from readie_protocol.events import CallEvent
 from readie_protocol.requests import ReplyRequest
 from readie_protocol.wire import RequestId
 
-__all__ = ["HostCalls", "WaitingCall", "encode_call_event", "host_function"]
+__all__ = ["HostCalls", "WaitingCall", "host_function"]
 
 
 @dataclass(eq=False)
@@ -69,16 +68,11 @@ def settle(waiting: WaitingCall, reply: HostReply) -> bool:
     return True
 
 
-def encode_call_event(request_id: RequestId, call_id: int, call: HostCall) -> bytes:
-    """The ``call`` event line; TypeError or ValueError for values hostwire cannot write."""
-    event = call_event(request_id, call_id, call.function, list(call.args), call.kwargs)
-    return hostwire.dumps(event) + b"\n"
-
-
 class HostCalls:
     """The calls waiting for a reply, by the pool's call id. Used on the event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, encode: Callable[[CallEvent], bytes]) -> None:
+        self._encode = encode  # the pool connection's: hostwire writes the values as the sandbox sent them
         self._waiting: dict[int, WaitingCall] = {}
         self._last_id = 0
         self.closed: str | None = None  # why no reply can come any more, once that is so
@@ -95,7 +89,8 @@ class HostCalls:
             return None
         self._last_id += 1
         try:
-            line = encode_call_event(waiting.request_id, self._last_id, waiting.call)
+            call = waiting.call
+            line = self._encode(CallEvent(waiting.request_id, self._last_id, call.function, list(call.args), dict(call.kwargs)))
         except (TypeError, ValueError) as exc:  # cannot happen for what hostwire parsed; never hang on it
             settle(waiting, HostReply(error=f"{waiting.call.function}: the call cannot be sent: {exc}"))
             return None

@@ -1,4 +1,4 @@
-"""Intake's two buffers: stdin as split lines, and the parsed lines that wait for a permit.
+"""Intake's two buffers: stdin as requests, and the parsed lines that wait for a permit.
 
 The engine (``_engine``) decides when to read and when to admit; these only
 hold what was read, each with its bound.
@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
-from readie_protocol.lines import LineEvent, LineSplitter
-
+from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection
 from readie_protocol.requests import Refused, Request
 
-__all__ = ["MAX_PARKED_BYTES", "ByteSource", "LineReader", "Parked"]
+__all__ = ["MAX_PARKED_BYTES", "ByteSource", "Parked", "RequestReader"]
 
 log = structlog.get_logger("readie.pool")
 
@@ -32,24 +31,27 @@ class ByteSource(Protocol):
         ...
 
 
-class LineReader:
-    """stdin as lines: one read of the source only when no split line is left."""
+class RequestReader:
+    """stdin as requests, through the pool's end of the connection: one read of the
+    source only when no line is left."""
 
-    def __init__(self, source: ByteSource) -> None:
+    def __init__(self, source: ByteSource, connection: PoolConnection) -> None:
         self._source = source
-        self._splitter = LineSplitter()
-        self._pending: deque[LineEvent] = deque()
+        self._connection = connection
 
-    async def next(self) -> LineEvent | None:
-        """The next line, None at the end."""
-        while not self._pending and not self._splitter.ended:
+    async def next(self) -> tuple[Request | Refused, int] | None:
+        """The next request (or refusal) and the bytes of its line; None at the end."""
+        while (event := self._connection.next_event()) is NEED_DATA:
             try:
                 data = await self._source.read()
             except OSError as exc:
                 log.error("cannot read stdin; treating it as ended", error=str(exc))
                 data = b""
-            self._pending.extend(self._splitter.feed(data))
-        return self._pending.popleft() if self._pending else None
+            self._connection.receive_data(data)
+        if event is ENDED:
+            return None
+        assert isinstance(event, Request | Refused)
+        return event, self._connection.last_line_bytes
 
 
 @dataclass

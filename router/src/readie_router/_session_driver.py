@@ -26,7 +26,9 @@ from readie_worker.sessions import StepOutcome
 from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
 
 from ._backend import BackendSession
-from ._events import JobResult, closed_event
+from readie_protocol.events import ClosedEvent
+
+from ._events import JobResult
 from ._job_building import check_max_output, code_job, request_policy
 from readie_protocol.requests import CloseSession, JobRequest
 from ._results import job_result
@@ -64,7 +66,7 @@ class SessionDriver:
     def accept_close(self, request: CloseSession) -> None:
         session = self.table.get(request.session)
         if session is None:  # never opened, or ended already: closed either way
-            self._engine._answer(closed_event(request.id, request.session))
+            self._engine._answer(ClosedEvent(request.id, request.session))
             return
         if self.table.closing(session):
             self._engine.stats.session_ended()
@@ -185,7 +187,7 @@ class SessionDriver:
             log.exception("internal error closing a session", session=session.name)
         finally:
             session.answered()
-            self._engine._answer(closed_event(request.id, request.session))
+            self._engine._answer(ClosedEvent(request.id, request.session))
             done.set()
 
     def _end_session(self, session: NamedSession) -> BackendSession | None:
