@@ -1,27 +1,38 @@
 """A small client for ``readie pool``: spawn it, wait for ready, match results by id.
 
-The reader thread timestamps each line as it arrives, so a waiting thread's
-wake-up delay is not charged to the pool. Host-function ``call`` events are
-answered by a per-request handler (see the host_function scenario).
+A thin adapter over the client's end of :class:`~readie_protocol.connection.PoolConnection`,
+like ``readie.Pool``, but returning the lines as the dicts the pool wrote
+(the scenarios read fields the way a JSONL user would). The reader thread
+timestamps each line as it arrives, so a waiting thread's wake-up delay is
+not charged to the pool. Host-function ``call`` events are answered by a
+per-request handler (see the host_function scenario).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
+import os
+import select
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, IO
+from typing import Any
+
+from readie import MAX_EVENT_LINE_BYTES
+from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
+from readie_protocol.errors import ReadieError
+from readie_protocol.events import CallEvent, ReadyEvent
 
 # Start-up restores ``workers`` warm sandboxes before the ready event (~0.5 s
 # each, one at a time); a minute covers a loaded machine.
 READY_TIMEOUT_S = 90.0
 # EOF drains the pool: accepted jobs finish, sandboxes are destroyed.
 EXIT_TIMEOUT_S = 60.0
+
+READ_BYTES = 64 * 1024
 
 CallHandler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -45,12 +56,16 @@ def readie_command() -> list[str]:
 
 
 class PoolClient:
-    def __init__(self, process: subprocess.Popen[bytes], ready: dict[str, Any], log_path: Path) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], connection: PoolConnection, ready: ReadyEvent, log_path: Path
+    ) -> None:
         self.process = process
-        self.ready = ready
+        self._connection = connection
+        self.ready = ready.to_json()
         self.log_path = log_path
         self._ids = itertools.count(1)
         self._write_lock = threading.Lock()
+        self._connection_lock = threading.Lock()
         self._lock = threading.Lock()
         self._waiting: dict[str, _Waiter] = {}
         self._handlers: dict[str, CallHandler] = {}
@@ -73,18 +88,15 @@ class PoolClient:
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        assert process.stdout is not None
-        line = _readline(process.stdout, READY_TIMEOUT_S)
+        connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)
         try:
-            ready = json.loads(line) if line else None
-        except ValueError:
-            ready = None
-        if not isinstance(ready, dict) or ready.get("event") != "ready":
+            ready = _first_event(process, connection, READY_TIMEOUT_S)
+        except (ReadieError, TimeoutError) as exc:
             process.kill()
             process.wait()
             tail = log_path.read_text(errors="replace")[-800:].strip()
-            raise PoolError(f"no ready event (first line {line[:200]!r}): {tail}")
-        return cls(process, ready, log_path)
+            raise PoolError(f"no ready event ({exc}): {tail}") from None
+        return cls(process, connection, ready, log_path)
 
     def request(
         self, body: dict[str, Any], timeout: float, on_call: CallHandler | None = None
@@ -128,8 +140,9 @@ class PoolClient:
             self._reader.join(5)
 
     def _write(self, obj: dict[str, Any]) -> None:
-        data = json.dumps(obj).encode() + b"\n"
         assert self.process.stdin is not None
+        with self._connection_lock:
+            data = self._connection.send(obj)
         with self._write_lock:
             try:
                 self.process.stdin.write(data)
@@ -139,41 +152,59 @@ class PoolClient:
 
     def _read_loop(self) -> None:
         assert self.process.stdout is not None
-        for line in self.process.stdout:
-            arrived = time.monotonic()
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(obj, dict):
-                continue
-            if obj.get("event") == "call":
-                self._answer_call(obj)
-                continue
-            with self._lock:
-                waiter = self._waiting.get(str(obj.get("id")))
-            if waiter is not None:
-                waiter.result, waiter.arrived = obj, arrived
-                waiter.done.set()
+        why = None
+        try:
+            while (event := self._next_event()) is not ENDED:
+                arrived = time.monotonic()
+                if isinstance(event, CallEvent):
+                    self._answer_call(event)
+                    continue
+                if isinstance(event, Stray):
+                    continue
+                with self._lock:
+                    waiter = self._waiting.get(str(event.id))
+                if waiter is not None:
+                    waiter.result, waiter.arrived = event.to_json(), arrived
+                    waiter.done.set()
+        except ReadieError as exc:
+            why = str(exc)
         with self._lock:
-            self._dead = f"the pool exited (code {self.process.poll()}); see {self.log_path}"
+            self._dead = f"{why or 'the pool exited'} (code {self.process.poll()}); see {self.log_path}"
             for waiter in self._waiting.values():
                 waiter.done.set()
 
-    def _answer_call(self, event: dict[str, Any]) -> None:
+    def _next_event(self) -> Any:
+        while (event := self._locked_next()) is NEED_DATA:
+            data = self.process.stdout.read1(READ_BYTES)  # type: ignore[union-attr]
+            with self._connection_lock:
+                self._connection.receive_data(data)
+        return event
+
+    def _locked_next(self) -> Any:
+        # Sending registers the answer it expects: one lock for both sides of the
+        # connection, never held while a pipe blocks.
+        with self._connection_lock:
+            return self._connection.next_event()
+
+    def _answer_call(self, event: CallEvent) -> None:
         with self._lock:
-            handler = self._handlers.get(str(event.get("id")))
+            handler = self._handlers.get(str(event.id))
         try:
-            reply = handler(event) if handler else {"error": "no handler in the bench"}
+            reply = handler(event.to_json()) if handler else {"error": "no handler in the bench"}
         except Exception as exc:  # a handler bug becomes the task's HostError, not a hang
             reply = {"error": f"bench handler failed: {exc}"}
-        self._write({"reply": {"call_id": event.get("call_id"), **reply}})
+        self._write({"reply": {"call_id": event.call_id, **reply}})
 
 
-def _readline(stream: IO[bytes], timeout: float) -> bytes:
-    """One line from a pipe, or b"" after ``timeout`` (the pool may hang at start)."""
-    box: list[bytes] = []
-    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    return box[0] if box else b""
+def _first_event(process: subprocess.Popen[bytes], connection: PoolConnection, timeout: float) -> ReadyEvent:
+    """The ready event, within ``timeout`` (the pool may hang at start)."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    while (event := connection.next_event()) is NEED_DATA:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([process.stdout], [], [], remaining)[0]:
+            raise TimeoutError(f"nothing within {timeout:.0f} s")
+        connection.receive_data(os.read(process.stdout.fileno(), READ_BYTES))
+    if not isinstance(event, ReadyEvent):
+        raise TimeoutError("the pool's output ended before its ready event")
+    return event

@@ -29,13 +29,14 @@ from ._errors import (
     SandboxSetupError,
     VersionMismatch,
 )
-from ._pool import Pool
+from ._pool import MAX_EVENT_LINE_BYTES, Pool
 from ._remote import Client, RemoteFunction, remote
 from ._requests import MAX_LINE_BYTES
 from ._session import Session
 from ._tool import Tool, describe_functions, format_result, tool
 
 __all__ = [
+    "MAX_EVENT_LINE_BYTES",
     "MAX_LINE_BYTES",
     "SANDBOX_PYTHON",
     "CallTimeout",

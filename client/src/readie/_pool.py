@@ -39,7 +39,7 @@ from ._process import EXIT_WAIT_S, PoolProcess, default_command, pool_flags
 from ._requests import Duration, PathArg, RequestId, Size, job_request, session_setup, stats_request
 from ._session import Session, new_session_name
 
-__all__ = ["START_TIMEOUT_S", "Pool"]
+__all__ = ["MAX_EVENT_LINE_BYTES", "START_TIMEOUT_S", "Pool"]
 
 log = logging.getLogger("readie")
 
