@@ -231,14 +231,9 @@ class Worker:
             "job",
             job_id=job_id,
             checkpoint=job.checkpoint,
-            sandbox=outcome.sandbox_id,
-            backend=outcome.backend,
-            exit=outcome.exit,
-            error=outcome.error.type if outcome.error else None,
-            duration_us=outcome.duration_us,
+            **outcome.log_fields(),
             queue_us=queued_us,
             acquire_us=outcome.acquire_us,
-            truncated=outcome.stdout_truncated or outcome.stderr_truncated,
             host_calls=outcome.host.calls if outcome.host else 0,  # None: no job ran
             host_refused=outcome.host.refused if outcome.host else 0,
         )

@@ -149,6 +149,17 @@ class JobOutcome:
     acquire_us: int | None = None
     code_us: int | None = None
 
+    def log_fields(self) -> dict[str, object]:
+        """What the worker's one log line per job or step says of its outcome: never captured output."""
+        return {
+            "sandbox": self.sandbox_id,
+            "backend": self.backend,
+            "exit": self.exit,
+            "error": self.error.type if self.error else None,
+            "duration_us": self.duration_us,
+            "truncated": self.stdout_truncated or self.stderr_truncated,
+        }
+
     @classmethod
     def failure(cls, error_type: str, message: str, duration_us: int, backend: str,
                 sandbox_id: str | None = None, hint: str | None = None) -> JobOutcome:

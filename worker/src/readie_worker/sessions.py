@@ -181,13 +181,8 @@ class SandboxSession:
             step=number,
             session_ended=ends,
             checkpoint=step.checkpoint,
-            sandbox=outcome.sandbox_id,
-            backend=outcome.backend,
-            exit=outcome.exit,
-            error=outcome.error.type if outcome.error else None,
-            duration_us=outcome.duration_us,
+            **outcome.log_fields(),
             queue_us=queue_us,
-            truncated=outcome.stdout_truncated or outcome.stderr_truncated,
         )
         return StepOutcome(outcome, number, ends)
 
