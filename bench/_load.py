@@ -8,7 +8,7 @@ import time
 from typing import Any, Protocol
 
 from ._jobs import JobKind, Sample
-from ._procs import busy_fraction, machine_cpu, tree_cpu_s
+from ._procs import busy_fraction, machine_cpu, tree_cpu_split
 
 
 class JobPath(Protocol):
@@ -33,17 +33,18 @@ def drive(path: JobPath, kind: JobKind, clients: int, duration_s: float) -> dict
                 finished.append((time.monotonic(), sample))
 
     me = os.getpid()
-    cpu_before, ours_before = machine_cpu(), tree_cpu_s(me)
+    cpu_before, split_before = machine_cpu(), tree_cpu_split(me)
     threads = [threading.Thread(target=client, name=f"client-{i}") for i in range(clients)]
     for thread in threads:
         thread.start()
     time.sleep(max(0.0, deadline - time.monotonic()))
     # At the deadline: the tail after it is not the window's.
-    cpu_after, ours_after = machine_cpu(), tree_cpu_s(me)
+    cpu_after, split_after = machine_cpu(), tree_cpu_split(me)
     for thread in threads:
         thread.join()
     busy = busy_fraction(cpu_before, cpu_after)
-    ours = (ours_after - ours_before) / (duration_s * len(os.sched_getaffinity(0)))
+    spent = {part: split_after[part] - split_before[part] for part in split_after}
+    ours = sum(spent.values()) / (duration_s * len(os.sched_getaffinity(0)))
     inside = [sample for done, sample in finished if done <= deadline]
     good = [s for s in inside if s.error is None]
     errors = [s.error for s in inside if s.error is not None]
@@ -59,4 +60,7 @@ def drive(path: JobPath, kind: JobKind, clients: int, duration_s: float) -> dict
         # Of that, this run's process tree (bench, readie pool, sandboxes) and everyone else.
         "ours_busy": round(ours, 3),
         "others_busy": round(max(0.0, busy - ours), 3) if busy is not None else None,
+        # Where the window's CPU went, per completed job: the bench's clients, readie
+        # pool's Python (engine and worker), and the sandboxes with their runsc commands.
+        "cpu_s_per_job": {part: round(cpu / len(good), 4) for part, cpu in spent.items()} if good else None,
     }

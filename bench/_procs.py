@@ -92,8 +92,11 @@ def cpu_s(pids: Iterable[int], table: dict[int, Proc] | None = None) -> float:
     return sum(table[pid].cpu_s for pid in pids if pid in table)
 
 
-def tree_cpu_s(root: int) -> float:
-    """All CPU ever used by ``root`` and its descendants, dead or alive.
+def tree_cpu_split(root: int) -> dict[str, float]:
+    """All CPU ever used by ``root`` and its descendants, dead or alive, in three
+    parts: ``root``'s own (the bench's clients), its child processes' own
+    (``readie pool``'s Python: the engine and the worker), and the rest (the
+    sandboxes and every runsc command, which the pool reaps).
 
     A process that has exited and been reaped lives on in its reaper's
     cutime/cstime; one still running counts its own. So the sum over the live
@@ -102,7 +105,10 @@ def tree_cpu_s(root: int) -> float:
     """
     table = processes()
     tree = descendants(table, [root]) | {root}
-    return sum(table[pid].cpu_s + table[pid].reaped_cpu_s for pid in tree if pid in table)
+    total = sum(table[pid].cpu_s + table[pid].reaped_cpu_s for pid in tree if pid in table)
+    bench = table[root].cpu_s if root in table else 0.0
+    python = sum(proc.cpu_s for proc in table.values() if proc.ppid == root)
+    return {"bench": bench, "pool_python": python, "sandboxes": total - bench - python}
 
 
 def children_cpu_s() -> float:

@@ -80,13 +80,20 @@ def _throughput(entry: dict[str, Any]) -> list[str]:
     rows = [
         [name, e["jobs_per_s"], e["bound_jobs_per_s"], _x(e["throughput_over_bound"]),
          _p50(e["cpu_s_per_restore_and_destroy"]), _ms(e["latency_ms"]), e.get("ours_busy"), e.get("others_busy"),
-         _x(e.get("throughput_over_bound_given_others")), e["errors"]]
+         _x(e.get("throughput_over_bound_given_others")), _split(e.get("cpu_s_per_job")), e["errors"]]
         for name, e in entry["checkpoints"].items()
     ]
     lines = _grid(["checkpoint", "jobs/s", "bound jobs/s", "ratio", "CPU-s/restore+destroy", "latency ms",
-                   "busy: ours", "others", "ratio on cores left", "errors"], rows)
+                   "busy: ours", "others", "ratio on cores left", "CPU-s/job: bench+pool py+sandboxes",
+                   "errors"], rows)
     lines.append(f"  {entry['what']}")
     return lines
+
+
+def _split(per_job: dict[str, float] | None) -> str:
+    if not per_job:
+        return "-"
+    return f"{per_job['bench']:.3f}+{per_job['pool_python']:.3f}+{per_job['sandboxes']:.3f}"
 
 
 def _sessions(entry: dict[str, Any]) -> list[str]:

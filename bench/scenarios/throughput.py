@@ -68,6 +68,7 @@ def _measure(bench: Bench, name: str) -> dict[str, Any]:
         "machine_busy": window["machine_busy"],
         "ours_busy": window["ours_busy"],
         "others_busy": window["others_busy"],
+        "cpu_s_per_job": window["cpu_s_per_job"],
         "cpu_s_per_restore_and_destroy": lifecycle,
         "cpu_s_per_restore_to_ready": ready,
         "bound_jobs_per_s": bound,
