@@ -23,6 +23,8 @@ from .wire import json_type
 __all__ = [
     "MAX_REQUIREMENT_CHARS",
     "Invalid",
+    "schema_of",
+    "with_schema",
     "argv_string",
     "bool_value",
     "bounded_text",
@@ -44,6 +46,17 @@ MAX_REQUIREMENT_CHARS = 200
 
 class Invalid(ValueError):
     """A value has the wrong shape; the caller adds the field name."""
+
+
+def with_schema(check: Callable[[Any], Any], schema: dict[str, Any]) -> Callable[[Any], Any]:
+    """``check`` carrying the JSON Schema of what it accepts (``check.schema``), which
+    ``readie_protocol.schema`` publishes: the check and its schema are written side by side."""
+    check.schema = schema  # type: ignore[attr-defined]
+    return check
+
+
+def schema_of(check: Callable[[Any], Any]) -> dict[str, Any]:
+    return dict(check.schema)  # type: ignore[attr-defined]
 
 
 def load_strict(raw: bytes) -> Any:
@@ -120,7 +133,7 @@ def bounded_text(limit: int, *, newlines: bool = False) -> Callable[[Any], str]:
             raise Invalid("contains a line break")
         return text
 
-    return check
+    return with_schema(check, {"type": "string", "minLength": 1, "maxLength": limit})
 
 
 def code_value(value: Any) -> str:
@@ -136,6 +149,10 @@ def argv_string(value: Any) -> str:
     return text
 
 
+with_schema(code_value, {"type": "string"})
+with_schema(argv_string, {"type": "string"})
+
+
 def list_of(check: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
     def parse(value: Any) -> tuple[Any, ...]:
         if not isinstance(value, list):
@@ -148,7 +165,7 @@ def list_of(check: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
                 raise Invalid(f"item {index}: {exc}") from None
         return tuple(items)
 
-    return parse
+    return with_schema(parse, {"type": "array", "items": schema_of(check)})
 
 
 def env_value(value: Any) -> tuple[tuple[str, str], ...]:
@@ -169,10 +186,16 @@ def env_value(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+with_schema(env_value, {"type": "object", "additionalProperties": {"type": "string"}})
+
+
 def bool_value(value: Any) -> bool:
     if not isinstance(value, bool):
         raise Invalid(f"expected true or false, got {json_type(value)}")
     return value
+
+
+with_schema(bool_value, {"type": "boolean"})
 
 
 def positive(parse: Callable[[Any], int]) -> Callable[[Any], int]:
@@ -197,6 +220,8 @@ def function_names(value: Any) -> tuple[str, ...]:
     return names
 
 
+
+
 def identifier(value: Any) -> str:
     name = text_value(value)
     # ASCII only: lookalike Unicode names would let two declared functions
@@ -210,9 +235,17 @@ def identifier(value: Any) -> str:
     return name
 
 
+# The shape only: keywords, dunders and HostError are refused by the check too.
+with_schema(identifier, {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"})
+with_schema(function_names, {"type": "array", "maxItems": MAX_FUNCTIONS, "uniqueItems": True, "items": schema_of(identifier)})
+
+
 def requirement(value: Any) -> str:
     text = bounded_text(MAX_REQUIREMENT_CHARS)(value)
     # A leading dash would reach the installer as an option (--index-url=...).
     if text.lstrip().startswith("-"):
         raise Invalid(f"{shown(text)} is not a requirement (starts with '-')")
     return text
+
+
+with_schema(requirement, {"type": "string", "minLength": 1, "maxLength": MAX_REQUIREMENT_CHARS, "pattern": "^[^-]"})

@@ -32,8 +32,8 @@ from readie_executor.hostwire import MAX_FUNCTIONS
 
 from .errors import RequestError, UnitError
 from .lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from .units import MAX_VALUE, parse_duration_ms, parse_size
-from .wire import RequestId, id_problem, json_type
+from .units import DURATION_SCHEMA, MAX_VALUE, SIZE_SCHEMA, parse_duration_ms, parse_size
+from .wire import MAX_ID_CHARS, MAX_ID_INT, RequestId, id_problem, json_type
 
 from ._values import (
     MAX_REQUIREMENT_CHARS,
@@ -48,7 +48,9 @@ from ._values import (
     load_strict,
     positive,
     requirement,
+    schema_of,
     text_value,
+    with_schema,
 )
 
 __all__ = [
@@ -61,6 +63,10 @@ __all__ = [
     "MAX_SESSION_CHARS",
     "SESSION_SETUP_FIELDS",
     "SESSION_STEP_FIELDS",
+    "CLOSE_FIELDS",
+    "JOB_FIELDS",
+    "REQUEST_ID_SCHEMA",
+    "JobField",
     "CloseSession",
     "JobRequest",
     "Refused",
@@ -282,8 +288,8 @@ def _job(obj: dict[str, Any], rid: RequestId) -> JobRequest:
     for key in obj:
         if key == "id":
             continue
-        attr, check = _JOB_FIELDS[key]
-        values[attr] = _field(obj, key, check)
+        field = _JOB_FIELDS[key]
+        values[field.attr] = _field(obj, key, field.check)
     has_code, has_script = "code" in obj, "script" in obj
     if has_code and has_script:
         raise RequestError("give exactly one of code and script, not both", "script")
@@ -297,25 +303,82 @@ def _job(obj: dict[str, Any], rid: RequestId) -> JobRequest:
 _path = bounded_text(MAX_PATH_CHARS)
 _session = bounded_text(MAX_SESSION_CHARS)
 
-# wire name -> (JobRequest attribute, check)
-_JOB_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "code": ("code", code_value),
-    "script": ("script", _path),
-    "name": ("name", bounded_text(MAX_NAME_CHARS)),
-    "args": ("args", list_of(argv_string)),
-    "allow_read": ("allow_read", list_of(_path)),
-    "allow_write": ("allow_write", list_of(_path)),
-    "package_dirs": ("package_dirs", list_of(_path)),
-    "env": ("env", env_value),
-    "allow_network": ("allow_network", bool_value),
-    "timeout": ("timeout_ms", positive(parse_duration_ms)),
-    "memory": ("memory_bytes", positive(parse_size)),
-    "max_output": ("max_output", parse_size),
-    "max_file_size": ("max_file_size", parse_size),
-    "profile": ("profile", bounded_text(MAX_SESSION_CHARS)),
-    "functions": ("functions", function_names),
-    "session": ("session", _session),
-    "packages": ("packages", list_of(requirement)),
+
+@dataclass(frozen=True, slots=True)
+class JobField:
+    """One field a job request may carry: its wire name, the :class:`JobRequest`
+    attribute it fills, the check of its value, and what it means.
+
+    The parser and the published schema (``readie_protocol.schema``) both read
+    this table, so a field is defined once.
+    """
+
+    name: str
+    attr: str
+    check: Callable[[Any], Any]
+    about: str
+
+    def schema(self) -> dict[str, Any]:
+        return {**schema_of(self.check), "description": self.about}
+
+
+JOB_FIELDS = (
+    JobField("code", "code", code_value, "The program as text. Exactly one of code and script."),
+    JobField("script", "script", _path,
+             "A Python file to run instead, relative to the pool's working directory; read by the pool "
+             "without following links. Not in a session."),
+    JobField("name", "name", bounded_text(MAX_NAME_CHARS),
+             "The file name tracebacks show for inline code (default <string>)."),
+    JobField("args", "args", list_of(argv_string), "sys.argv[1:] of the program."),
+    JobField("allow_read", "allow_read", list_of(_path),
+             "Files or directories the job may read, relative to the pool's working directory; each must lie "
+             "beneath one of the ceiling's allow_read."),
+    JobField("allow_write", "allow_write", list_of(_path),
+             "Existing directories the job may write; each beneath one of the ceiling's allow_write."),
+    JobField("package_dirs", "package_dirs", list_of(_path),
+             "Extra site-packages directories put on sys.path, read-only; beneath the ceiling's read grants."),
+    JobField("env", "env", env_value, "Environment variables of the program."),
+    JobField("allow_network", "allow_network", bool_value,
+             "Whether the job gets a network; refused unless the ceiling has allow_network = true."),
+    JobField("timeout", "timeout_ms", with_schema(positive(parse_duration_ms), DURATION_SCHEMA),
+             "Wall-clock limit of the job (a session step: of the step); at most the ceiling's. Past it the "
+             "job ends with TimeoutError and exit 124."),
+    JobField("memory", "memory_bytes", with_schema(positive(parse_size), SIZE_SCHEMA),
+             "Memory limit of the job, files it writes in its tmpfs included; at most the ceiling's."),
+    JobField("max_output", "max_output", with_schema(parse_size, SIZE_SCHEMA),
+             "Bytes of stdout, and of stderr, kept; the rest is cut and the result says truncated."),
+    JobField("max_file_size", "max_file_size", with_schema(parse_size, SIZE_SCHEMA),
+             "The largest file the job may write (RLIMIT_FSIZE); at most the ceiling's, which also applies "
+             "when unset."),
+    JobField("profile", "profile", bounded_text(MAX_SESSION_CHARS),
+             "A [profiles.NAME] preset of the pool's config; the request's own fields go on top, then the "
+             "ceiling applies."),
+    JobField("functions", "functions", function_names,
+             "Host functions the code may import from readie_host; each call is a call event the client "
+             "answers with a reply."),
+    JobField("session", "session", _session,
+             "A session name: the first request opens a sandbox that keeps its variables, later requests "
+             "under the name are its steps (code, name, args, timeout, max_output only)."),
+    JobField("packages", "packages", list_of(requirement),
+             "Requirements (name[extras]==version) installed once into a cached package directory for "
+             "the job."),
+)
+
+# wire name -> field
+_JOB_FIELDS = {field.name: field for field in JOB_FIELDS}
+
+#: The fields of a close request beside its id, as a JSON Schema (``readie_protocol.schema``).
+CLOSE_FIELDS = {
+    "session": {**schema_of(_session), "description": "The session to end; its sandbox is destroyed."},
+    "close": {"const": True},
+}
+#: A request id as a JSON Schema: what :func:`~readie_protocol.wire.id_problem` accepts.
+REQUEST_ID_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS},
+        {"type": "integer", "minimum": -MAX_ID_INT, "maximum": MAX_ID_INT},
+    ],
+    "description": "Echoed in the answer; results come in completion order, so ids match them up.",
 }
 
 _JOB_KEYS = frozenset(_JOB_FIELDS) | {"id"}

@@ -19,7 +19,7 @@ import re
 
 from .errors import UnitError, shown
 
-__all__ = ["MAX_VALUE", "parse_duration_ms", "parse_size"]
+__all__ = ["DURATION_SCHEMA", "MAX_VALUE", "SIZE_SCHEMA", "parse_duration_ms", "parse_size"]
 
 #: Converted values must fit a signed 64-bit integer: rlimits, cgroup files
 #: and protobuf int64 fields all carry them.
@@ -35,6 +35,25 @@ _DURATION_UNITS_MS = {"": 1000, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 
 # ASCII digits only: str.isdigit() and int() also accept other scripts' digits.
 _NUMBER = re.compile(r"([0-9]+)([a-z]*)", re.ASCII)
+
+
+def _unit_schema(units: dict[str, int], what: str) -> dict[str, object]:
+    # ECMA-262 regexes (JSON Schema's) have no inline case flag: [mM][sS].
+    suffixes = "|".join("".join(f"[{c}{c.upper()}]" for c in unit) for unit in sorted(units, key=len, reverse=True) if unit)
+    return {
+        "anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": MAX_VALUE},
+            # Any case; the value once converted must fit MAX_VALUE too.
+            {"type": "string", "pattern": f"^[0-9]{{1,{_MAX_DIGITS}}}({suffixes})?$"},
+        ],
+        "description": what,
+    }
+
+
+#: JSON Schema of what :func:`parse_size` accepts.
+SIZE_SCHEMA = _unit_schema(_SIZE_UNITS, "bytes, or a whole number with k, m, g or t (powers of 1024): 65536, 64k, 512m")
+#: JSON Schema of what :func:`parse_duration_ms` accepts.
+DURATION_SCHEMA = _unit_schema(_DURATION_UNITS_MS, "seconds, or a whole number with ms, s, m or h: 30, 250ms, 5s, 15m")
 
 
 def parse_size(value: object) -> int:

@@ -1,0 +1,163 @@
+"""JSON Schemas of the pool protocol, generated from the definitions the code runs.
+
+Requests come from the request field table (``requests.JOB_FIELDS``: each
+field's check carries the schema of what it accepts, and its description),
+events from the frozen dataclasses in ``events`` (their annotations; the
+wire names are the field names, as ``to_json`` writes them). Nothing here is
+written twice: a field added to the table or to an event is in the schema.
+
+A schema says what a line may look like; the pool still decides what it
+grants (the operator's ceiling and profiles), and says so in a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from .events import CallEvent, ClosedEvent, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
+from .lines import MAX_LINE_BYTES
+from .requests import CLOSE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
+from .wire import PROTOCOL_VERSION
+
+__all__ = ["SCHEMA_DIALECT", "event_schemas", "protocol_schema", "request_schema"]
+
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def request_schema() -> dict[str, Any]:
+    """A request line: a job (or session step), a stats request, a close, or a host-call reply."""
+    job = {
+        "title": "job or session step",
+        "type": "object",
+        "properties": {"id": REQUEST_ID_SCHEMA, **{f.name: f.schema() for f in JOB_FIELDS}},
+        "required": ["id"],
+        "additionalProperties": False,
+        # Exactly one of code and script (the spec).
+        "oneOf": [{"required": ["code"]}, {"required": ["script"]}],
+    }
+    stats = {
+        "title": "stats request",
+        "type": "object",
+        "properties": {"id": REQUEST_ID_SCHEMA, "stats": {"const": True}},
+        "required": ["id", "stats"],
+        "additionalProperties": False,
+    }
+    close = {
+        "title": "close a session",
+        "type": "object",
+        "properties": {"id": REQUEST_ID_SCHEMA, **CLOSE_FIELDS},
+        "required": ["id", "session", "close"],
+        "additionalProperties": False,
+    }
+    reply = {
+        "title": "host-function reply",
+        "type": "object",
+        "properties": {
+            "reply": {
+                "type": "object",
+                "properties": {
+                    "call_id": {"type": "integer", "minimum": 0, "description": "the call event's call_id"},
+                    "result": {"description": f"the function's value, any JSON (at most {MAX_REPLY_BYTES} bytes)"},
+                    "error": {"type": "string", "description": "the exception text: readie_host.HostError in the sandbox"},
+                },
+                "required": ["call_id"],
+                "additionalProperties": False,
+                "oneOf": [{"required": ["result"]}, {"required": ["error"]}],
+            }
+        },
+        "required": ["reply"],
+        "additionalProperties": False,
+    }
+    return {
+        "title": "readie pool request line",
+        "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused.",
+        "oneOf": [job, stats, close, reply],
+    }
+
+
+def event_schemas() -> dict[str, dict[str, Any]]:
+    """Every line a pool writes, by name."""
+    return {
+        "ready": _event(ReadyEvent, "ready", required_extra=()),
+        "result": _object(Result, optional={"session", "step", "session_ended"}),
+        "stats": {
+            **_object(StatsEvent, skip={"counters"}),
+            "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
+            "required": ["id", "event", "jobs"],
+            # The counters, in the order the pool writes them: integers, and
+            # objects of integers (errors by type, host-function traffic).
+            "additionalProperties": {"type": ["integer", "object"]},
+        },
+        "closed": {**_object(ClosedEvent), "properties": {**_object(ClosedEvent)["properties"], "closed": {"const": True}},
+                   "required": ["id", "session", "closed"]},
+        "call": _event(CallEvent, "call", required_extra=()),
+    }
+
+
+def protocol_schema() -> dict[str, Any]:
+    """One document: requests and events, with the protocol version it describes."""
+    return {
+        "$schema": SCHEMA_DIALECT,
+        "title": "readie pool protocol",
+        "x-readie-protocol": PROTOCOL_VERSION,
+        "$defs": {"request": request_schema(), **{f"event_{name}": schema for name, schema in event_schemas().items()}},
+    }
+
+
+# --------------------------------------------------------------------------- dataclasses to schemas
+
+
+def _event(cls: type, name: str, *, required_extra: tuple[str, ...]) -> dict[str, Any]:
+    schema = _object(cls)
+    schema["properties"] = {"event": {"const": name}, **schema["properties"]}
+    schema["required"] = ["event", *schema["required"], *required_extra]
+    return schema
+
+
+def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), skip: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    fields = [field for field in dataclasses.fields(cls) if field.name not in skip]
+    schema: dict[str, Any] = {
+        "title": cls.__name__,
+        "type": "object",
+        "properties": {field.name: _type(hints[field.name]) for field in fields},
+        # to_json writes every field (None as null), but for the ones it leaves out when unset.
+        "required": [field.name for field in fields if field.name not in optional],
+    }
+    doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+    if doc:
+        schema["description"] = " ".join(doc.split())
+    return schema
+
+
+_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo)
+
+
+def _type(hint: Any) -> dict[str, Any]:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [_type(arg) for arg in typing.get_args(hint)]
+        return {"anyOf": options}
+    if hint is type(None):
+        return {"type": "null"}
+    if hint is bool:
+        return {"type": "boolean"}
+    if hint is int:
+        return {"type": "integer"}
+    if hint is str:
+        return {"type": "string"}
+    if hint is Any:
+        return {}
+    if hint in _NESTED:
+        return _object(hint, optional={"hint"} if hint is ErrorInfo else set())
+    if origin in (tuple, list):
+        args = typing.get_args(hint)
+        return {"type": "array", "items": _type(args[0])} if args and args[0] is not Any else {"type": "array"}
+    if origin in (dict, Mapping) or hint in (dict, Mapping):
+        return {"type": "object"}
+    raise TypeError(f"no JSON Schema for {hint!r}")
+
