@@ -319,7 +319,10 @@ class JobField:
     about: str
 
     def schema(self) -> dict[str, Any]:
-        return {**schema_of(self.check), "description": self.about}
+        schema = schema_of(self.check)
+        # A unit's own description (how sizes and durations are written) follows the field's meaning.
+        unit = schema.pop("description", None)
+        return {**schema, "description": self.about if unit is None else f"{self.about} Written as {unit}."}
 
 
 JOB_FIELDS = (
@@ -328,7 +331,7 @@ JOB_FIELDS = (
              "A Python file to run instead, relative to the pool's working directory; read by the pool "
              "without following links. Not in a session."),
     JobField("name", "name", bounded_text(MAX_NAME_CHARS),
-             "The file name tracebacks show for inline code (default <string>)."),
+             "The file name tracebacks show for inline code."),
     JobField("args", "args", list_of(argv_string), "sys.argv[1:] of the program."),
     JobField("allow_read", "allow_read", list_of(_path),
              "Files or directories the job may read, relative to the pool's working directory; each must lie "

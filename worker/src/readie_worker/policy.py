@@ -53,6 +53,7 @@ from typing import Protocol, TypeVar, overload
 from .errors import RequestError
 
 __all__ = [
+    "scalar_defaults",
     "DEFAULT_MAX_FILE_SIZE",
     "DEFAULT_MAX_OUTPUT",
     "DEFAULT_MEMORY_BYTES",
@@ -440,6 +441,11 @@ _SCALARS: tuple[tuple[str, str, int | None, Callable[[int], str]], ...] = (
     ("max_output", "max_output", DEFAULT_MAX_OUTPUT, _bytes),
     ("max_file_size", "max_file_size", DEFAULT_MAX_FILE_SIZE, _bytes),
 )
+
+
+def scalar_defaults() -> dict[str, str]:
+    """What a job gets for each limit that no request, profile or ceiling sets, as text (wire name -> value)."""
+    return {name: "none" if default is None else show(default) for name, _, default, show in _SCALARS}
 
 
 @overload
