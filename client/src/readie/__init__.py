@@ -4,7 +4,8 @@ Two ways in:
 
 * :class:`Pool` runs code (text or a script) as jobs in a ``readie pool``
   process, one fresh sandbox per job, with per-job grants and limits; a
-  job's outcome is a :class:`Result`. :meth:`Pool.session` gives a
+  job's outcome is a :class:`Result`. :class:`AsyncPool` is the same on
+  asyncio. :meth:`Pool.session` gives a
   :class:`Session`, one sandbox whose variables survive between steps, and
   :func:`tool` wraps either as a tool a model can call.
 * :class:`Client` and :func:`remote` run Python functions in sandboxes
@@ -16,6 +17,7 @@ See client/README.md for the decisions behind the API.
 
 from readie_protocol.events import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
 
+from ._async_pool import AsyncPool, AsyncSession
 from ._envelope import SANDBOX_PYTHON, RemoteResult
 from ._errors import (
     CallTimeout,
@@ -39,6 +41,8 @@ __all__ = [
     "MAX_EVENT_LINE_BYTES",
     "MAX_LINE_BYTES",
     "SANDBOX_PYTHON",
+    "AsyncPool",
+    "AsyncSession",
     "CallTimeout",
     "Client",
     "EnvelopeError",

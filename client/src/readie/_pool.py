@@ -35,11 +35,11 @@ from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent, Result, S
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostCalls, HostFunctions, check_functions
-from ._process import EXIT_WAIT_S, PoolProcess, default_command, pool_flags
+from ._process import EXIT_WAIT_S, PoolProcess, pool_argv
 from ._requests import Duration, PathArg, RequestId, Size, job_request, session_setup, stats_request
 from ._session import Session, new_session_name
 
-__all__ = ["MAX_EVENT_LINE_BYTES", "START_TIMEOUT_S", "Pool"]
+__all__ = ["MAX_EVENT_LINE_BYTES", "READ_BYTES", "START_TIMEOUT_S", "Pool"]
 
 log = logging.getLogger("readie")
 
@@ -113,14 +113,10 @@ class Pool:
         tls_key: PathArg | None = None,
     ) -> None:
         self.cwd = Path(os.path.abspath(cwd if cwd is not None else os.getcwd()))
-        security = {"token-file": token_file, "tls-ca": tls_ca, "tls-cert": tls_cert, "tls-key": tls_key}
-        if router is None and any(value is not None for value in security.values()):
-            raise TypeError("token_file, tls_ca, tls_cert and tls_key are for a router: pass router= too")
-        self.argv = [
-            *(command if command is not None else default_command()),
-            *pool_flags(workers, preload, package_dirs, config, router, checkpoints),
-            *(f"--router-{name}={os.fspath(value)}" for name, value in security.items() if value is not None),
-        ]
+        self.argv = pool_argv(
+            workers, preload, package_dirs, config, command, router, checkpoints,
+            token_file=token_file, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+        )
         self._lock = threading.Lock()  # _connection, _pending, _ended, _closed, _failure; never held for I/O
         self._write_lock = threading.Lock()  # whole lines on stdin, one at a time
         self._connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)

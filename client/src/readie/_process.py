@@ -26,6 +26,7 @@ __all__ = [
     "STDERR_TAIL_LINES",
     "PoolProcess",
     "default_command",
+    "pool_argv",
     "pool_flags",
 ]
 
@@ -151,3 +152,28 @@ def pool_flags(
     if checkpoints is not None:
         flags.append(f"--checkpoints={os.fspath(checkpoints)}")
     return flags
+
+
+def pool_argv(
+    workers: int | None,
+    preload: Iterable[str],
+    package_dirs: Iterable[PathArg],
+    config: PathArg | None,
+    command: Sequence[str] | None,
+    router: str | None,
+    checkpoints: PathArg | None,
+    *,
+    token_file: PathArg | None = None,
+    tls_ca: PathArg | None = None,
+    tls_cert: PathArg | None = None,
+    tls_key: PathArg | None = None,
+) -> list[str]:
+    """The whole ``readie pool`` command line of a :class:`~readie.Pool` (or ``AsyncPool``) made so."""
+    security = {"token-file": token_file, "tls-ca": tls_ca, "tls-cert": tls_cert, "tls-key": tls_key}
+    if router is None and any(value is not None for value in security.values()):
+        raise TypeError("token_file, tls_ca, tls_cert and tls_key are for a router: pass router= too")
+    return [
+        *(command if command is not None else default_command()),
+        *pool_flags(workers, preload, package_dirs, config, router, checkpoints),
+        *(f"--router-{name}={os.fspath(value)}" for name, value in security.items() if value is not None),
+    ]

@@ -1,0 +1,422 @@
+"""``AsyncPool``: ``readie.Pool`` on asyncio, the same ``readie pool`` process and protocol, awaited.
+
+The protocol is the one :class:`~readie_protocol.connection.PoolConnection`
+the sync :class:`~readie.Pool` drives; only the I/O differs. One task reads
+the pool's stdout into the connection and resolves each request's future;
+every caller awaits its own. Everything runs on the event loop, so the
+connection needs no lock, and a write is one ``write`` of a whole line
+(asyncio's transport never interleaves two) followed by ``drain``, which is
+where the pool's own queue pushes back.
+
+Host functions may be plain callables (run on a thread, as in the sync
+client, so a slow one never stops the loop) or coroutine functions (awaited
+on the loop). Cancelling a task awaiting :meth:`AsyncPool.run` stops the
+wait only: the pool runs the job to its end or its timeout (the protocol has
+no cancel), and its result is dropped. Cancelling a session's step closes
+the session, which frees its sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
+from readie_protocol.errors import ErrorType
+from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
+
+from ._errors import PoolError, ReadieError, RequestError
+from ._host import HostFunctions, check_functions, error_reply, result_reply
+from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
+from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, STDERR_LINE_BYTES, STDERR_TAIL_LINES, pool_argv
+from ._requests import Duration, PathArg, RequestId, Size, close_request, job_request, session_setup, stats_request
+from ._requests import step_request
+from ._session import new_session_name
+
+__all__ = ["AsyncPool", "AsyncSession"]
+
+log = logging.getLogger("readie")
+
+Answer = Result | StatsEvent | ClosedEvent
+
+
+class AsyncPool:
+    """A ``readie pool`` driven from asyncio: ``async with AsyncPool(...) as pool``, then ``await pool.run(...)``.
+
+    The arguments are :class:`~readie.Pool`'s. The process starts in
+    :meth:`start` (or on entering the ``async with``), not in the constructor.
+    """
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        preload: Iterable[str] = (),
+        package_dirs: Iterable[PathArg] = (),
+        config: PathArg | None = None,
+        command: Sequence[str] | None = None,
+        router: str | None = None,
+        cwd: PathArg | None = None,
+        *,
+        checkpoints: PathArg | None = None,
+        start_timeout: float = START_TIMEOUT_S,
+        token_file: PathArg | None = None,
+        tls_ca: PathArg | None = None,
+        tls_cert: PathArg | None = None,
+        tls_key: PathArg | None = None,
+    ) -> None:
+        self.cwd = Path(os.path.abspath(cwd if cwd is not None else os.getcwd()))
+        self.argv = pool_argv(
+            workers, preload, package_dirs, config, command, router, checkpoints,
+            token_file=token_file, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+        )
+        self._start_timeout = start_timeout
+        self._connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)
+        self._pending: dict[RequestId, asyncio.Future[Answer]] = {}
+        self._functions: dict[RequestId, dict[str, Callable[..., Any]]] = {}
+        self._ids = itertools.count(1)
+        self._process: asyncio.subprocess.Process | None = None
+        self._ready: asyncio.Future[ReadyEvent] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._failure: str | None = None  # why the pool is unusable, once it is
+        self._closed = False
+        self.ready: ReadyEvent
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Self:
+        """Start ``readie pool`` and wait for its ready event; :class:`~readie.PoolError` if it is not ready in time."""
+        if self._process is not None:
+            return self
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *self.argv, cwd=self.cwd,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as exc:
+            raise PoolError(f"cannot start {' '.join(self.argv)}: {exc}") from None
+        self._ready = asyncio.get_running_loop().create_future()
+        self._reader = self._spawn(self._read_stdout())
+        self._stderr = self._spawn(self._keep_stderr())
+        try:
+            self.ready = await asyncio.wait_for(asyncio.shield(self._ready), self._start_timeout)
+        except TimeoutError:
+            await self._stop()
+            raise PoolError(f"readie pool was not ready within {self._start_timeout} s{self._suffix()}") from None
+        except ReadieError:
+            await self._stop()
+            raise
+        return self
+
+    async def close(self, timeout: float | None = None) -> None:
+        """End stdin, let the pool finish every accepted job and wait for it to exit (see :meth:`Pool.close`)."""
+        if self._closed or self._process is None:
+            self._closed = True
+            return
+        self._closed = True
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        try:
+            status = await asyncio.wait_for(self._process.wait(), timeout)
+        except TimeoutError:
+            await self._stop()
+            raise PoolError(f"readie pool did not finish within {timeout} s and was stopped{self._suffix()}") from None
+        finally:
+            await asyncio.wait({self._reader, self._stderr}, timeout=EXIT_WAIT_S)
+        if status != 0:
+            raise PoolError(f"readie pool exited with status {status}{self._suffix()}")
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            await self.close()
+            return
+        try:  # an exception is already on its way out; a failing close must not replace it
+            await self.close()
+        except PoolError as close_error:
+            log.warning("closing the pool after an error failed too: %s", close_error)
+
+    @property
+    def stderr_tail(self) -> str:
+        return "\n".join(self._tail)
+
+    # ------------------------------------------------------------------ requests
+
+    async def run(
+        self,
+        code: str | None = None,
+        *,
+        script: PathArg | None = None,
+        name: str | None = None,
+        args: Iterable[str] = (),
+        allow_read: Iterable[PathArg] = (),
+        allow_write: Iterable[PathArg] = (),
+        package_dirs: Iterable[PathArg] = (),
+        env: Mapping[str, str] | None = None,
+        allow_network: bool = False,
+        timeout: Duration | None = None,
+        memory: Size | None = None,
+        max_output: Size | None = None,
+        max_file_size: Size | None = None,
+        profile: str | None = None,
+        packages: Iterable[str] = (),
+        functions: HostFunctions | None = None,
+    ) -> Result:
+        """Run one job and await its result (see :meth:`Pool.run`); ``functions`` may be coroutine functions."""
+        declared = check_functions(functions)
+        request = job_request(
+            self._next_id(), code, script=script, name=name, args=args, allow_read=allow_read,
+            allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
+            timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
+            profile=profile, packages=packages, functions=declared,
+        )
+        result = await self._exchange(request, declared)
+        assert isinstance(result, Result)
+        if result.error is not None and result.error.type == ErrorType.REQUEST:
+            raise RequestError(result.error.message, result=result)
+        return result
+
+    def session(self, name: str | None = None, *, functions: HostFunctions | None = None, **grants: Any) -> AsyncSession:
+        """An :class:`AsyncSession` (see :meth:`Pool.session` for the grants and limits it takes)."""
+        declared = check_functions(functions)
+        setup = session_setup(functions=declared, **grants)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        return AsyncSession(self, name or new_session_name(), setup, declared)
+
+    async def stats(self) -> dict[str, Any]:
+        """The pool's counters, as the pool wrote them."""
+        stats = await self._exchange(stats_request(self._next_id()))
+        assert isinstance(stats, StatsEvent)
+        return stats.to_json()
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    async def _exchange(self, request: dict[str, Any], functions: dict[str, Any] | None = None) -> Answer:
+        if self._process is None:
+            raise PoolError("the pool is not started: await pool.start() or use async with")
+        if self._closed:
+            raise PoolError("the pool is closed")
+        if self._failure is not None:
+            raise PoolError(f"{self._failure}{self._suffix()}")
+        request_id = request["id"]
+        line = self._connection.send(request)
+        answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = answer
+        if functions:
+            self._functions[request_id] = functions
+        try:
+            assert self._process.stdin is not None
+            try:
+                self._process.stdin.write(line)
+                await self._process.stdin.drain()
+            except (ConnectionError, RuntimeError) as exc:
+                self._connection.forget(request_id)
+                raise PoolError(f"readie pool stopped reading requests: {exc}{self._suffix()}") from None
+            return await answer
+        finally:
+            # Answered, failed or cancelled: nothing more is delivered to this caller.
+            self._pending.pop(request_id, None)
+            self._functions.pop(request_id, None)
+
+    # ------------------------------------------------------------------ reading
+
+    async def _read_stdout(self) -> None:
+        assert self._process is not None and self._process.stdout is not None and self._ready is not None
+        stdout = self._process.stdout
+        try:
+            while (event := self._connection.next_event()) is not ENDED:
+                if event is NEED_DATA:
+                    self._connection.receive_data(await stdout.read(READ_BYTES))
+                elif isinstance(event, ReadyEvent):
+                    self._ready.set_result(event)
+                elif isinstance(event, CallEvent):
+                    self._spawn(self._answer_call(event))
+                elif isinstance(event, Stray):
+                    log.warning("readie pool answered a request nobody waits for: %.200r", event.line)
+                else:
+                    waiter = self._pending.get(event.id)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(event)
+            self._end(await self._ended_why())
+        except ReadieError as exc:  # broken protocol, another version
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+            self._end(str(exc), failure=str(exc))
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            log.exception("readie pool reader failed")
+            self._end(f"the client's reader failed: {exc}", failure=f"the client's reader failed: {exc}")
+
+    async def _ended_why(self) -> str:
+        """Once stdout ended: the exit status and the rest of stderr, each within :data:`EXIT_WAIT_S`."""
+        assert self._process is not None
+        try:
+            status: int | None = await asyncio.wait_for(self._process.wait(), EXIT_WAIT_S)
+        except TimeoutError:
+            status = None
+        await asyncio.wait({self._stderr}, timeout=EXIT_WAIT_S)
+        state = "is still running" if status is None else f"exited with status {status}"
+        return f"readie pool's output ended and it {state}"
+
+    def _end(self, why: str, failure: str | None = None) -> None:
+        self._failure = self._failure or failure or why
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(PoolError(f"{why} before it was ready{self._suffix()}"))
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(PoolError(f"{self._failure}{self._suffix()}"))
+
+    async def _answer_call(self, event: CallEvent) -> None:
+        function = self._functions.get(event.id, {}).get(event.function)
+        if function is None:
+            reply = error_reply(event.call_id, f"{event.function}: this client has no such host function for the task")
+        else:
+            try:
+                if inspect.iscoroutinefunction(function):
+                    value = await function(*event.args, **event.kwargs)
+                else:
+                    value = await asyncio.to_thread(function, *event.args, **event.kwargs)
+            except Exception as exc:
+                reply = error_reply(event.call_id, str(exc) or type(exc).__name__)
+            else:
+                try:
+                    reply = result_reply(event.call_id, value)
+                except (TypeError, ValueError) as exc:
+                    reply = error_reply(event.call_id, f"{event.function} returned a value that cannot be sent: {exc}")
+        assert self._process is not None and self._process.stdin is not None
+        try:
+            self._process.stdin.write(reply)
+            await self._process.stdin.drain()
+        except (ConnectionError, RuntimeError):
+            pass  # the pool is gone; its callers hear of it from the reader
+
+    async def _keep_stderr(self) -> None:
+        assert self._process is not None and self._process.stderr is not None
+        partial = b""
+        while chunk := await self._process.stderr.read(READ_BYTES):
+            *lines, partial = (partial + chunk).split(b"\n")
+            for line in lines:
+                self._tail.append(line[:STDERR_LINE_BYTES].decode("utf-8", "replace"))
+            # A line without end is kept in pieces, never grown without bound.
+            while len(partial) > STDERR_LINE_BYTES:
+                self._tail.append(partial[:STDERR_LINE_BYTES].decode("utf-8", "replace"))
+                partial = partial[STDERR_LINE_BYTES:]
+        if partial:
+            self._tail.append(partial.decode("utf-8", "replace"))
+
+    # ------------------------------------------------------------------ process
+
+    def _spawn(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _stop(self) -> None:
+        """SIGTERM, then SIGKILL after :data:`CLOSE_KILL_GRACE_S`."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), CLOSE_KILL_GRACE_S)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+    def _suffix(self) -> str:
+        tail = self.stderr_tail
+        return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+
+
+class AsyncSession:
+    """A stateful sandbox of an :class:`AsyncPool` (see :class:`~readie.Session`); steps run one at a time."""
+
+    def __init__(self, pool: AsyncPool, name: str, setup: Mapping[str, Any], functions: Mapping[str, Any]) -> None:
+        self.pool = pool
+        self.name = name
+        self.setup = dict(setup)
+        self.functions = dict(functions)
+        self._lock = asyncio.Lock()
+        self._open = False
+        self.last_step = 0
+
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    async def run(
+        self,
+        code: str,
+        name: str | None = None,
+        args: Iterable[str] = (),
+        timeout: Duration | None = None,
+        max_output: Size | None = None,
+    ) -> Result:
+        """Run ``code`` as the session's next step (see :meth:`Session.run`).
+
+        Cancelling the wait ends the session: its sandbox is freed once the
+        running step ends (at its timeout at most), and the next ``run``
+        starts a new one.
+        """
+        async with self._lock:
+            request = step_request(
+                self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout,
+                max_output=max_output, setup=None if self._open else self.setup,
+            )
+            was_open, self._open = self._open, True  # from here the pool may hold a process for it
+            try:
+                result = await self.pool._exchange(request, self.functions)
+            except asyncio.CancelledError:
+                # The step may still run: a close, queued behind it, frees the sandbox when it ends.
+                await asyncio.shield(self._close_quietly())
+                raise
+            except BaseException:
+                self._open = was_open
+                raise
+            assert isinstance(result, Result)
+            if result.error is not None and result.error.type == ErrorType.REQUEST:
+                self._open = was_open  # refused: nothing ran, nothing changed
+                raise RequestError(result.error.message, result=result)
+            self._open = not result.session_ended
+            self.last_step = result.step or 0
+            return result
+
+    async def close(self) -> None:
+        """End the session and free its sandbox; does nothing when it is not open."""
+        async with self._lock:
+            await self._close_now()
+
+    async def _close_quietly(self) -> None:
+        try:
+            await self._close_now()
+        except ReadieError as exc:  # the pool is gone or refused: the session is gone with it
+            log.warning("closing session %s after a cancelled step failed: %s", self.name, exc)
+
+    async def _close_now(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        answer = await self.pool._exchange(close_request(self.pool._next_id(), self.name))
+        if isinstance(answer, Result):  # the pool refused the close
+            assert answer.error is not None
+            raise RequestError(answer.error.message, result=answer)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
