@@ -21,8 +21,8 @@ deps: setup ## create the workspace venv from uv.lock
 rootfs: deps ## build (or reuse from ~/.cache/readie) the sandbox rootfs
 	$(RUN) readie rootfs
 
-capture: deps ## capture the planned checkpoints into build/checkpoints (skips up-to-date ones)
-	$(RUN) readie capture --output $(CHECKPOINTS)
+capture: deps ## capture the planned checkpoints into build/checkpoints (skips up-to-date ones), link ~/.cache/readie/checkpoints to it
+	$(RUN) readie capture --output $(CHECKPOINTS) --link-default
 
 fixtures: deps ## regenerate fixtures/frames.golden.json
 	$(RUN) python fixtures/generate_golden.py

@@ -17,9 +17,9 @@ import cloudpickle
 
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.jobs import CodeJob
+from readie_worker.locations import locate_checkpoints
 from readie_worker.logs import configure_logging
 
-MANIFEST = Path("build/checkpoints/manifest.json")
 
 
 def remote_groupby():
@@ -51,7 +51,8 @@ def main() -> int:
         "memory 100 MB": dict(code="x = bytearray(500 * 1024 * 1024)", memory_bytes=100 * 1024 * 1024),
         "subprocess": dict(code="import subprocess\nsubprocess.run(['ls'])"),
     }
-    worker = Worker(WorkerConfig.in_temp(MANIFEST, warm={"pandas": 2})).start()
+    # Found as every readie command finds them (docs/pool.md, "Where the checkpoints are").
+    worker = Worker(WorkerConfig.in_temp(locate_checkpoints().manifest, warm={"pandas": 2})).start()
     try:
         worker.pools["pandas"].wait_until_full(timeout=60)
         for title, fields in jobs.items():

@@ -54,6 +54,7 @@ def test_every_service_command_is_accepted_by_its_cli(config):
     assert sorted(commands) == ["router", "worker-1", "worker-2"]
     routed = router_parser().parse_args(commands["router"][1:])
     assert routed.worker == ["worker-1:50061", "worker-2:50061"]
+    assert routed.checkpoints == "/srv/readie/checkpoints"  # for Pool.Session
     # Every hop asks for the token (plaintext only within the host: --insecure).
     token = Path("/run/secrets/readie_token")
     assert (routed.token_file, routed.worker_token_file, routed.insecure) == (token, token, True)
@@ -61,7 +62,7 @@ def test_every_service_command_is_accepted_by_its_cli(config):
         assert commands[name][0] == "worker"
         worker = worker_parser().parse_args(commands[name][1:])
         assert worker.name == name and worker.listen == "0.0.0.0:50061"
-        assert str(worker.manifest) == "/srv/readie/checkpoints/manifest.json"
+        assert str(worker.checkpoints) == "/srv/readie/checkpoints"
         assert (worker.token_file, worker.insecure) == (token, True)
 
 

@@ -117,6 +117,22 @@ def test_missing_checkpoints_say_how_to_build_them(capsys, tmp_path):
     assert code == 1 and "make capture" in err
 
 
+def test_without_a_name_the_pool_looks_here_then_in_the_per_user_default(capsys, tmp_path, monkeypatch):
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.delenv("READIE_CHECKPOINTS", raising=False)
+    monkeypatch.delenv("READIE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    code, err = pool(capsys)
+    assert code == 1 and "no checkpoints found; looked, in order, at:" in err
+    assert f"./build/checkpoints: {elsewhere}/build/checkpoints does not exist" in err
+    assert f"~/.cache/readie/checkpoints: {home}/.cache/readie/checkpoints does not exist" in err
+    found = write_manifest(home / ".cache" / "readie" / "checkpoints", {"base": []})
+    code, err = pool(capsys, "--preload", "scipy")
+    assert code == 1 and f"no checkpoint in {found} preloads exactly [scipy]" in err
+
+
 def test_the_env_variable_names_the_checkpoints(capsys, tmp_path, monkeypatch, manifest):
     monkeypatch.setenv("READIE_CHECKPOINTS", str(manifest.parent))
     code, err = pool(capsys, "--preload", "scipy")

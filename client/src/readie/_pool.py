@@ -91,8 +91,10 @@ class Pool:
     pool's working directory: relative grants and scripts resolve against it
     (default: this process's). ``command`` is the ``readie`` command to run
     (default: :func:`default_command`); ``checkpoints`` is passed as
-    ``--checkpoints`` (default: ``$READIE_CHECKPOINTS``, else
-    ``build/checkpoints`` under ``cwd``).
+    ``--checkpoints`` (default: the pool finds them as every readie command
+    does: ``$READIE_CHECKPOINTS``, else ``build/checkpoints`` under ``cwd``
+    if it holds a manifest, else ``~/.cache/readie/checkpoints``, which
+    ``make capture`` links; docs/pool.md).
     """
 
     def __init__(

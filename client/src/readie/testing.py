@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from readie_worker.locations import locate_checkpoints
+
 from ._pool import Pool
 from ._requests import PathArg
 
@@ -42,29 +44,13 @@ def __getattr__(name: str) -> object:
         return Cluster
     raise AttributeError(name)
 
-CHECKPOINTS_VARIABLE = "READIE_CHECKPOINTS"
-MANIFEST = "manifest.json"
-# What make capture writes, relative to the repository.
-BUILD_CHECKPOINTS = Path("build") / "checkpoints" / MANIFEST
-
-
 def find_checkpoints(checkpoints: PathArg | None = None) -> Path:
-    """The checkpoint manifest: ``checkpoints`` (the manifest or its directory), else
-    ``$READIE_CHECKPOINTS``, else ``build/checkpoints`` here or in a parent directory."""
-    given = checkpoints if checkpoints is not None else os.environ.get(CHECKPOINTS_VARIABLE)
-    if given:
-        path = Path(given).absolute()
-        manifest = path / MANIFEST if path.is_dir() else path
-        if not manifest.is_file():
-            raise FileNotFoundError(f"no checkpoint manifest at {manifest}")
-        return manifest
-    here = Path.cwd()
-    for directory in (here, *here.parents):
-        if (directory / BUILD_CHECKPOINTS).is_file():
-            return directory / BUILD_CHECKPOINTS
-    raise FileNotFoundError(
-        f"no checkpoints: set {CHECKPOINTS_VARIABLE} or run make capture (it writes {BUILD_CHECKPOINTS})"
-    )
+    """The checkpoint manifest, found as every readie command finds it
+    (:func:`readie_worker.locations.locate_checkpoints`): ``checkpoints`` (the
+    manifest or its directory), else ``$READIE_CHECKPOINTS``, else
+    ``./build/checkpoints``, else ``~/.cache/readie/checkpoints``.
+    Raises ``CheckpointsNotFound`` naming where it looked."""
+    return locate_checkpoints(checkpoints).manifest
 
 
 @contextmanager

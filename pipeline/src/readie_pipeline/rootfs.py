@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import readie_executor
+from readie_worker import locations
 from readie_worker.bundle import EXECUTOR_DIR
 
 from .plan import Plan
@@ -46,7 +47,8 @@ INSTALL_TIMEOUT_S = 10 * 60
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("READIE_CACHE") or Path.home() / ".cache" / "readie")
+    """``$READIE_CACHE``, else ``~/.cache/readie``: the one rule, shared with the checkpoints' default."""
+    return locations.cache_dir()
 
 
 @dataclass(frozen=True)

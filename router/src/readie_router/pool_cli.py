@@ -1,7 +1,7 @@
 """``readie pool``: the pool JSONL protocol on stdin and stdout, jobs in gVisor sandboxes.
 
     readie pool --workers=2 [--preload=pandas,numpy] [--package-dir=DIR] [--config=readie.toml]
-                [--log=json] [--checkpoints=build/checkpoints] [--state-dir=DIR]
+                [--log=json] [--checkpoints=DIR] [--state-dir=DIR]
                 [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT]
 
 The first stdout line is the ready event; then one result per request, in
@@ -34,20 +34,18 @@ from readie_worker.logs import configure_logging
 from readie_worker.paths import remove_tree, scratch_dir
 from readie_rpc.security import ClientSecurity, add_client_arguments, client_security
 
-from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint, manifest_path
+from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint
 from readie_worker.config import CliOverrides, Config, apply_cli, load_config
 from readie_worker.errors import ConfigError
+from readie_worker.locations import CHECKPOINTS_VARIABLE, locate_checkpoints
 from ._events import RuntimeInfo
 from ._engine import PoolEngine, PoolSetup
 from ._stdio import FdReader, FdWriter
 
-__all__ = ["DEFAULT_CHECKPOINTS", "main"]
+__all__ = ["main"]
 
 log = structlog.get_logger("readie.pool")
 
-#: Where ``make capture`` writes the checkpoints, relative to the working directory.
-DEFAULT_CHECKPOINTS = Path("build/checkpoints/manifest.json")
-CHECKPOINTS_VARIABLE = "READIE_CHECKPOINTS"
 #: runsc --root for this pool alone; swept at start and at exit.
 STATE_DIR_VARIABLE = "READIE_STATE_DIR"
 # A router answers Capacity from memory; seconds mean it is not there.
@@ -80,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(exc))
         return EXIT_USAGE
     _configure_logging(json=settings.log == "json")
-    checkpoints = args.checkpoints or os.environ.get(CHECKPOINTS_VARIABLE) or DEFAULT_CHECKPOINTS
     try:
-        manifest, checkpoint = choose_checkpoint(manifest_path(checkpoints), settings.preload)
+        located = locate_checkpoints(args.checkpoints, cwd=cwd)
+        manifest, checkpoint = choose_checkpoint(located.manifest, settings.preload)
         _check_package_dirs(settings.package_dirs, manifest.mount_plan.package_slots)
     except ReadieError as exc:
         _fail(str(exc))
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = scratch_dir("rp-")
     state_dir = args.state_dir or os.environ.get(STATE_DIR_VARIABLE)
     worker_config = WorkerConfig(
-        manifest=manifest_path(checkpoints),
+        manifest=located.manifest,
         state_dir=Path(state_dir) if state_dir else scratch / "state",
         run_dir=scratch / "run",
         warm={checkpoint.name: settings.workers},
@@ -251,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="pool configuration (TOML)")
     parser.add_argument(
-        "--log", choices=("json", "none"), help="json: one line per finished job on stderr"
+        "--log",
+        choices=("console", "json", "none"),
+        help="json: JSON logs and one line per finished job on stderr; console (or none): "
+        "readable logs, no job lines (default: [pool] log, else console)",
     )
     parser.add_argument(
         "--max-sessions",
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoints",
         metavar="PATH",
         help=f"checkpoint manifest, or its directory (default: ${CHECKPOINTS_VARIABLE}, "
-        f"else {DEFAULT_CHECKPOINTS})",
+        "else ./build/checkpoints if it holds one, else ~/.cache/readie/checkpoints; docs/pool.md)",
     )
     parser.add_argument(
         "--state-dir",

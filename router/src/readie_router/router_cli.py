@@ -6,6 +6,11 @@ It serves the same ``readie.v1.Worker`` API as a worker (so a client needs
 to know only one), plus health and reflection, and places each call on the
 least loaded healthy worker (see ``_placement``). SIGTERM or SIGINT drains:
 health turns NOT_SERVING, running calls finish, the process exits 0.
+
+Only ``Pool.Session`` needs the checkpoints' manifest (the ready event names
+the checkpoint and its Python); it is found as every readie command finds it
+(``readie_worker.locations``), and where none is found the router serves
+without ``Pool.Session`` and says so.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from pathlib import Path
 import structlog
 
 from readie_rpc.stubs import pool_pb2_grpc
+from readie_worker.cli_flags import LOG_CHOICES, duration_seconds
 from readie_worker.errors import ReadieError
+from readie_worker.locations import CHECKPOINTS_VARIABLE, CheckpointsNotFound, locate_checkpoints
 from readie_rpc.grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
 from readie_rpc.security import add_client_arguments, add_server_arguments, client_security, server_security
 from readie_worker.stop_signal import StopSignal
 
-from ._backend import choose_checkpoint, manifest_path
+from ._backend import choose_checkpoint
 from readie_worker.config import Config, load_config
 from readie_worker.errors import ConfigError
 from ._events import RuntimeInfo
@@ -56,14 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         security = server_security(args)
         security.check(args.listen)
         to_workers = client_security(args, "worker")
-        setup = _pool_setup(args)
+        config = _config(args)
+        setup = _pool_setup(args, config)
     except ReadieError as exc:
         log.error("cannot serve", error=str(exc))
         return 2
     placement = Placement(
         args.worker, probe_interval_s=args.probe_interval, max_sessions=args.max_sessions, security=to_workers
     ).start()
-    pool_service = (POOL_SERVICE, lambda server: pool_pb2_grpc.add_PoolServicer_to_server(PoolServicer(setup, placement), server))
+    extra_services = []
+    if setup is not None:
+        servicer = PoolServicer(setup, placement)
+        extra_services.append((POOL_SERVICE, lambda server: pool_pb2_grpc.add_PoolServicer_to_server(servicer, server)))
     try:
         server = serve(
             placement,  # type: ignore[arg-type]  # a Placement has the Worker's shape
@@ -72,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             # A session's stream holds a thread for its life; so does a job with host functions while it runs.
             max_streams=args.max_sessions + ROUTER_JOB_STREAMS,
             threads=ROUTER_THREADS + args.max_sessions + ROUTER_JOB_STREAMS,
-            extra_services=[pool_service],
+            extra_services=extra_services,
             security=security,
-            config=setup.config,
+            config=config,
         )
     except RuntimeError as exc:
         log.error("cannot listen", address=args.listen, error=str(exc))
@@ -86,21 +97,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pool_setup(args: argparse.Namespace) -> PoolSetup:
-    """What every Pool.Session of this router runs with: operator settings, never the wire's."""
-    cwd = Path(os.path.realpath(os.getcwd()))
+def _config(args: argparse.Namespace) -> Config:
     try:
         config = load_config(args.config) if args.config is not None else Config()
     except ConfigError as exc:
         raise ReadieError(str(exc)) from None
-    manifest, checkpoint = choose_checkpoint(manifest_path(args.checkpoints), tuple(args.preload.split(",")) if args.preload else ())
+    # Everything here comes over the network: without [pool.limits] it is granted nothing.
+    return replace(config, limits=config.network_limits)
+
+
+def _pool_setup(args: argparse.Namespace, config: Config) -> PoolSetup | None:
+    """What every Pool.Session of this router runs with (operator settings, never the wire's);
+    None, with a warning, when no checkpoints were named and none were found."""
+    cwd = Path(os.path.realpath(os.getcwd()))
+    try:
+        located = locate_checkpoints(args.checkpoints, cwd=cwd)
+    except CheckpointsNotFound as exc:
+        if args.checkpoints is not None or os.environ.get(CHECKPOINTS_VARIABLE):
+            raise
+        log.warning("no checkpoints: serving without Pool.Session", reason=str(exc))
+        return None
+    manifest, checkpoint = choose_checkpoint(located.manifest, tuple(args.preload.split(",")) if args.preload else ())
     return PoolSetup(
         workers=args.session_workers,
         checkpoint=checkpoint.name,
         runtime=RuntimeInfo.pool(manifest.python, checkpoint.preimport),
         cwd=cwd,
-        # Pool sessions come over the network: without [pool.limits] they are granted nothing.
-        config=replace(config, limits=config.network_limits),
+        config=config,
     )
 
 
@@ -109,16 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve on")
     parser.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker to place jobs on")
     parser.add_argument("--name", default=None, help="what Capacity reports as this router's name")
-    parser.add_argument("--probe-interval", type=float, default=PROBE_INTERVAL_S, help="seconds between worker probes")
-    parser.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S, help="seconds running calls get on SIGTERM")
+    parser.add_argument("--probe-interval", type=duration_seconds, default=PROBE_INTERVAL_S, metavar="DURATION", help="time between worker probes, e.g. 1s or 200ms (default %(default)s seconds)")
+    parser.add_argument("--drain-grace", type=duration_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="DURATION", help="how long running calls get on SIGTERM, e.g. 30s (default %(default)s seconds)")
     parser.add_argument(
-        "--drain-notice", type=float, default=DRAIN_NOTICE_S, help="seconds a drain answers NOT_SERVING before it closes the port"
+        "--drain-notice", type=duration_seconds, default=DRAIN_NOTICE_S, metavar="DURATION",
+        help="how long a drain answers NOT_SERVING before it closes the port, e.g. 2s (default %(default)s seconds)",
     )
-    parser.add_argument("--log", choices=("json", "console"), default="console")
+    parser.add_argument("--log", choices=LOG_CHOICES, default="console", help="log format on stderr (default %(default)s)")
     parser.add_argument(
         "--config", type=Path, default=None, help="[pool.limits] and profiles for every job and session (without: nothing is granted)"
     )
-    parser.add_argument("--checkpoints", default="build/checkpoints", help="the workers' checkpoint manifest (or its directory)")
+    parser.add_argument(
+        "--checkpoints", metavar="PATH",
+        help="the workers' checkpoint manifest, or its directory, for Pool.Session (default: $READIE_CHECKPOINTS, "
+        "else ./build/checkpoints if it holds one, else ~/.cache/readie/checkpoints; without any: no Pool.Session)",
+    )
     parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_ROUTER_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")

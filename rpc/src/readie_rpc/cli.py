@@ -3,8 +3,10 @@
     readie worker --listen 127.0.0.1:50061 --warm base=2 --warm pandas=1 --log=json
 
 A signal starts a graceful drain: health turns NOT_SERVING, new work is
-refused with UNAVAILABLE, running jobs finish (up to --drain-grace seconds),
-every sandbox is destroyed, and the process exits 0.
+refused with UNAVAILABLE, running jobs finish (up to --drain-grace), every
+sandbox is destroyed, and the process exits 0. The checkpoints are found as
+every readie command finds them (``readie_worker.locations``); where none
+are, the worker serves cold starts only and says so.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import structlog
 
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
 from readie_worker import enter_mount_namespace
+from readie_worker.cli_flags import LOG_CHOICES, duration_seconds
 from readie_worker.errors import ReadieError
+from readie_worker.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
+from readie_worker.manifest import MANIFEST_NAME
 from .grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
 from readie_worker.config import Config, load_config
@@ -28,7 +33,6 @@ from readie_worker.stop_signal import StopSignal
 log = structlog.get_logger("readie.worker")
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
-DEFAULT_MANIFEST = Path("build/checkpoints/manifest.json")
 # Refused flags and settings, as argparse exits for its own.
 EXIT_USAGE = 2
 
@@ -41,12 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     except ReadieError as exc:
         log.error("cannot start", error=str(exc))
         return 1
+    try:
+        manifest = _manifest(args.checkpoints)
+    except ReadieError as exc:
+        log.error("cannot start", error=str(exc))
+        return 1
     # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
     # Only when a dir was not named: a worker killed outright cannot remove it.
     needs_scratch = args.state_dir is None or args.run_dir is None
     scratch = scratch_dir("rw-") if needs_scratch else None
     config = WorkerConfig(
-        manifest=args.manifest,
+        manifest=manifest,
         state_dir=args.state_dir or scratch / "state",  # type: ignore[operator]
         run_dir=args.run_dir or scratch / "run",  # type: ignore[operator]
         slots=args.slots,
@@ -89,6 +98,17 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> 
     return 0
 
 
+def _manifest(given: Path | None) -> Path:
+    try:
+        return locate_checkpoints(given).manifest
+    except CheckpointsNotFound as exc:
+        # A worker without checkpoints still serves, by cold starts (manifest's loading rules).
+        log.warning("no checkpoints: cold starts only", reason=str(exc))
+        if given is None:
+            return default_checkpoints() / MANIFEST_NAME
+        return given / MANIFEST_NAME if given.is_dir() else given
+
+
 def _warm_spec(text: str) -> tuple[str, int]:
     name, _, count = text.partition("=")
     if not name or not count.isdigit():
@@ -99,7 +119,11 @@ def _warm_spec(text: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="readie worker", description="serve a readie worker over gRPC")
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="address to serve on (default %(default)s)")
-    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST, help="checkpoint manifest (default %(default)s)")
+    parser.add_argument(
+        "--checkpoints", "--manifest", dest="checkpoints", type=Path, metavar="PATH",
+        help="checkpoint manifest, or its directory (default: $READIE_CHECKPOINTS, else ./build/checkpoints "
+        "if it holds one, else ~/.cache/readie/checkpoints; docs/pool.md)",
+    )
     parser.add_argument("--state-dir", type=Path, help="runsc --root, owned by this worker alone (default: a new temp dir)")
     parser.add_argument("--run-dir", type=Path, help="sandbox dirs; keep it short (default: a new dir under /tmp)")
     parser.add_argument("--warm", type=_warm_spec, action="append", default=[], metavar="NAME=N", help="keep N sandboxes of checkpoint NAME ready (repeatable)")
@@ -107,22 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
     parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
     parser.add_argument("--runsc", default="runsc", metavar="BINARY", help="the runsc to run sandboxes with; its checkpoints must come from the same one (default: runsc on PATH)")
-    parser.add_argument("--drain-grace", type=_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="SECONDS", help="how long a drain lets running jobs finish (default %(default)s)")
-    parser.add_argument("--drain-notice", type=_seconds, default=DRAIN_NOTICE_S, metavar="SECONDS", help="how long a drain answers NOT_SERVING before it closes the port (default %(default)s)")
-    parser.add_argument("--log", choices=("console", "json"), default="console", help="log format on stderr")
+    parser.add_argument("--drain-grace", type=duration_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="DURATION", help="how long a drain lets running jobs finish, e.g. 30s (default %(default)s seconds)")
+    parser.add_argument("--drain-notice", type=duration_seconds, default=DRAIN_NOTICE_S, metavar="DURATION", help="how long a drain answers NOT_SERVING before it closes the port, e.g. 5s (default %(default)s seconds)")
+    parser.add_argument("--log", choices=LOG_CHOICES, default="console", help="log format on stderr (default %(default)s)")
     parser.add_argument("--allow-unisolated", action="store_true", help="DEVELOPMENT ONLY: without runsc, run jobs as plain host processes")
     parser.add_argument(
         "--config", type=Path, metavar="TOML", help="[pool.limits] and profiles for every job (without: nothing is granted)"
     )
     add_server_arguments(parser)
     return parser
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
-    return value
 
 
 def _positive_int(text: str) -> int:

@@ -7,8 +7,9 @@ the pipeline and operators: ``core`` (Worker, WorkerConfig), ``runner``
 ``launchers`` and ``warm`` (one lifecycle, its launchers, warm sandboxes),
 ``runsc``, ``manifest``, ``bundle``, ``policy`` and ``config`` (the
 operator's ceiling), ``errors``, ``cancel``, ``grants``, ``paths``,
-``packages``, ``network``, ``units``, ``logs``, ``stop_signal`` and
-``testing``. No gRPC here: the services, their client and the ``readie
+``packages``, ``network``, ``units``, ``logs``, ``stop_signal``,
+``locations`` (where every command finds the checkpoints), ``cli_flags``
+(flag values every command reads alike) and ``testing``. No gRPC here: the services, their client and the ``readie
 worker`` command are ``readie_rpc``'s. Modules whose names start with ``_``
 are private to this package (a test checks it).
 """

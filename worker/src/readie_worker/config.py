@@ -70,8 +70,9 @@ DEFAULT_MAX_SESSIONS = 16
 MAX_SESSIONS = 4096
 #: The spec: "session_idle (default 10m)".
 DEFAULT_SESSION_IDLE_MS = 10 * 60 * 1000
-#: ``json`` writes one line per finished job to stderr; ``none`` writes none.
-LOG_FORMATS = frozenset({"json", "none"})
+#: ``json`` writes JSON logs and one line per finished job to stderr;
+#: ``console`` readable logs and no job lines (``none`` is its first name, kept).
+LOG_FORMATS = frozenset({"console", "json", "none"})
 #: An answer carries stdout and stderr, each up to max_output, and a few KiB
 #: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
 #: by default. A [pool.limits] max_output raises it (and clients must then too).
