@@ -17,6 +17,7 @@ import anyio
 import httpx2
 import pytest
 import readie
+import structlog
 from mcp import Client
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -33,6 +34,13 @@ READ_TIMEOUT_S = 30
 def text(result) -> str:
     assert len(result.content) == 1
     return result.content[0].text
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults():
+    # main() points structlog at this test's (captured, soon closed) stderr; later tests must not log there.
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture
