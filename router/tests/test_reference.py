@@ -22,3 +22,10 @@ def test_the_reference_lists_every_field_once_with_the_pools_defaults() -> None:
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == [field.name for field in JOB_FIELDS]
     assert "30000 ms" in next(row for row in rows if row.startswith("| `timeout`"))
+
+
+def test_readie_pool_prints_the_schema_and_exits(capsys) -> None:
+    from readie_router.pool_cli import main
+
+    assert main(["pool", "--schema"]) == 0
+    assert capsys.readouterr().out == schema_json()

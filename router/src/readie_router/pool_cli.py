@@ -41,6 +41,7 @@ from readie_worker.locations import CHECKPOINTS_VARIABLE, locate_checkpoints
 from ._events import RuntimeInfo
 from ._engine import PoolEngine, PoolSetup
 from ._stdio import FdReader, FdWriter
+from .reference import schema_json
 
 __all__ = ["main"]
 
@@ -56,6 +57,9 @@ EXIT_FAILED = 1
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
+    if args.schema:  # what a client may write and will read, from the code's one definition
+        sys.stdout.write(schema_json())
+        return 0
     configure_logging(json=args.log == "json")
     try:
         enter_mount_namespace()  # before any thread: an embedded worker's mounts live there
@@ -248,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
         "replaces [pool] package_dirs)",
     )
     parser.add_argument("--config", metavar="FILE", help="pool configuration (TOML)")
+    parser.add_argument(
+        "--schema", action="store_true",
+        help="print the JSON Schema of the protocol's request and event lines, and exit (docs/requests.md)",
+    )
     parser.add_argument(
         "--log",
         choices=("console", "json", "none"),
