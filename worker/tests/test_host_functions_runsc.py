@@ -239,7 +239,9 @@ def test_waiting_for_the_host_counts_against_the_timeout(worker):
     assert outcome.error.type == "TimeoutError" and outcome.exit is None, outcome
     assert outcome.stdout == ""  # the late reply was dropped with the sandbox
     deadline = host.calls[0].deadline
-    assert deadline is not None and started < deadline <= started + 1.0 + 0.1
+    # The job's clock starts once it has a sandbox, a little after ``started``: on a
+    # loaded machine a warm take or a restore adds up to a few hundred ms (1.105 s seen).
+    assert deadline is not None and started < deadline <= started + 1.0 + 0.5
     assert time.monotonic() - started < 10
     if worker.isolated:
         assert outcome.sandbox_id not in worker.runsc.list_ids()
