@@ -70,9 +70,11 @@ def test_a_session_keeps_its_order_and_a_cancelled_step_ends_it(tmp_path):
                 assert (first.step, second.step, first.stdout, second.stdout) == (1, 2, "one\n", "two\n")
                 slow = asyncio.ensure_future(session.run("sleep 0.5\nsay late"))
                 await asyncio.sleep(0.1)
+                cancelled_at = time.monotonic()
                 slow.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await slow
+                assert time.monotonic() - cancelled_at < 0.3, "the cancel returns at once; the close follows"
                 assert not session.open
                 again = await session.run("say fresh")
                 assert again.step == 1, "a cancelled step ends the session: the next run is a new one"
@@ -125,5 +127,21 @@ def test_using_a_pool_before_start_says_so(tmp_path):
     async def main() -> None:
         with pytest.raises(readie.PoolError, match="not started"):
             await readie.AsyncPool(command=ENGINE, cwd=tmp_path).run("say x")
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_start_leaves_no_process_and_the_pool_refuses_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_POOL", "silent")
+
+    async def main() -> None:
+        pool = readie.AsyncPool(command=FAKE, cwd=tmp_path)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pool.start(), 0.3)
+        assert pool._process is not None and pool._process.returncode is not None
+        with pytest.raises(readie.PoolError, match="unusable"):
+            await pool.start()
+        with pytest.raises(readie.PoolError, match="closed|unusable"):
+            await pool.run("say x")
 
     asyncio.run(main())

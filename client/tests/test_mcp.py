@@ -71,6 +71,11 @@ def test_tools_list_and_what_the_model_reads(pool):
             assert (text(printed), printed.is_error) == ("hello", False)
             raised = await client.call_tool("run_python", {"code": "raise"})
             assert raised.is_error and text(raised) == "Error: ValueError: boom (line 1)"
+            # The model may shorten a call, not lengthen it past the operator's limit.
+            shorter = await client.call_tool("run_python", {"code": "say quick", "timeout": 2})
+            assert not shorter.is_error and text(shorter) == "quick"
+            longer = await client.call_tool("run_python", {"code": "say slow", "timeout": 1e9})
+            assert longer.is_error and text(longer) == "Refused: timeout must be more than 0 and at most 5 seconds here"
 
     anyio.run(go)
 
@@ -177,6 +182,8 @@ def test_a_pool_that_dies_is_reported_over_stdio_and_nothing_hangs(tmp_path):
         (["--http", "0.0.0.0:8765"], "refusing to serve 0.0.0.0:8765 to anyone who can reach it: pass --token-file"),
         (["--http", "0.0.0.0:8765", "--token-file", "{token}"], "in plaintext on 0.0.0.0:8765: pass --tls-cert"),
         (["--http", "8765"], "expected HOST:PORT"),
+        # Loopback, but not a name the SDK's rebinding check knows: a token is needed.
+        (["--http", "127.0.0.2:8765"], "refusing to serve 127.0.0.2:8765"),
         (["--http", "127.0.0.1:8765", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
         (["--session-idle", "soon"], "duration"),
     ],

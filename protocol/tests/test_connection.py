@@ -167,3 +167,11 @@ def test_a_forgotten_request_is_answered_as_a_stray() -> None:
     client.forget(1)
     (stray,) = events(client, pool.send(result(1)))
     assert isinstance(stray, Stray)
+
+
+def test_an_id_of_true_is_a_stray_and_does_not_take_request_ones_answer() -> None:
+    client, pool = pair()
+    client.send({"id": 1, "code": "x"})
+    forged = json.dumps({**result(1).to_json(), "id": True}).encode() + b"\n"
+    stray, answer = events(client, forged + pool.send(result(1)))
+    assert isinstance(stray, Stray) and answer == result(1)

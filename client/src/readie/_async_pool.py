@@ -85,6 +85,11 @@ class AsyncPool:
         self._process: asyncio.subprocess.Process | None = None
         self._ready: asyncio.Future[ReadyEvent] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # One line at a time into stdin, each drained before the next: a line waits here, not in the
+        # transport's buffer, so many callers cannot pile their lines up behind a pool that pushes back.
+        self._write_lock = asyncio.Lock()
+        # Calls waiting for their reply, by request: a pool makes at most one per task at a time.
+        self._calls_waiting: set[RequestId] = set()
         self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._failure: str | None = None  # why the pool is unusable, once it is
         self._closed = False
@@ -95,6 +100,8 @@ class AsyncPool:
     async def start(self) -> Self:
         """Start ``readie pool`` and wait for its ready event; :class:`~readie.PoolError` if it is not ready in time."""
         if self._process is not None:
+            if self._failure is not None:
+                raise PoolError(self._failure)
             return self
         try:
             self._process = await asyncio.create_subprocess_exec(
@@ -104,17 +111,25 @@ class AsyncPool:
         except OSError as exc:
             raise PoolError(f"cannot start {' '.join(self.argv)}: {exc}") from None
         self._ready = asyncio.get_running_loop().create_future()
+        # Retrieved here even when nobody awaits it any more (a start that timed out or was cancelled).
+        self._ready.add_done_callback(lambda ready: ready.cancelled() or ready.exception())
         self._reader = self._spawn(self._read_stdout())
         self._stderr = self._spawn(self._keep_stderr())
         try:
             self.ready = await asyncio.wait_for(asyncio.shield(self._ready), self._start_timeout)
         except TimeoutError:
-            await self._stop()
+            await self._abandon("it was not ready in time")
             raise PoolError(f"readie pool was not ready within {self._start_timeout} s{self._suffix()}") from None
-        except ReadieError:
-            await self._stop()
+        except BaseException:  # its own error, or the caller's cancellation: no process outlives it
+            await asyncio.shield(self._abandon("its start failed or was cancelled"))
             raise
         return self
+
+    async def _abandon(self, why: str) -> None:
+        """A start that did not finish: stop the process, and refuse every later use."""
+        self._failure = self._failure or f"readie pool is unusable: {why}"
+        self._closed = True
+        await self._stop()
 
     async def close(self, timeout: float | None = None) -> None:
         """End stdin, let the pool finish every accepted job and wait for it to exit (see :meth:`Pool.close`)."""
@@ -219,10 +234,8 @@ class AsyncPool:
         if functions:
             self._functions[request_id] = functions
         try:
-            assert self._process.stdin is not None
             try:
-                self._process.stdin.write(line)
-                await self._process.stdin.drain()
+                await self._write(line)
             except (ConnectionError, RuntimeError) as exc:
                 self._connection.forget(request_id)
                 raise PoolError(f"readie pool stopped reading requests: {exc}{self._suffix()}") from None
@@ -231,6 +244,13 @@ class AsyncPool:
             # Answered, failed or cancelled: nothing more is delivered to this caller.
             self._pending.pop(request_id, None)
             self._functions.pop(request_id, None)
+
+    async def _close_session(self, name: str) -> None:
+        """Close session ``name``, answered in the background (a cancelled step's session)."""
+        try:
+            await self._exchange(close_request(self._next_id(), name))
+        except ReadieError as exc:  # the pool is gone or refused: the session is gone with it
+            log.warning("closing session %s after a cancelled step failed: %s", name, exc)
 
     # ------------------------------------------------------------------ reading
 
@@ -244,6 +264,12 @@ class AsyncPool:
                 elif isinstance(event, ReadyEvent):
                     self._ready.set_result(event)
                 elif isinstance(event, CallEvent):
+                    if event.id in self._calls_waiting:
+                        # A task waits on its one call: a second before the reply is a pool gone wrong,
+                        # and answering it would let a pool grow this process without end.
+                        raise PoolError(f"readie pool broke the protocol: a second call of request {event.id!r} "
+                                        "before its first was answered")
+                    self._calls_waiting.add(event.id)
                     self._spawn(self._answer_call(event))
                 elif isinstance(event, Stray):
                     log.warning("readie pool answered a request nobody waits for: %.200r", event.line)
@@ -256,6 +282,8 @@ class AsyncPool:
             if not self._ready.done():
                 self._ready.set_exception(exc)
             self._end(str(exc), failure=str(exc))
+            # Nothing it writes is read any more: stop it rather than leave it blocked on a full pipe.
+            await self._stop()
         except Exception as exc:  # a bug here must not leave callers waiting forever
             log.exception("readie pool reader failed")
             self._end(f"the client's reader failed: {exc}", failure=f"the client's reader failed: {exc}")
@@ -296,12 +324,18 @@ class AsyncPool:
                     reply = result_reply(event.call_id, value)
                 except (TypeError, ValueError) as exc:
                     reply = error_reply(event.call_id, f"{event.function} returned a value that cannot be sent: {exc}")
-        assert self._process is not None and self._process.stdin is not None
+        # Before the reply goes out: the task's next call may come the moment the pool has it.
+        self._calls_waiting.discard(event.id)
         try:
-            self._process.stdin.write(reply)
-            await self._process.stdin.drain()
+            await self._write(reply)
         except (ConnectionError, RuntimeError):
             pass  # the pool is gone; its callers hear of it from the reader
+
+    async def _write(self, line: bytes) -> None:
+        assert self._process is not None and self._process.stdin is not None
+        async with self._write_lock:
+            self._process.stdin.write(line)
+            await self._process.stdin.drain()
 
     async def _keep_stderr(self) -> None:
         assert self._process is not None and self._process.stderr is not None
@@ -381,8 +415,10 @@ class AsyncSession:
             try:
                 result = await self.pool._exchange(request, self.functions)
             except asyncio.CancelledError:
-                # The step may still run: a close, queued behind it, frees the sandbox when it ends.
-                await asyncio.shield(self._close_quietly())
+                # The step may still run: a close, queued behind it in the pool, frees the sandbox when
+                # it ends. Sent now, answered in the background: the caller's cancel returns at once.
+                self._open = False
+                self.pool._spawn(self.pool._close_session(self.name))
                 raise
             except BaseException:
                 self._open = was_open
@@ -399,12 +435,6 @@ class AsyncSession:
         """End the session and free its sandbox; does nothing when it is not open."""
         async with self._lock:
             await self._close_now()
-
-    async def _close_quietly(self) -> None:
-        try:
-            await self._close_now()
-        except ReadieError as exc:  # the pool is gone or refused: the session is gone with it
-            log.warning("closing session %s after a cancelled step failed: %s", self.name, exc)
 
     async def _close_now(self) -> None:
         if not self._open:

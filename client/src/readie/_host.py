@@ -33,7 +33,7 @@ from readie_executor import hostwire
 from readie_executor.hostwire import MAX_RESULT_BYTES, function_name_problem
 from readie_protocol.events import CallEvent
 
-from ._errors import RequestError
+from ._errors import PoolError, RequestError
 
 __all__ = ["HostCalls", "HostFunctions", "check_functions", "error_reply", "result_reply"]
 
@@ -100,6 +100,7 @@ class HostCalls:
         self.threads = threads  # set to the pool's workers once they are known
         self._lock = threading.Lock()
         self._by_request: dict[Any, dict[str, Callable[..., Any]]] = {}
+        self._answering: set[Any] = set()  # requests whose call is being answered
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -112,22 +113,36 @@ class HostCalls:
             self._by_request.pop(request_id, None)
 
     def handle(self, event: CallEvent) -> None:
-        """Start answering one ``call`` event (on the reader thread: never blocks)."""
+        """Start answering one ``call`` event (on the reader thread: never blocks).
+
+        A task waits on its one call, so a second call of a request before its
+        first was answered is the pool breaking the protocol (:class:`PoolError`):
+        answering it would let a pool queue work here without end.
+        """
         with self._lock:
+            if event.id in self._answering:
+                raise PoolError(
+                    f"readie pool broke the protocol: a second call of request {event.id!r} before its first was answered"
+                )
+            self._answering.add(event.id)
             functions = self._by_request.get(event.id, {})
         function = functions.get(event.function)
-        self._submit(lambda: answer(function, event.function, event.call_id, event.args, event.kwargs))
+        self._submit(event.id, lambda: answer(function, event.function, event.call_id, event.args, event.kwargs))
 
-    def _submit(self, reply: Callable[[], bytes]) -> None:
+    def _submit(self, request_id: Any, reply: Callable[[], bytes]) -> None:
         with self._lock:
             if self._closed:
                 return
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="readie-host")
-            self._executor.submit(self._run, reply)
+            self._executor.submit(self._run, request_id, reply)
 
-    def _run(self, reply: Callable[[], bytes]) -> None:
-        self._send(reply())
+    def _run(self, request_id: Any, reply: Callable[[], bytes]) -> None:
+        line = reply()
+        # Before the reply goes out: the task's next call may come the moment the pool has it.
+        with self._lock:
+            self._answering.discard(request_id)
+        self._send(line)
 
     def close(self) -> None:
         """Run no more calls; calls running now finish (their replies may find stdin closed)."""

@@ -38,7 +38,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 from readie_protocol.units import parse_duration_ms
-from readie_rpc.security import is_local_address, read_token
+from readie_rpc.security import read_token
 from readie_worker.errors import ReadieError
 from readie_worker.logs import configure_logging
 
@@ -159,6 +159,10 @@ def _close(pool: Pool) -> int:
 # ---------------------------------------------------------------------------- HTTP
 
 
+#: Hosts ``--http`` may bind without a token: loopback, by the names the SDK's rebinding check knows.
+TOKEN_FREE_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 class _HttpSettings:
     def __init__(self, host: str, port: int, token: str | None, cert: Path | None, key: Path | None) -> None:
         self.host, self.port, self.token, self.cert, self.key = host, port, token, cert, key
@@ -171,7 +175,9 @@ def _http_settings(args: argparse.Namespace) -> _HttpSettings:
         raise UsageError(f"--http {address!r}: expected HOST:PORT, e.g. 127.0.0.1:8765")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together")
-    loopback = is_local_address(address)
+    # Token-free only on the names the SDK guards against DNS rebinding (it checks Host and Origin
+    # for exactly these); any other address, 127.0.0.2 and ::ffff:127.0.0.1 too, needs the token.
+    loopback = host.strip("[]") in TOKEN_FREE_HOSTS
     if not loopback and args.token_file is None:
         raise UsageError(
             f"refusing to serve {address} to anyone who can reach it: pass --token-file "
@@ -242,14 +248,19 @@ def _url_host(host: str) -> str:
 def _limits(args: argparse.Namespace) -> Limits:
     idle_s = DEFAULT_SESSION_IDLE_S if args.session_idle is None else parse_duration_ms(args.session_idle) / 1000
     max_sessions = DEFAULT_MAX_SESSIONS if args.max_sessions is None else args.max_sessions
+    from readie_worker.config import DEFAULT_SESSION_IDLE_MS, load_config
+
+    pool_idle_s = DEFAULT_SESSION_IDLE_MS / 1000
     if args.config is not None:
         # The pool's own bounds apply first; ours must not promise more than it keeps.
-        from readie_worker.config import load_config
-
         pool_settings = load_config(args.config).pool
         max_sessions = min(max_sessions, pool_settings.max_sessions)
-        idle_s = min(idle_s, pool_settings.session_idle_ms / 1000)
-    return Limits(max_sessions=max_sessions, session_idle_s=idle_s)
+        pool_idle_s = pool_settings.session_idle_ms / 1000
+    # Ours closes first, by two sweeps' margin: a session the pool closed for idleness would come
+    # back as a new one without the operator's grants and limits.
+    limits = Limits(max_sessions=max_sessions, session_idle_s=idle_s)
+    cap = max(pool_idle_s - 2 * limits.sweep_interval_s, pool_idle_s / 2)
+    return Limits(max_sessions=max_sessions, session_idle_s=min(idle_s, cap))
 
 
 def _grants(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,6 +19,7 @@ between calls. :class:`Sessions` bounds them in number and in idle time
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 from readie_protocol.events import Result
+from readie_protocol.units import parse_duration_ms
+from readie_worker.policy import DEFAULT_TIMEOUT_MS
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._pool import Pool
@@ -176,11 +179,17 @@ class ReadieTools:
         self.pool = pool
         self.sessions = Sessions(pool, grants, limits)
         self.grants = dict(grants)
+        # A model may shorten a call, never lengthen it past the operator's --timeout (else the
+        # pool's default): without a ceiling in a config, nothing else would bound it.
+        given = grants.get("timeout")
+        self.max_timeout_s = (DEFAULT_TIMEOUT_MS if given is None else parse_duration_ms(given)) / 1000
         self.failure: str | None = None  # set once the pool is gone: every later call says so at once
 
     async def run_python(self, code: str, session: str | None, timeout: float | None, connection: str) -> CallToolResult:
         if self.failure is not None:
             return _error(self.failure)
+        if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= self.max_timeout_s):
+            return _error(f"Refused: timeout must be more than 0 and at most {self.max_timeout_s:g} seconds here")
         step_timeout = {"timeout": timeout} if timeout is not None else {}
         if session is None:
             fields = {**self.grants, **step_timeout}
@@ -282,7 +291,7 @@ def build_server(pool: Pool, grants: Mapping[str, Any] | None = None, limits: Li
         ] = None,
         timeout: Annotated[
             float | None,
-            Field(description="Seconds this call may run (the operator's ceiling bounds it).", gt=0),
+            Field(description="Seconds this call may run, at most the operator's limit.", gt=0),
         ] = None,
     ) -> CallToolResult:
         return await tools.run_python(code, session, timeout, _connection(ctx))

@@ -54,6 +54,9 @@ START_TIMEOUT_S = 60.0
 MAX_EVENT_LINE_BYTES = 2 * 6 * bounds.MAX_OUTPUT_LIMIT + MAX_LINE_BYTES
 #: What one read of stdout asks for; a line longer than this comes in several.
 READ_BYTES = 64 * 1024
+#: Threads that run host functions: one per pool worker (a task waits on one
+#: call at a time), but no more than this whatever a pool's ready event claims.
+MAX_HOST_THREADS = 64
 
 #: What answers a request: its result, or the stats or closed event it asked for.
 Answer = Result | StatsEvent | ClosedEvent
@@ -144,7 +147,10 @@ class Pool:
         if self._start_error is not None:
             self._stop()
             raise self._start_error
-        self._host_calls.threads = self.ready.workers
+        if not hasattr(self, "ready"):  # the reader failed before the ready event, not on a protocol error
+            self._stop()
+            raise PoolError(f"{self._failure or 'readie pool did not start'}{self._process.stderr_suffix()}")
+        self._host_calls.threads = min(self.ready.workers, MAX_HOST_THREADS)
 
     # ------------------------------------------------------------------ public
 
@@ -255,8 +261,15 @@ class Pool:
             if self._closed:
                 return
             self._closed = True
-        with self._write_lock:
-            self._process.close_stdin()
+        # A writer blocked on a full stdin holds the lock: a pool that stopped reading must not
+        # make close wait past its timeout.
+        if self._write_lock.acquire(timeout=-1 if timeout is None else timeout):
+            try:
+                self._process.close_stdin()
+            finally:
+                self._write_lock.release()
+        else:
+            self._stop()
         try:
             status = self._process.status(timeout)
             if status is None:

@@ -204,8 +204,11 @@ class PoolConnection:
         if obj.get("event") == "call":
             return parse_call(obj)
         request_id = obj.get("id")
-        answer = self._in_flight.pop(request_id, None) if isinstance(request_id, str | int) else None
-        if answer is None or isinstance(request_id, bool):
+        # true == 1 in Python: a bool must not take the entry of request 1 on its way to the strays.
+        if isinstance(request_id, bool) or not isinstance(request_id, str | int):
+            return Stray(line.data)
+        answer = self._in_flight.pop(request_id, None)
+        if answer is None:
             return Stray(line.data)
         if answer is _Answer.STATS:
             return parse_stats(obj)
