@@ -15,6 +15,7 @@ error stated plainly, then what happened to the session if it ended.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -81,6 +82,46 @@ class Tool:
     def spec(self) -> dict[str, Any]:
         """``name``, ``description`` and ``parameters``, as most tool-calling APIs take them."""
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def openai_tool(self, api: str = "chat") -> dict[str, Any]:
+        """The tool as OpenAI's API takes it: ``"chat"`` for Chat Completions'
+        ``tools`` (``{"type": "function", "function": {...}}``), ``"responses"``
+        for the Responses API's (the same fields, flat). Strict: the one
+        parameter is required and nothing else is allowed."""
+        function = {**self.spec(), "strict": True}
+        if api == "chat":
+            return {"type": "function", "function": function}
+        if api == "responses":
+            return {"type": "function", **function}
+        raise ValueError(f"api: expected 'chat' or 'responses', got {api!r}")
+
+    def anthropic_tool(self) -> dict[str, Any]:
+        """The tool as Anthropic's Messages API takes it (``input_schema``)."""
+        return {"name": self.name, "description": self.description, "input_schema": self.parameters}
+
+    def call(self, arguments: str | Mapping[str, Any]) -> str:
+        """Answer one tool call as a model's API delivers it: OpenAI's ``arguments``
+        (a JSON string) or Anthropic's ``input`` (an object). Arguments that are
+        not ``{"code": str}`` come back as a message the model can act on, not
+        as an exception: the model made the mistake, and it can fix it."""
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                return f"Error: the arguments are not JSON ({exc}); send {{\"code\": \"<python>\"}}"
+        if not isinstance(arguments, Mapping) or set(arguments) != {"code"} or not isinstance(arguments["code"], str):
+            return 'Error: this tool takes exactly one argument, {"code": "<python source>"}'
+        return self(arguments["code"])
+
+    def langchain_tool(self) -> Any:
+        """The tool as a LangChain ``StructuredTool`` (needs ``langchain-core``: the ``readie[langchain]`` extra)."""
+        try:
+            from langchain_core.tools import StructuredTool
+        except ImportError:
+            raise ImportError("Tool.langchain_tool needs langchain-core: install readie[langchain]") from None
+        return StructuredTool.from_function(
+            func=self, name=self.name, description=self.description, args_schema=self.parameters
+        )
 
     def close(self) -> None:
         """Close the session this tool opened (a Session passed in is the caller's to close)."""
