@@ -42,6 +42,7 @@ SPEC_REQUESTS = [
     {"id": 9, "session": "notebook-7", "close": True},
     {"reply": {"call_id": 1, "result": {"hits": ["a"]}}},
     {"reply": {"call_id": 2, "error": "no such page"}},
+    {"id": 3, "code": "x", "close": False, "timeout": 30, "memory": "1G"},
 ]
 
 
@@ -65,6 +66,11 @@ def test_the_specs_requests_are_valid_and_the_pool_accepts_them(request_line: di
         {"id": 1, "stats": False},
         {"reply": {"call_id": 1}},
         {"reply": {"call_id": 1, "result": 1, "error": "x"}},
+        {"reply": {"call_id": 2**64, "result": 1}},
+        {"id": 1, "code": "x", "timeout": 0},
+        {"id": 1, "code": "x", "memory": "0m"},
+        {"id": 1, "code": "x", "timeout": 2**62},  # seconds: over the limit once in ms
+        {"id": 1, "session": "nb", "script": "a.py"},
     ],
 )
 def test_lines_the_pool_refuses_for_their_shape_are_invalid(request_line: dict[str, Any]) -> None:
@@ -104,7 +110,7 @@ def test_whatever_the_pool_accepts_the_schema_accepts(request_line: dict[str, An
 
 def test_every_field_in_the_table_is_in_the_schema_with_its_meaning() -> None:
     job = request_schema()["oneOf"][0]["properties"]
-    assert set(job) == {"id", *(field.name for field in JOB_FIELDS)}
+    assert set(job) == {"id", "close", *(field.name for field in JOB_FIELDS)}
     assert all(job[field.name]["description"] for field in JOB_FIELDS)
 
 

@@ -67,6 +67,7 @@ def test_size_values(text: object, expected: int) -> None:
         ("1_000", "expected digits"),
         ("١٢", "expected digits"),  # Arabic-Indic digits: int() would take them
         ("８", "expected digits"),  # fullwidth digit
+        ("64\u212a", "expected digits"),  # the Kelvin sign: lower() makes it an ASCII k
         (str(MAX_VALUE + 1), "too large"),
         (MAX_VALUE + 1, "too large"),
         ("8388608t", "too large"),

@@ -32,7 +32,7 @@ from readie_executor.hostwire import MAX_FUNCTIONS
 
 from .errors import RequestError, UnitError
 from .lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from .units import DURATION_SCHEMA, MAX_VALUE, SIZE_SCHEMA, parse_duration_ms, parse_size
+from .units import DURATION_SCHEMA, MAX_VALUE, SIZE_SCHEMA, parse_duration_ms, parse_size, positive_schema
 from .wire import MAX_ID_CHARS, MAX_ID_INT, RequestId, id_problem, json_type
 
 from ._values import (
@@ -343,10 +343,10 @@ JOB_FIELDS = (
     JobField("env", "env", env_value, "Environment variables of the program."),
     JobField("allow_network", "allow_network", bool_value,
              "Whether the job gets a network; refused unless the ceiling has allow_network = true."),
-    JobField("timeout", "timeout_ms", with_schema(positive(parse_duration_ms), DURATION_SCHEMA),
+    JobField("timeout", "timeout_ms", with_schema(positive(parse_duration_ms), positive_schema(DURATION_SCHEMA)),
              "Wall-clock limit of the job (a session step: of the step); at most the ceiling's. Past it the "
              "job ends with TimeoutError and exit 124."),
-    JobField("memory", "memory_bytes", with_schema(positive(parse_size), SIZE_SCHEMA),
+    JobField("memory", "memory_bytes", with_schema(positive(parse_size), positive_schema(SIZE_SCHEMA)),
              "Memory limit of the job, files it writes in its tmpfs included; at most the ceiling's."),
     JobField("max_output", "max_output", with_schema(parse_size, SIZE_SCHEMA),
              "Bytes of stdout, and of stderr, kept; the rest is cut and the result says truncated."),

@@ -21,6 +21,7 @@ from typing import Any
 from .events import CallEvent, ClosedEvent, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
 from .lines import MAX_LINE_BYTES
 from .requests import CLOSE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
+from .units import MAX_VALUE
 from .wire import PROTOCOL_VERSION
 
 __all__ = ["SCHEMA_DIALECT", "event_schemas", "protocol_schema", "request_schema"]
@@ -33,11 +34,16 @@ def request_schema() -> dict[str, Any]:
     job = {
         "title": "job or session step",
         "type": "object",
-        "properties": {"id": REQUEST_ID_SCHEMA, **{f.name: f.schema() for f in JOB_FIELDS}},
+        "properties": {
+            "id": REQUEST_ID_SCHEMA,
+            **{f.name: f.schema() for f in JOB_FIELDS},
+            "close": {"const": False, "description": "Asks for nothing: the line is an ordinary job or step."},
+        },
         "required": ["id"],
         "additionalProperties": False,
-        # Exactly one of code and script (the spec).
+        # Exactly one of code and script (the spec); sessions take inline code.
         "oneOf": [{"required": ["code"]}, {"required": ["script"]}],
+        "not": {"required": ["session", "script"]},
     }
     stats = {
         "title": "stats request",
@@ -60,7 +66,8 @@ def request_schema() -> dict[str, Any]:
             "reply": {
                 "type": "object",
                 "properties": {
-                    "call_id": {"type": "integer", "minimum": 0, "description": "the call event's call_id"},
+                    "call_id": {"type": "integer", "minimum": 0, "maximum": MAX_VALUE,
+                                "description": "the call event's call_id"},
                     "result": {"description": f"the function's value, any JSON (at most {MAX_REPLY_BYTES} bytes)"},
                     "error": {"type": "string", "description": "the exception text: readie_host.HostError in the sandbox"},
                 },
@@ -74,7 +81,8 @@ def request_schema() -> dict[str, Any]:
     }
     return {
         "title": "readie pool request line",
-        "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused.",
+        "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused. "
+        "Integers are JSON integers: 1.0 is refused where an integer is expected, though JSON Schema allows it.",
         "oneOf": [job, stats, close, reply],
     }
 

@@ -19,7 +19,7 @@ import re
 
 from .errors import UnitError, shown
 
-__all__ = ["DURATION_SCHEMA", "MAX_VALUE", "SIZE_SCHEMA", "parse_duration_ms", "parse_size"]
+__all__ = ["DURATION_SCHEMA", "MAX_VALUE", "SIZE_SCHEMA", "parse_duration_ms", "parse_size", "positive_schema"]
 
 #: Converted values must fit a signed 64-bit integer: rlimits, cgroup files
 #: and protobuf int64 fields all carry them.
@@ -42,12 +42,20 @@ def _unit_schema(units: dict[str, int], what: str) -> dict[str, object]:
     suffixes = "|".join("".join(f"[{c}{c.upper()}]" for c in unit) for unit in sorted(units, key=len, reverse=True) if unit)
     return {
         "anyOf": [
-            {"type": "integer", "minimum": 0, "maximum": MAX_VALUE},
-            # Any case; the value once converted must fit MAX_VALUE too.
+            # A bare number is in the unit of units[""] (seconds for durations): it must fit once converted.
+            {"type": "integer", "minimum": 0, "maximum": MAX_VALUE // units[""]},
+            # Any case; the value once converted must fit MAX_VALUE too (not expressible here).
             {"type": "string", "pattern": f"^[0-9]{{1,{_MAX_DIGITS}}}({suffixes})?$"},
         ],
         "description": what,
     }
+
+
+def positive_schema(schema: dict[str, object]) -> dict[str, object]:
+    """``schema`` (:data:`SIZE_SCHEMA` or :data:`DURATION_SCHEMA`) without zero: 0, "0m", "000s"."""
+    integer, string = schema["anyOf"]  # type: ignore[misc]
+    pattern = str(string["pattern"]).replace("^", "^(?=[0-9]*[1-9])", 1)
+    return {**schema, "anyOf": [{**integer, "minimum": 1}, {**string, "pattern": pattern}]}
 
 
 #: JSON Schema of what :func:`parse_size` accepts.
@@ -83,6 +91,8 @@ def _parse(value: object, units: dict[str, int], what: str, suffixes: str, examp
         raise UnitError(f"{shown(text)} is not a {what}: no spaces allowed")
     if text[0] in "+-":
         raise UnitError(f"{shown(text)} is not a {what}: no sign allowed")
+    if not text.isascii():  # before lower(): the Kelvin sign (U+212A) lowercases to an ASCII k
+        raise UnitError(f"{shown(text)} is not a {what}: expected digits then one of {suffixes}")
     match = _NUMBER.fullmatch(text.lower())
     if match is None:
         if "." in text or ("e" in text.lower() and any(c.isdigit() for c in text)):

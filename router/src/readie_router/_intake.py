@@ -14,7 +14,7 @@ import structlog
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection
 from readie_protocol.requests import Refused, Request
 
-__all__ = ["MAX_PARKED_BYTES", "ByteSource", "Parked", "RequestReader"]
+__all__ = ["MAX_PARKED_BYTES", "MIN_PARKED_LINE_BYTES", "ByteSource", "Parked", "RequestReader"]
 
 log = structlog.get_logger("readie.pool")
 
@@ -23,6 +23,9 @@ log = structlog.get_logger("readie.pool")
 #: of such lines held (at least one is always held). A client that writes
 #: more than this ahead of its reply waits for the call's timeout.
 MAX_PARKED_BYTES = 8 * 1024 * 1024
+#: What a parked line is charged at least against MAX_PARKED_BYTES: the memory of
+#: its parsed request and refusal (about 0.6 KB measured for the shortest), rounded up.
+MIN_PARKED_LINE_BYTES = 1024
 
 
 class ByteSource(Protocol):
@@ -64,6 +67,9 @@ class Parked:
     ended: bool = False  # stdin ended: no more lines come
 
     def push(self, request: Request | Refused, parsed_at: int, size: int) -> None:
+        # A parsed line holds more than its bytes (a 2-byte line held 564 B, measured): each is
+        # charged at least that, so short lines cannot park gigabytes under the byte bound.
+        size = max(size, MIN_PARKED_LINE_BYTES)
         self.lines.append((request, parsed_at, size))
         self.size += size
 

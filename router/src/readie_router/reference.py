@@ -47,7 +47,7 @@ def schema_json() -> str:
 
 def field_reference() -> str:
     """docs/requests.md: every field a job request may carry."""
-    defaults = {**_OTHER_DEFAULTS, **{name: f"{value} (the pool's `[pool]` value first)" for name, value in scalar_defaults().items()}}
+    defaults = {**_OTHER_DEFAULTS, **{name: f"{value}, or the ceiling's if smaller" for name, value in scalar_defaults().items()}}
     lines = [
         "# Request fields",
         "",
@@ -58,8 +58,9 @@ def field_reference() -> str:
         "1-256 characters or an integer) and exactly one of `code` and `script`. Unknown fields,",
         "duplicate keys, NaN and lone surrogates are refused with a `RequestError` result naming",
         "the field; so is a value outside the operator's ceiling (`[pool.limits]`), before",
-        "anything runs. A profile's fields apply first, the request's own on top, then the",
-        "ceiling. The JSON Schema of every line is [schema/pool-protocol.schema.json]"
+        "anything runs. A named profile's fields apply first, the request's own on top, then",
+        "the ceiling; a limit none of them sets is the default below. The JSON Schema of every",
+        "line is [schema/pool-protocol.schema.json]"
         "(schema/pool-protocol.schema.json) (`readie pool --schema`).",
         "",
         "| field | type | default | in a session | meaning |",
