@@ -126,11 +126,15 @@ def test_a_session_keeps_state_across_calls(server):
 
 
 def test_refusals_outside_the_ceiling_are_tool_errors(server):
-    over = server.call("run_python", code="print(1)", timeout=60)
+    # 25 s: under this server's own cap (its --timeout, else the pool's 30 s default), over the ceiling's 20 s.
+    over = server.call("run_python", code="print(1)", timeout=25)
     assert over.is_error
     assert text(over).startswith("Refused: ") and "exceeds the pool's [pool.limits] timeout" in text(over)
-    in_session = server.call("run_python", code="print(1)", session="late", timeout=60)
+    in_session = server.call("run_python", code="print(1)", session="late", timeout=25)
     assert in_session.is_error and "exceeds the pool's [pool.limits] timeout" in text(in_session)
+    # Past the server's cap, the server refuses before the pool is asked.
+    capped = server.call("run_python", code="print(1)", timeout=60)
+    assert capped.is_error and text(capped) == "Refused: timeout must be more than 0 and at most 30 seconds here"
     # The server and its pool carry on.
     after = server.call("run_python", code="print(2)")
     assert (after.is_error, text(after)) == (False, "2")
