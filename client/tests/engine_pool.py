@@ -20,18 +20,26 @@ import time
 
 from readie_router.testing import FakeBackend, ok_outcome, serve_stdio
 from readie_protocol.events import ErrorInfo
-from readie_worker.jobs import CodeJob, HostCall, HostFunction, JobOutcome
+from readie_worker.cancel import NEVER, Cancellation
+from readie_worker.errors import ErrorType
+from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, JobOutcome
 
 
 class ScriptedBackend(FakeBackend):
-    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
+    async def run(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
         out, error, status = [], None, 0
         for line in job.code.splitlines():
             verb, _, arg = line.partition(" ")
             if verb == "say":
                 out.append(arg)
             elif verb == "sleep":
-                await asyncio.sleep(float(arg))
+                deadline = time.monotonic() + float(arg)
+                while time.monotonic() < deadline:  # as a worker does: a cancel stops the job at once
+                    if cancel.cancelled:
+                        return JobOutcome.failure(ErrorType.POOL_WORKER, CANCELLED_MESSAGE, 0, "fake")
+                    await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
             elif verb == "raise":
                 error, status = ErrorInfo("ValueError", "boom", job.name, 1, None), 1
             elif verb == "call" and host is not None:

@@ -61,3 +61,18 @@ def test_a_cancelled_step_frees_the_sessions_sandbox_and_the_pool_serves_on(tmp_
             assert (await pool.stats())["sessions_active"] == 0
 
     asyncio.run(main())
+
+
+def test_a_cancelled_run_stops_its_job_and_frees_the_sandbox(tmp_path):
+    async def main() -> None:
+        async with readie.AsyncPool(workers=1, checkpoints=CHECKPOINTS, cwd=tmp_path) as pool:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(pool.run("import time\ntime.sleep(60)", timeout="90s"), 2)
+            started = time.monotonic()
+            # One slot: this runs now only because the cancel stopped the sleeping job.
+            result = await asyncio.wait_for(pool.run("print('next')"), 30)
+            assert result.stdout == "next\n" and time.monotonic() - started < 15
+            stats = await pool.stats()
+            assert (stats["worker_errors"], stats["ok"]) == (1, 1)
+
+    asyncio.run(main())

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import PoolError, RequestError, VersionMismatch
-from readie_protocol.events import CallEvent, ClosedEvent, ErrorInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
+from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, ErrorInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
 from readie_protocol.lines import MAX_LINE_BYTES
-from readie_protocol.requests import CloseSession, JobRequest, Refused, ReplyRequest, StatsRequest
+from readie_protocol.requests import CancelJob, CloseSession, JobRequest, Refused, ReplyRequest, StatsRequest
 
 READY = ReadyEvent.pool(workers=2, preloaded_modules=["pandas"], profiles=["fetch"])
 
@@ -49,6 +49,7 @@ def test_requests_cross_as_the_pool_parses_them() -> None:
         {"id": "s", "stats": True},
         {"id": 2, "session": "nb", "close": True},
         {"reply": {"call_id": 3, "result": [1, {"x": None}]}},
+        {"id": "c", "cancel": 1},
     ]
     received = events(pool, b"".join(client.send(request) for request in sent))
     assert received == [
@@ -57,6 +58,7 @@ def test_requests_cross_as_the_pool_parses_them() -> None:
         StatsRequest("s"),
         CloseSession(2, "nb"),
         ReplyRequest(call_id=3, result=[1, {"x": None}]),
+        CancelJob("c", 1),
     ]
     assert pool.next_event() is NEED_DATA
     pool.receive_data(b"")
@@ -66,13 +68,14 @@ def test_requests_cross_as_the_pool_parses_them() -> None:
 def test_each_answer_is_read_as_what_its_request_asked_for() -> None:
     client, pool = pair()
     for request in ({"id": 1, "code": "x"}, {"id": "s", "stats": True}, {"id": 2, "session": "nb", "close": True},
-                    {"id": 3, "session": "gone", "close": True}):
+                    {"id": 3, "session": "gone", "close": True}, {"id": "c", "cancel": 1}):
         client.send(request)
     refused = result(3, exit=-1, stdout="", error=ErrorInfo("RequestError", "session: no session 'gone'"))
     answers = [
         CallEvent(1, 7, "search", ["readie", 10**40], {"deep": [[[]]]}),
         StatsEvent("s", {"uptime_ms": 5, "jobs": 1}),
         ClosedEvent(2, "nb"),
+        CancelledEvent("c", 1, found=True),
         refused,
         result(1),
     ]

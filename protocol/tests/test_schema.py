@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from readie_protocol.events import (
     CallEvent,
+    CancelledEvent,
     ClosedEvent,
     ErrorInfo,
     PolicyInfo,
@@ -43,6 +44,7 @@ SPEC_REQUESTS = [
     {"reply": {"call_id": 1, "result": {"hits": ["a"]}}},
     {"reply": {"call_id": 2, "error": "no such page"}},
     {"id": 3, "code": "x", "close": False, "timeout": 30, "memory": "1G"},
+    {"id": "c1", "cancel": "task-1"},
 ]
 
 
@@ -137,6 +139,7 @@ def result(**fields: Any) -> Result:
                           session="nb", step=2, session_ended=False)),
         ("stats", StatsEvent("s", {"uptime_ms": 5, "workers": 2, "jobs": 3, "errors": {"ValueError": 1}})),
         ("closed", ClosedEvent(9, "nb")),
+        ("cancelled", CancelledEvent("c1", "task-1", found=False)),
         ("call", CallEvent("t1", 7, "search", ["readie", 10**30], {"limit": 2})),
     ],
 )

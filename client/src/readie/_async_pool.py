@@ -10,10 +10,10 @@ where the pool's own queue pushes back.
 
 Host functions may be plain callables (run on a thread, as in the sync
 client, so a slow one never stops the loop) or coroutine functions (awaited
-on the loop). Cancelling a task awaiting :meth:`AsyncPool.run` stops the
-wait only: the pool runs the job to its end or its timeout (the protocol has
-no cancel), and its result is dropped. Cancelling a session's step closes
-the session, which frees its sandbox.
+on the loop). Cancelling a task awaiting :meth:`AsyncPool.run` sends the
+pool a cancel for the job, which stops it and frees its sandbox (the job's
+result is dropped). Cancelling a session's step closes the session, which
+frees its sandbox once the step ends.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from typing import Any, Self
 
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
+from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostFunctions, check_functions, error_reply, result_reply
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
 from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, STDERR_LINE_BYTES, STDERR_TAIL_LINES, pool_argv
-from ._requests import Duration, PathArg, RequestId, Size, close_request, job_request, session_setup, stats_request
+from ._requests import Duration, PathArg, RequestId, Size, cancel_request, close_request, job_request, session_setup
+from ._requests import stats_request
 from ._requests import step_request
 from ._session import new_session_name
 
@@ -45,7 +46,7 @@ __all__ = ["AsyncPool", "AsyncSession"]
 
 log = logging.getLogger("readie")
 
-Answer = Result | StatsEvent | ClosedEvent
+Answer = Result | StatsEvent | ClosedEvent | CancelledEvent
 
 
 class AsyncPool:
@@ -197,7 +198,12 @@ class AsyncPool:
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
             profile=profile, packages=packages, functions=declared,
         )
-        result = await self._exchange(request, declared)
+        try:
+            result = await self._exchange(request, declared)
+        except asyncio.CancelledError:
+            # The caller stopped waiting: the pool stops the job and frees its sandbox.
+            self._spawn(self._cancel_job(request["id"]))
+            raise
         assert isinstance(result, Result)
         if result.error is not None and result.error.type == ErrorType.REQUEST:
             raise RequestError(result.error.message, result=result)
@@ -244,6 +250,13 @@ class AsyncPool:
             # Answered, failed or cancelled: nothing more is delivered to this caller.
             self._pending.pop(request_id, None)
             self._functions.pop(request_id, None)
+
+    async def _cancel_job(self, target: RequestId) -> None:
+        """Ask the pool to stop job ``target``, answered in the background (a cancelled ``run``)."""
+        try:
+            await self._exchange(cancel_request(self._next_id(), target))
+        except ReadieError as exc:  # the pool is gone: so is the job
+            log.warning("cancelling job %r failed: %s", target, exc)
 
     async def _close_session(self, name: str) -> None:
         """Close session ``name``, answered in the background (a cancelled step's session)."""

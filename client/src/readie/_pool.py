@@ -31,7 +31,7 @@ from readie_executor.jobs import bounds
 from readie_protocol import MAX_LINE_BYTES
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
+from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._host import HostCalls, HostFunctions, check_functions
@@ -59,7 +59,7 @@ READ_BYTES = 64 * 1024
 MAX_HOST_THREADS = 64
 
 #: What answers a request: its result, or the stats or closed event it asked for.
-Answer = Result | StatsEvent | ClosedEvent
+Answer = Result | StatsEvent | ClosedEvent | CancelledEvent
 
 
 class _Waiter:

@@ -30,6 +30,7 @@ __all__ = [
     "PathArg",
     "RequestId",
     "Size",
+    "cancel_request",
     "close_request",
     "job_request",
     "session_setup",
@@ -147,6 +148,11 @@ def step_request(
     _put(request, "timeout", timeout, _duration)
     _put(request, "max_output", max_output, _size)
     return request
+
+
+def cancel_request(id: RequestId, target: RequestId) -> dict[str, Any]:
+    """Stop job ``target`` and free its sandbox (answered by a cancelled event)."""
+    return {"id": id, "cancel": target}
 
 
 def close_request(id: RequestId, session: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ What it keeps beyond single lines is what the two sides must agree on:
   the client's own bound (a pool writing past it, even without ever ending
   the line, is broken at once);
 * an answer is read as what its request asked for (a result, the stats
-  event, the closed event), matched by id among the requests in flight.
+  event, the closed or cancelled event), matched by id among the requests in flight.
 
 The pool side never raises on input: a bad line is a
 :class:`~readie_protocol.requests.Refused`. The client side raises
@@ -40,11 +40,13 @@ from readie_executor import hostwire
 from .errors import PoolError, ReadieError
 from .events import (
     CallEvent,
+    CancelledEvent,
     ClosedEvent,
     ReadyEvent,
     Result,
     StatsEvent,
     parse_call,
+    parse_cancelled,
     parse_closed,
     parse_ready,
     parse_result,
@@ -96,8 +98,8 @@ class Stray:
         return f"Stray({self.line[:200]!r})"
 
 
-ClientEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CallEvent | Stray
-PoolEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CallEvent
+ClientEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent | Stray
+PoolEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent
 
 
 class _Answer(enum.Enum):
@@ -106,6 +108,7 @@ class _Answer(enum.Enum):
     RESULT = "result"
     STATS = "stats"
     CLOSE = "close"  # the closed event, or a result when the close is refused
+    CANCEL = "cancel"  # the cancelled event, or a result when the cancel is refused
 
 
 class PoolConnection:
@@ -214,6 +217,8 @@ class PoolConnection:
             return parse_stats(obj)
         if answer is _Answer.CLOSE and obj.get("closed") is not None:
             return parse_closed(obj)
+        if answer is _Answer.CANCEL and obj.get("event") == "cancelled":
+            return parse_cancelled(obj)
         return parse_result(obj)
 
 
@@ -222,6 +227,8 @@ def _answer_to(request: Mapping[str, Any]) -> _Answer:
         return _Answer.STATS
     if request.get("close") is True:
         return _Answer.CLOSE
+    if "cancel" in request:
+        return _Answer.CANCEL
     return _Answer.RESULT
 
 

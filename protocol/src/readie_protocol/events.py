@@ -24,6 +24,7 @@ from .wire import PROTOCOL_VERSION, RequestId
 __all__ = [
     "RUNTIME_NAME",
     "CallEvent",
+    "CancelledEvent",
     "ClosedEvent",
     "ErrorInfo",
     "PolicyInfo",
@@ -32,6 +33,7 @@ __all__ = [
     "RuntimeInfo",
     "StatsEvent",
     "parse_call",
+    "parse_cancelled",
     "parse_closed",
     "parse_ready",
     "parse_result",
@@ -247,6 +249,19 @@ class ClosedEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelledEvent:
+    """The answer to ``{"id", "cancel": target}``: ``found`` says whether ``target`` was a job
+    still queued or running (then its own result follows, or came already)."""
+
+    id: RequestId
+    target: RequestId
+    found: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "event": "cancelled", "target": self.target, "found": self.found}
+
+
+@dataclass(frozen=True, slots=True)
 class CallEvent:
     """A host-function call the sandbox of request ``id`` made; the client answers with a reply.
 
@@ -338,6 +353,16 @@ def parse_closed(obj: Any) -> ClosedEvent:
     if fields.optional("closed", bool) is not True:
         _broken(f"expected a closed event, got {_short(obj)}")
     return ClosedEvent(id=fields.get("id", (str, int)), session=fields.get("session", str))
+
+
+def parse_cancelled(obj: Any) -> CancelledEvent:
+    """The answer to a cancel."""
+    fields = _Fields(obj, "the answer to a cancel")
+    if fields.get("event", str) != "cancelled":
+        _broken(f"expected a cancelled event, got {_short(obj)}")
+    return CancelledEvent(
+        id=fields.get("id", (str, int)), target=fields.get("target", (str, int)), found=fields.get("found", bool)
+    )
 
 
 def parse_call(obj: Any) -> CallEvent:

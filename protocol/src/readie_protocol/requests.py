@@ -73,6 +73,7 @@ __all__ = [
     "ReplyRequest",
     "Request",
     "StatsRequest",
+    "CancelJob",
     "encode_request",
     "parse_event",
     "parse_request",
@@ -156,6 +157,18 @@ class StatsRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelJob:
+    """Stop job ``target`` (queued or running) and free its sandbox; answered by a cancelled event.
+
+    The job itself is still answered once, by its own result (a PoolWorkerError
+    when the cancel reached it in time).
+    """
+
+    id: RequestId
+    target: RequestId
+
+
+@dataclass(frozen=True, slots=True)
 class CloseSession:
     id: RequestId
     session: str
@@ -175,7 +188,7 @@ class ReplyRequest:
     error: str | None = None
 
 
-Request = JobRequest | StatsRequest | CloseSession | ReplyRequest
+Request = JobRequest | StatsRequest | CloseSession | CancelJob | ReplyRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +247,7 @@ def _oversize_error(size: int) -> RequestError:
 
 _STATS_FIELDS = frozenset({"id", "stats"})
 _CLOSE_FIELDS = frozenset({"id", "session", "close"})
+_CANCEL_FIELDS = frozenset({"id", "cancel"})
 _REPLY_FIELDS = frozenset({"reply"})
 
 
@@ -246,6 +260,12 @@ def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
         if obj["stats"] is not True:
             raise RequestError("must be true", "stats")
         return StatsRequest(_required_id(rid))
+    if "cancel" in obj:
+        _only(obj, _CANCEL_FIELDS, "a cancel request")
+        problem = id_problem(obj["cancel"])
+        if problem:
+            raise RequestError(f"the id of the job to cancel {problem}", "cancel")
+        return CancelJob(_required_id(rid), obj["cancel"])
     if "close" in obj:
         close = _field(obj, "close", bool_value)
         if close:
@@ -387,7 +407,7 @@ REQUEST_ID_SCHEMA = {
 _JOB_KEYS = frozenset(_JOB_FIELDS) | {"id"}
 
 # Keys that select another kind of request; named as "not allowed" rather than "unknown".
-_ALL_KINDS = frozenset({"id", "stats", "close", "reply"})
+_ALL_KINDS = frozenset({"id", "stats", "close", "cancel", "reply"})
 
 
 # --------------------------------------------------------------------------- replies

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from .events import CallEvent, ClosedEvent, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
+from .events import CallEvent, CancelledEvent, ClosedEvent, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
 from .lines import MAX_LINE_BYTES
 from .requests import CLOSE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
 from .units import MAX_VALUE
@@ -30,7 +30,7 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def request_schema() -> dict[str, Any]:
-    """A request line: a job (or session step), a stats request, a close, or a host-call reply."""
+    """A request line: a job (or session step), a stats request, a close, a cancel, or a host-call reply."""
     job = {
         "title": "job or session step",
         "type": "object",
@@ -59,6 +59,16 @@ def request_schema() -> dict[str, Any]:
         "required": ["id", "session", "close"],
         "additionalProperties": False,
     }
+    cancel = {
+        "title": "cancel a job",
+        "type": "object",
+        "properties": {
+            "id": REQUEST_ID_SCHEMA,
+            "cancel": {**REQUEST_ID_SCHEMA, "description": "The id of the job to stop; its sandbox is freed."},
+        },
+        "required": ["id", "cancel"],
+        "additionalProperties": False,
+    }
     reply = {
         "title": "host-function reply",
         "type": "object",
@@ -83,7 +93,7 @@ def request_schema() -> dict[str, Any]:
         "title": "readie pool request line",
         "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused. "
         "Integers are JSON integers: 1.0 is refused where an integer is expected, though JSON Schema allows it.",
-        "oneOf": [job, stats, close, reply],
+        "oneOf": [job, stats, close, cancel, reply],
     }
 
 
@@ -102,6 +112,7 @@ def event_schemas() -> dict[str, dict[str, Any]]:
         },
         "closed": {**_object(ClosedEvent), "properties": {**_object(ClosedEvent)["properties"], "closed": {"const": True}},
                    "required": ["id", "session", "closed"]},
+        "cancelled": _event(CancelledEvent, "cancelled", required_extra=()),
         "call": _event(CallEvent, "call", required_extra=()),
     }
 

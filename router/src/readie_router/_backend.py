@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import structlog
+from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, Step
@@ -87,7 +88,11 @@ class BackendSession(Protocol):
 class JobBackend(Protocol):
     """Runs code jobs for the pool engine; see the module docstring for the contract."""
 
-    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome: ...
+    async def run(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
+        """``cancel`` (the client's cancel request): the job stops and its sandbox is freed."""
+        ...
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
@@ -108,8 +113,10 @@ class ThreadedBackend:
         self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
         self._closed = False
 
-    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
-        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id, host))
+    async def run(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
+        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id, host, cancel=cancel))
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None

@@ -52,9 +52,10 @@ from typing import Any, Protocol
 
 import structlog
 from readie_protocol.connection import PoolConnection, PoolEvent, Role
-from readie_protocol.events import ReadyEvent
+from readie_protocol.events import CancelledEvent, ReadyEvent
 from readie_protocol.wire import RequestId, encode_line
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
+from readie_worker.cancel import Cancellation
+from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError
 from readie_worker.jobs import HostFunction, JobOutcome
 
 from ._backend import JobBackend
@@ -62,7 +63,7 @@ from ._events import JobResult, Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
-from readie_protocol.requests import CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest
+from readie_protocol.requests import CancelJob, CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest
 from ._results import job_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
@@ -142,6 +143,8 @@ class PoolEngine:
         # The pool's end of the protocol: requests in, events out.
         self._connection = PoolConnection(Role.POOL)
         self._host_calls = HostCalls(self._connection.send)
+        # The jobs a client may still cancel (queued or running), by request id.
+        self._cancels: dict[RequestId, Cancellation] = {}
         self._jobs: set[asyncio.Task[None]] = set()
         self._intake_task: asyncio.Task[None] | None = None
         self._aborted = asyncio.Event()
@@ -310,8 +313,15 @@ class PoolEngine:
             self._session_driver.accept_close(request)
         elif isinstance(request, JobRequest) and request.session is not None:
             self._session_driver.accept_step(request, parsed_at)
+        elif isinstance(request, CancelJob):
+            cancel = self._cancels.get(request.target)
+            if cancel is not None:
+                cancel.cancel()
+            self._answer(CancelledEvent(request.id, request.target, found=cancel is not None))
         elif isinstance(request, JobRequest):
-            self._spawn(self._run(request, parsed_at))
+            # Known before its task starts: a cancel on the next line finds it.
+            cancel = self._cancels[request.id] = Cancellation()
+            self._spawn(self._run(request, parsed_at, cancel))
         else:  # pragma: no cover - replies never take a permit (_intake)
             raise TypeError(f"unhandled request {type(request).__name__}")
 
@@ -322,16 +332,19 @@ class PoolEngine:
 
     # ------------------------------------------------------------------ jobs
 
-    async def _run(self, request: JobRequest, parsed_at: int) -> None:
+    async def _run(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
         try:
-            result = await self._result_for(request, parsed_at)
+            result = await self._result_for(request, parsed_at, cancel)
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
             error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
             result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
+        finally:
+            if self._cancels.get(request.id) is cancel:  # a later job may reuse the id
+                del self._cancels[request.id]
         self._finish(result)
 
-    async def _result_for(self, request: JobRequest, parsed_at: int) -> JobResult:
+    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> JobResult:
         runtime = self.setup.runtime
         try:
             policy = request_policy(self.setup, request)
@@ -341,8 +354,10 @@ class PoolEngine:
         async with self._slots:
             queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
             try:
+                if cancel.cancelled:
+                    raise Cancelled("the job was cancelled by the client before it ran")
                 host = self._host_for(request.id, job.functions)
-                outcome = await self.backend.run(job, str(request.id), host)
+                outcome = await self.backend.run(job, str(request.id), host, cancel)
                 self._count_host(outcome)
             except RequestError as exc:  # the worker refused: nothing was granted
                 return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)

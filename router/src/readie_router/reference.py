@@ -76,7 +76,9 @@ def field_reference() -> str:
     lines += [
         "",
         "Other lines: `{\"id\", \"stats\": true}` asks for the counters; `{\"id\", \"session\", \"close\": true}`",
-        "ends a session; `{\"reply\": {\"call_id\", \"result\" | \"error\"}}` answers a host-function call",
+        "ends a session; `{\"id\", \"cancel\": JOB_ID}` stops a queued or running job and frees its sandbox",
+        "(answered by a `cancelled` event, and the job by its own result);",
+        "`{\"reply\": {\"call_id\", \"result\" | \"error\"}}` answers a host-function call",
         "(at most 1,000,000 bytes of JSON). See [pool.md](pool.md) for what the pool writes back.",
         "",
     ]

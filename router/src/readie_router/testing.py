@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,9 +33,11 @@ from pathlib import Path
 from typing import Any, Self
 
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
-from readie_worker.jobs import CodeJob, HostCall, HostFunction, HostReply, JobOutcome, Step
+from readie_worker.cancel import NEVER, Cancellation
+from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, HostReply, JobOutcome, Step
 from readie_worker.sessions import StepOutcome
 from readie_rpc.testing import start_cluster
+from readie_worker.logs import configure_logging
 from readie_worker.testing import readie_command
 
 from ._events import RuntimeInfo
@@ -300,7 +303,9 @@ class FakeBackend:
         self.sessions.append(session)
         return session, await session.step(job, job_id, host)
 
-    async def run(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> JobOutcome:
+    async def run(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+    ) -> JobOutcome:
         if self.closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
         self.started.append(job)
@@ -315,7 +320,11 @@ class FakeBackend:
                     self.replies.setdefault(job_id, []).append(reply)
             gate = self.gates.get(job.code)
             if gate is not None:
-                await gate.wait()
+                while not gate.is_set():  # as a worker does: a cancel stops the job at once
+                    if cancel.cancelled:
+                        return JobOutcome.failure(ErrorType.POOL_WORKER, CANCELLED_MESSAGE, 0, "fake")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(gate.wait(), 0.01)
             return self.answer(job)
         finally:
             self.running -= 1
@@ -417,6 +426,7 @@ class MemorySink:
 def serve_stdio(backend: Any, *, workers: int = 2, cwd: Path | None = None) -> int:
     """Serve the pool protocol on this process's stdin and stdout with the real engine and
     ``backend`` (a :class:`FakeBackend`, say); returns the engine's exit status at EOF."""
+    configure_logging()  # on stderr, as readie pool's: stdout carries the protocol alone
     setup = PoolSetup(
         workers=workers,
         checkpoint="fake",
