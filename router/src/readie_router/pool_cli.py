@@ -41,7 +41,7 @@ from readie_worker.locations import CHECKPOINTS_VARIABLE, locate_checkpoints
 from ._events import RuntimeInfo
 from ._engine import PoolEngine, PoolSetup
 from ._stdio import FdReader, FdWriter
-from .reference import schema_json
+from .reference import config_schema_json, schema_json
 
 __all__ = ["main"]
 
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "pool"
     if args.schema:  # what a client may write and will read, from the code's one definition
         sys.stdout.write(schema_json())
+        return 0
+    if args.config_schema:  # what --config may hold, from the loader's key table
+        sys.stdout.write(config_schema_json())
         return 0
     configure_logging(json=args.log == "json")
     try:
@@ -255,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--schema", action="store_true",
         help="print the JSON Schema of the protocol's request and event lines, and exit (docs/requests.md)",
+    )
+    parser.add_argument(
+        "--config-schema", action="store_true",
+        help="print the JSON Schema of the --config file, and exit (docs/config.md)",
     )
     parser.add_argument(
         "--log",

@@ -18,27 +18,39 @@ The ``[permissions]`` table belongs to the one-shot command line and does not
 apply to the pool (the spec says so); it is accepted so one file can serve
 both, and ignored. Command-line flags override ``[pool]`` through
 :func:`apply_cli`.
+
+Every key, with its check, default and meaning, is in one table,
+``config_keys``, which the published JSON Schema and docs/config.md are
+generated from too; this module reads the file's structure through it.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, UnitError
-from .policy import (
-    NO_LIMITS,
-    NOTHING_GRANTED,
-    Limits,
-    Profile,
-    Resolver,
-    resolve_path,
+from .config_keys import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE_MS,
+    DEFAULT_WORKERS,
+    DOCUMENT,
+    LIMITS,
+    LOG_FORMATS,
+    MAX_SESSIONS,
+    MAX_WORKERS,
+    NETWORK_MAX_OUTPUT,
+    POOL,
+    PROFILE,
+    Reading,
+    check_profile_name,
+    toml_type,
 )
-from readie_protocol.units import parse_duration_ms, parse_size
+from .errors import ConfigError
+from .policy import NO_LIMITS, NOTHING_GRANTED, Limits, Profile, Resolver
 
 __all__ = [
     "CLI_SOURCE",
@@ -48,6 +60,7 @@ __all__ = [
     "LOG_FORMATS",
     "MAX_SESSIONS",
     "MAX_WORKERS",
+    "NETWORK_MAX_OUTPUT",
     "CliOverrides",
     "Config",
     "PoolSettings",
@@ -56,31 +69,8 @@ __all__ = [
     "parse_config",
 ]
 
-#: The spec's starting example (``--workers=2``); each worker is a warm
-#: sandbox holding its preloads, so the default stays small.
-DEFAULT_WORKERS = 2
-#: Each worker is a gVisor sandbox with its own Sentry and memory; past a few
-#: hundred one pool process cannot keep them fed, and a typo like 20000 would
-#: exhaust the host before the first job.
-MAX_WORKERS = 256
-#: The spec: "[pool] max_sessions (default 16)".
-DEFAULT_MAX_SESSIONS = 16
-#: Each session holds a template and a child; the bound keeps a typo from
-#: reserving the host. 0 disables sessions.
-MAX_SESSIONS = 4096
-#: The spec: "session_idle (default 10m)".
-DEFAULT_SESSION_IDLE_MS = 10 * 60 * 1000
-#: ``json`` writes JSON logs and one line per finished job to stderr;
-#: ``console`` readable logs and no job lines (``none`` is its first name, kept).
-LOG_FORMATS = frozenset({"console", "json", "none"})
-#: An answer carries stdout and stderr, each up to max_output, and a few KiB
-#: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
-#: by default. A [pool.limits] max_output raises it (and clients must then too).
-NETWORK_MAX_OUTPUT = 1024 * 1024
 #: What ConfigError names as the "file" for command-line values.
 CLI_SOURCE = "command line"
-#: Profile names are echoed in the ready event and named in requests.
-_MAX_PROFILE_NAME = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +117,10 @@ class Config:
 
 @dataclass(frozen=True, slots=True)
 class CliOverrides:
-    """Flags given on the command line; None means "not given, keep the file's"."""
+    """Flags given on the command line; None means "not given, keep the file's".
+
+    Each field is named as the ``[pool]`` key it overrides (``config_keys.POOL``).
+    """
 
     workers: int | None = None
     preload: tuple[str, ...] | None = None
@@ -170,8 +163,7 @@ def parse_config(data: bytes | str, path: Path, *, resolve: Resolver = os.path.r
         raise ConfigError(shown, None, f"not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(shown, None, f"not valid TOML: {exc}") from None
-    reader = _Reader(shown, path.parent, resolve)
-    config = reader.document(document)
+    config = _document(Reading(shown, path.parent, resolve), document)
     _check_not_writable(config, path, shown)
     return replace(config, path=path)
 
@@ -189,270 +181,44 @@ def apply_cli(
     since the spec has the command line override ``[pool]``; relative
     ``--package-dir`` values resolve against ``cwd``.
     """
-    reader = _Reader(CLI_SOURCE, Path(cwd), resolve)
+    at = Reading(CLI_SOURCE, Path(cwd), resolve)
     changes: dict[str, Any] = {}
-    flags: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
-        "workers": ("--workers", overrides.workers, reader.workers),
-        "preload": ("--preload", overrides.preload, reader.modules),
-        "package_dirs": ("--package-dir", overrides.package_dirs, reader.paths),
-        "log": ("--log", overrides.log, reader.log),
-        "max_sessions": ("--max-sessions", overrides.max_sessions, reader.max_sessions),
-        "session_idle_ms": ("--session-idle", overrides.session_idle, reader.positive_duration),
-    }
-    for attr, (flag, value, check) in flags.items():
-        if value is not None:
-            as_list = list(value) if isinstance(value, tuple) else value
-            changes[attr] = check(flag, as_list)
+    for key in POOL.keys:
+        value = getattr(overrides, key.name, None)
+        if key.flag is not None and value is not None:
+            changes[key.attr] = key.read(at, key.flag, list(value) if isinstance(value, tuple) else value)
     return replace(pool, **changes)
 
 
-# --------------------------------------------------------------------------- the reader
+# --------------------------------------------------------------------------- the sections
 
 
-class _Reader:
-    """Typed accessors that raise ConfigError naming ``source`` and the dotted key."""
-
-    def __init__(self, source: str, base: Path, resolve: Resolver) -> None:
-        self.source = source
-        self.base = base
-        self.resolve = resolve
-
-    def fail(self, key: str | None, reason: str) -> ConfigError:
-        return ConfigError(self.source, key, reason)
-
-    # -- structure
-
-    def document(self, doc: dict[str, Any]) -> Config:
-        self.known(doc, None, {"pool", "profiles", "permissions"})
-        pool_table = self.table(doc, "pool")
-        for name in ("profiles", "permissions"):
-            self.table(doc, name)
-        pool = self.pool(pool_table)
-        limits = NO_LIMITS
-        if "limits" in pool_table:
-            limits = self.limits(self.table(pool_table, "limits", "pool.limits"))
-        profiles = []
-        for name, body in self.table(doc, "profiles").items():
-            key = f"profiles.{name}"
-            self.profile_name(key, name)
-            if not isinstance(body, dict):
-                raise self.fail(key, f"expected a table, got {_toml_type(body)}")
-            profiles.append(self.profile(name, body))
-        return Config(pool=pool, limits=limits, profiles=tuple(profiles))
-
-    def known(self, table: dict[str, Any], prefix: str | None, allowed: set[str]) -> None:
-        for key in table:
-            if key not in allowed:
-                dotted = f"{prefix}.{key}" if prefix else key
-                raise self.fail(
-                    dotted, f"unknown key (expected one of {', '.join(sorted(allowed))})"
-                )
-
-    def table(self, parent: dict[str, Any], name: str, dotted: str | None = None) -> dict[str, Any]:
-        value = parent.get(name, {})
-        if not isinstance(value, dict):
-            raise self.fail(dotted or name, f"expected a table, got {_toml_type(value)}")
-        return value
-
-    def pool(self, table: dict[str, Any]) -> PoolSettings:
-        self.known(
-            table,
-            "pool",
-            {
-                "workers",
-                "preload",
-                "package_dirs",
-                "max_sessions",
-                "session_idle",
-                "log",
-                "limits",
-            },
-        )
-        readers: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-            "workers": ("workers", self.workers),
-            "preload": ("preload", self.modules),
-            "package_dirs": ("package_dirs", self.paths),
-            "max_sessions": ("max_sessions", self.max_sessions),
-            "session_idle": ("session_idle_ms", self.positive_duration),
-            "log": ("log", self.log),
-        }
-        values = {
-            attr: read(f"pool.{key}", table[key])
-            for key, (attr, read) in readers.items()
-            if key in table
-        }
-        return PoolSettings(**values)
-
-    def limits(self, table: dict[str, Any]) -> Limits:
-        self.known(
-            table,
-            "pool.limits",
-            {
-                "allow_read",
-                "allow_write",
-                "allow_network",
-                "timeout",
-                "memory",
-                "max_output",
-                "max_file_size",
-            },
-        )
-        get = _Getter(table, "pool.limits")
-        return Limits(
-            allow_read=get("allow_read", self.paths) or (),
-            allow_write=get("allow_write", self.paths) or (),
-            allow_network=bool(get("allow_network", self.boolean)),
-            timeout_ms=get("timeout", self.positive_duration),
-            memory_bytes=get("memory", self.positive_size),
-            max_output=get("max_output", self.size),
-            max_file_size=get("max_file_size", self.size),
-        )
-
-    def profile(self, name: str, table: dict[str, Any]) -> Profile:
-        prefix = f"profiles.{name}"
-        self.known(
-            table,
-            prefix,
-            {
-                "allow_read",
-                "allow_write",
-                "package_dirs",
-                "env",
-                "allow_network",
-                "timeout",
-                "memory",
-                "max_output",
-                "max_file_size",
-            },
-        )
-        get = _Getter(table, prefix)
-        return Profile(
-            name=name,
-            allow_read=get("allow_read", self.paths),
-            allow_write=get("allow_write", self.paths),
-            package_dirs=get("package_dirs", self.paths),
-            env=get("env", self.env),
-            allow_network=get("allow_network", self.boolean),
-            timeout_ms=get("timeout", self.positive_duration),
-            memory_bytes=get("memory", self.positive_size),
-            max_output=get("max_output", self.size),
-            max_file_size=get("max_file_size", self.size),
-        )
-
-    # -- values
-
-    def workers(self, key: str, value: Any) -> int:
-        return self.integer(key, value, 1, MAX_WORKERS)
-
-    def max_sessions(self, key: str, value: Any) -> int:
-        return self.integer(key, value, 0, MAX_SESSIONS)
-
-    def integer(self, key: str, value: Any, low: int, high: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected an integer, got {_toml_type(value)}")
-        if not low <= value <= high:
-            raise self.fail(key, f"must be from {low} to {high}, got {value}")
-        return value
-
-    def boolean(self, key: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {_toml_type(value)}")
-        return value
-
-    def string(self, key: str, value: Any) -> str:
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, got {_toml_type(value)}")
-        if not value:
-            raise self.fail(key, "must not be empty")
-        if "\x00" in value:
-            raise self.fail(key, "contains a NUL character")
-        return value
-
-    def strings(self, key: str, value: Any) -> tuple[str, ...]:
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected an array of strings, got {_toml_type(value)}")
-        return tuple(self.string(f"{key}[{i}]", item) for i, item in enumerate(value))
-
-    def modules(self, key: str, value: Any) -> tuple[str, ...]:
-        names = self.strings(key, value)
-        for i, name in enumerate(names):
-            if not all(part.isascii() and part.isidentifier() for part in name.split(".")):
-                raise self.fail(f"{key}[{i}]", f"{name!r} is not a module name")
-        return tuple(dict.fromkeys(names))
-
-    def paths(self, key: str, value: Any) -> tuple[Path, ...]:
-        resolved = []
-        for i, text in enumerate(self.strings(key, value)):
-            try:
-                resolved.append(resolve_path(text, self.base, self.resolve))
-            except (OSError, ValueError) as exc:
-                raise self.fail(f"{key}[{i}]", f"cannot resolve {text!r}: {exc}") from None
-        return tuple(dict.fromkeys(resolved))
-
-    def env(self, key: str, value: Any) -> tuple[tuple[str, str], ...]:
-        if not isinstance(value, dict):
-            raise self.fail(key, f"expected a table of strings, got {_toml_type(value)}")
-        pairs = []
-        for name, item in value.items():
-            if not name or "=" in name or "\x00" in name:
-                raise self.fail(f"{key}.{name}", "not a variable name (empty, '=' or NUL)")
-            if not isinstance(item, str) or "\x00" in item:
-                raise self.fail(
-                    f"{key}.{name}", f"expected a string without NUL, got {_toml_type(item)}"
-                )
-            pairs.append((name, item))
-        return tuple(pairs)
-
-    def log(self, key: str, value: Any) -> str:
-        text = self.string(key, value)
-        if text not in LOG_FORMATS:
-            raise self.fail(key, f"expected one of {', '.join(sorted(LOG_FORMATS))}, got {text!r}")
-        return text
-
-    def size(self, key: str, value: Any) -> int:
-        return self.unit(key, value, parse_size, allow_zero=True)
-
-    def positive_size(self, key: str, value: Any) -> int:
-        return self.unit(key, value, parse_size, allow_zero=False)
-
-    def positive_duration(self, key: str, value: Any) -> int:
-        return self.unit(key, value, parse_duration_ms, allow_zero=False)
-
-    def unit(self, key: str, value: Any, parse: Callable[[Any], int], *, allow_zero: bool) -> int:
-        try:
-            result = parse(value)
-        except UnitError as exc:
-            raise self.fail(key, str(exc)) from None
-        if result == 0 and not allow_zero:
-            raise self.fail(key, "must be greater than zero")
-        return result
-
-    def profile_name(self, key: str, name: str) -> None:
-        ok = (
-            0 < len(name) <= _MAX_PROFILE_NAME
-            and name.isascii()
-            and name[0].isalnum()
-            and all(c.isalnum() or c in "-_" for c in name)
-        )
-        if not ok:
-            raise self.fail(
-                key,
-                f"profile names are 1-{_MAX_PROFILE_NAME} ASCII letters, digits, '-' or '_', "
-                "starting with a letter or digit",
-            )
+def _document(at: Reading, doc: dict[str, Any]) -> Config:
+    DOCUMENT.read(at, None, doc)  # refuses unknown top-level keys; its tables are read below
+    pool_table = _table(at, doc, "pool")
+    for name in ("profiles", "permissions"):  # [permissions] is the one-shot CLI's: ignored
+        _table(at, doc, name)
+    pool = PoolSettings(**POOL.read(at, "pool", pool_table))
+    limits = NO_LIMITS
+    if "limits" in pool_table:
+        # A ceiling starts from nothing granted: a key it leaves out grants nothing of its kind.
+        ceiling = _table(at, pool_table, "limits", "pool.limits")
+        limits = replace(NOTHING_GRANTED, **LIMITS.read(at, "pool.limits", ceiling))
+    profiles = []
+    for name, body in _table(at, doc, "profiles").items():
+        key = f"profiles.{name}"
+        check_profile_name(at, key, name)
+        if not isinstance(body, dict):
+            raise at.fail(key, f"expected a table, got {toml_type(body)}")
+        profiles.append(Profile(name=name, **PROFILE.read(at, key, body)))
+    return Config(pool=pool, limits=limits, profiles=tuple(profiles))
 
 
-class _Getter:
-    """``get(key, read)``: None when the key is absent, else ``read(dotted, value)``."""
-
-    def __init__(self, table: dict[str, Any], prefix: str) -> None:
-        self.table = table
-        self.prefix = prefix
-
-    def __call__(self, key: str, read: Callable[[str, Any], Any]) -> Any:
-        if key not in self.table:
-            return None
-        return read(f"{self.prefix}.{key}", self.table[key])
+def _table(at: Reading, parent: dict[str, Any], name: str, dotted: str | None = None) -> dict[str, Any]:
+    value = parent.get(name, {})
+    if not isinstance(value, dict):
+        raise at.fail(dotted or name, f"expected a table, got {toml_type(value)}")
+    return value
 
 
 def _check_not_writable(config: Config, path: Path, shown: str) -> None:
@@ -467,15 +233,3 @@ def _check_not_writable(config: Config, path: Path, shown: str) -> None:
                     f"grants writes to {str(grant)!r}, which holds this file; "
                     "a job could rewrite the limits that confine it",
                 )
-
-
-def _toml_type(value: Any) -> str:
-    names = {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a float",
-        str: "a string",
-        list: "an array",
-        dict: "a table",
-    }
-    return names.get(type(value), type(value).__name__)
