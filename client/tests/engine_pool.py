@@ -4,7 +4,8 @@ The client's tests start it as the pool command (``Pool(command=[python,
 this file])``); its arguments (``pool --workers=N ...``) are read for the
 worker count only. A job's code is a script of verbs, one per line:
 
-* ``say TEXT``: print TEXT; ``sleep S``: take S seconds;
+* ``say TEXT``: print TEXT (streamed as it is said, to a request that asks); ``sleep S``: take S seconds;
+* ``warn TEXT``: print TEXT on stderr;
 * ``raise``: end with an uncaught ValueError (a job failure, exit 1);
 * ``call NAME ARGS KWARGS``: call host function NAME (ARGS and KWARGS JSON)
   and print the reply's answer, ``{"result": ...}`` or ``{"error": ...}``;
@@ -14,6 +15,7 @@ worker count only. A job's code is a script of verbs, one per line:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -22,18 +24,22 @@ from readie_router.testing import FakeBackend, ok_outcome, serve_stdio
 from readie_protocol.events import ErrorInfo
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import ErrorType
-from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, JobOutcome
+from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, JobOutcome, OutputChunk, OutputSink
 
 
 class ScriptedBackend(FakeBackend):
     async def run(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> JobOutcome:
-        out, error, status = [], None, 0
+        out, err, error, status = [], [], None, 0
         for line in job.code.splitlines():
             verb, _, arg = line.partition(" ")
-            if verb == "say":
-                out.append(arg)
+            if verb in ("say", "warn"):
+                (out if verb == "say" else err).append(arg)
+                if output is not None:
+                    chunk = OutputChunk("stdout" if verb == "say" else "stderr", f"{arg}\n")
+                    await asyncio.to_thread(output, chunk)
             elif verb == "sleep":
                 deadline = time.monotonic() + float(arg)
                 while time.monotonic() < deadline:  # as a worker does: a cancel stops the job at once
@@ -48,8 +54,8 @@ class ScriptedBackend(FakeBackend):
                 reply = await asyncio.to_thread(host, call)
                 answer = {"result": reply.result} if reply.error is None else {"error": reply.error}
                 out.append(json.dumps(answer, sort_keys=True))
-        stdout = "".join(f"{text}\n" for text in out)
-        return ok_outcome(stdout, exit=status, error=error)
+        outcome = ok_outcome("".join(f"{text}\n" for text in out), exit=status, error=error)
+        return dataclasses.replace(outcome, stderr="".join(f"{text}\n" for text in err))
 
 
 def main() -> int:

@@ -69,7 +69,7 @@ class FakeSession:
         self.ended = False
         self.closed = threading.Event()
 
-    def run_step(self, step, *, job_id=None, host=None, cancel=None):
+    def run_step(self, step, *, job_id=None, host=None, cancel=None, output=None):
         code = step.code
         with self._worker.busy():
             self.steps.append(code)
@@ -124,13 +124,13 @@ class FakeWorker:
     def capacity(self) -> Capacity:
         return Capacity(self.slots, self.running, False, {}, True, len(self.open_sessions()), self.max_sessions)
 
-    def run_job(self, job: CodeJob, job_id=None, host=None, cancel=None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id=None, host=None, cancel=None, output=None) -> JobOutcome:
         with self.busy():
             if job.code == "block":
                 self.release.wait(30)
             return _ok(job.code)
 
-    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None):
+    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None, output=None):
         if self.refuse:
             self.refusals += 1
             raise SandboxSetupError(f"{self.name} has no sandbox for a session")

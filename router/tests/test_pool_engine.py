@@ -368,7 +368,7 @@ class BlockingRunner:
         self.threads: set[str] = set()
         self.closed = 0
 
-    def run_job(self, job, job_id=None, host=None, cancel=None):
+    def run_job(self, job, job_id=None, host=None, cancel=None, output=None):
         self.threads.add(threading.current_thread().name)
         time.sleep(0.05)
         return ok_outcome(f"{job_id}:{job.code}")

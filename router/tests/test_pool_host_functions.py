@@ -222,7 +222,7 @@ def test_a_flood_of_junk_ends_the_job_and_the_pool_keeps_serving(pool):
     p.send({"id": "flood", "functions": ["search"], "code": flood, "timeout": "30s"})
     result = p.read(60)  # no call event first: junk never reaches the client
     assert (result["id"], result["exit"], result["error"]["type"]) == ("flood", -1, "PoolWorkerError"), result
-    assert f"at most {MAX_REFUSED_FRAMES} are answered" in result["error"]["message"]
+    assert f"at most {MAX_REFUSED_FRAMES} are allowed" in result["error"]["message"]
     assert p.run({"id": "st2", "stats": True})["host"]["refused_frames"] == before + MAX_REFUSED_FRAMES + 1
     # The pool serves the next job, host functions included.
     p.send({"id": "next", "functions": ["search"], "code": SEARCH})

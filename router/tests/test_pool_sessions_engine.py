@@ -369,16 +369,16 @@ class _SessionRunner:
         self.steps: list[tuple[str, int, int, str | None]] = []
         self.closed_sessions = 0
 
-    def run_job(self, job, job_id=None, host=None, cancel=None):
+    def run_job(self, job, job_id=None, host=None, cancel=None, output=None):
         return ok_outcome(job.code)
 
-    def open_session(self, job, job_id=None, host=None, cancel=None):
+    def open_session(self, job, job_id=None, host=None, cancel=None, output=None):
         from readie_worker.sessions import StepOutcome
 
         runner = self
 
         class _Session:
-            def run_step(self, step, *, job_id=None, host=None, cancel=None):
+            def run_step(self, step, *, job_id=None, host=None, cancel=None, output=None):
                 runner.steps.append((step.code, step.timeout_ms, step.max_output, job_id))
                 return StepOutcome(ok_outcome(step.code), len(runner.steps) + 1, False)
 

@@ -51,7 +51,7 @@ class FakeSession:
         self.ended = False
         self.closed = threading.Event()
 
-    def run_step(self, step, *, job_id=None, host=None, cancel=None):
+    def run_step(self, step, *, job_id=None, host=None, cancel=None, output=None):
         code = step.code
         self.steps.append(code)
         if code == "block":
@@ -87,7 +87,7 @@ class FakeRunner:
     def capacity(self) -> Capacity:
         return Capacity(2, self.running, False, {}, True, sum(not s.closed.is_set() for s in self.sessions), 4)
 
-    def run_job(self, job: CodeJob, job_id=None, host=None, cancel=None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id=None, host=None, cancel=None, output=None) -> JobOutcome:
         with self.lock:
             self.running += 1
         try:
@@ -112,7 +112,7 @@ class FakeRunner:
                 self.running -= 1
                 self.finished += 1
 
-    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None):
+    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None, output=None):
         with self.lock:
             session = FakeSession(self, len(self.sessions) + 1)
             self.sessions.append(session)

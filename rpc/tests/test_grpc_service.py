@@ -39,7 +39,7 @@ class FakeWorker:
     release: threading.Event = field(default_factory=threading.Event)
     hold: bool = False
 
-    def run_job(self, job: CodeJob, job_id: str | None = None, cancel=None) -> JobOutcome:
+    def run_job(self, job: CodeJob, job_id: str | None = None, cancel=None, output=None) -> JobOutcome:
         if self.draining:
             raise SandboxSetupError("the worker is draining and takes no new work")
         if self.fail_with is not None:

@@ -192,7 +192,7 @@ def test_a_flood_of_refused_frames_ends_the_job_at_the_named_limit():
     conversation = HostConversation(["search"])
     for index in range(MAX_REFUSED_FRAMES):
         assert isinstance(conversation.receive(b"%d" % index if index % 2 else b'{"call":[]}'), RefusedFrame)
-    with pytest.raises(TooManyRefusedFrames, match=f"at most {MAX_REFUSED_FRAMES} are answered") as caught:
+    with pytest.raises(TooManyRefusedFrames, match=f"at most {MAX_REFUSED_FRAMES} are allowed") as caught:
         conversation.receive(frame(call_body(function="nope")))
     assert isinstance(caught.value, PoolWorkerError)
     assert conversation.stats.refused == MAX_REFUSED_FRAMES + 1

@@ -30,6 +30,7 @@ from ._errors import (
     RequestError,
     SandboxSetupError,
     VersionMismatch,
+    WaitTimeout,
 )
 from ._pool import MAX_EVENT_LINE_BYTES, Pool
 from ._remote import Client, RemoteFunction, remote
@@ -64,6 +65,7 @@ __all__ = [
     "Session",
     "Tool",
     "VersionMismatch",
+    "WaitTimeout",
     "describe_functions",
     "format_result",
     "remote",

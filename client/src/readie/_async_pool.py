@@ -10,7 +10,8 @@ where the pool's own queue pushes back.
 
 Host functions may be plain callables (run on a thread, as in the sync
 client, so a slow one never stops the loop) or coroutine functions (awaited
-on the loop). Cancelling a task awaiting :meth:`AsyncPool.run` sends the
+on the loop), and so may output callbacks, which run in the task that
+awaits ``run``, in order. Cancelling a task awaiting :meth:`AsyncPool.run` sends the
 pool a cancel for the job, which stops it and frees its sandbox (the job's
 result is dropped). Cancelling a session's step closes the session, which
 frees its sandbox once the step ends.
@@ -31,15 +32,17 @@ from typing import Any, Self
 
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
+from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, OutputEvent, ReadyEvent, Result, StatsEvent
 
-from ._errors import PoolError, ReadieError, RequestError
+from ._errors import PoolError, ReadieError, RequestError, WaitTimeout
 from ._host import HostFunctions, check_functions, error_reply, result_reply
+from ._output import OutputCallback, OutputCallbacks, delivering
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
 from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, STDERR_LINE_BYTES, STDERR_TAIL_LINES, pool_argv
-from ._requests import Duration, PathArg, RequestId, Size, cancel_request, close_request, job_request, session_setup
-from ._requests import stats_request
-from ._requests import step_request
+from ._requests import (
+    Duration, PathArg, RequestId, Size, cancel_request, close_request, job_request, session_setup, stats_request,
+    step_request,
+)
 from ._session import new_session_name
 
 __all__ = ["AsyncPool", "AsyncSession"]
@@ -82,6 +85,8 @@ class AsyncPool:
         self._connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)
         self._pending: dict[RequestId, asyncio.Future[Answer]] = {}
         self._functions: dict[RequestId, dict[str, Callable[..., Any]]] = {}
+        # Output events of requests whose caller takes them, in order (bounded by the pool: max_output).
+        self._outputs: dict[RequestId, asyncio.Queue[OutputEvent]] = {}
         self._ids = itertools.count(1)
         self._process: asyncio.subprocess.Process | None = None
         self._ready: asyncio.Future[ReadyEvent] | None = None
@@ -189,21 +194,33 @@ class AsyncPool:
         profile: str | None = None,
         packages: Iterable[str] = (),
         functions: HostFunctions | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        wait_timeout: float | None = None,
     ) -> Result:
-        """Run one job and await its result (see :meth:`Pool.run`); ``functions`` may be coroutine functions."""
+        """Run one job and await its result (see :meth:`Pool.run`); ``functions`` and the output
+        callbacks may be coroutine functions. Cancelling the wait, or its ``wait_timeout``
+        (:class:`~readie.WaitTimeout`), cancels the job."""
         declared = check_functions(functions)
+        callbacks = OutputCallbacks.of(on_stdout, on_stderr)
         request = job_request(
             self._next_id(), code, script=script, name=name, args=args, allow_read=allow_read,
             allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
-            profile=profile, packages=packages, functions=declared,
+            profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
         )
         try:
-            result = await self._exchange(request, declared)
-        except asyncio.CancelledError:
-            # The caller stopped waiting: the pool stops the job and frees its sandbox.
-            self._spawn(self._cancel_job(request["id"]))
-            raise
+            async with asyncio.timeout(wait_timeout):
+                try:
+                    result = await self._exchange(request, declared, callbacks)
+                except asyncio.CancelledError:
+                    # The caller stopped waiting: the pool stops the job and frees its sandbox.
+                    self._spawn(self._cancel_job(request["id"]))
+                    raise
+        except TimeoutError:
+            raise WaitTimeout(
+                f"no answer to request {request['id']!r} within {wait_timeout} s; the job was cancelled"
+            ) from None
         assert isinstance(result, Result)
         if result.error is not None and result.error.type == ErrorType.REQUEST:
             raise RequestError(result.error.message, result=result)
@@ -226,7 +243,12 @@ class AsyncPool:
     def _next_id(self) -> int:
         return next(self._ids)
 
-    async def _exchange(self, request: dict[str, Any], functions: dict[str, Any] | None = None) -> Answer:
+    async def _exchange(
+        self,
+        request: dict[str, Any],
+        functions: dict[str, Any] | None = None,
+        callbacks: OutputCallbacks | None = None,
+    ) -> Answer:
         if self._process is None:
             raise PoolError("the pool is not started: await pool.start() or use async with")
         if self._closed:
@@ -239,17 +261,22 @@ class AsyncPool:
         self._pending[request_id] = answer
         if functions:
             self._functions[request_id] = functions
+        if callbacks is not None:
+            self._outputs[request_id] = asyncio.Queue()
         try:
             try:
                 await self._write(line)
             except (ConnectionError, RuntimeError) as exc:
                 self._connection.forget(request_id)
                 raise PoolError(f"readie pool stopped reading requests: {exc}{self._suffix()}") from None
-            return await answer
+            if callbacks is None:
+                return await answer
+            return await delivering(answer, self._outputs[request_id], callbacks)
         finally:
             # Answered, failed or cancelled: nothing more is delivered to this caller.
             self._pending.pop(request_id, None)
             self._functions.pop(request_id, None)
+            self._outputs.pop(request_id, None)
 
     async def _cancel_job(self, target: RequestId) -> None:
         """Ask the pool to stop job ``target``, answered in the background (a cancelled ``run``)."""
@@ -284,6 +311,9 @@ class AsyncPool:
                                         "before its first was answered")
                     self._calls_waiting.add(event.id)
                     self._spawn(self._answer_call(event))
+                elif isinstance(event, OutputEvent):
+                    if (outputs := self._outputs.get(event.id)) is not None:
+                        outputs.put_nowait(event)
                 elif isinstance(event, Stray):
                     log.warning("readie pool answered a request nobody waits for: %.200r", event.line)
                 else:
@@ -412,6 +442,9 @@ class AsyncSession:
         args: Iterable[str] = (),
         timeout: Duration | None = None,
         max_output: Size | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> Result:
         """Run ``code`` as the session's next step (see :meth:`Session.run`).
 
@@ -419,14 +452,15 @@ class AsyncSession:
         running step ends (at its timeout at most), and the next ``run``
         starts a new one.
         """
+        callbacks = OutputCallbacks.of(on_stdout, on_stderr)
         async with self._lock:
             request = step_request(
                 self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout,
-                max_output=max_output, setup=None if self._open else self.setup,
+                max_output=max_output, setup=None if self._open else self.setup, stream=callbacks is not None,
             )
             was_open, self._open = self._open, True  # from here the pool may hold a process for it
             try:
-                result = await self.pool._exchange(request, self.functions)
+                result = await self.pool._exchange(request, self.functions, callbacks)
             except asyncio.CancelledError:
                 # The step may still run: a close, queued behind it in the pool, frees the sandbox when
                 # it ends. Sent now, answered in the background: the caller's cancel returns at once.

@@ -37,6 +37,7 @@ __all__ = [
     "RequestError",
     "SandboxSetupError",
     "VersionMismatch",
+    "WaitTimeout",
 ]
 
 
@@ -61,6 +62,11 @@ class RemoteError(ReadieError):
 
 class EnvelopeError(ReadieError):
     """A remote call's answer could not be decoded here (not an envelope, or its value cannot be loaded)."""
+
+
+class WaitTimeout(ReadieError, TimeoutError):
+    """A ``run`` gave up waiting at its ``wait_timeout``: the job was cancelled (its sandbox freed),
+    and what it did until then is lost to the caller (its output events included)."""
 
 
 class CallTimeout(PoolWorkerError):

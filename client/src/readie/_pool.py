@@ -4,8 +4,9 @@ Both directions go through one :class:`~readie_protocol.connection.PoolConnectio
 (the client's end of the protocol, without I/O). One thread reads the pool's
 stdout into it and hands each answer to the caller waiting on its id (results come in completion order, not request order); another
 keeps the last lines of its stderr for error messages. Callers write their
-request lines under a lock and wait on their own event, so any number of
-threads can have jobs in flight; the pool's own queue (twice its workers)
+request lines under a lock and wait on their own queue, which brings their
+job's output events (for its callbacks, run on the caller's thread) and then
+its answer, so any number of threads can have jobs in flight; the pool's own queue (twice its workers)
 pushes back on writers when it is full, and nothing on this side buffers
 without bound.
 
@@ -22,6 +23,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -31,12 +33,30 @@ from readie_executor.jobs import bounds
 from readie_protocol import MAX_LINE_BYTES
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, ReadyEvent, Result, StatsEvent
+from readie_protocol.events import (
+    CallEvent,
+    CancelledEvent,
+    ClosedEvent,
+    OutputEvent,
+    ReadyEvent,
+    Result,
+    StatsEvent,
+)
 
-from ._errors import PoolError, ReadieError, RequestError
+from ._errors import PoolError, ReadieError, RequestError, WaitTimeout
 from ._host import HostCalls, HostFunctions, check_functions
 from ._process import EXIT_WAIT_S, PoolProcess, pool_argv
-from ._requests import Duration, PathArg, RequestId, Size, job_request, session_setup, stats_request
+from ._output import OutputCallback, OutputCallbacks, Waiter
+from ._requests import (
+    Duration,
+    PathArg,
+    RequestId,
+    Size,
+    cancel_request,
+    job_request,
+    session_setup,
+    stats_request,
+)
 from ._session import Session, new_session_name
 
 __all__ = ["MAX_EVENT_LINE_BYTES", "READ_BYTES", "START_TIMEOUT_S", "Pool"]
@@ -60,25 +80,6 @@ MAX_HOST_THREADS = 64
 
 #: What answers a request: its result, or the stats or closed event it asked for.
 Answer = Result | StatsEvent | ClosedEvent | CancelledEvent
-
-
-class _Waiter:
-    """One caller's pending answer: set exactly once, with the pool's answer or an error."""
-
-    __slots__ = ("answer", "done", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.answer: Answer | None = None
-        self.error: ReadieError | None = None
-
-    def set(self, answer: Answer) -> None:
-        self.answer = answer
-        self.done.set()
-
-    def fail(self, error: ReadieError) -> None:
-        self.error = error
-        self.done.set()
 
 
 class Pool:
@@ -125,7 +126,7 @@ class Pool:
         self._lock = threading.Lock()  # _connection, _pending, _ended, _closed, _failure; never held for I/O
         self._write_lock = threading.Lock()  # whole lines on stdin, one at a time
         self._connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)
-        self._pending: dict[RequestId, _Waiter] = {}
+        self._pending: dict[RequestId, Waiter] = {}
         self._ids = itertools.count(1)
         self._ended = False  # stdout is done: nothing more will be answered
         self._closed = False
@@ -182,12 +183,19 @@ class Pool:
         profile: str | None = None,
         packages: Iterable[str] = (),
         functions: HostFunctions | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        wait_timeout: float | None = None,
     ) -> Result:
         """Run one job and wait for its result. Exactly one of ``code`` and ``script``.
 
         ``functions`` (name to callable) are host functions: the code imports
         them from ``readie_host`` and each call runs the callable here, in this
         process, on a thread of the client's (see client/README.md).
+        ``on_stdout`` and ``on_stderr`` take the job's output as it is written
+        (text, in order, on this thread); the result still holds all of it.
+        ``wait_timeout`` (seconds) bounds the wait on this side: past it the
+        job is cancelled and :class:`~readie.WaitTimeout` raised.
 
         Returns the result whatever the job did; raises :class:`~readie.RequestError`
         when the request is refused (by this client: a line over 1 MiB; or by the
@@ -195,13 +203,14 @@ class Pool:
         :class:`~readie.PoolError` when the pool process fails.
         """
         declared = check_functions(functions)
+        callbacks = OutputCallbacks.of(on_stdout, on_stderr)
         request = job_request(
             self._next_id(), code, script=script, name=name, args=args, allow_read=allow_read,
             allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
-            profile=profile, packages=packages, functions=declared,
+            profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
         )
-        result = self._exchange(request, declared)
+        result = self._exchange(request, declared, callbacks, wait_timeout)
         assert isinstance(result, Result)
         if result.error is not None and result.error.type == ErrorType.REQUEST:
             raise RequestError(result.error.message, result=result)
@@ -303,10 +312,19 @@ class Pool:
         with self._lock:
             return next(self._ids)
 
-    def _exchange(self, request: dict[str, Any], functions: dict[str, Any] | None = None) -> Answer:
-        """Send ``request`` and wait for its answer; ``functions`` answer the calls the task makes meanwhile."""
+    def _exchange(
+        self,
+        request: dict[str, Any],
+        functions: dict[str, Any] | None = None,
+        callbacks: OutputCallbacks | None = None,
+        wait_timeout: float | None = None,
+    ) -> Answer:
+        """Send ``request`` and wait for its answer; ``functions`` answer the calls the task makes
+        meanwhile, ``callbacks`` take its output events. A wait that ends early (``wait_timeout``,
+        a callback's exception, KeyboardInterrupt) cancels the job."""
         request_id = request["id"]
-        waiter = _Waiter()
+        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+        waiter = Waiter(callbacks)
         with self._lock:
             if self._closed:
                 raise PoolError("the pool is closed")
@@ -332,7 +350,14 @@ class Pool:
                     raise PoolError("the pool is closed") from None
                 self._process.status(EXIT_WAIT_S)
                 raise self._ended_error("stopped reading requests") from None
-            waiter.done.wait()
+            try:
+                answered = waiter.wait(deadline)
+            except BaseException:
+                self._give_up(request_id)
+                raise
+            if not answered:
+                self._give_up(request_id)
+                raise WaitTimeout(f"no answer to request {request_id!r} within {wait_timeout} s; the job was cancelled")
         finally:
             # Every call of the task came before its result: none can come after.
             self._host_calls.unregister(request_id)
@@ -340,6 +365,15 @@ class Pool:
             raise waiter.error
         assert waiter.answer is not None
         return waiter.answer
+
+    def _give_up(self, request_id: RequestId) -> None:
+        """This caller stops waiting for ``request_id``: its answer will be dropped, and the
+        pool asked to stop the job (the cancel's own answer is dropped too)."""
+        with self._lock:
+            if self._pending.pop(request_id, None) is None or self._ended:
+                return
+            line = self._connection.send(cancel_request(next(self._ids), request_id))
+        self._send_line(line)
 
     # ------------------------------------------------------------------ reader threads
 
@@ -384,6 +418,11 @@ class Pool:
                 self._ready.set()
             elif isinstance(event, CallEvent):
                 self._host_calls.handle(event)
+            elif isinstance(event, OutputEvent):
+                with self._lock:
+                    waiter = self._pending.get(event.id)
+                if waiter is not None:
+                    waiter.output(event)
             elif isinstance(event, Stray):
                 # A caller that was interrupted while waiting, or a pool bug: nobody to tell.
                 log.warning("readie pool answered a request nobody waits for: %.200r", event.line)

@@ -65,6 +65,7 @@ def job_request(
     profile: str | None = None,
     packages: Iterable[str] = (),
     functions: Iterable[str] = (),
+    stream: bool = False,
 ) -> dict[str, Any]:
     """The JSON object of one job request; raises :class:`RequestError` for both or neither of code and script."""
     if (code is None) == (script is None):
@@ -96,6 +97,8 @@ def job_request(
         request["profile"] = _text(profile, "profile")
     _put_list(request, "packages", packages, lambda item: _text(item, "packages"))
     _put_list(request, "functions", functions, lambda item: _text(item, "functions"))
+    if stream:
+        request["stream"] = True
     return request
 
 
@@ -139,9 +142,10 @@ def step_request(
     timeout: Duration | None = None,
     max_output: Size | None = None,
     setup: Mapping[str, Any] | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """One step of ``session``; the first carries ``setup`` (from :func:`session_setup`), later ones must not."""
-    request = job_request(id, code, name=name, args=args)
+    request = job_request(id, code, name=name, args=args, stream=stream)
     request["session"] = _text(session, "session")
     request.update(setup or {})
     # The step's own timeout and max_output go over the session's.

@@ -25,6 +25,7 @@ from readie_worker.errors import ErrorType
 
 from ._errors import RequestError
 from ._requests import Duration, Size, close_request, step_request
+from ._output import OutputCallback, OutputCallbacks
 from readie_protocol.events import Result
 
 if TYPE_CHECKING:
@@ -72,19 +73,25 @@ class Session:
         args: Iterable[str] = (),
         timeout: Duration | None = None,
         max_output: Size | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> Result:
         """Run ``code`` as the session's next step and return its result.
 
-        Returns whatever the code did (its exception, a timeout: see
-        ``result.session_ended``); raises :class:`~readie.RequestError` when
-        the pool refuses the step and :class:`~readie.PoolError` when the pool fails.
+        ``on_stdout`` and ``on_stderr`` take the step's output as it is
+        written, as in :meth:`Pool.run`. Returns whatever the code did (its
+        exception, a timeout: see ``result.session_ended``); raises
+        :class:`~readie.RequestError` when the pool refuses the step and
+        :class:`~readie.PoolError` when the pool fails.
         """
+        callbacks = OutputCallbacks.of(on_stdout, on_stderr)
         with self._lock:
             request = step_request(
                 self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
-                setup=None if self._open else self.setup,
+                setup=None if self._open else self.setup, stream=callbacks is not None,
             )
-            result = self.pool._exchange(request, self.functions)
+            result = self.pool._exchange(request, self.functions, callbacks)
             assert isinstance(result, Result)
             if result.error is not None and result.error.type == ErrorType.REQUEST:
                 raise RequestError(result.error.message, result=result)

@@ -4,13 +4,16 @@
 around each call; host functions (:mod:`readie_executor.jobs._host`) send
 their call frames on it and read the worker's replies with the same
 :class:`~readie_executor.protocol.MessageReader` the server reads requests
-with, so bytes it has already buffered are never lost.
+with, so bytes it has already buffered are never lost. The output capture's
+drain thread sends output frames on it too, while a host call may be
+waiting for its reply: sends are serialized here, receives by their caller.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from collections.abc import Iterator
 
 from .protocol import FramingError, MessageReader
@@ -22,26 +25,28 @@ class ChannelBroken(Exception):
 
 
 class Channel:
-    """One connection, one message at a time. Not thread-safe: callers serialize."""
+    """One connection. Sends from any thread, one whole message at a time; one receiver at a time."""
 
     def __init__(self, connection: socket.socket, reader: MessageReader, chunk_size: int) -> None:
         self._connection = connection
         self._reader = reader
         self._chunk_size = chunk_size
         self._broken: str | None = None
+        self._sending = threading.Lock()
 
     @property
     def broken(self) -> bool:
         return self._broken is not None
 
     def send(self, payload: bytes) -> None:
-        self._check()
-        try:
-            send_message(self._connection, payload, self._chunk_size)
-        except BaseException as exc:
-            # Part of a message may have left: nothing sent after it would be framed right.
-            self._broken = f"sending failed: {type(exc).__name__}: {exc}"
-            raise ChannelBroken(self._broken) from None
+        with self._sending:
+            self._check()
+            try:
+                send_message(self._connection, payload, self._chunk_size)
+            except BaseException as exc:
+                # Part of a message may have left: nothing sent after it would be framed right.
+                self._broken = f"sending failed: {type(exc).__name__}: {exc}"
+                raise ChannelBroken(self._broken) from None
 
     def receive(self) -> bytes:
         self._check()

@@ -38,12 +38,18 @@ __all__ = [
     "MAX_FUNCTIONS",
     "MAX_FUNCTION_NAME",
     "MAX_INT_DIGITS",
+    "MAX_OUTPUT_CHUNK_BYTES",
+    "MAX_OUTPUT_FRAME_BYTES",
     "MAX_RESULT_BYTES",
+    "OUTPUT_INTERVAL_S",
+    "OUTPUT_PREFIX",
+    "OUTPUT_STREAMS",
     "REPLY_PREFIX",
     "RESERVED_NAMES",
     "WireError",
     "dumps",
     "encode_call",
+    "encode_output",
     "function_name_problem",
     "loads",
 ]
@@ -78,6 +84,21 @@ RESERVED_NAMES = frozenset({"HostError"})
 # sandbox and the worker always write these exact compact prefixes.
 CALL_PREFIX = b'{"call":'
 REPLY_PREFIX = b'{"reply":'
+OUTPUT_PREFIX = b'{"output":'
+
+# Output frames (a job that asked for streamed output; decision 16) carry what
+# the job wrote, sandbox to worker, no reply:
+#     {"output":{"stream":"stdout","data":"step 1\n"}}
+OUTPUT_STREAMS = ("stdout", "stderr")
+# The sandbox sends what one stream gathered at most this often: a person
+# watching sees output within a blink, and a job printing in a tight loop
+# costs one frame per window, not one per print.
+OUTPUT_INTERVAL_S = 0.05
+# ...or sooner once this much is gathered: one read of a full pipe (64 KiB).
+MAX_OUTPUT_CHUNK_BYTES = 64 * 1024
+# The data is text: every byte may take a 6-byte escape (a control character
+# as \u00XX), and an invalid byte becomes U+FFFD, 3 bytes; the rest is the envelope.
+MAX_OUTPUT_FRAME_BYTES = 6 * MAX_OUTPUT_CHUNK_BYTES + FRAME_OVERHEAD_BYTES
 
 
 class WireError(ValueError):
@@ -118,6 +139,11 @@ def encode_call(call_id: int, function: str, args: Any, kwargs: Any) -> bytes:
             b"}}",
         )
     )
+
+
+def encode_output(stream: str, data: str) -> bytes:
+    """An output frame: ``data`` the job wrote on ``stream`` (one of OUTPUT_STREAMS)."""
+    return b"".join((OUTPUT_PREFIX, b'{"stream":', dumps(stream), b',"data":', dumps(data), b"}}"))
 
 
 class _Close:

@@ -42,12 +42,14 @@ from .events import (
     CallEvent,
     CancelledEvent,
     ClosedEvent,
+    OutputEvent,
     ReadyEvent,
     Result,
     StatsEvent,
     parse_call,
     parse_cancelled,
     parse_closed,
+    parse_output,
     parse_ready,
     parse_result,
     parse_stats,
@@ -98,8 +100,8 @@ class Stray:
         return f"Stray({self.line[:200]!r})"
 
 
-ClientEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent | Stray
-PoolEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent
+ClientEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent | OutputEvent | Stray
+PoolEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent | OutputEvent
 
 
 class _Answer(enum.Enum):
@@ -146,7 +148,7 @@ class PoolConnection:
         """The next event the bytes so far hold, or :data:`NEED_DATA` / :data:`ENDED`.
 
         The pool's side gets requests and refusals; a client's gets the
-        ready event first, then results, stats, closed and call events, and
+        ready event first, then results, stats, closed, call and output events, and
         :class:`Stray` lines.
         """
         if self._broken is not None:
@@ -210,6 +212,10 @@ class PoolConnection:
         # true == 1 in Python: a bool must not take the entry of request 1 on its way to the strays.
         if isinstance(request_id, bool) or not isinstance(request_id, str | int):
             return Stray(line.data)
+        if obj.get("event") == "output":  # on the way to the result: the request stays in flight
+            if self._in_flight.get(request_id) is not _Answer.RESULT:
+                return Stray(line.data)
+            return parse_output(obj)
         answer = self._in_flight.pop(request_id, None)
         if answer is None:
             return Stray(line.data)

@@ -1,5 +1,5 @@
 """The pool protocol's lines as frozen values, for both ends: the ready event, job
-results, the stats, closed and call events.
+results, the stats, closed, cancelled, call and output events.
 
 The pool builds these and writes ``to_json()``; a client parses a line with
 ``parse_result`` and the like (:class:`~readie_protocol.connection.PoolConnection`
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 from .errors import ErrorType, JobError, PoolError, RequestError, VersionMismatch, family_of
 from .wire import PROTOCOL_VERSION, RequestId
@@ -27,6 +27,7 @@ __all__ = [
     "CancelledEvent",
     "ClosedEvent",
     "ErrorInfo",
+    "OutputEvent",
     "PolicyInfo",
     "ReadyEvent",
     "Result",
@@ -35,6 +36,7 @@ __all__ = [
     "parse_call",
     "parse_cancelled",
     "parse_closed",
+    "parse_output",
     "parse_ready",
     "parse_result",
     "parse_stats",
@@ -287,6 +289,24 @@ class CallEvent:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class OutputEvent:
+    """Output the job of request ``id`` wrote while it ran (it asked with ``"stream": true``).
+
+    ``seq`` counts the job's output events from 1, both streams together, in
+    the order they were written; all come before the job's result, which
+    still holds the whole output (decision 16).
+    """
+
+    id: RequestId
+    stream: Literal["stdout", "stderr"]
+    data: str
+    seq: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "output", "id": self.id, "stream": self.stream, "data": self.data, "seq": self.seq}
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -374,6 +394,17 @@ def parse_call(obj: Any) -> CallEvent:
         function=fields.get("function", str),
         args=fields.get("args", list),
         kwargs=fields.get("kwargs", Mapping),
+    )
+
+
+def parse_output(obj: Any) -> OutputEvent:
+    """An ``output`` event."""
+    fields = _Fields(obj, "an output event")
+    stream = fields.get("stream", str)
+    if stream not in ("stdout", "stderr"):
+        _broken(f"an output event on a stream that is neither stdout nor stderr: {_short(obj)}")
+    return OutputEvent(
+        id=fields.get("id", (str, int)), stream=stream, data=fields.get("data", str), seq=fields.get("seq", int)
     )
 
 

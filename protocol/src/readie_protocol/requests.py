@@ -109,7 +109,8 @@ SESSION_SETUP_FIELDS = frozenset(
 )
 #: Fields any step of a session may carry (the spec: "code, name, args, and
 #: optionally timeout and max_output").
-SESSION_STEP_FIELDS = frozenset({"id", "session", "code", "name", "args", "timeout", "max_output"})
+#: ``stream`` is readie's own: how the answer arrives, not what the step may do.
+SESSION_STEP_FIELDS = frozenset({"id", "session", "code", "name", "args", "timeout", "max_output", "stream"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,7 @@ class JobRequest:
     functions: tuple[str, ...] | None = None
     session: str | None = None
     packages: tuple[str, ...] | None = None
+    stream: bool = False
     fields: frozenset[str] = frozenset()
 
     @property
@@ -385,6 +387,9 @@ JOB_FIELDS = (
     JobField("packages", "packages", list_of(requirement),
              "Requirements (name[extras]==version) installed once into a cached package directory for "
              "the job."),
+    JobField("stream", "stream", bool_value,
+             "Send the job's output as output events while it runs, before its result (which still holds "
+             "all of it). A session step asks for its own."),
 )
 
 # wire name -> field

@@ -18,7 +18,18 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from .events import CallEvent, CancelledEvent, ClosedEvent, ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo, StatsEvent
+from .events import (
+    CallEvent,
+    CancelledEvent,
+    ClosedEvent,
+    ErrorInfo,
+    OutputEvent,
+    PolicyInfo,
+    ReadyEvent,
+    Result,
+    RuntimeInfo,
+    StatsEvent,
+)
 from .lines import MAX_LINE_BYTES
 from .requests import CLOSE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
 from .units import MAX_VALUE
@@ -114,6 +125,7 @@ def event_schemas() -> dict[str, dict[str, Any]]:
                    "required": ["id", "session", "closed"]},
         "cancelled": _event(CancelledEvent, "cancelled", required_extra=()),
         "call": _event(CallEvent, "call", required_extra=()),
+        "output": _event(OutputEvent, "output", required_extra=()),
     }
 
 
@@ -161,6 +173,8 @@ def _type(hint: Any) -> dict[str, Any]:
     if origin in (typing.Union, types.UnionType):
         options = [_type(arg) for arg in typing.get_args(hint)]
         return {"anyOf": options}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(hint))}
     if hint is type(None):
         return {"type": "null"}
     if hint is bool:

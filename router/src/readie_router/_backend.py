@@ -29,7 +29,9 @@ The contract every backend keeps:
   router) on one worker, down its own Interact stream.
 * host functions: ``run``, ``open_session`` and ``run_step`` take a ``host``
   callback (:data:`~readie_worker.jobs.HostFunction`, called on the job's
-  thread for each call the job makes to its declared functions).
+  thread for each call the job makes to its declared functions), and an
+  ``output`` sink (:data:`~readie_worker.jobs.OutputSink`, called on that
+  thread with the job's output as it is written, all before the outcome).
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.
@@ -48,7 +50,7 @@ import structlog
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, Step
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
@@ -78,7 +80,9 @@ WARM_TIMEOUT_S = 60.0
 class BackendSession(Protocol):
     """An open session: one sandbox, steps in it one at a time."""
 
-    async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome: ...
+    async def run_step(
+        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+    ) -> StepOutcome: ...
 
     async def close(self) -> None:
         """Destroy the session's sandbox; does nothing once it has ended."""
@@ -89,13 +93,14 @@ class JobBackend(Protocol):
     """Runs code jobs for the pool engine; see the module docstring for the contract."""
 
     async def run(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> JobOutcome:
         """``cancel`` (the client's cancel request): the job stops and its sandbox is freed."""
         ...
 
     async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
     ) -> tuple[BackendSession, StepOutcome]: ...
 
     async def close(self) -> None: ...
@@ -114,14 +119,17 @@ class ThreadedBackend:
         self._closed = False
 
     async def run(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> JobOutcome:
-        return await self._on_thread(functools.partial(self.runner.run_job, job, job_id, host, cancel=cancel))
+        run = functools.partial(self.runner.run_job, job, job_id, host, cancel=cancel, output=output)
+        return await self._on_thread(run)
 
     async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
     ) -> tuple[BackendSession, StepOutcome]:
-        session, first = await self._on_thread(functools.partial(self.runner.open_session, job, job_id, host))
+        opening = functools.partial(self.runner.open_session, job, job_id, host, output=output)
+        session, first = await self._on_thread(opening)
         return _ThreadedSession(self, session), first
 
     async def _on_thread(self, call: functools.partial[_T]) -> _T:
@@ -143,8 +151,10 @@ class _ThreadedSession:
         self._backend = backend
         self.session = session
 
-    async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
-        run = functools.partial(self.session.run_step, step, job_id=job_id, host=host)
+    async def run_step(
+        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+    ) -> StepOutcome:
+        run = functools.partial(self.session.run_step, step, job_id=job_id, host=host, output=output)
         return await self._backend._on_thread(run)
 
     async def close(self) -> None:

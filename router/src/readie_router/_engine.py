@@ -46,17 +46,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
 from readie_protocol.connection import PoolConnection, PoolEvent, Role
-from readie_protocol.events import CancelledEvent, ReadyEvent
+from readie_protocol.events import CancelledEvent, OutputEvent, ReadyEvent
 from readie_protocol.wire import RequestId, encode_line
 from readie_worker.cancel import Cancellation
 from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError
-from readie_worker.jobs import HostFunction, JobOutcome
+from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
 
 from ._backend import JobBackend
 from ._events import JobResult, Stats, job_log_line
@@ -357,7 +358,7 @@ class PoolEngine:
                 if cancel.cancelled:
                     raise Cancelled("the job was cancelled by the client before it ran")
                 host = self._host_for(request.id, job.functions)
-                outcome = await self.backend.run(job, str(request.id), host, cancel)
+                outcome = await self.backend.run(job, str(request.id), host, cancel, self._output_for(request))
                 self._count_host(outcome)
             except RequestError as exc:  # the worker refused: nothing was granted
                 return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
@@ -374,6 +375,28 @@ class PoolEngine:
         if not functions:
             return None
         return host_function(asyncio.get_running_loop(), self._post_call, self._host_calls.forget, request_id)
+
+    def _output_for(self, request: JobRequest) -> OutputSink | None:
+        """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
+        thread, and hands each chunk to the loop as an output event, numbered in order.
+
+        Its events need no permit: they come before the result that releases the
+        task's, and the worker bounds them (its max_output, per stream).
+        """
+        if not request.stream:
+            return None
+        loop = asyncio.get_running_loop()
+        numbers = itertools.count(1)
+
+        def post(chunk: OutputChunk) -> None:
+            event = OutputEvent(request.id, chunk.stream, chunk.data, next(numbers))
+            self._outbox.put_nowait((self._connection.send(event), None))
+
+        def output(chunk: OutputChunk) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the pool is gone
+                loop.call_soon_threadsafe(post, chunk)
+
+        return output
 
     def _post_call(self, waiting: WaitingCall) -> None:
         line = self._host_calls.post(waiting)

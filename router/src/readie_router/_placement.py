@@ -39,7 +39,7 @@ from readie_worker.cancel import NEVER, Cancellation
 from readie_rpc.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, Step
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from readie_rpc.remote_session import RemoteSession, SessionLost, StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
@@ -130,24 +130,26 @@ class Placement:
     # -- the Worker shape ---------------------------------------------------
 
     def run_job(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> JobOutcome:
         started = time.monotonic()
         try:
-            return self._place(lambda client: client.run_job(job, job_id, host, cancel=cancel), job.checkpoint)
+            return self._place(lambda client: client.run_job(job, job_id, host, cancel=cancel, output=output), job.checkpoint)
         except PoolWorkerError as exc:
             duration_us = int((time.monotonic() - started) * 1_000_000)
             return JobOutcome.failure(ErrorType.POOL_WORKER, str(exc), duration_us, "remote")
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> tuple[PlacedSession, StepOutcome]:
         """Open a session on one worker, where it stays (``Worker.open_session``'s shape)."""
         refused: set[int] = set()
         while True:
             member = self._choose(refused, session=True)
             try:
-                remote, first = member.client.open_session(job, job_id, host, cancel=cancel)
+                remote, first = member.client.open_session(job, job_id, host, cancel=cancel, output=output)
             except SandboxSetupError as exc:
                 log.info("worker refused a session; placing it elsewhere", worker=member.name, error=str(exc))
                 refused.add(id(member))
@@ -365,6 +367,7 @@ class PlacedSession:
         job_id: str | None = None,
         host: HostFunction | None = None,
         cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> StepOutcome:
         """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
         if self.ended_by is not None:
@@ -372,7 +375,7 @@ class PlacedSession:
         placement = self._placement
         placement._take_slot(self._member)
         try:
-            return self._remote.run_step(step, job_id=job_id, host=host, cancel=cancel)
+            return self._remote.run_step(step, job_id=job_id, host=host, cancel=cancel, output=output)
         except SessionLost:
             placement._mark_failed(self._member)  # as for a job lost with its worker
             raise

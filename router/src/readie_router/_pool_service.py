@@ -22,7 +22,7 @@ from readie_worker.cancel import NEVER, Cancellation
 
 from readie_rpc.stubs import pool_pb2 as pb
 from readie_rpc.stubs import pool_pb2_grpc as pb_grpc
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
@@ -46,14 +46,16 @@ class _Shared:
         self._runner = runner
 
     def run_job(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> JobOutcome:
-        return self._runner.run_job(job, job_id, host, cancel=cancel)
+        return self._runner.run_job(job, job_id, host, cancel=cancel, output=output)
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> tuple[SessionHandle, StepOutcome]:
-        return self._runner.open_session(job, job_id, host, cancel=cancel)
+        return self._runner.open_session(job, job_id, host, cancel=cancel, output=output)
 
     def close(self) -> None:
         pass

@@ -123,9 +123,11 @@ class SessionDriver:
         async with self._engine._slots:
             queue_us = max(0, (self._engine._now_ns() - parsed_at) // 1000)
             host = self._engine._host_for(request.id, session.functions)
+            output = self._engine._output_for(request)
             try:
                 if first:
-                    session.handle, outcome = await self._engine.backend.open_session(job, str(request.id), host)
+                    opened = await self._engine.backend.open_session(job, str(request.id), host, output)
+                    session.handle, outcome = opened
                     session.policy = policy
                     if session.phase is SessionPhase.OPENING:  # not CLOSING already
                         session.move(SessionPhase.OPEN)
@@ -138,7 +140,7 @@ class SessionDriver:
                         timeout_ms=policy.timeout_ms,
                         max_output=policy.max_output,
                     )
-                    outcome = await session.handle.run_step(step, str(request.id), host)
+                    outcome = await session.handle.run_step(step, str(request.id), host, output)
                 self._engine._count_host(outcome.outcome)
             except ReadieError as exc:
                 # A refusal of the first step leaves no session; any other failure ends it.

@@ -34,7 +34,17 @@ from typing import Any, Self
 
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
 from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, HostReply, JobOutcome, Step
+from readie_worker.jobs import (
+    CANCELLED_MESSAGE,
+    CodeJob,
+    HostCall,
+    HostFunction,
+    HostReply,
+    JobOutcome,
+    OutputChunk,
+    OutputSink,
+    Step,
+)
 from readie_worker.sessions import StepOutcome
 from readie_rpc.testing import start_cluster
 from readie_worker.logs import configure_logging
@@ -297,14 +307,15 @@ class FakeBackend:
     replies: dict[str | None, list[HostReply]] = field(default_factory=dict)
 
     async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
     ) -> tuple[FakeSession, StepOutcome]:
         session = FakeSession(self, job)
         self.sessions.append(session)
-        return session, await session.step(job, job_id, host)
+        return session, await session.step(job, job_id, host, output)
 
     async def run(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> JobOutcome:
         if self.closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
@@ -325,7 +336,12 @@ class FakeBackend:
                         return JobOutcome.failure(ErrorType.POOL_WORKER, CANCELLED_MESSAGE, 0, "fake")
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(gate.wait(), 0.01)
-            return self.answer(job)
+            outcome = self.answer(job)
+            if output is not None:  # as a worker streams: what the result holds, ahead of it
+                for stream, data in (("stdout", outcome.stdout), ("stderr", outcome.stderr)):
+                    if data:
+                        await asyncio.to_thread(output, OutputChunk(stream, data))
+            return outcome
         finally:
             self.running -= 1
 
@@ -345,7 +361,9 @@ class FakeSession:
     ended: bool = False
     closes: int = 0
 
-    async def run_step(self, step: Step, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
+    async def run_step(
+        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+    ) -> StepOutcome:
         job = dataclasses.replace(
             self.job,
             code=step.code,
@@ -354,12 +372,14 @@ class FakeSession:
             timeout_ms=step.timeout_ms,
             max_output=step.max_output,
         )
-        return await self.step(job, job_id, host)
+        return await self.step(job, job_id, host, output)
 
-    async def step(self, job: CodeJob, job_id: str | None, host: HostFunction | None = None) -> StepOutcome:
+    async def step(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+    ) -> StepOutcome:
         if self.ended:
             raise RequestError("the session has ended", "session")
-        outcome = await self.backend.run(job, job_id, host)
+        outcome = await self.backend.run(job, job_id, host, output=output)
         self.steps += 1
         timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == ErrorType.TIMEOUT
         self.ended = self.backend.session_ends(job) or timed_out

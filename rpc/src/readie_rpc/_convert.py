@@ -320,8 +320,9 @@ def _optional_int(message: Message, field: str, low: int, high: int, default: in
 # The other direction: what a router (or any client of a worker) sends and reads.
 
 
-def run_job_request(job: CodeJob) -> pb.RunJobRequest:
+def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRequest:
     request = pb.RunJobRequest(
+        stream_output=stream_output,
         checkpoint=job.checkpoint,
         code=job.code,
         name=job.name,

@@ -1,4 +1,4 @@
-"""Host calls and replies as Interact messages, and back: validation without I/O.
+"""Host calls, replies and output as Interact messages, and back: validation without I/O.
 
 Both ends of an ``Interact`` stream use these: the worker turns a client's
 ``HostReply`` into a :class:`~readie_worker.jobs.HostReply`; the client (a router, ``readie pool
@@ -22,9 +22,19 @@ from readie_executor.hostwire import MAX_ARGUMENT_BYTES, MAX_CALL_ID, MAX_RESULT
 
 from ._proto.readie.v1 import worker_pb2 as pb
 from readie_worker.errors import PoolWorkerError, RequestError
-from readie_worker.jobs import HostCall, HostReply
+from readie_worker.jobs import HostCall, HostReply, OutputChunk
 
-__all__ = ["call_from_message", "call_message", "reply_from_message", "reply_message"]
+__all__ = [
+    "call_from_message",
+    "call_message",
+    "output_from_message",
+    "output_message",
+    "reply_from_message",
+    "reply_message",
+]
+
+_STREAMS = {"stdout": pb.OUTPUT_STREAM_STDOUT, "stderr": pb.OUTPUT_STREAM_STDERR}
+_STREAM_NAMES = {number: name for name, number in _STREAMS.items()}
 
 
 # --------------------------------------------------------------------------- worker -> client
@@ -64,6 +74,19 @@ def call_from_message(message: pb.HostCall, functions: Collection[str], max_wait
     if max_wait_s is not None:
         wait_s = min(wait_s, max_wait_s)
     return HostCall(message.call_id, message.function, tuple(args), kwargs, time.monotonic() + wait_s)
+
+
+def output_message(chunk: OutputChunk) -> pb.OutputChunk:
+    return pb.OutputChunk(stream=_STREAMS[chunk.stream], data=chunk.data)
+
+
+def output_from_message(message: pb.OutputChunk) -> OutputChunk:
+    """The worker's output event; PoolWorkerError for a stream that is neither stdout nor stderr.
+    (Its size is the receiver's to bound: it knows the task's max_output.)"""
+    stream = _STREAM_NAMES.get(message.stream)
+    if stream is None:
+        raise PoolWorkerError(f"the worker sent output on stream {message.stream}, neither stdout nor stderr")
+    return OutputChunk(stream, message.data)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- client -> worker

@@ -8,6 +8,8 @@ One stream, three threads, each blocking on one thing:
   runner (the in-process :class:`~readie_worker.core.Worker`, or a router's
   placement). Its host callback puts a ``call`` event in the outbox and waits
   in the inbox for the matching ``reply``, both up to the task's deadline;
+  for a task that streams its output, its output sink puts ``output`` events
+  there too (decision 16);
 * grpc's handler thread yields the outbox's events onto the response stream.
 
 The stream is the session's life. When the client's side ends, whether it
@@ -40,12 +42,12 @@ from typing import Generic, TypeVar
 import grpc
 
 from ._convert import Ceiling, code_job, run_job_response, session_step
-from ._host_wire import call_message, reply_from_message
+from ._host_wire import call_message, output_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
 from readie_worker.cancel import Cancellation
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
-from readie_worker.jobs import HostCall, HostReply, JobOutcome
+from readie_worker.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink
 from readie_worker.policy import NO_LIMITS
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
@@ -66,6 +68,10 @@ RESULT_SEND_S = 60.0
 # Replies to no waiting call that one stream may send: a reply can honestly
 # lose a race with the task's deadline, but not thousands of times.
 MAX_STALE_REPLIES = 64
+# How long an output event may wait for a client that stopped reading; then
+# the task's later output goes only into its result. Short, because the task's
+# exchange with its sandbox waits meanwhile.
+OUTPUT_SEND_S = 5.0
 # A stream holds a server thread from its start: one that does not say what
 # it wants within this long is refused, and its thread freed.
 FIRST_MESSAGE_S = 30.0
@@ -145,6 +151,7 @@ class Interaction:
         self._error: BaseException | None = None
         self._broken: RequestError | None = None  # the client broke the protocol during a call
         self._stale_replies = 0
+        self._streaming = True  # False once an output event could not be sent
         self._client_done = False  # the request stream ended: no further step starts
         # Set when the RPC ends (cancelled, deadline, client gone): the running job or step stops.
         self._cancel = Cancellation()
@@ -198,13 +205,18 @@ class Interaction:
             if kind == "job":
                 job = code_job(first.job, self._context.time_remaining(), *self._ceiling)
                 self._bind(kind="job", checkpoint=job.checkpoint, functions=len(job.functions))
-                outcome = self._runner.run_job(job, self._job_id, host=self._relay, cancel=self._cancel)
+                outcome = self._runner.run_job(
+                    job, self._job_id, host=self._relay, cancel=self._cancel, output=self._output(first.job.stream_output)
+                )
                 self._check_protocol()
                 self._send(pb.InteractEvent(result=run_job_response(outcome)), RESULT_SEND_S)
             elif kind == "open_session":
                 job = code_job(first.open_session, self._context.time_remaining(), *self._ceiling)
                 self._bind(kind="session", checkpoint=job.checkpoint, functions=len(job.functions))
-                session, step = self._runner.open_session(job, self._job_id, host=self._relay, cancel=self._cancel)
+                output = self._output(first.open_session.stream_output)
+                session, step = self._runner.open_session(
+                    job, self._job_id, host=self._relay, cancel=self._cancel, output=output
+                )
                 self._bind(session=session.id)
                 self._serve_session(session, step)
             else:
@@ -245,6 +257,7 @@ class Interaction:
                 job_id=self._job_id,
                 host=self._relay,
                 cancel=self._cancel,
+                output=self._output(request.step.stream_output),
             )
 
     def _next_request(self) -> pb.InteractRequest | None:
@@ -289,6 +302,15 @@ class Interaction:
                 self._broken = exc  # raised once the job has ended; the job sees a failed call
                 self._inbox.close(discard=True)
                 return HostReply(error=f"{call.function}: the client broke the protocol")
+
+    def _output(self, stream: bool) -> OutputSink | None:
+        """The output sink of a task that asked for its output as it is written."""
+        self._streaming = True
+        return self._forward_output if stream else None
+
+    def _forward_output(self, chunk: OutputChunk) -> None:
+        if self._streaming and not self._send(pb.InteractEvent(output=output_message(chunk)), OUTPUT_SEND_S):
+            self._streaming = False
 
     def _hold(self, message: pb.InteractRequest) -> bool:
         """Keep a step that came early for after this one; False for a reply; RequestError for anything else."""

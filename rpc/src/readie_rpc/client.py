@@ -19,7 +19,7 @@ from readie_worker.core import Capacity
 from .grpc_service import MAX_MESSAGE_BYTES
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import Cancelled, PoolWorkerError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from .remote_session import DEADLINE_MARGIN_S, InteractStream, RemoteSession
 from .security import ClientSecurity
 from readie_worker.sessions import StepOutcome
@@ -51,17 +51,20 @@ class WorkerClient:
         self._stub = pb_grpc.WorkerStub(self._channel)
 
     def run_job(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> JobOutcome:
-        """Run ``job`` on the worker; ``host`` answers its calls to its declared ``functions``.
+        """Run ``job`` on the worker; ``host`` answers its calls to its declared ``functions``,
+        ``output`` takes its output as it is written.
 
         ``cancel`` cancels the call to the worker, which stops the job there.
         """
         timeout_s = job.timeout_ms / 1000 + DEADLINE_MARGIN_S
-        if job.functions:  # the calls come back on an Interact stream
-            stream = self._interact(pb.InteractRequest(job=run_job_request(job)), job, job_id, timeout_s)
+        if job.functions or output is not None:  # calls and output come back on an Interact stream
+            request = run_job_request(job, stream_output=output is not None)
+            stream = self._interact(pb.InteractRequest(job=request), job, job_id, timeout_s)
             with cancel.stopping(stream.cancel):
-                response = stream.result(host, job.timeout_ms / 1000)
+                response = stream.result(host, job.timeout_ms / 1000, output=output, max_output=job.max_output)
             stream.close()
             return job_outcome(response)
         call = self._stub.RunJob.future(run_job_request(job), timeout=timeout_s, metadata=_request_id(job_id))
@@ -70,12 +73,17 @@ class WorkerClient:
         return job_outcome(response)
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> tuple[RemoteSession, StepOutcome]:
         """Open a session on the worker whose setup and first step are ``job`` (``Worker.open_session``'s shape)."""
-        stream = self._interact(pb.InteractRequest(open_session=run_job_request(job)), job, job_id, None)
+        request = run_job_request(job, stream_output=output is not None)
+        stream = self._interact(pb.InteractRequest(open_session=request), job, job_id, None)
         with cancel.stopping(stream.cancel):
-            response = stream.result(host, job.timeout_ms / 1000, job.timeout_ms / 1000 + DEADLINE_MARGIN_S)
+            response = stream.result(
+                host, job.timeout_ms / 1000, job.timeout_ms / 1000 + DEADLINE_MARGIN_S,
+                output=output, max_output=job.max_output,
+            )
         if not response.HasField("session_id") or response.step != 1:
             stream.cancel()
             raise PoolWorkerError("the worker answered a session's opening without a session id or as another step")

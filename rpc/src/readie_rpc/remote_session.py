@@ -24,13 +24,13 @@ import grpc
 from readie_executor.hostwire import MAX_CALLS_PER_TASK
 
 from ._convert import job_outcome, session_step, session_step_message
-from ._host_wire import call_from_message, reply_message
+from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import answered_by_readie, error_from_status
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
-from readie_worker.jobs import CodeJob, HostFunction, HostReply, Step, ask_host
+from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, output_size
 from readie_worker.sessions import StepOutcome
 
 __all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
@@ -76,15 +76,25 @@ class InteractStream:
     def send(self, request: pb.InteractRequest) -> None:
         self._requests.put(request)
 
-    def result(self, host: HostFunction | None, task_s: float, within_s: float | None = None) -> pb.RunJobResponse:
-        """Read events until the job's (or step's) result, answering its host calls with ``host``.
+    def result(
+        self,
+        host: HostFunction | None,
+        task_s: float,
+        within_s: float | None = None,
+        *,
+        output: OutputSink | None = None,
+        max_output: int = 0,
+    ) -> pb.RunJobResponse:
+        """Read events until the job's (or step's) result, answering its host calls with ``host``
+        and handing its output events to ``output`` (asked for with ``stream_output``).
 
         ``task_s`` is the task's own timeout: no call waits on the host longer,
         whatever deadline the worker names. ``within_s`` bounds the whole
         wait when the stream has no deadline of its own (a session's). Raises
         the worker's error (``error_from_status``), StreamBroken when the
         stream broke without one, or PoolWorkerError for events no honest
-        worker sends; in every case the stream is over.
+        worker sends (output not asked for, or past the task's ``max_output``);
+        in every case the stream is over.
         """
         watchdog = None
         if within_s is not None:
@@ -92,12 +102,21 @@ class InteractStream:
             watchdog.daemon = True
             watchdog.start()
         calls = 0
+        written = {"stdout": 0, "stderr": 0}
         try:
             while True:
                 event = self._next_event(within_s)
-                if event.WhichOneof("kind") == "result":
+                kind = event.WhichOneof("kind")
+                if kind == "result":
                     return event.result
-                if event.WhichOneof("kind") != "call":
+                if kind == "output" and output is not None:
+                    chunk = output_from_message(event.output)
+                    written[chunk.stream] += output_size(chunk.data)
+                    if written[chunk.stream] > max_output:
+                        raise PoolWorkerError(f"the worker sent more {chunk.stream} than the task's max_output")
+                    output(chunk)
+                    continue
+                if kind != "call":
                     raise PoolWorkerError("the worker sent an event that is neither a call nor a result")
                 calls += 1
                 if calls > MAX_CALLS_PER_TASK:
@@ -166,6 +185,7 @@ class RemoteSession:
         job_id: str | None = None,  # noqa: ARG002 - the worker logs steps under the stream's request id
         host: HostFunction | None = None,
         cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> StepOutcome:
         """Run one step on the session's worker.
 
@@ -175,6 +195,7 @@ class RemoteSession:
         ``cancel`` ends the stream, which stops the step and ends the session.
         """
         message = session_step_message(step)
+        message.stream_output = output is not None
         session_step(message)  # the worker's own checks, here, so a refusal does not cost the session
         with self._lock:
             if self.ended:
@@ -186,7 +207,10 @@ class RemoteSession:
         try:
             self._stream.send(pb.InteractRequest(step=message))
             with cancel.stopping(self.close):
-                response = self._stream.result(host, task_s, task_s + DEADLINE_MARGIN_S)
+                response = self._stream.result(
+                    host, task_s, task_s + DEADLINE_MARGIN_S,
+                    output=output, max_output=self.job.max_output if step.max_output is None else step.max_output,
+                )
         except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
             closed = self.ended  # close() cancelled the stream under the step
             self._end()

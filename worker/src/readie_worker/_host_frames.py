@@ -258,19 +258,23 @@ class HostConversation:
         try:
             call = parse_call_frame(payload, self._functions, self._next_id, self._max_calls)
         except FrameRefused as refusal:
-            self._counts[refusal.kind] += 1
-            refused = self._counts["junk"] + self._counts["forged"]
-            if refused > self._max_refused:
-                raise TooManyRefusedFrames(
-                    f"the sandbox sent {refused} host-function frames that were refused "
-                    f"(at most {self._max_refused} are answered); the last: {refusal.reason}"
-                ) from None
+            self.count_refused(refusal.kind, refusal.reason)
             self._counts["replies"] += 1
             error = HostReply(error=f"host call refused: {refusal.reason}")
             return RefusedFrame(refusal.kind, refusal.reason, encode_reply(refusal.call_id, error))
         self._next_id += 1
         self._counts["calls"] += 1
         return call
+
+    def count_refused(self, kind: Literal["junk", "forged"], reason: str) -> None:
+        """Count a refused frame (one of these or an output frame); past the limit the job ends."""
+        self._counts[kind] += 1
+        refused = self._counts["junk"] + self._counts["forged"]
+        if refused > self._max_refused:
+            raise TooManyRefusedFrames(
+                f"the sandbox sent {refused} frames that were refused "
+                f"(at most {self._max_refused} are allowed); the last: {reason}"
+            ) from None
 
     def answer(self, call: HostCall, reply: HostReply, waited_ns: int = 0) -> bytes:
         """The reply frame for the host's answer to ``call``."""

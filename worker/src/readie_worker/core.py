@@ -30,7 +30,7 @@ from ._mounts import enter_mount_namespace
 from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
 from .packages import ensure_packages, package_cache
 from .grants import HeldGrants, hold_grants
-from .jobs import CodeJob, HostFunction, JobOutcome, run_in_sandbox
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, run_in_sandbox
 from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
@@ -215,17 +215,19 @@ class Worker:
         return checkpoints_for(self.runsc, self.config.manifest, strict=self.config.strict_manifest)
 
     def run_job(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = NEVER
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> JobOutcome:
         """Run ``job`` in a pristine sandbox; ``host`` answers its calls to declared host functions.
 
         ``cancel`` stops it at any point: waiting for a slot (Cancelled), or
         running (its sandbox interrupted and destroyed; the outcome says so).
+        ``output`` takes its output as it is written.
         """
         started = time.monotonic()
         with self._slot(cancel):
             queued_us = _since(started)
-            outcome = self._run_job(job, host, cancel)
+            outcome = self._run_job(job, host, cancel, output)
         # One line per job: identifiers, outcome and timing, never captured output.
         log.info(
             "job",
@@ -239,7 +241,7 @@ class Worker:
         )
         return outcome
 
-    def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation) -> JobOutcome:
+    def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation, output: OutputSink | None) -> JobOutcome:
         self._check_job(job)
         started = time.monotonic()
         try:
@@ -248,7 +250,7 @@ class Worker:
             return JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local")
         acquire_us = _since(started)
         try:
-            return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel), acquire_us=acquire_us)
+            return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output), acquire_us=acquire_us)
         finally:
             self._retirer.retire(sandbox)
 
@@ -259,6 +261,7 @@ class Worker:
         host: HostFunction | None = None,
         *,
         cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> tuple[SandboxSession, StepOutcome]:
         """Open a session whose setup and first step are ``job``; see ``sessions.py``.
 
@@ -291,7 +294,7 @@ class Worker:
                 session.close()
                 raise PoolWorkerError("the worker is closing; the session did not start")
             try:
-                return session, session.run_in_slot(job, job_id=job_id, queue_us=queued_us, host=host, cancel=cancel)
+                return session, session.run_in_slot(job, job_id=job_id, queue_us=queued_us, host=host, cancel=cancel, output=output)
             except BaseException:
                 session.close()
                 raise

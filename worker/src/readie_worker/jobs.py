@@ -35,6 +35,9 @@ from ._host_frames import (
 )
 from readie_protocol.events import ErrorInfo
 
+from ._output_frames import OutputChunk, OutputRefused, OutputRelay, OutputSink, is_output_frame
+from ._output_frames import encoded_size as output_size
+
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
@@ -49,9 +52,12 @@ __all__ = [
     "HostReply",
     "HostStats",
     "JobOutcome",
+    "OutputChunk",
+    "OutputSink",
     "Step",
     "MAX_REFUSED_FRAMES",
     "ask_host",
+    "output_size",
     "check_functions",
     "runner_call",
     "run_in_sandbox",
@@ -167,11 +173,14 @@ class JobOutcome:
                    duration_us, "", (), sandbox_id, backend)
 
 
-def runner_call(job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False) -> bytes:
+def runner_call(
+    job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False, stream: bool = False
+) -> bytes:
     """The pickled call: a reference to the trusted runner, and plain data.
 
     ``session``: run in the sandbox's persistent ``__main__`` (a notebook
-    step) instead of a fresh namespace.
+    step) instead of a fresh namespace. ``stream``: send output frames while
+    the job runs.
     """
     spec = {
         "code": job.code,
@@ -189,6 +198,7 @@ def runner_call(job: CodeJob, links: tuple[Mapping[str, object], ...], session: 
         },
         "session": session,
         "functions": list(job.functions),
+        "stream": stream,
     }
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
@@ -201,12 +211,15 @@ def run_in_sandbox(
     *,
     session: bool = False,
     cancel: Cancellation = NEVER,
+    output: OutputSink | None = None,
 ) -> JobOutcome:
     """Run ``job`` in ``sandbox`` until it answers, its deadline passes or ``cancel`` is set.
 
     ``host`` answers the calls the job makes to its declared ``functions``,
     on this thread; the time it takes counts against the job's timeout. A
     job that declares functions needs one (RequestError otherwise).
+    ``output`` takes the job's output as it is written, on this thread, all
+    of it before this returns (decision 16).
     ``session``: run as a step in the sandbox's persistent ``__main__``. A
     cancel interrupts the exchange at once (the job then counts as failed
     under the worker, and the sandbox is not trusted again).
@@ -221,11 +234,12 @@ def run_in_sandbox(
             field="functions",
         )
     backend = f"gvisor:{sandbox.launcher.name}" if sandbox.launcher.isolated else sandbox.launcher.name
-    request = runner_call(job, links, session=session)
+    request = runner_call(job, links, session=session, stream=output is not None)
     # Even without functions: a frame the job writes by hand is refused, not taken for its result.
     conversation = HostConversation(job.functions)
+    relay = None if output is None else OutputRelay(output, job.max_output)
     started = time.monotonic()
-    answer = _HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000)
+    answer = _HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000, relay)
     # Call frames may be larger than a small job's whole result.
     limit = max(max_result_bytes(job.max_output), MAX_CALL_FRAME_BYTES)
     try:
@@ -246,6 +260,8 @@ def run_in_sandbox(
             if result.timed_out:  # the deadline kills the sandbox, whatever else the job left running
                 sandbox.destroy()
             outcome = _from_result(result, elapsed, backend, sandbox.id)
+    if relay is not None:
+        relay.finish()  # what it held back is output too, and goes out ahead of the result
     return dataclasses.replace(outcome, host=conversation.stats)
 
 
@@ -275,14 +291,21 @@ def _no_host(call: HostCall) -> HostReply:
 
 
 class _HostAnswer:
-    """Sandbox.exchange's ``answer``: call frames to the host, anything else is the job's result."""
+    """Sandbox.exchange's ``answer``: call frames to the host, output frames to the relay,
+    anything else is the job's result."""
 
-    def __init__(self, conversation: HostConversation, host: HostFunction, deadline: float) -> None:
+    def __init__(
+        self, conversation: HostConversation, host: HostFunction, deadline: float, relay: OutputRelay | None
+    ) -> None:
         self._conversation = conversation
         self._host = host
         self._deadline = deadline
+        self._relay = relay
 
     def __call__(self, message: bytes) -> bytes | None:
+        if is_output_frame(message):
+            self._output(message)
+            return NO_REPLY
         if not is_call_frame(message):
             return None
         event = self._conversation.receive(message)  # TooManyRefusedFrames ends the job
@@ -297,6 +320,16 @@ class _HostAnswer:
             # its answer (a TimeoutError) is what comes next. The call is dropped.
             return NO_REPLY
         return answered
+
+
+    def _output(self, message: bytes) -> None:
+        if self._relay is None:  # the job did not ask to stream: a frame written by hand
+            self._conversation.count_refused("junk", "output frame from a job that does not stream")
+            return
+        try:
+            self._relay.receive(message)
+        except OutputRefused as exc:  # TooManyRefusedFrames from here ends the job
+            self._conversation.count_refused("junk", f"output frame refused: {exc}")
 
 
 def ask_host(host: HostFunction, call: HostCall) -> HostReply:

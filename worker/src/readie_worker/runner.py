@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .cancel import Cancellation
-from .jobs import CodeJob, HostFunction, JobOutcome, Step
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from .sessions import StepOutcome
 
 __all__ = ["JobRunner", "SessionHandle"]
@@ -37,20 +37,34 @@ class SessionHandle(Protocol):
         job_id: str | None = ...,
         host: HostFunction | None = ...,
         cancel: Cancellation = ...,
+        output: OutputSink | None = ...,
     ) -> StepOutcome: ...
 
     def close(self) -> None: ...
 
 
 class JobRunner(Protocol):
-    """``cancel`` (``cancel.py``): when it is set, the work stops and its sandbox is freed."""
+    """``cancel`` (``cancel.py``): when it is set, the work stops and its sandbox is freed.
+    ``output`` (``jobs.OutputSink``): the job's output as it is written, before its outcome."""
 
     def run_job(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = ...
+        self,
+        job: CodeJob,
+        job_id: str | None = None,
+        host: HostFunction | None = None,
+        *,
+        cancel: Cancellation = ...,
+        output: OutputSink | None = ...,
     ) -> JobOutcome: ...
 
     def open_session(
-        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *, cancel: Cancellation = ...
+        self,
+        job: CodeJob,
+        job_id: str | None = None,
+        host: HostFunction | None = None,
+        *,
+        cancel: Cancellation = ...,
+        output: OutputSink | None = ...,
     ) -> tuple[SessionHandle, StepOutcome]: ...
 
     def close(self) -> None: ...

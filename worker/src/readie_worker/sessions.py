@@ -45,7 +45,7 @@ from readie_executor.jobs import EXIT_NOT_STARTED
 
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, RequestError
-from .jobs import CodeJob, HostFunction, JobOutcome, Step, run_in_sandbox
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, run_in_sandbox
 from .sandbox import Sandbox
 
 __all__ = ["EXIT_NOT_STARTED", "SandboxSession", "StepOutcome"]
@@ -104,6 +104,7 @@ class SandboxSession:
         job_id: str | None = None,
         host: HostFunction | None = None,
         cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> StepOutcome:
         """Run one step in the session's ``__main__``; ``timeout_ms`` and ``max_output`` default to the session's.
 
@@ -131,7 +132,9 @@ class SandboxSession:
         started = time.monotonic()
         try:
             with self._slot(cancel):
-                return self.run_in_slot(job, job_id=job_id, queue_us=_since(started), host=host, cancel=cancel)
+                return self.run_in_slot(
+                    job, job_id=job_id, queue_us=_since(started), host=host, cancel=cancel, output=output
+                )
         except BaseException:
             # The slot was refused (a draining worker) or a bug: nothing is known
             # about the sandbox's state, so it is not trusted with another step.
@@ -146,6 +149,7 @@ class SandboxSession:
         queue_us: int,
         host: HostFunction | None = None,
         cancel: Cancellation = NEVER,
+        output: OutputSink | None = None,
     ) -> StepOutcome:
         """Run ``step`` now; the caller holds a worker slot. ``Worker.open_session`` calls it
         for the first step, :meth:`run_step` for the others."""
@@ -157,7 +161,7 @@ class SandboxSession:
             sandbox = self._sandbox
         # Raises only for the caller's mistakes (functions declared, no host); the
         # caller ends the session then, as after anything unexpected.
-        outcome, ends = call_step(sandbox, step, self._links, host, cancel)
+        outcome, ends = call_step(sandbox, step, self._links, host, cancel, output)
         doomed = None
         with self._lock:
             self.steps += 1
@@ -210,6 +214,7 @@ def call_step(
     links: tuple[Mapping[str, object], ...],
     host: HostFunction | None = None,
     cancel: Cancellation = NEVER,
+    output: OutputSink | None = None,
 ) -> tuple[JobOutcome, bool]:
     """Run one session step in ``sandbox``: its outcome, and whether it ends the session.
 
@@ -218,7 +223,7 @@ def call_step(
     when the runner could not set it up. The sandbox is destroyed by the
     session's end, not here (``run_in_sandbox`` destroys it at a timeout).
     """
-    outcome = run_in_sandbox(sandbox, job, links, host, session=True, cancel=cancel)
+    outcome = run_in_sandbox(sandbox, job, links, host, session=True, cancel=cancel, output=output)
     setup_failed = (
         outcome.exit == EXIT_NOT_STARTED
         and outcome.error is not None

@@ -11,6 +11,12 @@ cgroup kills it, and RLIMIT_FSIZE (the job's max_file_size) would make print()
 fail with EFBIG. A drain thread keeps the first bytes of each pipe and counts
 the rest, so memory stays bounded by max_output however much the job writes.
 
+A job that asked for streamed output (decision 16) also has what it writes
+sent to the worker as output frames while it runs: the drain thread gathers
+each stream's bytes and sends them at most every OUTPUT_INTERVAL_S, or
+sooner once MAX_OUTPUT_CHUNK_BYTES are gathered; only the bytes the result
+keeps are sent, so the frames never carry more than the result would.
+
 The drain thread is started once and kept (:class:`_Drainer`): a thread
 started per job cost a clone and a join under gVisor on every job and
 session step. The first capture starts it, which in a warm sandbox is the
@@ -19,6 +25,7 @@ warm-up, after the checkpoint (a template has no thread but its main one).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import ctypes
 import io
@@ -26,8 +33,11 @@ import os
 import select
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from ..hostwire import MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S, encode_output
 
 # A read this size empties a full pipe (64 KiB on Linux) in one call.
 READ_SIZE = 64 * 1024
@@ -43,6 +53,7 @@ DRAIN_GRACE_SECONDS = 1.0
 STDOUT_FD = 1
 STDERR_FD = 2
 STDIN_FD = 0
+STREAM_NAMES = {STDOUT_FD: "stdout", STDERR_FD: "stderr"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,22 +76,75 @@ class _BoundedSink:
         self._length = 0
         self._total = 0
 
-    def take(self, chunk: memoryview) -> None:
+    def take(self, chunk: memoryview) -> memoryview:
+        """Keep what fits of ``chunk``; return the part kept."""
         piece = chunk[: len(self._buffer) - self._length]
         self._buffer[self._length : self._length + len(piece)] = piece
         self._length += len(piece)
         self._total += len(chunk)
+        return piece
 
     def result(self) -> CapturedBytes:
         return CapturedBytes(bytes(self._buffer[: self._length]), self._total)
 
 
-class OutputCapture:
-    """Redirects fds 0, 1 and 2 (and sys.stdin/stdout/stderr) while active."""
+class _Streamer:
+    """One stream's bytes on their way to the worker as output frames (on the drain thread).
 
-    def __init__(self, max_output: int) -> None:
+    ``send`` writes a frame on the executor's connection. Bytes are decoded
+    as they go, a character cut between two reads waiting for its end, so
+    the frames' text joined is the result's text. Nothing here may stop the
+    drain: a send that fails (the connection broke, the job holds all its
+    memory) ends the streaming, and the result still carries the output.
+    """
+
+    def __init__(self, name: str, budget: int, send: Callable[[bytes], None]) -> None:
+        self._name = name
+        self._budget = budget  # the bytes the result keeps: max_output
+        self._send: Callable[[bytes], None] | None = send
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = bytearray()
+        self.since: float | None = None  # when the oldest pending byte arrived
+
+    def gather(self, piece: memoryview, now: float) -> None:
+        piece = piece[: self._budget]
+        self._budget -= len(piece)
+        if piece and self._send is not None:
+            self._pending += piece
+            if self.since is None:
+                self.since = now
+
+    def due(self, now: float) -> bool:
+        return self.since is not None and (
+            now - self.since >= OUTPUT_INTERVAL_S or len(self._pending) >= MAX_OUTPUT_CHUNK_BYTES
+        )
+
+    def flush(self, final: bool = False) -> None:
+        pending, self._pending, self.since = bytes(self._pending), bytearray(), None
+        if self._send is None:
+            return
+        try:
+            # A character cut by the budget is left out: the result, which keeps a few bytes
+            # more, may show it whole, and the streamed text must stay a prefix of the result's.
+            data = self._decoder.decode(pending, final and self._budget > 0)
+            if data:
+                self._send(encode_output(self._name, data))
+        except Exception:  # noqa: BLE001 - ChannelBroken, MemoryError: the result still has it all
+            self._send = None
+
+
+class OutputCapture:
+    """Redirects fds 0, 1 and 2 (and sys.stdin/stdout/stderr) while active.
+
+    ``send``: stream the output as frames too (see the module's docstring).
+    """
+
+    def __init__(self, max_output: int, send: Callable[[bytes], None] | None = None) -> None:
         keep = max_output + EXTRA_BYTES_KEPT
         self._sinks = {STDOUT_FD: _BoundedSink(keep), STDERR_FD: _BoundedSink(keep)}
+        self._streamers = {
+            fd: _Streamer(name, max_output, send) for fd, name in STREAM_NAMES.items()
+        } if send is not None else {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._drained = threading.Event()
@@ -136,6 +200,9 @@ class OutputCapture:
         try:
             self._drain(readers)
         finally:
+            # Before the capture ends, so every frame goes out ahead of the result.
+            for streamer in self._streamers.values():
+                streamer.flush(final=True)
             self._drained.set()
 
     def _drain(self, readers: dict[int, int]) -> None:
@@ -147,7 +214,7 @@ class OutputCapture:
         view = memoryview(chunk)
         while open_ends and not self._stop.is_set():
             try:
-                for read_end, _ in poller.poll(POLL_INTERVAL_MS):
+                for read_end, _ in poller.poll(self._poll_timeout_ms()):
                     try:
                         count = os.readv(read_end, [chunk])
                     except OSError:
@@ -156,10 +223,33 @@ class OutputCapture:
                         poller.unregister(read_end)
                         open_ends.discard(read_end)
                         continue
+                    fd = readers[read_end]
                     with self._lock:
-                        self._sinks[readers[read_end]].take(view[:count])
+                        kept = self._sinks[fd].take(view[:count])
+                    if self._streamers:
+                        self._streamers[fd].gather(kept, time.monotonic())
+                self._send_due()
             except MemoryError:
                 continue  # the job holds all its memory; the next round may find some freed
+
+    def _poll_timeout_ms(self) -> int:
+        waiting = [s.since for s in self._streamers.values() if s.since is not None]
+        if not waiting:
+            return POLL_INTERVAL_MS
+        left = min(waiting) + OUTPUT_INTERVAL_S - time.monotonic()
+        return max(0, min(POLL_INTERVAL_MS, int(left * 1000) + 1))
+
+    def _send_due(self) -> None:
+        now = time.monotonic()
+        due = [s.since for s in self._streamers.values() if s.due(now) and s.since is not None]
+        if not due:
+            return
+        # With a due stream goes any other that waits since before it, older first:
+        # across the two streams, frames keep the order the pipes were read in.
+        cutoff = max(due)
+        waiting = [s for s in self._streamers.values() if s.since is not None and s.since <= cutoff]
+        for streamer in sorted(waiting, key=lambda s: s.since or now):
+            streamer.flush()
 
 
 class _Drainer:

@@ -21,6 +21,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .. import _channel
 from .._calls import RAW_RESPONSE_ATTRIBUTE
 from .._settings import parse_preimport
 from . import _guards, _host, _limits, _seccomp
@@ -129,7 +130,8 @@ def _run(spec: JobSpec) -> bytes:
             ErrorInfo("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
         )
     notes += _apply_subprocess_policy(spec.limits.subprocesses)
-    capture = OutputCapture(spec.limits.max_output)
+    channel = _channel.current() if spec.stream else None
+    capture = OutputCapture(spec.limits.max_output, channel.send if channel is not None else None)
     try:
         with capture.active():
             outcome = _execute(spec, source, notes)

@@ -19,7 +19,8 @@ from ._bounds import MAX_OUTPUT_LIMIT
 # Name of an inline job that does not set one, as ``python -c`` reports it.
 DEFAULT_INLINE_NAME = "<string>"
 _KNOWN_FIELDS = frozenset(
-    {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions"}
+    {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions",
+     "stream"}
 )
 _LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses", "timeout_ms"})
 _LINK_FIELDS = frozenset({"path", "target", "writable"})
@@ -62,6 +63,8 @@ class JobSpec:
     session: bool
     # Host functions readie_host offers (decision 8); empty: none.
     functions: tuple[str, ...] = ()
+    # Send output frames while the job runs (decision 16).
+    stream: bool = False
 
     @property
     def writable_links(self) -> tuple[Link, ...]:
@@ -91,6 +94,7 @@ def parse_job(job: object) -> JobSpec:
         limits=_limits(job.get("limits")),
         session=_bool(job.get("session", False), "session"),
         functions=_functions(job.get("functions", [])),
+        stream=_bool(job.get("stream", False), "stream"),
     )
 
 

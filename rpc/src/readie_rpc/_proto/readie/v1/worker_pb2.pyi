@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OutputStream(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_STREAM_UNSPECIFIED: _ClassVar[OutputStream]
+    OUTPUT_STREAM_STDOUT: _ClassVar[OutputStream]
+    OUTPUT_STREAM_STDERR: _ClassVar[OutputStream]
+OUTPUT_STREAM_UNSPECIFIED: OutputStream
+OUTPUT_STREAM_STDOUT: OutputStream
+OUTPUT_STREAM_STDERR: OutputStream
+
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +42,7 @@ class RunJobRequest(_message.Message):
     PACKAGES_FIELD_NUMBER: _ClassVar[int]
     FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -49,7 +60,8 @@ class RunJobRequest(_message.Message):
     packages: _containers.RepeatedScalarFieldContainer[str]
     functions: _containers.RepeatedScalarFieldContainer[str]
     profile: str
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ...) -> None: ...
+    stream_output: bool
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("type", "message", "file", "line", "hint")
@@ -118,18 +130,20 @@ class HostStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., replies: _Optional[int] = ..., junk: _Optional[int] = ..., forged: _Optional[int] = ..., host_errors: _Optional[int] = ..., wait_us: _Optional[int] = ...) -> None: ...
 
 class SessionStep(_message.Message):
-    __slots__ = ("code", "name", "args", "timeout_ms", "max_output")
+    __slots__ = ("code", "name", "args", "timeout_ms", "max_output", "stream_output")
     CODE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     code: str
     name: str
     args: _containers.RepeatedScalarFieldContainer[str]
     timeout_ms: int
     max_output: int
-    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ...) -> None: ...
+    stream_output: bool
+    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ..., stream_output: _Optional[bool] = ...) -> None: ...
 
 class HostCall(_message.Message):
     __slots__ = ("call_id", "function", "args_json", "kwargs_json", "deadline_ms")
@@ -168,12 +182,22 @@ class InteractRequest(_message.Message):
     def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ...) -> None: ...
 
 class InteractEvent(_message.Message):
-    __slots__ = ("call", "result")
+    __slots__ = ("call", "result", "output")
     CALL_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     call: HostCall
     result: RunJobResponse
-    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ...) -> None: ...
+    output: OutputChunk
+    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("stream", "data")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    stream: OutputStream
+    data: str
+    def __init__(self, stream: _Optional[_Union[OutputStream, str]] = ..., data: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("checkpoint", "payload", "timeout_ms")

@@ -1,0 +1,129 @@
+"""Output frames from a sandbox (decision 16): the checks and the relay's bounds, without I/O."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from readie_executor.hostwire import MAX_OUTPUT_FRAME_BYTES, encode_output
+from readie_worker._output_frames import (
+    FORWARD_BYTES,
+    MIN_FORWARD_INTERVAL_S,
+    OutputChunk,
+    OutputRefused,
+    OutputRelay,
+    encoded_size,
+    parse_output_frame,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def relay(max_output: int = 1000) -> tuple[OutputRelay, list[OutputChunk], Clock]:
+    chunks: list[OutputChunk] = []
+    clock = Clock()
+    return OutputRelay(chunks.append, max_output, clock=clock), chunks, clock
+
+
+def test_an_honest_frame_is_rebuilt():
+    assert parse_output_frame(encode_output("stderr", "oops\n")) == OutputChunk("stderr", "oops\n")
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [
+        (b'{"output":{"stream":"stdout","data":"x"}', "not valid JSON"),
+        (b'{"output":{"stream":"stdout","data":"x","extra":1}}', "an output frame is"),
+        (b'{"output":{"stream":"stdout","data":"x"},"call":{}}', "an output frame is"),
+        (b'{"output":{"stream":"stdin","data":"x"}}', "stream must be"),
+        (b'{"output":{"stream":"stdout","data":7}}', "data a string"),
+        (b'{"output":{"stream":"stdout","data":"x","data":"y"}}', "not valid JSON"),  # duplicate keys
+        (b'{"output":[]}', "an output frame is"),
+        (b'{"output":{"stream":"stdout","data":"' + b"x" * MAX_OUTPUT_FRAME_BYTES + b'"}}', "at most"),
+    ],
+)
+def test_anything_else_is_refused(frame, why):
+    with pytest.raises(OutputRefused, match=why):
+        parse_output_frame(frame)
+
+
+def test_a_lone_surrogate_becomes_text_a_line_can_carry():
+    chunk = parse_output_frame(b'{"output":{"stream":"stdout","data":"a\\ud800b"}}')
+    chunk.data.encode("utf-8")  # does not raise
+    assert chunk.data == "a?b"
+
+
+def test_frames_faster_than_the_interval_are_held_and_joined():
+    made, chunks, clock = relay()
+    made.receive(encode_output("stdout", "a"))  # the first goes out at once
+    clock.now += MIN_FORWARD_INTERVAL_S / 4
+    made.receive(encode_output("stdout", "b"))
+    made.receive(encode_output("stdout", "c"))
+    assert chunks == [OutputChunk("stdout", "a")]
+    clock.now += MIN_FORWARD_INTERVAL_S
+    made.receive(encode_output("stdout", "d"))
+    assert chunks[1:] == [OutputChunk("stdout", "bcd")]
+    made.receive(encode_output("stdout", "e"))
+    made.finish()  # the job ended: what is held goes out
+    assert chunks[2:] == [OutputChunk("stdout", "e")] and made.forwarded == 3
+
+
+def test_enough_held_text_goes_out_regardless_of_the_interval():
+    made, chunks, _ = relay(max_output=10 * FORWARD_BYTES)
+    made.receive(encode_output("stdout", "x"))
+    made.receive(encode_output("stdout", "y" * FORWARD_BYTES))
+    assert [len(chunk.data) for chunk in chunks] == [1, FORWARD_BYTES]
+
+
+def test_the_streams_are_held_apart():
+    made, chunks, clock = relay()
+    made.receive(encode_output("stdout", "o"))
+    made.receive(encode_output("stderr", "e"))  # its own first frame: out at once
+    assert chunks == [OutputChunk("stdout", "o"), OutputChunk("stderr", "e")]
+
+
+def test_the_budget_is_max_output_measured_as_the_result_measures_it():
+    made, chunks, clock = relay(max_output=10)
+    made.receive(encode_output("stdout", 'ab"\n'))  # 6 bytes in a result: a"b is escaped
+    clock.now += 1
+    made.receive(encode_output("stdout", "cdefgh"))
+    clock.now += 1
+    made.receive(encode_output("stdout", "more"))  # nothing left
+    made.finish()
+    assert "".join(chunk.data for chunk in chunks) == 'ab"\ncdef'
+    assert encoded_size('ab"\ncdef') == 10
+
+
+@given(st.lists(st.text(max_size=40), max_size=20), st.integers(min_value=0, max_value=200))
+def test_what_goes_out_is_a_prefix_within_the_budget(pieces, budget):
+    made, chunks, clock = relay(max_output=budget)
+    for piece in pieces:
+        clock.now += 0.001
+        made.receive(encode_output("stdout", piece))
+    made.finish()
+    forwarded = "".join(chunk.data for chunk in chunks)
+    written = "".join(pieces).encode("utf-8", "replace").decode("utf-8")
+    assert written.startswith(forwarded)
+    assert encoded_size(forwarded) <= budget
+    assert len(json.dumps(forwarded, ensure_ascii=False).encode()) - 2 == encoded_size(forwarded)
+
+
+def test_a_sink_that_raises_is_dropped_and_the_job_goes_on():
+    calls: list[OutputChunk] = []
+
+    def sink(chunk: OutputChunk) -> None:
+        calls.append(chunk)
+        raise RuntimeError("the caller's bug")
+
+    made = OutputRelay(sink, 100)
+    made.receive(encode_output("stdout", "a"))
+    made.receive(encode_output("stderr", "b"))  # no exception reaches the exchange
+    assert calls == [OutputChunk("stdout", "a")]
