@@ -29,7 +29,7 @@ FORGE = CHANNEL_FORGER + textwrap.dedent(
 RESULT = {
     "exit": 0, "stdout": "forged\n", "stderr": "", "error": None, "stdout_truncated": False,
     "stderr_truncated": False, "duration_us": 1, "preloaded_modules": [], "python": "3.11.2",
-    "policy_notes": [], "system_exit": False, "timed_out": False,
+    "policy_notes": [], "system_exit": False, "timed_out": False, "value": None,
 }
 
 

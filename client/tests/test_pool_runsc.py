@@ -147,3 +147,15 @@ def test_a_stateful_tool(pool):
         assert tool("print(total)") == "7"
         assert tool("print(nope)").startswith("Error: NameError: name 'nope' is not defined")
         assert tool("print(total * 2)") == "14"  # an exception keeps the state
+
+
+def test_the_last_expression_comes_back_as_value_and_output_streams(pool):
+    seen: list[str] = []
+    result = pool.run("import time\nprint('working', flush=True)\ntime.sleep(0.2)\n6 * 7", on_stdout=seen.append)
+    assert seen == ["working\n"] and result.stdout == "working\n"
+    assert result.value == readie.Value("42") and result.value.data == {}
+    with pool.session() as session:
+        session.run("items = [1, 2, 3]")
+        step = session.run("len(items)")
+    assert step.value is not None and step.value.text == "3"
+    assert readie.format_result(step) == "3"  # what a model reads back

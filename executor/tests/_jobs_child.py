@@ -28,6 +28,7 @@ RESULT_KEYS = {
     "preloaded_modules",
     "python",
     "policy_notes",
+    "value",
 }
 # Reads a JSON list of jobs on stdin, runs them in order, prints one result per line.
 CHILD = """

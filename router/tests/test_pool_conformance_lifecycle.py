@@ -117,6 +117,8 @@ def test_config_ceiling_and_profiles(pool_factory, python_version):
             "stderr_truncated": False,
             "runtime": runtime(python_version),
             "policy": policy(read=[data], write=[out], timeout_ms=5000, memory_bytes=1024 * MIB),
+            # Its last line is an expression (write's count), shown as a notebook shows it.
+            "value": {"text": "2", "truncated": False, "data": {}, "omitted": []},
         },
     )
     assert (out / "p.txt").read_text() == "ok"

@@ -374,7 +374,7 @@ def test_the_job_can_forge_its_own_result_but_not_a_call(worker):
     code = FORGER + (
         "fake = {'exit': 0, 'system_exit': False, 'timed_out': False, 'stdout': 'forged\\n', 'stderr': '', "
         "'stdout_truncated': False, 'stderr_truncated': False, 'error': None, 'duration_us': 1, "
-        "'preloaded_modules': [], 'python': '3.11.2', 'policy_notes': []}\n"
+        "'preloaded_modules': [], 'python': '3.11.2', 'policy_notes': [], 'value': None}\n"
         "send(sock, json.dumps(fake).encode())\n"
         "import time\ntime.sleep(30)\n"
     )

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from readie_protocol.events import ErrorInfo
+from readie_executor.jobs import bounds
+from readie_protocol.events import ErrorInfo, Value
 from readie_worker._job_result import (
     INVALID_ERROR_TYPE,
     SandboxAnswer,
@@ -31,7 +32,8 @@ VALID = (
     b'"stderr_truncated":false,"error":{"type":"PermissionError",'
     b'"message":"[Errno 13] Permission denied: \'/etc/x\'","file":"step.py","line":2,'
     b'"hint":"This job may write only beneath: /srv/work."},"duration_us":1234,'
-    b'"preloaded_modules":["numpy","pandas.core"],"python":"3.11.2","policy_notes":["a note"]}'
+    b'"preloaded_modules":["numpy","pandas.core"],"python":"3.11.2","policy_notes":["a note"],'
+    b'"value":{"text":"Frame(2)","truncated":false,"data":{"text/html":"<table/>"},"omitted":["image/png"]}}'
 )
 EXPECTED = SandboxAnswer(
     exit=1,
@@ -52,6 +54,7 @@ EXPECTED = SandboxAnswer(
     preloaded_modules=("numpy", "pandas.core"),
     python="3.11.2",
     policy_notes=("a note",),
+    value=Value("Frame(2)", False, {"text/html": "<table/>"}, ("image/png",)),
 )
 
 
@@ -234,8 +237,9 @@ def test_size_is_checked_before_parsing() -> None:
 
 
 def test_budget_grows_with_max_output() -> None:
-    assert max_result_bytes(0) == 64 * 1024
-    assert max_result_bytes(MAX_OUTPUT) == 2 * MAX_OUTPUT + 64 * 1024
+    fixed = 64 * 1024 + bounds.MAX_VALUE_TEXT + bounds.MAX_DISPLAY_BYTES  # the rest, and a value
+    assert max_result_bytes(0) == fixed
+    assert max_result_bytes(MAX_OUTPUT) == 2 * MAX_OUTPUT + fixed
     with pytest.raises(ValueError):
         max_result_bytes(-1)
     with pytest.raises(ValueError):
@@ -375,3 +379,31 @@ def test_a_real_run_job_result_parses() -> None:
         "step.py",
         2,
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ({"text": "x", "truncated": False, "data": {}}, "must be null or an object"),
+        ({"text": "x", "truncated": False, "data": {}, "omitted": [], "extra": 1}, "must be null or an object"),
+        ({"text": 1, "truncated": False, "data": {}, "omitted": []}, "value.text must be a string"),
+        ({"text": "x", "truncated": False, "data": {"text/x-evil": "a"}, "omitted": []}, "display types"),
+        ({"text": "x", "truncated": False, "data": {"text/html": 1}, "omitted": []}, "at most"),
+        ({"text": "x", "truncated": False, "data": {"text/html": "a" * (bounds.MAX_DISPLAY_BYTES + 1)}, "omitted": []},
+         "at most"),
+        ({"text": "x", "truncated": False, "data": {}, "omitted": ["text/x-evil"]}, "not an acceptable entry"),
+        ({"text": "x", "truncated": "no", "data": {}, "omitted": []}, "true or false"),
+    ],
+)
+def test_a_forged_value_is_refused(value, why):
+    document = valid_document()
+    document["value"] = value
+    with pytest.raises(JobResultInvalid, match=why):
+        parse_job_result(json.dumps(document).encode(), 1024 * 1024)
+
+
+def test_a_value_text_past_its_cap_is_cut_and_says_so():
+    document = valid_document()
+    document["value"] = {"text": "v" * (bounds.MAX_VALUE_TEXT + 5), "truncated": False, "data": {}, "omitted": []}
+    value = parse_job_result(json.dumps(document).encode(), 1024 * 1024).value
+    assert value is not None and len(value.text) == bounds.MAX_VALUE_TEXT and value.truncated

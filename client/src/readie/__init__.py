@@ -15,7 +15,7 @@ Two ways in:
 See client/README.md for the decisions behind the API.
 """
 
-from readie_protocol.events import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
+from readie_protocol.events import ErrorInfo, OutputEvent, PolicyInfo, ReadyEvent, Result, RuntimeInfo, Value
 
 from ._async_pool import AsyncPool, AsyncSession
 from ._envelope import SANDBOX_PYTHON, RemoteResult
@@ -49,6 +49,7 @@ __all__ = [
     "EnvelopeError",
     "ErrorInfo",
     "JobError",
+    "OutputEvent",
     "PolicyInfo",
     "Pool",
     "PoolError",
@@ -61,6 +62,7 @@ __all__ = [
     "RequestError",
     "Result",
     "RuntimeInfo",
+    "Value",
     "SandboxSetupError",
     "Session",
     "Tool",

@@ -209,8 +209,8 @@ def describe(
             "so import what you need each time."
         )
     lines.append(
-        "Use print() to see results: only stdout and stderr come back, not the value of the "
-        "last expression."
+        "What the code prints comes back, and so does the value of a last bare expression, as "
+        "in a notebook cell (its repr)."
     )
     lines.append(_files(setup.get("allow_read", ()), setup.get("allow_write", ())))
     if setup.get("profile"):
@@ -263,6 +263,8 @@ def format_result(result: Result, *, restarted: bool = False) -> str:
         parts.append(result.stdout.rstrip("\n") + ("\n[stdout truncated]" if result.stdout_truncated else ""))
     if result.stderr and result.error is None:
         parts.append("stderr:\n" + result.stderr.rstrip("\n") + ("\n[stderr truncated]" if result.stderr_truncated else ""))
+    if result.value is not None:
+        parts.append(result.value.text + (" [value truncated]" if result.value.truncated else ""))
     if result.error is not None:
         line = f" (line {result.error.line})" if result.error.line else ""
         parts.append(f"Error: {result.error.type}: {result.error.message}{line}")

@@ -1,5 +1,6 @@
 """The pool protocol's lines as frozen values, for both ends: the ready event, job
-results, the stats, closed, cancelled, call and output events.
+results (``readie_protocol.results``, re-exported here), the stats, closed,
+cancelled, call and output events.
 
 The pool builds these and writes ``to_json()``; a client parses a line with
 ``parse_result`` and the like (:class:`~readie_protocol.connection.PoolConnection`
@@ -16,9 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
-from .errors import ErrorType, JobError, PoolError, RequestError, VersionMismatch, family_of
+from ._fields import Fields, broken, short
+from .errors import VersionMismatch
+from .results import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, Value, parse_result
 from .wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "Result",
     "RuntimeInfo",
     "StatsEvent",
+    "Value",
     "parse_call",
     "parse_cancelled",
     "parse_closed",
@@ -41,148 +45,6 @@ __all__ = [
     "parse_result",
     "parse_stats",
 ]
-
-#: The spec's "runtime" value, with pynox read as readie.
-RUNTIME_NAME = "readie"
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorInfo:
-    """A result's ``error``: the Python exception class or one of readie's error types.
-
-    ``file`` and ``line`` point at the script or inline name; ``hint`` says
-    what was granted, for permission and memory errors (and only then is it
-    written).
-    """
-
-    type: str
-    message: str
-    file: str | None = None
-    line: int | None = None
-    hint: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": str(self.type), "message": self.message, "file": self.file, "line": self.line}
-        if self.hint is not None:
-            out["hint"] = self.hint
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeInfo:
-    """What ran the job: readie, the sandbox's Python, the mode and what it had imported."""
-
-    name: str
-    python: str
-    mode: str
-    preloaded_modules: tuple[str, ...]
-
-    @classmethod
-    def pool(cls, python: str, preloaded_modules: tuple[str, ...] = ()) -> RuntimeInfo:
-        """The runtime of a ``readie pool``'s jobs."""
-        return cls(RUNTIME_NAME, python, "pool", preloaded_modules)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "python": self.python,
-            "mode": self.mode,
-            "preloaded_modules": list(self.preloaded_modules),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyInfo:
-    """The policy a job ran under, after profiles and the ceiling; paths are absolute."""
-
-    allow_read: tuple[str, ...]
-    allow_write: tuple[str, ...]
-    network: str  # "allow" or "deny"
-    subprocesses: str  # "allow" or "deny"
-    timeout_ms: int | None
-    memory_bytes: int | None
-    backend: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "allow_read": list(self.allow_read),
-            "allow_write": list(self.allow_write),
-            "network": self.network,
-            "subprocesses": self.subprocesses,
-            "timeout_ms": self.timeout_ms,
-            "memory_bytes": self.memory_bytes,
-            "backend": self.backend,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """One job's result line, every field of the spec's result.
-
-    ``exit`` is always an integer: the job's exit status, 124 after a
-    timeout, 128 + n after signal n, -1 when it never ran.
-    ``session``, ``step`` and ``session_ended`` are set for session steps only.
-    """
-
-    id: RequestId | None
-    exit: int
-    stdout: str
-    stderr: str
-    error: ErrorInfo | None
-    stdout_truncated: bool
-    stderr_truncated: bool
-    duration_ms: int
-    duration_us: int
-    queue_us: int
-    runtime: RuntimeInfo | None
-    policy: PolicyInfo | None
-    session: str | None = None
-    step: int | None = None
-    session_ended: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """The code ran to the end and exited 0."""
-        return self.exit == 0 and self.error is None
-
-    @property
-    def truncated(self) -> bool:
-        return self.stdout_truncated or self.stderr_truncated
-
-    def raise_for_error(self) -> Result:
-        """Return this result if ok, else raise: :class:`RequestError` (carrying this result),
-        :class:`SandboxSetupError` or :class:`PoolWorkerError` for readie's own error types,
-        :class:`JobError` for the job's."""
-        if self.ok:
-            return self
-        family = None if self.error is None else family_of(self.error.type)
-        if self.error is None or family is None:
-            raise JobError(self)
-        if self.error.type == ErrorType.REQUEST:
-            raise RequestError(self.error.message, result=self)
-        raise family(self.error.message)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.id,
-            "exit": self.exit,
-            "stdout": self.stdout,
-            "stderr": self.stderr,
-            "error": None if self.error is None else self.error.to_json(),
-            "stdout_truncated": self.stdout_truncated,
-            "stderr_truncated": self.stderr_truncated,
-            "duration_ms": self.duration_ms,
-            "duration_us": self.duration_us,
-            "queue_us": self.queue_us,
-            "runtime": None if self.runtime is None else self.runtime.to_json(),
-            "policy": None if self.policy is None else self.policy.to_json(),
-        }
-        if self.session is not None:
-            out["session"] = self.session
-            out["step"] = self.step
-            out["session_ended"] = self.session_ended
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class ReadyEvent:
@@ -312,9 +174,9 @@ class OutputEvent:
 
 def parse_ready(obj: Any) -> ReadyEvent:
     """The ready event; :class:`VersionMismatch` when the pool speaks another protocol version."""
-    fields = _Fields(obj, "the ready event")
+    fields = Fields(obj, "the ready event")
     if fields.optional("event", str) != "ready":
-        _broken(f"the pool's first line is not the ready event: {_short(obj)}")
+        broken(f"the pool's first line is not the ready event: {short(obj)}")
     protocol = fields.optional("protocol", int)
     protocol = 1 if protocol is None else protocol
     if protocol != PROTOCOL_VERSION:
@@ -333,33 +195,11 @@ def parse_ready(obj: Any) -> ReadyEvent:
     )
 
 
-def parse_result(obj: Any) -> Result:
-    """A job's result line."""
-    fields = _Fields(obj, "a result")
-    return Result(
-        id=fields.get("id", (str, int, type(None))),
-        exit=fields.get("exit", int),
-        stdout=fields.get("stdout", str),
-        stderr=fields.get("stderr", str),
-        error=fields.nested("error", _error),
-        stdout_truncated=fields.get("stdout_truncated", bool),
-        stderr_truncated=fields.get("stderr_truncated", bool),
-        duration_ms=fields.get("duration_ms", int),
-        duration_us=fields.get("duration_us", int),
-        queue_us=fields.get("queue_us", int),
-        runtime=fields.nested("runtime", _runtime),
-        policy=fields.nested("policy", _policy),
-        session=fields.optional("session", str),
-        step=fields.optional("step", int),
-        session_ended=fields.optional("session_ended", bool) or False,
-    )
-
-
 def parse_stats(obj: Any) -> StatsEvent:
     """The stats event; its counters are kept as the pool wrote them (the spec: "the same object")."""
-    fields = _Fields(obj, "the stats event")
+    fields = Fields(obj, "the stats event")
     if fields.get("event", str) != "stats":
-        _broken(f"expected a stats event, got {_short(obj)}")
+        broken(f"expected a stats event, got {short(obj)}")
     fields.get("jobs", int)
     return StatsEvent(
         id=fields.get("id", (str, int)),
@@ -369,17 +209,17 @@ def parse_stats(obj: Any) -> StatsEvent:
 
 def parse_closed(obj: Any) -> ClosedEvent:
     """The answer to a close: ``{"id", "session", "closed": true}``; a refusal comes as a result."""
-    fields = _Fields(obj, "the answer to a close")
+    fields = Fields(obj, "the answer to a close")
     if fields.optional("closed", bool) is not True:
-        _broken(f"expected a closed event, got {_short(obj)}")
+        broken(f"expected a closed event, got {short(obj)}")
     return ClosedEvent(id=fields.get("id", (str, int)), session=fields.get("session", str))
 
 
 def parse_cancelled(obj: Any) -> CancelledEvent:
     """The answer to a cancel."""
-    fields = _Fields(obj, "the answer to a cancel")
+    fields = Fields(obj, "the answer to a cancel")
     if fields.get("event", str) != "cancelled":
-        _broken(f"expected a cancelled event, got {_short(obj)}")
+        broken(f"expected a cancelled event, got {short(obj)}")
     return CancelledEvent(
         id=fields.get("id", (str, int)), target=fields.get("target", (str, int)), found=fields.get("found", bool)
     )
@@ -387,7 +227,7 @@ def parse_cancelled(obj: Any) -> CancelledEvent:
 
 def parse_call(obj: Any) -> CallEvent:
     """A ``call`` event."""
-    fields = _Fields(obj, "a call event")
+    fields = Fields(obj, "a call event")
     return CallEvent(
         id=fields.get("id", (str, int)),
         call_id=fields.get("call_id", int),
@@ -399,90 +239,10 @@ def parse_call(obj: Any) -> CallEvent:
 
 def parse_output(obj: Any) -> OutputEvent:
     """An ``output`` event."""
-    fields = _Fields(obj, "an output event")
+    fields = Fields(obj, "an output event")
     stream = fields.get("stream", str)
     if stream not in ("stdout", "stderr"):
-        _broken(f"an output event on a stream that is neither stdout nor stderr: {_short(obj)}")
+        broken(f"an output event on a stream that is neither stdout nor stderr: {short(obj)}")
     return OutputEvent(
         id=fields.get("id", (str, int)), stream=stream, data=fields.get("data", str), seq=fields.get("seq", int)
     )
-
-
-def _error(fields: _Fields) -> ErrorInfo:
-    return ErrorInfo(
-        type=fields.get("type", str),
-        message=fields.get("message", str),
-        file=fields.optional("file", str),
-        line=fields.optional("line", int),
-        hint=fields.optional("hint", str),
-    )
-
-
-def _runtime(fields: _Fields) -> RuntimeInfo:
-    return RuntimeInfo(
-        name=fields.get("name", str),
-        python=fields.get("python", str),
-        mode=fields.get("mode", str),
-        preloaded_modules=fields.strings("preloaded_modules"),
-    )
-
-
-def _policy(fields: _Fields) -> PolicyInfo:
-    return PolicyInfo(
-        allow_read=fields.strings("allow_read"),
-        allow_write=fields.strings("allow_write"),
-        network=fields.get("network", str),
-        subprocesses=fields.get("subprocesses", str),
-        timeout_ms=fields.optional("timeout_ms", int),
-        memory_bytes=fields.optional("memory_bytes", int),
-        backend=fields.get("backend", str),
-    )
-
-
-class _Fields:
-    """Typed access to one JSON object of the pool's; a missing or mistyped field is a PoolError."""
-
-    def __init__(self, obj: Any, what: str) -> None:
-        if not isinstance(obj, Mapping):
-            _broken(f"{what} is not a JSON object: {_short(obj)}")
-        self._obj = obj
-        self._what = what
-
-    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
-        if key not in self._obj:
-            _broken(f"{self._what} lacks {key!r}: {_short(self._obj)}")
-        return self._check(key, self._obj[key], kind)
-
-    def optional(self, key: str, kind: type) -> Any:
-        value = self._obj.get(key)
-        return None if value is None else self._check(key, value, kind)
-
-    def strings(self, key: str) -> tuple[str, ...]:
-        values = self.get(key, list)
-        if not all(isinstance(item, str) for item in values):
-            _broken(f"{self._what}: {key} must be a list of strings, got {_short(values)}")
-        return tuple(values)
-
-    def nested(self, key: str, build: Any) -> Any:
-        value = self.get(key, (Mapping, type(None)))
-        return None if value is None else build(_Fields(value, f"{self._what}'s {key}"))
-
-    def _check(self, key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        # JSON true is not the integer 1, and 1 is not true.
-        if isinstance(value, bool) and bool not in kinds:
-            ok = False
-        else:
-            ok = isinstance(value, kinds)
-        if not ok:
-            _broken(f"{self._what}: {key} has the wrong type: {_short(value)}")
-        return value
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _broken(message: str) -> NoReturn:
-    raise PoolError(f"readie pool broke the protocol: {message}")

@@ -29,6 +29,7 @@ from .events import (
     Result,
     RuntimeInfo,
     StatsEvent,
+    Value,
 )
 from .lines import MAX_LINE_BYTES
 from .requests import CLOSE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
@@ -112,7 +113,7 @@ def event_schemas() -> dict[str, dict[str, Any]]:
     """Every line a pool writes, by name."""
     return {
         "ready": _event(ReadyEvent, "ready", required_extra=()),
-        "result": _object(Result, optional={"session", "step", "session_ended"}),
+        "result": _object(Result, optional={"session", "step", "session_ended", "value"}),
         "stats": {
             **_object(StatsEvent, skip={"counters"}),
             "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
@@ -165,7 +166,7 @@ def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), ski
     return schema
 
 
-_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo)
+_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value)
 
 
 def _type(hint: Any) -> dict[str, Any]:
@@ -191,6 +192,7 @@ def _type(hint: Any) -> dict[str, Any]:
         args = typing.get_args(hint)
         return {"type": "array", "items": _type(args[0])} if args and args[0] is not Any else {"type": "array"}
     if origin in (dict, Mapping) or hint in (dict, Mapping):
-        return {"type": "object"}
+        args = typing.get_args(hint)
+        return {"type": "object", "additionalProperties": _type(args[1])} if args and args[1] is not Any else {"type": "object"}
     raise TypeError(f"no JSON Schema for {hint!r}")
 

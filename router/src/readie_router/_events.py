@@ -30,7 +30,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent
+from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent, Value
 from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
@@ -107,6 +107,7 @@ class JobResult:
     session: str | None = None
     step: int | None = None
     session_ended: bool = False
+    value: Value | None = None
 
     def __post_init__(self) -> None:
         # Wrong combinations are bugs in the caller; refusing them here keeps
@@ -150,6 +151,7 @@ class JobResult:
             session=self.session,
             step=self.step,
             session_ended=self.session_ended,
+            value=self.value,
         )
 
     @classmethod

@@ -94,6 +94,7 @@ def job_result(
         session=session,
         step=step,
         session_ended=session_ended,
+        value=outcome.value,
     )
 
 

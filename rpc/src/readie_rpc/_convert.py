@@ -24,7 +24,7 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError
-from readie_protocol.events import ErrorInfo
+from readie_protocol.events import ErrorInfo, Value
 
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
 from readie_worker.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
@@ -229,6 +229,11 @@ def run_job_response(
             response.error.line = error.line
         if error.hint is not None:
             response.error.hint = error.hint
+    if outcome.value is not None:
+        value = outcome.value
+        response.value.CopyFrom(
+            pb.JobValue(text=value.text, truncated=value.truncated, data=dict(value.data), omitted=value.omitted)
+        )
     return response
 
 
@@ -388,6 +393,7 @@ def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
         backend=response.backend,
         system_exit=response.system_exit,
         host=_stats(response.host) if response.HasField("host") else None,
+        value=_value(response.value) if response.HasField("value") else None,
     )
 
 
@@ -415,6 +421,16 @@ def _check_bounds(response: pb.RunJobResponse) -> None:
         len(module) > bounds.MAX_MODULE_NAME for module in response.preloaded_modules
     ):
         raise PoolWorkerError("the worker answered more preloaded modules than a sandbox reports")
+
+
+def _value(message: pb.JobValue) -> Value:
+    """A worker's value, held to the sandbox's own caps (a worker is a network peer)."""
+    if len(message.text) > bounds.MAX_VALUE_TEXT or not set(message.data) <= bounds.DISPLAY_TYPES:
+        raise PoolWorkerError("the worker answered a value a sandbox does not write")
+    if sum(map(len, message.data.values())) > bounds.MAX_DISPLAY_BYTES or not set(message.omitted) <= bounds.DISPLAY_TYPES:
+        raise PoolWorkerError("the worker answered a value a sandbox does not write")
+    data = {mime: message.data[mime] for mime in sorted(message.data)}
+    return Value(message.text, message.truncated, data, tuple(message.omitted))
 
 
 def _stats(message: pb.HostStats) -> HostStats:

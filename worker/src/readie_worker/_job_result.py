@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from readie_executor.jobs import bounds
-from readie_protocol.events import ErrorInfo
+from readie_protocol.events import ErrorInfo, Value
 
 __all__ = [
     "INVALID_ERROR_TYPE",
@@ -55,7 +55,9 @@ _RESULT_FIELDS = (
     "preloaded_modules",
     "python",
     "policy_notes",
+    "value",
 )
+_VALUE_FIELDS = frozenset({"text", "truncated", "data", "omitted"})
 
 
 class JobResultInvalid(Exception):
@@ -78,6 +80,7 @@ class SandboxAnswer:
     preloaded_modules: tuple[str, ...]
     python: str
     policy_notes: tuple[str, ...]
+    value: Value | None = None  # the last bare expression's, shown
 
 
 def max_result_bytes(max_output: int) -> int:
@@ -194,6 +197,29 @@ class _Fields:
             policy_notes=self.text_list(
                 "policy_notes", bounds.MAX_POLICY_NOTES, bounds.MAX_POLICY_NOTE
             ),
+            value=self.value("value", max_output),
+        )
+
+    def value(self, field: str, max_output: int) -> Value | None:
+        value = self._get(field)
+        if value is None:
+            return None
+        if not isinstance(value, dict) or value.keys() != _VALUE_FIELDS:
+            raise JobResultInvalid(f"{self._name(field)} must be null or an object of {', '.join(sorted(_VALUE_FIELDS))}")
+        fields = _Fields(value, self._name(field) + ".")
+        text, cut = fields.text("text", min(max_output, bounds.MAX_VALUE_TEXT))
+        data = fields._get("data")
+        if not isinstance(data, dict) or not data.keys() <= bounds.DISPLAY_TYPES:
+            raise JobResultInvalid(f"{self._name(field)}.data must map display types to text")
+        texts = list(data.values())
+        if not all(isinstance(item, str) for item in texts) or sum(map(len, texts)) > bounds.MAX_DISPLAY_BYTES:
+            raise JobResultInvalid(f"{self._name(field)}.data must hold at most {bounds.MAX_DISPLAY_BYTES} characters")
+        omitted = fields.text_list("omitted", len(bounds.DISPLAY_TYPES), 32, bounds.DISPLAY_TYPES.__contains__)
+        return Value(
+            text=text,
+            truncated=fields.boolean("truncated") or cut,
+            data={mime: _clean(data[mime]) for mime in sorted(data)},
+            omitted=omitted,
         )
 
     def error(self, field: str) -> ErrorInfo | None:

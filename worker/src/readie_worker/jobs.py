@@ -33,7 +33,7 @@ from ._host_frames import (
     check_functions,
     is_call_frame,
 )
-from readie_protocol.events import ErrorInfo
+from readie_protocol.events import ErrorInfo, Value
 
 from ._output_frames import OutputChunk, OutputRefused, OutputRelay, OutputSink, is_output_frame
 from ._output_frames import encoded_size as output_size
@@ -154,6 +154,8 @@ class JobOutcome:
     # clock, and the job's own claim of how long its code ran (untrusted).
     acquire_us: int | None = None
     code_us: int | None = None
+    # The code's last bare expression, shown (None: no such expression, or its value was None).
+    value: Value | None = None
 
     def log_fields(self) -> dict[str, object]:
         """What the worker's one log line per job or step says of its outcome: never captured output."""
@@ -360,6 +362,7 @@ def _from_result(result: SandboxAnswer, duration_us: int, backend: str, sandbox_
         backend=backend,
         system_exit=result.system_exit,
         code_us=result.duration_us,
+        value=result.value,
     )
 
 

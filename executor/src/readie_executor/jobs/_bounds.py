@@ -39,6 +39,17 @@ MAX_LINE_NUMBER = 2**31 - 1
 # An exit status is one byte at the OS level, and the runner reports it that way.
 MAX_EXIT_STATUS = 255
 
+# The value of a job's last bare expression (jobs/_value.py): its repr is a
+# glance at the object, past 64 KiB a dump (print it instead); display data
+# (HTML tables, PNG charts as base64) is a notebook cell's worth: a chart
+# is tens of KiB, a 1 MiB HTML table is already more than a model can read.
+MAX_VALUE_TEXT = 64 * 1024
+MAX_DISPLAY_BYTES = 1024 * 1024
+# The display protocol's kinds a value may offer, by MIME type.
+DISPLAY_TYPES = frozenset(
+    {"text/html", "text/markdown", "text/latex", "image/svg+xml", "image/png", "image/jpeg"}
+)
+
 # Exception types whose result error carries a hint (what was granted, the limit).
 HINTED_ERROR_TYPES = frozenset({"PermissionError", "MemoryError"})
 
@@ -46,9 +57,10 @@ HINTED_ERROR_TYPES = frozenset({"PermissionError", "MemoryError"})
 def result_budget(max_output: int) -> int:
     """The most bytes a result for a job with this ``max_output`` may have.
 
-    stdout and stderr are each cut to ``max_output`` encoded bytes, and the
-    other fields fit in :data:`RESULT_OVERHEAD_BYTES`.
+    stdout and stderr are each cut to ``max_output`` encoded bytes, a value's
+    text and display data to their own caps, and the other fields fit in
+    :data:`RESULT_OVERHEAD_BYTES`.
     """
     if not 0 <= max_output <= MAX_OUTPUT_LIMIT:
         raise ValueError(f"max_output must be between 0 and {MAX_OUTPUT_LIMIT}, got {max_output}")
-    return 2 * max_output + RESULT_OVERHEAD_BYTES
+    return 2 * max_output + MAX_VALUE_TEXT + MAX_DISPLAY_BYTES + RESULT_OVERHEAD_BYTES

@@ -29,7 +29,8 @@ def clean_text(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _encoded_size(text: str) -> int:
+def encoded_size(text: str) -> int:
+    """What ``text`` takes in the result: JSON-escaped UTF-8."""
     return len(json.dumps(text, ensure_ascii=False).encode("utf-8")) - 2
 
 
@@ -39,13 +40,13 @@ def fit_text(text: str, max_bytes: int) -> tuple[str, bool]:
     used = 0
     for start in range(0, len(text), _MEASURE_PIECE):
         piece = text[start : start + _MEASURE_PIECE]
-        cost = _encoded_size(piece)
+        cost = encoded_size(piece)
         if used + cost <= max_bytes:
             used += cost
             continue
         end = start
         for character in piece:
-            cost = _encoded_size(character)
+            cost = encoded_size(character)
             if used + cost > max_bytes:
                 break
             used += cost
@@ -166,6 +167,7 @@ def encode_result(
     max_output: int,
     system_exit: bool = False,
     timed_out: bool = False,
+    value: dict[str, Any] | None = None,
 ) -> bytes:
     stdout_text, stdout_truncated = fit_stream(stdout, max_output)
     stderr_text, stderr_truncated = fit_stream(stderr, max_output)
@@ -188,12 +190,22 @@ def encode_result(
             fit_text(note, _bounds.MAX_POLICY_NOTE)[0]
             for note in policy_notes[: _bounds.MAX_POLICY_NOTES]
         ],
+        "value": value,  # shown by _value.show_value, which keeps it within its caps
     }
     encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     budget = _bounds.result_budget(max_output)
     if len(encoded) > budget:  # cannot happen if the bounds add up; never send more than promised
         raise AssertionError(f"job result of {len(encoded)} bytes exceeds its budget of {budget}")
     return encoded
+
+
+def safe_repr(value: object) -> str:
+    """repr() of the job's object, which may raise; an interrupt (the deadline) is not caught."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__}: repr() failed>"
+    return text if isinstance(text, str) else f"<{type(value).__name__}>"
 
 
 def safe_str(value: object) -> str:

@@ -20,6 +20,7 @@ import traceback
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .. import _channel
 from .._calls import RAW_RESPONSE_ATTRIBUTE
@@ -29,6 +30,7 @@ from ._bounds import MAX_OUTPUT_LIMIT
 from ._capture import CapturedBytes, OutputCapture
 from ._result import ErrorInfo, describe_exception, encode_result, safe_str
 from ._spec import JobSpec, JobSpecError, Link, parse_job
+from ._value import compile_cell, show_value
 
 # Python's exit status for "could not start": ``python3 missing.py`` exits 2.
 EXIT_NOT_STARTED = 2
@@ -55,6 +57,7 @@ class _Outcome:
     duration_us: int
     system_exit: bool = False  # ended by SystemExit: in a session, that ends the session
     timed_out: bool = False  # stopped at its deadline: in a session, that ends the session too
+    value: dict[str, Any] | None = None  # the last bare expression's, shown (_value.py)
 
 
 def run_job(job: dict[str, object]) -> bytes:
@@ -150,6 +153,7 @@ def _run(spec: JobSpec) -> bytes:
         max_output=spec.limits.max_output,
         system_exit=outcome.system_exit,
         timed_out=outcome.timed_out,
+        value=outcome.value,
     )
 
 
@@ -163,7 +167,12 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
     )
     with _job_process_state(spec, module), _host.declared(spec.functions):
         try:
-            code = compile(source, spec.name, "exec", dont_inherit=True)
+            # Code runs as a notebook cell: its last bare expression is shown. (The pool sends a
+            # script's text as code too; only a script the sandbox reads itself is left as python3 runs it.)
+            if spec.code is not None:
+                code, last = compile_cell(source, spec.name)
+            else:
+                code, last = compile(source, spec.name, "exec", dont_inherit=True), None
         except BaseException as exc:  # SyntaxError, or ValueError for a NUL in the source
             return _failure(exc, spec, duration_us=0)
         _register_source(spec.name, source)
@@ -174,6 +183,8 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
             try:
                 with _limits.deadline(spec.limits.timeout_ms), _guards.guarded(guard):
                     exec(code, module.__dict__)
+                    # Its repr and display methods are the job's code too: under the same limits.
+                    value = None if last is None else show_value(eval(last, module.__dict__), spec.limits.max_output)
             finally:
                 _limits.relax_memory_limit()
                 duration_us = (time.perf_counter_ns() - started) // 1000
@@ -184,7 +195,7 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
             return _Outcome(_exit_status(exc.code), None, duration_us, system_exit=True)
         except BaseException as exc:
             return _failure(exc, spec, duration_us)
-        return _Outcome(0, None, duration_us)
+        return _Outcome(0, None, duration_us, value=value)
 
 
 def create_links(links: tuple[Link, ...]) -> None:

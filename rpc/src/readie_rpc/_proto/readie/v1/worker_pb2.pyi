@@ -78,7 +78,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "value")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class RunJobResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
     exit: int
     stdout: str
     stderr: str
@@ -111,7 +112,27 @@ class RunJobResponse(_message.Message):
     session_id: str
     step: int
     session_ended: bool
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ...) -> None: ...
+    value: JobValue
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ...) -> None: ...
+
+class JobValue(_message.Message):
+    __slots__ = ("text", "truncated", "data", "omitted")
+    class DataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    truncated: bool
+    data: _containers.ScalarMap[str, str]
+    omitted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., truncated: _Optional[bool] = ..., data: _Optional[_Mapping[str, str]] = ..., omitted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HostStats(_message.Message):
     __slots__ = ("calls", "replies", "junk", "forged", "host_errors", "wait_us")

@@ -1,0 +1,244 @@
+"""A job's result line as a frozen value, for both ends, with its parts (the error, the runtime,
+the policy, the last expression's value) and its parser. ``readie_protocol.events`` holds the
+other lines and re-exports these; see its docstring for the parsing rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._fields import Fields, broken
+from .errors import ErrorType, JobError, RequestError, family_of
+from .wire import RequestId
+
+__all__ = ["RUNTIME_NAME", "ErrorInfo", "PolicyInfo", "Result", "RuntimeInfo", "Value", "parse_result"]
+
+#: The spec's "runtime" value, with pynox read as readie.
+RUNTIME_NAME = "readie"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """A result's ``error``: the Python exception class or one of readie's error types.
+
+    ``file`` and ``line`` point at the script or inline name; ``hint`` says
+    what was granted, for permission and memory errors (and only then is it
+    written).
+    """
+
+    type: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    hint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": str(self.type), "message": self.message, "file": self.file, "line": self.line}
+        if self.hint is not None:
+            out["hint"] = self.hint
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """The value of the code's last bare expression, shown as a notebook cell shows it.
+
+    ``text`` is its ``repr()`` (``truncated`` when cut); ``data`` what the
+    object offers through IPython's display protocol, by MIME type
+    (``text/html``, ``image/png`` as base64, ...); ``omitted`` the kinds it
+    offered that were too large to carry.
+    """
+
+    text: str
+    truncated: bool = False
+    data: Mapping[str, str] = field(default_factory=dict)
+    omitted: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "truncated": self.truncated, "data": dict(self.data), "omitted": list(self.omitted)}
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """What ran the job: readie, the sandbox's Python, the mode and what it had imported."""
+
+    name: str
+    python: str
+    mode: str
+    preloaded_modules: tuple[str, ...]
+
+    @classmethod
+    def pool(cls, python: str, preloaded_modules: tuple[str, ...] = ()) -> RuntimeInfo:
+        """The runtime of a ``readie pool``'s jobs."""
+        return cls(RUNTIME_NAME, python, "pool", preloaded_modules)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "python": self.python,
+            "mode": self.mode,
+            "preloaded_modules": list(self.preloaded_modules),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInfo:
+    """The policy a job ran under, after profiles and the ceiling; paths are absolute."""
+
+    allow_read: tuple[str, ...]
+    allow_write: tuple[str, ...]
+    network: str  # "allow" or "deny"
+    subprocesses: str  # "allow" or "deny"
+    timeout_ms: int | None
+    memory_bytes: int | None
+    backend: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "allow_read": list(self.allow_read),
+            "allow_write": list(self.allow_write),
+            "network": self.network,
+            "subprocesses": self.subprocesses,
+            "timeout_ms": self.timeout_ms,
+            "memory_bytes": self.memory_bytes,
+            "backend": self.backend,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One job's result line, every field of the spec's result.
+
+    ``exit`` is always an integer: the job's exit status, 124 after a
+    timeout, 128 + n after signal n, -1 when it never ran.
+    ``session``, ``step`` and ``session_ended`` are set for session steps only;
+    ``value`` only when the code ended with a bare expression whose value is not None.
+    """
+
+    id: RequestId | None
+    exit: int
+    stdout: str
+    stderr: str
+    error: ErrorInfo | None
+    stdout_truncated: bool
+    stderr_truncated: bool
+    duration_ms: int
+    duration_us: int
+    queue_us: int
+    runtime: RuntimeInfo | None
+    policy: PolicyInfo | None
+    session: str | None = None
+    step: int | None = None
+    session_ended: bool = False
+    value: Value | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The code ran to the end and exited 0."""
+        return self.exit == 0 and self.error is None
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
+
+    def raise_for_error(self) -> Result:
+        """Return this result if ok, else raise: :class:`RequestError` (carrying this result),
+        :class:`SandboxSetupError` or :class:`PoolWorkerError` for readie's own error types,
+        :class:`JobError` for the job's."""
+        if self.ok:
+            return self
+        family = None if self.error is None else family_of(self.error.type)
+        if self.error is None or family is None:
+            raise JobError(self)
+        if self.error.type == ErrorType.REQUEST:
+            raise RequestError(self.error.message, result=self)
+        raise family(self.error.message)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "exit": self.exit,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "error": None if self.error is None else self.error.to_json(),
+            "stdout_truncated": self.stdout_truncated,
+            "stderr_truncated": self.stderr_truncated,
+            "duration_ms": self.duration_ms,
+            "duration_us": self.duration_us,
+            "queue_us": self.queue_us,
+            "runtime": None if self.runtime is None else self.runtime.to_json(),
+            "policy": None if self.policy is None else self.policy.to_json(),
+        }
+        if self.session is not None:
+            out["session"] = self.session
+            out["step"] = self.step
+            out["session_ended"] = self.session_ended
+        if self.value is not None:
+            out["value"] = self.value.to_json()
+        return out
+
+
+
+def parse_result(obj: Any) -> Result:
+    """A job's result line."""
+    fields = Fields(obj, "a result")
+    return Result(
+        id=fields.get("id", (str, int, type(None))),
+        exit=fields.get("exit", int),
+        stdout=fields.get("stdout", str),
+        stderr=fields.get("stderr", str),
+        error=fields.nested("error", _error),
+        stdout_truncated=fields.get("stdout_truncated", bool),
+        stderr_truncated=fields.get("stderr_truncated", bool),
+        duration_ms=fields.get("duration_ms", int),
+        duration_us=fields.get("duration_us", int),
+        queue_us=fields.get("queue_us", int),
+        runtime=fields.nested("runtime", _runtime),
+        policy=fields.nested("policy", _policy),
+        session=fields.optional("session", str),
+        step=fields.optional("step", int),
+        session_ended=fields.optional("session_ended", bool) or False,
+        value=fields.nested("value", _value) if "value" in obj else None,
+    )
+
+
+def _value(fields: Fields) -> Value:
+    data = fields.get("data", Mapping)
+    if not all(isinstance(key, str) and isinstance(item, str) for key, item in data.items()):
+        broken("a result's value.data must map MIME types to text")
+    return Value(
+        text=fields.get("text", str), truncated=fields.get("truncated", bool), data=dict(data),
+        omitted=fields.strings("omitted"),
+    )
+
+
+def _error(fields: Fields) -> ErrorInfo:
+    return ErrorInfo(
+        type=fields.get("type", str),
+        message=fields.get("message", str),
+        file=fields.optional("file", str),
+        line=fields.optional("line", int),
+        hint=fields.optional("hint", str),
+    )
+
+
+def _runtime(fields: Fields) -> RuntimeInfo:
+    return RuntimeInfo(
+        name=fields.get("name", str),
+        python=fields.get("python", str),
+        mode=fields.get("mode", str),
+        preloaded_modules=fields.strings("preloaded_modules"),
+    )
+
+
+def _policy(fields: Fields) -> PolicyInfo:
+    return PolicyInfo(
+        allow_read=fields.strings("allow_read"),
+        allow_write=fields.strings("allow_write"),
+        network=fields.get("network", str),
+        subprocesses=fields.get("subprocesses", str),
+        timeout_ms=fields.optional("timeout_ms", int),
+        memory_bytes=fields.optional("memory_bytes", int),
+        backend=fields.get("backend", str),
+    )
