@@ -91,3 +91,32 @@ def test_async_wait_timeout_cancels_the_job(tmp_path):
             return (await asyncio.wait_for(pool.run("say free"), 5)).stdout
 
     assert asyncio.run(main()) == "free\n"
+
+
+def test_async_a_callback_that_raises_cancels_the_job_and_its_own_timeout_error_is_not_a_wait_timeout(tmp_path):
+    def explode(text: str) -> None:
+        raise TimeoutError(f"my own: {text.strip()}")
+
+    async def main() -> str:
+        async with readie.AsyncPool(command=ENGINE, cwd=tmp_path, workers=1) as pool:
+            with pytest.raises(TimeoutError, match="my own: early") as caught:
+                await pool.run("say early\nsleep 30", on_stdout=explode, wait_timeout=60)
+            assert not isinstance(caught.value, readie.WaitTimeout)
+            return (await asyncio.wait_for(pool.run("say free"), 5)).stdout  # the cancel freed the one worker
+
+    assert asyncio.run(main()) == "free\n"
+
+
+def test_a_session_step_whose_callback_raises_is_cancelled_and_ends_the_session(tmp_path):
+    def explode(text: str) -> None:
+        raise RuntimeError("stop")
+
+    with readie.Pool(command=ENGINE, cwd=tmp_path, workers=1) as pool:
+        session = pool.session()
+        session.run("say opened")
+        with pytest.raises(RuntimeError, match="stop"):
+            session.run("say step\nsleep 30", on_stdout=explode)
+        assert not session.open
+        started = time.monotonic()
+        assert session.run("say again").step == 1  # a new session: the old one ended
+        assert time.monotonic() - started < 5  # the cancel stopped the 30 s step holding the one worker

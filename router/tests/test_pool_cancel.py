@@ -71,3 +71,19 @@ def test_cancelling_what_is_not_running_finds_nothing_and_a_bad_cancel_is_refuse
     }
     refused = pool.process.run({"id": "c4", "cancel": True})
     assert refused["error"]["type"] == "RequestError" and "cancel" in refused["error"]["message"]
+
+
+def test_a_running_session_step_is_stopped_and_its_session_ends(pool):
+    opened = pool.process.run({"id": "s1", "session": "long", "code": "x = 1"})
+    assert opened["exit"] == 0, opened
+    pool.process.send({"id": "s2", "session": "long", "code": "import time\ntime.sleep(60)", "timeout": "90s"})
+    time.sleep(2)
+    cancelled_at = time.monotonic()
+    pool.process.send({"id": "c5", "cancel": "s2"})
+    answers = {line["id"]: line for line in pool.process.results(2, timeout=30)}
+    assert answers["c5"] == {"id": "c5", "event": "cancelled", "target": "s2", "found": True}
+    step = answers["s2"]
+    assert step["error"]["type"] == "PoolWorkerError" and step["session_ended"] is True, step
+    assert time.monotonic() - cancelled_at < 15, "the step stopped at the cancel, not at its 60 s"
+    fresh = pool.process.run({"id": "s3", "session": "long", "code": "print('x' in dir())"})
+    assert (fresh["step"], fresh["stdout"]) == (1, "False\n"), fresh  # a new session under the name

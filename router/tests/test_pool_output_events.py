@@ -91,22 +91,31 @@ def test_a_job_that_does_not_ask_gets_no_events_and_its_forged_frames_go_nowhere
     assert events == [] and (result["exit"], result["stdout"]) == (0, "honest\n")
 
 
-def test_a_flood_of_forged_frames_is_coalesced_and_bounded(pool):
+def test_a_flood_of_forged_frames_ends_the_job_and_what_it_sent_is_bounded(pool):
     flood = (
         "from readie_executor import _channel, hostwire\n"
         "send = _channel.current().send\n"
         "for n in range(20_000):\n"
         "    send(hostwire.encode_output('stdout', 'ab'))\n"
-        "send(hostwire.encode_output('stdnope', 'junk'))\n"
+        "print('never')\n"
     )
-    started = time.monotonic()
     events, result = answer_of(pool, {"id": "flood", "code": flood, "stream": True, "max_output": "16k"})
-    took = time.monotonic() - started
+    # Small frames faster than an honest sandbox sends them are refused past a burst, and 64
+    # refusals end the job, as for forged call frames: the worker parsed a few hundred at most.
+    assert (result["exit"], result["error"]["type"]) == (-1, "PoolWorkerError"), result
+    assert "frames that were refused" in result["error"]["message"]
     streamed = "".join(event["data"] for _, event in events)
-    assert streamed == "ab" * 8192  # the first 16 KiB, then nothing: the budget is the result's
-    # One event per stream per 20 ms at most (and a few for the budget's cut), not one per frame.
-    assert len(events) <= took / 0.02 + 4, (len(events), took)
-    assert result["exit"] == 0, result  # one junk frame is counted, not fatal
+    assert set(streamed) <= {"a", "b"} and len(streamed) <= 2 * 64 and len(events) <= 4, events
+
+
+def test_a_stream_of_forged_junk_ends_the_job(pool):
+    junk = (
+        "from readie_executor import _channel\n"
+        "for n in range(100):\n"
+        "    _channel.current().send(b'{\"output\":{\"stream\":\"stdnope\",\"data\":\"x\"}}')\n"
+    )
+    events, result = answer_of(pool, {"id": "junk", "code": junk, "stream": True})
+    assert events == [] and result["error"]["type"] == "PoolWorkerError", result
 
 
 def test_a_session_step_streams_its_own_output(pool):

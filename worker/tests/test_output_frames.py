@@ -1,4 +1,5 @@
-"""Output frames from a sandbox (decision 16): the checks and the relay's bounds, without I/O."""
+"""Output frames from a sandbox (decision 16): the checks, the allowances and the relay's bounds,
+without I/O."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from readie_executor.hostwire import MAX_OUTPUT_FRAME_BYTES, encode_output
+from readie_executor.jobs import bounds
+from readie_worker import _output_frames
 from readie_worker._output_frames import (
     FORWARD_BYTES,
     MIN_FORWARD_INTERVAL_S,
+    SMALL_FRAME_BURST,
+    SMALL_FRAMES_PER_S,
     OutputChunk,
     OutputRefused,
     OutputRelay,
-    encoded_size,
+    max_output_events,
     parse_output_frame,
 )
 
@@ -43,16 +48,21 @@ def test_an_honest_frame_is_rebuilt():
         (b'{"output":{"stream":"stdout","data":"x"}', "not valid JSON"),
         (b'{"output":{"stream":"stdout","data":"x","extra":1}}', "an output frame is"),
         (b'{"output":{"stream":"stdout","data":"x"},"call":{}}', "an output frame is"),
-        (b'{"output":{"stream":"stdin","data":"x"}}', "stream must be"),
-        (b'{"output":{"stream":"stdout","data":7}}', "data a string"),
-        (b'{"output":{"stream":"stdout","data":"x","data":"y"}}', "not valid JSON"),  # duplicate keys
-        (b'{"output":[]}', "an output frame is"),
+        (b'{"output":{"stream":"stdout","data":"x","data":"y"}}', "a key is repeated"),
+        (b'{"output":{"stream":"stdout","data":NaN}}', "not valid JSON"),
+        (b'{"output":{"stream":"stdout","data":"\xff"}}', "not valid JSON"),
+        (b'{"output":{"stream":"stdout","data":7}}', "an output frame is"),
+        (b'{"output":{"stream":"stdin","data":"x"}}', "as the sandbox writes one"),
+        (b'{"output": {"stream":"stdout","data":"x"}}', "as the sandbox writes one"),
+        (b'{"output":[]}', "as the sandbox writes one"),
         (b'{"output":{"stream":"stdout","data":"' + b"x" * MAX_OUTPUT_FRAME_BYTES + b'"}}', "at most"),
     ],
 )
 def test_anything_else_is_refused(frame, why):
     with pytest.raises(OutputRefused, match=why):
         parse_output_frame(frame)
+    with pytest.raises(OutputRefused):
+        relay()[0].receive(frame)
 
 
 def test_a_lone_surrogate_becomes_text_a_line_can_carry():
@@ -84,7 +94,7 @@ def test_enough_held_text_goes_out_regardless_of_the_interval():
 
 
 def test_the_streams_are_held_apart():
-    made, chunks, clock = relay()
+    made, chunks, _ = relay()
     made.receive(encode_output("stdout", "o"))
     made.receive(encode_output("stderr", "e"))  # its own first frame: out at once
     assert chunks == [OutputChunk("stdout", "o"), OutputChunk("stderr", "e")]
@@ -92,14 +102,56 @@ def test_the_streams_are_held_apart():
 
 def test_the_budget_is_max_output_measured_as_the_result_measures_it():
     made, chunks, clock = relay(max_output=10)
-    made.receive(encode_output("stdout", 'ab"\n'))  # 6 bytes in a result: a"b is escaped
+    made.receive(encode_output("stdout", 'ab"\n'))  # 6 bytes in a result: " and the newline are escaped
     clock.now += 1
     made.receive(encode_output("stdout", "cdefgh"))
     clock.now += 1
     made.receive(encode_output("stdout", "more"))  # nothing left
     made.finish()
     assert "".join(chunk.data for chunk in chunks) == 'ab"\ncdef'
-    assert encoded_size('ab"\ncdef') == 10
+    assert bounds.encoded_size('ab"\ncdef') == 10
+
+
+def test_a_flood_of_small_frames_is_refused_past_its_burst_and_an_honest_pace_never_is():
+    made, _, clock = relay(max_output=10**6)
+    for _ in range(SMALL_FRAME_BURST):
+        made.receive(encode_output("stdout", "x"))
+    with pytest.raises(OutputRefused, match="faster than"):
+        made.receive(encode_output("stdout", "x"))
+    honest, _, clock = relay(max_output=10**6)
+    for _ in range(10 * SMALL_FRAME_BURST):  # twice the honest sandbox's own most, for a long while
+        clock.now += 1 / (SMALL_FRAMES_PER_S * 2 / 3)
+        honest.receive(encode_output("stdout", "x"))
+
+
+def test_large_frames_may_carry_what_the_budget_needs_escaped_and_no_more():
+    max_output = 4 * FORWARD_BYTES
+    made, _, _ = relay(max_output=max_output)
+    frame = encode_output("stdout", "\x00" * FORWARD_BYTES)  # six bytes a character on the wire
+    frames = (6 * max_output + MAX_OUTPUT_FRAME_BYTES) // len(frame)
+    for _ in range(frames):
+        made.receive(frame)
+    with pytest.raises(OutputRefused, match="more output frames"):
+        made.receive(frame)
+
+
+def test_frames_past_the_budget_are_dropped_unparsed(monkeypatch):
+    made, chunks, clock = relay(max_output=3)
+    made.receive(encode_output("stdout", "abcdef"))
+    parsed: list[bytes] = []
+    monkeypatch.setattr(_output_frames, "parse_output_frame", lambda payload: parsed.append(payload))
+    clock.now += 1
+    made.receive(encode_output("stdout", "later"))
+    assert parsed == [] and chunks == [OutputChunk("stdout", "abc")]
+
+
+def test_max_output_events_bounds_what_one_stream_forwards():
+    made, chunks, clock = relay(max_output=2 * FORWARD_BYTES)
+    for _ in range(200):
+        clock.now += MIN_FORWARD_INTERVAL_S
+        made.receive(encode_output("stdout", "x" * 100))
+    made.finish()
+    assert len(chunks) <= max_output_events(200 * MIN_FORWARD_INTERVAL_S, 2 * FORWARD_BYTES)
 
 
 @given(st.lists(st.text(max_size=40), max_size=20), st.integers(min_value=0, max_value=200))
@@ -112,8 +164,8 @@ def test_what_goes_out_is_a_prefix_within_the_budget(pieces, budget):
     forwarded = "".join(chunk.data for chunk in chunks)
     written = "".join(pieces).encode("utf-8", "replace").decode("utf-8")
     assert written.startswith(forwarded)
-    assert encoded_size(forwarded) <= budget
-    assert len(json.dumps(forwarded, ensure_ascii=False).encode()) - 2 == encoded_size(forwarded)
+    assert bounds.encoded_size(forwarded) <= budget
+    assert len(json.dumps(forwarded, ensure_ascii=False).encode()) - 2 == bounds.encoded_size(forwarded)
 
 
 def test_a_sink_that_raises_is_dropped_and_the_job_goes_on():

@@ -11,10 +11,9 @@ where the pool's own queue pushes back.
 Host functions may be plain callables (run on a thread, as in the sync
 client, so a slow one never stops the loop) or coroutine functions (awaited
 on the loop), and so may output callbacks, which run in the task that
-awaits ``run``, in order. Cancelling a task awaiting :meth:`AsyncPool.run` sends the
-pool a cancel for the job, which stops it and frees its sandbox (the job's
-result is dropped). Cancelling a session's step closes the session, which
-frees its sandbox once the step ends.
+awaits ``run``, in order. A task that stops awaiting :meth:`AsyncPool.run`
+(cancelled, its ``wait_timeout``, a callback that raised) sends the pool a
+cancel for the job (or the step, which ends its session), which frees its sandbox.
 """
 
 from __future__ import annotations
@@ -210,14 +209,19 @@ class AsyncPool:
             profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
         )
         try:
-            async with asyncio.timeout(wait_timeout):
+            async with asyncio.timeout(wait_timeout) as waiting:
                 try:
                     result = await self._exchange(request, declared, callbacks)
-                except asyncio.CancelledError:
-                    # The caller stopped waiting: the pool stops the job and frees its sandbox.
-                    self._spawn(self._cancel_job(request["id"]))
+                except ReadieError:
+                    raise
+                except BaseException:
+                    # The caller stopped waiting (cancelled, its wait_timeout, a callback that raised):
+                    # the pool stops the job and frees its sandbox.
+                    self._stop_in_background(cancel_request(self._next_id(), request["id"]))
                     raise
         except TimeoutError:
+            if not waiting.expired():  # a callback's own TimeoutError
+                raise
             raise WaitTimeout(
                 f"no answer to request {request['id']!r} within {wait_timeout} s; the job was cancelled"
             ) from None
@@ -278,19 +282,16 @@ class AsyncPool:
             self._functions.pop(request_id, None)
             self._outputs.pop(request_id, None)
 
-    async def _cancel_job(self, target: RequestId) -> None:
-        """Ask the pool to stop job ``target``, answered in the background (a cancelled ``run``)."""
-        try:
-            await self._exchange(cancel_request(self._next_id(), target))
-        except ReadieError as exc:  # the pool is gone: so is the job
-            log.warning("cancelling job %r failed: %s", target, exc)
+    def _stop_in_background(self, request: dict[str, Any]) -> None:
+        """Send a cancel (or a session's close) for a caller that stopped waiting; answered in the background."""
 
-    async def _close_session(self, name: str) -> None:
-        """Close session ``name``, answered in the background (a cancelled step's session)."""
-        try:
-            await self._exchange(close_request(self._next_id(), name))
-        except ReadieError as exc:  # the pool is gone or refused: the session is gone with it
-            log.warning("closing session %s after a cancelled step failed: %s", name, exc)
+        async def stop() -> None:
+            try:
+                await self._exchange(request)
+            except ReadieError as exc:  # the pool is gone (or refused): so is the task
+                log.warning("%r failed: %s", request, exc)
+
+        self._spawn(stop())
 
     # ------------------------------------------------------------------ reading
 
@@ -461,14 +462,14 @@ class AsyncSession:
             was_open, self._open = self._open, True  # from here the pool may hold a process for it
             try:
                 result = await self.pool._exchange(request, self.functions, callbacks)
-            except asyncio.CancelledError:
-                # The step may still run: a close, queued behind it in the pool, frees the sandbox when
-                # it ends. Sent now, answered in the background: the caller's cancel returns at once.
-                self._open = False
-                self.pool._spawn(self.pool._close_session(self.name))
+            except ReadieError:
+                self._open = was_open
                 raise
             except BaseException:
-                self._open = was_open
+                # Cancelled, or a callback raised: cancelling the step ends the session; the close lets the next run open anew.
+                self._open = False
+                self.pool._stop_in_background(cancel_request(self.pool._next_id(), request["id"]))
+                self.pool._stop_in_background(close_request(self.pool._next_id(), self.name))
                 raise
             assert isinstance(result, Result)
             if result.error is not None and result.error.type == ErrorType.REQUEST:

@@ -321,7 +321,9 @@ class Pool:
     ) -> Answer:
         """Send ``request`` and wait for its answer; ``functions`` answer the calls the task makes
         meanwhile, ``callbacks`` take its output events. A wait that ends early (``wait_timeout``,
-        a callback's exception, KeyboardInterrupt) cancels the job."""
+        a callback's exception, KeyboardInterrupt) cancels the task (a step's cancel ends its
+        session). ``wait_timeout`` counts from when the request is written: the pool's queue
+        pushes back on writers before that."""
         request_id = request["id"]
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         waiter = Waiter(callbacks)
@@ -368,11 +370,18 @@ class Pool:
 
     def _give_up(self, request_id: RequestId) -> None:
         """This caller stops waiting for ``request_id``: its answer will be dropped, and the
-        pool asked to stop the job (the cancel's own answer is dropped too)."""
+        pool asked to stop the task."""
         with self._lock:
-            if self._pending.pop(request_id, None) is None or self._ended:
+            if self._pending.pop(request_id, None) is None:
                 return
-            line = self._connection.send(cancel_request(next(self._ids), request_id))
+        self._send_and_forget(cancel_request(self._next_id(), request_id))
+
+    def _send_and_forget(self, request: dict[str, Any]) -> None:
+        """Send ``request`` for no caller: its answer is dropped (a cancel, a session's close)."""
+        with self._lock:
+            if self._ended or self._closed:
+                return
+            line = self._connection.send(request)
         self._send_line(line)
 
     # ------------------------------------------------------------------ reader threads

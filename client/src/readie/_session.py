@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from readie_worker.errors import ErrorType
 
-from ._errors import RequestError
+from ._errors import ReadieError, RequestError
 from ._requests import Duration, Size, close_request, step_request
 from ._output import OutputCallback, OutputCallbacks
 from readie_protocol.events import Result
@@ -91,7 +91,16 @@ class Session:
                 self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
                 setup=None if self._open else self.setup, stream=callbacks is not None,
             )
-            result = self.pool._exchange(request, self.functions, callbacks)
+            try:
+                result = self.pool._exchange(request, self.functions, callbacks)
+            except ReadieError:
+                raise
+            except BaseException:
+                # A callback raised, KeyboardInterrupt: the step was cancelled, which ends the session,
+                # and the close lets the next run open a new one under the same name.
+                self._open = False
+                self.pool._send_and_forget(close_request(self.pool._next_id(), self.name))
+                raise
             assert isinstance(result, Result)
             if result.error is not None and result.error.type == ErrorType.REQUEST:
                 raise RequestError(result.error.message, result=result)

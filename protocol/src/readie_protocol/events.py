@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from readie_executor import hostwire
+
 from ._fields import Fields, broken, short
 from .errors import VersionMismatch
 from .results import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, Value, parse_result
@@ -241,7 +243,7 @@ def parse_output(obj: Any) -> OutputEvent:
     """An ``output`` event."""
     fields = Fields(obj, "an output event")
     stream = fields.get("stream", str)
-    if stream not in ("stdout", "stderr"):
+    if stream not in hostwire.OUTPUT_STREAMS:
         broken(f"an output event on a stream that is neither stdout nor stderr: {short(obj)}")
     return OutputEvent(
         id=fields.get("id", (str, int)), stream=stream, data=fields.get("data", str), seq=fields.get("seq", int)

@@ -81,8 +81,11 @@ class BackendSession(Protocol):
     """An open session: one sandbox, steps in it one at a time."""
 
     async def run_step(
-        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
-    ) -> StepOutcome: ...
+        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
+    ) -> StepOutcome:
+        """``cancel`` stops the step (and so ends the session)."""
+        ...
 
     async def close(self) -> None:
         """Destroy the session's sandbox; does nothing once it has ended."""
@@ -100,7 +103,8 @@ class JobBackend(Protocol):
         ...
 
     async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
     ) -> tuple[BackendSession, StepOutcome]: ...
 
     async def close(self) -> None: ...
@@ -126,9 +130,10 @@ class ThreadedBackend:
         return await self._on_thread(run)
 
     async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
     ) -> tuple[BackendSession, StepOutcome]:
-        opening = functools.partial(self.runner.open_session, job, job_id, host, output=output)
+        opening = functools.partial(self.runner.open_session, job, job_id, host, cancel=cancel, output=output)
         session, first = await self._on_thread(opening)
         return _ThreadedSession(self, session), first
 
@@ -152,9 +157,10 @@ class _ThreadedSession:
         self.session = session
 
     async def run_step(
-        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
-        run = functools.partial(self.session.run_step, step, job_id=job_id, host=host, output=output)
+        run = functools.partial(self.session.run_step, step, job_id=job_id, host=host, output=output, cancel=cancel)
         return await self._backend._on_thread(run)
 
     async def close(self) -> None:

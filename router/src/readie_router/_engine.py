@@ -313,18 +313,26 @@ class PoolEngine:
         elif isinstance(request, CloseSession):
             self._session_driver.accept_close(request)
         elif isinstance(request, JobRequest) and request.session is not None:
-            self._session_driver.accept_step(request, parsed_at)
+            self._session_driver.accept_step(request, parsed_at, self._cancellable(request.id))
         elif isinstance(request, CancelJob):
             cancel = self._cancels.get(request.target)
             if cancel is not None:
                 cancel.cancel()
             self._answer(CancelledEvent(request.id, request.target, found=cancel is not None))
         elif isinstance(request, JobRequest):
-            # Known before its task starts: a cancel on the next line finds it.
-            cancel = self._cancels[request.id] = Cancellation()
-            self._spawn(self._run(request, parsed_at, cancel))
+            self._spawn(self._run(request, parsed_at, self._cancellable(request.id)))
         else:  # pragma: no cover - replies never take a permit (_intake)
             raise TypeError(f"unhandled request {type(request).__name__}")
+
+    def _cancellable(self, request_id: RequestId) -> Cancellation:
+        """A job's or step's cancellation, known before its task starts: a cancel on the next line finds it."""
+        cancel = self._cancels[request_id] = Cancellation()
+        return cancel
+
+    def _cancelled_with(self, request_id: RequestId, cancel: Cancellation) -> None:
+        """The task of ``request_id`` is answered: a cancel no longer finds it."""
+        if self._cancels.get(request_id) is cancel:  # a later task may reuse the id
+            del self._cancels[request_id]
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.create_task(work)
@@ -341,8 +349,7 @@ class PoolEngine:
             error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
             result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
         finally:
-            if self._cancels.get(request.id) is cancel:  # a later job may reuse the id
-                del self._cancels[request.id]
+            self._cancelled_with(request.id, cancel)
         self._finish(result)
 
     async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> JobResult:

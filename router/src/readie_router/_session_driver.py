@@ -19,7 +19,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import structlog
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
+from readie_worker.cancel import Cancellation
+from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError
 from readie_worker.policy import Policy, resolve_step
 from readie_worker.sessions import StepOutcome
 
@@ -50,10 +51,12 @@ class SessionDriver:
         self._setup = engine.setup
         self.table = SessionTable(engine.setup.max_sessions)
 
-    def accept_step(self, request: JobRequest, parsed_at: int) -> None:
+    def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
+        """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session."""
         try:
             session, first = self.table.admit(request)
         except RequestError as exc:
+            self._engine._cancelled_with(request.id, cancel)
             self._engine._finish(
                 JobResult.from_error(request.id, exc, runtime=self._setup.runtime, session=request.session)
             )
@@ -61,7 +64,7 @@ class SessionDriver:
         if first:
             self._engine.stats.session_started()
         previous, done = session.enqueue()
-        self._engine._spawn(self._session_step(session, request, parsed_at, previous, done))
+        self._engine._spawn(self._session_step(session, request, parsed_at, previous, done, cancel))
 
     def accept_close(self, request: CloseSession) -> None:
         session = self.table.get(request.session)
@@ -80,12 +83,13 @@ class SessionDriver:
         parsed_at: int,
         previous: asyncio.Event | None,
         done: asyncio.Event,
+        cancel: Cancellation,
     ) -> None:
         result: JobResult | None = None
         try:
             if previous is not None:
                 await previous.wait()
-            result = await self._step_result(session, request, parsed_at)
+            result = await self._step_result(session, request, parsed_at, cancel)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
             error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
@@ -95,13 +99,16 @@ class SessionDriver:
             self.close_in_background(session, "internal error")
         finally:
             # Answered before the next request of the session may start.
+            self._engine._cancelled_with(request.id, cancel)
             session.answered()
             if result is not None:
                 self._engine._finish(result)
             done.set()
             self._arm_idle_timer(session)
 
-    async def _step_result(self, session: NamedSession, request: JobRequest, parsed_at: int) -> JobResult:
+    async def _step_result(
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
+    ) -> JobResult:
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
@@ -125,8 +132,10 @@ class SessionDriver:
             host = self._engine._host_for(request.id, session.functions)
             output = self._engine._output_for(request)
             try:
+                if cancel.cancelled:
+                    raise Cancelled("the step was cancelled by the client before it ran")
                 if first:
-                    opened = await self._engine.backend.open_session(job, str(request.id), host, output)
+                    opened = await self._engine.backend.open_session(job, str(request.id), host, output, cancel)
                     session.handle, outcome = opened
                     session.policy = policy
                     if session.phase is SessionPhase.OPENING:  # not CLOSING already
@@ -140,7 +149,7 @@ class SessionDriver:
                         timeout_ms=policy.timeout_ms,
                         max_output=policy.max_output,
                     )
-                    outcome = await session.handle.run_step(step, str(request.id), host, output)
+                    outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
                 self._engine._count_host(outcome.outcome)
             except ReadieError as exc:
                 # A refusal of the first step leaves no session; any other failure ends it.

@@ -307,11 +307,12 @@ class FakeBackend:
     replies: dict[str | None, list[HostReply]] = field(default_factory=dict)
 
     async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
     ) -> tuple[FakeSession, StepOutcome]:
         session = FakeSession(self, job)
         self.sessions.append(session)
-        return session, await session.step(job, job_id, host, output)
+        return session, await session.step(job, job_id, host, output, cancel)
 
     async def run(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
@@ -362,7 +363,8 @@ class FakeSession:
     closes: int = 0
 
     async def run_step(
-        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         job = dataclasses.replace(
             self.job,
@@ -372,17 +374,19 @@ class FakeSession:
             timeout_ms=step.timeout_ms,
             max_output=step.max_output,
         )
-        return await self.step(job, job_id, host, output)
+        return await self.step(job, job_id, host, output, cancel)
 
     async def step(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
+        cancel: Cancellation = NEVER,
     ) -> StepOutcome:
         if self.ended:
             raise RequestError("the session has ended", "session")
-        outcome = await self.backend.run(job, job_id, host, output=output)
+        outcome = await self.backend.run(job, job_id, host, cancel, output)
         self.steps += 1
+        # As the worker's sessions: a step that did not end on its own (timeout, cancel) ends the session.
         timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == ErrorType.TIMEOUT
-        self.ended = self.backend.session_ends(job) or timed_out
+        self.ended = self.backend.session_ends(job) or timed_out or outcome.exit is None
         return StepOutcome(outcome, self.steps, self.ended)
 
     async def close(self) -> None:

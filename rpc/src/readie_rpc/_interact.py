@@ -68,9 +68,10 @@ RESULT_SEND_S = 60.0
 # Replies to no waiting call that one stream may send: a reply can honestly
 # lose a race with the task's deadline, but not thousands of times.
 MAX_STALE_REPLIES = 64
-# How long an output event may wait for a client that stopped reading; then
-# the task's later output goes only into its result. Short, because the task's
-# exchange with its sandbox waits meanwhile.
+# How long, in all, a task's output events may wait for a client that reads
+# slowly or not at all; then the task's later output goes only into its result.
+# Short, and per task rather than per event: the task's exchange with its
+# sandbox waits meanwhile, and its timeout is only checked between frames.
 OUTPUT_SEND_S = 5.0
 # A stream holds a server thread from its start: one that does not say what
 # it wants within this long is refused, and its thread freed.
@@ -151,7 +152,7 @@ class Interaction:
         self._error: BaseException | None = None
         self._broken: RequestError | None = None  # the client broke the protocol during a call
         self._stale_replies = 0
-        self._streaming = True  # False once an output event could not be sent
+        self._output_wait_s = OUTPUT_SEND_S  # what the running task's events may still wait; 0: not streaming
         self._client_done = False  # the request stream ended: no further step starts
         # Set when the RPC ends (cancelled, deadline, client gone): the running job or step stops.
         self._cancel = Cancellation()
@@ -305,12 +306,15 @@ class Interaction:
 
     def _output(self, stream: bool) -> OutputSink | None:
         """The output sink of a task that asked for its output as it is written."""
-        self._streaming = True
+        self._output_wait_s = OUTPUT_SEND_S
         return self._forward_output if stream else None
 
     def _forward_output(self, chunk: OutputChunk) -> None:
-        if self._streaming and not self._send(pb.InteractEvent(output=output_message(chunk)), OUTPUT_SEND_S):
-            self._streaming = False
+        if self._output_wait_s <= 0:
+            return
+        started = time.monotonic()
+        sent = self._send(pb.InteractEvent(output=output_message(chunk)), self._output_wait_s)
+        self._output_wait_s = self._output_wait_s - (time.monotonic() - started) if sent else 0
 
     def _hold(self, message: pb.InteractRequest) -> bool:
         """Keep a step that came early for after this one; False for a reply; RequestError for anything else."""

@@ -21,7 +21,8 @@ from collections.abc import Collection, Sequence
 
 import grpc
 
-from readie_executor.hostwire import MAX_CALLS_PER_TASK
+from readie_executor.hostwire import MAX_CALLS_PER_TASK, OUTPUT_STREAMS
+from readie_executor.jobs import bounds
 
 from ._convert import job_outcome, session_step, session_step_message
 from ._host_wire import call_from_message, output_from_message, reply_message
@@ -30,7 +31,7 @@ from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import answered_by_readie, error_from_status
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
-from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, output_size
+from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, max_output_events
 from readie_worker.sessions import StepOutcome
 
 __all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
@@ -93,8 +94,8 @@ class InteractStream:
         wait when the stream has no deadline of its own (a session's). Raises
         the worker's error (``error_from_status``), StreamBroken when the
         stream broke without one, or PoolWorkerError for events no honest
-        worker sends (output not asked for, or past the task's ``max_output``);
-        in every case the stream is over.
+        worker sends (output not asked for, empty, past the task's ``max_output``
+        or more events than a worker forwards); in every case the stream is over.
         """
         watchdog = None
         if within_s is not None:
@@ -102,7 +103,9 @@ class InteractStream:
             watchdog.daemon = True
             watchdog.start()
         calls = 0
-        written = {"stdout": 0, "stderr": 0}
+        # Per stream: what the worker may still send, as a worker bounds it (the text, and the events).
+        room = dict.fromkeys(OUTPUT_STREAMS, max_output)
+        events_left = dict.fromkeys(OUTPUT_STREAMS, max_output_events(task_s, max_output))
         try:
             while True:
                 event = self._next_event(within_s)
@@ -111,9 +114,10 @@ class InteractStream:
                     return event.result
                 if kind == "output" and output is not None:
                     chunk = output_from_message(event.output)
-                    written[chunk.stream] += output_size(chunk.data)
-                    if written[chunk.stream] > max_output:
-                        raise PoolWorkerError(f"the worker sent more {chunk.stream} than the task's max_output")
+                    room[chunk.stream] -= bounds.encoded_size(chunk.data)
+                    events_left[chunk.stream] -= 1
+                    if not chunk.data or room[chunk.stream] < 0 or events_left[chunk.stream] < 0:
+                        raise PoolWorkerError(f"the worker sent {chunk.stream} output no worker forwards")
                     output(chunk)
                     continue
                 if kind != "call":

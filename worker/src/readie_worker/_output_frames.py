@@ -3,21 +3,29 @@
 A job that asked for streamed output (decision 16) sends what it writes as
 output frames while it runs (``readie_executor.hostwire``). The job's code
 can write any frame on that socket itself, so each is hostile input
-(specs/hostile-frames.md), checked like a call frame: size first, then
-hostwire's strict parser, then field by field into an :class:`OutputChunk`.
-No reply goes back: a refused output frame is counted, and counts towards
-the same flood limit as refused call frames.
+(specs/hostile-frames.md). The checks are ordered so that a flood costs the
+worker little before it ends the job: size first; then the exact bytes the
+honest sandbox begins every frame with, which name the stream; then what the
+stream may still send; only then a strict parse (the C ``json`` parser, with
+duplicate keys and NaN refused) and the fields. No reply goes back: a refused
+frame is counted, towards the same flood limit as refused call frames.
 
-What reaches the client is bounded whatever the sandbox sends:
+What the stream may send is what the honest sandbox sends, with room to
+spare: small frames at most :data:`SMALL_FRAMES_PER_S` (after a burst of
+:data:`SMALL_FRAME_BURST`), since it sends one per stream per
+``OUTPUT_INTERVAL_S`` and a few flushed early; large frames (a job printing
+fast) up to six times ``max_output`` in all, JSON's worst escaping of what
+the result keeps. Past the stream's ``max_output`` a frame is dropped
+unparsed: the honest sandbox measures raw bytes and may send a little more.
 
-* per stream, at most ``max_output`` bytes of text, measured as the result
-  measures its output (JSON-escaped UTF-8): never more than the final result
-  holds; the rest is dropped, and the result says it was cut;
-* at most one chunk per stream every :data:`MIN_FORWARD_INTERVAL_S`, or
-  once :data:`FORWARD_BYTES` are held: the honest sandbox sends a frame per
-  stream at most every ``OUTPUT_INTERVAL_S`` (longer), so its frames pass at
-  once, while a flood of tiny frames becomes a few large chunks. Text held
-  back goes out with the next frame, or when the job ends.
+What reaches the client is bounded too:
+
+* per stream, at most ``max_output`` of text, measured as the result measures
+  its output: the streamed text is a prefix of the result's;
+* at most one chunk per stream every :data:`MIN_FORWARD_INTERVAL_S`, or once
+  :data:`FORWARD_BYTES` are held (honest frames, further apart, pass at
+  once; text held back goes out with the next frame or at the job's end), so
+  a task forwards at most :func:`max_output_events` chunks per stream.
 
 Nothing here does I/O: :class:`OutputRelay` takes a frame's bytes and hands
 the chunks to a sink (the caller's :data:`OutputSink`).
@@ -29,7 +37,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -41,16 +49,19 @@ from readie_executor.hostwire import (
     OUTPUT_PREFIX,
     OUTPUT_STREAMS,
 )
+from readie_executor.jobs import bounds
 
 __all__ = [
     "FORWARD_BYTES",
     "MIN_FORWARD_INTERVAL_S",
+    "SMALL_FRAMES_PER_S",
+    "SMALL_FRAME_BURST",
     "OutputChunk",
     "OutputRefused",
     "OutputRelay",
     "OutputSink",
-    "encoded_size",
     "is_output_frame",
+    "max_output_events",
     "parse_output_frame",
 ]
 
@@ -62,7 +73,17 @@ MIN_FORWARD_INTERVAL_S = OUTPUT_INTERVAL_S / 2.5
 # Held text goes out at this size regardless of the interval: a job printing
 # fast sends full-sized chunks (the sandbox's size trigger), which pass at once.
 FORWARD_BYTES = MAX_OUTPUT_CHUNK_BYTES // 2
-_OUTPUT_FIELDS = frozenset({"stream", "data"})
+# The honest sandbox sends a stream's small frames once per OUTPUT_INTERVAL_S,
+# plus one each time the other stream's flush takes it along, plus its last:
+# at most 2 / OUTPUT_INTERVAL_S. Three times that, after a burst, is a flood.
+SMALL_FRAMES_PER_S = 3 / OUTPUT_INTERVAL_S
+SMALL_FRAME_BURST = 64
+# JSON may spell each byte the result keeps as six (\u00XX): what large frames may carry in all.
+ESCAPE_FACTOR = 6
+# Each frame begins with exactly these bytes (hostwire.encode_output), naming its stream.
+_STREAM_PREFIXES = {
+    OUTPUT_PREFIX + b'{"stream":' + hostwire.dumps(stream) + b',"data":': stream for stream in OUTPUT_STREAMS
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,41 +100,82 @@ OutputSink = Callable[[OutputChunk], None]
 
 
 class OutputRefused(ValueError):
-    """An output frame that is not one: dropped, and counted as junk."""
+    """An output frame that is not one, or one too many: dropped, and counted as junk."""
 
 
 def is_output_frame(payload: bytes) -> bool:
     return payload[: len(OUTPUT_PREFIX)] == OUTPUT_PREFIX
 
 
+def max_output_events(task_s: float, max_output: int) -> int:
+    """The most chunks a task of ``task_s`` seconds forwards per stream: one per interval, one per
+    FORWARD_BYTES of its budget, and the last."""
+    return int(task_s / MIN_FORWARD_INTERVAL_S) + max_output // FORWARD_BYTES + 2
+
+
 def parse_output_frame(payload: bytes) -> OutputChunk:
     """Check and rebuild one output frame; raise :class:`OutputRefused` for anything else."""
     if len(payload) > MAX_OUTPUT_FRAME_BYTES:  # before any parsing
         raise OutputRefused(f"frame of {len(payload)} bytes; at most {MAX_OUTPUT_FRAME_BYTES}")
+    if _stream_of(payload) is None:
+        raise OutputRefused("not an output frame as the sandbox writes one")
     try:
-        document = hostwire.loads(payload)
-    except hostwire.WireError as exc:
-        raise OutputRefused(f"not valid JSON: {exc}") from None
+        document = json.loads(
+            payload.decode("utf-8"), object_pairs_hook=_without_duplicates, parse_constant=_no_constant
+        )
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise OutputRefused(f"not valid JSON: {str(exc)[:80]}") from None
     body = document.get("output") if isinstance(document, dict) and len(document) == 1 else None
-    if not isinstance(body, dict) or body.keys() != _OUTPUT_FIELDS:
-        raise OutputRefused('an output frame is {"output": {"stream": ..., "data": ...}}')
-    stream, data = body["stream"], body["data"]
-    if stream not in OUTPUT_STREAMS or not isinstance(data, str):
-        raise OutputRefused("stream must be stdout or stderr, and data a string")
+    if not isinstance(body, dict) or len(body) != 2 or not isinstance(body.get("data"), str):
+        raise OutputRefused('an output frame is {"output": {"stream": ..., "data": "..."}}')
     # A lone surrogate (JSON allows one escaped) is not text any UTF-8 line can carry.
-    return OutputChunk(stream, data.encode("utf-8", "replace").decode("utf-8"))
+    return OutputChunk(body["stream"], bounds.clean_text(body["data"]))
 
 
-class _Held:
-    """One stream's text on its way to the sink."""
+def _stream_of(payload: bytes) -> Literal["stdout", "stderr"] | None:
+    for prefix, stream in _STREAM_PREFIXES.items():
+        if payload.startswith(prefix):
+            return stream  # type: ignore[return-value]
+    return None
 
-    __slots__ = ("budget", "pieces", "size", "forwarded_at")
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget  # what the stream may still forward, measured as encoded_size
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        raise ValueError("a key is repeated")  # two parsers could pick different values
+    return document
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _Stream:
+    """One stream's allowances, and its text on the way to the sink."""
+
+    __slots__ = ("budget", "large_bytes", "tokens", "filled_at", "pieces", "size", "forwarded_at")
+
+    def __init__(self, max_output: int, now: float) -> None:
+        self.budget = max_output  # what it may still forward, measured as the result measures
+        self.large_bytes = ESCAPE_FACTOR * max_output + MAX_OUTPUT_FRAME_BYTES  # what large frames may still carry
+        self.tokens = float(SMALL_FRAME_BURST)  # small frames it may send now
+        self.filled_at = now
         self.pieces: list[str] = []
-        self.size = 0  # encoded_size of what is held
+        self.size = 0  # encoded size of what is held
         self.forwarded_at = float("-inf")
+
+    def admit(self, payload: bytes, now: float) -> None:
+        """Charge one frame to the stream's allowances; OutputRefused past them."""
+        if len(payload) >= FORWARD_BYTES:
+            self.large_bytes -= len(payload)
+            if self.large_bytes < 0:
+                raise OutputRefused("more output frames than the stream's max_output needs")
+            return
+        self.tokens = min(float(SMALL_FRAME_BURST), self.tokens + (now - self.filled_at) * SMALL_FRAMES_PER_S)
+        self.filled_at = now
+        if self.tokens < 1:
+            raise OutputRefused(f"small output frames faster than {SMALL_FRAMES_PER_S:.0f} a second")
+        self.tokens -= 1
 
 
 class OutputRelay:
@@ -122,59 +184,47 @@ class OutputRelay:
     def __init__(self, sink: OutputSink, max_output: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._sink: OutputSink | None = sink
         self._clock = clock
-        self._held = {stream: _Held(max_output) for stream in OUTPUT_STREAMS}
+        now = clock()
+        self._streams = {stream: _Stream(max_output, now) for stream in OUTPUT_STREAMS}
         self.forwarded = 0  # chunks handed to the sink
 
     def receive(self, payload: bytes) -> None:
-        """One output frame from the sandbox; :class:`OutputRefused` if it is not one."""
-        chunk = parse_output_frame(payload)
-        held = self._held[chunk.stream]
-        data, size = _within(chunk.data, held.budget)
+        """One output frame from the sandbox; :class:`OutputRefused` if it is not one, or one too many."""
+        if len(payload) > MAX_OUTPUT_FRAME_BYTES:
+            raise OutputRefused(f"frame of {len(payload)} bytes; at most {MAX_OUTPUT_FRAME_BYTES}")
+        name = _stream_of(payload)
+        if name is None:
+            raise OutputRefused("not an output frame as the sandbox writes one")
+        stream, now = self._streams[name], self._clock()
+        stream.admit(payload, now)
+        if stream.budget <= 0:
+            return  # the result keeps no more of this stream: nothing to parse
+        data, cut = bounds.fit_text(parse_output_frame(payload).data, stream.budget)
+        size = bounds.encoded_size(data)
         # Once a piece is cut, nothing later may go out: the text must stay a prefix of the result's.
-        held.budget = 0 if len(data) < len(chunk.data) else held.budget - size
+        stream.budget = 0 if cut else stream.budget - size
         if not data:
             return
-        held.pieces.append(data)
-        held.size += size
-        now = self._clock()
-        if held.size >= FORWARD_BYTES or now - held.forwarded_at >= MIN_FORWARD_INTERVAL_S:
-            self._forward(chunk.stream, held, now)
+        stream.pieces.append(data)
+        stream.size += size
+        if stream.size >= FORWARD_BYTES or now - stream.forwarded_at >= MIN_FORWARD_INTERVAL_S:
+            self._forward(name, stream, now)
 
     def finish(self) -> None:
         """The task ended: what is held goes out now, ahead of its result."""
-        for stream, held in self._held.items():
-            if held.pieces:
-                self._forward(stream, held, self._clock())
+        for name, stream in self._streams.items():
+            if stream.pieces:
+                self._forward(name, stream, self._clock())
 
-    def _forward(self, stream: Literal["stdout", "stderr"], held: _Held, now: float) -> None:
-        data = "".join(held.pieces)
-        held.pieces, held.size, held.forwarded_at = [], 0, now
+    def _forward(self, name: Literal["stdout", "stderr"], stream: _Stream, now: float) -> None:
+        data = "".join(stream.pieces)
+        stream.pieces, stream.size, stream.forwarded_at = [], 0, now
         self.forwarded += 1
         sink = self._sink
         if sink is None:
             return
         try:
-            sink(OutputChunk(stream, data))
+            sink(OutputChunk(name, data))
         except Exception:  # noqa: BLE001 - the caller's bug must not end the job; its result still tells
             _log.exception("output_sink_failed")
             self._sink = None
-
-
-def encoded_size(text: str) -> int:
-    """What ``text`` takes in a result: JSON-escaped UTF-8, as the sandbox measures max_output."""
-    return len(json.dumps(text, ensure_ascii=False).encode("utf-8")) - 2
-
-
-def _within(data: str, budget: int) -> tuple[str, int]:
-    """The longest prefix of ``data`` that takes at most ``budget`` in a result, and its size."""
-    size = encoded_size(data)
-    if size <= budget:
-        return data, size
-    low, high = 0, min(len(data), max(budget, 0))  # every character takes at least one byte
-    while low < high:  # the longest prefix that fits: sizes grow with the prefix
-        middle = (low + high + 1) // 2
-        if encoded_size(data[:middle]) <= budget:
-            low = middle
-        else:
-            high = middle - 1
-    return data[:low], encoded_size(data[:low])

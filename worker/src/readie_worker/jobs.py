@@ -35,8 +35,14 @@ from ._host_frames import (
 )
 from readie_protocol.events import ErrorInfo, Value
 
-from ._output_frames import OutputChunk, OutputRefused, OutputRelay, OutputSink, is_output_frame
-from ._output_frames import encoded_size as output_size
+from ._output_frames import (
+    OutputChunk,
+    OutputRefused,
+    OutputRelay,
+    OutputSink,
+    is_output_frame,
+    max_output_events,
+)
 
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
@@ -57,7 +63,7 @@ __all__ = [
     "Step",
     "MAX_REFUSED_FRAMES",
     "ask_host",
-    "output_size",
+    "max_output_events",
     "check_functions",
     "runner_call",
     "run_in_sandbox",

@@ -1,4 +1,5 @@
-"""Size bounds of a job result, shared by the runner that writes it and the worker that checks it.
+"""Size bounds of a job result, shared by the runner that writes it and the worker that checks it,
+and the measure they are counted in (:func:`encoded_size`, :func:`fit_text`).
 
 The runner measures every string by its JSON-encoded UTF-8 size (what crosses
 the wire); the worker re-caps by characters, which an honest result always
@@ -6,6 +7,8 @@ meets because an encoded string is never shorter than its text.
 """
 
 from __future__ import annotations
+
+import json
 
 # The captured output is held in the sandbox's memory and then in the worker's
 # until it is validated; this matches the executor's own capture ceiling.
@@ -64,3 +67,41 @@ def result_budget(max_output: int) -> int:
     if not 0 <= max_output <= MAX_OUTPUT_LIMIT:
         raise ValueError(f"max_output must be between 0 and {MAX_OUTPUT_LIMIT}, got {max_output}")
     return 2 * max_output + MAX_VALUE_TEXT + MAX_DISPLAY_BYTES + RESULT_OVERHEAD_BYTES
+
+
+# --------------------------------------------------------------------------- the measure
+
+# Strings are measured this many characters at a time: json.dumps does the
+# escaping in C, and only the last piece is walked character by character.
+_MEASURE_PIECE = 4096
+
+
+def clean_text(text: str) -> str:
+    """``text`` with lone surrogates replaced, so that it encodes as UTF-8."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def encoded_size(text: str) -> int:
+    """What ``text`` takes in the result: JSON-escaped UTF-8."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8")) - 2
+
+
+def fit_text(text: str, max_bytes: int) -> tuple[str, bool]:
+    """The longest prefix of ``text`` that JSON-encodes to at most ``max_bytes``; was it cut?"""
+    text = clean_text(text[: max_bytes + 1])  # every character costs at least one byte
+    used = 0
+    for start in range(0, len(text), _MEASURE_PIECE):
+        piece = text[start : start + _MEASURE_PIECE]
+        cost = encoded_size(piece)
+        if used + cost <= max_bytes:
+            used += cost
+            continue
+        end = start
+        for character in piece:
+            cost = encoded_size(character)
+            if used + cost > max_bytes:
+                break
+            used += cost
+            end += 1
+        return text[:end], True
+    return text, False

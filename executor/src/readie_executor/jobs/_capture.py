@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..hostwire import MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S, encode_output
+from ..hostwire import MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S, OUTPUT_STREAMS, encode_output
 
-# A read this size empties a full pipe (64 KiB on Linux) in one call.
-READ_SIZE = 64 * 1024
+# A read this size empties a full pipe (64 KiB on Linux) in one call; so does one output frame.
+READ_SIZE = MAX_OUTPUT_CHUNK_BYTES
 # Bytes kept beyond max_output: enough to finish a multi-byte character cut at
 # the boundary and to know that more followed.
 EXTRA_BYTES_KEPT = 8
@@ -53,7 +53,7 @@ DRAIN_GRACE_SECONDS = 1.0
 STDOUT_FD = 1
 STDERR_FD = 2
 STDIN_FD = 0
-STREAM_NAMES = {STDOUT_FD: "stdout", STDERR_FD: "stderr"}
+STREAM_NAMES = dict(zip((STDOUT_FD, STDERR_FD), OUTPUT_STREAMS, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The job result: a bounded JSON object, UTF-8, every key always present.
 
 Every string is cut to a byte budget measured as it will cross the wire
-(JSON-escaped, UTF-8), so the whole result fits in
+(JSON-escaped, UTF-8: ``_bounds.fit_text``), so the whole result fits in
 :func:`._bounds.result_budget` however hostile the output or the exception is.
 """
 
@@ -16,44 +16,15 @@ from types import TracebackType
 from typing import Any
 
 from . import _bounds
+from ._bounds import clean_text, encoded_size, fit_text
 from ._capture import CapturedBytes
 from ._spec import JobSpec
 
-# Strings are measured this many characters at a time: json.dumps does the
-# escaping in C, and only the last piece is walked character by character.
-_MEASURE_PIECE = 4096
-
-
-def clean_text(text: str) -> str:
-    """``text`` with lone surrogates replaced, so that it encodes as UTF-8."""
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-def encoded_size(text: str) -> int:
-    """What ``text`` takes in the result: JSON-escaped UTF-8."""
-    return len(json.dumps(text, ensure_ascii=False).encode("utf-8")) - 2
-
-
-def fit_text(text: str, max_bytes: int) -> tuple[str, bool]:
-    """The longest prefix of ``text`` that JSON-encodes to at most ``max_bytes``; was it cut?"""
-    text = clean_text(text[: max_bytes + 1])  # every character costs at least one byte
-    used = 0
-    for start in range(0, len(text), _MEASURE_PIECE):
-        piece = text[start : start + _MEASURE_PIECE]
-        cost = encoded_size(piece)
-        if used + cost <= max_bytes:
-            used += cost
-            continue
-        end = start
-        for character in piece:
-            cost = encoded_size(character)
-            if used + cost > max_bytes:
-                break
-            used += cost
-            end += 1
-        return text[:end], True
-    return text, False
-
+# clean_text, encoded_size and fit_text are the bounds' measure, used here and re-exported.
+__all__ = [
+    "ErrorInfo", "clean_text", "describe_exception", "encode_result", "encoded_size", "fit_stream",
+    "fit_text", "safe_repr", "safe_str",
+]
 
 def fit_stream(captured: CapturedBytes, max_output: int) -> tuple[str, bool]:
     text, cut = fit_text(captured.data.decode("utf-8", "replace"), max_output)

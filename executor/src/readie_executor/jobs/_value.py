@@ -23,7 +23,8 @@ from types import CodeType
 from typing import Any
 
 from . import _bounds
-from ._result import encoded_size, fit_text, safe_repr
+from ._bounds import encoded_size, fit_text
+from ._result import safe_repr
 
 __all__ = ["compile_cell", "show_value"]
 
