@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from pathlib import Path
 
 import pytest
 
+from readie_executor.digest import source_digest
 from readie_executor.protocol import PROTOCOL_VERSION
 from readie_worker import manifest as manifest_module
 from readie_worker.bundle import MountPlan
@@ -183,6 +186,20 @@ def test_manifest_without_executor_protocol_counts_as_1_and_is_refused(written):
         f"{path}: checkpoints were built for executor protocol 1, but this worker speaks "
         f"executor protocol 2; rebuild them with the current pipeline (make capture)"
     )
+
+
+def test_checkpoints_of_another_executor_source_are_refused_before_any_job(out):
+    """The frozen executor would refuse this worker's job fields (or miss its result fields): the
+    worker says so at start, instead of answering every job with an error that blames the request."""
+    path = out / MANIFEST_NAME
+    manifest = make_manifest(out)
+    for digest, usable in (("sha256:" + "0" * 64, False), (source_digest(), True), (None, True)):  # None: older
+        write_manifest(dataclasses.replace(manifest, executor_digest=digest), path)
+        if usable:
+            assert load(path).manifest.executor_digest == digest
+            continue
+        with pytest.raises(ManifestError, match=r"captured with another executor .*recapture them \(make capture\)"):
+            load(path)
 
 
 def test_manifest_from_a_newer_protocol_is_refused(out):

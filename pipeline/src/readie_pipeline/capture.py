@@ -21,6 +21,7 @@ from pathlib import Path
 import structlog
 
 from readie_executor import READY_MARKER
+from readie_executor.digest import source_digest
 from readie_executor.protocol import PROTOCOL_VERSION
 from readie_worker import runsc as runsc_module
 from readie_worker.bundle import EXECUTOR_ARGV, SandboxSpec, capture_env, family_fingerprint, serve_env
@@ -89,6 +90,7 @@ def capture(plan: Plan, options: CaptureOptions, report: Report) -> Manifest:
             captured[checkpoint.name] = capture_one(checkpoint, plan, rootfs, runsc, options, scratch, report)
     manifest = Manifest(
         executor_protocol=PROTOCOL_VERSION,
+        executor_digest=source_digest(),
         runsc_version=version,
         runsc_flags=runsc.family_flags,
         spec_fingerprint=fingerprint,

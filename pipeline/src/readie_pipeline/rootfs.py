@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import readie_executor
+from readie_executor.digest import source_digest
 from readie_worker import locations
 from readie_worker.bundle import EXECUTOR_DIR
 
@@ -68,7 +69,7 @@ def rootfs_fingerprint(plan: Plan) -> str:
             "base": base_fingerprint(),
             "requirements": plan.requirements,
             "mounts": plan.mounts.to_json(),
-            "executor": _tree_digest(Path(readie_executor.__file__).parent),
+            "executor": source_digest(),
             "recipe": BUILD_RECIPE,
         }
     )
@@ -209,9 +210,3 @@ def _fingerprint(inputs: object) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def _tree_digest(root: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()

@@ -6,6 +6,9 @@ Loading rules, strictest first:
 * an ``executor_protocol`` other than ours (absent counts as 1): refused,
   naming both versions, because a restored executor that speaks another
   framing connects and then hangs;
+* an ``executor_digest`` other than our executor's source digest: refused,
+  because the frozen executor would refuse or misread this worker's jobs
+  (absent, in manifests that predate it: accepted);
 * a different runsc version or spec fingerprint: the checkpoints are dropped
   (``strict``: refused), because restore needs the runsc and the mount shape
   that made them;
@@ -23,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from readie_executor.digest import source_digest
 from readie_executor.protocol import PROTOCOL_VERSION
 
 from .bundle import MountPlan, family_fingerprint
@@ -75,10 +79,13 @@ class Manifest:
     mount_plan: MountPlan
     created_at: str
     checkpoints: Mapping[str, Checkpoint]
+    # The executor's source digest when captured (readie_executor.digest); None in older manifests.
+    executor_digest: str | None = None
 
     def to_json(self, base: Path) -> dict[str, Any]:
         return {
             "executor_protocol": self.executor_protocol,
+            "executor_digest": self.executor_digest,
             "runsc_version": self.runsc_version,
             "runsc_flags": list(self.runsc_flags),
             "spec_fingerprint": self.spec_fingerprint,
@@ -135,6 +142,13 @@ def read_manifest(path: Path) -> Manifest:
     version = raw.get("executor_protocol", 1)
     if version != PROTOCOL_VERSION:
         raise ManifestError(protocol_mismatch_message(path, version))
+    captured_with = raw.get("executor_digest")
+    if captured_with is not None and captured_with != source_digest():
+        raise ManifestError(
+            f"{path}: the checkpoints were captured with another executor (its source changed since: "
+            f"{str(captured_with)[:23]}..., this worker's is {source_digest()[:23]}...); a restored sandbox "
+            "would refuse or misread this worker's jobs: recapture them (make capture)"
+        )
     try:
         return _parse(raw, path.parent)
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -292,4 +306,5 @@ def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
         mount_plan=MountPlan.from_json(raw["mount_plan"]),
         created_at=str(raw["created_at"]),
         checkpoints=checkpoints,
+        executor_digest=None if raw.get("executor_digest") is None else str(raw["executor_digest"]),
     )
