@@ -7,18 +7,28 @@ value comes back; what it printed is written to this process's stdout (or
 kept on a :class:`RemoteResult` by :meth:`Client.call_result`); an exception
 in the sandbox is raised here as :class:`RemoteError`.
 
+The async forms (:meth:`Client.call_async`, :meth:`Client.call_result_async`,
+:meth:`RemoteFunction.aio`) run the same blocking call on a thread rather
+than on a second (``grpc.aio``) stack, so both forms share one code path and
+one error translation. What async adds is cancellation: a task that stops
+awaiting cancels the gRPC call (a :class:`~readie_worker.cancel.Cancellation`
+handed to ``WorkerClient.execute_call``), and the worker destroys the sandbox
+at once instead of letting it run to its timeout.
+
 gRPC and the generated stubs are imported on the first call, so ``import
 readie`` stays cheap for programs that only use :class:`~readie.Pool`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from pathlib import Path
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypeVar, overload
@@ -28,6 +38,7 @@ from ._errors import CallTimeout, RequestError
 
 if TYPE_CHECKING:
     from readie_rpc.client import WorkerClient
+    from readie_worker.cancel import Cancellation
 
 __all__ = ["DEFAULT_CHECKPOINT", "DEFAULT_TIMEOUT_S", "ROUTER_VARIABLE", "Client", "RemoteFunction", "remote"]
 
@@ -36,6 +47,9 @@ ROUTER_VARIABLE = "READIE_ROUTER"
 DEFAULT_CHECKPOINT = "base"
 #: The worker's own default for a call (proto: ExecuteRequest.timeout_ms).
 DEFAULT_TIMEOUT_S = 30.0
+#: Async calls in flight at once in one process; more wait for a thread (not
+#: yet sent, so their timeout has not started). The threads only wait on gRPC.
+MAX_ASYNC_CALLS = 64
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -52,7 +66,7 @@ class Client:
     ``token_file``, ``tls_ca``, ``tls_cert`` and ``tls_key`` say how to reach
     the router (a bearer token in a file; TLS against that CA; a client
     certificate for mTLS). Thread-safe; :meth:`close` (or ``with``) releases
-    the connection.
+    the connection. The ``*_async`` methods are the same calls for asyncio.
     """
 
     def __init__(
@@ -89,22 +103,57 @@ class Client:
         the call, :class:`~readie.CallTimeout` past the timeout, and the other
         :class:`~readie.ReadieError` families when no sandbox could run it.
         """
-        try:
+        with self._echoing_failure():
             result = self.call_result(func, *args, **kwargs)
-        except Exception as exc:
-            if self.echo_output:
-                _echo(getattr(exc, "output", ()))
-            raise
-        if self.echo_output:
-            _echo(result.output)
-        return result.value  # type: ignore[no-any-return]
+        return self._echoed_value(result)  # type: ignore[no-any-return]
 
     def call_result(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteResult:
         """Like :meth:`call`, but returns the value with its output and never echoes it."""
+        return self._result(func, args, kwargs)
+
+    async def call_async(self, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """:meth:`call` for asyncio: the same value, errors and echo, without blocking the loop.
+
+        Cancelling the awaiting task (``task.cancel()``, ``asyncio.wait_for``,
+        a ``TaskGroup`` that failed) cancels the call: the worker destroys the
+        sandbox at once, and nothing is echoed.
+        """
+        with self._echoing_failure():
+            result = await self.call_result_async(func, *args, **kwargs)
+        return self._echoed_value(result)  # type: ignore[no-any-return]
+
+    async def call_result_async(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteResult:
+        """:meth:`call_result` for asyncio; cancellable as :meth:`call_async` is."""
+        from readie_worker.cancel import Cancellation
+
+        cancel = Cancellation()
+        # Pickling, connecting and the call all happen on the thread: a large
+        # argument or the first import of gRPC never stalls the loop.
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(_threads(), self._result, func, args, kwargs, cancel)
+        try:
+            return await running
+        except asyncio.CancelledError:
+            # The thread cannot be interrupted, but its gRPC call can: cancelling
+            # it ends the worker's call (and the sandbox), then the thread returns.
+            # Not started yet, it never runs (the executor drops it) or sees the
+            # cancel as soon as it calls.
+            cancel.cancel()
+            raise
+
+    def _result(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        cancel: Cancellation | None = None,
+    ) -> RemoteResult:
+        """The one blocking call, shared by the sync and async forms (``cancel``: the async caller's)."""
         check_python()
         payload = call_payload(func, args, kwargs)
         worker = self._connection()
         from readie_rpc.stubs import MAX_CALL_PAYLOAD_BYTES
+        from readie_worker.cancel import NEVER
 
         if len(payload) > MAX_CALL_PAYLOAD_BYTES:
             raise RequestError(
@@ -112,8 +161,25 @@ class Client:
                 "payload",
             )
         with _translated_errors():
-            envelope = worker.execute_call(self.checkpoint, payload, self.timeout)
+            envelope = worker.execute_call(
+                self.checkpoint, payload, self.timeout, cancel=NEVER if cancel is None else cancel
+            )
         return decode_envelope(envelope)
+
+    @contextmanager
+    def _echoing_failure(self) -> Iterator[None]:
+        """A failed call's output (a RemoteError's prints) is echoed as a returned call's is."""
+        try:
+            yield
+        except Exception as exc:
+            if self.echo_output:
+                _echo(getattr(exc, "output", ()))
+            raise
+
+    def _echoed_value(self, result: RemoteResult) -> Any:
+        if self.echo_output:
+            _echo(result.output)
+        return result.value
 
     def close(self) -> None:
         with self._lock:
@@ -141,7 +207,8 @@ class Client:
 
 
 class RemoteFunction(Generic[P, R]):
-    """A function whose calls run remotely; ``.local(...)`` runs it here, ``.result(...)`` keeps the output."""
+    """A function whose calls run remotely; ``.local(...)`` runs it here, ``.result(...)`` keeps the output,
+    ``await .aio(...)`` is the call on asyncio."""
 
     def __init__(
         self, func: Callable[P, R], *, checkpoint: str, router: str | None, timeout: float, echo_output: bool
@@ -158,6 +225,12 @@ class RemoteFunction(Generic[P, R]):
 
     def result(self, *args: P.args, **kwargs: P.kwargs) -> RemoteResult:
         return self.client().call_result(self.local, *args, **kwargs)
+
+    async def aio(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """``await f.aio(...)``: :meth:`Client.call_async` (Modal's spelling).
+
+        A cancelled await frees the sandbox at once."""
+        return await self.client().call_async(self.local, *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         # Picklable (another remote function may refer to this one), without
@@ -221,6 +294,25 @@ def _translated_errors() -> Iterator[None]:
         raise RequestError(exc.reason, exc.field) from None
     except ExecutorTimeout as exc:
         raise CallTimeout(f"the remote call did not finish in time: {exc}") from None
+
+
+_executor: tuple[int, ThreadPoolExecutor] | None = None
+_executor_lock = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    """The async calls' own threads, not the loop's default executor.
+
+    That one has ``min(32, cpus + 4)`` threads and is shared with the rest of
+    the program (``asyncio.to_thread``, the loop's DNS lookups), so a few
+    long remote calls would hold it all. Made again in a forked child, whose
+    copy of the parent's executor has no threads behind it.
+    """
+    global _executor
+    with _executor_lock:
+        if _executor is None or _executor[0] != os.getpid():
+            _executor = (os.getpid(), ThreadPoolExecutor(MAX_ASYNC_CALLS, thread_name_prefix="readie-remote"))
+        return _executor[1]
 
 
 def _echo(output: Any) -> None:
