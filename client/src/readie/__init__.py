@@ -15,9 +15,10 @@ Two ways in:
 See client/README.md for the decisions behind the API.
 """
 
-from readie_protocol.events import ErrorInfo, OutputEvent, PolicyInfo, ReadyEvent, Result, RuntimeInfo, Value
+from readie_protocol.events import ErrorInfo, FileInfo, OutputEvent, PolicyInfo, ReadyEvent, Result, RuntimeInfo, Value
 
-from ._async_pool import AsyncPool, AsyncSession
+from ._async_pool import AsyncPool
+from ._async_session import AsyncSession
 from ._envelope import SANDBOX_PYTHON, RemoteResult
 from ._errors import (
     CallTimeout,
@@ -48,6 +49,7 @@ __all__ = [
     "Client",
     "EnvelopeError",
     "ErrorInfo",
+    "FileInfo",
     "JobError",
     "OutputEvent",
     "PolicyInfo",

@@ -38,13 +38,11 @@ from ._host import HostFunctions, check_functions, error_reply, result_reply
 from ._output import OutputCallback, OutputCallbacks, delivering
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
 from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, STDERR_LINE_BYTES, STDERR_TAIL_LINES, pool_argv
-from ._requests import (
-    Duration, PathArg, RequestId, Size, cancel_request, close_request, job_request, session_setup, stats_request,
-    step_request,
-)
+from ._async_session import AsyncSession
+from ._requests import Duration, PathArg, RequestId, Size, cancel_request, job_request, session_setup, stats_request
 from ._session import new_session_name
 
-__all__ = ["AsyncPool", "AsyncSession"]
+__all__ = ["AsyncPool"]
 
 log = logging.getLogger("readie")
 
@@ -196,6 +194,7 @@ class AsyncPool:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         wait_timeout: float | None = None,
+        report_files: bool = False,
     ) -> Result:
         """Run one job and await its result (see :meth:`Pool.run`); ``functions`` and the output
         callbacks may be coroutine functions. Cancelling the wait, or its ``wait_timeout``
@@ -207,6 +206,7 @@ class AsyncPool:
             allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
             profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
+            report_files=report_files,
         )
         try:
             async with asyncio.timeout(wait_timeout) as waiting:
@@ -418,83 +418,3 @@ class AsyncPool:
     def _suffix(self) -> str:
         tail = self.stderr_tail
         return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
-
-
-class AsyncSession:
-    """A stateful sandbox of an :class:`AsyncPool` (see :class:`~readie.Session`); steps run one at a time."""
-
-    def __init__(self, pool: AsyncPool, name: str, setup: Mapping[str, Any], functions: Mapping[str, Any]) -> None:
-        self.pool = pool
-        self.name = name
-        self.setup = dict(setup)
-        self.functions = dict(functions)
-        self._lock = asyncio.Lock()
-        self._open = False
-        self.last_step = 0
-
-    @property
-    def open(self) -> bool:
-        return self._open
-
-    async def run(
-        self,
-        code: str,
-        name: str | None = None,
-        args: Iterable[str] = (),
-        timeout: Duration | None = None,
-        max_output: Size | None = None,
-        *,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-    ) -> Result:
-        """Run ``code`` as the session's next step (see :meth:`Session.run`).
-
-        Cancelling the wait ends the session: its sandbox is freed once the
-        running step ends (at its timeout at most), and the next ``run``
-        starts a new one.
-        """
-        callbacks = OutputCallbacks.of(on_stdout, on_stderr)
-        async with self._lock:
-            request = step_request(
-                self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout,
-                max_output=max_output, setup=None if self._open else self.setup, stream=callbacks is not None,
-            )
-            was_open, self._open = self._open, True  # from here the pool may hold a process for it
-            try:
-                result = await self.pool._exchange(request, self.functions, callbacks)
-            except ReadieError:
-                self._open = was_open
-                raise
-            except BaseException:
-                # Cancelled, or a callback raised: cancelling the step ends the session; the close lets the next run open anew.
-                self._open = False
-                self.pool._stop_in_background(cancel_request(self.pool._next_id(), request["id"]))
-                self.pool._stop_in_background(close_request(self.pool._next_id(), self.name))
-                raise
-            assert isinstance(result, Result)
-            if result.error is not None and result.error.type == ErrorType.REQUEST:
-                self._open = was_open  # refused: nothing ran, nothing changed
-                raise RequestError(result.error.message, result=result)
-            self._open = not result.session_ended
-            self.last_step = result.step or 0
-            return result
-
-    async def close(self) -> None:
-        """End the session and free its sandbox; does nothing when it is not open."""
-        async with self._lock:
-            await self._close_now()
-
-    async def _close_now(self) -> None:
-        if not self._open:
-            return
-        self._open = False
-        answer = await self.pool._exchange(close_request(self.pool._next_id(), self.name))
-        if isinstance(answer, Result):  # the pool refused the close
-            assert answer.error is not None
-            raise RequestError(answer.error.message, result=answer)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -186,6 +186,7 @@ class Pool:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         wait_timeout: float | None = None,
+        report_files: bool = False,
     ) -> Result:
         """Run one job and wait for its result. Exactly one of ``code`` and ``script``.
 
@@ -196,6 +197,8 @@ class Pool:
         (text, in order, on this thread); the result still holds all of it.
         ``wait_timeout`` (seconds) bounds the wait on this side: past it the
         job is cancelled and :class:`~readie.WaitTimeout` raised.
+        ``report_files``: ``result.files`` lists what it created or changed in
+        ``allow_write`` (host path and size).
 
         Returns the result whatever the job did; raises :class:`~readie.RequestError`
         when the request is refused (by this client: a line over 1 MiB; or by the
@@ -209,6 +212,7 @@ class Pool:
             allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
             profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
+            report_files=report_files,
         )
         result = self._exchange(request, declared, callbacks, wait_timeout)
         assert isinstance(result, Result)

@@ -66,6 +66,7 @@ def job_request(
     packages: Iterable[str] = (),
     functions: Iterable[str] = (),
     stream: bool = False,
+    report_files: bool = False,
 ) -> dict[str, Any]:
     """The JSON object of one job request; raises :class:`RequestError` for both or neither of code and script."""
     if (code is None) == (script is None):
@@ -99,6 +100,10 @@ def job_request(
     _put_list(request, "functions", functions, lambda item: _text(item, "functions"))
     if stream:
         request["stream"] = True
+    if not isinstance(report_files, bool):
+        raise TypeError(f"report_files: expected True or False, got {type(report_files).__name__}")
+    if report_files:
+        request["report_files"] = True
     return request
 
 
@@ -143,9 +148,10 @@ def step_request(
     max_output: Size | None = None,
     setup: Mapping[str, Any] | None = None,
     stream: bool = False,
+    report_files: bool = False,
 ) -> dict[str, Any]:
     """One step of ``session``; the first carries ``setup`` (from :func:`session_setup`), later ones must not."""
-    request = job_request(id, code, name=name, args=args, stream=stream)
+    request = job_request(id, code, name=name, args=args, stream=stream, report_files=report_files)
     request["session"] = _text(session, "session")
     request.update(setup or {})
     # The step's own timeout and max_output go over the session's.

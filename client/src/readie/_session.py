@@ -76,6 +76,7 @@ class Session:
         *,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        report_files: bool = False,
     ) -> Result:
         """Run ``code`` as the session's next step and return its result.
 
@@ -89,7 +90,7 @@ class Session:
         with self._lock:
             request = step_request(
                 self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
-                setup=None if self._open else self.setup, stream=callbacks is not None,
+                setup=None if self._open else self.setup, stream=callbacks is not None, report_files=report_files,
             )
             try:
                 result = self.pool._exchange(request, self.functions, callbacks)

@@ -23,7 +23,7 @@ from readie_executor import hostwire
 
 from ._fields import Fields, broken, short
 from .errors import VersionMismatch
-from .results import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, Value, parse_result
+from .results import RUNTIME_NAME, ErrorInfo, FileInfo, PolicyInfo, Result, RuntimeInfo, Value, parse_result
 from .wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "CancelledEvent",
     "ClosedEvent",
     "ErrorInfo",
+    "FileInfo",
     "OutputEvent",
     "PolicyInfo",
     "ReadyEvent",

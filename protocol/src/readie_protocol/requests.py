@@ -107,10 +107,9 @@ SESSION_SETUP_FIELDS = frozenset(
         "packages",
     }
 )
-#: Fields any step of a session may carry (the spec: "code, name, args, and
-#: optionally timeout and max_output").
-#: ``stream`` is readie's own: how the answer arrives, not what the step may do.
-SESSION_STEP_FIELDS = frozenset({"id", "session", "code", "name", "args", "timeout", "max_output", "stream"})
+#: Fields any step of a session may carry (the spec: "code, name, args, and optionally timeout and
+#: max_output"; readie's stream and report_files say what the answer carries, not what the step may do).
+SESSION_STEP_FIELDS = frozenset({"id", "session", "code", "name", "args", "timeout", "max_output", "stream", "report_files"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +140,7 @@ class JobRequest:
     session: str | None = None
     packages: tuple[str, ...] | None = None
     stream: bool = False
+    report_files: bool = False
     fields: frozenset[str] = frozenset()
 
     @property
@@ -390,6 +390,9 @@ JOB_FIELDS = (
     JobField("stream", "stream", bool_value,
              "Send the job's output as output events while it runs, before its result (which still holds "
              "all of it). A session step asks for its own."),
+    JobField("report_files", "report_files", bool_value,
+             "List in the result the files the job created or changed in its write grants (host path and "
+             "size; at most 1000, files_truncated says when more). A session step asks for its own."),
 )
 
 # wire name -> field

@@ -12,7 +12,7 @@ from ._fields import Fields, broken
 from .errors import ErrorType, JobError, RequestError, family_of
 from .wire import RequestId
 
-__all__ = ["RUNTIME_NAME", "ErrorInfo", "PolicyInfo", "Result", "RuntimeInfo", "Value", "parse_result"]
+__all__ = ["RUNTIME_NAME", "ErrorInfo", "FileInfo", "PolicyInfo", "Result", "RuntimeInfo", "Value", "parse_result"]
 
 #: The spec's "runtime" value, with pynox read as readie.
 RUNTIME_NAME = "readie"
@@ -57,6 +57,17 @@ class Value:
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "truncated": self.truncated, "data": dict(self.data), "omitted": list(self.omitted)}
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """A file the code wrote in one of its write grants (``report_files``): its host path and size."""
+
+    path: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +124,8 @@ class Result:
     ``exit`` is always an integer: the job's exit status, 124 after a
     timeout, 128 + n after signal n, -1 when it never ran.
     ``session``, ``step`` and ``session_ended`` are set for session steps only;
-    ``value`` only when the code ended with a bare expression whose value is not None.
+    ``value`` only when the code ended with a bare expression whose value is not None;
+    ``files`` and ``files_truncated`` only when the request asked for ``report_files``.
     """
 
     id: RequestId | None
@@ -132,6 +144,8 @@ class Result:
     step: int | None = None
     session_ended: bool = False
     value: Value | None = None
+    files: tuple[FileInfo, ...] | None = None
+    files_truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -176,6 +190,9 @@ class Result:
             out["session_ended"] = self.session_ended
         if self.value is not None:
             out["value"] = self.value.to_json()
+        if self.files is not None:
+            out["files"] = [file.to_json() for file in self.files]
+            out["files_truncated"] = self.files_truncated
         return out
 
 
@@ -200,6 +217,8 @@ def parse_result(obj: Any) -> Result:
         step=fields.optional("step", int),
         session_ended=fields.optional("session_ended", bool) or False,
         value=fields.nested("value", _value) if "value" in obj else None,
+        files=_files(obj["files"]) if obj.get("files") is not None else None,
+        files_truncated=fields.optional("files_truncated", bool) or False,
     )
 
 
@@ -211,6 +230,16 @@ def _value(fields: Fields) -> Value:
         text=fields.get("text", str), truncated=fields.get("truncated", bool), data=dict(data),
         omitted=fields.strings("omitted"),
     )
+
+
+def _files(entries: Any) -> tuple[FileInfo, ...]:
+    if not isinstance(entries, list):
+        broken(f"a result's files must be a list, got {type(entries).__name__}")
+    files = []
+    for entry in entries:
+        fields = Fields(entry, "a result's file")
+        files.append(FileInfo(path=fields.get("path", str), size=fields.get("size", int)))
+    return tuple(files)
 
 
 def _error(fields: Fields) -> ErrorInfo:

@@ -23,6 +23,7 @@ from .events import (
     CancelledEvent,
     ClosedEvent,
     ErrorInfo,
+    FileInfo,
     OutputEvent,
     PolicyInfo,
     ReadyEvent,
@@ -113,7 +114,7 @@ def event_schemas() -> dict[str, dict[str, Any]]:
     """Every line a pool writes, by name."""
     return {
         "ready": _event(ReadyEvent, "ready", required_extra=()),
-        "result": _object(Result, optional={"session", "step", "session_ended", "value"}),
+        "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated"}),
         "stats": {
             **_object(StatsEvent, skip={"counters"}),
             "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
@@ -166,7 +167,7 @@ def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), ski
     return schema
 
 
-_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value)
+_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo)
 
 
 def _type(hint: Any) -> dict[str, Any]:

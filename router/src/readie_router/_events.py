@@ -30,7 +30,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent, Value
+from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent, Value, FileInfo
 from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_worker.policy import Policy
@@ -108,6 +108,8 @@ class JobResult:
     step: int | None = None
     session_ended: bool = False
     value: Value | None = None
+    files: tuple[FileInfo, ...] | None = None
+    files_truncated: bool = False
 
     def __post_init__(self) -> None:
         # Wrong combinations are bugs in the caller; refusing them here keeps
@@ -152,6 +154,8 @@ class JobResult:
             step=self.step,
             session_ended=self.session_ended,
             value=self.value,
+            files=self.files,
+            files_truncated=self.files_truncated,
         )
 
     @classmethod

@@ -82,6 +82,7 @@ async def code_job(setup: PoolSetup, request: JobRequest, policy: Policy) -> Cod
         max_output=policy.max_output,
         max_file_size=policy.max_file_size,
         functions=request.functions or (),
+        report_files=request.report_files,
     )
 
 

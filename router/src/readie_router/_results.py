@@ -95,6 +95,8 @@ def job_result(
         step=step,
         session_ended=session_ended,
         value=outcome.value,
+        files=outcome.files,
+        files_truncated=outcome.files_truncated,
     )
 
 

@@ -148,6 +148,7 @@ class SessionDriver:
                         args=request.args,
                         timeout_ms=policy.timeout_ms,
                         max_output=policy.max_output,
+                        report_files=request.report_files,
                     )
                     outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
                 self._engine._count_host(outcome.outcome)

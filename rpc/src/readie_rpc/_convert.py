@@ -24,7 +24,8 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError
-from readie_protocol.events import ErrorInfo, Value
+from readie_protocol.events import ErrorInfo, FileInfo, Value
+from readie_worker.written import MAX_LISTED_FILES, MAX_PATH_BYTES
 
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
 from readie_worker.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
@@ -114,6 +115,7 @@ def code_job(
         max_output=policy.max_output,
         max_file_size=policy.max_file_size,
         functions=_functions(tuple(request.functions)),
+        report_files=request.report_files,
     )
 
 
@@ -153,6 +155,7 @@ def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> Step:
             args=_args(tuple(message.args)),
             timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
             max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+            report_files=message.report_files,
         )
         check_step(step.timeout_ms, step.max_output, limits)
     except RequestError as exc:  # named as the step's field, not the session's
@@ -229,6 +232,9 @@ def run_job_response(
             response.error.line = error.line
         if error.hint is not None:
             response.error.hint = error.hint
+    if outcome.files is not None:
+        written = [pb.WrittenFile(path=file.path, size=file.size) for file in outcome.files]
+        response.files.CopyFrom(pb.WrittenFiles(files=written, truncated=outcome.files_truncated))
     if outcome.value is not None:
         value = outcome.value
         response.value.CopyFrom(
@@ -328,6 +334,7 @@ def _optional_int(message: Message, field: str, low: int, high: int, default: in
 def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRequest:
     request = pb.RunJobRequest(
         stream_output=stream_output,
+        report_files=job.report_files,
         checkpoint=job.checkpoint,
         code=job.code,
         name=job.name,
@@ -351,7 +358,7 @@ def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRe
 
 
 def session_step_message(step: Step) -> pb.SessionStep:
-    message = pb.SessionStep(code=step.code, name=step.name, args=step.args)
+    message = pb.SessionStep(code=step.code, name=step.name, args=step.args, report_files=step.report_files)
     if step.timeout_ms is not None:
         message.timeout_ms = step.timeout_ms
     if step.max_output is not None:
@@ -394,6 +401,8 @@ def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
         system_exit=response.system_exit,
         host=_stats(response.host) if response.HasField("host") else None,
         value=_value(response.value) if response.HasField("value") else None,
+        files=_written(response.files) if response.HasField("files") else None,
+        files_truncated=response.files.truncated,
     )
 
 
@@ -431,6 +440,13 @@ def _value(message: pb.JobValue) -> Value:
         raise PoolWorkerError("the worker answered a value a sandbox does not write")
     data = {mime: message.data[mime] for mime in sorted(message.data)}
     return Value(message.text, message.truncated, data, tuple(message.omitted))
+
+
+def _written(message: pb.WrittenFiles) -> tuple[FileInfo, ...]:
+    """A worker's list of written files, held to the worker's own bounds (a worker is a network peer)."""
+    if len(message.files) > MAX_LISTED_FILES or any(len(file.path) > MAX_PATH_BYTES for file in message.files):
+        raise PoolWorkerError("the worker answered a list of written files no worker writes")
+    return tuple(FileInfo(file.path, max(0, file.size)) for file in message.files)
 
 
 def _stats(message: pb.HostStats) -> HostStats:

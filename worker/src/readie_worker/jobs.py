@@ -33,9 +33,12 @@ from ._host_frames import (
     check_functions,
     is_call_frame,
 )
-from readie_protocol.events import ErrorInfo, Value
+from readie_protocol.events import ErrorInfo, FileInfo, Value
 
 from ._output_frames import (
+    MIN_FORWARD_INTERVAL_S,
+    SMALL_FRAME_BURST,
+    SMALL_FRAMES_PER_S,
     OutputChunk,
     OutputRefused,
     OutputRelay,
@@ -49,6 +52,7 @@ from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
+from .written import snapshot, written_since
 
 __all__ = [
     "DEFAULT_INLINE_NAME",
@@ -62,6 +66,9 @@ __all__ = [
     "OutputSink",
     "Step",
     "MAX_REFUSED_FRAMES",
+    "MIN_FORWARD_INTERVAL_S",
+    "SMALL_FRAMES_PER_S",
+    "SMALL_FRAME_BURST",
     "ask_host",
     "max_output_events",
     "check_functions",
@@ -112,6 +119,8 @@ class CodeJob:
     # Host functions the code may call through readie_host (the sessions and
     # host functions issue); empty means readie_host offers nothing.
     functions: tuple[str, ...] = ()
+    # List the files it creates or changes in allow_write (written.py) in its outcome.
+    report_files: bool = False
 
     @property
     def needs_own_mounts(self) -> bool:
@@ -134,6 +143,7 @@ class Step:
     args: tuple[str, ...] = ()
     timeout_ms: int | None = None
     max_output: int | None = None
+    report_files: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,9 @@ class JobOutcome:
     code_us: int | None = None
     # The code's last bare expression, shown (None: no such expression, or its value was None).
     value: Value | None = None
+    # What it wrote to its write grants, when the job asked (report_files); None otherwise.
+    files: tuple[FileInfo, ...] | None = None
+    files_truncated: bool = False
 
     def log_fields(self) -> dict[str, object]:
         """What the worker's one log line per job or step says of its outcome: never captured output."""
@@ -246,6 +259,7 @@ def run_in_sandbox(
     # Even without functions: a frame the job writes by hand is refused, not taken for its result.
     conversation = HostConversation(job.functions)
     relay = None if output is None else OutputRelay(output, job.max_output)
+    before = snapshot(job.allow_write) if job.report_files else None
     started = time.monotonic()
     answer = _HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000, relay)
     # Call frames may be larger than a small job's whole result.
@@ -270,6 +284,9 @@ def run_in_sandbox(
             outcome = _from_result(result, elapsed, backend, sandbox.id)
     if relay is not None:
         relay.finish()  # what it held back is output too, and goes out ahead of the result
+    if before is not None:
+        files, cut = written_since(before, snapshot(job.allow_write))
+        outcome = dataclasses.replace(outcome, files=files, files_truncated=cut)
     return dataclasses.replace(outcome, host=conversation.stats)
 
 

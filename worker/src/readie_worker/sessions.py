@@ -120,6 +120,7 @@ class SandboxSession:
             args=step.args,
             timeout_ms=self.job.timeout_ms if step.timeout_ms is None else step.timeout_ms,
             max_output=self.job.max_output if step.max_output is None else step.max_output,
+            report_files=step.report_files,
         )
         with self._lock:
             if self.state is SessionState.ENDED:

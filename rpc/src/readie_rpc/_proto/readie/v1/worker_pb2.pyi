@@ -17,7 +17,7 @@ OUTPUT_STREAM_STDOUT: OutputStream
 OUTPUT_STREAM_STDERR: OutputStream
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output", "report_files")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class RunJobRequest(_message.Message):
     FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     STREAM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FILES_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -61,7 +62,8 @@ class RunJobRequest(_message.Message):
     functions: _containers.RepeatedScalarFieldContainer[str]
     profile: str
     stream_output: bool
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ...) -> None: ...
+    report_files: bool
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("type", "message", "file", "line", "hint")
@@ -78,7 +80,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "value")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "value", "files")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,7 @@ class RunJobResponse(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     exit: int
     stdout: str
     stderr: str
@@ -113,7 +116,24 @@ class RunJobResponse(_message.Message):
     step: int
     session_ended: bool
     value: JobValue
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ...) -> None: ...
+    files: WrittenFiles
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ...) -> None: ...
+
+class WrittenFiles(_message.Message):
+    __slots__ = ("files", "truncated")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[WrittenFile]
+    truncated: bool
+    def __init__(self, files: _Optional[_Iterable[_Union[WrittenFile, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class WrittenFile(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class JobValue(_message.Message):
     __slots__ = ("text", "truncated", "data", "omitted")
@@ -151,20 +171,22 @@ class HostStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., replies: _Optional[int] = ..., junk: _Optional[int] = ..., forged: _Optional[int] = ..., host_errors: _Optional[int] = ..., wait_us: _Optional[int] = ...) -> None: ...
 
 class SessionStep(_message.Message):
-    __slots__ = ("code", "name", "args", "timeout_ms", "max_output", "stream_output")
+    __slots__ = ("code", "name", "args", "timeout_ms", "max_output", "stream_output", "report_files")
     CODE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STREAM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FILES_FIELD_NUMBER: _ClassVar[int]
     code: str
     name: str
     args: _containers.RepeatedScalarFieldContainer[str]
     timeout_ms: int
     max_output: int
     stream_output: bool
-    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ..., stream_output: _Optional[bool] = ...) -> None: ...
+    report_files: bool
+    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ...) -> None: ...
 
 class HostCall(_message.Message):
     __slots__ = ("call_id", "function", "args_json", "kwargs_json", "deadline_ms")
