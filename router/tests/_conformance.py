@@ -13,11 +13,13 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import PoolProcess
+from readie_router.testing import PoolProcess, pool_placement
 from readie_worker.manifest import read_manifest
 from readie_worker.runsc import Runsc
 
@@ -124,6 +126,22 @@ class Pool:
             Runsc(root=self.state).sweep()
         shutil.rmtree(self.base, ignore_errors=True)
         assert leftovers == [], f"readie pool left runsc containers: {leftovers}"
+
+
+@contextmanager
+def placed_pool(kind: str, prefix: str, *args: str) -> Iterator[Pool]:
+    """A ready :class:`Pool` placing its jobs the ``kind`` way (``pool_placement``: its own worker, or a
+    router over two), closed cleanly and checked free of containers afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        with pool_placement(kind, base, MANIFEST) as placement:
+            made = Pool(*args, *placement)
+            made.process.ready()
+            yield made
+            assert made.process.close() == 0
+            made.cleanup()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def ready_event(

@@ -7,31 +7,20 @@ job was still queued or running), the job by its own result, once.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from readie_router.testing import pool_placement
 
-from router.tests._conformance import Pool
-from conftest import CHECKPOINTS
+from router.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 
 
 @pytest.fixture(scope="module", params=["local", "router"])
 def pool(request, checkpoints) -> Iterator[Pool]:
-    base = Path(tempfile.mkdtemp(prefix="rcn-", dir="/tmp"))
-    with pool_placement(request.param, base, CHECKPOINTS / "manifest.json") as placement:
-        made = Pool("--workers", "2", *placement)
-        made.process.ready()
+    with placed_pool(request.param, "rcn-", "--workers", "2") as made:
         yield made
-        assert made.process.close() == 0
-        made.cleanup()
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_running_job_is_stopped_and_its_slot_freed(pool):

@@ -3,16 +3,12 @@ a router: the result lists what the job created or changed in its write grants, 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from readie_router.testing import pool_placement
 
-from router.tests._conformance import Pool
-from conftest import CHECKPOINTS
+from router.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 
@@ -27,14 +23,8 @@ os.symlink("/etc/passwd", "out/link")
 
 @pytest.fixture(scope="module", params=["local", "router"])
 def pool(request, checkpoints) -> Iterator[Pool]:
-    base = Path(tempfile.mkdtemp(prefix="rfil-", dir="/tmp"))
-    with pool_placement(request.param, base, CHECKPOINTS / "manifest.json") as placement:
-        made = Pool("--workers", "2", *placement)
-        made.process.ready()
+    with placed_pool(request.param, "rfil-", "--workers", "2") as made:
         yield made
-        assert made.process.close() == 0
-        made.cleanup()
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_the_files_a_job_wrote_to_its_grant_are_listed(pool):

@@ -9,19 +9,14 @@ than ``max_output``, whatever the job prints, and whatever frames its code forge
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import pool_placement
 from readie_worker.jobs import MIN_FORWARD_INTERVAL_S, SMALL_FRAME_BURST, SMALL_FRAMES_PER_S
 
-from router.tests._conformance import Pool
-from conftest import CHECKPOINTS
+from router.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 
@@ -30,14 +25,8 @@ THREE_PRINTS = "import time\nfor n in (1, 2, 3):\n    print(f'step {n}', flush=T
 
 @pytest.fixture(scope="module", params=["local", "router"])
 def pool(request, checkpoints) -> Iterator[Pool]:
-    base = Path(tempfile.mkdtemp(prefix="rout-", dir="/tmp"))
-    with pool_placement(request.param, base, CHECKPOINTS / "manifest.json") as placement:
-        made = Pool("--workers", "2", *placement)
-        made.process.ready()
+    with placed_pool(request.param, "rout-", "--workers", "2") as made:
         yield made
-        assert made.process.close() == 0
-        made.cleanup()
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def answer_of(pool: Pool, request: dict[str, Any], timeout: float = 60) -> tuple[list[tuple[float, dict]], dict]:

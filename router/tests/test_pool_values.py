@@ -5,17 +5,12 @@ own worker and through a router; bounded, and computed under the job's own limit
 from __future__ import annotations
 
 import base64
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from readie_executor.jobs import bounds
-from readie_router.testing import pool_placement
 
-from router.tests._conformance import Pool
-from conftest import CHECKPOINTS
+from router.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 
@@ -33,14 +28,8 @@ Picture()
 
 @pytest.fixture(scope="module", params=["local", "router"])
 def pool(request, checkpoints) -> Iterator[Pool]:
-    base = Path(tempfile.mkdtemp(prefix="rval-", dir="/tmp"))
-    with pool_placement(request.param, base, CHECKPOINTS / "manifest.json") as placement:
-        made = Pool("--workers", "2", "--preload", "pandas,numpy", *placement)
-        made.process.ready()
+    with placed_pool(request.param, "rval-", "--workers", "2", "--preload", "pandas,numpy") as made:
         yield made
-        assert made.process.close() == 0
-        made.cleanup()
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_last_expression_is_shown_and_a_statement_or_none_is_not(pool):

@@ -196,7 +196,6 @@ class Result:
         return out
 
 
-
 def parse_result(obj: Any) -> Result:
     """A job's result line."""
     fields = Fields(obj, "a result")
