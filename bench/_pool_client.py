@@ -24,7 +24,7 @@ from typing import Any
 from readie import MAX_EVENT_LINE_BYTES
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ReadieError
-from readie_protocol.events import CallEvent, ReadyEvent
+from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent
 
 # Start-up restores ``workers`` warm sandboxes before the ready event (~0.5 s
 # each, one at a time); a minute covers a loaded machine.
@@ -69,6 +69,7 @@ class PoolClient:
         self._lock = threading.Lock()
         self._waiting: dict[str, _Waiter] = {}
         self._handlers: dict[str, CallHandler] = {}
+        self._outputs: dict[str, int] = {}  # output events read so far, by request
         self._dead: str | None = None
         self._reader = threading.Thread(target=self._read_loop, name="pool-reader", daemon=True)
         self._reader.start()
@@ -161,10 +162,16 @@ class PoolClient:
                     continue
                 if isinstance(event, Stray):
                     continue
+                if isinstance(event, OutputEvent):  # counted, and handed over with the result
+                    with self._lock:
+                        self._outputs[str(event.id)] = self._outputs.get(str(event.id), 0) + 1
+                    continue
                 with self._lock:
                     waiter = self._waiting.get(str(event.id))
                 if waiter is not None:
-                    waiter.result, waiter.arrived = event.to_json(), arrived
+                    with self._lock:
+                        outputs = self._outputs.pop(str(event.id), 0)
+                    waiter.result, waiter.arrived = {**event.to_json(), "output_events": outputs}, arrived
                     waiter.done.set()
         except ReadieError as exc:
             why = str(exc)

@@ -28,6 +28,7 @@ def render(result: dict[str, Any]) -> str:
         ("8. router hop: readie pool local vs --router, ms p50 (p95)", "router_hop", _router_hop),
         ("9. a warm-pool job's phases, ms p50 (p95), in process", "phases", _phases),
         ("10. Debian 12's runsc beside the default one", "old_runsc", _old_runsc),
+        ("11. streamed output, ms p50 (p95)", "stream", _stream),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -110,6 +111,12 @@ def _host_function(entry: dict[str, Any]) -> list[str]:
     figure = entry["round_trip_ms"]
     return [f"  {entry['what']} ({entry['checkpoint']}): p50 {figure.get('p50')} ms, "
             f"p95 {figure.get('p95')} ms, n {figure.get('n')}"]
+
+
+def _stream(entry: dict[str, Any]) -> list[str]:
+    return [f"  {entry['what']} ({entry['checkpoint']}): plain {_ms(entry['plain_ms'])}, stream "
+            f"{_ms(entry['stream_ms'])}, stream/plain {_x(entry['stream_over_plain'])}, "
+            f"{entry['output_events_per_job']} events a job"]
 
 
 def _memory(entry: dict[str, Any]) -> list[str]:

@@ -15,7 +15,7 @@ SCENARIOS = (
     ("memory", memory, ("memory",)),
     ("throughput", throughput, ("throughput",)),
     ("scaling", scaling, ("scaling",)),
-    ("later", later, ("session_step", "host_function")),
+    ("later", later, ("session_step", "host_function", "stream")),
     ("router", router, ("router_hop",)),
     ("phases", phases, ("phases",)),
     ("old_runsc", old_runsc, ("old_runsc",)),

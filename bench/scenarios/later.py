@@ -1,4 +1,4 @@
-"""Scenarios 4 (session step latency) and 5 (host-function round trip).
+"""Scenarios 4 (session step latency), 5 (host-function round trip) and 11 (streamed output).
 
 Both go through ``readie pool`` the way the pool spec says a client would.
 Where the pool refuses (the feature has not landed), the entry is
@@ -36,8 +36,13 @@ class Refused(Exception):
     """The pool answered, but does not offer the feature (RequestError), or failed at it."""
 
 
+# Ten flushed prints: the sandbox gathers them into one output event (50 ms), so the
+# figure is what streaming adds to a job, not what ten events cost.
+STREAMED_CODE = "for n in range(10):\n    print('line', n, flush=True)\n"
+
+
 def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
-    return {"session_step": _sessions(bench), "host_function": _host_function(bench)}
+    return {"session_step": _sessions(bench), "host_function": _host_function(bench), "stream": _stream(bench)}
 
 
 def _unavailable(reason: str) -> dict[str, Any]:
@@ -127,6 +132,39 @@ def _host_function(bench: Bench) -> dict[str, Any]:
         "what": "one host-function call and its JSON reply, timed inside the sandbox",
         "checkpoint": name,
         "round_trip_ms": summary(times, digits=3),
+    }
+
+
+# ---------------------------------------------------------------- 11. streamed output
+
+
+def _stream(bench: Bench) -> dict[str, Any]:
+    """The same job with and without ``"stream": true``, taking turns on a settled warm pool."""
+    name = bench.names[0]
+    pool = bench.pools.get(name)
+    if pool is None:
+        return _unavailable(bench.pool_problems.get(name, "no readie pool"))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    events = 0
+    for turn in range(bench.settings.session_steps):
+        for stream in (False, True) if turn % 2 else (True, False):
+            bench.settle()
+            try:
+                result, elapsed_s = pool_request(pool, {"code": STREAMED_CODE, "stream": stream})
+            except Refused as exc:
+                return _unavailable(str(exc))
+            if result.get("exit") == 0:
+                times[stream].append(elapsed_s * 1000)
+                events += int(stream) * result.get("output_events", 0)
+    plain, streamed = summary(times[False]), summary(times[True])
+    return {
+        "available": True,
+        "what": "ten flushed prints, with and without stream: true, taking turns; request line to result line",
+        "checkpoint": name,
+        "plain_ms": plain,
+        "stream_ms": streamed,
+        "stream_over_plain": ratio(streamed, plain),
+        "output_events_per_job": round(events / max(1, len(times[True])), 1),
     }
 
 
