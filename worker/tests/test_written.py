@@ -67,3 +67,44 @@ def test_a_name_that_is_not_utf8_is_shown_with_replacement_characters(tmp_path):
     files, _ = written_since(before, snapshot([str(tmp_path)]))
     assert [file.path for file in files] == [str(tmp_path / "bad\ufffdname")]
     files[0].path.encode("utf-8")  # a result line can carry it
+
+
+def test_a_directory_swapped_for_a_link_after_it_was_listed_is_not_entered(tmp_path):
+    """The race an attacker's read won against a path-based walk: listed as a directory, then
+    replaced by a link to /etc before the walk went in. Entering goes by descriptor, O_NOFOLLOW."""
+    grant = tmp_path / "grant"
+    (grant / "d").mkdir(parents=True)
+    parent = os.open(grant, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        seen = os.stat(grant / "d", follow_symlinks=False)
+        (grant / "d").rename(tmp_path / "kept")  # kept alive: its inode is not reused below
+        (grant / "d").symlink_to("/etc")
+        assert written._enter(parent, "d", seen, seen.st_dev) is None
+        (grant / "d").unlink()
+        (grant / "other").mkdir()
+        (grant / "other").rename(grant / "d")  # another directory under the name: not the one listed
+        assert written._enter(parent, "d", seen, seen.st_dev) is None
+    finally:
+        os.close(parent)
+
+
+def test_a_write_whose_modification_time_was_set_back_is_still_listed(tmp_path):
+    target = tmp_path / "data.bin"
+    target.write_bytes(b"12345678")
+    before = snapshot([str(tmp_path)])
+    info = target.stat()
+    with open(target, "r+b") as out:
+        out.write(b"87654321")  # same size, in place
+    os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
+    files, _ = written_since(before, snapshot([str(tmp_path)]))
+    assert [file.path for file in files] == [str(target)]
+
+
+def test_long_names_and_slow_walks_stop_at_their_bounds(tmp_path, monkeypatch):
+    for n in range(20):
+        (tmp_path / (f"{n:02d}" + "x" * 200)).write_text("x")
+    monkeypatch.setattr(written, "MAX_NAME_BYTES", 1000)
+    assert snapshot([str(tmp_path)]).complete is False
+    monkeypatch.setattr(written, "MAX_NAME_BYTES", 10**6)
+    monkeypatch.setattr(written, "MAX_SCAN_SECONDS", -1.0)
+    assert snapshot([str(tmp_path)]).complete is False

@@ -25,7 +25,7 @@ from ._status import DeadlineExpired
 from readie_worker.core import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError
 from readie_protocol.events import ErrorInfo, FileInfo, Value
-from readie_worker.written import MAX_LISTED_FILES, MAX_PATH_BYTES
+from readie_worker.written import MAX_LISTED_FILES
 
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
 from readie_worker.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
@@ -434,19 +434,26 @@ def _check_bounds(response: pb.RunJobResponse) -> None:
 
 def _value(message: pb.JobValue) -> Value:
     """A worker's value, held to the sandbox's own caps (a worker is a network peer)."""
-    if len(message.text) > bounds.MAX_VALUE_TEXT or not set(message.data) <= bounds.DISPLAY_TYPES:
-        raise PoolWorkerError("the worker answered a value a sandbox does not write")
-    if sum(map(len, message.data.values())) > bounds.MAX_DISPLAY_BYTES or not set(message.omitted) <= bounds.DISPLAY_TYPES:
+    omitted = tuple(message.omitted)
+    if (
+        len(message.text) > bounds.MAX_VALUE_TEXT
+        or not set(message.data) <= bounds.DISPLAY_TYPES
+        or sum(map(len, message.data.values())) > bounds.MAX_DISPLAY_BYTES
+        or len(omitted) > len(bounds.DISPLAY_TYPES)
+        or not set(omitted) <= bounds.DISPLAY_TYPES
+    ):
         raise PoolWorkerError("the worker answered a value a sandbox does not write")
     data = {mime: message.data[mime] for mime in sorted(message.data)}
-    return Value(message.text, message.truncated, data, tuple(message.omitted))
+    return Value(message.text, message.truncated, data, omitted)
 
 
 def _written(message: pb.WrittenFiles) -> tuple[FileInfo, ...]:
     """A worker's list of written files, held to the worker's own bounds (a worker is a network peer)."""
-    if len(message.files) > MAX_LISTED_FILES or any(len(file.path) > MAX_PATH_BYTES for file in message.files):
+    if len(message.files) > MAX_LISTED_FILES or any(
+        len(file.path) > MAX_PATH_CHARS or not file.path.startswith("/") or file.size < 0 for file in message.files
+    ):
         raise PoolWorkerError("the worker answered a list of written files no worker writes")
-    return tuple(FileInfo(file.path, max(0, file.size)) for file in message.files)
+    return tuple(FileInfo(file.path, file.size) for file in message.files)
 
 
 def _stats(message: pb.HostStats) -> HostStats:

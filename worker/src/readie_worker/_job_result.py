@@ -214,7 +214,9 @@ class _Fields:
         texts = list(data.values())
         if not all(isinstance(item, str) for item in texts) or sum(map(len, texts)) > bounds.MAX_DISPLAY_BYTES:
             raise JobResultInvalid(f"{self._name(field)}.data must hold at most {bounds.MAX_DISPLAY_BYTES} characters")
-        omitted = fields.text_list("omitted", len(bounds.DISPLAY_TYPES), 32, bounds.DISPLAY_TYPES.__contains__)
+        omitted = fields.text_list(
+            "omitted", len(bounds.DISPLAY_TYPES), bounds.MAX_DISPLAY_TYPE, bounds.DISPLAY_TYPES.__contains__
+        )
         return Value(
             text=text,
             truncated=fields.boolean("truncated") or cut,

@@ -48,10 +48,20 @@ MAX_EXIT_STATUS = 255
 # is tens of KiB, a 1 MiB HTML table is already more than a model can read.
 MAX_VALUE_TEXT = 64 * 1024
 MAX_DISPLAY_BYTES = 1024 * 1024
-# The display protocol's kinds a value may offer, by MIME type.
-DISPLAY_TYPES = frozenset(
-    {"text/html", "text/markdown", "text/latex", "image/svg+xml", "image/png", "image/jpeg"}
+# The display protocol's kinds a value may offer: MIME type and the method that renders it
+# (IPython's names), in the order they are offered; the binary ones travel as base64.
+DISPLAY_METHODS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("text/latex", "_repr_latex_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
 )
+DISPLAY_TYPES = frozenset(mime for mime, _ in DISPLAY_METHODS)
+BINARY_DISPLAY_TYPES = frozenset({"image/png", "image/jpeg"})
+# Longer than any MIME type above: what a checker lets an entry of "omitted" be.
+MAX_DISPLAY_TYPE = 32
 
 # Exception types whose result error carries a hint (what was granted, the limit).
 HINTED_ERROR_TYPES = frozenset({"PermissionError", "MemoryError"})

@@ -174,15 +174,16 @@ def safe_repr(value: object) -> str:
     """repr() of the job's object, which may raise; an interrupt (the deadline) is not caught."""
     try:
         text = repr(value)
+        # An exact str: a subclass's slicing and encoding would be the job's code, run unguarded later.
+        return str.__str__(text) if isinstance(text, str) else f"<{type(value).__name__}>"
     except Exception:  # noqa: BLE001
         return f"<{type(value).__name__}: repr() failed>"
-    return text if isinstance(text, str) else f"<{type(value).__name__}>"
 
 
 def safe_str(value: object) -> str:
     """str() of something the job made, which may raise or misbehave."""
     try:
         text = str(value)
+        return str.__str__(text) if isinstance(text, str) else f"<{type(value).__name__}>"  # exact, as safe_repr
     except BaseException:
         return f"<{type(value).__name__}: str() failed>"
-    return text if isinstance(text, str) else f"<{type(value).__name__}>"

@@ -28,17 +28,6 @@ from ._result import safe_repr
 
 __all__ = ["compile_cell", "show_value"]
 
-# MIME type -> the method that renders it (IPython's names), in the order they are offered.
-_RENDERERS = (
-    ("text/html", "_repr_html_"),
-    ("text/markdown", "_repr_markdown_"),
-    ("text/latex", "_repr_latex_"),
-    ("image/svg+xml", "_repr_svg_"),
-    ("image/png", "_repr_png_"),
-    ("image/jpeg", "_repr_jpeg_"),
-)
-_BINARY = frozenset({"image/png", "image/jpeg"})
-assert {mime for mime, _ in _RENDERERS} == _bounds.DISPLAY_TYPES
 
 
 def compile_cell(source: str | bytes, name: str) -> tuple[CodeType, CodeType | None]:
@@ -62,10 +51,14 @@ def show_value(value: Any, max_output: int) -> dict[str, Any] | None:
     text, truncated = fit_text(safe_repr(value), min(max_output, _bounds.MAX_VALUE_TEXT))
     data: dict[str, str] = {}
     omitted: list[str] = []
-    room = _bounds.MAX_DISPLAY_BYTES
-    for mime, method in _RENDERERS:
-        rendered = _render(value, method, mime)
+    # A client that keeps its results small with max_output gets small display data too.
+    room = min(max_output, _bounds.MAX_DISPLAY_BYTES)
+    for mime, method in _bounds.DISPLAY_METHODS:
+        rendered = _render(value, method, mime, room)
         if rendered is None:
+            continue
+        if rendered is _TOO_LARGE:
+            omitted.append(mime)
             continue
         fitted, cut = fit_text(rendered, room)
         if cut:  # a cut picture or page is broken: left out whole
@@ -76,7 +69,11 @@ def show_value(value: Any, max_output: int) -> dict[str, Any] | None:
     return {"text": text, "truncated": truncated, "data": data, "omitted": omitted}
 
 
-def _render(value: Any, method: str, mime: str) -> str | None:
+_TOO_LARGE: Any = object()
+
+
+def _render(value: Any, method: str, mime: str, room: int) -> Any:
+    """The kind as text; None when the object does not offer it; _TOO_LARGE when it cannot fit."""
     try:
         render = getattr(value, method, None)
         if render is None or not callable(render):
@@ -84,8 +81,14 @@ def _render(value: Any, method: str, mime: str) -> str | None:
         rendered = render()
         if isinstance(rendered, tuple) and len(rendered) == 2:  # IPython allows (data, metadata)
             rendered = rendered[0]
-        if mime in _BINARY:
-            return base64.b64encode(rendered).decode("ascii") if isinstance(rendered, bytes) else None
-        return rendered if isinstance(rendered, str) else None
+        if mime in _bounds.BINARY_DISPLAY_TYPES:
+            if not isinstance(rendered, bytes):
+                return None
+            raw = bytes.__bytes__(rendered)  # exact bytes: a subclass's methods are the job's code
+            if (len(raw) + 2) // 3 * 4 > room:  # its base64 would not fit: not made at all
+                return _TOO_LARGE
+            return base64.b64encode(raw).decode("ascii")
+        # The job's own str subclass could hand back anything from its methods: an exact copy only.
+        return str.__str__(rendered) if isinstance(rendered, str) else None
     except Exception:  # noqa: BLE001 - the object's own method failed: it offers nothing
         return None
