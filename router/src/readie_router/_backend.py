@@ -52,6 +52,7 @@ from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
+from readie_worker.metrics import Metrics
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
@@ -175,14 +176,14 @@ class LocalWorkerBackend(ThreadedBackend):
 
     @classmethod
     def start(
-        cls, config: WorkerConfig, checkpoint: str, *, warm_timeout_s: float = WARM_TIMEOUT_S
+        cls, config: WorkerConfig, checkpoint: str, *, warm_timeout_s: float = WARM_TIMEOUT_S, metrics: Metrics | None = None
     ) -> LocalWorkerBackend:
         """Start a worker, check it can serve ``checkpoint`` and wait for its warm sandboxes.
 
         Blocking; raises :class:`ReadieError` (after cleaning up) when the
         worker cannot serve.
         """
-        worker = Worker(config).start()
+        worker = Worker(config, metrics=metrics).start()
         try:
             pool = worker.pools.get(checkpoint)
             if pool is None:

@@ -3,6 +3,7 @@
     readie pool --workers=2 [--preload=pandas,numpy] [--package-dir=DIR] [--config=readie.toml]
                 [--log=json] [--checkpoints=DIR] [--state-dir=DIR]
                 [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT]
+                [--metrics-listen=HOST:PORT]   # Prometheus /metrics, off by default (docs/operations.md)
 
 The first stdout line is the ready event; then one result per request, in
 completion order. EOF on stdin, SIGTERM or SIGINT drain the pool: accepted
@@ -31,6 +32,7 @@ from readie_rpc.client import WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
+from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from readie_worker.paths import remove_tree, scratch_dir
 from readie_rpc.security import ClientSecurity, add_client_arguments, client_security
 
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     # and nothing but the pool reads stdin.
     protocol_in, protocol_out = _claim_stdio()
     try:
-        return asyncio.run(_serve(setup, worker_config, protocol_in, protocol_out, args.router, router_security))
+        return asyncio.run(
+            _serve(setup, worker_config, protocol_in, protocol_out, args.router, router_security, args.metrics_listen)
+        )
     finally:
         remove_tree(scratch)
 
@@ -134,8 +138,17 @@ async def _serve(
     fd_out: int,
     router: str | None = None,
     router_security: ClientSecurity = ClientSecurity(),
+    metrics_listen: str | None = None,
 ) -> int:
     signals = _Signals()
+    metrics = Metrics()
+    engines: list[PoolEngine] = []  # the engine starts after the worker; a scrape before sees zeros
+    metrics.watch_pool(lambda: engines[0].stats if engines else None)
+    try:
+        serve_if_asked(metrics, metrics_listen)
+    except OSError as exc:
+        _fail(f"cannot serve metrics on {metrics_listen}: {exc}")
+        return EXIT_FAILED
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, signals.received, signum)
@@ -150,7 +163,9 @@ async def _serve(
                 raise SandboxSetupError(f"cannot reach the router at {router}: {exc}") from None
             backend: JobBackend = ThreadedBackend(client, setup.workers)
         else:
-            backend = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint)
+            local = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint, metrics=metrics)
+            metrics.watch_worker(local.worker)  # the embedded worker's warm pool, slots and sandboxes
+            backend = local
     except ReadieError as exc:
         _fail(f"cannot start the worker: {exc}")
         return EXIT_FAILED
@@ -160,6 +175,7 @@ async def _serve(
             return 0
         engine = PoolEngine(setup, backend, log_line=structlog.PrintLogger(sys.stderr).msg)
         signals.engine = engine
+        engines.append(engine)
         log.info(
             "pool ready",
             workers=setup.workers,
@@ -298,5 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"runsc --root, owned by this pool alone and swept at start and exit "
         f"(default: ${STATE_DIR_VARIABLE}, else a new temp dir)",
     )
+    add_metrics_argument(parser)
     add_client_arguments(parser, "router", "the router")
     return parser

@@ -29,6 +29,7 @@ from readie_worker.errors import ReadieError
 from readie_worker.locations import CHECKPOINTS_VARIABLE, CheckpointsNotFound, locate_checkpoints
 from readie_rpc.grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
+from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from readie_rpc.security import add_client_arguments, add_server_arguments, client_security, server_security
 from readie_worker.stop_signal import StopSignal
 
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if setup is not None:
         servicer = PoolServicer(setup, placement)
         extra_services.append((POOL_SERVICE, lambda server: pool_pb2_grpc.add_PoolServicer_to_server(servicer, server)))
+    metrics = Metrics()  # the router's gRPC calls; its workers export their own
     try:
+        serve_if_asked(metrics, args.metrics_listen)
         server = serve(
             placement,  # type: ignore[arg-type]  # a Placement has the Worker's shape
             args.listen,
@@ -86,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             extra_services=extra_services,
             security=security,
             config=config,
+            metrics=metrics,
         )
-    except RuntimeError as exc:
-        log.error("cannot listen", address=args.listen, error=str(exc))
+    except (RuntimeError, OSError) as exc:  # grpc's way of saying it cannot bind; the metrics port's
+        log.error("cannot listen", address=args.listen, metrics=args.metrics_listen, error=str(exc))
         placement.close()
         return 1
     log.info("router serving", address=server.address, workers=list(args.worker))
@@ -151,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_ROUTER_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
     add_server_arguments(parser)
+    add_metrics_argument(parser)
     add_client_arguments(parser, "worker", "the workers")
     return parser
 

@@ -23,6 +23,7 @@ from readie_worker.cli_flags import LOG_CHOICES, duration_seconds
 from readie_worker.errors import ReadieError
 from readie_worker.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
 from readie_worker.manifest import MANIFEST_NAME
+from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from .grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
 from readie_worker.config import Config, load_config
@@ -82,15 +83,18 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> 
         return EXIT_USAGE
     if security.insecure and not is_local_address(args.listen):
         log.warning("serving unprotected beyond loopback (--insecure)", address=args.listen, **security.describe())
+    metrics = Metrics()
     try:
-        worker = Worker(config).start()
+        worker = Worker(config, metrics=metrics).start()
     except ReadieError as exc:
         log.error("worker did not start", error=str(exc))
         return 1
+    metrics.watch_worker(worker)
     try:
-        server = serve(worker, args.listen, name=args.name, security=security, config=ceiling)
-    except RuntimeError as exc:  # grpc's way of saying it cannot bind
-        log.error("cannot listen", address=args.listen, error=str(exc))
+        serve_if_asked(metrics, args.metrics_listen)
+        server = serve(worker, args.listen, name=args.name, security=security, config=ceiling, metrics=metrics)
+    except (RuntimeError, OSError) as exc:  # grpc's way of saying it cannot bind; the metrics port's
+        log.error("cannot listen", address=args.listen, metrics=args.metrics_listen, error=str(exc))
         worker.close()
         return 1
     stop.wait()
@@ -139,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", type=Path, metavar="TOML", help="[pool.limits] and profiles for every job (without: nothing is granted)"
     )
     add_server_arguments(parser)
+    add_metrics_argument(parser)
     return parser
 
 

@@ -48,6 +48,7 @@ from readie_worker.cancel import Cancellation
 from readie_worker.config import Config
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, Worker
 from readie_worker.errors import RequestError, SandboxSetupError
+from readie_worker.metrics import Metrics
 from .security import ServerSecurity
 
 log = structlog.get_logger("readie.grpc")
@@ -104,8 +105,10 @@ _Response = TypeVar("_Response")
 class CallLog:
     """One log line per call: bound fields gathered while it runs, written when it ends."""
 
-    def __init__(self, rpc: str, context: grpc.ServicerContext, level: str = "info") -> None:
+    def __init__(self, rpc: str, context: grpc.ServicerContext, level: str = "info", metrics: Metrics | None = None) -> None:
         self.request_id = _request_id(context)
+        self._rpc = rpc
+        self._metrics = metrics  # counts each call by its status, where the log line is written
         self._context = context
         self.fields: dict[str, Any] = {"rpc": rpc, "request_id": self.request_id, "peer": context.peer()}
         self._level = level
@@ -124,15 +127,19 @@ class CallLog:
                 remaining = self._context.time_remaining()
                 status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
                 log.info("call", status=status, **self.fields)
-                return
-            getattr(log, self._level)("call", status="OK", **self.fields)
-            return
-        if isinstance(error, GeneratorExit):  # grpc dropped a stream: the client went away
-            log.info("call", status="CANCELLED", **self.fields)
-            return
-        status = status_for(error)
-        refused = dict(status.metadata)
-        log.info("call", status=status.code.name, error=refused.get(ERROR_METADATA_KEY), field=refused.get(FIELD_METADATA_KEY), **self.fields)
+            else:
+                status = "OK"
+                getattr(log, self._level)("call", status=status, **self.fields)
+        elif isinstance(error, GeneratorExit):  # grpc dropped a stream: the client went away
+            status = "CANCELLED"
+            log.info("call", status=status, **self.fields)
+        else:
+            mapped = status_for(error)
+            refused = dict(mapped.metadata)
+            status = mapped.code.name
+            log.info("call", status=status, error=refused.get(ERROR_METADATA_KEY), field=refused.get(FIELD_METADATA_KEY), **self.fields)
+        if self._metrics is not None:
+            self._metrics.rpc_handled(self._rpc, status)
 
 
 def _rpc(level: str = "info") -> Callable[[Callable[..., _Response]], Callable[..., _Response]]:
@@ -141,7 +148,7 @@ def _rpc(level: str = "info") -> Callable[[Callable[..., _Response]], Callable[.
     def decorate(method: Callable[..., _Response]) -> Callable[..., _Response]:
         @functools.wraps(method)
         def handler(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> _Response:
-            with grpc_errors(context), CallLog(method.__name__, context, level) as call:
+            with grpc_errors(context), CallLog(method.__name__, context, level, self.metrics) as call:
                 return method(self, request, context, call)
             raise AssertionError("unreachable: grpc_errors aborts the call")
 
@@ -151,8 +158,9 @@ def _rpc(level: str = "info") -> Callable[[Callable[..., _Response]], Callable[.
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, worker: Worker, name: str, max_streams: int, config: Config) -> None:
+    def __init__(self, worker: Worker, name: str, max_streams: int, config: Config, metrics: Metrics | None = None) -> None:
         self.worker = worker
+        self.metrics = metrics
         self.name = name
         # The operator's ceiling for what arrives over the network (nothing granted without one).
         self.ceiling = Ceiling(config.network_limits, config.profile_map)
@@ -191,7 +199,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def Interact(self, requests: Iterator[pb.InteractRequest], context: grpc.ServicerContext) -> Iterator[pb.InteractEvent]:
         # A generator: the error mapping and the log line wrap its whole life, not its creation.
-        with grpc_errors(context), CallLog("Interact", context) as call:
+        with grpc_errors(context), CallLog("Interact", context, metrics=self.metrics) as call:
             if not self._stream_places.acquire(blocking=False):
                 raise SandboxSetupError(f"this server has its {self._max_streams} Interact streams open")
             try:
@@ -296,6 +304,7 @@ def serve(
     extra_services: Sequence[tuple[str, Callable[[grpc.Server], None]]] = (),
     security: ServerSecurity = ServerSecurity(),
     config: Config = Config(),
+    metrics: Metrics | None = None,
 ) -> WorkerServer:
     """Serve a started ``worker`` on ``address`` ("host:port"; port 0 picks a free one).
 
@@ -306,6 +315,7 @@ def serve(
     ``security`` is checked against ``address`` first (SecurityError: refused).
     ``config`` holds the operator's ceiling and profiles for every job and
     session that arrives (without ``[pool.limits]`` nothing is granted).
+    ``metrics``, when given, counts every call by method and status code.
     """
     security.check(address)
     capacity = worker.capacity()
@@ -326,7 +336,7 @@ def serve(
     port = security.add_port(server, address)  # raises RuntimeError when it cannot bind
     bound = f"{address.rsplit(':', 1)[0]}:{port}"
     name = name or f"{socket.gethostname()}:{port}"
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name, max_streams, config), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name, max_streams, config, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for _, register in extra_services:  # e.g. the router's Pool service

@@ -30,7 +30,8 @@ from ._mounts import enter_mount_namespace
 from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
 from .packages import ensure_packages, package_cache
 from .grants import HeldGrants, hold_grants
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, run_in_sandbox
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, run_in_sandbox
+from .metrics import Metrics
 from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
@@ -110,8 +111,9 @@ class Capacity:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
         self.runsc = Runsc(root=config.state_dir, binary=config.runsc)
         self._slots = threading.BoundedSemaphore(config.slots)
         self._busy = 0
@@ -177,7 +179,8 @@ class Worker:
                 memory_limit_bytes=self.config.sandbox_memory_bytes,
             )
             self.factories[name] = factory
-            self.pools[name] = WarmSandboxes(name, factory, self.config.warm.get(name, 0), budget, warm_up=self.config.warm_up).start()
+            target = self.config.warm.get(name, 0)
+            self.pools[name] = WarmSandboxes(name, factory, target, budget, warm_up=self.config.warm_up, observer=self.metrics).start()
         if self.config.network_backend == "netns":
             self._start_network()
         elif self.config.network_backend != "none":
@@ -208,7 +211,7 @@ class Worker:
         self.isolated = False
         factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.config.run_dir, serve_env(()))
         self.factories = {"base": factory}
-        self.pools = {"base": WarmSandboxes("base", factory, 0, RefillBudget()).start()}
+        self.pools = {"base": WarmSandboxes("base", factory, 0, RefillBudget(), observer=self.metrics).start()}
         return self
 
     def _load_checkpoints(self) -> LoadedCheckpoints:
@@ -239,6 +242,7 @@ class Worker:
             host_calls=outcome.host.calls if outcome.host else 0,  # None: no job ran
             host_refused=outcome.host.refused if outcome.host else 0,
         )
+        self.metrics.job_finished(job.checkpoint, outcome, queued_us / 1_000_000)
         return outcome
 
     def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation, output: OutputSink | None) -> JobOutcome:
@@ -466,10 +470,6 @@ class _SlotGuard:
             worker._busy -= 1
             worker._idle.notify_all()
         worker._slots.release()
-
-
-def _since(started: float) -> int:
-    return int((time.monotonic() - started) * 1_000_000)
 
 
 def _check_socket_paths(run_dir: Path) -> None:

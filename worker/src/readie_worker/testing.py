@@ -172,3 +172,23 @@ class FaultyLauncher:
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         return self.inner.limit_memory(sandbox, job_bytes)
+
+
+def scrape(port: int, timeout: float = 5.0) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The samples ``/metrics`` on 127.0.0.1:``port`` serves, keyed by name and labels."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:  # noqa: S310 - our own loopback
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """One sample's value from :func:`scrape`'s answer (0 when absent: a labelled counter not yet moved)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)

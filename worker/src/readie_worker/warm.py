@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -56,6 +57,14 @@ class RefillBudget:
         self._slots.release()
 
 
+class SandboxObserver(Protocol):
+    """What a pool tells of the sandboxes it makes (``metrics.Metrics`` is one)."""
+
+    def sandbox_made(self, checkpoint: str, sandbox: Sandbox) -> None: ...
+
+    def sandbox_failed(self, checkpoint: str) -> None: ...
+
+
 @dataclass
 class _Ready:
     sandbox: Sandbox
@@ -72,6 +81,7 @@ class WarmSandboxes:
         idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
         *,
         warm_up: bool = True,
+        observer: SandboxObserver | None = None,
     ) -> None:
         self.name = name
         self.factory = factory
@@ -79,6 +89,7 @@ class WarmSandboxes:
         self._budget = budget
         self._idle_ttl_s = idle_ttl_s
         self._warm_up = warm_up
+        self._observer = observer  # told of every sandbox made or failed (metrics.py)
         self._ready: deque[_Ready] = deque()
         self._restoring = 0
         self._closed = False
@@ -117,7 +128,7 @@ class WarmSandboxes:
         self.misses += 1
         # Warmed here too, so that every sandbox a pool hands out is in the same state
         # (the seccomp filter in place above all), hit or miss.
-        sandbox = self._warmed(self.factory.create())
+        sandbox = self._warmed(self._create())
         sandbox.move(SandboxState.BUSY)
         return sandbox
 
@@ -168,7 +179,7 @@ class WarmSandboxes:
                 self._restoring += 1
             try:
                 with self._budget:
-                    sandbox = None if self._closed else self._warmed(self.factory.create())
+                    sandbox = None if self._closed else self._warmed(self._create())
             except Exception as exc:  # a refill failure must never kill the refiller
                 log.warning("background restore failed", pool=self.name, error=str(exc), retry_in_s=backoff)
                 sandbox = None
@@ -184,6 +195,17 @@ class WarmSandboxes:
                     else:
                         self._ready.append(_Ready(sandbox, time.monotonic()))
                 self._changed.notify_all()
+
+    def _create(self) -> Sandbox:
+        try:
+            sandbox = self.factory.create()
+        except Exception:
+            if self._observer is not None:
+                self._observer.sandbox_failed(self.name)
+            raise
+        if self._observer is not None:
+            self._observer.sandbox_made(self.name, sandbox)
+        return sandbox
 
     def _warmed(self, sandbox: Sandbox) -> Sandbox:
         """``sandbox`` once its first-touch costs are paid (Sandbox.warm_up); destroyed if that fails."""

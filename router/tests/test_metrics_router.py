@@ -1,0 +1,51 @@
+"""``readie router --metrics-listen``: jobs and a session through a real router, then its /metrics.
+
+The router counts the gRPC calls it handled by method and status code
+(its workers export their jobs' metrics on their own endpoints).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from readie_rpc.client import WorkerClient
+from readie_rpc.stubs import worker_pb2 as pb
+from readie_rpc.testing import start_cluster
+from readie_worker.jobs import CodeJob, Step
+from readie_worker.testing import FakeHost, free_port, sample, scrape, wait_until
+
+from conftest import CHECKPOINTS
+
+pytestmark = pytest.mark.runsc
+
+JOB_TIMEOUT_MS = 30_000
+
+
+def test_router_metrics_count_exactly_the_calls_it_handled(checkpoints):
+    base = Path(tempfile.mkdtemp(prefix="rrm-", dir="/tmp"))
+    port = free_port()
+    cluster = start_cluster(base, CHECKPOINTS / "manifest.json", router_args=[f"--metrics-listen=127.0.0.1:{port}"])
+    client = WorkerClient(cluster.address)
+    try:
+        assert sample(scrape(port), "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 0
+        for code in ("print(1)", "print(2)", "raise ValueError('no')"):
+            cluster.stub.RunJob(pb.RunJobRequest(checkpoint="base", code=code), timeout=30)
+        host = FakeHost(add=lambda a, b: a + b)
+        asked = CodeJob(checkpoint="base", code="from readie_host import add\nprint(add(1, 2))", functions=host.names)
+        assert client.run_job(asked, host=host).stdout == "3\n"
+        session, _ = client.open_session(CodeJob(checkpoint="base", code="x = 1", timeout_ms=JOB_TIMEOUT_MS))
+        assert session.run_step(Step("print(x)")).outcome.stdout == "1\n"
+        session.close()
+        assert wait_until(lambda: sample(scrape(port), "grpc_server_handled_total", grpc_method="Interact", grpc_code="OK") == 2, 10)
+        after = scrape(port)
+        # A job that raised is still an answered call: OK at the gRPC level.
+        assert sample(after, "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 3
+        handled = {labels: value for (name, labels), value in after.items() if name == "grpc_server_handled_total" and value}
+        assert sum(handled.values()) == 5, handled  # nothing else was called on the router
+    finally:
+        client.close()
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)

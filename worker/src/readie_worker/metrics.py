@@ -1,0 +1,223 @@
+"""Every Prometheus metric readie exports, defined once; off unless ``--metrics-listen`` is given.
+
+    metrics = Metrics()
+    worker = Worker(config, metrics=metrics).start()
+    metrics.watch_worker(worker)           # warm pools, slots, sessions: read at scrape time
+    server = metrics.serve("127.0.0.1:9464")
+
+Each process owns its own :class:`~prometheus_client.CollectorRegistry`, never
+the library's global one, so tests can run several in one process
+(docs/decisions/0017-metrics.md). Label values come from closed sets only:
+an outcome from :data:`OUTCOMES`, a checkpoint from the manifest (a job
+naming another is refused before it is counted), a launcher from the three
+launchers, gRPC methods and codes from the service definition and
+``grpc.StatusCode``. docs/operations.md lists the metrics and example alerts.
+
+The endpoint has no authentication: metrics hold no secrets, but bind it to
+loopback or a private network.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .errors import ErrorType
+
+if TYPE_CHECKING:
+    from .core import Worker
+    from .jobs import JobOutcome
+    from .sandbox import Sandbox
+
+# The closed set a job's outcome label takes (the pool's stats counters, in the singular).
+OUTCOMES = ("ok", "failed", "timeout", "signal", "request_error", "worker_error")
+_OUTCOME_OF_ERROR = {
+    ErrorType.TIMEOUT: "timeout",
+    ErrorType.SIGNAL: "signal",
+    ErrorType.REQUEST: "request_error",
+    ErrorType.SANDBOX_SETUP: "worker_error",
+    ErrorType.POOL_WORKER: "worker_error",
+}
+# The pool's Outcome values (router/_events.py, the stats event's counter names) as labels.
+_OUTCOME_OF_POOL_COUNTER = {
+    "ok": "ok",
+    "failed": "failed",
+    "timeouts": "timeout",
+    "signals": "signal",
+    "request_errors": "request_error",
+    "worker_errors": "worker_error",
+}
+# The launcher a pool's restore factory falls back to when a restore fails (launchers.py).
+COLD_LAUNCHER = "runsc-cold"
+
+# Seconds. A job on a warm sandbox takes a few milliseconds to tens; real work
+# seconds; a runaway one runs into its timeout (minutes at most): roughly
+# 2.5x steps from 5 ms to 5 min keep each band distinguishable in a quantile.
+JOB_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Seconds. A job waits for a slot not at all when the worker keeps up, so the
+# low buckets (1 ms) tell "no queue" from "some"; the top ones show saturation.
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Seconds. A restore is ~0.1 s of runsc start and sentry boot plus loading its
+# image (docs/benchmarks.md), a cold start 1.5-5x that, a struggling host
+# seconds: fine steps where restores fall, coarse ones for cold starts and the tail.
+SANDBOX_START_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """One process's metrics, on a registry of its own. Every recording method is cheap and thread-safe."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.jobs = Counter("readie_worker_jobs", "Jobs the worker ran, by checkpoint and outcome.", ["checkpoint", "outcome"], registry=r)
+        self.job_duration = Histogram(
+            "readie_worker_job_duration_seconds", "Jobs' wall time on the worker's clock (sandbox acquired to answer).",
+            ["checkpoint"], buckets=JOB_BUCKETS_S, registry=r,
+        )
+        self.queue_duration = Histogram(
+            "readie_worker_job_queue_duration_seconds", "Time jobs waited for a slot.", ["checkpoint"], buckets=QUEUE_BUCKETS_S, registry=r
+        )
+        self.host_calls = Counter("readie_worker_host_calls", "Host-function calls jobs made.", ["checkpoint"], registry=r)
+        self.sandbox_start = Histogram(
+            "readie_worker_sandbox_start_duration_seconds",
+            "Time to make a warm pool's sandbox ready; launcher runsc-restore is a restore.",
+            ["checkpoint", "launcher"], buckets=SANDBOX_START_BUCKETS_S, registry=r,
+        )
+        self.cold_fallbacks = Counter(
+            "readie_worker_cold_fallbacks", "Restores that failed and were replaced by a cold start.", ["checkpoint"], registry=r
+        )
+        self.sandbox_start_failures = Counter(
+            "readie_worker_sandbox_start_failures", "Sandboxes that could not be made at all (restore and cold start failed).",
+            ["checkpoint"], registry=r,
+        )
+        self.grpc_handled = Counter(
+            "grpc_server_handled", "RPCs the gRPC server completed, by method and status code.", ["grpc_method", "grpc_code"], registry=r
+        )
+
+    # ---------------------------------------------------------------- recording
+
+    def job_finished(self, checkpoint: str, outcome: JobOutcome, queue_s: float) -> None:
+        self.jobs.labels(checkpoint, outcome_label(outcome)).inc()
+        self.job_duration.labels(checkpoint).observe(outcome.duration_us / 1_000_000)
+        self.queue_duration.labels(checkpoint).observe(queue_s)
+        if outcome.host is not None and outcome.host.calls:
+            self.host_calls.labels(checkpoint).inc(outcome.host.calls)
+
+    def sandbox_made(self, checkpoint: str, sandbox: Sandbox) -> None:
+        """A warm pool's sandbox is ready (``ready_ms`` is its launch on the worker's clock)."""
+        launcher = sandbox.launcher.name
+        self.sandbox_start.labels(checkpoint, launcher).observe(sandbox.ready_ms / 1000)
+        if launcher == COLD_LAUNCHER:
+            self.cold_fallbacks.labels(checkpoint).inc()
+
+    def sandbox_failed(self, checkpoint: str) -> None:
+        self.sandbox_start_failures.labels(checkpoint).inc()
+
+    def rpc_handled(self, method: str, code: str) -> None:
+        self.grpc_handled.labels(method, code).inc()
+
+    # ---------------------------------------------------------------- read at scrape time
+
+    def watch_worker(self, worker: Worker) -> None:
+        """Warm sandboxes ready vs target, slots and sessions, read from ``worker`` at each scrape."""
+        self.registry.register(_WorkerCollector(worker))
+
+    def watch_pool(self, stats: Callable[[], Any]) -> None:
+        """``readie pool``'s own counters, from the engine's Stats (``stats()`` gives it, or None before start)."""
+        self.registry.register(_PoolCollector(stats))
+
+    # ---------------------------------------------------------------- serving
+
+    def serve(self, listen: str) -> Any:
+        """Serve ``/metrics`` on ``listen`` ("HOST:PORT") from a daemon thread; the server is returned (``shutdown()``)."""
+        host, port = split_listen(listen)
+        server, _thread = start_http_server(port, host, registry=self.registry)
+        return server
+
+
+def outcome_label(outcome: JobOutcome) -> str:
+    """The :data:`OUTCOMES` member a job's outcome counts as (as the pool's stats count it)."""
+    if outcome.error is None:
+        return "ok" if outcome.exit == 0 else "failed"
+    return _OUTCOME_OF_ERROR.get(outcome.error.type, "failed")  # anything else: the job's own exception
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"wants HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+def _listen(text: str) -> str:
+    try:
+        split_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-listen", type=_listen, metavar="HOST:PORT",
+        help="serve Prometheus /metrics here, without auth: bind loopback or a private network (default: off)",
+    )
+
+
+def serve_if_asked(metrics: Metrics, listen: str | None) -> Any:
+    """The flag's one behaviour for every command: nothing without it; an unusable address raises OSError."""
+    return None if listen is None else metrics.serve(listen)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def collect(self) -> Iterator[Any]:
+        # Capacity is answered from memory under the worker's lock; the pools are fixed at start.
+        capacity = self._worker.capacity()
+        pools = dict(self._worker.pools)
+        ready = GaugeMetricFamily("readie_worker_warm_sandboxes_ready", "Warm sandboxes ready to take a job.", labels=["checkpoint"])
+        target = GaugeMetricFamily("readie_worker_warm_sandboxes_target", "Warm sandboxes the worker keeps ready.", labels=["checkpoint"])
+        for name, counts in capacity.pools.items():
+            ready.add_metric([name], counts["ready"])
+            target.add_metric([name], counts["target"])
+        hits = CounterMetricFamily("readie_worker_warm_hits", "Jobs served by a warm sandbox.", labels=["checkpoint"])
+        misses = CounterMetricFamily("readie_worker_warm_misses", "Jobs that found no warm sandbox and waited for one.", labels=["checkpoint"])
+        for name, pool in pools.items():
+            hits.add_metric([name], pool.hits)
+            misses.add_metric([name], pool.misses)
+        yield from (ready, target, hits, misses)
+        yield _gauge("readie_worker_slots", "Jobs the worker runs at once.", capacity.slots)
+        yield _gauge("readie_worker_slots_busy", "Slots running a job now.", capacity.busy)
+        yield _gauge("readie_worker_sessions_active", "Sessions open (each holds a sandbox).", capacity.sessions)
+        yield _gauge("readie_worker_sessions_max", "Sessions the worker keeps open at most.", capacity.max_sessions)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        jobs = CounterMetricFamily("readie_pool_jobs", "Results the pool wrote, refusals included, by outcome.", labels=["outcome"])
+        counts: Mapping[Any, int] = stats.counts if stats is not None else {}
+        by_label = dict.fromkeys(OUTCOMES, 0)
+        for outcome, count in counts.items():
+            by_label[_OUTCOME_OF_POOL_COUNTER[outcome.value]] += count
+        for label, count in by_label.items():
+            jobs.add_metric([label], count)
+        yield jobs
+        yield _gauge("readie_pool_sessions_active", "Sessions open in the pool.", stats.sessions_active if stats else 0)
+        host = CounterMetricFamily("readie_pool_host_calls", "Host-function call events the pool wrote.")
+        host.add_metric([], stats.host_calls if stats else 0)
+        yield host
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)

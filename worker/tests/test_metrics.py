@@ -1,0 +1,127 @@
+"""The Metrics object on its own: names, labels from closed sets, its own registry, the HTTP endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+from readie_worker.errors import ErrorType
+from readie_worker.jobs import JobOutcome
+from readie_worker.metrics import OUTCOMES, Metrics, add_metrics_argument, outcome_label, serve_if_asked, split_listen
+from readie_worker.testing import free_port, sample, scrape
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _outcome(exit: int | None = 0, error: str | None = None, calls: int = 0, duration_us: int = 20_000) -> JobOutcome:
+    failed = JobOutcome.failure(error or "unused", "m", duration_us, "gvisor")
+    host = SimpleNamespace(calls=calls, refused=0)
+    return dataclasses.replace(failed, exit=exit, error=failed.error if error else None, host=host)
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_outcomes_come_from_a_closed_set_matching_the_pools_counters():
+    assert outcome_label(_outcome(0)) == "ok"
+    assert outcome_label(_outcome(1)) == "failed"
+    assert outcome_label(_outcome(None, "ValueError")) == "failed"  # the job's own exception
+    assert outcome_label(_outcome(None, ErrorType.TIMEOUT)) == "timeout"
+    assert outcome_label(_outcome(None, ErrorType.SIGNAL)) == "signal"
+    assert outcome_label(_outcome(None, ErrorType.REQUEST)) == "request_error"
+    assert outcome_label(_outcome(None, ErrorType.SANDBOX_SETUP)) == "worker_error"
+    assert outcome_label(_outcome(None, ErrorType.POOL_WORKER)) == "worker_error"
+    assert set(OUTCOMES) == {"ok", "failed", "timeout", "signal", "request_error", "worker_error"}
+
+
+def test_a_job_moves_its_counters_and_histograms_by_exactly_one():
+    metrics = Metrics()
+    metrics.job_finished("base", _outcome(0, calls=2, duration_us=30_000), queue_s=0.002)
+    metrics.job_finished("base", _outcome(1), queue_s=0.0)
+    got = _samples(metrics)
+    assert sample(got, "readie_worker_jobs_total", checkpoint="base", outcome="ok") == 1
+    assert sample(got, "readie_worker_jobs_total", checkpoint="base", outcome="failed") == 1
+    assert sample(got, "readie_worker_host_calls_total", checkpoint="base") == 2
+    assert sample(got, "readie_worker_job_duration_seconds_count", checkpoint="base") == 2
+    assert sample(got, "readie_worker_job_duration_seconds_sum", checkpoint="base") == pytest.approx(0.05)
+    assert sample(got, "readie_worker_job_duration_seconds_bucket", checkpoint="base", le="0.025") == 1
+    assert sample(got, "readie_worker_job_queue_duration_seconds_count", checkpoint="base") == 2
+
+
+@dataclass
+class _Launcher:
+    name: str
+
+
+@dataclass
+class _Sandbox:
+    launcher: _Launcher
+    ready_ms: float = field(default=150.0)
+
+
+def test_restores_cold_fallbacks_and_failures_are_told_apart():
+    metrics = Metrics()
+    metrics.sandbox_made("base", _Sandbox(_Launcher("runsc-restore")))  # type: ignore[arg-type]
+    metrics.sandbox_made("base", _Sandbox(_Launcher("runsc-cold"), 4000.0))  # type: ignore[arg-type]
+    metrics.sandbox_failed("base")
+    got = _samples(metrics)
+    assert sample(got, "readie_worker_sandbox_start_duration_seconds_count", checkpoint="base", launcher="runsc-restore") == 1
+    assert sample(got, "readie_worker_sandbox_start_duration_seconds_sum", checkpoint="base", launcher="runsc-restore") == 0.15
+    assert sample(got, "readie_worker_cold_fallbacks_total", checkpoint="base") == 1
+    assert sample(got, "readie_worker_sandbox_start_failures_total", checkpoint="base") == 1
+
+
+def test_grpc_calls_by_method_and_code():
+    metrics = Metrics()
+    metrics.rpc_handled("RunJob", "OK")
+    metrics.rpc_handled("RunJob", "INVALID_ARGUMENT")
+    metrics.rpc_handled("RunJob", "OK")
+    got = _samples(metrics)
+    assert sample(got, "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 2
+    assert sample(got, "grpc_server_handled_total", grpc_method="RunJob", grpc_code="INVALID_ARGUMENT") == 1
+
+
+def test_the_worker_collector_reads_the_pools_at_scrape_time():
+    pool = SimpleNamespace(hits=3, misses=1)
+    capacity = SimpleNamespace(pools={"base": {"ready": 1, "target": 2}}, slots=4, busy=1, sessions=2, max_sessions=16)
+    worker = SimpleNamespace(capacity=lambda: capacity, pools={"base": pool})
+    metrics = Metrics()
+    metrics.watch_worker(worker)  # type: ignore[arg-type]
+    got = _samples(metrics)
+    assert sample(got, "readie_worker_warm_sandboxes_ready", checkpoint="base") == 1
+    assert sample(got, "readie_worker_warm_sandboxes_target", checkpoint="base") == 2
+    assert sample(got, "readie_worker_warm_hits_total", checkpoint="base") == 3
+    assert sample(got, "readie_worker_sessions_active") == 2
+    capacity.pools["base"]["ready"] = 2
+    assert sample(_samples(metrics), "readie_worker_warm_sandboxes_ready", checkpoint="base") == 2
+
+
+def test_two_metrics_objects_share_nothing():
+    one, two = Metrics(), Metrics()
+    one.rpc_handled("Capacity", "OK")
+    assert sample(_samples(two), "grpc_server_handled_total", grpc_method="Capacity", grpc_code="OK") == 0
+
+
+def test_the_flag_is_off_by_default_and_serves_when_given():
+    parser = argparse.ArgumentParser()
+    add_metrics_argument(parser)
+    assert parser.parse_args([]).metrics_listen is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--metrics-listen", "nowhere"])
+    assert split_listen("[::1]:9464") == ("::1", 9464)
+    metrics = Metrics()
+    assert serve_if_asked(metrics, None) is None
+    port = free_port()
+    server = serve_if_asked(metrics, f"127.0.0.1:{port}")
+    try:
+        metrics.rpc_handled("RunJob", "OK")
+        assert sample(scrape(port), "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
