@@ -316,7 +316,7 @@ class AsyncPool:
                     if (outputs := self._outputs.get(event.id)) is not None:
                         outputs.put_nowait(event)
                 elif isinstance(event, Stray):
-                    log.warning("readie pool answered a request nobody waits for: %.200r", event.line)
+                    log.warning("readie pool answered a request nobody waits for: %r", event)  # Stray: cut at 200 bytes
                 else:
                     waiter = self._pending.get(event.id)
                     if waiter is not None and not waiter.done():

@@ -438,7 +438,7 @@ class Pool:
                     waiter.output(event)
             elif isinstance(event, Stray):
                 # A caller that was interrupted while waiting, or a pool bug: nobody to tell.
-                log.warning("readie pool answered a request nobody waits for: %.200r", event.line)
+                log.warning("readie pool answered a request nobody waits for: %r", event)  # Stray: cut at 200 bytes
             else:
                 with self._lock:
                     waiter = self._pending.pop(event.id, None)
