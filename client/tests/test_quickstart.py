@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from readie_worker.locations import link_default
 
+from client.tests._prompts import prompt_examples
 from conftest import CHECKPOINTS, REPO
 
 QUICKSTART = Path(REPO) / "docs" / "quickstart.md"
@@ -124,16 +125,7 @@ def _shell_examples(block: Block, unchecked: list[str]) -> list[Example]:
     if not lines or not lines[0].startswith("$ "):
         unchecked.append(f"{block.where}: a shell block whose first line is not a `$ ` command")
         return []
-    found = []
-    for i, line in enumerate(lines):
-        if line.startswith("$ "):
-            expected = []
-            for after in lines[i + 1 :]:
-                if after.startswith("$ "):
-                    break
-                expected.append(after)
-            found.append(Example(block.where, "shell", line[2:], tuple(expected)))
-    return found
+    return [Example(block.where, "shell", command, tuple(expected)) for command, expected in prompt_examples(lines)]
 
 
 def _only_blank_between(text: str, first: Block, second: Block) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from readie_worker.locations import link_default
 
+from client.tests._prompts import prompt_examples
 from conftest import CHECKPOINTS, REPO
 
 DOCUMENTS = [Path(REPO) / "README.md", *sorted((Path(REPO) / "docs").glob("*.md")), Path(REPO) / "client" / "README.md"]
@@ -48,17 +49,7 @@ def _output(lines: list[str], line: str) -> bool:
 
 def examples() -> list[tuple[str, str, list[str]]]:
     """(where, command, expected output lines) of each ``$ `` line."""
-    found = []
-    for where, lines in shell_blocks():
-        for i, line in enumerate(lines):
-            if line.startswith("$ "):
-                expected = []
-                for after in lines[i + 1 :]:
-                    if after.startswith("$ "):
-                        break
-                    expected.append(after)
-                found.append((where, line[2:], expected))
-    return found
+    return [(where, command, expected) for where, lines in shell_blocks() for command, expected in prompt_examples(lines)]
 
 
 def commands() -> list[tuple[str, str]]:
