@@ -299,6 +299,9 @@ def test_job_log_lines_carry_no_output(shared):
         "queue_us",
         "network",
         "truncated",
+        # The one log schema's keys (decision 0021), after the spec's.
+        "level",
+        "process",
     ]
     assert abs(line["ts_ms"] - time.time() * 1000) < 60_000
     assert {k: v for k, v in line.items() if k != "ts_ms"} == {
@@ -313,5 +316,7 @@ def test_job_log_lines_carry_no_output(shared):
         "queue_us": result["queue_us"],
         "network": "deny",
         "truncated": False,
+        "level": "info",
+        "process": "pool",
     }
     assert "s3cr3t-token" not in shared.process.stderr_text()

@@ -42,19 +42,19 @@ def setup_for(cwd: Path, workers: int = 1, config: Config | None = None, **extra
 
 
 def serve(setup: PoolSetup, scenario: Scenario, backend: FakeBackend | None = None):
-    logs: list[str] = []
+    logs: list[dict] = []
 
     async def main():
         fake = backend or FakeBackend()
         source, sink = MemorySource(), MemorySink()
-        engine = PoolEngine(setup, fake, log_line=logs.append)
+        engine = PoolEngine(setup, fake, log_job=lambda event, **line: logs.append({"event": event, **line}))
         serving = asyncio.create_task(engine.serve(source, sink))
         await scenario(engine, source, sink, fake)
         code = await asyncio.wait_for(serving, 5)
         return code, sink.lines, engine, fake
 
     code, lines, engine, fake = asyncio.run(main())
-    return code, lines, engine, fake, [json.loads(line) for line in logs]
+    return code, lines, engine, fake, logs
 
 
 async def settle() -> None:

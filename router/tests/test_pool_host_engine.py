@@ -8,7 +8,6 @@ test_pool_host_functions.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -26,11 +25,11 @@ def setup_for(cwd: Path, workers: int = 1) -> PoolSetup:
 
 
 def serve(setup, scenario, backend):
-    logs: list[str] = []
+    logs: list[dict] = []
 
     async def main():
         source, sink = MemorySource(), MemorySink()
-        engine = PoolEngine(setup, backend, log_line=logs.append)
+        engine = PoolEngine(setup, backend, log_job=lambda event, **line: logs.append({"event": event, **line}))
         serving = asyncio.create_task(engine.serve(source, sink))
         await scenario(engine, source, sink, backend)
         code = await asyncio.wait_for(serving, 5)
@@ -38,7 +37,7 @@ def serve(setup, scenario, backend):
 
     code, lines, engine = asyncio.run(main())
     assert code == 0
-    return code, lines, engine, backend, [json.loads(line) for line in logs]
+    return code, lines, engine, backend, logs
 
 
 def calls_from_code(job) -> list[HostCall]:

@@ -68,7 +68,7 @@ class UsageError(Exception):
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv[1:])  # argv[0] is "mcp"
-    configure_logging(json=args.log == "json")
+    configure_logging(json=args.log == "json", process="mcp")
     try:
         limits = _limits(args)
         grants = _grants(args)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--force", action="store_true", help="recapture checkpoints that are up to date")
     cap.add_argument("--runsc", default="runsc", metavar="BINARY", help="the runsc to capture with (default: runsc on PATH)")
     args = parser.parse_args(argv)
-    configure_logging()
+    configure_logging(process="capture")
     started = time.monotonic()
     try:
         plan = load_plan(args.plan)

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 import structlog
 from readie_protocol.connection import PoolConnection, PoolEvent, Role
 from readie_protocol.events import CancelledEvent, OutputEvent, ReadyEvent
-from readie_protocol.wire import RequestId, encode_line
+from readie_protocol.wire import RequestId
 from readie_worker.cancel import Cancellation
 from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError
 from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
@@ -122,7 +122,7 @@ class PoolEngine:
         setup: PoolSetup,
         backend: JobBackend,
         *,
-        log_line: Callable[[str], None] | None = None,
+        log_job: Callable[..., object] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         wall_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
     ) -> None:
@@ -130,7 +130,7 @@ class PoolEngine:
         self.backend = backend
         self.stats = Stats()
         self.state = PoolState.SERVING
-        self._log_line = log_line
+        self._log_job = log_job  # a structlog method: the job line is in the one log schema
         self._now_ns = monotonic_ns
         self._wall_ms = wall_ms
         self._started_ns = monotonic_ns()
@@ -434,10 +434,10 @@ class PoolEngine:
     def _finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
         """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
         self.stats.record(result)
-        if self._log_line is not None and self.setup.log_jobs:
-            line = encode_line(job_log_line(result, self._wall_ms()))
+        if self._log_job is not None and self.setup.log_jobs:
+            line = job_log_line(result, self._wall_ms())
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
-                self._log_line(line.decode("utf-8").rstrip("\n"))
+                self._log_job(line.pop("event"), **line)
         self._outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
 
     def _answer(self, event: PoolEvent) -> None:

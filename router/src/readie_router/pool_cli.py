@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_schema:  # what --config may hold, from the loader's key table
         sys.stdout.write(config_schema_json())
         return 0
-    configure_logging(json=args.log == "json")
+    configure_logging(json=args.log == "json", process="pool")
     try:
         enter_mount_namespace()  # before any thread: an embedded worker's mounts live there
     except ReadieError as exc:
@@ -173,7 +173,7 @@ async def _serve(
         if signals.count:
             log.info("stopped before the pool was ready")
             return 0
-        engine = PoolEngine(setup, backend, log_line=structlog.PrintLogger(sys.stderr).msg)
+        engine = PoolEngine(setup, backend, log_job=structlog.get_logger().info)
         signals.engine = engine
         engines.append(engine)
         log.info(
@@ -226,7 +226,7 @@ def _check_package_dirs(dirs: tuple[Path, ...], slots: int) -> None:
 
 
 def _configure_logging(*, json: bool) -> None:
-    configure_logging(json=json)
+    configure_logging(json=json, process="pool")
     processors = structlog.get_config()["processors"]
     structlog.configure(processors=[_drop_worker_job_lines, *processors])
 

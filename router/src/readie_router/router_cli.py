@@ -55,7 +55,7 @@ ROUTER_JOB_STREAMS = 32
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "router"
-    configure_logging(json=args.log == "json")
+    configure_logging(json=args.log == "json", process="router")
     if not args.worker:
         log.error("no workers: pass --worker HOST:PORT at least once")
         return 2

@@ -196,8 +196,8 @@ class PoolProcess:
         """The ``--log=json`` lines written so far."""
         lines = []
         for text in self.stderr_text().splitlines():
-            if text.startswith('{"ts_ms"'):
-                lines.append(json.loads(text))
+            if text.startswith('{"ts_ms"') and (line := json.loads(text)).get("event") == "job":
+                lines.append(line)
         return lines
 
     # -- lifecycle

@@ -40,7 +40,7 @@ EXIT_USAGE = 2
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
-    configure_logging(json=args.log == "json")
+    configure_logging(json=args.log == "json", process="worker")
     try:
         enter_mount_namespace()  # before any thread: the sandboxes' mounts live there
     except ReadieError as exc:
