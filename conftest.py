@@ -25,6 +25,14 @@ from readie_worker.runsc import Runsc
 
 REPO = Path(__file__).resolve().parent
 CHECKPOINTS = Path(os.environ.get("READIE_CHECKPOINTS", REPO / "build" / "checkpoints"))
+#: Multiplies every fuzz target's example count: 1 in `make test` (bounded
+#: time), e.g. READIE_FUZZ_SCALE=100 for a long run on demand (docs/security.md).
+FUZZ_SCALE_VARIABLE = "READIE_FUZZ_SCALE"
+
+
+def fuzz_examples(base: int) -> int:
+    """A fuzz target's example count: ``base`` times $READIE_FUZZ_SCALE (default 1)."""
+    return base * max(1, int(os.environ.get(FUZZ_SCALE_VARIABLE) or 1))
 
 # Workers made in this process keep their sandboxes' mounts in a namespace of
 # its own, entered while it is still single-threaded (readie_worker._mounts).

@@ -23,6 +23,8 @@ from readie_executor.protocol import (
     iter_frames,
 )
 
+from conftest import fuzz_examples
+
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "frames.golden.json"
 GOLDEN = json.loads(FIXTURE.read_text(encoding="utf-8"))
 CASES = GOLDEN["cases"]
@@ -290,7 +292,7 @@ _segments = st.one_of(
 _streams = st.one_of(st.binary(max_size=512), st.lists(_segments, max_size=12).map(b"".join))
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(
     stream=_streams,
     max_message_size=st.one_of(st.just(MAX_MESSAGE_SIZE), st.integers(0, 64)),

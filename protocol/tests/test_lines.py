@@ -15,6 +15,8 @@ from readie_protocol.lines import (
     recover_id,
 )
 
+from conftest import fuzz_examples
+
 
 def split(data: bytes, limit: int = MAX_LINE_BYTES, chunk: int | None = None) -> list[LineEvent]:
     splitter = LineSplitter(limit)
@@ -171,7 +173,7 @@ line_bytes = st.lists(
 ).map(b"".join)
 
 
-@settings(max_examples=400)
+@settings(max_examples=fuzz_examples(400))
 @given(line_bytes, st.integers(min_value=1, max_value=48), st.lists(st.integers(1, 50), max_size=20))
 def test_any_bytes_any_chunking_matches_the_reference(
     data: bytes, limit: int, cuts: list[int]

@@ -24,6 +24,8 @@ from readie_protocol.requests import (
     refuse_oversize,
 )
 
+from conftest import fuzz_examples
+
 # The spec's example lines, verbatim.
 SPEC_TASK_1 = r"""{"id": "task-1", "code": "import json\nprint(json.dumps({'ok': True}))", "name": "step.py", "allow_write": ["out"]}"""
 SPEC_TASK_2 = r"""{"id": "task-2", "script": "app.py", "args": ["one"], "allow_read": ["data"], "package_dirs": [], "env": {"KEY": "value"}, "allow_network": false, "timeout": "5s", "memory": "512m", "max_output": 65536}"""
@@ -324,25 +326,25 @@ def check_outcome(result: object) -> None:
             assert str(result.error).startswith(result.error.field)
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(st.binary(max_size=300))
 def test_any_bytes_give_a_request_or_a_refusal(data: bytes) -> None:
     check_outcome(parse_request(data))
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(json_values)
 def test_any_json_gives_a_request_or_a_refusal(value: object) -> None:
     check_outcome(parse_request(json.dumps(value).encode()))
 
 
-@settings(max_examples=500)
+@settings(max_examples=fuzz_examples(500))
 @given(request_like)
 def test_any_request_shaped_object_gives_a_request_or_a_refusal(obj: dict[str, Any]) -> None:
     check_outcome(parse_request(json.dumps(obj).encode()))
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(request_like.map(lambda o: {"reply": {k: v for k, v in o.items() if k in ("call_id", "result", "error", "bogus")}}))
 def test_any_reply_shaped_object_gives_a_request_or_a_refusal(obj: dict[str, Any]) -> None:
     check_outcome(parse_request(json.dumps(obj).encode()))

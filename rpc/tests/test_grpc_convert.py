@@ -244,6 +244,14 @@ def test_a_request_error_names_its_field_in_details_and_metadata():
     assert not any(key == "readie-field" for key, _ in status_for(RequestError("no field")).metadata)
 
 
+def test_a_field_named_by_the_request_s_own_text_reaches_the_metadata_as_printable_ascii():
+    """gRPC metadata is printable ASCII: a raw env name there ended the call INTERNAL (fuzzing found it)."""
+    status = status_for(RequestError("contains a NUL character", field="env['¡\x7f%']"))
+    field = dict(status.metadata)["readie-field"]
+    assert field == "env['%C2%A1%7F%25']" and all(" " <= char <= "~" for char in field)
+    assert status.details == "env['¡\x7f%']: contains a NUL character"  # details are not metadata
+
+
 def test_an_unexpected_error_is_internal_and_does_not_leak_its_message():
     status = status_for(KeyError("secret-value"))
     assert status.code == grpc.StatusCode.INTERNAL

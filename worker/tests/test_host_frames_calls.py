@@ -39,6 +39,8 @@ from readie_worker._host_frames import (
 from readie_worker.errors import PoolWorkerError, RequestError
 from worker.tests._host_frames_common import DECLARED
 
+from conftest import fuzz_examples
+
 
 def frame(call: object) -> bytes:
     """A frame as a forger would write it: any JSON after the call prefix."""
@@ -229,7 +231,7 @@ def test_declared_names_are_checked_before_anything_runs(names, message):
 # --------------------------------------------------------------------------- properties
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=fuzz_examples(400), suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=300))
 def test_any_bytes_give_a_call_or_a_refusal(data):
     for payload in (data, CALL_PREFIX + data):
@@ -250,7 +252,7 @@ WRONG_FIELDS = {
 }
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=fuzz_examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.integers(), max_size=3),
     st.sets(st.sampled_from(sorted(WRONG_FIELDS))),

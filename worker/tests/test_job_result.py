@@ -25,6 +25,8 @@ from readie_worker._job_result import (
     parse_job_result,
 )
 
+from conftest import fuzz_examples
+
 MAX_OUTPUT = 1000
 
 VALID = (
@@ -335,13 +337,13 @@ def _parse_or_refuse(raw: bytes) -> None:
     assert len(result.stdout) <= MAX_OUTPUT and len(result.stderr) <= MAX_OUTPUT
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(st.binary(max_size=2000))
 def test_any_bytes_give_a_result_or_job_result_invalid(raw: bytes) -> None:
     _parse_or_refuse(raw)
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(st.dictionaries(st.sampled_from(sorted(valid_document())), json_values, max_size=12))
 def test_any_fields_give_a_result_or_job_result_invalid(changes: dict[str, Any]) -> None:
     document = valid_document()
@@ -349,7 +351,7 @@ def test_any_fields_give_a_result_or_job_result_invalid(changes: dict[str, Any])
     _parse_or_refuse(json.dumps(document).encode())
 
 
-@settings(max_examples=300)
+@settings(max_examples=fuzz_examples(300))
 @given(st.integers(min_value=0, max_value=len(VALID)), st.binary(min_size=1, max_size=8))
 def test_spliced_valid_results_give_a_result_or_job_result_invalid(
     position: int, splice: bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from readie_executor.hostwire import MAX_OUTPUT_FRAME_BYTES, encode_output
 from readie_executor.jobs import bounds
@@ -22,6 +22,8 @@ from readie_worker._output_frames import (
     max_output_events,
     parse_output_frame,
 )
+
+from conftest import fuzz_examples
 
 
 class Clock:
@@ -179,3 +181,28 @@ def test_a_sink_that_raises_is_dropped_and_the_job_goes_on():
     made.receive(encode_output("stdout", "a"))
     made.receive(encode_output("stderr", "b"))  # no exception reaches the exchange
     assert calls == [OutputChunk("stdout", "a")]
+
+
+_honest = st.tuples(st.sampled_from(["stdout", "stderr"]), st.text(max_size=40)).map(lambda p: encode_output(*p))
+_frames = st.one_of(
+    st.binary(max_size=300),
+    _honest,
+    st.tuples(_honest, st.integers(0, 80), st.binary(min_size=1, max_size=6)).map(lambda t: t[0][: t[1]] + t[2] + t[0][t[1]:]),
+)
+
+
+@settings(max_examples=fuzz_examples(300), deadline=None)
+@given(st.lists(_frames, max_size=20), st.integers(0, 2000))
+def test_any_frames_are_relayed_or_refused_and_never_past_the_budget(frames, max_output):
+    """The fuzz target for output frames: any frame is a chunk or OutputRefused, nothing else."""
+    forward, chunks, clock = relay(max_output)
+    for frame in frames:
+        clock.now += 0.001
+        try:
+            forward.receive(frame)
+        except OutputRefused:
+            pass
+    forward.finish()
+    for name in ("stdout", "stderr"):
+        sent = "".join(chunk.data for chunk in chunks if chunk.stream == name)
+        assert bounds.encoded_size(sent) <= max_output

@@ -37,6 +37,7 @@ failure: the worker reports it in the response's ``error``, status OK.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ log = structlog.get_logger("readie.grpc")
 # Trailing metadata on every failed call, so clients branch on a name, not on prose.
 ERROR_METADATA_KEY = "readie-error"
 FIELD_METADATA_KEY = "readie-field"
+_PRINTABLE_BUT_PERCENT = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
 class DeadlineExpired(ReadieError):
@@ -103,9 +105,16 @@ def status_for(error: BaseException) -> Status:
     code = next((code for cls, code in _STATUS_CODES if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
     metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
     if isinstance(error, RequestError) and error.field:
-        metadata += ((FIELD_METADATA_KEY, error.field),)
+        metadata += ((FIELD_METADATA_KEY, _metadata_text(error.field)),)
     # A RequestError's message already starts with its field.
     return Status(code, str(error), metadata)
+
+
+def _metadata_text(text: str) -> str:
+    """``text`` as a metadata value: gRPC allows printable ASCII only there, and a field's
+    name can hold a request's own text (``env['¡']``); anything else is percent-encoded
+    (UTF-8), so a plain field name reads as itself."""
+    return urllib.parse.quote(text, safe=_PRINTABLE_BUT_PERCENT)
 
 
 @contextmanager
@@ -142,6 +151,7 @@ def error_from_status(error: grpc.RpcError) -> ReadieError:
     code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
     if kind == ErrorType.REQUEST:
         field = metadata.get(FIELD_METADATA_KEY)
+        field = None if field is None else urllib.parse.unquote(field)
         prefix = f"{field}: "
         return RequestError(details.removeprefix(prefix) if field else details, field=field)
     if kind is not None and code == grpc.StatusCode.UNAVAILABLE:
