@@ -1,8 +1,10 @@
 """docker-compose.yml and the images behind it, checked without a Docker engine (none runs here).
 
 docker-compose validates the file; the commands it gives each service are
-parsed by the readie CLIs' own argument parsers; every file the Dockerfiles
-copy exists and is not excluded from the build context.
+parsed by the readie CLIs' own argument parsers, and every container path they
+name is one a volume, a secret or the image provides; every file the
+Dockerfiles copy exists and is not excluded from the build context. The same
+command lines run as processes in test_compose_processes.py.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from readie_router.router_cli import build_parser as router_parser
 from readie_rpc.cli import build_parser as worker_parser
 
+from client.tests._compose_model import plan
 from conftest import REPO
 
 COMPOSE = Path(REPO) / "docker-compose.yml"
@@ -39,9 +43,9 @@ def docker_compose(*args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def config() -> str:
-    """The file as docker-compose resolves it (defaults interpolated, merge keys applied)."""
-    return docker_compose("config")
+def config() -> dict:
+    """The file as docker-compose resolves it (defaults interpolated, merge keys applied), parsed."""
+    return yaml.safe_load(docker_compose("config"))
 
 
 def test_the_compose_file_is_valid():
@@ -50,7 +54,7 @@ def test_the_compose_file_is_valid():
 
 
 def test_every_service_command_is_accepted_by_its_cli(config):
-    commands = _commands(config)
+    commands = {name: service["command"] for name, service in config["services"].items()}
     assert sorted(commands) == ["router", "worker-1", "worker-2"]
     routed = router_parser().parse_args(commands["router"][1:])
     assert routed.worker == ["worker-1:50061", "worker-2:50061"]
@@ -67,9 +71,20 @@ def test_every_service_command_is_accepted_by_its_cli(config):
 
 
 def test_the_workers_get_the_checkpoints_and_the_rootfs_at_its_captured_path(config):
-    assert config.count("privileged: true") == 2  # the two workers, not the router
-    assert f"{Path(REPO) / 'build' / 'checkpoints'}:/srv/readie/checkpoints:ro" in config
-    assert "/root/.cache/readie/rootfs:/root/.cache/readie/rootfs:ro" in config
+    services = config["services"]
+    assert [name for name, service in services.items() if service.get("privileged")] == ["worker-1", "worker-2"]
+    for name in ("worker-1", "worker-2"):
+        assert f"{Path(REPO) / 'build' / 'checkpoints'}:/srv/readie/checkpoints:ro" in services[name]["volumes"]
+        assert "/root/.cache/readie/rootfs:/root/.cache/readie/rootfs:ro" in services[name]["volumes"]
+
+
+def test_every_container_path_a_command_names_is_a_volume_a_secret_or_the_images(config, tmp_path):
+    """plan() raises ComposeBug for a path a container would not have (the router's checkpoints
+    without their volume, say); the processes it plans are what test_compose_processes.py runs."""
+    deployment = plan(config, tmp_path)
+    router = deployment.services["router"]
+    assert f"--checkpoints={REPO / 'build' / 'checkpoints'}" in router.argv
+    assert router.argv[0] == str(REPO / ".venv" / "bin" / "readie")  # the ENTRYPOINT, from the checkout
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
@@ -86,23 +101,6 @@ def test_what_the_images_copy_exists_and_reaches_the_build_context(dockerfile):
     for source in sources:
         assert (Path(REPO) / source).exists(), source
         assert _included(source, ignore), f"{source} is excluded by {dockerfile.name}.dockerignore"
-
-
-def _commands(config: str) -> dict[str, list[str]]:
-    """Each service's command, from `docker-compose config` output (block YAML, two-space indents)."""
-    commands: dict[str, list[str]] = {}
-    section = service = key = None
-    for line in config.splitlines():
-        indent, text = len(line) - len(line.lstrip(" ")), line.strip()
-        if indent == 0:
-            section, service, key = text.rstrip(":"), None, None
-        elif indent == 2 and section == "services":
-            service, key = text.rstrip(":"), None
-        elif indent == 4 and service and not text.startswith("- "):
-            key = text.split(":")[0]
-        elif indent == 4 and key == "command" and text.startswith("- "):
-            commands.setdefault(service, []).append(text[2:])
-    return commands
 
 
 def _included(path: str, patterns: list[str]) -> bool:
