@@ -33,6 +33,11 @@ class StopSignal:
     def _handle(self, signum: int, frame: object) -> None:
         # Nothing but the flag: the handler may run while the main thread is inside a log call.
         self._event.set()
+        # And ignored from now on: at exit Python puts back the default action of a signal it
+        # handled, and a second SIGTERM during that would kill a process that drained cleanly
+        # (exit 143, not 0). SIG_IGN is left in place.
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_IGN)
 
     def is_set(self) -> bool:
         return self._event.is_set()
