@@ -9,9 +9,9 @@ Loading rules, strictest first:
 * an ``executor_digest`` other than our executor's source digest: refused,
   because the frozen executor would refuse or misread this worker's jobs
   (absent, in manifests that predate it: accepted);
-* a different runsc version or spec fingerprint: the checkpoints are dropped
-  (``strict``: refused), because restore needs the runsc and the mount shape
-  that made them;
+* a different runsc version, platform or spec fingerprint: the checkpoints
+  are dropped (``strict``: refused), naming both sides, because restore needs
+  the runsc, the platform and the mount shape that made them;
 * a missing or corrupt image: that checkpoint alone is unusable.
 """
 
@@ -195,6 +195,11 @@ def load_checkpoints(
     mismatch = []
     if manifest.runsc_version != runsc_version:
         mismatch.append(f"captured with {manifest.runsc_version!r}, this host runs {runsc_version!r}")
+    # The platform is in no fingerprint, and a systrap image restored under
+    # ptrace is not refused by runsc (the job segfaults): named on its own.
+    captured_on, runs_on = platform_of(manifest.runsc_flags), platform_of(runsc_flags or ())
+    if runsc_flags is not None and captured_on != runs_on:
+        mismatch.append(f"captured with platform {captured_on or '(runsc default)'}, this host runs {runs_on or '(runsc default)'}")
     if manifest.spec_fingerprint != spec_fingerprint:
         mismatch.append(f"spec fingerprint {manifest.spec_fingerprint} != expected {spec_fingerprint}")
         if runsc_flags is not None and tuple(runsc_flags) != manifest.runsc_flags:
@@ -215,6 +220,15 @@ def load_checkpoints(
         else:
             usable[name] = checkpoint
     return LoadedCheckpoints(manifest, usable, problems)
+
+
+def platform_of(flags: Sequence[str]) -> str | None:
+    """The ``--platform=`` value among runsc flags (runsc takes ``-platform=`` too); None when unnamed."""
+    for flag in flags:
+        name, _, value = flag.lstrip("-").partition("=")
+        if name == "platform":
+            return value
+    return None
 
 
 def image_files(image_dir: Path) -> tuple[ImageFile, ...]:
