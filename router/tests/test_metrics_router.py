@@ -1,7 +1,11 @@
 """``readie router --metrics-listen``: jobs and a session through a real router, then its /metrics.
 
 The router counts the gRPC calls it handled by method and status code
-(its workers export their jobs' metrics on their own endpoints).
+(its workers export their jobs' metrics on their own endpoints), and its
+placement: probes by outcome, evictions by reason, workers found by DNS.
+With the probe timer set beyond the test, the only probes are the one
+round at start, so their count is exact. DNS discovery's metrics moving:
+test_discovery.py (exact, by hand) and test_router_dns.py (real processes).
 """
 
 from __future__ import annotations
@@ -22,15 +26,29 @@ from conftest import CHECKPOINTS
 pytestmark = pytest.mark.runsc
 
 JOB_TIMEOUT_MS = 30_000
+# The probe timer, beyond the test's length: only the start's round of probes happens.
+NO_PROBES = "1h"
 
 
 def test_router_metrics_count_exactly_the_calls_it_handled(checkpoints):
     base = Path(tempfile.mkdtemp(prefix="rrm-", dir="/tmp"))
     port = free_port()
-    cluster = start_cluster(base, CHECKPOINTS / "manifest.json", router_args=[f"--metrics-listen=127.0.0.1:{port}"])
+    cluster = start_cluster(
+        base, CHECKPOINTS / "manifest.json", router_args=[f"--metrics-listen=127.0.0.1:{port}", f"--probe-interval={NO_PROBES}"]
+    )
     client = WorkerClient(cluster.address)
     try:
-        assert sample(scrape(port), "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 0
+        start = scrape(port)
+        assert sample(start, "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 0
+        # One probe of each of the two workers at start, both answered; nobody evicted, nothing from DNS.
+        assert placement_samples(start) == {
+            ("readie_router_probes_total", "ok"): 2,
+            ("readie_router_probes_total", "failed"): 0,
+            ("readie_router_evictions_total", "probes"): 0,
+            ("readie_router_evictions_total", "lost"): 0,
+            ("readie_router_evictions_total", "retired"): 0,
+            ("readie_router_discovered_workers", ""): 0,
+        }
         for code in ("print(1)", "print(2)", "raise ValueError('no')"):
             cluster.stub.RunJob(pb.RunJobRequest(checkpoint="base", code=code), timeout=30)
         host = FakeHost(add=lambda a, b: a + b)
@@ -45,7 +63,16 @@ def test_router_metrics_count_exactly_the_calls_it_handled(checkpoints):
         assert sample(after, "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 3
         handled = {labels: value for (name, labels), value in after.items() if name == "grpc_server_handled_total" and value}
         assert sum(handled.values()) == 5, handled  # nothing else was called on the router
+        assert placement_samples(after) == placement_samples(start)  # jobs and a session probe nobody
     finally:
         client.close()
         cluster.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def placement_samples(samples) -> dict[tuple[str, str], float]:
+    """The router's placement metrics, by name and their one label's value."""
+    names = ("readie_router_probes_total", "readie_router_evictions_total", "readie_router_discovered_workers")
+    return {
+        (name, next(iter(dict(labels).values()), "")): value for (name, labels), value in samples.items() if name in names
+    }

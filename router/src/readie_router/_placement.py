@@ -11,6 +11,13 @@ retried, since its side effects may have happened. A worker that refuses a
 job before running it (draining, no sandbox) is not a failure of the job:
 the job is offered to another worker.
 
+Workers named by ``--worker`` stay members for the router's life. Those
+found by DNS (``--worker-dns``, :mod:`._discovery`) come and go: a new
+address is a member that gets work once a probe admits it; an address that
+left the answer is *retired*: it gets no new jobs or sessions, the calls
+running on it finish, the sessions on it keep it until they end, and then
+it is dropped. An address that comes back before then is simply un-retired.
+
 A session is placed once, on the healthy worker with the fewest sessions
 (among those with a free slot and room for one more), and stays there: its
 steps go down the session's own Interact stream to that worker
@@ -36,6 +43,7 @@ from typing import TypeVar
 import structlog
 
 from readie_worker.cancel import NEVER, Cancellation
+from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
 from readie_worker.core import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
@@ -43,6 +51,9 @@ from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, St
 from readie_rpc.remote_session import RemoteSession, SessionLost, StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
+
+from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery
+from ._members import Member
 
 log = structlog.get_logger("readie.placement")
 
@@ -65,64 +76,32 @@ _T = TypeVar("_T")
 
 
 @dataclass
-class _Member:
-    client: WorkerClient
-    name: str = ""
-    healthy: bool = False
-    capacity: Capacity | None = None
-    failures: int = 0
-    in_flight: int = 0
-    # When its next failed probe is logged: at once, then ever more rarely (see _complain).
-    next_complaint: float = 0.0
-    complaint_gap_s: float = 0.0
-    sessions: int = 0  # placed here by this router and not yet ended
-
-    def free(self) -> int:
-        if not self.healthy or self.capacity is None or self.capacity.draining:
-            return 0
-        return self.capacity.slots - self.in_flight
-
-    def could_take(self, session: bool) -> bool:
-        """Whether the worker takes such work at all, busy or not."""
-        if not self.healthy:
-            return False
-        return not session or (self.capacity is not None and self.capacity.max_sessions > 0)
-
-    def session_room(self) -> int:
-        if self.free() <= 0:  # the first step needs a slot too
-            return 0
-        assert self.capacity is not None
-        # The probe counts other routers' sessions too, but is up to an interval old.
-        return self.capacity.max_sessions - max(self.capacity.sessions, self.sessions)
-
-    def session_load(self) -> tuple[float, float]:
-        assert self.capacity is not None
-        return self.sessions / max(1, self.capacity.max_sessions), self.load()
-
-    def load(self) -> float:
-        assert self.capacity is not None
-        return self.in_flight / max(1, self.capacity.slots)
-
-
-@dataclass
 class Placement:
     addresses: Sequence[str]
     probe_interval_s: float = PROBE_INTERVAL_S
     wait_s: float = PLACEMENT_WAIT_S
     max_sessions: int = DEFAULT_ROUTER_SESSIONS
     security: ClientSecurity = ClientSecurity()  # how this router reaches its workers
-    _members: list[_Member] = field(init=False)
+    discovery: Discovery | None = None  # further workers, found by DNS
+    dns_interval_s: float = DEFAULT_DNS_INTERVAL_S
+    metrics: Metrics | None = None
+    _members: list[Member] = field(init=False)
     _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _prober: threading.Thread | None = field(init=False, default=None)
+    _discoverer: threading.Thread | None = field(init=False, default=None)
     _draining: bool = field(init=False, default=False)
     _sessions: set[PlacedSession] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
-        self._members = [_Member(WorkerClient(address, self.security)) for address in self.addresses]
+        self._members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
 
     def start(self) -> Placement:
         self.probe_all()
+        if self.discovery is not None:
+            self.discover()  # the first answer's workers probed before the router serves
+            self._discoverer = threading.Thread(target=self._discover_loop, name="placement-dns", daemon=True)
+            self._discoverer.start()
         self._prober = threading.Thread(target=self._probe_loop, name="placement-probe", daemon=True)
         self._prober.start()
         return self
@@ -184,7 +163,7 @@ class Placement:
 
     def capacity(self) -> Capacity:
         with self._lock:
-            live = [m for m in self._members if m.healthy and m.capacity is not None]
+            live = [m for m in self._members if m.healthy and m.capacity is not None and not m.retired]
             pools: dict[str, dict[str, int]] = {}
             for member in live:
                 assert member.capacity is not None
@@ -214,8 +193,9 @@ class Placement:
 
     def close(self) -> None:
         self._stop.set()
-        if self._prober is not None and self._prober is not threading.current_thread():
-            self._prober.join()
+        for thread in (self._prober, self._discoverer):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
         with self._lock:
             sessions = list(self._sessions)
         if sessions:  # their sandboxes, on their workers; all at once, each waits for its worker
@@ -223,8 +203,15 @@ class Placement:
                 session.ended_by = "the router is shutting down"
             with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
                 list(closing.map(PlacedSession.close, sessions))
-        for member in self._members:
+        with self._lock:
+            members = list(self._members)
+        for member in members:
             member.client.close()
+
+    def discovered_workers(self) -> int:
+        """Members found by DNS and not retired (what ``readie_router_discovered_workers`` shows)."""
+        with self._lock:
+            return sum(1 for m in self._members if m.discovered and not m.retired)
 
     # -- placement ----------------------------------------------------------
 
@@ -246,7 +233,7 @@ class Placement:
             finally:
                 self._release(member)
 
-    def _take_slot(self, member: _Member) -> None:
+    def _take_slot(self, member: Member) -> None:
         """A slot on ``member``, as ``_choose`` would give, for a session's step: it cannot go elsewhere.
 
         Waits (up to ``wait_s``) for one, so the step does not queue on the
@@ -259,25 +246,28 @@ class Placement:
                 self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
             member.in_flight += 1
 
-    def _release(self, member: _Member, *, session: bool = False) -> None:
+    def _release(self, member: Member, *, session: bool = False) -> None:
         """A slot (and a session place) taken by ``_choose`` given back."""
         with self._lock:
             member.in_flight -= 1
             if session:
                 member.sessions -= 1
             self._lock.notify_all()
+            dropped = self._drop_if_done(member)
+        if dropped:
+            member.client.close()
 
-    def _choose(self, refused: set[int], *, session: bool = False) -> _Member:
+    def _choose(self, refused: set[int], *, session: bool = False) -> Member:
         """The worker for a job (a slot taken), or for a session (a slot and a session place taken)."""
         deadline = time.monotonic() + self.wait_s
-        room, order = (_Member.session_room, _Member.session_load) if session else (_Member.free, _Member.load)
+        room, order = (Member.session_room, Member.session_load) if session else (Member.free, Member.load)
         with self._lock:
             while True:
                 if self._draining:
                     raise SandboxSetupError("the router is draining and takes no new work")
                 if session and sum(m.sessions for m in self._members) >= self.max_sessions:
                     raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
-                candidates = [m for m in self._members if room(m) > 0 and id(m) not in refused]
+                candidates = [m for m in self._members if not m.retired and room(m) > 0 and id(m) not in refused]
                 if candidates:
                     chosen = min(candidates, key=order)
                     chosen.in_flight += 1
@@ -292,8 +282,10 @@ class Placement:
                     raise SandboxSetupError(f"no worker had a free slot within {self.wait_s:.0f} s")
                 self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
 
-    def _mark_failed(self, member: _Member) -> None:
+    def _mark_failed(self, member: Member) -> None:
         with self._lock:
+            if member.healthy:  # several calls lost with it count as one eviction
+                self._count_eviction("lost")
             member.healthy = False
             member.failures = EVICT_AFTER_FAILURES
         log.warning("worker lost under a job; evicted until it answers a probe", worker=member.name or member.client.address)
@@ -301,28 +293,37 @@ class Placement:
     # -- probing ------------------------------------------------------------
 
     def probe_all(self) -> None:
-        for member in self._members:
+        with self._lock:
+            members = list(self._members)  # discovery may add or drop some meanwhile
+        for member in members:
             self._probe(member)
 
-    def _probe(self, member: _Member) -> None:
+    def _probe(self, member: Member) -> None:
         try:
             capacity, name = member.client.capacity()
         except Exception as exc:  # any failure to answer counts against the worker
             with self._lock:
+                if member not in self._members:
+                    return  # dropped (and its channel closed) while we asked
+                self._count_probe("failed")
                 member.failures += 1
                 if member.failures >= EVICT_AFTER_FAILURES and member.healthy:
                     member.healthy = False
+                    self._count_eviction("probes")
                     log.warning("worker evicted", worker=member.name or member.client.address, error=str(exc))
                 self._complain(member, exc)
             return
         with self._lock:
+            if member not in self._members:
+                return
+            self._count_probe("ok")
             if not member.healthy:
                 log.info("worker admitted", worker=name, address=member.client.address, slots=capacity.slots)
             member.name, member.capacity, member.failures, member.healthy = name, capacity, 0, True
             member.next_complaint, member.complaint_gap_s = 0.0, 0.0
             self._lock.notify_all()
 
-    def _complain(self, member: _Member, exc: Exception) -> None:
+    def _complain(self, member: Member, exc: Exception) -> None:
         """Log a failed probe: the first at once (a mistyped --worker shows at start), then after
         gaps that double up to COMPLAINT_GAP_MAX_S, so a dead worker does not flood the log."""
         now = time.monotonic()
@@ -342,11 +343,67 @@ class Placement:
         while not self._stop.wait(self.probe_interval_s):
             self.probe_all()
 
+    def _count_probe(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.placement_probed(outcome)
+
+    def _count_eviction(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_evicted(reason)
+
+    # -- discovery ----------------------------------------------------------
+
+    def discover(self) -> None:
+        """One round of DNS: members added for new addresses (and probed), retired for those gone."""
+        assert self.discovery is not None
+        answer = set(self.discovery.resolve())
+        fresh: list[Member] = []
+        with self._lock:
+            named = {m.client.address for m in self._members if not m.discovered}
+            found = {m.client.address: m for m in self._members if m.discovered}
+            for address in sorted(answer - named - found.keys()):
+                member = Member(WorkerClient(address, self.security), discovered=True)
+                self._members.append(member)
+                fresh.append(member)
+            for address, member in found.items():
+                if member.retired and address in answer:
+                    member.retired = False
+                    log.info("worker back in the DNS answer", worker=member.name or address)
+                    self._lock.notify_all()
+                elif not member.retired and address not in answer:
+                    member.retired = True
+                    self._count_eviction("retired")
+                    log.info(
+                        "worker retired: its address left the DNS answer",
+                        worker=member.name or address, in_flight=member.in_flight, sessions=member.sessions,
+                    )
+            dropped = [m for m in found.values() if self._drop_if_done(m)]
+        for member in dropped:
+            member.client.close()
+        for member in fresh:  # before any work: only a probe makes a member healthy
+            self._probe(member)
+
+    def _drop_if_done(self, member: Member) -> bool:
+        """Forget ``member`` if it is retired and nothing runs there any more (under the lock); the
+        caller closes its channel, outside the lock."""
+        if not (member.retired and member.idle() and member in self._members):
+            return False
+        self._members.remove(member)
+        log.info("retired worker dropped", worker=member.name or member.client.address)
+        return True
+
+    def _discover_loop(self) -> None:
+        while not self._stop.wait(self.dns_interval_s):
+            try:
+                self.discover()
+            except Exception:  # a bug here must not stop discovery for the router's life
+                log.exception("worker discovery failed")
+
 
 class PlacedSession:
     """A session on the worker ``Placement`` chose for it: its steps count against that worker's slots."""
 
-    def __init__(self, placement: Placement, member: _Member, remote: RemoteSession) -> None:
+    def __init__(self, placement: Placement, member: Member, remote: RemoteSession) -> None:
         self._placement = placement
         self._member = member
         self._remote = remote
@@ -393,8 +450,12 @@ class PlacedSession:
     def _forget(self) -> None:
         placement = self._placement
         with placement._lock:
-            if self._counted:
-                self._counted = False
-                self._member.sessions -= 1
-                placement._sessions.discard(self)
-                placement._lock.notify_all()
+            if not self._counted:
+                return
+            self._counted = False
+            self._member.sessions -= 1
+            placement._sessions.discard(self)
+            placement._lock.notify_all()
+            dropped = placement._drop_if_done(self._member)
+        if dropped:
+            self._member.client.close()

@@ -1,6 +1,11 @@
 """``readie router``: the gRPC front end that places jobs on ``readie worker`` processes.
 
     readie router --listen 127.0.0.1:50060 --worker 127.0.0.1:50061 --worker 127.0.0.1:50062
+    readie router --listen 0.0.0.0:50060 --worker-dns readie-workers.readie.svc.cluster.local:50061
+
+Workers are named by ``--worker``, or found by ``--worker-dns NAME:PORT``:
+every address the name resolves to, re-resolved every ``--dns-interval``,
+so workers behind a Kubernetes headless Service come and go (``_discovery``).
 
 It serves the same ``readie.v1.Worker`` API as a worker (so a client needs
 to know only one), plus health and reflection, and places each call on the
@@ -36,6 +41,7 @@ from readie_worker.stop_signal import StopSignal
 from ._backend import choose_checkpoint
 from readie_worker.config import Config, load_config
 from readie_worker.errors import ConfigError
+from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery, dns_name
 from ._events import RuntimeInfo
 from ._placement import DEFAULT_ROUTER_SESSIONS, PROBE_INTERVAL_S, Placement
 from ._setup import PoolSetup
@@ -56,8 +62,8 @@ ROUTER_JOB_STREAMS = 32
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "router"
     configure_logging(json=args.log == "json", process="router")
-    if not args.worker:
-        log.error("no workers: pass --worker HOST:PORT at least once")
+    if not args.worker and not args.worker_dns:
+        log.error("no workers: pass --worker HOST:PORT or --worker-dns NAME:PORT at least once")
         return 2
     stop = StopSignal()
     try:
@@ -69,14 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     except ReadieError as exc:
         log.error("cannot serve", error=str(exc))
         return 2
+    metrics = Metrics()  # the router's gRPC calls and placement; its workers export their own
     placement = Placement(
-        args.worker, probe_interval_s=args.probe_interval, max_sessions=args.max_sessions, security=to_workers
+        args.worker,
+        probe_interval_s=args.probe_interval,
+        max_sessions=args.max_sessions,
+        security=to_workers,
+        discovery=Discovery(args.worker_dns) if args.worker_dns else None,
+        dns_interval_s=args.dns_interval,
+        metrics=metrics,
     ).start()
+    metrics.watch_router(placement.discovered_workers)
     extra_services = []
     if setup is not None:
         servicer = PoolServicer(setup, placement)
         extra_services.append((POOL_SERVICE, lambda server: pool_pb2_grpc.add_PoolServicer_to_server(servicer, server)))
-    metrics = Metrics()  # the router's gRPC calls; its workers export their own
     try:
         serve_if_asked(metrics, args.metrics_listen)
         server = serve(
@@ -95,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot listen", address=args.listen, metrics=args.metrics_listen, error=str(exc))
         placement.close()
         return 1
-    log.info("router serving", address=server.address, workers=list(args.worker))
+    log.info("router serving", address=server.address, workers=list(args.worker), worker_dns=[str(n) for n in args.worker_dns])
     stop.wait()
     server.drain(args.drain_grace, args.drain_notice)
     return 0
@@ -135,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="readie router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="host:port to serve on")
     parser.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker to place jobs on")
+    parser.add_argument(
+        "--worker-dns", action="append", default=[], type=dns_name, metavar="NAME:PORT",
+        help="place jobs on every address NAME resolves to (e.g. a Kubernetes headless Service), re-resolved "
+        "every --dns-interval; repeatable, and may be combined with --worker",
+    )
+    parser.add_argument(
+        "--dns-interval", type=_positive_duration, default=DEFAULT_DNS_INTERVAL_S, metavar="DURATION",
+        help="time between resolutions of --worker-dns, e.g. 5s (default %(default)s seconds)",
+    )
     parser.add_argument("--name", default=None, help="what Capacity reports as this router's name")
     parser.add_argument("--probe-interval", type=duration_seconds, default=PROBE_INTERVAL_S, metavar="DURATION", help="time between worker probes, e.g. 1s or 200ms (default %(default)s seconds)")
     parser.add_argument("--drain-grace", type=duration_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="DURATION", help="how long running calls get on SIGTERM, e.g. 30s (default %(default)s seconds)")
@@ -158,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_argument(parser)
     add_client_arguments(parser, "worker", "the workers")
     return parser
+
+
+def _positive_duration(text: str) -> float:
+    value = duration_seconds(text)
+    if value <= 0:  # 0 would resolve in a busy loop
+        raise argparse.ArgumentTypeError("must be more than 0, e.g. 5s")
+    return value
 
 
 def _non_negative_int(text: str) -> int:

@@ -11,7 +11,9 @@ the library's global one, so tests can run several in one process
 an outcome from :data:`OUTCOMES`, a checkpoint from the manifest (a job
 naming another is refused before it is counted), a launcher from the three
 launchers, gRPC methods and codes from the service definition and
-``grpc.StatusCode``. docs/operations.md lists the metrics and example alerts.
+``grpc.StatusCode``, a router's probe outcome and eviction reason from
+:data:`PROBE_OUTCOMES` and :data:`EVICTION_REASONS`. docs/operations.md
+lists the metrics and example alerts.
 
 The endpoint has no authentication: metrics hold no secrets, but bind it to
 loopback or a private network.
@@ -52,6 +54,12 @@ _OUTCOME_OF_POOL_COUNTER = {
     "request_errors": "request_error",
     "worker_errors": "worker_error",
 }
+# A router's Capacity probe of a worker: answered, or not (a refusal, a timeout, no connection).
+PROBE_OUTCOMES = ("ok", "failed")
+# Why a router stopped placing work on a worker: it missed EVICT_AFTER_FAILURES
+# probes in a row; a call was lost with it (PoolWorkerError, a broken stream);
+# its address left the DNS answer of --worker-dns (the work on it finishes).
+EVICTION_REASONS = ("probes", "lost", "retired")
 # The launcher a pool's restore factory falls back to when a restore fails (launchers.py).
 COLD_LAUNCHER = "runsc-cold"
 
@@ -98,6 +106,12 @@ class Metrics:
         self.grpc_handled = Counter(
             "grpc_server_handled", "RPCs the gRPC server completed, by method and status code.", ["grpc_method", "grpc_code"], registry=r
         )
+        self.probes = Counter(
+            "readie_router_probes", "Capacity probes the router made of its workers, by outcome.", ["outcome"], registry=r
+        )
+        self.evictions = Counter(
+            "readie_router_evictions", "Workers the router stopped placing new work on, by reason.", ["reason"], registry=r
+        )
 
     # ---------------------------------------------------------------- recording
 
@@ -121,11 +135,26 @@ class Metrics:
     def rpc_handled(self, method: str, code: str) -> None:
         self.grpc_handled.labels(method, code).inc()
 
+    def placement_probed(self, outcome: str) -> None:
+        self.probes.labels(_closed(outcome, PROBE_OUTCOMES)).inc()
+
+    def worker_evicted(self, reason: str) -> None:
+        self.evictions.labels(_closed(reason, EVICTION_REASONS)).inc()
+
     # ---------------------------------------------------------------- read at scrape time
 
     def watch_worker(self, worker: Worker) -> None:
         """Warm sandboxes ready vs target, slots and sessions, read from ``worker`` at each scrape."""
         self.registry.register(_WorkerCollector(worker))
+
+    def watch_router(self, discovered: Callable[[], int]) -> None:
+        """A router's: its workers found by DNS, read at each scrape; its probe and eviction
+        counters shown at 0 from the start, so an alert's ``increase()`` sees the first one."""
+        for outcome in PROBE_OUTCOMES:
+            self.probes.labels(outcome)
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(reason)
+        self.registry.register(_RouterCollector(discovered))
 
     def watch_pool(self, stats: Callable[[], Any]) -> None:
         """``readie pool``'s own counters, from the engine's Stats (``stats()`` gives it, or None before start)."""
@@ -199,6 +228,17 @@ class _WorkerCollector(Collector):
         yield _gauge("readie_worker_sessions_max", "Sessions the worker keeps open at most.", capacity.max_sessions)
 
 
+class _RouterCollector(Collector):
+    def __init__(self, discovered: Callable[[], int]) -> None:
+        self._discovered = discovered
+
+    def collect(self) -> Iterator[Any]:
+        yield _gauge(
+            "readie_router_discovered_workers", "Workers found by --worker-dns and not retired (static --worker ones aside).",
+            self._discovered(),
+        )
+
+
 class _PoolCollector(Collector):
     def __init__(self, stats: Callable[[], Any]) -> None:
         self._stats = stats
@@ -217,6 +257,13 @@ class _PoolCollector(Collector):
         host = CounterMetricFamily("readie_pool_host_calls", "Host-function call events the pool wrote.")
         host.add_metric([], stats.host_calls if stats else 0)
         yield host
+
+
+def _closed(value: str, allowed: tuple[str, ...]) -> str:
+    """``value`` if it is one of the label set ``allowed``: a label outside it is a bug here, not data."""
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not one of {allowed}")
+    return value
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
