@@ -125,3 +125,36 @@ def test_the_flag_is_off_by_default_and_serves_when_given():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_failed_runsc_command_is_counted_by_subcommand_and_a_destroy_timed(tmp_path):
+    """A real runsc stand-in that fails every command (/bin/false): what the worker's runsc reports."""
+    from readie_worker.runsc import Runsc, RunscError
+
+    metrics = Metrics()
+    runsc = Runsc(root=tmp_path, binary="/bin/false", flags=("--platform=systrap",), checkpoint_flags=(), observer=metrics)
+    with pytest.raises(RunscError):
+        runsc.run("list", "--quiet")
+    with pytest.raises(RunscError):
+        runsc.run("--debug", "something-else")
+    with pytest.raises(RunscError):
+        # kill's failure is expected (the sandbox may be gone) and not counted; delete's is,
+        # and so is the list that asks whether the container is still there.
+        runsc.destroy("rd-none")
+    got = _samples(metrics)
+    assert sample(got, "readie_worker_runsc_command_failures_total", command="list") == 2
+    assert sample(got, "readie_worker_runsc_command_failures_total", command="other") == 1
+    assert sample(got, "readie_worker_runsc_command_failures_total", command="delete") == 1
+    assert sample(got, "readie_worker_runsc_command_failures_total", command="kill") == 0
+    assert sample(got, "readie_worker_sandbox_destroy_duration_seconds_count") == 0  # it raised: not a destroy
+
+
+def test_session_steps_and_destroys_are_counted():
+    metrics = Metrics()
+    metrics.step_finished("base", _outcome(0))
+    metrics.step_finished("base", _outcome(1))
+    metrics.sandbox_destroyed(0.08)
+    got = _samples(metrics)
+    assert sample(got, "readie_worker_session_steps_total", checkpoint="base", outcome="ok") == 1
+    assert sample(got, "readie_worker_session_steps_total", checkpoint="base", outcome="failed") == 1
+    assert sample(got, "readie_worker_sandbox_destroy_duration_seconds_bucket", le="0.1") == 1

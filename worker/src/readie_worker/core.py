@@ -114,7 +114,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
-        self.runsc = Runsc(root=config.state_dir, binary=config.runsc)
+        self.runsc = Runsc(root=config.state_dir, binary=config.runsc, observer=self.metrics)
         self._slots = threading.BoundedSemaphore(config.slots)
         self._busy = 0
         self._lock = threading.Lock()
@@ -290,7 +290,7 @@ class Worker:
                     ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local"
                 )
                 return SandboxSession(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
-            session = SandboxSession(job, sandbox, links, slot=self._slot, forget=self._forget_session)
+            session = SandboxSession(job, sandbox, links, slot=self._slot, forget=self._forget_session, observe=self.metrics.step_finished)
             with self._lock:
                 self._sessions.add(session)
                 closed = self._closed
@@ -343,9 +343,8 @@ class Worker:
         sandbox has them mounted (``grants.py``)."""
         pool = self.pools[job.checkpoint]
         if job.network or job.needs_own_mounts:
-            factory = self.networked[job.checkpoint] if job.network else pool.factory
             with self._hold_grants(job) as grants:
-                sandbox = factory.create(grants)
+                sandbox = pool.made_for_a_job(grants, self.networked[job.checkpoint] if job.network else None)
             # Unisolated, the job sees the host itself: links would be made on the host.
             links = grants.links if self.isolated else ()
         else:

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .errors import ErrorType
+from .runsc import RUNSC_COMMANDS
 
 if TYPE_CHECKING:
     from .core import Worker
@@ -74,6 +75,10 @@ QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # image (docs/benchmarks.md), a cold start 1.5-5x that, a struggling host
 # seconds: fine steps where restores fall, coarse ones for cold starts and the tail.
 SANDBOX_START_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Seconds. A destroy (SIGKILL of the sandbox, runsc delete) takes 57-130 ms here
+# (retire.py); a wedged sentry or a slow delete seconds, and runsc's own
+# timeout (30 s) is the top.
+SANDBOX_DESTROY_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
@@ -93,7 +98,7 @@ class Metrics:
         self.host_calls = Counter("readie_worker_host_calls", "Host-function calls jobs made.", ["checkpoint"], registry=r)
         self.sandbox_start = Histogram(
             "readie_worker_sandbox_start_duration_seconds",
-            "Time to make a warm pool's sandbox ready; launcher runsc-restore is a restore.",
+            "Time to make a sandbox ready (a warm pool's, or one made for a job's own mounts or network); launcher runsc-restore is a restore.",
             ["checkpoint", "launcher"], buckets=SANDBOX_START_BUCKETS_S, registry=r,
         )
         self.cold_fallbacks = Counter(
@@ -102,6 +107,18 @@ class Metrics:
         self.sandbox_start_failures = Counter(
             "readie_worker_sandbox_start_failures", "Sandboxes that could not be made at all (restore and cold start failed).",
             ["checkpoint"], registry=r,
+        )
+        self.session_steps = Counter(
+            "readie_worker_session_steps", "Session steps the worker ran (each session's first included), by checkpoint and outcome.",
+            ["checkpoint", "outcome"], registry=r,
+        )
+        self.sandbox_destroy = Histogram(
+            "readie_worker_sandbox_destroy_duration_seconds", "Time to kill and delete a sandbox (runsc).",
+            buckets=SANDBOX_DESTROY_BUCKETS_S, registry=r,
+        )
+        self.runsc_failures = Counter(
+            "readie_worker_runsc_command_failures", "runsc commands that exited non-zero or timed out, by subcommand.",
+            ["command"], registry=r,
         )
         self.grpc_handled = Counter(
             "grpc_server_handled", "RPCs the gRPC server completed, by method and status code.", ["grpc_method", "grpc_code"], registry=r
@@ -131,6 +148,15 @@ class Metrics:
 
     def sandbox_failed(self, checkpoint: str) -> None:
         self.sandbox_start_failures.labels(checkpoint).inc()
+
+    def step_finished(self, checkpoint: str, outcome: JobOutcome) -> None:
+        self.session_steps.labels(checkpoint, outcome_label(outcome)).inc()
+
+    def sandbox_destroyed(self, seconds: float) -> None:
+        self.sandbox_destroy.observe(seconds)
+
+    def runsc_failed(self, command: str) -> None:
+        self.runsc_failures.labels(_closed(command, (*RUNSC_COMMANDS, "other"))).inc()
 
     def rpc_handled(self, method: str, code: str) -> None:
         self.grpc_handled.labels(method, code).inc()

@@ -17,9 +17,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from . import _reaper
 from .errors import SandboxSetupError
@@ -52,6 +52,16 @@ STDERR_KEPT_BYTES = 16 * 1024
 # measured); past this the pipe is closed and its writers get EPIPE. An honest
 # sandbox writes a few lines.
 STDERR_READ_BYTES = 1024 * 1024
+# The runsc subcommands readie runs: the label set of a failed command (anything else: "other").
+RUNSC_COMMANDS = ("run", "restore", "checkpoint", "kill", "delete", "list", "state", "wait", "events", "flags")
+
+
+class RunscObserver(Protocol):
+    """Told what runsc did (``metrics.Metrics`` is one)."""
+
+    def runsc_failed(self, command: str) -> None: ...
+
+    def sandbox_destroyed(self, seconds: float) -> None: ...
 
 
 class RunscError(SandboxSetupError):
@@ -131,6 +141,8 @@ class Runsc:
     checkpoint_flags: tuple[str, ...] | None = None
     # Runs runsc inside another namespace, e.g. ("nsenter", "--net=/var/run/netns/N").
     prefix: tuple[str, ...] = ()
+    # Told of every failed command and every destroy's time (a worker's Metrics); kept by replace().
+    observer: RunscObserver | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.flags:
@@ -159,17 +171,23 @@ class Runsc:
         flags = tuple("--network=host" if flag.startswith("--network") else flag for flag in self.flags)
         return dataclasses.replace(self, flags=flags, prefix=("nsenter", f"--net={NETNS_DIR / namespace}"))
 
-    def run(self, *args: str, timeout: float = COMMAND_TIMEOUT_S, reaping: bool = False) -> str:
-        """Run a short runsc command and return its stdout."""
+    def run(self, *args: str, timeout: float = COMMAND_TIMEOUT_S, reaping: bool = False, counted: bool = True) -> str:
+        """Run a short runsc command and return its stdout; ``counted=False``: a failure here is expected."""
         self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile("w+") as stderr:
             try:
                 completed = _reaper.run(self.command(*args), stderr=stderr, timeout=timeout, reaping=reaping)
             except subprocess.TimeoutExpired:
+                self._failed(args, counted)
                 raise RunscError(args, None, _read(stderr)) from None
             if completed.returncode != 0:
+                self._failed(args, counted)
                 raise RunscError(args, completed.returncode, _read(stderr))
             return completed.stdout
+
+    def _failed(self, args: Sequence[str], counted: bool = True) -> None:
+        if counted and self.observer is not None:
+            self.observer.runsc_failed(args[0] if args and args[0] in RUNSC_COMMANDS else "other")
 
     def start_detached(self, args: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> Launched:
         """Start ``run --detach`` or ``restore --detach`` with pipes on the container's stdio.
@@ -189,9 +207,11 @@ class Runsc:
             launched.process.kill()
             launched.process.wait()
             launched.close()
+            self._failed(args)
             raise RunscError(args, None, launched.stderr.text()) from None
         if returncode != 0:
             launched.close()
+            self._failed(args)
             raise RunscError(args, returncode, launched.stderr.text(wait_s=STDERR_SETTLE_S))
         return launched
 
@@ -211,9 +231,10 @@ class Runsc:
         SIGKILLed from here: that works on a sentry too wedged (or stopped) to
         take ``runsc kill``'s request, and saves a runsc start (~20 ms CPU).
         """
+        started = time.monotonic()
         if pid_file is None or not kill_sandbox_process(container_id, pid_file):
             try:
-                self.run("kill", container_id, "KILL", reaping=True)
+                self.run("kill", container_id, "KILL", reaping=True, counted=False)
             except RunscError:
                 pass  # already stopped, or never started
         try:
@@ -221,6 +242,8 @@ class Runsc:
         except RunscError:
             if container_id in self.list_ids():
                 raise
+        if self.observer is not None:
+            self.observer.sandbox_destroyed(time.monotonic() - started)
 
     def oom_killed(self, container_id: str) -> bool:
         """Whether the kernel's OOM killer struck the container's memory cgroup (the backstop).

@@ -76,6 +76,7 @@ class SandboxSession:
         *,
         slot: Callable[[Cancellation], AbstractContextManager[None]],
         forget: Callable[[SandboxSession], None] = lambda session: None,
+        observe: Callable[[str, JobOutcome], None] = lambda checkpoint, outcome: None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
         self.job = job  # the setup; its code was the first step's
@@ -83,6 +84,7 @@ class SandboxSession:
         self._links = links
         self._slot = slot
         self._forget = forget
+        self._observe = observe  # every step's outcome (the worker's metrics)
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
         self.state = SessionState.OPENING if sandbox is not None else SessionState.ENDED
         self.steps = 0
@@ -163,6 +165,7 @@ class SandboxSession:
         # Raises only for the caller's mistakes (functions declared, no host); the
         # caller ends the session then, as after anything unexpected.
         outcome, ends = call_step(sandbox, step, self._links, host, cancel, output)
+        self._observe(step.checkpoint, outcome)
         doomed = None
         with self._lock:
             self.steps += 1

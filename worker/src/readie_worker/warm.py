@@ -25,6 +25,7 @@ import structlog
 
 from ._states import SandboxState
 from .errors import SandboxSetupError
+from .grants import NO_GRANTS, HeldGrants
 from .sandbox import Sandbox, SandboxFactory
 
 log = structlog.get_logger("readie.pool")
@@ -196,9 +197,14 @@ class WarmSandboxes:
                         self._ready.append(_Ready(sandbox, time.monotonic()))
                 self._changed.notify_all()
 
-    def _create(self) -> Sandbox:
+    def made_for_a_job(self, grants: HeldGrants, factory: SandboxFactory | None = None) -> Sandbox:
+        """A sandbox of this checkpoint made for one job (its own mounts, or ``factory``'s network),
+        not taken from the pool; told to the observer as the pool's own are."""
+        return self._create(grants, factory or self.factory)
+
+    def _create(self, grants: HeldGrants = NO_GRANTS, factory: SandboxFactory | None = None) -> Sandbox:
         try:
-            sandbox = self.factory.create()
+            sandbox = (factory or self.factory).create(grants)
         except Exception:
             if self._observer is not None:
                 self._observer.sandbox_failed(self.name)
