@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from readie_rpc.client import WorkerClient
+from readie_rpc.stubs import pool_pb2, pool_pb2_grpc
 from readie_rpc.stubs import worker_pb2 as pb
 from readie_rpc.testing import start_cluster
 from readie_worker.jobs import CodeJob, Step
@@ -58,11 +59,16 @@ def test_router_metrics_count_exactly_the_calls_it_handled(checkpoints):
         assert session.run_step(Step("print(x)")).outcome.stdout == "1\n"
         session.close()
         assert wait_until(lambda: sample(scrape(port), "grpc_server_handled_total", grpc_method="Interact", grpc_code="OK") == 2, 10)
+        # One Pool.Session stream: its lines answer a job, then its EOF ends the stream.
+        pool = pool_pb2_grpc.PoolStub(cluster.channel)
+        lines = list(pool.Session(iter([pool_pb2.PoolInput(data=b'{"id": 1, "code": "print(5)"}\n')]), timeout=60))
+        assert any(b'"stdout": "5\\n"' in line.line for line in lines), lines
+        assert wait_until(lambda: sample(scrape(port), "grpc_server_handled_total", grpc_method="Session", grpc_code="OK") == 1, 10)
         after = scrape(port)
         # A job that raised is still an answered call: OK at the gRPC level.
         assert sample(after, "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 3
         handled = {labels: value for (name, labels), value in after.items() if name == "grpc_server_handled_total" and value}
-        assert sum(handled.values()) == 5, handled  # nothing else was called on the router
+        assert sum(handled.values()) == 6, handled  # nothing else was called on the router
         assert placement_samples(after) == placement_samples(start)  # jobs and a session probe nobody
     finally:
         client.close()

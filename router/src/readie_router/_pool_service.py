@@ -20,9 +20,11 @@ import grpc
 import structlog
 from readie_worker.cancel import NEVER, Cancellation
 
+from readie_rpc.grpc_service import CallLog
 from readie_rpc.stubs import pool_pb2 as pb
 from readie_rpc.stubs import pool_pb2_grpc as pb_grpc
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
+from readie_worker.metrics import Metrics
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
@@ -86,9 +88,10 @@ class _ResponseSink:
 
 
 class PoolServicer(pb_grpc.PoolServicer):
-    def __init__(self, setup: PoolSetup, runner: JobRunner) -> None:
+    def __init__(self, setup: PoolSetup, runner: JobRunner, metrics: Metrics | None = None) -> None:
         self._setup = setup
         self._runner = runner
+        self._metrics = metrics  # the session stream counted with the Worker service's calls
 
     def Session(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext) -> Iterator[pb.PoolOutput]:
         lines: queue.Queue[bytes | None] = queue.Queue(MAX_UNREAD_LINES)
@@ -102,8 +105,9 @@ class PoolServicer(pb_grpc.PoolServicer):
             finally:
                 lines.put(_END)
 
-        thread = threading.Thread(target=serve, name="pool-session", daemon=True)
-        thread.start()
-        while (line := lines.get()) is not _END:
-            yield pb.PoolOutput(line=line)
-        thread.join()
+        with CallLog("Session", context, metrics=self._metrics):
+            thread = threading.Thread(target=serve, name="pool-session", daemon=True)
+            thread.start()
+            while (line := lines.get()) is not _END:
+                yield pb.PoolOutput(line=line)
+            thread.join()

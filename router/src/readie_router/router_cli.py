@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics.watch_router(placement.discovered_workers)
     extra_services = []
     if setup is not None:
-        servicer = PoolServicer(setup, placement)
+        servicer = PoolServicer(setup, placement, metrics)
         extra_services.append((POOL_SERVICE, lambda server: pool_pb2_grpc.add_PoolServicer_to_server(servicer, server)))
     try:
         serve_if_asked(metrics, args.metrics_listen)
