@@ -19,7 +19,6 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from readie_rpc.stubs import worker_pb2 as pb
 from readie_rpc.stubs import worker_pb2_grpc as pb_grpc
 from readie_rpc.testing import SERVING, WorkerProcess, ceiling_file, stop_worker
+from readie_rpc.testing import start_worker as start_testing_worker
 from readie_worker.runsc import Runsc
 from readie_worker.testing import free_port, readie_command, sample, scrape, wait_until
 
@@ -85,30 +85,11 @@ def resolved(name: str) -> set[str]:
 def start_worker(base: Path, ip: str, port: int) -> tuple[WorkerProcess, int]:
     """A ``readie worker`` on ``ip:port``, serving once this returns, with its /metrics port."""
     metrics_port = free_port()
-    base.mkdir(parents=True)
-    log_path = base / "worker.log"
-    command = [
-        *readie_command(), "worker", f"--listen={ip}:{port}", f"--checkpoints={CHECKPOINTS}",
-        f"--state-dir={base / 'state'}", f"--run-dir={base / 'run'}", "--warm=base=1", "--slots=2",
-        f"--name=worker-{ip}", "--drain-grace=20", "--drain-notice=0", "--log=json",
-        f"--metrics-listen=127.0.0.1:{metrics_port}",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    worker = WorkerProcess(process, port, base / "state", log_path, grpc.insecure_channel(f"{ip}:{port}"))
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"worker exited {process.returncode} at start:\n{log_path.read_text()}")
-        try:
-            if worker.health_status() == SERVING:
-                return worker, metrics_port
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"worker not serving after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}")
-        time.sleep(0.1)
+    worker = start_testing_worker(
+        base, f"worker-{ip}", CHECKPOINTS / "manifest.json", warm="base=1", slots=2, host=ip, port=port,
+        args=[f"--metrics-listen=127.0.0.1:{metrics_port}"],
+    )
+    return worker, metrics_port
 
 
 def ok_jobs(metrics_port: int) -> float:

@@ -92,19 +92,21 @@ def start_worker(
     *,
     args: Iterable[str] = (),
     security: ClientSecurity = ClientSecurity(),
+    host: str = "127.0.0.1",
+    port: int | None = None,
 ) -> WorkerProcess:
-    """A ``readie worker`` process on a free loopback port, serving once this returns.
+    """A ``readie worker`` process on ``host:port`` (by default a free loopback port), serving once this returns.
 
     ``args`` are further flags (``--config``, ``--token-file``, ...);
     ``security`` is how the returned channel reaches it.
     """
-    port = free_port()
+    port = port or free_port()
     base.mkdir(parents=True, exist_ok=True)
     state_dir, run_dir, log_path = base / "state", base / "run", base / "worker.log"
     command = [
         *readie_command(),
         "worker",
-        f"--listen=127.0.0.1:{port}",
+        f"--listen={host}:{port}",
         f"--manifest={manifest}",
         f"--state-dir={state_dir}",
         f"--run-dir={run_dir}",
@@ -118,7 +120,7 @@ def start_worker(
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    worker = WorkerProcess(process, port, state_dir, log_path, security.channel(f"127.0.0.1:{port}"))
+    worker = WorkerProcess(process, port, state_dir, log_path, security.channel(f"{host}:{port}"))
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if process.poll() is not None:
