@@ -7,7 +7,7 @@ UV := uv
 RUN := $(UV) run --frozen --python $(PYTHON_VERSION)
 CHECKPOINTS := build/checkpoints
 
-.PHONY: help setup deps rootfs capture test test-fast fixtures proto run bench bench-smoke clean
+.PHONY: help setup deps rootfs capture test test-fast fixtures proto run bench bench-smoke soak clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -38,6 +38,9 @@ test-fast: deps ## run the tests that need no gVisor
 
 bench: capture ## run the benchmarks (~10 min), write build/bench/latest.json
 	$(RUN) python -m bench.run --output build/bench/latest.json
+
+soak: capture ## the soak at bench size (~1 h: 20,000 jobs, 64 sessions), print the leak curve, write build/bench/soak.json
+	$(RUN) python -m bench.run --only soak --output build/bench/soak.json
 
 bench-smoke: capture ## one iteration of every benchmark scenario (< 1 min), write build/bench/smoke.json
 	$(RUN) python -m bench.run --smoke --output build/bench/smoke.json

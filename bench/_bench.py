@@ -67,6 +67,13 @@ class Settings:
     session_steps: int = 12
     # Scenario 5: calls in one task (timed inside the sandbox, so cheap to have many).
     host_calls: int = 50
+    # Scenario 12, the soak (issue 17's bench size): jobs and concurrent session clients
+    # through one readie pool, sampled 20 times. At ~6 jobs/s on two cores (scenario 3)
+    # 20,000 jobs take about an hour: the soak is most of a full run (docs/benchmarks.md).
+    soak_jobs: int = 20_000
+    soak_sessions: int = 64
+    # Sessions each session client opens in turn: 1,280 sessions' restores beside the jobs'.
+    soak_session_rounds: int = 20
     # Job slots of the pools and the worker; two cores run about two jobs at once.
     slots: int = 2
     settle_timeout_s: float = 5.0
@@ -88,6 +95,9 @@ SMOKE = Settings(
     memory_cold=False,
     session_steps=1,
     host_calls=3,
+    soak_jobs=20,
+    soak_sessions=2,
+    soak_session_rounds=1,
     settle_timeout_s=2.0,
     smoke_scope=True,
 )

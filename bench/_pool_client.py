@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,16 @@ class PoolClient:
 
     @classmethod
     def start(
-        cls, manifest: Path, preimport: tuple[str, ...], workers: int, log_path: Path, router: str | None = None
+        cls,
+        manifest: Path,
+        preimport: tuple[str, ...],
+        workers: int,
+        log_path: Path,
+        router: str | None = None,
+        args: Sequence[str] = (),
     ) -> PoolClient:
-        """``router`` (HOST:PORT): ``readie pool --router``, its jobs and sessions run on the router's workers."""
+        """``router`` (HOST:PORT): ``readie pool --router``, its jobs and sessions run on the router's workers;
+        ``args``: further flags (``--state-dir``, ``--max-sessions``)."""
         command = [
             *readie_command(),
             "pool",
@@ -86,6 +93,7 @@ class PoolClient:
             f"--preload={','.join(preimport)}",
             f"--checkpoints={manifest}",
             *([f"--router={router}"] if router else []),
+            *args,
         ]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)

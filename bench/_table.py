@@ -29,6 +29,7 @@ def render(result: dict[str, Any]) -> str:
         ("9. a warm-pool job's phases, ms p50 (p95), in process", "phases", _phases),
         ("10. Debian 12's runsc beside the default one", "old_runsc", _old_runsc),
         ("11. streamed output, ms p50 (p95)", "stream", _stream),
+        ("12. soak: what the pool holds as jobs and sessions go by", "soak", _soak),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -117,6 +118,21 @@ def _stream(entry: dict[str, Any]) -> list[str]:
     return [f"  {entry['what']} ({entry['checkpoint']}): plain {_ms(entry['plain_ms'])}, stream "
             f"{_ms(entry['stream_ms'])}, stream/plain {_x(entry['stream_over_plain'])}, "
             f"{entry['output_events_per_job']} events a job"]
+
+
+def _soak(entry: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            sample["jobs_done"], sample["sessions_done"], f"{sample['elapsed_s']:.0f}",
+            sample["processes"]["pool"]["fds"], sample["processes"]["pool"]["threads"],
+            f"{sample['processes']['pool']['rss_kib'] / 1024:.1f}",
+            sample["containers"], sample["sandbox_dirs"], sample["cgroups"], sample["empty_cgroups"], sample["netns"],
+        ]
+        for sample in entry["curve"]
+    ]
+    headers = ("jobs", "sessions", "s", "fds", "threads", "RSS MiB", "containers", "sandbox dirs", "cgroups", "empty", "netns")
+    failures = f", {len(entry['failures'])} failed requests (first: {entry['failures'][0]})" if entry["failures"] else ""
+    return [f"  {entry['what']}{failures}; first and last rows at rest", *_grid(headers, rows)]
 
 
 def _memory(entry: dict[str, Any]) -> list[str]:

@@ -29,7 +29,7 @@ from readie_worker.manifest import MANIFEST_NAME
 from . import _machine
 from ._bench import FULL, SMOKE, Bench
 from ._table import render
-from .scenarios import SCENARIOS
+from .scenarios import ON_DEMAND, SCENARIOS
 
 SCHEMA_VERSION = 1
 DEFAULT_OUTPUT = Path("build/bench/latest.json")
@@ -84,7 +84,7 @@ def measure(manifest: Path, smoke: bool, only: set[str] | None) -> dict[str, Any
     try:
         result["machine"] = _machine.describe(bench.manifest)
         for name, module, entries in SCENARIOS:
-            if only is not None and name not in only:
+            if (only is not None and name not in only) or (only is None and not smoke and name in ON_DEMAND):
                 continue
             began = time.monotonic()
             try:

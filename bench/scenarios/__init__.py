@@ -7,7 +7,7 @@ figures that combine two (restore time vs image size uses scenario 1).
 
 from __future__ import annotations
 
-from . import later, latency, memory, old_runsc, phases, router, scaling, throughput
+from . import later, latency, memory, old_runsc, phases, router, scaling, soak, throughput
 
 # (what --only calls it, module, entries it produces)
 SCENARIOS = (
@@ -19,4 +19,8 @@ SCENARIOS = (
     ("router", router, ("router_hop",)),
     ("phases", phases, ("phases",)),
     ("old_runsc", old_runsc, ("old_runsc",)),
+    ("soak", soak, ("soak",)),
 )
+#: Run only when named (``--only soak``, ``make soak``) or in the smoke run: at the
+#: bench's size the soak takes about an hour, and ``make bench`` has ten minutes.
+ON_DEMAND = frozenset({"soak"})
