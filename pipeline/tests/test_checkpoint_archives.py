@@ -11,6 +11,7 @@ import io
 import json
 import os
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ def good_members() -> list[tuple[tarfile.TarInfo, bytes]]:
 def write_archive(path: Path, listing: list[dict], members: list[tuple[tarfile.TarInfo, bytes]], **digest: object) -> Path:
     raw = {"format": "readie-checkpoints", "format_version": 1, "created_at": "", "host": HOST, "members": listing, **digest}
     data = json.dumps(raw).encode()
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         first = tarfile.TarInfo("readie-checkpoints.json")
         first.size = len(data)
         tar.addfile(first, io.BytesIO(data))
@@ -115,7 +116,10 @@ def refused(tmp_path: Path, cache: Path, listing, members, error: type[Exception
 def test_a_good_archive_installs_and_names_this_caches_rootfs(tmp_path, cache):
     archive = write_archive(tmp_path / "good.tar", good_listing(), good_members())
     imported = import_checkpoints(archive, cache, check_host=False)
-    rootfs = cache / "rootfs" / "5e5e5e5e5e5e5e5e" / "rootfs"
+    # Named by its content, never by the fingerprint it claims: a capture here builds its own.
+    (layer,) = (cache / "rootfs").iterdir()
+    assert layer.name.startswith("imported-") and "5e5e5e5e" not in layer.name
+    rootfs = layer / "rootfs"
     assert imported.rootfs == rootfs.resolve() and not imported.rootfs_reused
     assert (rootfs / "usr" / "hello").read_bytes() == HELLO
     assert os.readlink(rootfs / "bin") == "usr/bin"
@@ -241,15 +245,55 @@ def test_a_name_over_the_limit_is_refused(tmp_path, cache):
     refused(tmp_path, cache, [*good_listing(), entry(long, "file", b"")], good_members(), ArchiveTooLarge, "over the limit of 1024")
 
 
-def test_a_giant_tar_header_is_refused_before_it_is_read(tmp_path, cache):
-    # A pax header claiming 100 MB: tarfile would allocate it whole.
-    header = tarfile.TarInfo("././@PaxHeader")
-    header.type, header.size = tarfile.XHDTYPE, 100 * 1024 * 1024
+@pytest.mark.parametrize(
+    ("kind", "size", "error", "match"),
+    [
+        # A long name claiming 100 MB: tarfile would allocate it whole.
+        (tarfile.GNUTYPE_LONGNAME, 100 * 1024 * 1024, ArchiveTooLarge, "long-name header"),
+        (tarfile.GNUTYPE_LONGNAME, 64 * 1024, ArchiveTooLarge, "long-name header"),
+        # Any pax header: tarfile parses its records with a quadratic regex (CVE-2024-6232)
+        # and copies a global one into every later member (the attacker read's H1, H2).
+        (tarfile.XHDTYPE, 64 * 1024, ArchiveFormatError, "pax headers"),
+        (tarfile.XGLTYPE, 100, ArchiveFormatError, "pax headers"),
+        (tarfile.GNUTYPE_SPARSE, 0, ArchiveFormatError, "sparse"),
+    ],
+)
+def test_a_costly_tar_header_is_refused_before_it_is_parsed(tmp_path, cache, kind, size, error, match):
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = kind, size
     block = header.tobuf(format=tarfile.USTAR_FORMAT)
-    (tmp_path / "giant.tar").write_bytes(block + b"\0" * 4096)
-    with pytest.raises(ArchiveTooLarge, match="a read of"):
-        import_checkpoints(tmp_path / "giant.tar", cache, check_host=False)
+    (tmp_path / "costly.tar").write_bytes(block + b"1" * min(size, 70_000) + b"\0" * 4096)
+    started = time.monotonic()
+    with pytest.raises(error, match=match):
+        import_checkpoints(tmp_path / "costly.tar", cache, check_host=False)
+    assert time.monotonic() - started < 2  # a 64 KiB pax record took tarfile 25 s
     assert os.listdir(cache) == []
+
+
+@pytest.mark.parametrize("name", ["rootfs/a\nb", "rootfs/\x1b[31mred", "rootfs/del\x7f"])
+def test_a_control_character_in_a_name_is_refused(tmp_path, cache, name):
+    listing = [*good_listing(), entry(name, "file", b"x")]
+    refused(tmp_path, cache, listing, [*good_members(), tar_member(name, tarfile.REGTYPE, b"x")], UnsafeMember, "control character")
+
+
+def test_a_rootfs_changed_where_a_listing_does_not_look_is_not_reused(tmp_path, cache):
+    archive = write_archive(tmp_path / "good.tar", good_listing(), good_members())
+    first = import_checkpoints(archive, cache, check_host=False)
+    os.chmod(first.rootfs / "usr" / "hello", 0o4755)  # setuid: the listing masks modes with 0755
+    with pytest.raises(ArchiveError, match="changed since it was imported.*mode"):
+        import_checkpoints(archive, cache, check_host=False)
+    os.chmod(first.rootfs / "usr" / "hello", 0o755)
+    os.link(first.rootfs / "usr" / "hello", tmp_path / "outside")
+    with pytest.raises(ArchiveError, match="2 links"):
+        import_checkpoints(archive, cache, check_host=False)
+
+
+def test_a_mount_plan_past_its_bound_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="integer from 0 to"):
+        MountPlan.from_json({"read": 10**8, "write": 4, "packages": 2})
+    with pytest.raises(ValueError):
+        MountPlan.from_json({"read": True, "write": "4", "packages": 2})
+    assert MountPlan.from_json({"read": 4, "write": 4, "packages": 2}) == MountPlan()
 
 
 def test_not_a_tar_and_not_our_format_are_refused(tmp_path, cache):
@@ -326,7 +370,7 @@ def test_the_same_archive_twice_reuses_the_rootfs_and_refuses_a_changed_one(tmp_
     second = import_checkpoints(archive, cache, check_host=False)
     assert second.rootfs_reused and second.set_dir == first.set_dir
     (first.rootfs / "usr" / "hello").write_bytes(b"changed on this host\n")
-    with pytest.raises(ArchiveError, match="a different rootfs with the same fingerprint"):
+    with pytest.raises(ArchiveError, match="changed since it was imported"):
         import_checkpoints(archive, cache, check_host=False)
 
 

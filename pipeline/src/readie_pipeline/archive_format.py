@@ -56,6 +56,9 @@ MAX_LINK_BYTES = 1024
 #: long-name or pax header, our 1 MiB copy blocks. A header claiming more is
 #: an attack on memory (tarfile would allocate it), refused before the read.
 MAX_READ_BYTES = 8 * 1024 * 1024
+# A GNU long-name or long-link header's data: a name or a link target, each at most
+# MAX_NAME_BYTES / MAX_LINK_BYTES, and a NUL. Checked before tarfile reads it.
+MAX_LONG_HEADER_BYTES = max(MAX_NAME_BYTES, MAX_LINK_BYTES) + 1
 #: Permission bits kept on install: no setuid/setgid/sticky (a setuid-root
 #: file in a cache would be a way onto the host), no group/other write
 #: (locations.check_owned refuses those). The sandbox runs as root anyway.
@@ -204,8 +207,9 @@ def check_name(path: str) -> tuple[str, ...]:
         raise ArchiveTooLarge(f"member name {path[:80]!r}... is {len(encoded)} bytes, over the limit of {MAX_NAME_BYTES}")
     if path.startswith("/"):
         raise UnsafeMember(f"member {path!r} has an absolute name")
-    if "\0" in path:
-        raise UnsafeMember(f"member {path!r} has a NUL in its name")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in path):
+        # NUL, newlines, escapes: a name that rewrites an operator's terminal or log line.
+        raise UnsafeMember(f"member {path!r} has a control character in its name")
     parts = tuple(path.split("/"))
     if any(part in ("", ".", "..") for part in parts):
         raise UnsafeMember(f"member {path!r} is not a normal relative name (empty, '.' or '..' components)")
@@ -237,8 +241,9 @@ def _checked(digest: Digest) -> Digest:
     for top in TOP_LEVEL:
         if top not in by_path:
             raise MissingMember(f"the digest manifest lists no {top}/ directory")
-    if f"{SET_PREFIX}/manifest.json" not in by_path:
-        raise MissingMember(f"the digest manifest lists no {SET_PREFIX}/manifest.json")
+    manifest = by_path.get(f"{SET_PREFIX}/manifest.json")
+    if manifest is None or manifest.type != FILE:
+        raise MissingMember(f"the digest manifest lists no {SET_PREFIX}/manifest.json file")
     if digest.total_bytes > MAX_TOTAL_BYTES:
         raise ArchiveTooLarge(f"the archive holds {digest.total_bytes} bytes, over the limit of {MAX_TOTAL_BYTES}")
     return Digest(digest.format_version, digest.created_at, digest.host, digest.members, digest.skipped, by_path)

@@ -45,7 +45,7 @@ from .archive_format import (
     check_name,
 )
 from .archive_tree import BLOCK_BYTES, list_tree
-from .rootfs import STAMP, _stamp_matches
+from .rootfs import STAMP, stamp_matches
 
 log = structlog.get_logger("readie.checkpoints")
 
@@ -89,7 +89,7 @@ def export_checkpoints(manifest_path: Path, output: Path) -> Exported:
             verify_image(checkpoint)
         except CheckpointUnusable as exc:
             raise ArchiveError(f"not exporting a damaged set: {exc}") from None
-    if not _stamp_matches(manifest.rootfs.parent / STAMP, manifest.rootfs_fingerprint):
+    if not stamp_matches(manifest.rootfs.parent / STAMP, manifest.rootfs_fingerprint):
         raise ArchiveError(
             f"the rootfs {manifest.rootfs} is missing or is not the one the set was captured from "
             f"(no {STAMP} beside it naming {manifest.rootfs_fingerprint[:23]}...): recapture (make capture)"
@@ -132,7 +132,11 @@ def _write_atomically(output: Path, digest: Digest, sources: dict[str, Path | by
     fd, temporary = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            # GNU, not pax: long names as GNU long-name headers. The importer refuses pax
+            # headers, whose parsing in tarfile is quadratic (CVE-2024-6232) and whose
+            # records tarfile copies into every later member; the exact mtimes and modes
+            # are in the digest manifest, not in the tar headers.
+            with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
                 data = digest.to_bytes()
                 tar.addfile(_info(_bytes_member(DIGEST_NAME, data)), _Hashing(_BytesReader(data), None, DIGEST_NAME))
                 for member in digest.members:

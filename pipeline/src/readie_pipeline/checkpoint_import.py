@@ -46,7 +46,9 @@ from .archive_format import (
     DIGEST_NAME,
     DIR,
     FILE,
+    KEPT_MODE_BITS,
     MAX_DIGEST_BYTES,
+    MAX_LONG_HEADER_BYTES,
     MAX_MEMBERS,
     MAX_READ_BYTES,
     MAX_TOTAL_BYTES,
@@ -68,7 +70,7 @@ from .archive_format import (
 )
 from .archive_tree import BLOCK_BYTES, TreeWriter, list_tree, same_tree
 from .checkpoint_verify import host_problems, verify_manifest
-from .rootfs import STAMP, _stamp_matches
+from .rootfs import IMPORTED_LAYER_PREFIX, STAMP, stamp_matches
 
 log = structlog.get_logger("readie.checkpoints")
 
@@ -177,19 +179,42 @@ class _Bounded:
         return self._file.tell()
 
 
+class _StrictTarInfo(tarfile.TarInfo):
+    """tarfile's header parsing, less what a hostile archive can make costly: pax headers
+    (a quadratic regex over their records, CVE-2024-6232, and records copied into every
+    later member), GNU sparse maps, and long-name headers longer than a name can be."""
+
+    def _proc_pax(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        raise ArchiveFormatError(f"the tar has pax headers (near {self.name!r}); readie writes GNU tar")
+
+    def _proc_sparse(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        raise ArchiveFormatError(f"member {self.name!r} is a sparse file")
+
+    def _proc_gnulong(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        if self.size > MAX_LONG_HEADER_BYTES:
+            raise ArchiveTooLarge(f"a long-name header of {self.size} bytes, over the limit of {MAX_LONG_HEADER_BYTES}")
+        return super()._proc_gnulong(tarfile)  # type: ignore[misc]
+
+
+# What tarfile raises for headers it cannot make sense of, beyond its own TarError.
+_DAMAGED = (tarfile.TarError, EOFError, UnicodeError, ValueError, IndexError, OverflowError)
+
+
 def _open_tar(reader: _Bounded) -> tarfile.TarFile:
     try:
         # mode "r" of the class itself: a plain tar only, no compression guessed.
-        return tarfile.TarFile(fileobj=reader, mode="r")  # type: ignore[arg-type]
-    except tarfile.TarError as exc:
+        return tarfile.TarFile(fileobj=reader, mode="r", tarinfo=_StrictTarInfo)  # type: ignore[arg-type]
+    except _DAMAGED as exc:
         raise ArchiveFormatError(f"not a plain tar archive: {exc}") from None
 
 
 def _next(tar: tarfile.TarFile) -> tarfile.TarInfo | None:
     try:
-        return tar.next()
-    except (tarfile.TarError, EOFError, UnicodeError) as exc:
+        info = tar.next()
+    except _DAMAGED as exc:
         raise ArchiveFormatError(f"the tar is damaged: {exc}") from None
+    tar.members.clear()  # read once, in order: tarfile would keep every header for the archive's life
+    return info
 
 
 def _read_digest(tar: tarfile.TarFile) -> tuple[Digest, bytes]:
@@ -217,10 +242,19 @@ def _read_all(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
 
 
 def _layer_dir(cache: Path, digest: Digest) -> Path:
+    """Where the archive's rootfs goes: named by its content, not by the fingerprint it claims.
+
+    Under the fingerprint's name (as ``readie_pipeline.rootfs`` names the layers it
+    builds) a capture on this host would take an imported tree for its own build, and
+    a first archive claiming a fingerprint would squat it for every later one.
+    """
     fingerprint = digest.host.rootfs_fingerprint
     if not _FINGERPRINT.fullmatch(fingerprint):
         raise ArchiveFormatError(f"the rootfs fingerprint {fingerprint[:80]!r} is not sha256:<64 hex>")
-    return cache / "rootfs" / fingerprint[7:23]  # as readie_pipeline.rootfs names its layers
+    content = hashlib.sha256()
+    for member in _rootfs_members(digest):
+        content.update(json.dumps([member.path, member.type, member.mode, member.size, member.sha256, member.target]).encode())
+    return cache / "rootfs" / f"{IMPORTED_LAYER_PREFIX}{content.hexdigest()[:16]}"
 
 
 def _rootfs_members(digest: Digest) -> list[Member]:
@@ -231,18 +265,38 @@ def _reusable(layer: Path, digest: Digest) -> bool:
     """An installed rootfs of the same fingerprint is reused only if it is the archive's tree, byte for byte."""
     if not os.path.lexists(layer):
         return False
-    if not _stamp_matches(layer / STAMP, digest.host.rootfs_fingerprint):
+    if not stamp_matches(layer / STAMP, digest.host.rootfs_fingerprint):
         raise ArchiveError(f"{layer} exists but is not a finished rootfs of this fingerprint; remove it, then import again")
+    check_owned(layer, "an installed rootfs")
     found, _ = list_tree(layer / ROOTFS_PREFIX, ROOTFS_PREFIX)
-    differences = same_tree(_rootfs_members(digest), found)
+    differences = same_tree(_rootfs_members(digest), found) + _changed_since_installed(layer / ROOTFS_PREFIX)
     if differences:
         raise ArchiveError(
-            f"a different rootfs with the same fingerprint is installed at {layer} ({len(differences)} differences, "
-            f"first: {'; '.join(differences[:3])}); these checkpoints need the archive's own: import with "
-            "--into another cache, or remove it"
+            f"the rootfs installed at {layer} was changed since it was imported ({len(differences)} differences, "
+            f"first: {'; '.join(differences[:3])}); these checkpoints need the archive's own: remove it, or "
+            "import with --into another cache"
         )
     log.info("reusing the installed rootfs", layer=str(layer))
     return True
+
+
+def _changed_since_installed(root: Path) -> list[str]:
+    """What a listing does not show but an install never makes: mode bits beyond the kept ones
+    (setuid, group or world write), another owner, a file hard-linked elsewhere."""
+    allowed, problems = {0, os.geteuid()}, []
+    for directory, dirs, files in os.walk(root):  # does not follow symlinks to directories
+        for name in (*dirs, *files):
+            info = os.lstat(os.path.join(directory, name))
+            where = os.path.relpath(os.path.join(directory, name), root)
+            if info.st_uid not in allowed:
+                problems.append(f"{where} belongs to uid {info.st_uid}")
+            if not stat.S_ISLNK(info.st_mode) and stat.S_IMODE(info.st_mode) & ~KEPT_MODE_BITS:
+                problems.append(f"{where} has mode {stat.filemode(info.st_mode)}")
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                problems.append(f"{where} has {info.st_nlink} links")
+            if len(problems) >= 3:
+                return problems
+    return problems
 
 
 def _extract(tar: tarfile.TarFile, digest: Digest, staging: Path, *, skip_rootfs: bool) -> None:

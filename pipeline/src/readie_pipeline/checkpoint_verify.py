@@ -22,7 +22,7 @@ from readie_worker.manifest import Manifest, checkpoints_for, platform_of, read_
 from readie_worker.runsc import Runsc, features
 
 from .archive_format import HostFacts
-from .rootfs import STAMP, _stamp_matches
+from .rootfs import STAMP, stamp_matches
 
 ALL = "*"  # the key of a problem that concerns every checkpoint of the set
 
@@ -124,7 +124,7 @@ def verify_manifest(path: Path, binary: str = "runsc") -> Verdict:
     rootfs = manifest.rootfs
     if not rootfs.is_dir():
         found.setdefault(ALL, []).append(f"the rootfs {rootfs} is not there; import the set's archive (readie checkpoints import)")
-    elif not _stamp_matches(rootfs.parent / STAMP, manifest.rootfs_fingerprint):
+    elif not stamp_matches(rootfs.parent / STAMP, manifest.rootfs_fingerprint):
         found.setdefault(ALL, []).append(
             f"the rootfs {rootfs} is not the one the set was captured from: its {STAMP} does not name "
             f"{manifest.rootfs_fingerprint}"

@@ -46,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.action == "import":
             cache = args.into or cache_dir()
-            imported = import_checkpoints(args.archive, cache, runsc_binary=args.runsc, check_host=not args.no_host_check)
+            # --no-host-check stages a set for another host: this host's default does not move to it.
+            imported = import_checkpoints(
+                args.archive, cache, runsc_binary=args.runsc, check_host=not args.no_host_check, link=not args.no_host_check
+            )
             moved = "" if imported.captured_rootfs == str(imported.rootfs) else f" (captured at {imported.captured_rootfs})"
             _say(
                 f"imported {args.archive} in {time.monotonic() - started:.1f} s: set {imported.set_dir}, rootfs "
                 f"{imported.rootfs}{moved}{', already installed' if imported.rootfs_reused else ''}; "
-                f"{imported.linked or cache / 'checkpoints'} -> {imported.set_dir}"
+                + (f"{imported.linked or cache / 'checkpoints'} -> {imported.set_dir}" if not args.no_host_check else "not made the default")
             )
             return 0
         located = locate_checkpoints(args.checkpoints)

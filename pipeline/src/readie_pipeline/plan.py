@@ -7,14 +7,12 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from readie_worker.bundle import MountPlan
+from readie_worker.bundle import MAX_SLOTS, MountPlan
 
 DEFAULT_PLAN = Path(__file__).with_name("checkpoints.toml")
 # Checkpoint names become directory names and pool names.
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-# Slot counts bound the mounts in every sandbox's spec.
-MAX_SLOTS = 16
 
 
 class PlanError(ValueError):

@@ -97,7 +97,7 @@ def _layer(
     report: Callable[[str], None] | None,
 ) -> Path:
     stamp = directory / STAMP
-    if _stamp_matches(stamp, fingerprint):
+    if stamp_matches(stamp, fingerprint):
         return directory
     if directory.exists():
         shutil.rmtree(directory)  # a half-built or foreign layer is never trusted
@@ -119,7 +119,12 @@ def _layer(
     return directory
 
 
-def _stamp_matches(stamp: Path, fingerprint: str) -> bool:
+#: Layers ``readie checkpoints import`` installed, named by their content: never taken for
+#: a build of the same fingerprint (a capture here builds its own), never pruned.
+IMPORTED_LAYER_PREFIX = "imported-"
+
+
+def stamp_matches(stamp: Path, fingerprint: str) -> bool:
     try:
         return json.loads(stamp.read_text()).get("fingerprint") == fingerprint
     except (OSError, ValueError, AttributeError):
@@ -183,7 +188,11 @@ def _sandbox_python_version(rootfs: Path) -> str:
 
 
 def _prune(layers: Path, keep: Path) -> None:
-    others = [p for p in layers.iterdir() if p.is_dir() and p != keep and not p.name.startswith(".")]
+    # Imported layers (readie checkpoints import) are an imported set's, never this cache's to drop.
+    others = [
+        p for p in layers.iterdir()
+        if p.is_dir() and p != keep and not p.name.startswith((".", IMPORTED_LAYER_PREFIX))
+    ]
     others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in others[KEEP_OLD_LAYERS:]:
         shutil.rmtree(stale, ignore_errors=True)

@@ -53,6 +53,11 @@ def serve_env(preimport: tuple[str, ...]) -> dict[str, str]:
     }
 
 
+#: Slots of one kind a plan may have: every slot is a bind mount in every sandbox of the
+#: family, and a manifest is read from disk (an imported one from another host).
+MAX_SLOTS = 16
+
+
 @dataclass(frozen=True)
 class MountPlan:
     """How many grant and package slots every sandbox of a checkpoint family has."""
@@ -87,7 +92,11 @@ class MountPlan:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, object]) -> MountPlan:
-        return cls(int(raw["read"]), int(raw["write"]), int(raw["packages"]))  # type: ignore[arg-type]
+        """The plan a manifest records; ValueError for counts that are not 0 to MAX_SLOTS integers."""
+        counts = [raw[key] for key in ("read", "write", "packages")]
+        if any(isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_SLOTS for count in counts):
+            raise ValueError(f"mount plan {dict(raw)!r:.200}: each count is an integer from 0 to {MAX_SLOTS}")
+        return cls(*counts)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
