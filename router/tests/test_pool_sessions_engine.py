@@ -7,7 +7,6 @@ fake backend's sessions let each test decide when a step finishes.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,12 @@ def setup_for(cwd: Path, workers: int = 1, **extra) -> PoolSetup:
 
 
 def serve(setup, scenario, backend=None):
-    logs: list[str] = []
+    logs: list[dict] = []
 
     async def main():
         fake = backend or FakeBackend()
         source, sink = MemorySource(), MemorySink()
-        engine = PoolEngine(setup, fake, log_line=logs.append)
+        engine = PoolEngine(setup, fake, log_job=lambda event, **line: logs.append({"event": event, **line}))
         serving = asyncio.create_task(engine.serve(source, sink))
         await scenario(engine, source, sink, fake)
         code = await asyncio.wait_for(serving, 5)
@@ -40,7 +39,7 @@ def serve(setup, scenario, backend=None):
 
     code, lines, engine, fake = asyncio.run(main())
     assert code == 0
-    return lines, engine, fake, [json.loads(line) for line in logs]
+    return lines, engine, fake, logs
 
 
 def session_fields(line):
