@@ -77,6 +77,7 @@ class Rig:
     recoveries: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     injected: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)  # what each fault hit, printed with the table
+    argv: dict[int, list[str]] = field(default_factory=dict)  # a relaunched worker's command line, by id()
 
     def start_pool(self) -> None:
         self.pools += 1
@@ -143,6 +144,7 @@ def _worker_fault(signum: int) -> Callable[[Rig], tuple[float, Restore]]:
         def restart() -> None:  # a SIGTERMed worker drains first: up to its --drain-grace
             worker.process.wait(60)
             worker.process = relaunch(argv, worker.log_path)
+            rig.argv[id(worker)] = argv
 
         return at, restart
 
@@ -252,9 +254,20 @@ def rig(checkpoints) -> Iterator[Rig]:  # checkpoints: fails loudly when stale
 
 
 def _wait_cluster_whole(rig: Rig) -> None:
-    """Both workers serving again and the router seeing them, before the next fault."""
+    """Both workers serving again and the router seeing them, before the next fault.
+
+    A relaunched worker that exits at start is relaunched again, as a supervisor's restart
+    policy would (Compose's unless-stopped, a DaemonSet's Always), and noted in the report.
+    """
     for worker in rig.cluster.workers:
-        assert wait_until(lambda w=worker: _serving(w), 60, 0.1), f"{worker.log_path} not serving again"
+
+        def serving(w: WorkerProcess = worker) -> bool:
+            if w.process.poll() is not None and id(w) in rig.argv:
+                rig.notes.append(f"{w.log_path.parent.name} exited {w.process.returncode} at start; relaunched")
+                w.process = relaunch(rig.argv[id(w)], w.log_path)
+            return _serving(w)
+
+        assert wait_until(serving, 60, 0.5), f"{worker.log_path} not serving again:\n{worker.log_path.read_text()[-3000:]}"
 
 
 def _serving(worker: WorkerProcess) -> bool:
