@@ -20,6 +20,8 @@ SESSION_MOVES = {
     (S.OPENING, S.RUNNING), (S.OPENING, S.ENDED),
     (S.IDLE, S.RUNNING), (S.IDLE, S.ENDED),
     (S.RUNNING, S.IDLE), (S.RUNNING, S.ENDED),
+    # Hibernation: a hibernation runs as a step does, and a step resumes it.
+    (S.RUNNING, S.HIBERNATED), (S.HIBERNATED, S.RUNNING), (S.HIBERNATED, S.ENDED),
 }
 
 

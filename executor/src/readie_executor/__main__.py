@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import BinaryIO
 
 from . import jobs  # noqa: F401 - see below
 from ._checkpoint import CaptureError, checkpoint_and_wait
@@ -41,30 +42,39 @@ def main() -> int:
         listener = bind_listener(settings.socket_path)
     except (SettingsError, ServeError) as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
-    release_inherited(keep=listener.fileno())
-    serve_forever(listener, settings.chunk_size)
+    handover = release_inherited(keep=listener.fileno())
+    try:
+        serve_forever(listener, settings.socket_path, settings.chunk_size, handover)
+    except ServeError as exc:
+        return _fail(str(exc), EXIT_BAD_SETTINGS)
     return 0
 
 
-def release_inherited(keep: int) -> None:
+def release_inherited(keep: int) -> BinaryIO:
     """Leave a job nothing that leads out of the sandbox but the worker's socket.
 
     stdin carried the hand-over and stdout the capture announcement; from
-    now on both are /dev/null. stderr stays: it is this executor's log, a
-    pipe the worker drains into a bounded tail (never a host file). Any other
-    descriptor inherited is closed (a template with one is refused at capture).
+    now on both are /dev/null. The hand-over pipe moves to a descriptor of
+    its own (returned): a session that hibernates waits there for the next
+    hand-over (``hibernation``). It is the read end of a pipe only the worker
+    writes, so it leads nowhere: a job that reads or closes it spoils only its
+    own resume. stderr stays: it is this executor's log, a pipe the worker
+    drains into a bounded tail (never a host file). Any other descriptor
+    inherited is closed (a template with one is refused at capture).
     """
+    handover = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     os.close(devnull)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd > 2 and fd != keep:
+        if fd > 2 and fd not in (keep, handover):
             try:
                 os.close(fd)
             except OSError:
                 pass  # the descriptor listdir itself used
+    return os.fdopen(handover, "rb")
 
 
 def preimport(modules: tuple[str, ...]) -> None:

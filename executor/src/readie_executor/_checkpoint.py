@@ -71,6 +71,10 @@ def compact_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # a libc without malloc_trim: only the saving is lost
@@ -105,6 +109,18 @@ def _via_stdio(stdin: BinaryIO) -> dict[str, str]:
     if len(line) > MAX_HANDOVER_LINE:
         raise CaptureError(f"handover line longer than {MAX_HANDOVER_LINE} bytes")
     return parse_handover(line)
+
+
+def wait_for_handover(handover: BinaryIO) -> None:
+    """Block at a hibernated session's capture point until a restore (or resume) hands over.
+
+    The new sandbox's environment is not applied: ``os.environ`` is the
+    session's own state by now, and what the executor derives from the
+    environment (its socket's path) is the same in every sandbox.
+    """
+    gc.collect()  # not gc.freeze(): the session's objects must stay collectable
+    _trim_heap()
+    _via_stdio(handover)
 
 
 def parse_handover(line: bytes) -> dict[str, str]:

@@ -6,9 +6,12 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import BinaryIO
 
 from . import _channel
 from ._calls import run_call
+from ._checkpoint import CaptureError, wait_for_handover
+from .hibernation import HIBERNATE, HIBERNATING
 from .hostwire import REPLY_PREFIX
 from .protocol import FramingError, MessageReader
 from .sockets import MAX_SOCKET_PATH, receive_message, send_message
@@ -47,15 +50,35 @@ def bind_listener(path: Path) -> socket.socket:
     return listener
 
 
-def serve_forever(listener: socket.socket, chunk_size: int) -> None:
+def serve_forever(listener: socket.socket, socket_path: Path, chunk_size: int, handover: BinaryIO | None) -> None:
+    """Serve until the process ends; hibernate when the worker asks (``hibernation``).
+
+    ``handover`` is the pipe a restored sandbox's hand-over arrives on (None:
+    this executor cannot hibernate, and the request is answered by a dropped
+    connection).
+    """
     while True:
         connection, _ = listener.accept()
         with connection:
-            serve_connection(connection, chunk_size)
+            hibernate = serve_connection(connection, chunk_size) and handover is not None
+            if hibernate:
+                listener.close()  # no bound host socket may be saved in the image
+                try:
+                    send_message(connection, HIBERNATING, chunk_size)
+                except OSError as exc:
+                    log.warning("worker left before the hibernation was confirmed: %s", exc)
+        if hibernate:
+            assert handover is not None
+            try:
+                wait_for_handover(handover)
+            except (CaptureError, OSError) as exc:  # the worker is gone, or a job closed the pipe
+                raise ServeError(f"cannot resume: {exc}") from None
+            listener = bind_listener(socket_path)
 
 
-def serve_connection(connection: socket.socket, chunk_size: int) -> None:
-    """Answer requests on one connection until the peer hangs up or breaks the framing.
+def serve_connection(connection: socket.socket, chunk_size: int) -> bool:
+    """Answer requests on one connection until the peer hangs up or breaks the framing;
+    True when it ended with the worker's request to hibernate (not answered yet).
 
     While a call runs, the connection is its channel to the worker (host
     functions: decision 8).
@@ -66,9 +89,11 @@ def serve_connection(connection: socket.socket, chunk_size: int) -> None:
             request = receive_message(connection, reader)
         except (FramingError, OSError) as exc:
             log.warning("dropping connection: %s", exc)
-            return
+            return False
         if request is None:
-            return
+            return False
+        if request == HIBERNATE:
+            return True
         if request.startswith(REPLY_PREFIX):
             # The worker's answer to a frame the last job wrote on this socket
             # by hand and never read: not a request (a request is a pickle).
@@ -77,12 +102,12 @@ def serve_connection(connection: socket.socket, chunk_size: int) -> None:
             response = run_call(request)
         if channel.broken:
             log.warning("dropping connection: a host-function exchange broke the framing")
-            return
+            return False
         try:
             send_message(connection, response, chunk_size)
         except FramingError as exc:  # a response beyond the 4 GiB message limit
             log.warning("response cannot be framed: %s", exc)
-            return
+            return False
         except OSError as exc:
             log.warning("peer left before the response was sent: %s", exc)
-            return
+            return False

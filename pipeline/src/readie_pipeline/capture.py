@@ -157,7 +157,7 @@ def capture_one(
         restore_to_socket_p50_ms=0.0,
     )
     common = dict(runsc=runsc, rootfs=rootfs.path, plan=plan.mounts, base_env=capture_env(plan.mounts, checkpoint.preimport))
-    restore = RunscRestore(checkpoint=staged, **common)  # type: ignore[arg-type]
+    restore = RunscRestore(image_path=staged.image_path, **common)  # type: ignore[arg-type]
     with _step(report, name, f"restore x{options.runs} (measure mode)"):
         restore_ms = [_time_measure_restore(restore, scratch) for _ in range(options.runs)]
     with _step(report, name, f"restore to socket x{options.runs}"):

@@ -28,14 +28,16 @@ class SessionState(enum.Enum):
 
     OPENING = "opening"  # its sandbox is being made ready; the first step follows at once
     IDLE = "idle"  # between steps: the sandbox waits with its __main__ intact (sandbox READY)
-    RUNNING = "running"  # a step runs (sandbox BUSY)
+    RUNNING = "running"  # a step runs, or a hibernation or resume (sandbox BUSY)
+    HIBERNATED = "hibernated"  # no sandbox: its image waits on disk for the next step (hibernation.py)
     ENDED = "ended"  # closed, timed out, crashed or exited: the sandbox is destroyed
 
 
 SESSION_ALLOWED: dict[SessionState, frozenset[SessionState]] = {
     SessionState.OPENING: frozenset({SessionState.RUNNING, SessionState.ENDED}),
     SessionState.IDLE: frozenset({SessionState.RUNNING, SessionState.ENDED}),
-    SessionState.RUNNING: frozenset({SessionState.IDLE, SessionState.ENDED}),
+    SessionState.RUNNING: frozenset({SessionState.IDLE, SessionState.HIBERNATED, SessionState.ENDED}),
+    SessionState.HIBERNATED: frozenset({SessionState.RUNNING, SessionState.ENDED}),
     SessionState.ENDED: frozenset(),
 }
 

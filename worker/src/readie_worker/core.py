@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -25,11 +23,12 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from .config import DEFAULT_MAX_SESSIONS
-from .errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
+from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
-from .paths import RUNTIME_ROOT, remove_tree, scratch_dir
+from .paths import RUNTIME_ROOT, canonical_dirs, code_dirs, remove_tree, scratch_dir
 from .packages import ensure_packages, package_cache
 from .grants import HeldGrants, hold_grants
+from .hibernation import DEFAULT_MAX_HIBERNATED, DEFAULT_MAX_HIBERNATED_BYTES, SessionImages
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, run_in_sandbox
 from .metrics import Metrics
 from .network import BACKENDS, NetworkNamespace
@@ -42,7 +41,8 @@ from readie_executor.sockets import MAX_SOCKET_PATH
 from ._sandbox_dir import SandboxDir
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
 from .sandbox import Sandbox, SandboxFactory, checkpoint_factory
-from .sessions import SandboxSession, StepOutcome
+from ._session_keeping import SessionKeeping
+from .sessions import SandboxSession
 
 log = structlog.get_logger("readie.worker")
 
@@ -89,6 +89,14 @@ class WorkerConfig:
     scratch: Path | None = None
     # The runsc binary; its flags follow from what it supports (runsc.RunscFeatures).
     runsc: str = "runsc"
+    # Hibernated sessions' images (hibernation.py): the worker's own dir, beside state_dir by default.
+    hibernated_dir: Path | None = None
+    max_hibernated: int = DEFAULT_MAX_HIBERNATED
+    max_hibernated_bytes: int = DEFAULT_MAX_HIBERNATED_BYTES
+
+    @property
+    def images_dir(self) -> Path:
+        return self.hibernated_dir or self.state_dir.with_name(self.state_dir.name + "-hibernated")
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
@@ -106,11 +114,13 @@ class Capacity:
     isolated: bool
     sessions: int = 0
     max_sessions: int = 0
+    hibernated: int = 0  # sessions whose image is on disk (they count in sessions too)
+    hibernated_bytes: int = 0
     # Why nothing can be served, when nothing can: health says NOT_SERVING then.
     problem: str | None = None
 
 
-class Worker:
+class Worker(SessionKeeping):
     def __init__(self, config: WorkerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
@@ -128,7 +138,8 @@ class Worker:
         self._retirer = Retirer()
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
-        self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox
+        self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
+        self.images: SessionImages | None = None  # where sessions hibernate; None unisolated
         self._session_places = 0  # sessions open or being opened, at most config.max_sessions
         # Paths no grant may touch (the worker's own), and paths no grant may write (what
         # every sandbox is made from); absolute and symlink-free, set at start.
@@ -163,9 +174,12 @@ class Worker:
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
-        self._private_dirs = _canonical(RUNTIME_ROOT, self.config.run_dir, self.config.state_dir)
-        self._template_dirs = _canonical(
-            self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *_own_code(self.runsc.binary)
+        self.images = SessionImages(
+            Path(os.path.realpath(self.config.images_dir)), self.config.max_hibernated, self.config.max_hibernated_bytes
+        ).start()
+        self._private_dirs = canonical_dirs(RUNTIME_ROOT, self.config.run_dir, self.config.state_dir, self.images.root)
+        self._template_dirs = canonical_dirs(
+            self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *code_dirs(self.runsc.binary)
         )
         for problem in self.checkpoints.problems.values():
             log.warning("checkpoint unusable", problem=problem)
@@ -258,68 +272,6 @@ class Worker:
         finally:
             self._retirer.retire(sandbox)
 
-    def open_session(
-        self,
-        job: CodeJob,
-        job_id: str | None = None,
-        host: HostFunction | None = None,
-        *,
-        cancel: Cancellation = NEVER,
-        output: OutputSink | None = None,
-    ) -> tuple[SandboxSession, StepOutcome]:
-        """Open a session whose setup and first step are ``job``; see ``sessions.py``.
-
-        ``job.functions`` are the session's host functions for every step;
-        ``host`` answers the first step's calls. Raises RequestError as
-        :meth:`run_job` does. A sandbox that cannot be made ready gives an
-        ended session and a SandboxSetupError outcome. ``cancel`` stops the
-        first step as :meth:`run_job`'s job (and so ends the session).
-        """
-        started = time.monotonic()
-        with self._slot(cancel):
-            queued_us = _since(started)
-            self._check_job(job)
-            self._take_session_place()
-            try:
-                sandbox, links = self._acquire(job)
-            except BaseException as exc:
-                self._give_session_place()
-                if not isinstance(exc, SandboxSetupError):
-                    raise
-                failed = JobOutcome.failure(
-                    ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local"
-                )
-                return SandboxSession(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
-            session = SandboxSession(job, sandbox, links, slot=self._slot, forget=self._forget_session, observe=self.metrics.step_finished)
-            with self._lock:
-                self._sessions.add(session)
-                closed = self._closed
-            if closed:  # close() ran while the sandbox was made ready
-                session.close()
-                raise PoolWorkerError("the worker is closing; the session did not start")
-            try:
-                return session, session.run_in_slot(job, job_id=job_id, queue_us=queued_us, host=host, cancel=cancel, output=output)
-            except BaseException:
-                session.close()
-                raise
-
-    def _take_session_place(self) -> None:
-        with self._lock:
-            if self._session_places >= self.config.max_sessions:
-                # Not the request's fault: another worker (or this one, later) may take it.
-                raise SandboxSetupError(f"this worker keeps at most {self.config.max_sessions} sessions, and all are open")
-            self._session_places += 1
-
-    def _give_session_place(self) -> None:
-        with self._lock:
-            self._session_places -= 1
-
-    def _forget_session(self, session: SandboxSession) -> None:
-        with self._lock:
-            if session in self._sessions:
-                self._sessions.remove(session)
-                self._session_places -= 1
-
     def _check_job(self, job: CodeJob) -> None:
         if job.checkpoint not in self.pools:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
@@ -407,6 +359,8 @@ class Worker:
             isolated=self.isolated,
             sessions=sessions,
             max_sessions=self.config.max_sessions,
+            hibernated=self.images.count if self.images is not None else 0,
+            hibernated_bytes=self.images.bytes if self.images is not None else 0,
             problem=self._problem(),
         )
 
@@ -433,6 +387,8 @@ class Worker:
             sessions = list(self._sessions)
         for session in sessions:  # their sandboxes; a step still running ends with a worker error
             session.close()
+        if self.images is not None:
+            self.images.close()  # a restart forgets hibernated sessions, as it forgets open ones
         self._retirer.close()
         for pool in self.pools.values():
             pool.close()
@@ -480,18 +436,3 @@ def _check_socket_paths(run_dir: Path) -> None:
             f"run dir {run_dir} is too long: its sandboxes' socket paths ({longest}) would exceed "
             f"{MAX_SOCKET_PATH} bytes; use a shorter one (the default is under {RUNTIME_ROOT})"
         )
-
-
-def _canonical(*paths: Path | str) -> tuple[Path, ...]:
-    return tuple(dict.fromkeys(Path(os.path.realpath(path)) for path in paths))
-
-
-def _own_code(runsc_binary: str) -> list[str]:
-    """What this process runs as root: its Python, every directory it imports from, runsc.
-
-    A job that could write any of them would run its code as the worker next time.
-    """
-    places = [sys.prefix, sys.base_prefix, *(entry for entry in sys.path if entry and os.path.isdir(entry))]
-    binary = shutil.which(runsc_binary)
-    return [*places, *([binary] if binary else [])]
-

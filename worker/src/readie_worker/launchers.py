@@ -24,8 +24,7 @@ import structlog
 
 from ._sandbox_dir import SandboxDir
 from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec
-from .errors import SandboxSetupError
-from .manifest import Checkpoint
+from .errors import RequestError, SandboxSetupError
 from .runsc import Launched, Runsc, RunscError
 
 __all__ = ["JOB_MEMORY_SLACK", "Launcher", "LocalProcess", "RunscCold", "RunscRestore"]
@@ -57,6 +56,9 @@ class Launcher(Protocol):
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         """Bound the whole sandbox to what it holds now plus ``job_bytes``; the limit set, if any."""
+
+    def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
+        """Save the sandbox, its executor hibernating, to ``image_dir``; the container ends."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class _RunscLauncher:
             memory_limit_bytes=self.memory_limit_bytes,
         )
 
+    def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
+        self.runsc.checkpoint(sandbox.id, image_dir)
+
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         try:
             self.runsc.destroy(sandbox.id, sandbox.pid_file)
@@ -107,13 +112,15 @@ class _RunscLauncher:
 
 @dataclass(frozen=True)
 class RunscRestore(_RunscLauncher):
-    checkpoint: Checkpoint | None = None
+    """``runsc restore`` of an image: a checkpoint's, or a hibernated session's."""
+
+    image_path: Path | None = None
     name: str = "runsc-restore"
 
     def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
-        assert self.checkpoint is not None
+        assert self.image_path is not None
         self.spec(sandbox).write(sandbox.path)
-        args = ["restore", "--detach", f"--image-path={self.checkpoint.image_path}", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id]
+        args = ["restore", "--detach", f"--image-path={self.image_path}", f"--pid-file={sandbox.pid_file}", "--bundle", str(sandbox.path), sandbox.id]
         return self.runsc.start_detached(args)
 
 
@@ -162,3 +169,6 @@ class LocalProcess:
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         return None  # a host process: RLIMIT_AS inside is all there is
+
+    def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
+        raise RequestError("an unisolated worker cannot hibernate or fork a session: it has no gVisor to checkpoint", "session")

@@ -112,6 +112,11 @@ class Metrics:
             "readie_worker_session_steps", "Session steps the worker ran (each session's first included), by checkpoint and outcome.",
             ["checkpoint", "outcome"], registry=r,
         )
+        self.session_images = Histogram(
+            "readie_worker_session_image_duration_seconds",
+            "Hibernations of sessions to disk, their resumes and their forks, by operation (hibernate, resume, fork).",
+            ["operation"], buckets=SANDBOX_START_BUCKETS_S, registry=r,
+        )
         self.sandbox_destroy = Histogram(
             "readie_worker_sandbox_destroy_duration_seconds", "Time to kill and delete a sandbox (runsc).",
             buckets=SANDBOX_DESTROY_BUCKETS_S, registry=r,
@@ -151,6 +156,9 @@ class Metrics:
 
     def step_finished(self, checkpoint: str, outcome: JobOutcome) -> None:
         self.session_steps.labels(checkpoint, outcome_label(outcome)).inc()
+
+    def session_image(self, operation: str, seconds: float) -> None:
+        self.session_images.labels(_closed(operation, ("hibernate", "resume", "fork"))).observe(seconds)
 
     def sandbox_destroyed(self, seconds: float) -> None:
         self.sandbox_destroy.observe(seconds)
@@ -252,6 +260,8 @@ class _WorkerCollector(Collector):
         yield _gauge("readie_worker_slots_busy", "Slots running a job now.", capacity.busy)
         yield _gauge("readie_worker_sessions_active", "Sessions open (each holds a sandbox).", capacity.sessions)
         yield _gauge("readie_worker_sessions_max", "Sessions the worker keeps open at most.", capacity.max_sessions)
+        yield _gauge("readie_worker_sessions_hibernated", "Sessions hibernated to disk (counted in sessions_active too).", capacity.hibernated)
+        yield _gauge("readie_worker_hibernated_bytes", "Bytes of the hibernated sessions' images on disk.", capacity.hibernated_bytes)
 
 
 class _RouterCollector(Collector):

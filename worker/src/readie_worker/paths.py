@@ -24,7 +24,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shutil
 import stat
+import sys
 import tempfile
 from dataclasses import dataclass
 from enum import Enum
@@ -264,3 +266,18 @@ def _reason(code: int) -> str:
     if code == errno.ENOSYS:
         return "cannot be opened safely: this kernel has no openat2 (Linux 5.6 or newer is needed)"
     return f"cannot be opened: {os.strerror(code)}"
+
+
+def canonical_dirs(*paths: Path | str) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(Path(os.path.realpath(path)) for path in paths))
+
+
+def code_dirs(runsc_binary: str) -> list[str]:
+    """What this process runs as root: its Python, every directory it imports from, runsc.
+
+    A job that could write any of them would run its code as the worker next time.
+    """
+    places = [sys.prefix, sys.base_prefix, *(entry for entry in sys.path if entry and os.path.isdir(entry))]
+    binary = shutil.which(runsc_binary)
+    return [*places, *([binary] if binary else [])]
+

@@ -29,6 +29,7 @@ import cloudpickle
 
 from readie_executor import jobs as executor_jobs
 from readie_executor import probe
+from readie_executor.hibernation import HIBERNATE, HIBERNATING
 from readie_executor.protocol import (
     END_OF_STREAM,
     FramingError,
@@ -72,6 +73,9 @@ _PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}}
 WARM_UP_TIMEOUT_S = 10.0
 # An honest warm-up answers jobs.WARMED_UP or a short failure line.
 MAX_WARM_UP_ANSWER = 4096
+# An idle executor closes its sockets at once when asked to hibernate; a second
+# means it is wedged (or a step is still running in it), and it is not checkpointed.
+HIBERNATE_ANSWER_S = 1.0
 # No job may start processes (the seccomp filter refuses fork and exec): what
 # runner_call sends, and what a warm-up prepares for by installing that filter.
 JOB_SUBPROCESSES = False
@@ -276,6 +280,31 @@ class Sandbox:
             return str(exc)
         return None if answer == executor_jobs.WARMED_UP else repr(answer[:200])
 
+    def checkpoint(self, image_dir: Path) -> None:
+        """Save this sandbox, its session's state and all, to ``image_dir``; the container ends.
+
+        The executor is asked to close its sockets first
+        (``readie_executor.hibernation``), and the checkpoint waits for the end
+        of its connection, which says both are closed. Only :meth:`destroy`
+        is left to do afterwards, whatever happened. Raises PoolWorkerError
+        when the executor does not hibernate, RunscError when the checkpoint
+        fails.
+        """
+        deadline = time.monotonic() + HIBERNATE_ANSWER_S
+        answer = self.exchange(HIBERNATE, timeout=HIBERNATE_ANSWER_S, max_response=len(HIBERNATING))
+        connection = self._connect()
+        try:
+            if answer != HIBERNATING:
+                raise PoolWorkerError(f"sandbox {self.id}: answered {answer[:40]!r} when asked to hibernate")
+            _set_timeout(connection, deadline)
+            if connection.recv(1):
+                raise PoolWorkerError(f"sandbox {self.id}: wrote after it said it was hibernating")
+        except (TimeoutError, OSError) as exc:
+            raise PoolWorkerError(f"sandbox {self.id}: did not close its connection to hibernate: {exc}") from None
+        finally:
+            self._drop_connection()
+        self.launcher.checkpoint(self.dir, image_dir)
+
     def destroy(self) -> None:
         if self.destroyed:
             return
@@ -442,7 +471,7 @@ def checkpoint_factory(
         memory_limit_bytes=memory_limit_bytes,
     )
     return SandboxFactory(
-        primary=RunscRestore(checkpoint=checkpoint, **common),  # type: ignore[arg-type]
+        primary=RunscRestore(image_path=checkpoint.image_path, **common),  # type: ignore[arg-type]
         fallback=RunscCold(**common),  # type: ignore[arg-type]
         run_dir=run_dir,
         env=serve_env(checkpoint.preimport) if env is None else env,

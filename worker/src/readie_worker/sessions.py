@@ -26,6 +26,14 @@ every session's sandbox when it closes or drains.
 
 Steps run one at a time: a step asked for while another runs is a
 RequestError, not a queue (the pool engine queues steps in order).
+
+Hibernation (``hibernation.py``, decision 0022): an idle session may be
+checkpointed to an image on disk and its sandbox ended, which frees its
+memory; its next step restores it first (the outcome's ``resumed_ms``),
+with its grants opened again under the rules of a new job. A fork is a
+hibernation whose image a second session shares: both resume from it on
+their next steps, and go on independently. Both take a worker slot while
+they run, as a step does.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -44,8 +53,10 @@ from ._states import SandboxState, SessionState, check_transition
 from readie_executor.jobs import EXIT_NOT_STARTED
 
 from .cancel import NEVER, Cancellation
-from .errors import ErrorType, RequestError
+from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
+from .hibernation import SessionImages
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, run_in_sandbox
+from .runsc import RunscError
 from .sandbox import Sandbox
 
 __all__ = ["EXIT_NOT_STARTED", "SandboxSession", "StepOutcome"]
@@ -63,6 +74,12 @@ class StepOutcome:
     outcome: JobOutcome
     step: int
     session_ended: bool
+    # Milliseconds the step spent restoring its hibernated session first; None when it did not.
+    resumed_ms: float | None = None
+
+
+#: Restores a hibernated session's image: its sandbox, and the links its re-opened grants need.
+Restorer = Callable[[CodeJob, Path], "tuple[Sandbox, tuple[Mapping[str, object], ...]]"]
 
 
 class SandboxSession:
@@ -77,6 +94,10 @@ class SandboxSession:
         slot: Callable[[Cancellation], AbstractContextManager[None]],
         forget: Callable[[SandboxSession], None] = lambda session: None,
         observe: Callable[[str, JobOutcome], None] = lambda checkpoint, outcome: None,
+        images: SessionImages | None = None,
+        restore: Restorer | None = None,
+        observe_image: Callable[[str, float], None] = lambda operation, seconds: None,
+        image: Path | None = None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
         self.job = job  # the setup; its code was the first step's
@@ -85,8 +106,16 @@ class SandboxSession:
         self._slot = slot
         self._forget = forget
         self._observe = observe  # every step's outcome (the worker's metrics)
+        # Hibernation: None where the worker cannot checkpoint (unisolated, or a networked session).
+        self._images = images
+        self._restore = restore
+        self._observe_image = observe_image  # (hibernate|resume|fork, seconds): the worker's metrics
+        self._image = image  # while HIBERNATED
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
-        self.state = SessionState.OPENING if sandbox is not None else SessionState.ENDED
+        if image is not None:
+            self.state = SessionState.HIBERNATED  # a fork: it resumes at its first step
+        else:
+            self.state = SessionState.OPENING if sandbox is not None else SessionState.ENDED
         self.steps = 0
         if sandbox is not None and sandbox.state is SandboxState.READY:
             sandbox.move(SandboxState.BUSY)  # a restored sandbox; a warm one comes BUSY from its pool
@@ -98,6 +127,10 @@ class SandboxSession:
     @property
     def sandbox_id(self) -> str | None:
         return None if self._sandbox is None else self._sandbox.id
+
+    @property
+    def hibernated(self) -> bool:
+        return self.state is SessionState.HIBERNATED
 
     def run_step(
         self,
@@ -127,17 +160,18 @@ class SandboxSession:
         with self._lock:
             if self.state is SessionState.ENDED:
                 raise RequestError(f"session {self.id} has ended", field="session")
-            if self.state is not SessionState.IDLE:
-                raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
-            self._move(SessionState.RUNNING)
-            assert self._sandbox is not None
-            self._sandbox.move(SandboxState.BUSY)
+            self._start_running()
         started = time.monotonic()
         try:
             with self._slot(cancel):
-                return self.run_in_slot(
-                    job, job_id=job_id, queue_us=_since(started), host=host, cancel=cancel, output=output
+                queue_us = _since(started)
+                resumed_ms = self._resume() if self._sandbox is None else None
+                if isinstance(resumed_ms, JobOutcome):  # it could not: the session has ended
+                    return self._ended_by(resumed_ms, job, job_id, queue_us)
+                step_outcome = self.run_in_slot(
+                    job, job_id=job_id, queue_us=queue_us, host=host, cancel=cancel, output=output
                 )
+                return dataclasses.replace(step_outcome, resumed_ms=resumed_ms)
         except BaseException:
             # The slot was refused (a draining worker) or a bug: nothing is known
             # about the sandbox's state, so it is not trusted with another step.
@@ -194,19 +228,145 @@ class SandboxSession:
         )
         return StepOutcome(outcome, number, ends)
 
+    def hibernate(self, cancel: Cancellation = NEVER) -> float:
+        """Checkpoint the idle session to disk and end its sandbox; the milliseconds it took (0 if it was).
+
+        Raises RequestError when the session has ended, a step runs, or it
+        cannot hibernate (networked, unisolated); SandboxSetupError when the
+        worker's image bounds are reached (the session stays as it was);
+        PoolWorkerError when its sandbox would not hibernate (which ends it).
+        """
+        with self._lock:
+            if self.state is SessionState.HIBERNATED:
+                return 0.0
+            self._check_can_hibernate()
+            self._start_running()
+            sandbox = self._sandbox
+            assert sandbox is not None and self._images is not None
+        started = time.monotonic()
+        image = None
+        try:
+            with self._slot(cancel):
+                image = self._images.reserve()
+                size = self._save(sandbox, image)
+        except BaseException:
+            if image is None:  # refused before the sandbox was touched: the session goes on as it was
+                with self._lock:
+                    if self.state is SessionState.RUNNING:
+                        sandbox.move(SandboxState.READY)
+                        self._move(SessionState.IDLE)
+            raise
+        seconds = time.monotonic() - started
+        self._observe_image("hibernate", seconds)
+        log.info("session hibernated", session=self.id, image_bytes=size, hibernate_ms=round(seconds * 1000, 1))
+        return seconds * 1000
+
+    def fork_image(self, cancel: Cancellation = NEVER) -> tuple[Path, float]:
+        """Hibernate (if not already) and give a second image of this session's state, for a fork.
+
+        Raises as :meth:`hibernate`; the caller makes the fork's session with it.
+        """
+        started = time.monotonic()
+        self.hibernate(cancel)
+        assert self._images is not None
+        with self._lock:
+            if self.state is not SessionState.HIBERNATED or self._image is None:
+                raise RequestError(f"session {self.id} has ended or runs a step; it cannot fork now", field="session")
+            copy = self._images.share(self._image)
+        seconds = time.monotonic() - started
+        self._observe_image("fork", seconds)
+        return copy, seconds * 1000
+
     def close(self) -> None:
-        """End the session and destroy its sandbox; a step still running ends with a worker error.
-        Calling it again does nothing."""
+        """End the session and destroy its sandbox (or remove its image); a step still running ends
+        with a worker error. Calling it again does nothing."""
         with self._lock:
             if self.state is SessionState.ENDED:
                 return
             self._move(SessionState.ENDED)
-            sandbox = self._sandbox
+            sandbox, image, self._image = self._sandbox, self._image, None
         try:
             if sandbox is not None:
                 sandbox.destroy()
         finally:
+            if image is not None and self._images is not None:
+                self._images.remove(image)
             self._forget(self)
+
+    def _save(self, sandbox: Sandbox, image: Path) -> int:
+        """Checkpoint ``sandbox`` into ``image`` and end it; the image's bytes. Ends the session on failure."""
+        assert self._images is not None
+        try:
+            sandbox.checkpoint(image)
+            size = self._images.written(image)
+        except (PoolWorkerError, RunscError, OSError) as exc:
+            self._images.remove(image)
+            self.close()  # a sandbox asked to hibernate is not trusted with another step
+            raise PoolWorkerError(f"session {self.id} could not hibernate and has ended: {exc}") from None
+        finally:
+            sandbox.destroy()
+        with self._lock:
+            ended = self.state is SessionState.ENDED  # closed while it hibernated
+            if not ended:
+                self._sandbox, self._links, self._image = None, (), image
+                self._move(SessionState.HIBERNATED)
+        if ended:
+            self._images.remove(image)
+            raise PoolWorkerError(f"session {self.id} was closed while it hibernated")
+        return size
+
+    def _check_can_hibernate(self) -> None:
+        if self.state is SessionState.ENDED:
+            raise RequestError(f"session {self.id} has ended", field="session")
+        if self.state is not SessionState.IDLE:
+            raise RequestError(f"a step of session {self.id} is running; it can hibernate between steps", field="session")
+        if self._images is None or self._restore is None:
+            raise RequestError(
+                "this session cannot hibernate or fork: it has the network (a cold-started sandbox in the "
+                "worker's namespace), or the worker runs without gVisor", field="session",
+            )
+
+    def _start_running(self) -> None:
+        """IDLE or HIBERNATED to RUNNING, for a step or a hibernation; the caller holds the lock."""
+        if self.state is SessionState.ENDED:
+            raise RequestError(f"session {self.id} has ended", field="session")
+        if self.state not in (SessionState.IDLE, SessionState.HIBERNATED):
+            raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
+        self._move(SessionState.RUNNING)
+        if self._sandbox is not None:
+            self._sandbox.move(SandboxState.BUSY)
+
+    def _resume(self) -> float | JobOutcome:
+        """Restore the hibernated session (the caller holds a slot): milliseconds, or why not."""
+        assert self._image is not None and self._restore is not None and self._images is not None
+        started = time.monotonic()
+        try:
+            sandbox, links = self._restore(self.job, self._image)
+        except (RequestError, SandboxSetupError) as exc:  # a grant gone, a restore failed
+            self.close()
+            return JobOutcome.failure(ErrorType.SANDBOX_SETUP, f"the hibernated session could not resume: {exc}", _since(started), "gvisor")
+        with self._lock:
+            ended = self.state is SessionState.ENDED
+            if not ended:
+                image, self._image = self._image, None
+                self._sandbox, self._links = sandbox, links
+                sandbox.move(SandboxState.BUSY)
+        if ended:  # closed while it resumed
+            sandbox.destroy()
+            raise PoolWorkerError(f"session {self.id} was closed while it resumed")
+        self._images.remove(image)
+        seconds = time.monotonic() - started
+        self._observe_image("resume", seconds)
+        return seconds * 1000
+
+    def _ended_by(self, failed: JobOutcome, job: CodeJob, job_id: str | None, queue_us: int) -> StepOutcome:
+        with self._lock:
+            self.steps += 1
+            number = self.steps
+        self._observe(job.checkpoint, failed)
+        log.info("job", job_id=job_id, session=self.id, step=number, session_ended=True,
+                 checkpoint=job.checkpoint, **failed.log_fields(), queue_us=queue_us)
+        return StepOutcome(failed, number, True)
 
     def _move(self, target: SessionState) -> None:
         self.state = check_transition(self.state, target)

@@ -1,0 +1,295 @@
+"""Sessions that hibernate, resume and fork, in real gVisor sandboxes (issue 18, decision 0022).
+
+Hibernating checkpoints a session's sandbox to an image in the worker's own
+dir and ends it; the next step restores it. A fork is a hibernation whose
+image a second session shares. Each test checks the sandbox is really gone
+(``runsc list``) and the image really removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from readie_worker.core import Worker, WorkerConfig
+from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
+from readie_worker.jobs import CodeJob, Step
+from readie_worker.testing import FakeHost
+
+pytestmark = pytest.mark.runsc
+
+from conftest import CHECKPOINTS  # noqa: E402
+
+PANDAS_STATE = "import pandas as pd\ndf = pd.DataFrame({'n': range(200_000)})\nanswer = 42\nprint('set')"
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoints):
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 1, "pandas": 1}, slots=2, max_sessions=8)
+    worker = Worker(config).start()
+    yield worker
+    worker.close()
+    assert worker.runsc.list_ids() == []
+    assert not worker.images.root.exists(), "the worker's close removes every image"
+
+
+@pytest.fixture
+def grant_dir():
+    # Not under /tmp: the worker keeps its own dirs there, and no grant may overlap them.
+    path = Path(tempfile.mkdtemp(prefix="hib-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def job(code: str, checkpoint: str = "base", **fields) -> CodeJob:
+    return CodeJob(checkpoint=checkpoint, code=code, name=fields.pop("name", "cell.py"), **fields)
+
+
+def images(worker: Worker) -> list[str]:
+    return sorted(entry.name for entry in worker.images.root.iterdir())
+
+
+def pss_bytes(needle: str, field: str = "Pss:") -> int:
+    """Proportional set size of every host process whose command line holds ``needle``."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if needle.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        for line in rollup.splitlines():
+            if line.startswith(field):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_pandas_session_hibernates_frees_its_memory_and_resumes_with_its_state(worker):
+    session, first = worker.open_session(job(PANDAS_STATE, "pandas"))
+    try:
+        assert first.outcome.stdout == "set\n", first.outcome
+        sandbox = session.sandbox_id
+        assert sandbox in worker.runsc.list_ids()
+        for pool in worker.pools.values():  # their refills would blur what the hibernation frees
+            assert pool.wait_until_full(60)
+        session_pss = pss_bytes(sandbox)
+        worker_before = pss_bytes(f"--root={worker.config.state_dir}")
+        private = pss_bytes(sandbox, "Private_Dirty:") + pss_bytes(sandbox, "Private_Clean:")
+        hibernate_ms = session.hibernate()
+        assert hibernate_ms > 0 and session.hibernated
+        assert sandbox not in worker.runsc.list_ids()
+        assert session.sandbox_id is None
+        worker_after = pss_bytes(f"--root={worker.config.state_dir}")
+        assert session_pss > 30 * 1024**2, session_pss  # a pandas sandbox: sentry, gofer, interpreter
+        # What it held alone goes; of the pages it shared with the other sandboxes (the rootfs's
+        # libraries), its share moves to them: measured, the drop is 84-86 % of its PSS.
+        freed = worker_before - worker_after
+        assert freed >= private and freed >= session_pss * 0.75, (freed, private, session_pss)
+        capacity = worker.capacity()
+        assert (capacity.sessions, capacity.hibernated) == (1, 1) and capacity.hibernated_bytes > 10 * 1024**2
+        assert len(images(worker)) == 1
+        assert session.hibernate() == 0.0  # already: nothing to do
+
+        resumed = session.run_step(Step("answer += 1\nprint(answer, len(df), df.n.sum(), pd.__name__)"))
+        assert (resumed.outcome.exit, resumed.outcome.stdout) == (0, "43 200000 19999900000 pandas\n"), resumed.outcome
+        assert resumed.resumed_ms is not None and resumed.resumed_ms > 0
+        assert (resumed.step, resumed.session_ended) == (2, False)
+        assert session.sandbox_id in worker.runsc.list_ids() and session.sandbox_id != sandbox
+        assert images(worker) == [] and worker.capacity().hibernated == 0
+        again = session.run_step(Step("print(answer)"))
+        assert again.outcome.stdout == "43\n" and again.resumed_ms is None
+    finally:
+        session.close()
+    assert worker.capacity().sessions == 0
+
+
+def test_a_session_hibernates_and_resumes_more_than_once(worker):
+    session, _ = worker.open_session(job("n = 0"))
+    try:
+        for round in range(1, 4):
+            session.hibernate()
+            step = session.run_step(Step("n += 1\nprint(n)"))
+            assert (step.outcome.stdout, step.step) == (f"{round}\n", round + 1)
+            assert step.resumed_ms is not None
+    finally:
+        session.close()
+
+
+def test_files_in_a_write_grant_and_the_grant_itself_survive_a_resume(worker, grant_dir):
+    session, first = worker.open_session(
+        job(f"open('{grant_dir}/a.txt', 'w').write('before')", allow_write=(str(grant_dir),))
+    )
+    try:
+        assert first.outcome.exit == 0, first.outcome
+        session.hibernate()
+        (grant_dir / "b.txt").write_text("written while it slept")
+        step = session.run_step(Step(
+            f"print(open('{grant_dir}/a.txt').read(), open('{grant_dir}/b.txt').read())\n"
+            f"open('{grant_dir}/c.txt', 'w').write('after')"
+        ))
+        assert step.outcome.stdout == "before written while it slept\n", step.outcome
+        assert (grant_dir / "c.txt").read_text() == "after"
+    finally:
+        session.close()
+
+
+def test_a_grant_gone_while_hibernated_ends_the_session_at_resume(worker, grant_dir):
+    granted = grant_dir / "work"
+    granted.mkdir()
+    session, _ = worker.open_session(job("x = 1", allow_write=(str(granted),)))
+    session.hibernate()
+    granted.rmdir()
+    granted.symlink_to("/etc")  # the same path, now a link: refused as a new job's grant would be
+    step = session.run_step(Step("print(x)"))
+    assert step.session_ended and step.outcome.error.type == ErrorType.SANDBOX_SETUP
+    assert "could not resume" in step.outcome.error.message
+    assert session.ended and images(worker) == [] and worker.capacity().sessions == 0
+
+
+def test_host_functions_work_after_a_resume(worker):
+    host = FakeHost(search=lambda query, limit=1: [f"hit for {query}"] * limit)
+    session, first = worker.open_session(job("from readie_host import search", functions=("search",)), host=host)
+    try:
+        assert first.outcome.exit == 0, first.outcome
+        session.hibernate()
+        step = session.run_step(Step("print(search('resume', limit=2))"), host=host)
+        assert step.outcome.stdout == "['hit for resume', 'hit for resume']\n", step.outcome
+    finally:
+        session.close()
+
+
+def test_the_session_rules_hold_after_a_resume(worker):
+    session, _ = worker.open_session(job("x = 1", timeout_ms=1000))
+    session.hibernate()
+    raised = session.run_step(Step("x = 2\nraise ValueError('kept')"))
+    assert (raised.session_ended, raised.outcome.error.type) == (False, "ValueError")
+    session.hibernate()
+    assert session.run_step(Step("print(x)")).outcome.stdout == "2\n"
+    session.hibernate()
+    spun = session.run_step(Step("while True:\n    pass"))
+    assert spun.session_ended and spun.outcome.error.type == "TimeoutError"
+    assert session.ended and images(worker) == []
+
+
+def test_closing_a_hibernated_session_removes_its_image(worker):
+    session, _ = worker.open_session(job("x = 1"))
+    session.hibernate()
+    assert len(images(worker)) == 1
+    session.close()
+    assert images(worker) == [] and worker.capacity().sessions == 0
+    with pytest.raises(RequestError, match="has ended"):
+        session.run_step(Step("print(x)"))
+    with pytest.raises(RequestError, match="has ended"):
+        session.hibernate()
+
+
+def test_a_fork_has_the_state_at_fork_time_and_both_go_on_independently(worker):
+    a, _ = worker.open_session(job("import json\nstate = {'who': 'a', 'n': 1}"))
+    try:
+        b, fork_ms = worker.fork_session(a)
+        try:
+            assert fork_ms > 0 and a.hibernated and b.hibernated and b.id != a.id
+            assert worker.capacity().sessions == 2 and len(images(worker)) == 2
+            in_a = a.run_step(Step("state['n'] += 10\nprint(json.dumps(state))"))
+            in_b = b.run_step(Step("state['who'] = 'b'\nprint(json.dumps(state))"))
+            assert in_a.outcome.stdout == '{"who": "a", "n": 11}\n', in_a.outcome
+            assert in_b.outcome.stdout == '{"who": "b", "n": 1}\n', in_b.outcome
+            assert in_b.resumed_ms is not None and in_b.step == 1  # the fork's own first step
+            assert a.run_step(Step("print(state['who'])")).outcome.stdout == "a\n"
+            assert b.run_step(Step("print(state['n'])")).outcome.stdout == "1\n"
+            assert a.sandbox_id != b.sandbox_id and images(worker) == []
+        finally:
+            b.close()
+    finally:
+        a.close()
+    assert worker.capacity().sessions == 0
+
+
+def test_four_forks_of_one_session_run_at_once(worker):
+    parent, _ = worker.open_session(job("base = 100"))
+    forks = []
+    try:
+        for _ in range(4):
+            forks.append(worker.fork_session(parent)[0])
+        results: dict[int, str] = {}
+
+        def run(index: int) -> None:
+            step = forks[index].run_step(Step(f"import time\ntime.sleep(0.3)\nbase += {index}\nprint(base)"))
+            results[index] = step.outcome.stdout
+
+        threads = [threading.Thread(target=run, args=(index,)) for index in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert results == {index: f"{100 + index}\n" for index in range(4)}
+        assert len({fork.sandbox_id for fork in forks}) == 4
+        assert parent.run_step(Step("print(base)")).outcome.stdout == "100\n"
+    finally:
+        for fork in forks:
+            fork.close()
+        parent.close()
+    assert images(worker) == [] and worker.capacity().sessions == 0
+
+
+def test_a_job_that_closes_the_hand_over_pipe_spoils_only_its_own_resume(worker):
+    session, _ = worker.open_session(job("import os\nx = 1"))
+    # The hand-over pipe: the one host descriptor the executor keeps open for reading.
+    closed = session.run_step(Step(
+        "import fcntl, os\n"
+        "for fd in [int(fd) for fd in os.listdir('/proc/self/fd')]:\n"
+        "    try:\n"
+        "        host = os.readlink(f'/proc/self/fd/{fd}').startswith('host:')\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if fd > 2 and host and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:\n"
+        "        os.close(fd)\n"
+        "        print('closed', fd)\n"
+    ))
+    assert (closed.outcome.exit, closed.outcome.stdout.count("closed")) == (0, 1), closed.outcome
+    with pytest.raises(PoolWorkerError, match="could not hibernate|closed while"):
+        # Without its pipe the executor cannot wait for a hand-over: it exits, the checkpoint fails.
+        session.hibernate()
+    assert session.ended and images(worker) == [] and worker.capacity().sessions == 0
+    other, first = worker.open_session(job("print('still serving')"))
+    other.close()
+    assert first.outcome.stdout == "still serving\n"
+
+
+def test_the_image_bounds_refuse_a_hibernation_and_keep_the_session(checkpoints):
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 0}, max_hibernated=1)
+    worker = Worker(config).start()
+    try:
+        one, _ = worker.open_session(job("x = 1"))
+        two, _ = worker.open_session(job("x = 2"))
+        one.hibernate()
+        with pytest.raises(SandboxSetupError, match="at most 1 hibernated"):
+            two.hibernate()
+        assert not two.hibernated and two.run_step(Step("print(x)")).outcome.stdout == "2\n"
+        with pytest.raises(SandboxSetupError, match="at most 1 hibernated"):
+            worker.fork_session(one)
+        assert worker.capacity().sessions == 2  # the refused fork took no place
+        assert one.run_step(Step("print(x)")).outcome.stdout == "1\n"
+    finally:
+        worker.close()
+    assert worker.runsc.list_ids() == [] and not worker.images.root.exists()
+
+
+def test_a_restart_forgets_the_images_of_an_earlier_run(checkpoints, short_tmp):
+    config = WorkerConfig(
+        manifest=CHECKPOINTS / "manifest.json", state_dir=short_tmp / "state", run_dir=short_tmp / "run", warm={"base": 0}
+    )
+    stale = config.images_dir / "0123456789abcdef"
+    stale.mkdir(parents=True)
+    (stale / "checkpoint.img").write_bytes(b"an earlier run's session")
+    worker = Worker(config).start()
+    try:
+        assert images(worker) == [] and worker.capacity().hibernated == 0
+    finally:
+        worker.close()
