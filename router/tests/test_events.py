@@ -136,10 +136,15 @@ def test_spec_stats() -> None:
     stats.session_started()
     stats.session_started()
     snapshot = stats.snapshot("s1", uptime_ms=81234, workers=4).to_json()
-    # The spec's fields, in its order; then readie's extra host-function counters.
-    host = snapshot.pop("host")
+    # The spec's fields, in its order; then readie's extra host-function and hibernation counters.
+    extra = {key: snapshot.pop(key) for key in ("host", "sessions_hibernated", "session_images")}
     assert_same(snapshot, spec(SPEC_STATS))
-    assert host == {"calls": 0, "replies": 0, "late_replies": 0, "refused_frames": 0}
+    assert extra == {
+        "host": {"calls": 0, "replies": 0, "late_replies": 0, "refused_frames": 0},
+        "sessions_hibernated": 0,
+        "session_images": {"hibernations": 0, "hibernation_ms_total": 0, "resumes": 0, "resume_ms_total": 0,
+                           "forks": 0, "fork_ms_total": 0},
+    }
 
 
 def test_stats_jobs_is_the_sum_of_disjoint_outcomes() -> None:

@@ -377,6 +377,8 @@ class _SessionRunner:
         runner = self
 
         class _Session:
+            hibernated = False
+
             def run_step(self, step, *, job_id=None, host=None, cancel=None, output=None):
                 runner.steps.append((step.code, step.timeout_ms, step.max_output, job_id))
                 return StepOutcome(ok_outcome(step.code), len(runner.steps) + 1, False)

@@ -42,6 +42,8 @@ from .events import (
     CallEvent,
     CancelledEvent,
     ClosedEvent,
+    ForkedEvent,
+    HibernatedEvent,
     OutputEvent,
     ReadyEvent,
     Result,
@@ -49,6 +51,8 @@ from .events import (
     parse_call,
     parse_cancelled,
     parse_closed,
+    parse_forked,
+    parse_hibernated,
     parse_output,
     parse_ready,
     parse_result,
@@ -100,8 +104,10 @@ class Stray:
         return f"Stray({self.line[:200]!r})"
 
 
-ClientEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent | OutputEvent | Stray
-PoolEvent = ReadyEvent | Result | StatsEvent | ClosedEvent | CancelledEvent | CallEvent | OutputEvent
+PoolEvent = (
+    ReadyEvent | Result | StatsEvent | ClosedEvent | HibernatedEvent | ForkedEvent | CancelledEvent | CallEvent | OutputEvent
+)
+ClientEvent = PoolEvent | Stray
 
 
 class _Answer(enum.Enum):
@@ -110,6 +116,8 @@ class _Answer(enum.Enum):
     RESULT = "result"
     STATS = "stats"
     CLOSE = "close"  # the closed event, or a result when the close is refused
+    HIBERNATE = "hibernate"  # the hibernated event, or a result when it is refused
+    FORK = "fork"  # the forked event, or a result when it is refused
     CANCEL = "cancel"  # the cancelled event, or a result when the cancel is refused
 
 
@@ -225,6 +233,10 @@ class PoolConnection:
             return parse_closed(obj)
         if answer is _Answer.CANCEL and obj.get("event") == "cancelled":
             return parse_cancelled(obj)
+        if answer is _Answer.HIBERNATE and obj.get("hibernated") is not None:
+            return parse_hibernated(obj)
+        if answer is _Answer.FORK and obj.get("forked") is not None:
+            return parse_forked(obj)
         return parse_result(obj)
 
 
@@ -235,6 +247,10 @@ def _answer_to(request: Mapping[str, Any]) -> _Answer:
         return _Answer.CLOSE
     if "cancel" in request:
         return _Answer.CANCEL
+    if request.get("hibernate") is True:
+        return _Answer.HIBERNATE
+    if "fork" in request:
+        return _Answer.FORK
     return _Answer.RESULT
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "CancelledEvent",
     "ClosedEvent",
     "ErrorInfo",
+    "ForkedEvent",
+    "HibernatedEvent",
     "FileInfo",
     "OutputEvent",
     "PolicyInfo",
@@ -43,6 +45,8 @@ __all__ = [
     "parse_call",
     "parse_cancelled",
     "parse_closed",
+    "parse_forked",
+    "parse_hibernated",
     "parse_output",
     "parse_ready",
     "parse_result",
@@ -113,6 +117,33 @@ class ClosedEvent:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "session": self.session, "closed": True}
+
+
+@dataclass(frozen=True, slots=True)
+class HibernatedEvent:
+    """The answer to ``{"id", "session", "hibernate": true}``: the session is on disk, its sandbox
+    gone (``hibernate_ms`` it took; 0 when it was already); a refusal is answered by a result."""
+
+    id: RequestId
+    session: str
+    hibernate_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "session": self.session, "hibernated": True, "hibernate_ms": self.hibernate_ms}
+
+
+@dataclass(frozen=True, slots=True)
+class ForkedEvent:
+    """The answer to ``{"id", "session", "fork": name}``: session ``forked`` is open, a copy of
+    ``session`` (``fork_ms`` it took); a refusal is answered by a result."""
+
+    id: RequestId
+    session: str
+    forked: str
+    fork_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "session": self.session, "forked": self.forked, "fork_ms": self.fork_ms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +247,25 @@ def parse_closed(obj: Any) -> ClosedEvent:
     if fields.optional("closed", bool) is not True:
         broken(f"expected a closed event, got {short(obj)}")
     return ClosedEvent(id=fields.get("id", (str, int)), session=fields.get("session", str))
+
+
+def parse_hibernated(obj: Any) -> HibernatedEvent:
+    """The answer to a hibernate: ``{"id", "session", "hibernated": true, "hibernate_ms"}``."""
+    fields = Fields(obj, "the answer to a hibernate")
+    if fields.optional("hibernated", bool) is not True:
+        broken(f"expected a hibernated event, got {short(obj)}")
+    return HibernatedEvent(
+        id=fields.get("id", (str, int)), session=fields.get("session", str), hibernate_ms=fields.get("hibernate_ms", int)
+    )
+
+
+def parse_forked(obj: Any) -> ForkedEvent:
+    """The answer to a fork: ``{"id", "session", "forked": name, "fork_ms"}``."""
+    fields = Fields(obj, "the answer to a fork")
+    return ForkedEvent(
+        id=fields.get("id", (str, int)), session=fields.get("session", str),
+        forked=fields.get("forked", str), fork_ms=fields.get("fork_ms", int),
+    )
 
 
 def parse_cancelled(obj: Any) -> CancelledEvent:

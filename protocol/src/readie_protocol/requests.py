@@ -5,6 +5,8 @@ Four kinds of line, told apart by their keys:
 * ``{"reply": {...}}`` answers a host-function call (:class:`ReplyRequest`);
 * ``{"id": ..., "stats": true}`` asks for the counters (:class:`StatsRequest`);
 * ``{"id": ..., "session": ..., "close": true}`` ends a session (:class:`CloseSession`);
+* ``{"id": ..., "session": ..., "hibernate": true}`` checkpoints it to disk (:class:`HibernateSession`);
+* ``{"id": ..., "session": ..., "fork": name}`` copies it to a new session (:class:`ForkSession`);
 * anything else is a job or a session step (:class:`JobRequest`).
 
 Parsing never raises on input: a bad line becomes :class:`Refused`, holding
@@ -22,17 +24,17 @@ session manager's (see :attr:`JobRequest.setup_fields`).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from readie_executor import hostwire
 from readie_executor.hostwire import MAX_FUNCTIONS
 
+from .encoding import encode_request
+from .replies import MAX_REPLY_BYTES, ReplyRequest, parse_reply
 from .errors import RequestError, UnitError
 from .lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from .units import DURATION_SCHEMA, MAX_VALUE, SIZE_SCHEMA, parse_duration_ms, parse_size, positive_schema
+from .units import DURATION_SCHEMA, SIZE_SCHEMA, parse_duration_ms, parse_size, positive_schema
 from .wire import MAX_ID_CHARS, MAX_ID_INT, RequestId, id_problem, json_type
 
 from ._values import (
@@ -49,7 +51,6 @@ from ._values import (
     positive,
     requirement,
     schema_of,
-    text_value,
     with_schema,
 )
 
@@ -64,10 +65,14 @@ __all__ = [
     "SESSION_SETUP_FIELDS",
     "SESSION_STEP_FIELDS",
     "CLOSE_FIELDS",
+    "FORK_FIELDS",
+    "HIBERNATE_FIELDS",
     "JOB_FIELDS",
     "REQUEST_ID_SCHEMA",
     "JobField",
     "CloseSession",
+    "ForkSession",
+    "HibernateSession",
     "JobRequest",
     "Refused",
     "ReplyRequest",
@@ -84,8 +89,6 @@ __all__ = [
 MAX_PATH_BYTES = 4096
 #: What request checks count in characters: more of them means more bytes too.
 MAX_PATH_CHARS = MAX_PATH_BYTES
-#: The spec: host-function "arguments and results are JSON, at most 1 MB each way".
-MAX_REPLY_BYTES = 1_000_000
 #: Linux's NAME_MAX: ``name`` becomes the file name in tracebacks.
 MAX_NAME_CHARS = 255
 #: Session names are echoed in every step's result and log line.
@@ -177,20 +180,23 @@ class CloseSession:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplyRequest:
-    """A host-function answer: ``error`` is None when the call returned ``result``.
+class HibernateSession:
+    """Checkpoint the session to disk now and free its sandbox; its next step resumes it."""
 
-    ``result`` is any JSON value exactly as parsed (bounded by
-    :data:`MAX_REPLY_BYTES`); it goes on to the sandbox as JSON, never
-    interpreted here.
-    """
-
-    call_id: int
-    result: Any = None
-    error: str | None = None
+    id: RequestId
+    session: str
 
 
-Request = JobRequest | StatsRequest | CloseSession | CancelJob | ReplyRequest
+@dataclass(frozen=True, slots=True)
+class ForkSession:
+    """Open session ``fork`` as a copy of ``session``: same state and permissions, its own sandbox."""
+
+    id: RequestId
+    session: str
+    fork: str
+
+
+Request = JobRequest | StatsRequest | CloseSession | HibernateSession | ForkSession | CancelJob | ReplyRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,13 +256,15 @@ def _oversize_error(size: int) -> RequestError:
 _STATS_FIELDS = frozenset({"id", "stats"})
 _CLOSE_FIELDS = frozenset({"id", "session", "close"})
 _CANCEL_FIELDS = frozenset({"id", "cancel"})
+_HIBERNATE_FIELDS = frozenset({"id", "session", "hibernate"})
+_FORK_FIELDS = frozenset({"id", "session", "fork"})
 _REPLY_FIELDS = frozenset({"reply"})
 
 
 def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
     if "reply" in obj:
         _only(obj, _REPLY_FIELDS, "a reply")
-        return _reply(obj["reply"])
+        return parse_reply(obj["reply"])
     if "stats" in obj:
         _only(obj, _STATS_FIELDS, "a stats request")
         if obj["stats"] is not True:
@@ -268,6 +276,17 @@ def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
         if problem:
             raise RequestError(f"the id of the job to cancel {problem}", "cancel")
         return CancelJob(_required_id(rid), obj["cancel"])
+    if "hibernate" in obj:
+        _only(obj, _HIBERNATE_FIELDS, "a hibernate request")
+        if obj["hibernate"] is not True:
+            raise RequestError("must be true", "hibernate")
+        return HibernateSession(_required_id(rid), _session_named(obj))
+    if "fork" in obj:
+        _only(obj, _FORK_FIELDS, "a fork request")
+        session, fork = _session_named(obj), _field(obj, "fork", _session)
+        if fork == session:
+            raise RequestError("a fork needs a name of its own, not its session's", "fork")
+        return ForkSession(_required_id(rid), session, fork)
     if "close" in obj:
         close = _field(obj, "close", bool_value)
         if close:
@@ -286,6 +305,12 @@ def _only(obj: dict[str, Any], allowed: frozenset[str], what: str) -> None:
             if key in _JOB_FIELDS or key in _ALL_KINDS:
                 raise RequestError(f"not allowed in {what}", key)
             raise RequestError("unknown field", key)
+
+
+def _session_named(obj: dict[str, Any]) -> str:
+    if "session" not in obj:
+        raise RequestError("required: the session to act on", "session")
+    return _field(obj, "session", _session)
 
 
 def _required_id(rid: RequestId | None) -> RequestId:
@@ -403,6 +428,16 @@ CLOSE_FIELDS = {
     "session": {**schema_of(_session), "description": "The session to end; its sandbox is destroyed."},
     "close": {"const": True},
 }
+#: The fields of a hibernate request beside its id.
+HIBERNATE_FIELDS = {
+    "session": {**schema_of(_session), "description": "The open session to checkpoint to disk; its next step resumes it."},
+    "hibernate": {"const": True},
+}
+#: The fields of a fork request beside its id.
+FORK_FIELDS = {
+    "session": {**schema_of(_session), "description": "The open session to copy."},
+    "fork": {**schema_of(_session), "description": "The new session's name: its state is the session's now, its sandbox its own."},
+}
 #: A request id as a JSON Schema: what :func:`~readie_protocol.wire.id_problem` accepts.
 REQUEST_ID_SCHEMA = {
     "anyOf": [
@@ -415,85 +450,4 @@ REQUEST_ID_SCHEMA = {
 _JOB_KEYS = frozenset(_JOB_FIELDS) | {"id"}
 
 # Keys that select another kind of request; named as "not allowed" rather than "unknown".
-_ALL_KINDS = frozenset({"id", "stats", "close", "cancel", "reply"})
-
-
-# --------------------------------------------------------------------------- replies
-
-
-def _reply(value: Any) -> ReplyRequest:
-    if not isinstance(value, dict):
-        raise RequestError(f"expected an object, got {json_type(value)}", "reply")
-    for key in value:
-        if key not in ("call_id", "result", "error"):
-            raise RequestError("unknown field", f"reply.{key}")
-    if "call_id" not in value:
-        raise RequestError("required", "reply.call_id")
-    call_id = value["call_id"]
-    if isinstance(call_id, bool) or not isinstance(call_id, int) or not 0 <= call_id <= MAX_VALUE:
-        raise RequestError(
-            f"expected an integer from 0 to {MAX_VALUE}, got {json_type(call_id)}",
-            "reply.call_id",
-        )
-    has_result, has_error = "result" in value, "error" in value
-    if has_result == has_error:
-        raise RequestError("give exactly one of result and error", "reply")
-    if has_error:
-        try:
-            error = text_value(value["error"])
-        except Invalid as exc:
-            raise RequestError(str(exc), "reply.error") from None
-        _check_reply_size(error, "reply.error")
-        return ReplyRequest(call_id=call_id, error=error)
-    _check_reply_size(value["result"], "reply.result")
-    return ReplyRequest(call_id=call_id, result=value["result"])
-
-
-def _check_reply_size(value: Any, field: str) -> None:
-    # Measured as the worker will send it into the sandbox: compact JSON, by
-    # hostwire's iterative encoder (a deep value needs no recursion).
-    try:
-        hostwire.dumps(value, MAX_REPLY_BYTES)
-    except ValueError:
-        raise RequestError(f"too large: the limit is {MAX_REPLY_BYTES} bytes of JSON", field) from None
-
-
-# --------------------------------------------------------------------------- a client's request lines
-
-
-def encode_request(request: Mapping[str, Any]) -> bytes:
-    """``request`` as one UTF-8 JSON line with its newline; :class:`RequestError` if the pool would refuse its size.
-
-    Checked before sending, so the caller learns the limit from an exception
-    naming the field instead of from a refusal after the upload.
-    """
-    try:
-        data = _dumps(request).encode("utf-8")
-    except UnicodeEncodeError:
-        field = next((key for key, value in request.items() if not _encodable(value)), None)
-        raise RequestError("contains a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry", field) from None
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"request is not JSON: {exc}") from None
-    if len(data) > MAX_LINE_BYTES:
-        sizes = {key: len(_dumps(value).encode("utf-8")) for key, value in request.items()}
-        biggest = max(sizes, key=sizes.__getitem__)
-        hint = " (pass long code as a file with script=...)" if biggest == "code" else ""
-        raise RequestError(
-            f"the request line is {len(data)} bytes, {sizes[biggest]} of them {biggest}; "
-            f"the pool reads at most {MAX_LINE_BYTES} bytes (1 MiB) per line{hint}; "
-            "put large data in a file under allow_read instead",
-            biggest,
-        )
-    return data + b"\n"
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _encodable(value: Any) -> bool:
-    try:
-        _dumps(value).encode("utf-8")
-    except (UnicodeEncodeError, TypeError, ValueError):
-        return False
-    return True
+_ALL_KINDS = frozenset({"id", "stats", "close", "hibernate", "fork", "cancel", "reply"})

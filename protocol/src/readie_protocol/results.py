@@ -123,7 +123,8 @@ class Result:
 
     ``exit`` is always an integer: the job's exit status, 124 after a
     timeout, 128 + n after signal n, -1 when it never ran.
-    ``session``, ``step`` and ``session_ended`` are set for session steps only;
+    ``session``, ``step`` and ``session_ended`` are set for session steps only, and
+    ``resumed_ms`` only for a step that restored its hibernated session first;
     ``value`` only when the code ended with a bare expression whose value is not None;
     ``files`` and ``files_truncated`` only when the request asked for ``report_files``.
     """
@@ -146,6 +147,7 @@ class Result:
     value: Value | None = None
     files: tuple[FileInfo, ...] | None = None
     files_truncated: bool = False
+    resumed_ms: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -188,6 +190,8 @@ class Result:
             out["session"] = self.session
             out["step"] = self.step
             out["session_ended"] = self.session_ended
+        if self.resumed_ms is not None:
+            out["resumed_ms"] = self.resumed_ms
         if self.value is not None:
             out["value"] = self.value.to_json()
         if self.files is not None:
@@ -218,6 +222,7 @@ def parse_result(obj: Any) -> Result:
         value=fields.nested("value", _value) if "value" in obj else None,
         files=_files(obj["files"]) if obj.get("files") is not None else None,
         files_truncated=fields.optional("files_truncated", bool) or False,
+        resumed_ms=fields.optional("resumed_ms", int),
     )
 
 

@@ -22,6 +22,8 @@ from .events import (
     CallEvent,
     CancelledEvent,
     ClosedEvent,
+    ForkedEvent,
+    HibernatedEvent,
     ErrorInfo,
     FileInfo,
     OutputEvent,
@@ -33,7 +35,7 @@ from .events import (
     Value,
 )
 from .lines import MAX_LINE_BYTES
-from .requests import CLOSE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
+from .requests import CLOSE_FIELDS, FORK_FIELDS, HIBERNATE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
 from .units import MAX_VALUE
 from .wire import PROTOCOL_VERSION
 
@@ -72,6 +74,20 @@ def request_schema() -> dict[str, Any]:
         "required": ["id", "session", "close"],
         "additionalProperties": False,
     }
+    hibernate = {
+        "title": "hibernate a session",
+        "type": "object",
+        "properties": {"id": REQUEST_ID_SCHEMA, **HIBERNATE_FIELDS},
+        "required": ["id", "session", "hibernate"],
+        "additionalProperties": False,
+    }
+    fork = {
+        "title": "fork a session",
+        "type": "object",
+        "properties": {"id": REQUEST_ID_SCHEMA, **FORK_FIELDS},
+        "required": ["id", "session", "fork"],
+        "additionalProperties": False,
+    }
     cancel = {
         "title": "cancel a job",
         "type": "object",
@@ -106,7 +122,7 @@ def request_schema() -> dict[str, Any]:
         "title": "readie pool request line",
         "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused. "
         "Integers are JSON integers: 1.0 is refused where an integer is expected, though JSON Schema allows it.",
-        "oneOf": [job, stats, close, cancel, reply],
+        "oneOf": [job, stats, close, hibernate, fork, cancel, reply],
     }
 
 
@@ -114,7 +130,7 @@ def event_schemas() -> dict[str, dict[str, Any]]:
     """Every line a pool writes, by name."""
     return {
         "ready": _event(ReadyEvent, "ready", required_extra=()),
-        "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated"}),
+        "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated", "resumed_ms"}),
         "stats": {
             **_object(StatsEvent, skip={"counters"}),
             "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
@@ -125,6 +141,10 @@ def event_schemas() -> dict[str, dict[str, Any]]:
         },
         "closed": {**_object(ClosedEvent), "properties": {**_object(ClosedEvent)["properties"], "closed": {"const": True}},
                    "required": ["id", "session", "closed"]},
+        "hibernated": {**_object(HibernatedEvent),
+                       "properties": {**_object(HibernatedEvent)["properties"], "hibernated": {"const": True}},
+                       "required": ["id", "session", "hibernated", "hibernate_ms"]},
+        "forked": _object(ForkedEvent),
         "cancelled": _event(CancelledEvent, "cancelled", required_extra=()),
         "call": _event(CallEvent, "call", required_extra=()),
         "output": _event(OutputEvent, "output", required_extra=()),

@@ -26,7 +26,8 @@ The contract every backend keeps:
   one job and returns a :class:`BackendSession` and the first step's
   :class:`~readie_worker.sessions.StepOutcome`; it raises like ``run``. The
   session stays where it opened: in this process's worker, or (through a
-  router) on one worker, down its own Interact stream.
+  router) on one worker, down its own Interact stream. ``hibernate`` and
+  ``fork`` work where the worker is this process's (decision 0022).
 * host functions: ``run``, ``open_session`` and ``run_step`` take a ``host``
   callback (:data:`~readie_worker.jobs.HostFunction`, called on the job's
   thread for each call the job makes to its declared functions), and an
@@ -90,6 +91,17 @@ class BackendSession(Protocol):
 
     async def close(self) -> None:
         """Destroy the session's sandbox; does nothing once it has ended."""
+        ...
+
+    @property
+    def hibernated(self) -> bool: ...
+
+    async def hibernate(self) -> float:
+        """Checkpoint the idle session to disk and free its sandbox; milliseconds (0: it was)."""
+        ...
+
+    async def fork(self) -> tuple[BackendSession, float]:
+        """A new session with this one's state now, its own sandbox; and the milliseconds it took."""
         ...
 
 
@@ -167,6 +179,17 @@ class _ThreadedSession:
     async def close(self) -> None:
         # Off the job threads: a close must not wait behind running steps.
         await asyncio.to_thread(self.session.close)
+
+    @property
+    def hibernated(self) -> bool:
+        return self.session.hibernated
+
+    async def hibernate(self) -> float:
+        return await self._backend._on_thread(functools.partial(self.session.hibernate))
+
+    async def fork(self) -> tuple[BackendSession, float]:
+        forked, fork_ms = await self._backend._on_thread(functools.partial(self.session.fork))
+        return _ThreadedSession(self._backend, forked), fork_ms
 
 
 class LocalWorkerBackend(ThreadedBackend):

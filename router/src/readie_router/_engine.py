@@ -64,7 +64,9 @@ from ._events import JobResult, Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
-from readie_protocol.requests import CancelJob, CloseSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest
+from readie_protocol.requests import (
+    CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
+)
 from ._results import job_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
@@ -309,9 +311,14 @@ class PoolEngine:
         if isinstance(request, Refused):
             self._finish(JobResult.refused(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
-            self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers))
+            hibernated = self._session_driver.sessions_hibernated()
+            self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers, hibernated))
         elif isinstance(request, CloseSession):
             self._session_driver.accept_close(request)
+        elif isinstance(request, HibernateSession):
+            self._session_driver.accept_hibernate(request)
+        elif isinstance(request, ForkSession):
+            self._session_driver.accept_fork(request)
         elif isinstance(request, JobRequest) and request.session is not None:
             self._session_driver.accept_step(request, parsed_at, self._cancellable(request.id))
         elif isinstance(request, CancelJob):

@@ -110,6 +110,7 @@ class JobResult:
     value: Value | None = None
     files: tuple[FileInfo, ...] | None = None
     files_truncated: bool = False
+    resumed_ms: int | None = None  # the step restored its hibernated session first
 
     def __post_init__(self) -> None:
         # Wrong combinations are bugs in the caller; refusing them here keeps
@@ -156,6 +157,7 @@ class JobResult:
             value=self.value,
             files=self.files,
             files_truncated=self.files_truncated,
+            resumed_ms=self.resumed_ms,
         )
 
     @classmethod
@@ -174,8 +176,13 @@ class JobResult:
         queue_us: int = 0,
         session: str | None = None,
         step: int | None = None,
+        session_ended: bool | None = None,
     ) -> JobResult:
-        """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError."""
+        """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError.
+
+        In a session, a worker error ends it unless ``session_ended`` says otherwise (a
+        hibernation refused for the worker's image bounds leaves it as it was).
+        """
         kind = error_type(error)
         outcome = Outcome.REQUEST_ERROR if kind is ErrorType.REQUEST else Outcome.WORKER_ERROR
         return cls(
@@ -189,7 +196,7 @@ class JobResult:
             session=session,
             step=step,
             # A worker failure takes the session's process with it.
-            session_ended=session is not None and outcome is Outcome.WORKER_ERROR,
+            session_ended=(session is not None and outcome is Outcome.WORKER_ERROR) if session_ended is None else session_ended,
         )
 
 
@@ -252,6 +259,8 @@ class Stats:
         self.queue_us_total = 0
         self.errors: dict[str, int] = {}
         self.sessions_active = 0
+        # Hibernations, resumes and forks: how many, and their milliseconds in all.
+        self.session_images = {operation: [0, 0] for operation in ("hibernations", "resumes", "forks")}
         self.host_calls = 0
         self.host_replies = 0
         self.late_replies = 0
@@ -273,7 +282,13 @@ class Stats:
             raise RuntimeError("session_ended() without a session")
         self.sessions_active -= 1
 
-    def snapshot(self, id: RequestId, uptime_ms: int, workers: int) -> StatsEvent:
+    def session_image(self, operation: str, ms: float) -> None:
+        """A hibernation, resume or fork that took ``ms``."""
+        counted = self.session_images[operation]
+        counted[0] += 1
+        counted[1] += round(ms)
+
+    def snapshot(self, id: RequestId, uptime_ms: int, workers: int, sessions_hibernated: int = 0) -> StatsEvent:
         """The stats event answering ``{"id": id, "stats": true}``."""
         return StatsEvent(id, {
             "uptime_ms": uptime_ms,
@@ -290,5 +305,11 @@ class Stats:
                 "replies": self.host_replies,
                 "late_replies": self.late_replies,
                 "refused_frames": self.host_frames_refused,
+            },
+            # readie's, after the spec's fields: sessions on disk now, and what hibernating cost.
+            "sessions_hibernated": sessions_hibernated,
+            "session_images": {
+                key: value for operation, (count, ms) in self.session_images.items()
+                for key, value in ((operation, count), (f"{operation[:-1]}_ms_total", ms))
             },
         })

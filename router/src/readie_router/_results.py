@@ -74,6 +74,7 @@ def job_result(
     session: str | None = None,
     step: int | None = None,
     session_ended: bool = False,
+    resumed_ms: float | None = None,
 ) -> JobResult:
     """The result line's value for a job (or a session's step) the backend ran, or tried to."""
     status, exit_code, error = _classify(outcome)
@@ -94,6 +95,7 @@ def job_result(
         session=session,
         step=step,
         session_ended=session_ended,
+        resumed_ms=None if resumed_ms is None else round(resumed_ms),
         value=outcome.value,
         files=outcome.files,
         files_truncated=outcome.files_truncated,

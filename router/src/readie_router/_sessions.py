@@ -75,7 +75,9 @@ class NamedSession:
     handle: BackendSession | None = None
     policy: Policy | None = None  # the session's, fixed by the first request
     functions: tuple[str, ...] = ()  # its host functions, fixed by the first request too
-    idle: asyncio.TimerHandle | None = None
+    idle: asyncio.TimerHandle | None = None  # closes it at session_idle
+    hibernation: asyncio.TimerHandle | None = None  # hibernates it at session_hibernate
+    idle_since: float = 0.0  # the loop's time when it last went idle
     _tail: asyncio.Event | None = field(default=None, repr=False)
 
     @property
@@ -87,22 +89,25 @@ class NamedSession:
             raise RuntimeError(f"session cannot go from {self.phase.value} to {phase.value}")
         self.phase = phase
 
-    def enqueue(self) -> tuple[asyncio.Event | None, asyncio.Event]:
+    def enqueue(self, *, idle: bool = False) -> tuple[asyncio.Event | None, asyncio.Event]:
         """Queue one request: the event to wait for before it runs (None: run now) and its own,
-        to set once it is answered."""
+        to set once it is answered. ``idle``: the pool's own hibernation, which keeps the
+        session idle (its close timer runs on)."""
         previous, done = self._tail, asyncio.Event()
         self._tail = done
         self.pending += 1
-        self.stop_idle_timer()
+        if not idle:
+            self.stop_idle_timer()
         return previous, done
 
     def answered(self) -> None:
         self.pending -= 1
 
     def stop_idle_timer(self) -> None:
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
+        for timer in (self.idle, self.hibernation):
+            if timer is not None:
+                timer.cancel()
+        self.idle = self.hibernation = None
 
 
 class SessionTable:
@@ -164,6 +169,18 @@ class SessionTable:
         if not session.ended:
             session.move(SessionPhase.ENDED)
         return self._leave(session)
+
+    def reserve(self, name: str) -> NamedSession:
+        """An entry for a fork named ``name``, OPENING until the fork is made; RequestError if refused."""
+        if name in self._open:
+            raise RequestError(f"session {name!r} is open already; a fork needs a name of its own", "fork")
+        if len(self._open) >= self.max_sessions:
+            raise RequestError(
+                f"{len(self._open)} sessions are open, the pool's max_sessions; a fork is a session too", "fork"
+            )
+        session = NamedSession(name)
+        self._open[name] = session
+        return session
 
     def _leave(self, session: NamedSession) -> bool:
         session.stop_idle_timer()

@@ -29,6 +29,7 @@ class PoolSetup:
     log_jobs: bool = False  # --log=json: one job_log_line per finished job
     max_sessions: int = DEFAULT_MAX_SESSIONS  # [pool] max_sessions after --max-sessions
     session_idle_ms: int = DEFAULT_SESSION_IDLE_MS  # [pool] session_idle after --session-idle
+    session_hibernate_ms: int | None = None  # [pool] session_hibernate after --session-hibernate; None: off
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             log=args.log,
             max_sessions=args.max_sessions,
             session_idle=args.session_idle,
+            session_hibernate=args.session_hibernate,
         )
         settings = apply_cli(config.pool, overrides, cwd=cwd)
     except ConfigError as exc:
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         log_jobs=settings.log == "json",
         max_sessions=settings.max_sessions,
         session_idle_ms=settings.session_idle_ms,
+        session_hibernate_ms=settings.session_hibernate_ms,
     )
     try:
         router_security = client_security(args, "router")
@@ -295,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-idle",
         metavar="DURATION",
         help="close a session idle this long, e.g. 90s or 10m (default: [pool] session_idle, else 10m)",
+    )
+    parser.add_argument(
+        "--session-hibernate",
+        metavar="DURATION",
+        help="checkpoint a session idle this long to disk, freeing its memory; its next step resumes it "
+        "(default: [pool] session_hibernate, else off; shorter than the session idle time)",
     )
     parser.add_argument(
         "--router",

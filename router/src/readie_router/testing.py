@@ -393,6 +393,15 @@ class FakeSession:
         self.closes += 1
         self.ended = True
 
+    # A fake has no sandbox to checkpoint: hibernation is the real worker's (test_pool_hibernate).
+    hibernated = False
+
+    async def hibernate(self) -> float:
+        raise RequestError("a FakeBackend session cannot hibernate", "session")
+
+    async def fork(self) -> tuple[FakeSession, float]:
+        raise RequestError("a FakeBackend session cannot fork", "session")
+
 
 class MemorySource:
     """Bytes the test feeds with :meth:`feed`; :meth:`end` is EOF. Counts what was read."""

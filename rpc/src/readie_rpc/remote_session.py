@@ -170,6 +170,10 @@ class InteractStream:
         self._call.cancel()
 
 
+# The Interact stream carries steps only (decision 0022): the image would live on the worker.
+_NOT_REMOTELY = "a session on a remote worker (through a router) cannot {} yet; a pool with its own worker can"
+
+
 class RemoteSession:
     """A session in a sandbox on another worker; see the module docstring."""
 
@@ -233,6 +237,14 @@ class RemoteSession:
         if outcome.session_ended:
             self._end()
         return outcome
+
+    hibernated = False  # never: see hibernate()
+
+    def hibernate(self, cancel: Cancellation = NEVER) -> float:
+        raise RequestError(_NOT_REMOTELY.format("hibernate"), "session")
+
+    def fork(self, cancel: Cancellation = NEVER) -> tuple[RemoteSession, float]:
+        raise RequestError(_NOT_REMOTELY.format("fork"), "session")
 
     def close(self) -> None:
         """End the session; its sandbox is destroyed by the time this returns (or the worker is gone)."""

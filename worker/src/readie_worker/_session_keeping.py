@@ -101,6 +101,7 @@ class SessionKeeping:
             job, sandbox, links, slot=self._slot, forget=self._forget_session, observe=self.metrics.step_finished,
             images=self.images if hibernates else None, restore=self._restore_session if hibernates else None,
             observe_image=self.metrics.session_image, image=image,
+            fork=self.fork_session if hibernates else None,
         )
 
     def _restore_session(self: Worker, job: CodeJob, image: Path) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:

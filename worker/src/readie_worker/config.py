@@ -82,6 +82,7 @@ class PoolSettings:
     package_dirs: tuple[Path, ...] = ()
     max_sessions: int = DEFAULT_MAX_SESSIONS
     session_idle_ms: int = DEFAULT_SESSION_IDLE_MS
+    session_hibernate_ms: int | None = None  # off
     log: str = "none"
 
 
@@ -128,6 +129,7 @@ class CliOverrides:
     log: str | None = None
     max_sessions: int | None = None
     session_idle: str | int | None = None
+    session_hibernate: str | int | None = None
 
 
 # --------------------------------------------------------------------------- loading
@@ -187,7 +189,18 @@ def apply_cli(
         value = getattr(overrides, key.name, None)
         if key.flag is not None and value is not None:
             changes[key.attr] = key.read(at, key.flag, list(value) if isinstance(value, tuple) else value)
-    return replace(pool, **changes)
+    return _check_timers(at, replace(pool, **changes))
+
+
+def _check_timers(at: Reading, pool: PoolSettings) -> PoolSettings:
+    """A session hibernates before it would be closed for idleness, or never."""
+    if pool.session_hibernate_ms is not None and pool.session_hibernate_ms >= pool.session_idle_ms:
+        raise at.fail(
+            "pool.session_hibernate",
+            f"{pool.session_hibernate_ms} ms is not shorter than session_idle ({pool.session_idle_ms} ms): "
+            "an idle session would be closed before it hibernates",
+        )
+    return pool
 
 
 # --------------------------------------------------------------------------- the sections
@@ -198,7 +211,7 @@ def _document(at: Reading, doc: dict[str, Any]) -> Config:
     pool_table = _table(at, doc, "pool")
     for name in ("profiles", "permissions"):  # [permissions] is the one-shot CLI's: ignored
         _table(at, doc, name)
-    pool = PoolSettings(**POOL.read(at, "pool", pool_table))
+    pool = _check_timers(at, PoolSettings(**POOL.read(at, "pool", pool_table)))
     limits = NO_LIMITS
     if "limits" in pool_table:
         # A ceiling starts from nothing granted: a key it leaves out grants nothing of its kind.

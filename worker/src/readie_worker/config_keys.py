@@ -316,6 +316,9 @@ POOL = Section(
                   "Sessions open at once; 0 disables sessions.", DEFAULT_MAX_SESSIONS, "--max-sessions"),
         ConfigKey("session_idle", "session_idle_ms", POSITIVE_DURATION, DEFAULT_SESSION_IDLE,
                   "A session idle this long is closed.", DEFAULT_SESSION_IDLE, "--session-idle"),
+        ConfigKey("session_hibernate", "session_hibernate_ms", POSITIVE_DURATION, "off",
+                  "A session idle this long is checkpointed to disk and its sandbox freed; its next step "
+                  "resumes it first (about a restore's time). Shorter than session_idle.", "2m", "--session-hibernate"),
         ConfigKey("log", "log", LOG, '`"none"`',
                   "json: JSON logs and one line per finished job on stderr; console (none is its first "
                   "name): readable logs, no job lines.", "json", "--log"),

@@ -42,6 +42,17 @@ class SessionHandle(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def hibernated(self) -> bool: ...
+
+    def hibernate(self, cancel: Cancellation = ...) -> float:
+        """Checkpoint the idle session to disk, freeing its sandbox; milliseconds (0: it was)."""
+        ...
+
+    def fork(self, cancel: Cancellation = ...) -> tuple[SessionHandle, float]:
+        """A new session with this one's state now, its own sandbox; and the milliseconds it took."""
+        ...
+
 
 class JobRunner(Protocol):
     """``cancel`` (``cancel.py``): when it is set, the work stops and its sandbox is freed.

@@ -98,6 +98,7 @@ class SandboxSession:
         restore: Restorer | None = None,
         observe_image: Callable[[str, float], None] = lambda operation, seconds: None,
         image: Path | None = None,
+        fork: Callable[[SandboxSession, Cancellation], tuple[SandboxSession, float]] | None = None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
         self.job = job  # the setup; its code was the first step's
@@ -111,6 +112,7 @@ class SandboxSession:
         self._restore = restore
         self._observe_image = observe_image  # (hibernate|resume|fork, seconds): the worker's metrics
         self._image = image  # while HIBERNATED
+        self._fork = fork  # the worker's fork_session: a fork is a session of the worker's
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
         if image is not None:
             self.state = SessionState.HIBERNATED  # a fork: it resumes at its first step
@@ -260,6 +262,14 @@ class SandboxSession:
         self._observe_image("hibernate", seconds)
         log.info("session hibernated", session=self.id, image_bytes=size, hibernate_ms=round(seconds * 1000, 1))
         return seconds * 1000
+
+    def fork(self, cancel: Cancellation = NEVER) -> tuple[SandboxSession, float]:
+        """A new session of this worker's with this one's state now (``Worker.fork_session``)."""
+        if self._fork is None:
+            with self._lock:
+                self._check_can_hibernate()
+        assert self._fork is not None
+        return self._fork(self, cancel)
 
     def fork_image(self, cancel: Cancellation = NEVER) -> tuple[Path, float]:
         """Hibernate (if not already) and give a second image of this session's state, for a fork.
