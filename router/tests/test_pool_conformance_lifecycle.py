@@ -169,6 +169,8 @@ def test_stats_logs_and_eof_drain(pool_factory, python_version):
         "queue_us_total",
         "errors",
         "host",
+        "sessions_hibernated",
+        "session_images",
     ]
     assert type(stats["uptime_ms"]) is int and stats["uptime_ms"] > 0
     assert {k: v for k, v in stats.items() if k != "uptime_ms"} == {
@@ -187,6 +189,9 @@ def test_stats_logs_and_eof_drain(pool_factory, python_version):
         "queue_us_total": sum(r["queue_us"] for r in results.values()),
         "errors": {"ValueError": 1, "TimeoutError": 1, "RequestError": 2},
         "host": {"calls": 0, "replies": 0, "late_replies": 0, "refused_frames": 0},
+        "sessions_hibernated": 0,
+        "session_images": {"hibernations": 0, "hibernation_ms_total": 0, "resumes": 0, "resume_ms_total": 0,
+                           "forks": 0, "fork_ms_total": 0},
     }
     assert sorted(stats["errors"].items()) == [
         ("RequestError", 2),

@@ -3,9 +3,9 @@
 ``{"id", "session", "hibernate": true}`` answers ``{"hibernated": true}``;
 ``{"id", "session": "a", "fork": "b"}`` answers ``{"forked": "b"}``; a
 session idle for ``session_hibernate`` hibernates on its own; the step
-after either says ``resumed_ms``. Through a router (``--router``) both are
-refused with a RequestError that says so, and the session goes on
-(decision 0022). Each check looks at ``runsc list`` of the pool's state dir
+after either says ``resumed_ms``. Through a router (``--router``) a session
+hibernates on its worker and stays pinned there; a fork is refused with a
+RequestError that says so, and the session goes on (decision 0022). Each check looks at ``runsc list`` of the pool's state dir
 to see the sandbox really gone.
 """
 
@@ -159,17 +159,22 @@ def test_session_hibernate_must_be_shorter_than_session_idle(checkpoints, tmp_pa
     assert "session_hibernate" in process.stderr_text() and "not shorter than session_idle" in process.stderr_text()
 
 
-def test_through_a_router_hibernate_and_fork_are_refused_and_the_session_goes_on(checkpoints, short_tmp):
+def test_through_a_router_a_session_hibernates_on_its_worker_and_a_fork_is_refused(checkpoints, short_tmp):
     with pool_placement("router", short_tmp, CHECKPOINTS / "manifest.json") as args:
         pool = Pool("--workers", "2", *args)
         try:
             step(pool, "x1", "remote", "x = 5")
-            for rid, request in (("x2", {"hibernate": True}), ("x3", {"fork": "copy"})):
-                answer = pool.process.run({"id": rid, "session": "remote", **request})
-                assert answer["error"]["type"] == "RequestError", answer
-                assert "remote worker (through a router) cannot" in answer["error"]["message"]
-                assert answer["session_ended"] is False
-            assert step(pool, "x4", "remote", "print(x)")["stdout"] == "5\n"
+            answer = pool.process.run({"id": "x2", "session": "remote", "hibernate": True})
+            assert (answer["hibernated"], answer["hibernate_ms"] > 0) == (True, True), answer
+            assert pool.stats()["sessions_hibernated"] == 1
+            # Pinned: the step goes to the worker whose disk holds the image, which restores it.
+            resumed = step(pool, "x3", "remote", "x += 1\nprint(x)")
+            assert (resumed["stdout"], resumed["step"], resumed["resumed_ms"] > 0) == ("6\n", 2, True), resumed
+            forked = pool.process.run({"id": "x4", "session": "remote", "fork": "copy"})
+            assert forked["error"]["type"] == "RequestError", forked
+            assert "remote worker (through a router) cannot fork" in forked["error"]["message"]
+            assert forked["session_ended"] is False
+            assert step(pool, "x5", "remote", "print(x)")["stdout"] == "6\n"
             assert pool.stats()["sessions_active"] == 1  # the refused fork left no session behind
         finally:
             pool.process.close()

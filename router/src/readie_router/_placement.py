@@ -46,9 +46,9 @@ from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
 from readie_worker.core import Capacity
-from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
+from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
-from readie_rpc.remote_session import RemoteSession, SessionLost, StreamBroken
+from readie_rpc.remote_session import NO_REMOTE_FORK, RemoteSession, SessionLost, StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
 
@@ -440,6 +440,26 @@ class PlacedSession:
             placement._release(self._member)
             if self._remote.ended:
                 self._forget()
+
+    @property
+    def hibernated(self) -> bool:
+        return self._remote.hibernated
+
+    def hibernate(self, cancel: Cancellation = NEVER) -> float:
+        """``RemoteSession.hibernate`` on a slot of the session's worker: a checkpoint costs it CPU.
+        The session stays pinned to that worker, whose disk holds its image (decision 0022)."""
+        if self.ended_by is not None:
+            raise PoolWorkerError(f"the session has ended: {self.ended_by}")
+        self._placement._take_slot(self._member)
+        try:
+            return self._remote.hibernate(cancel)
+        finally:
+            self._placement._release(self._member)
+            if self._remote.ended:
+                self._forget()
+
+    def fork(self, cancel: Cancellation = NEVER) -> tuple[PlacedSession, float]:
+        raise RequestError(NO_REMOTE_FORK, "session")
 
     def close(self) -> None:
         try:

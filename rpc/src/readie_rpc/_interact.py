@@ -41,12 +41,12 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from ._convert import Ceiling, code_job, run_job_response, session_step
+from ._convert import Ceiling, code_job, hibernated_message, run_job_response, session_step
 from ._host_wire import call_message, output_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
 from readie_worker.cancel import Cancellation
-from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
+from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink
 from readie_worker.policy import NO_LIMITS
 from readie_worker.runner import JobRunner, SessionHandle
@@ -233,9 +233,10 @@ class Interaction:
                 self._done()
 
     def _serve_session(self, session: SessionHandle, step: StepOutcome) -> None:
+        answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
         while True:
             self._check_protocol()
-            if not self._send(pb.InteractEvent(result=run_job_response(step.outcome, step, session.id)), RESULT_SEND_S):
+            if not self._send(answer, RESULT_SEND_S):
                 return  # the client is gone or stopped reading: the session ends
             self._bind(steps=step.step)
             if step.session_ended:
@@ -243,13 +244,18 @@ class Interaction:
             request = self._next_request()
             if request is None:  # the client closed its side: the session ends with the stream
                 return
-            if request.WhichOneof("kind") != "step":
-                raise RequestError("an open session takes steps and replies only", field=request.WhichOneof("kind") or "kind")
+            kind = request.WhichOneof("kind")
+            if kind == "hibernate":
+                answer = pb.InteractEvent(hibernated=_hibernate(session, self._cancel))
+                continue
+            if kind != "step":
+                raise RequestError("an open session takes steps, replies and hibernate only", field=kind or "kind")
             try:
                 asked = session_step(request.step, self._ceiling.limits)
             except RequestError as refused:  # as in the pool protocol: the step is refused, the session goes on
                 outcome = JobOutcome.failure(ErrorType.REQUEST, str(on_the_wire(refused)), 0, "")
                 step = StepOutcome(outcome, step.step, False)
+                answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
                 continue
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
@@ -260,6 +266,7 @@ class Interaction:
                 cancel=self._cancel,
                 output=self._output(request.step.stream_output),
             )
+            answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
 
     def _next_request(self) -> pb.InteractRequest | None:
         """The client's next step, skipping stale replies; None once its side ended."""
@@ -336,6 +343,15 @@ class Interaction:
     def _check_protocol(self) -> None:
         if self._broken is not None:
             raise self._broken
+
+
+def _hibernate(session: SessionHandle, cancel: Cancellation) -> pb.SessionHibernated:
+    """Hibernate between steps: refusals are answered and the session goes on; any other
+    failure has ended the session and ends the stream with its status."""
+    try:
+        return hibernated_message(session.hibernate(cancel))
+    except (RequestError, SandboxSetupError) as refused:
+        return hibernated_message(refused=refused)
 
 
 def _left(deadline: float) -> float:

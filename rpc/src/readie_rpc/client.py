@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from ._convert import job_outcome, run_job_request
+from ._convert import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import error_from_status
@@ -88,7 +88,7 @@ class WorkerClient:
             stream.cancel()
             raise PoolWorkerError("the worker answered a session's opening without a session id or as another step")
         session = RemoteSession(stream, job, response.session_id, self.address)
-        first = StepOutcome(job_outcome(response), response.step, response.session_ended)
+        first = step_outcome(response)
         if first.session_ended:
             session.close()
         return session, first

@@ -24,7 +24,7 @@ import grpc
 from readie_executor.hostwire import MAX_CALLS_PER_TASK, OUTPUT_STREAMS
 from readie_executor.jobs import bounds
 
-from ._convert import job_outcome, session_step, session_step_message
+from ._convert import hibernate_refusal, session_step, session_step_message, step_outcome
 from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
@@ -135,6 +135,22 @@ class InteractStream:
             if watchdog is not None:
                 watchdog.cancel()
 
+    def hibernated(self, within_s: float) -> pb.SessionHibernated:
+        """The answer to a ``hibernate``: PoolWorkerError (and the stream over) for anything else."""
+        watchdog = threading.Timer(within_s, self._give_up)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            event = self._next_event(within_s)
+            if event.WhichOneof("kind") != "hibernated":
+                raise PoolWorkerError("the worker answered a hibernate with another event")
+            return event.hibernated
+        except BaseException:
+            self.cancel()
+            raise
+        finally:
+            watchdog.cancel()
+
     def _next_event(self, within_s: float | None) -> pb.InteractEvent:
         try:
             return next(self._call)
@@ -170,8 +186,11 @@ class InteractStream:
         self._call.cancel()
 
 
-# The Interact stream carries steps only (decision 0022): the image would live on the worker.
-_NOT_REMOTELY = "a session on a remote worker (through a router) cannot {} yet; a pool with its own worker can"
+# A fork's session lives on the worker; a second stream to reach it is not built yet (decision 0022).
+NO_REMOTE_FORK = "a session on a remote worker (through a router) cannot fork yet; a pool with its own worker can"
+# An idle executor hibernates in well under a second and a pandas one in about 0.3 s;
+# the worker bounds its own part, this bounds a worker that never answers.
+HIBERNATE_WAIT_S = 60.0
 
 
 class RemoteSession:
@@ -185,6 +204,7 @@ class RemoteSession:
         self._lock = threading.Lock()  # one step at a time
         self._running = False
         self.ended = False
+        self.hibernated = False  # as the worker answered; its next step resumes it
 
     def run_step(
         self,
@@ -233,18 +253,42 @@ class RemoteSession:
         finally:
             with self._lock:
                 self._running = False
-        outcome = StepOutcome(job_outcome(response), response.step, response.session_ended)
+        outcome = step_outcome(response)
+        self.hibernated = False
         if outcome.session_ended:
             self._end()
         return outcome
 
-    hibernated = False  # never: see hibernate()
-
     def hibernate(self, cancel: Cancellation = NEVER) -> float:
-        raise RequestError(_NOT_REMOTELY.format("hibernate"), "session")
+        """Ask the worker to hibernate the session between steps; milliseconds (0: it was).
+
+        A refusal (RequestError, SandboxSetupError) leaves the session as it
+        was; any other failure has ended it, as a step's would.
+        """
+        with self._lock:
+            if self.ended:
+                raise RequestError(f"session {self.id} has ended", field="session")
+            if self._running:
+                raise RequestError(f"a step of session {self.id} is running; it can hibernate between steps", field="session")
+            self._running = True
+        try:
+            self._stream.send(pb.InteractRequest(hibernate=pb.HibernateSession()))
+            with cancel.stopping(self.close):
+                answer = self._stream.hibernated(HIBERNATE_WAIT_S)
+        except ReadieError as exc:
+            self._end()
+            raise PoolWorkerError(f"the session ended: {exc}") from None
+        finally:
+            with self._lock:
+                self._running = False
+        refused = hibernate_refusal(answer)
+        if refused is not None:
+            raise refused
+        self.hibernated = True
+        return answer.hibernate_ms
 
     def fork(self, cancel: Cancellation = NEVER) -> tuple[RemoteSession, float]:
-        raise RequestError(_NOT_REMOTELY.format("fork"), "session")
+        raise RequestError(NO_REMOTE_FORK, "session")
 
     def close(self) -> None:
         """End the session; its sandbox is destroyed by the time this returns (or the worker is gone)."""

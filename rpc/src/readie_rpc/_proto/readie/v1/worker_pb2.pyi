@@ -80,7 +80,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "value", "files")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class RunJobResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_MS_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     exit: int
@@ -115,9 +116,10 @@ class RunJobResponse(_message.Message):
     session_id: str
     step: int
     session_ended: bool
+    resumed_ms: float
     value: JobValue
     files: WrittenFiles
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ...) -> None: ...
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ...) -> None: ...
 
 class WrittenFiles(_message.Message):
     __slots__ = ("files", "truncated")
@@ -213,26 +215,44 @@ class HostReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., result_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class InteractRequest(_message.Message):
-    __slots__ = ("job", "open_session", "step", "reply")
+    __slots__ = ("job", "open_session", "step", "reply", "hibernate")
     JOB_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    HIBERNATE_FIELD_NUMBER: _ClassVar[int]
     job: RunJobRequest
     open_session: RunJobRequest
     step: SessionStep
     reply: HostReply
-    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ...) -> None: ...
+    hibernate: HibernateSession
+    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ...) -> None: ...
 
 class InteractEvent(_message.Message):
-    __slots__ = ("call", "result", "output")
+    __slots__ = ("call", "result", "output", "hibernated")
     CALL_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    HIBERNATED_FIELD_NUMBER: _ClassVar[int]
     call: HostCall
     result: RunJobResponse
     output: OutputChunk
-    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ...) -> None: ...
+    hibernated: SessionHibernated
+    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ...) -> None: ...
+
+class HibernateSession(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionHibernated(_message.Message):
+    __slots__ = ("hibernate_ms", "error_type", "error_message")
+    HIBERNATE_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    hibernate_ms: float
+    error_type: str
+    error_message: str
+    def __init__(self, hibernate_ms: _Optional[float] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class OutputChunk(_message.Message):
     __slots__ = ("stream", "data")
