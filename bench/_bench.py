@@ -74,6 +74,11 @@ class Settings:
     soak_sessions: int = 64
     # Sessions each session client opens in turn: 1,280 sessions' restores beside the jobs'.
     soak_session_rounds: int = 20
+    # Scenario 13: rounds of a hibernation, a resumed step beside a fresh session and a bare
+    # restore, and two forks, per checkpoint (base and pandas): five restores and two
+    # checkpoint writes a round, ~15 s for both under a load average of 13 here (less when
+    # quiet). Eight rounds put p95 between the 7th and 8th for ~2 min of make bench's ten.
+    hibernate_rounds: int = 8
     # Job slots of the pools and the worker; two cores run about two jobs at once.
     slots: int = 2
     settle_timeout_s: float = 5.0
@@ -98,6 +103,7 @@ SMOKE = Settings(
     soak_jobs=20,
     soak_sessions=2,
     soak_session_rounds=1,
+    hibernate_rounds=1,
     settle_timeout_s=2.0,
     smoke_scope=True,
 )

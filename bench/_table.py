@@ -30,6 +30,8 @@ def render(result: dict[str, Any]) -> str:
         ("10. Debian 12's runsc beside the default one", "old_runsc", _old_runsc),
         ("11. streamed output, ms p50 (p95)", "stream", _stream),
         ("12. soak: what the pool holds as jobs and sessions go by", "soak", _soak),
+        ("13. session hibernation: hibernate, resume, fork, ms p50 (p95); image and memory, MB p50", "hibernate",
+         _hibernate),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -133,6 +135,26 @@ def _soak(entry: dict[str, Any]) -> list[str]:
     headers = ("jobs", "sessions", "s", "fds", "threads", "RSS MiB", "containers", "sandbox dirs", "cgroups", "empty", "netns")
     failures = f", {len(entry['failures'])} failed requests (first: {entry['failures'][0]})" if entry["failures"] else ""
     return [f"  {entry['what']}{failures}; first and last rows at rest", *_grid(headers, rows)]
+
+
+def _hibernate(entry: dict[str, Any]) -> list[str]:
+    times, forks = [], []
+    for name, e in entry["checkpoints"].items():
+        times.append([name, _ms(e["hibernate_ms"]), _ms(e["resume_step_ms"]), _ms(e["resumed_ms"]),
+                      _ms(e["checkpoint_restore_ms"]), _x(e["resumed_over_restore"]), _ms(e["fresh_first_step_ms"]),
+                      _x(e["resume_over_fresh"]), _x(e["resume_over_fresh_paired"])])
+        forks.append([name, _ms(e["fork_ms"]), _ms(e["fork_of_hibernated_ms"], 1), _ms(e["fork_first_step_ms"]),
+                      _p50(e["image_mb"]), _p50(e["image_disk_mb"]), _p50(e["session_pss_mb"]),
+                      _p50(e["freed_pss_mb"])])
+    errors = [error for e in entry["checkpoints"].values() for error in e["errors"]]
+    note = f"; errors (first: {errors[0]})" if errors else ""
+    return [
+        *_grid(["checkpoint", "hibernate", "resume step", "of it restore", "checkpoint restore", "ratio",
+                "fresh 1st step", "resume/fresh", "paired"], times),
+        *_grid(["checkpoint", "fork", "fork of hibernated", "fork's 1st step", "image MB", "on disk",
+                "session PSS", "PSS freed"], forks),
+        f"  {entry['what']}; containers left: {entry['containers_left']}{note}",
+    ]
 
 
 def _memory(entry: dict[str, Any]) -> list[str]:

@@ -130,6 +130,11 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     figures[f"{name}: warm-pool job / session step"] = pick(f"session_step/checkpoints/{name}/warm_job_over_step")
     figures[f"{name}: warm-pool job, not warmed up / warmed up"] = pick("phases/not_warmed_over_warmed")
     figures[f"{name}: restore+destroy CPU-s, Debian 12's runsc / default"] = pick("old_runsc/old_over_new_cpu")
+    hibernate = f"hibernate/checkpoints/{name}"
+    figures[f"{name}: session hibernate p50 ms"] = pick(f"{hibernate}/hibernate_ms/p50")
+    figures[f"{name}: step after hibernation / fresh session's first step"] = pick(f"{hibernate}/resume_over_fresh")
+    figures[f"{name}: fork of a live session p50 ms"] = pick(f"{hibernate}/fork_ms/p50")
+    figures[f"{name}: MB on disk per hibernated session"] = pick(f"{hibernate}/image_mb/p50")
     return {key: value for key, value in figures.items() if value is not None}
 
 

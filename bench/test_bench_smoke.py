@@ -18,7 +18,7 @@ pytestmark = pytest.mark.runsc
 SMOKE_BUDGET_S = 60.0
 SCENARIOS = (
     "start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop", "phases",
-    "old_runsc", "stream", "soak",
+    "old_runsc", "stream", "soak", "hibernate",
 )
 
 

@@ -94,6 +94,10 @@ def test_a_pandas_session_hibernates_frees_its_memory_and_resumes_with_its_state
         capacity = worker.capacity()
         assert (capacity.sessions, capacity.hibernated) == (1, 1) and capacity.hibernated_bytes > 10 * 1024**2
         assert len(images(worker)) == 1
+        # The image holds the session's memory in clear: the worker's alone.
+        files = list(worker.images.root.glob("*/*"))
+        assert files and all(path.stat().st_mode & 0o777 == 0o600 for path in files)
+        assert worker.images.root.stat().st_mode & 0o777 == 0o700
         assert session.hibernate() == 0.0  # already: nothing to do
 
         resumed = session.run_step(Step("answer += 1\nprint(answer, len(df), df.n.sum(), pd.__name__)"))
@@ -293,3 +297,56 @@ def test_a_restart_forgets_the_images_of_an_earlier_run(checkpoints, short_tmp):
         assert images(worker) == [] and worker.capacity().hibernated == 0
     finally:
         worker.close()
+
+
+def cgroup_limit(container: str) -> int:
+    from readie_worker.runsc import CGROUP_V1_MEMORY, CGROUP_V2
+
+    for path in (CGROUP_V1_MEMORY / container / "memory.limit_in_bytes", CGROUP_V2 / container / "memory.max"):
+        if path.exists():
+            return int(path.read_text())
+    raise AssertionError(f"no memory cgroup for {container}")
+
+
+def test_a_resume_keeps_the_memory_limit_the_session_opened_with(worker):
+    """Measured again from a restored sandbox's usage, the limit would grow by 'memory' at every
+    resume (found by the attacker read: 153 -> 496 MiB in five cycles of a job filling a memfd)."""
+    memory = 64 * 1024**2
+    session, first = worker.open_session(job("import os\nkept = []", memory_bytes=memory))
+    try:
+        assert first.outcome.exit == 0, first.outcome
+        opened = session.memory_limit
+        assert opened is not None and cgroup_limit(session.sandbox_id) == opened
+        for _ in range(3):
+            grew = session.run_step(Step(
+                "fd = os.memfd_create('fill')\nos.write(fd, b'x' * (16 * 1024 * 1024))\nkept.append(fd)"
+            ))
+            assert grew.outcome.exit == 0, grew.outcome
+            session.hibernate()
+            resumed = session.run_step(Step("print(len(kept))"))
+            assert resumed.resumed_ms is not None, resumed.outcome
+            assert cgroup_limit(session.sandbox_id) == opened == session.memory_limit
+        forked, _ = worker.fork_session(session)
+        try:
+            assert forked.run_step(Step("print(len(kept))")).outcome.stdout == "3\n"
+            assert cgroup_limit(forked.sandbox_id) == opened
+        finally:
+            forked.close()
+    finally:
+        session.close()
+
+
+def test_the_byte_bound_counts_the_hibernation_under_way(checkpoints):
+    # The sandbox's memory is booked before its checkpoint: an image that cannot fit is refused
+    # before it is written, and the session runs on.
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 0}, max_hibernated_bytes=1024**2)
+    worker = Worker(config).start()
+    try:
+        session, _ = worker.open_session(job("x = 1"))
+        with pytest.raises(SandboxSetupError, match="its limit is 1048576"):
+            session.hibernate()
+        assert not session.hibernated and worker.capacity().hibernated_bytes == 0
+        assert session.run_step(Step("print(x)")).outcome.stdout == "1\n"
+    finally:
+        worker.close()
+    assert worker.runsc.list_ids() == []

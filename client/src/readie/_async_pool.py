@@ -31,7 +31,7 @@ from typing import Any, Self
 
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import CallEvent, CancelledEvent, ClosedEvent, OutputEvent, ReadyEvent, Result, StatsEvent
+from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent, Result, StatsEvent
 
 from ._errors import PoolError, ReadieError, RequestError, WaitTimeout
 from ._host import HostFunctions, check_functions, error_reply, result_reply
@@ -41,12 +41,11 @@ from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, STDERR_LINE_BYTES, STDERR
 from ._async_session import AsyncSession
 from ._requests import Duration, PathArg, RequestId, Size, cancel_request, job_request, session_setup, stats_request
 from ._session import new_session_name
+from ._session_images import Answer
 
 __all__ = ["AsyncPool"]
 
 log = logging.getLogger("readie")
-
-Answer = Result | StatsEvent | ClosedEvent | CancelledEvent
 
 
 class AsyncPool:

@@ -7,11 +7,12 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import Result
+from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
 
 from ._errors import ReadieError, RequestError
 from ._output import OutputCallback, OutputCallbacks
 from ._requests import Duration, Size, cancel_request, close_request, step_request
+from ._session_images import answered, fork_name, fork_request, hibernate_request, require_open
 
 if TYPE_CHECKING:
     from ._async_pool import AsyncPool
@@ -79,6 +80,39 @@ class AsyncSession:
             self._open = not result.session_ended
             self.last_step = result.step or 0
             return result
+
+    async def hibernate(self) -> int:
+        """Checkpoint the session to disk and free its sandbox; the milliseconds it took (see :meth:`Session.hibernate`).
+
+        0, and nothing sent, when the session is not open. Cancelling the
+        wait does not stop the hibernation; the session stays open either way.
+        """
+        async with self._lock:
+            if not self._open:
+                return 0
+            answer = await self.pool._exchange(hibernate_request(self.pool._next_id(), self.name))
+            return answered(self, answer, HibernatedEvent).hibernate_ms
+
+    async def fork(self, name: str | None = None) -> AsyncSession:
+        """A new session, open at once, whose state is a copy of this one's (see :meth:`Session.fork`)."""
+        new_name = fork_name(name)
+        async with self._lock:
+            require_open(self, "fork")
+            request = fork_request(self.pool._next_id(), self.name, new_name)
+            try:
+                answer = await self.pool._exchange(request)
+            except ReadieError:
+                raise
+            except BaseException:
+                # Cancelled: the fork may be made all the same. A name made here is nobody else's,
+                # so closing it cannot end another session; a caller's name may be, and is left alone.
+                if name is None:
+                    self.pool._stop_in_background(close_request(self.pool._next_id(), new_name))
+                raise
+            answered(self, answer, ForkedEvent)
+        fork = AsyncSession(self.pool, new_name, self.setup, self.functions)
+        fork._open = True  # the pool holds it: its steps must carry no setup (its next opening will)
+        return fork
 
     async def close(self) -> None:
         """End the session and free its sandbox; does nothing when it is not open."""

@@ -33,15 +33,7 @@ from readie_executor.jobs import bounds
 from readie_protocol import MAX_LINE_BYTES
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ErrorType
-from readie_protocol.events import (
-    CallEvent,
-    CancelledEvent,
-    ClosedEvent,
-    OutputEvent,
-    ReadyEvent,
-    Result,
-    StatsEvent,
-)
+from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent, Result, StatsEvent
 
 from ._errors import PoolError, ReadieError, RequestError, WaitTimeout
 from ._host import HostCalls, HostFunctions, check_functions
@@ -58,6 +50,7 @@ from ._requests import (
     stats_request,
 )
 from ._session import Session, new_session_name
+from ._session_images import Answer
 
 __all__ = ["MAX_EVENT_LINE_BYTES", "READ_BYTES", "START_TIMEOUT_S", "Pool"]
 
@@ -77,9 +70,6 @@ READ_BYTES = 64 * 1024
 #: Threads that run host functions: one per pool worker (a task waits on one
 #: call at a time), but no more than this whatever a pool's ready event claims.
 MAX_HOST_THREADS = 64
-
-#: What answers a request: its result, or the stats or closed event it asked for.
-Answer = Result | StatsEvent | ClosedEvent | CancelledEvent
 
 
 class Pool:

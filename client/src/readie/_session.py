@@ -11,11 +11,17 @@ The pool also closes a session left idle for its ``session_idle``; the
 next step then runs in a new process *without* the grants (the client
 cannot tell in advance), which ``result.step == 1`` and the grant's
 PermissionError make visible.
+
+:meth:`Session.hibernate` checkpoints the session to disk and frees its
+sandbox; the session stays open, and its next step restores it first (that
+result's ``resumed_ms``). :meth:`Session.fork` makes a second session, open
+at once, whose ``__main__`` is a copy of this one's: same grants, same host
+functions (answered by this client for the fork's steps too), its own
+sandbox; from then on neither sees the other's changes.
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
@@ -26,16 +32,14 @@ from readie_worker.errors import ErrorType
 from ._errors import ReadieError, RequestError
 from ._requests import Duration, Size, close_request, step_request
 from ._output import OutputCallback, OutputCallbacks
-from readie_protocol.events import Result
+from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
+
+from ._session_images import answered, fork_name, fork_request, hibernate_request, new_session_name, require_open
 
 if TYPE_CHECKING:
     from ._pool import Pool
 
 __all__ = ["Session", "new_session_name"]
-
-
-def new_session_name() -> str:
-    return "session-" + secrets.token_hex(8)
 
 
 class Session:
@@ -108,6 +112,58 @@ class Session:
             self._open = not result.session_ended
             self.last_step = result.step or 0
             return result
+
+    def hibernate(self) -> int:
+        """Checkpoint the session to disk and free its sandbox; return how long it took (ms).
+
+        The session stays open, its variables and grants kept: the next
+        :meth:`run` restores it first (its result's ``resumed_ms`` says how
+        long that took). Returns 0 when it was hibernated already, and when
+        it is not open (no step has run, or the last one ended it): then
+        nothing is sent, since the pool holds nothing to hibernate, as
+        :meth:`close` does nothing. Raises :class:`~readie.RequestError` when
+        the pool refuses (through ``--router``, for one; the session goes
+        on), :class:`~readie.SandboxSetupError` when the image could not be
+        made (the session goes on, in its sandbox) and
+        :class:`~readie.PoolWorkerError` when the attempt ended the session.
+        """
+        with self._lock:
+            if not self._open:
+                return 0
+            answer = self.pool._exchange(hibernate_request(self.pool._next_id(), self.name))
+            return answered(self, answer, HibernatedEvent).hibernate_ms
+
+    def fork(self, name: str | None = None) -> Session:
+        """A new session whose state is a copy of this one's now; it is open at once.
+
+        The fork has this session's grants and limits and its host
+        functions (this client answers its steps' calls too); each goes on
+        in its own sandbox, and neither sees the other's changes. Its first
+        step is its ``step`` 1, and its result has ``resumed_ms``. ``name``
+        is the fork's name on the wire (default: a random one). Raises
+        :class:`~readie.RequestError` without asking the pool when this
+        session is not open (no step has run: there is no state to copy),
+        and when the pool refuses: ``name`` is open already, ``max_sessions``
+        are, through ``--router``. Other errors as for :meth:`hibernate`.
+        """
+        new_name = fork_name(name)
+        with self._lock:
+            require_open(self, "fork")
+            request = fork_request(self.pool._next_id(), self.name, new_name)
+            try:
+                answer = self.pool._exchange(request)
+            except ReadieError:
+                raise
+            except BaseException:
+                # Interrupted: the fork may be made all the same. A name made here is nobody else's,
+                # so closing it cannot end another session; a caller's name may be, and is left alone.
+                if name is None:
+                    self.pool._send_and_forget(close_request(self.pool._next_id(), new_name))
+                raise
+            answered(self, answer, ForkedEvent)
+        fork = Session(self.pool, new_name, self.setup, self.functions)
+        fork._open = True  # the pool holds it: its steps must carry no setup (its next opening will)
+        return fork
 
     def close(self) -> None:
         """Ask the pool to end the session and free its sandbox; does nothing when it is not open."""

@@ -140,10 +140,11 @@ class Tool:
         if self.session is None:
             # The wire fields of session_setup() are Pool.run's keyword arguments.
             return self.pool.run(code, name=CODE_NAME, functions=self.functions, **self._setup), False
-        was_open = self.session.open
+        was_open, last_step = self.session.open, self.session.last_step
         result = self.session.run(code, name=CODE_NAME)
-        # Step 1 of a session this client thought open: the pool closed it (idle) and began anew.
-        return result, was_open and result.step == 1
+        # A step number not past the last one seen, in a session this client thought open: the pool
+        # closed it (idle) and began anew. (A fork's first step is its step 1, after none seen.)
+        return result, was_open and result.step is not None and result.step <= last_step
 
 
 def tool(

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SessionKeeping"]
 
+# A restore answers in 0.2-1 s here, a few on a loaded host: the resume's bound on its socket.
+RESUME_SOCKET_WAIT_S = 15.0
+
 
 class SessionKeeping:
     """The session methods of :class:`~readie_worker.core.Worker`."""
@@ -85,7 +88,7 @@ class SessionKeeping:
         except BaseException:
             self._give_session_place()
             raise
-        fork = self._session(session.job, None, (), image=image)
+        fork = self._session(session.job, None, (), image=image, memory_limit=session.memory_limit)
         with self._lock:
             self._sessions.add(fork)
             closed = self._closed
@@ -94,29 +97,36 @@ class SessionKeeping:
             raise PoolWorkerError("the worker is closing; the fork was not kept")
         return fork, fork_ms
 
-    def _session(self: Worker, job: CodeJob, sandbox: Sandbox | None, links: tuple[Mapping[str, object], ...], image: Path | None = None) -> SandboxSession:
+    def _session(
+        self: Worker, job: CodeJob, sandbox: Sandbox | None, links: tuple[Mapping[str, object], ...],
+        image: Path | None = None, memory_limit: int | None = None,
+    ) -> SandboxSession:
         # A networked session's sandbox is a cold start in the worker's namespace: not restorable here.
         hibernates = self.images is not None and not job.network
         return SandboxSession(
             job, sandbox, links, slot=self._slot, forget=self._forget_session, observe=self.metrics.step_finished,
             images=self.images if hibernates else None, restore=self._restore_session if hibernates else None,
             observe_image=self.metrics.session_image, image=image,
-            fork=self.fork_session if hibernates else None,
+            fork=self.fork_session if hibernates else None, memory_limit=memory_limit,
         )
 
-    def _restore_session(self: Worker, job: CodeJob, image: Path) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
+    def _restore_session(
+        self: Worker, job: CodeJob, image: Path, memory_limit: int | None
+    ) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
         """A hibernated session's sandbox, restored from ``image`` with its grants opened again
-        under the rules of a new job (a grant that is gone or moved refuses the resume)."""
+        under the rules of a new job (a grant that is gone or moved refuses the resume).
+
+        The memory limit the session had is in the restore's own spec, so the restored
+        sandbox is never without it, not even before its first step.
+        """
         factory = self.factories[job.checkpoint]
-        restore = dataclasses.replace(factory.primary, image_path=image)
+        limit = factory.primary.memory_limit_bytes if memory_limit is None else memory_limit
+        restore = dataclasses.replace(factory.primary, image_path=image, memory_limit_bytes=limit)
         with self._hold_grants(job) as grants:
-            sandbox = launch(restore, self.config.run_dir, factory.env, grants, factory.socket_wait_s)
-        if job.memory_bytes is not None:
-            try:
-                sandbox.limit_memory(job.memory_bytes)
-            except BaseException:
-                self._retirer.retire(sandbox)
-                raise
+            # A job's thread can take the hand-over meant for its executor; then no socket comes,
+            # and this wait, not the restore's usual minute, is what the session costs its slot.
+            sandbox = launch(restore, self.config.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
+        sandbox.memory_limit_bytes = memory_limit
         return sandbox, grants.links
 
     def _take_session_place(self: Worker) -> None:

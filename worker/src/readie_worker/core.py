@@ -96,7 +96,9 @@ class WorkerConfig:
 
     @property
     def images_dir(self) -> Path:
-        return self.hibernated_dir or self.state_dir.with_name(self.state_dir.name + "-hibernated")
+        if self.hibernated_dir is not None:
+            return self.hibernated_dir
+        return self.state_dir.parent / f"{self.state_dir.name or 'state'}-hibernated"
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:

@@ -12,9 +12,13 @@ runsc's, written by the sentry from its own state; the only reader is
 ``runsc restore``.
 
 Bounds, checked before each checkpoint: at most ``max_images`` images, and
-a new one only while the total is under ``max_bytes`` (so the total exceeds
-it by one image at most: its size is known only once it is written). A
-refusal is a SandboxSetupError: the worker is full, not the request wrong.
+at most ``max_bytes`` in all. An image's size is known only once it is
+written, so a hibernation books the sandbox's memory (what the image holds,
+give or take the sentry's own share) when it starts, and the real size
+replaces it when it is written: hibernations under way at once are counted
+too. A refusal is a SandboxSetupError: the worker is full, not the request
+wrong. The files hold the session's memory in clear, so they are the
+worker's alone (0600 in a 0700 dir).
 """
 
 from __future__ import annotations
@@ -66,17 +70,18 @@ class SessionImages:
         with self._lock:
             return sum(self._sizes.values())
 
-    def reserve(self) -> Path:
-        """An empty directory for a new image; SandboxSetupError when the bounds are reached."""
+    def reserve(self, estimate: int = 0) -> Path:
+        """An empty directory for a new image of about ``estimate`` bytes, booked until it is
+        written; SandboxSetupError when the bounds would be passed."""
         with self._lock:
-            self._check_room()
+            self._check_room(estimate)
             image = self.root / secrets.token_hex(_NAME_BYTES)
             image.mkdir(mode=0o700)
-            self._sizes[image] = 0
+            self._sizes[image] = estimate
             return image
 
     def written(self, image: Path) -> int:
-        """Record the size of the image runsc wrote into ``image``."""
+        """Record the size of the image runsc wrote into ``image`` (and keep its files to the worker)."""
         size = _size_of(image)
         with self._lock:
             if image in self._sizes:
@@ -105,13 +110,14 @@ class SessionImages:
             self._sizes.clear()
         remove_tree(self.root)
 
-    def _check_room(self) -> None:
+    def _check_room(self, estimate: int) -> None:
         if len(self._sizes) >= self.max_images:
             raise SandboxSetupError(f"this worker keeps at most {self.max_images} hibernated session images, and has as many")
         total = sum(self._sizes.values())
-        if total >= self.max_bytes:
+        if total + estimate > self.max_bytes:
             raise SandboxSetupError(
-                f"this worker's hibernated session images take {total} bytes, its limit is {self.max_bytes}"
+                f"this worker's hibernated session images take {total} bytes and this one about {estimate}; "
+                f"its limit is {self.max_bytes}"
             )
 
 
@@ -121,5 +127,6 @@ def _size_of(image: Path) -> int:
     for entry in os.scandir(image):
         info = entry.stat(follow_symlinks=False)
         if stat.S_ISREG(info.st_mode):
+            os.chmod(entry.path, 0o600, follow_symlinks=False)
             total += info.st_size
     return total

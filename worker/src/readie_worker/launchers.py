@@ -57,6 +57,9 @@ class Launcher(Protocol):
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         """Bound the whole sandbox to what it holds now plus ``job_bytes``; the limit set, if any."""
 
+    def memory_usage(self, sandbox: SandboxDir) -> int | None:
+        """Bytes the sandbox's memory cgroup holds now; None where there is none."""
+
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
         """Save the sandbox, its executor hibernating, to ``image_dir``; the container ends."""
 
@@ -97,6 +100,9 @@ class _RunscLauncher:
             unused_slot_source=sandbox.unused_slots,
             memory_limit_bytes=self.memory_limit_bytes,
         )
+
+    def memory_usage(self, sandbox: SandboxDir) -> int | None:
+        return self.runsc.memory_usage(sandbox.id)
 
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
         self.runsc.checkpoint(sandbox.id, image_dir)
@@ -169,6 +175,9 @@ class LocalProcess:
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         return None  # a host process: RLIMIT_AS inside is all there is
+
+    def memory_usage(self, sandbox: SandboxDir) -> int | None:
+        return None
 
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
         raise RequestError("an unisolated worker cannot hibernate or fork a session: it has no gVisor to checkpoint", "session")

@@ -73,9 +73,10 @@ _PING_REQUEST = cloudpickle.dumps({"func": probe.ping, "args": (), "kwargs": {}}
 WARM_UP_TIMEOUT_S = 10.0
 # An honest warm-up answers jobs.WARMED_UP or a short failure line.
 MAX_WARM_UP_ANSWER = 4096
-# An idle executor closes its sockets at once when asked to hibernate; a second
-# means it is wedged (or a step is still running in it), and it is not checkpointed.
-HIBERNATE_ANSWER_S = 1.0
+# An idle executor closes its sockets at once when asked to hibernate. A thread the
+# session left running may hold the interpreter for a while (a C call); five seconds
+# without an answer means it is wedged, and it is not checkpointed.
+HIBERNATE_ANSWER_S = 5.0
 # No job may start processes (the seccomp filter refuses fork and exec): what
 # runner_call sends, and what a warm-up prepares for by installing that filter.
 JOB_SUBPROCESSES = False

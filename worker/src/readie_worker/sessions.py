@@ -78,8 +78,9 @@ class StepOutcome:
     resumed_ms: float | None = None
 
 
-#: Restores a hibernated session's image: its sandbox, and the links its re-opened grants need.
-Restorer = Callable[[CodeJob, Path], "tuple[Sandbox, tuple[Mapping[str, object], ...]]"]
+#: Restores a hibernated session's image under the memory limit it had (None: the backstop):
+#: its sandbox, and the links its re-opened grants need.
+Restorer = Callable[[CodeJob, Path, "int | None"], "tuple[Sandbox, tuple[Mapping[str, object], ...]]"]
 
 
 class SandboxSession:
@@ -99,6 +100,7 @@ class SandboxSession:
         observe_image: Callable[[str, float], None] = lambda operation, seconds: None,
         image: Path | None = None,
         fork: Callable[[SandboxSession, Cancellation], tuple[SandboxSession, float]] | None = None,
+        memory_limit: int | None = None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
         self.job = job  # the setup; its code was the first step's
@@ -113,6 +115,9 @@ class SandboxSession:
         self._observe_image = observe_image  # (hibernate|resume|fork, seconds): the worker's metrics
         self._image = image  # while HIBERNATED
         self._fork = fork  # the worker's fork_session: a fork is a session of the worker's
+        # The cgroup limit its job's 'memory' set at open, re-applied as it is at every resume:
+        # measured again from a restored sandbox's usage, it would grow by 'memory' each time.
+        self.memory_limit = sandbox.memory_limit_bytes if sandbox is not None else memory_limit
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
         if image is not None:
             self.state = SessionState.HIBERNATED  # a fork: it resumes at its first step
@@ -249,7 +254,7 @@ class SandboxSession:
         image = None
         try:
             with self._slot(cancel):
-                image = self._images.reserve()
+                image = self._images.reserve(sandbox.launcher.memory_usage(sandbox.dir) or 0)
                 size = self._save(sandbox, image)
         except BaseException:
             if image is None:  # refused before the sandbox was touched: the session goes on as it was
@@ -351,7 +356,7 @@ class SandboxSession:
         assert self._image is not None and self._restore is not None and self._images is not None
         started = time.monotonic()
         try:
-            sandbox, links = self._restore(self.job, self._image)
+            sandbox, links = self._restore(self.job, self._image, self.memory_limit)
         except (RequestError, SandboxSetupError) as exc:  # a grant gone, a restore failed
             self.close()
             return JobOutcome.failure(ErrorType.SANDBOX_SETUP, f"the hibernated session could not resume: {exc}", _since(started), "gvisor")

@@ -1,0 +1,81 @@
+"""A session's hibernate and fork, the half :class:`~readie.Session` and :class:`~readie.AsyncSession` share.
+
+What goes on the wire and how the answer reads is the same for both; only
+the waiting differs (a thread's lock, the loop's). Also the answers a pool
+request can get, which both pools name.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Protocol, TypeVar
+
+from readie_protocol.events import (
+    CancelledEvent,
+    ClosedEvent,
+    ForkedEvent,
+    HibernatedEvent,
+    Result,
+    StatsEvent,
+)
+
+from ._errors import PoolError, RequestError
+from ._requests import RequestId
+
+__all__ = ["Answer", "answered", "fork_name", "fork_request", "hibernate_request", "new_session_name", "require_open"]
+
+#: What answers a request: its result, or the event it asked for.
+Answer = Result | StatsEvent | ClosedEvent | CancelledEvent | HibernatedEvent | ForkedEvent
+
+Event = TypeVar("Event", HibernatedEvent, ForkedEvent)
+
+_ASKED = {HibernatedEvent: "hibernate", ForkedEvent: "fork"}
+
+
+class _Tracked(Protocol):
+    name: str
+    _open: bool
+
+
+def hibernate_request(id: RequestId, session: str) -> dict[str, Any]:
+    return {"id": id, "session": session, "hibernate": True}
+
+
+def new_session_name() -> str:
+    return "session-" + secrets.token_hex(8)
+
+
+def fork_name(name: str | None) -> str:
+    """The name a fork gets: the caller's, else a new one as for a new session."""
+    if name is None:
+        return new_session_name()
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    return name
+
+
+def fork_request(id: RequestId, session: str, fork: str) -> dict[str, Any]:
+    return {"id": id, "session": session, "fork": fork}
+
+
+def require_open(session: _Tracked, what: str) -> None:
+    """A fork copies the state the pool holds: with no step run yet (or after one that ended
+    the session) there is none, and a fork of nothing is a mistake worth hearing about."""
+    if not session._open:
+        raise RequestError(f"session {session.name!r} is not open (no step has run since it began or ended): "
+                           f"nothing to {what}", "session")
+
+
+def answered(session: _Tracked, answer: Answer, kind: type[Event]) -> Event:
+    """The event ``kind`` that answers a hibernate or fork of ``session``; a refusal (a result)
+    raises its error: RequestError and SandboxSetupError leave the session as it was,
+    anything else (PoolWorkerError, with ``session_ended``) has ended it."""
+    if isinstance(answer, Result):
+        if answer.session_ended:
+            session._open = False
+        answer.raise_for_error()
+        # An ok result is no answer to a hibernate or fork: a pool that wrote one is broken.
+        raise PoolError(f"readie pool answered {_ASKED[kind]} request {answer.id!r} with an ok result")
+    if not isinstance(answer, kind):
+        raise PoolError(f"readie pool answered {_ASKED[kind]} request {answer.id!r} with {type(answer).__name__}")
+    return answer
