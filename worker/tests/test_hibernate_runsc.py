@@ -350,3 +350,36 @@ def test_the_byte_bound_counts_the_hibernation_under_way(checkpoints):
     finally:
         worker.close()
     assert worker.runsc.list_ids() == []
+
+
+def test_metrics_count_hibernations_resumes_and_forks_and_gauge_the_images(checkpoints):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from readie_worker.testing import sample
+
+    def samples() -> dict:
+        text = generate_latest(worker.metrics.registry).decode()
+        return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    worker = Worker(WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 0})).start()
+    worker.metrics.watch_worker(worker)  # the gauges, read at scrape time (as `readie worker --metrics`)
+    try:
+        session, _ = worker.open_session(job("x = 1"))
+        session.hibernate()
+        got = samples()
+        assert sample(got, "readie_worker_sessions_hibernated") == 1
+        assert sample(got, "readie_worker_hibernated_bytes") == worker.capacity().hibernated_bytes > 0
+        session.run_step(Step("pass"))
+        fork, _ = worker.fork_session(session)
+        got = samples()
+        name = "readie_worker_session_image_duration_seconds_count"
+        counts = {operation: sample(got, name, operation=operation) for operation in ("hibernate", "resume", "fork")}
+        # The fork hibernated the session (a second hibernation) and then shared its image.
+        assert counts == {"hibernate": 2, "resume": 1, "fork": 1}, counts
+        assert sample(got, "readie_worker_sessions_hibernated") == 2  # both wait on disk
+        fork.close()
+        session.close()
+        assert sample(samples(), "readie_worker_hibernated_bytes") == 0
+    finally:
+        worker.close()
