@@ -122,8 +122,8 @@ class Session:
         it is not open (no step has run, or the last one ended it): then
         nothing is sent, since the pool holds nothing to hibernate, as
         :meth:`close` does nothing. Raises :class:`~readie.RequestError` when
-        the pool refuses (through ``--router``, for one; the session goes
-        on), :class:`~readie.SandboxSetupError` when the image could not be
+        the pool refuses (the session goes on, unless the pool says it is
+        not open: then the next :meth:`run` opens it anew), :class:`~readie.SandboxSetupError` when the image could not be
         made (the session goes on, in its sandbox) and
         :class:`~readie.PoolWorkerError` when the attempt ended the session.
         """
@@ -144,7 +144,7 @@ class Session:
         :class:`~readie.RequestError` without asking the pool when this
         session is not open (no step has run: there is no state to copy),
         and when the pool refuses: ``name`` is open already, ``max_sessions``
-        are, through ``--router``. Other errors as for :meth:`hibernate`.
+        are open already. Other errors as for :meth:`hibernate`.
         """
         new_name = fork_name(name)
         with self._lock:

@@ -46,14 +46,15 @@ from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
 from readie_worker.core import Capacity
-from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
-from readie_rpc.remote_session import NO_REMOTE_FORK, RemoteSession, SessionLost, StreamBroken
+from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
+from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
+from readie_rpc.remote_session import StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
 
 from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery
 from ._members import Member
+from ._placed_session import PlacedSession
 
 log = structlog.get_logger("readie.placement")
 
@@ -246,6 +247,20 @@ class Placement:
                 self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
             member.in_flight += 1
 
+    def _take_fork_place(self, member: Member) -> None:
+        """A slot and a session place on ``member``, for a fork of one of its sessions (which
+        cannot go elsewhere: its image is there); SandboxSetupError past ``max_sessions``."""
+        with self._lock:
+            if sum(m.sessions for m in self._members) >= self.max_sessions:
+                raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
+            member.sessions += 1
+        try:
+            self._take_slot(member)
+        except BaseException:
+            with self._lock:
+                member.sessions -= 1
+            raise
+
     def _release(self, member: Member, *, session: bool = False) -> None:
         """A slot (and a session place) taken by ``_choose`` given back."""
         with self._lock:
@@ -398,84 +413,3 @@ class Placement:
                 self.discover()
             except Exception:  # a bug here must not stop discovery for the router's life
                 log.exception("worker discovery failed")
-
-
-class PlacedSession:
-    """A session on the worker ``Placement`` chose for it: its steps count against that worker's slots."""
-
-    def __init__(self, placement: Placement, member: Member, remote: RemoteSession) -> None:
-        self._placement = placement
-        self._member = member
-        self._remote = remote
-        self.id = remote.id
-        self._counted = True  # holds one of the member's session places until it ends
-        # Why the router ended it under its client, if it did: the next step is then the
-        # router's failure (PoolWorkerError, the session gone), not the client's mistake.
-        self.ended_by: str | None = None
-
-    @property
-    def ended(self) -> bool:
-        return self._remote.ended
-
-    def run_step(
-        self,
-        step: Step,
-        *,
-        job_id: str | None = None,
-        host: HostFunction | None = None,
-        cancel: Cancellation = NEVER,
-        output: OutputSink | None = None,
-    ) -> StepOutcome:
-        """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
-        if self.ended_by is not None:
-            raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        placement = self._placement
-        placement._take_slot(self._member)
-        try:
-            return self._remote.run_step(step, job_id=job_id, host=host, cancel=cancel, output=output)
-        except SessionLost:
-            placement._mark_failed(self._member)  # as for a job lost with its worker
-            raise
-        finally:
-            placement._release(self._member)
-            if self._remote.ended:
-                self._forget()
-
-    @property
-    def hibernated(self) -> bool:
-        return self._remote.hibernated
-
-    def hibernate(self, cancel: Cancellation = NEVER) -> float:
-        """``RemoteSession.hibernate`` on a slot of the session's worker: a checkpoint costs it CPU.
-        The session stays pinned to that worker, whose disk holds its image (decision 0022)."""
-        if self.ended_by is not None:
-            raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        self._placement._take_slot(self._member)
-        try:
-            return self._remote.hibernate(cancel)
-        finally:
-            self._placement._release(self._member)
-            if self._remote.ended:
-                self._forget()
-
-    def fork(self, cancel: Cancellation = NEVER) -> tuple[PlacedSession, float]:
-        raise RequestError(NO_REMOTE_FORK, "session")
-
-    def close(self) -> None:
-        try:
-            self._remote.close()
-        finally:
-            self._forget()
-
-    def _forget(self) -> None:
-        placement = self._placement
-        with placement._lock:
-            if not self._counted:
-                return
-            self._counted = False
-            self._member.sessions -= 1
-            placement._sessions.discard(self)
-            placement._lock.notify_all()
-            dropped = placement._drop_if_done(self._member)
-        if dropped:
-            self._member.client.close()

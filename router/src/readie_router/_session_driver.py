@@ -86,16 +86,17 @@ class SessionDriver:
     def accept_hibernate(self, request: HibernateSession) -> None:
         session = self.table.get(request.session)
         if session is None:
-            self._refuse(request.id, request.session, RequestError(f"no open session named {request.session!r}", "session"))
+            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
             return
         previous, done = session.enqueue()
         self._engine._spawn(self._session_hibernate(session, request, previous, done))
 
     def accept_fork(self, request: ForkSession) -> None:
         source = self.table.get(request.session)
+        if source is None:
+            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            return
         try:
-            if source is None:
-                raise RequestError(f"no open session named {request.session!r}", "session")
             target = self.table.reserve(request.fork)
         except RequestError as exc:
             self._refuse(request.id, request.session, exc)
@@ -108,8 +109,12 @@ class SessionDriver:
     def sessions_hibernated(self) -> int:
         return sum(1 for session in self.table.sessions() if session.handle is not None and session.handle.hibernated)
 
-    def _refuse(self, request_id: RequestId, name: str, error: ReadieError) -> None:
-        self._engine._finish(JobResult.from_error(request_id, error, runtime=self._setup.runtime, session=name))
+    def _refuse(self, request_id: RequestId, name: str, error: ReadieError, *, ended: bool = False) -> None:
+        """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
+        which the result says with ``session_ended``, so a client stops taking it for open."""
+        self._engine._finish(
+            JobResult.from_error(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
+        )
 
     async def _session_hibernate(
         self, session: NamedSession, request: HibernateSession, previous: asyncio.Event | None, done: asyncio.Event
@@ -382,3 +387,7 @@ class SessionDriver:
                 loop = asyncio.get_running_loop()
                 left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()
                 session.idle = loop.call_later(max(0.0, left), self._idle_expired, session)
+
+
+def _not_open(name: str) -> RequestError:
+    return RequestError(f"no open session named {name!r} (never opened, closed, or ended)", "session")

@@ -23,7 +23,8 @@ from readie_executor.jobs import bounds
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from readie_worker.core import Capacity
-from readie_worker.errors import ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, error_type
+from readie_worker.errors import PoolWorkerError, RequestError
+from ._session_wire import milliseconds
 from readie_protocol.events import ErrorInfo, FileInfo, Value
 from readie_worker.written import MAX_LISTED_FILES
 
@@ -368,27 +369,9 @@ def session_step_message(step: Step) -> pb.SessionStep:
     return message
 
 
-def hibernated_message(hibernate_ms: float = 0.0, refused: RequestError | SandboxSetupError | None = None) -> pb.SessionHibernated:
-    """The answer to ``hibernate``: how long it took, or why the worker refused (the session goes on)."""
-    if refused is None:
-        return pb.SessionHibernated(hibernate_ms=hibernate_ms)
-    return pb.SessionHibernated(error_type=error_type(refused), error_message=str(refused))
-
-
-def hibernate_refusal(answer: pb.SessionHibernated) -> ReadieError | None:
-    """The refusal an answer to ``hibernate`` carries, as the error the worker raised; None if it hibernated."""
-    if not answer.error_type:
-        return None
-    if answer.error_type == ErrorType.REQUEST:
-        return RequestError(answer.error_message.removeprefix("session: "), field="session")
-    if answer.error_type == ErrorType.SANDBOX_SETUP:
-        return SandboxSetupError(answer.error_message)
-    return PoolWorkerError(f"the worker refused to hibernate with {answer.error_type[:40]!r}: {answer.error_message}")
-
-
 def step_outcome(response: pb.RunJobResponse) -> StepOutcome:
     """A session step's outcome from its response: the outcome, its number, whether it ended the session."""
-    resumed_ms = response.resumed_ms if response.HasField("resumed_ms") else None
+    resumed_ms = milliseconds(response.resumed_ms, "resumed_ms") if response.HasField("resumed_ms") else None
     return StepOutcome(job_outcome(response), response.step, response.session_ended, resumed_ms)
 
 

@@ -12,6 +12,11 @@ One stream, three threads, each blocking on one thing:
   there too (decision 16);
 * grpc's handler thread yields the outbox's events onto the response stream.
 
+Between steps an open session may also be asked to ``hibernate`` or to
+``fork`` (decision 0022); a fork waits in the server's table (``_forks``)
+for a second stream whose first message is ``attach`` with the token the
+answer carried, and that stream is then the fork's life.
+
 The stream is the session's life. When the client's side ends, whether it
 closed it or cancelled or went away, steps not yet started are dropped (the
 two look alike to the reader for a moment: grpc ends the request iterator
@@ -23,7 +28,7 @@ is stopped at once. The first message of
 a stream is always served. The server's stream place is given back only
 when the driver is done, so work a cancelled stream left running still
 counts. A client that breaks the protocol (a first message
-that is neither ``job`` nor ``open_session``, or none within
+that is neither ``job``, ``open_session`` nor ``attach``, or none within
 :data:`FIRST_MESSAGE_S`; a job message mid-session; a reply that is not
 JSON) gets INVALID_ARGUMENT naming the field, and its session ends. Steps
 sent before the previous one's result are not a break: they wait (a few at
@@ -41,7 +46,9 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from ._convert import Ceiling, code_job, hibernated_message, run_job_response, session_step
+from ._convert import Ceiling, code_job, run_job_response, session_step
+from ._forks import WaitingForks
+from ._session_wire import forked_message, hibernated_message
 from ._host_wire import call_message, output_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
@@ -138,8 +145,10 @@ class Interaction:
         ceiling: Ceiling = Ceiling(NO_LIMITS, {}),
         bind: Callable[..., None] = lambda **fields: None,
         done: Callable[[], None] = lambda: None,
+        forks: WaitingForks | None = None,
     ) -> None:
         self._runner = runner
+        self._forks = forks if forks is not None else WaitingForks()  # the server's: forks outlive this stream
         self._requests = requests
         self._context = context
         self._job_id = job_id
@@ -219,9 +228,14 @@ class Interaction:
                     job, self._job_id, host=self._relay, cancel=self._cancel, output=output
                 )
                 self._bind(session=session.id)
-                self._serve_session(session, step)
+                self._serve_session(session, pb.InteractEvent(result=run_job_response(step.outcome, step, session.id)), step.step)
+            elif kind == "attach":
+                session = self._forks.claim(first.attach.token)
+                self._bind(kind="session", session=session.id)
+                attached = pb.InteractEvent(attached=pb.SessionAttached(session_id=session.id))
+                self._serve_session(session, attached, 0)
             else:
-                raise RequestError("the first message must be a job or open_session", field=kind or "kind")
+                raise RequestError("the first message must be a job, open_session or attach", field=kind or "kind")
         except BaseException as exc:  # noqa: BLE001 - reported to the client by events()
             self._error = exc
         finally:
@@ -232,30 +246,36 @@ class Interaction:
                 self._outbox.close()
                 self._done()
 
-    def _serve_session(self, session: SessionHandle, step: StepOutcome) -> None:
-        answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
+    def _serve_session(self, session: SessionHandle, answer: pb.InteractEvent, steps: int) -> None:
+        """Send ``answer`` (the opening step's result, or an attached fork's ``attached``), then
+        answer the session's requests until it ends; ``steps`` is the number of its last step."""
+        ended = answer.WhichOneof("kind") == "result" and answer.result.session_ended
         while True:
             self._check_protocol()
             if not self._send(answer, RESULT_SEND_S):
                 return  # the client is gone or stopped reading: the session ends
-            self._bind(steps=step.step)
-            if step.session_ended:
+            self._bind(steps=steps)
+            if ended:
                 return
             request = self._next_request()
             if request is None:  # the client closed its side: the session ends with the stream
                 return
             kind = request.WhichOneof("kind")
+            if kind in ("hibernate", "fork") and session.ended:  # as for a step: not the client's doing
+                raise PoolWorkerError(f"session {session.id} was closed by the worker")
             if kind == "hibernate":
                 answer = pb.InteractEvent(hibernated=_hibernate(session, self._cancel))
                 continue
+            if kind == "fork":
+                answer = pb.InteractEvent(forked=self._fork(session))
+                continue
             if kind != "step":
-                raise RequestError("an open session takes steps, replies and hibernate only", field=kind or "kind")
+                raise RequestError("an open session takes steps, replies, hibernate and fork only", field=kind or "kind")
             try:
                 asked = session_step(request.step, self._ceiling.limits)
             except RequestError as refused:  # as in the pool protocol: the step is refused, the session goes on
                 outcome = JobOutcome.failure(ErrorType.REQUEST, str(on_the_wire(refused)), 0, "")
-                step = StepOutcome(outcome, step.step, False)
-                answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
+                answer = pb.InteractEvent(result=run_job_response(outcome, StepOutcome(outcome, steps, False), session.id))
                 continue
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
@@ -266,7 +286,17 @@ class Interaction:
                 cancel=self._cancel,
                 output=self._output(request.step.stream_output),
             )
+            steps, ended = step.step, step.session_ended
             answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
+
+    def _fork(self, session: SessionHandle) -> pb.SessionForked:
+        """Fork between steps: the fork waits in the server's table for the stream that attaches
+        to it. Refusals are answered and the session goes on, as for a hibernation."""
+        try:
+            fork, fork_ms = session.fork(self._cancel)
+            return forked_message(fork_ms, self._forks.add(fork))
+        except (RequestError, SandboxSetupError) as refused:
+            return forked_message(refused=refused)
 
     def _next_request(self) -> pb.InteractRequest | None:
         """The client's next step, skipping stale replies; None once its side ended."""

@@ -40,6 +40,7 @@ from ._convert import (
     run_job_response,
     timeout_ms,
 )
+from ._forks import WaitingForks
 from ._interact import Interaction
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
@@ -169,6 +170,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # health always have threads left (serve sizes the pool above it).
         self._stream_places = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
+        self.forks = WaitingForks()  # forks of sessions, until their streams attach (_forks)
 
     @_rpc()
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext, call: CallLog) -> pb.RunJobResponse:
@@ -205,7 +207,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             try:
                 # The place is given back when the stream's work is done, not when the client leaves.
                 interaction = Interaction(
-                    self.worker, requests, context, call.request_id, self.ceiling, call.bind, self._stream_places.release
+                    self.worker, requests, context, call.request_id, self.ceiling, call.bind, self._stream_places.release,
+                    forks=self.forks,
                 )
                 interaction.start()
             except BaseException:

@@ -18,19 +18,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import grpc
 
 from readie_executor.hostwire import MAX_CALLS_PER_TASK, OUTPUT_STREAMS
 from readie_executor.jobs import bounds
 
-from ._convert import hibernate_refusal, session_step, session_step_message, step_outcome
+from ._convert import session_step, session_step_message, step_outcome
+from ._session_wire import milliseconds, refusal
 from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import answered_by_readie, error_from_status
 from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError
+from readie_worker.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, max_output_events
 from readie_worker.sessions import StepOutcome
 
@@ -65,6 +67,7 @@ class InteractStream:
         metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         self._functions = frozenset(functions)
+        self._stub, self._metadata = stub, tuple(metadata)  # for a fork's stream (sibling)
         # This side writes a message only after reading an event, and a task
         # makes at most MAX_CALLS_PER_TASK calls (counted in result()), so
         # the queue holds at most that many replies even if the worker stops reading.
@@ -135,21 +138,26 @@ class InteractStream:
             if watchdog is not None:
                 watchdog.cancel()
 
-    def hibernated(self, within_s: float) -> pb.SessionHibernated:
-        """The answer to a ``hibernate``: PoolWorkerError (and the stream over) for anything else."""
+    def answer(self, kind: str, within_s: float) -> Any:
+        """The next event, which must be a ``kind`` (``hibernated``, ``forked``, ``attached``): its
+        message; PoolWorkerError (and the stream over) for any other, or none within ``within_s``."""
         watchdog = threading.Timer(within_s, self._give_up)
         watchdog.daemon = True
         watchdog.start()
         try:
             event = self._next_event(within_s)
-            if event.WhichOneof("kind") != "hibernated":
-                raise PoolWorkerError("the worker answered a hibernate with another event")
-            return event.hibernated
+            if event.WhichOneof("kind") != kind:
+                raise PoolWorkerError(f"the worker answered with {event.WhichOneof('kind')!r} where {kind!r} was due")
+            return getattr(event, kind)
         except BaseException:
             self.cancel()
             raise
         finally:
             watchdog.cancel()
+
+    def sibling(self, first: pb.InteractRequest) -> InteractStream:
+        """A new stream to the same server, as this one's caller: a fork's."""
+        return InteractStream(self._stub, first, self._functions, timeout_s=None, metadata=self._metadata)
 
     def _next_event(self, within_s: float | None) -> pb.InteractEvent:
         try:
@@ -186,11 +194,10 @@ class InteractStream:
         self._call.cancel()
 
 
-# A fork's session lives on the worker; a second stream to reach it is not built yet (decision 0022).
-NO_REMOTE_FORK = "a session on a remote worker (through a router) cannot fork yet; a pool with its own worker can"
-# An idle executor hibernates in well under a second and a pandas one in about 0.3 s;
-# the worker bounds its own part, this bounds a worker that never answers.
-HIBERNATE_WAIT_S = 60.0
+# How long a hibernate's (or fork's) answer may take: a router waits up to a minute for a slot
+# on the session's worker (PLACEMENT_WAIT_S), the worker 20 s for its own (sessions.py), the
+# checkpoint under a second. Past this the worker is taken for wedged, and the session ends.
+SESSION_IMAGE_WAIT_S = 120.0
 
 
 class RemoteSession:
@@ -271,24 +278,58 @@ class RemoteSession:
             if self._running:
                 raise RequestError(f"a step of session {self.id} is running; it can hibernate between steps", field="session")
             self._running = True
+        answer = self._ask(pb.InteractRequest(hibernate=pb.HibernateSession()), "hibernated", cancel)
+        self.hibernated = True
+        return milliseconds(answer.hibernate_ms, "hibernate_ms")
+
+    def fork(self, cancel: Cancellation = NEVER) -> tuple[RemoteSession, float]:
+        """A new session on the same worker with this one's state now, on a stream of its own
+        that attaches to it by the token the answer carries; and the milliseconds it took.
+
+        Refusals as for :meth:`hibernate`. A fork the worker made but this side could not
+        reach is a PoolWorkerError; the worker closes it when nobody attaches.
+        """
+        with self._lock:
+            if self.ended:
+                raise RequestError(f"session {self.id} has ended", field="session")
+            if self._running:
+                raise RequestError(f"a step of session {self.id} is running; it can fork between steps", field="session")
+            self._running = True
+        answer = self._ask(pb.InteractRequest(fork=pb.ForkSession()), "forked", cancel)
+        fork_ms = milliseconds(answer.fork_ms, "fork_ms")
+        self.hibernated = True  # a fork hibernates the session it copies
+        stream = self._stream.sibling(pb.InteractRequest(attach=pb.AttachSession(token=answer.token)))
         try:
-            self._stream.send(pb.InteractRequest(hibernate=pb.HibernateSession()))
+            attached = stream.answer("attached", SESSION_IMAGE_WAIT_S)
+        except ReadieError as exc:
+            raise PoolWorkerError(f"the fork was made but could not be reached: {exc}") from None
+        fork = RemoteSession(stream, self.job, attached.session_id, self.address)
+        fork.hibernated = True
+        return fork, fork_ms
+
+    def _ask(self, request: pb.InteractRequest, kind: str, cancel: Cancellation) -> Any:
+        """Send a hibernate or fork (the caller checked the session is idle and holds ``_running``)
+        and return its answer; a refusal raised as the worker's, after which the session goes on;
+        anything else ends the session (SessionLost when the stream broke)."""
+        try:
+            self._stream.send(request)
             with cancel.stopping(self.close):
-                answer = self._stream.hibernated(HIBERNATE_WAIT_S)
+                answer = self._stream.answer(kind, SESSION_IMAGE_WAIT_S)
         except ReadieError as exc:
             self._end()
+            if isinstance(exc, StreamBroken):
+                raise SessionLost(f"the session ended: its worker at {self.address} was lost ({exc})") from None
             raise PoolWorkerError(f"the session ended: {exc}") from None
         finally:
             with self._lock:
                 self._running = False
-        refused = hibernate_refusal(answer)
-        if refused is not None:
+        refused = refusal(answer)
+        if isinstance(refused, RequestError | SandboxSetupError):
             raise refused
-        self.hibernated = True
-        return answer.hibernate_ms
-
-    def fork(self, cancel: Cancellation = NEVER) -> tuple[RemoteSession, float]:
-        raise RequestError(NO_REMOTE_FORK, "session")
+        if refused is not None:  # a refusal no worker makes: not trusted with more
+            self._end()
+            raise refused
+        return answer
 
     def close(self) -> None:
         """End the session; its sandbox is destroyed by the time this returns (or the worker is gone)."""

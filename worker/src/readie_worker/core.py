@@ -401,14 +401,16 @@ class Worker(SessionKeeping):
         if self.config.scratch is not None and not (self.isolated and self.runsc.list_ids()):
             remove_tree(self.config.scratch)
 
-    def _slot(self, cancel: Cancellation = NEVER):  # noqa: ANN202 - context manager
-        return _SlotGuard(self, cancel)
+    def _slot(self, cancel: Cancellation = NEVER, wait_s: float | None = None):  # noqa: ANN202 - context manager
+        """A slot for the work under it; with ``wait_s``, SandboxSetupError when none frees up that soon."""
+        return _SlotGuard(self, cancel, wait_s)
 
 
 class _SlotGuard:
-    def __init__(self, worker: Worker, cancel: Cancellation) -> None:
+    def __init__(self, worker: Worker, cancel: Cancellation, wait_s: float | None = None) -> None:
         self._worker = worker
         self._cancel = cancel
+        self._deadline = None if wait_s is None else time.monotonic() + wait_s
 
     def __enter__(self) -> None:
         worker = self._worker
@@ -418,6 +420,8 @@ class _SlotGuard:
         while not worker._slots.acquire(timeout=SLOT_WAIT_POLL_S):
             if self._cancel.cancelled:
                 raise Cancelled("the call was cancelled while it waited for a slot")
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                raise SandboxSetupError("no slot of this worker came free in time; nothing was done")
         with worker._lock:
             worker._busy += 1
 

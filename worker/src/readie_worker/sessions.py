@@ -63,6 +63,9 @@ __all__ = ["EXIT_NOT_STARTED", "SandboxSession", "StepOutcome"]
 
 log = structlog.get_logger("readie.worker")
 
+# How long a hibernation (or fork) waits for a worker slot before it is refused and the
+# session goes on: well inside what a caller through a router waits for its answer.
+HIBERNATE_SLOT_WAIT_S = 20.0
 # Session ids appear in logs next to sandbox ids; the same width.
 SESSION_ID_BYTES = 6
 
@@ -92,7 +95,7 @@ class SandboxSession:
         sandbox: Sandbox | None,
         links: tuple[Mapping[str, object], ...],
         *,
-        slot: Callable[[Cancellation], AbstractContextManager[None]],
+        slot: Callable[..., AbstractContextManager[None]],  # (cancel, wait_s=None): the worker's _slot
         forget: Callable[[SandboxSession], None] = lambda session: None,
         observe: Callable[[str, JobOutcome], None] = lambda checkpoint, outcome: None,
         images: SessionImages | None = None,
@@ -253,7 +256,9 @@ class SandboxSession:
         started = time.monotonic()
         image = None
         try:
-            with self._slot(cancel):
+            # Bounded: a hibernation the pool's idle timer asked for must not wait behind an
+            # hour-long job and then be given up by its caller, which would end the session.
+            with self._slot(cancel, HIBERNATE_SLOT_WAIT_S):
                 image = self._images.reserve(sandbox.launcher.memory_usage(sandbox.dir) or 0)
                 size = self._save(sandbox, image)
         except BaseException:

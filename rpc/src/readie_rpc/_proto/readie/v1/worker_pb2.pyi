@@ -215,30 +215,66 @@ class HostReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., result_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class InteractRequest(_message.Message):
-    __slots__ = ("job", "open_session", "step", "reply", "hibernate")
+    __slots__ = ("job", "open_session", "step", "reply", "hibernate", "fork", "attach")
     JOB_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     HIBERNATE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     job: RunJobRequest
     open_session: RunJobRequest
     step: SessionStep
     reply: HostReply
     hibernate: HibernateSession
-    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ...) -> None: ...
+    fork: ForkSession
+    attach: AttachSession
+    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ..., fork: _Optional[_Union[ForkSession, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ...) -> None: ...
 
 class InteractEvent(_message.Message):
-    __slots__ = ("call", "result", "output", "hibernated")
+    __slots__ = ("call", "result", "output", "hibernated", "forked", "attached")
     CALL_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     HIBERNATED_FIELD_NUMBER: _ClassVar[int]
+    FORKED_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     call: HostCall
     result: RunJobResponse
     output: OutputChunk
     hibernated: SessionHibernated
-    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ...) -> None: ...
+    forked: SessionForked
+    attached: SessionAttached
+    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ..., forked: _Optional[_Union[SessionForked, _Mapping]] = ..., attached: _Optional[_Union[SessionAttached, _Mapping]] = ...) -> None: ...
+
+class ForkSession(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionForked(_message.Message):
+    __slots__ = ("fork_ms", "token", "error_type", "error_message")
+    FORK_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    fork_ms: float
+    token: str
+    error_type: str
+    error_message: str
+    def __init__(self, fork_ms: _Optional[float] = ..., token: _Optional[str] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class AttachSession(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class SessionAttached(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class HibernateSession(_message.Message):
     __slots__ = ()

@@ -1,0 +1,51 @@
+"""Hibernate and fork on the Interact stream: their answers, both ways (decision 0022)."""
+
+from __future__ import annotations
+
+from ._proto.readie.v1 import worker_pb2 as pb
+from readie_worker.errors import ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, error_type
+
+__all__ = ["MAX_REFUSAL_CHARS", "MAX_SESSION_IMAGE_MS", "forked_message", "hibernated_message", "milliseconds", "refusal"]
+
+#: A hibernation, resume or fork a worker reports as taking longer is not believed: the
+#: worker's own bounds (slot wait, runsc's command timeout, the socket wait) end it sooner.
+MAX_SESSION_IMAGE_MS = 3_600_000.0
+
+# A refusal's message is a sentence; a worker's megabyte of it is cut, not relayed.
+MAX_REFUSAL_CHARS = 4096
+
+
+
+def hibernated_message(hibernate_ms: float = 0.0, refused: RequestError | SandboxSetupError | None = None) -> pb.SessionHibernated:
+    """The answer to ``hibernate``: how long it took, or why the worker refused (the session goes on)."""
+    if refused is None:
+        return pb.SessionHibernated(hibernate_ms=hibernate_ms)
+    return pb.SessionHibernated(error_type=error_type(refused), error_message=str(refused))
+
+
+def forked_message(fork_ms: float = 0.0, token: str = "", refused: RequestError | SandboxSetupError | None = None) -> pb.SessionForked:
+    """The answer to ``fork``: its time and the token to attach to it, or why the worker refused."""
+    if refused is None:
+        return pb.SessionForked(fork_ms=fork_ms, token=token)
+    return pb.SessionForked(error_type=error_type(refused), error_message=str(refused))
+
+
+def refusal(answer: pb.SessionHibernated | pb.SessionForked) -> ReadieError | None:
+    """The refusal an answer to ``hibernate`` or ``fork`` carries, as the error the worker raised;
+    None if it did what was asked. A type the worker should not refuse with is a PoolWorkerError."""
+    if not answer.error_type:
+        return None
+    message = answer.error_message[:MAX_REFUSAL_CHARS]
+    if answer.error_type == ErrorType.REQUEST:
+        return RequestError(message.removeprefix("session: "), field="session")
+    if answer.error_type == ErrorType.SANDBOX_SETUP:
+        return SandboxSetupError(message)
+    return PoolWorkerError(f"the worker refused with {answer.error_type[:40]!r}: {message}")
+
+
+def milliseconds(value: float, field: str) -> float:
+    """A time a worker reports (``hibernate_ms``, ``fork_ms``, ``resumed_ms``), checked: a
+    number from 0 to :data:`MAX_SESSION_IMAGE_MS`; PoolWorkerError for NaN, infinities, the rest."""
+    if not 0.0 <= value <= MAX_SESSION_IMAGE_MS:  # False for NaN too
+        raise PoolWorkerError(f"the worker reported {field} = {value!r}, not a time from 0 to {MAX_SESSION_IMAGE_MS:.0f} ms")
+    return value
