@@ -272,12 +272,6 @@ class RemoteSession:
         A refusal (RequestError, SandboxSetupError) leaves the session as it
         was; any other failure has ended it, as a step's would.
         """
-        with self._lock:
-            if self.ended:
-                raise RequestError(f"session {self.id} has ended", field="session")
-            if self._running:
-                raise RequestError(f"a step of session {self.id} is running; it can hibernate between steps", field="session")
-            self._running = True
         answer = self._ask(pb.InteractRequest(hibernate=pb.HibernateSession()), "hibernated", cancel)
         self.hibernated = True
         return milliseconds(answer.hibernate_ms, "hibernate_ms")
@@ -289,12 +283,6 @@ class RemoteSession:
         Refusals as for :meth:`hibernate`. A fork the worker made but this side could not
         reach is a PoolWorkerError; the worker closes it when nobody attaches.
         """
-        with self._lock:
-            if self.ended:
-                raise RequestError(f"session {self.id} has ended", field="session")
-            if self._running:
-                raise RequestError(f"a step of session {self.id} is running; it can fork between steps", field="session")
-            self._running = True
         answer = self._ask(pb.InteractRequest(fork=pb.ForkSession()), "forked", cancel)
         fork_ms = milliseconds(answer.fork_ms, "fork_ms")
         self.hibernated = True  # a fork hibernates the session it copies
@@ -308,9 +296,16 @@ class RemoteSession:
         return fork, fork_ms
 
     def _ask(self, request: pb.InteractRequest, kind: str, cancel: Cancellation) -> Any:
-        """Send a hibernate or fork (the caller checked the session is idle and holds ``_running``)
-        and return its answer; a refusal raised as the worker's, after which the session goes on;
-        anything else ends the session (SessionLost when the stream broke)."""
+        """Send a hibernate or fork between steps and return its answer; a refusal raised as the
+        worker's, after which the session goes on; anything else ends the session (SessionLost
+        when the stream broke)."""
+        with self._lock:
+            if self.ended:
+                raise RequestError(f"session {self.id} has ended", field="session")
+            if self._running:
+                raise RequestError(f"a step of session {self.id} is running; it can {request.WhichOneof('kind')} "
+                                   "between steps", field="session")
+            self._running = True
         try:
             self._stream.send(request)
             with cancel.stopping(self.close):
