@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir=scratch / "run",
         warm={checkpoint.name: settings.workers},
         slots=settings.workers,
-        # The pool's table counts its sessions; its worker must keep as many (forks included).
-        max_sessions=settings.max_sessions,
+        # The pool's table bounds its sessions (forks included); its worker must keep as many, and
+        # as many again being closed: a name leaves the table when its close is read, its sandbox
+        # a moment later.
+        max_sessions=2 * settings.max_sessions,
     )
     # The protocol owns descriptors 0 and 1; anything else that writes to
     # stdout (a library's print, a child process) goes to stderr instead,
