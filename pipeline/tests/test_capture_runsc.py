@@ -10,6 +10,8 @@ import pytest
 from readie_executor.protocol import PROTOCOL_VERSION
 from readie_pipeline.capture import CaptureError, CaptureOptions, capture
 from readie_pipeline.plan import CheckpointPlan, load_plan
+from readie_worker.core import Worker, WorkerConfig
+from readie_worker.jobs import CodeJob
 from readie_worker.manifest import MANIFEST_NAME, file_sha256
 from readie_worker.runsc import Runsc, features
 
@@ -73,3 +75,29 @@ def test_a_failing_preimport_is_a_capture_error_naming_the_package(plan, tmp_pat
         capture(broken, CaptureOptions(tmp_path, runs=1), lambda line: None)
     assert Runsc(root=tmp_path / ".runsc-state").list_ids() == []
     assert not (tmp_path / MANIFEST_NAME).exists()
+
+
+def test_an_after_restore_hook_runs_in_every_sandbox_and_is_part_of_the_checkpoint(plan, tmp_path):
+    # faulthandler is off in the template: a sandbox that has it on ran the hook after it woke up.
+    hooked = dataclasses.replace(plan, checkpoints=(CheckpointPlan("base", (), "faulthandler:enable"),))
+    capture(hooked, CaptureOptions(tmp_path, runs=1), lambda line: None)
+    [entry] = json.loads((tmp_path / MANIFEST_NAME).read_text())["checkpoints"]
+    assert entry["after_restore"] == "faulthandler:enable"
+    worker = Worker(WorkerConfig.in_temp(tmp_path / MANIFEST_NAME, warm={"base": 0})).start()
+    try:
+        outcome = worker.run_job(CodeJob(checkpoint="base", code="import faulthandler\nprint(faulthandler.is_enabled())"))
+    finally:
+        worker.close()
+    assert (outcome.exit, outcome.stdout) == (0, "True\n"), outcome.error
+
+    lines: list[str] = []
+    capture(plan, CaptureOptions(tmp_path, runs=1, only=("base",)), lines.append)
+    assert not any("up to date" in line for line in lines)  # another hook is another checkpoint
+
+
+def test_a_hook_that_fails_at_every_wake_up_fails_the_capture(plan, tmp_path):
+    failing = dataclasses.replace(plan, checkpoints=(CheckpointPlan("base", (), "sys:exit"),))
+    with pytest.raises(CaptureError, match="sandbox refused: after-restore hook sys:exit failed: SystemExit"):
+        capture(failing, CaptureOptions(tmp_path, runs=1), lambda line: None)
+    assert Runsc(root=tmp_path / ".runsc-state").list_ids() == []
+    assert not (tmp_path / MANIFEST_NAME).exists() and not list(tmp_path.glob(".*.new"))

@@ -12,27 +12,36 @@ from . import jobs  # noqa: F401 - see below
 from ._checkpoint import CaptureError, checkpoint_and_wait
 from ._server import ServeError, bind_listener, serve_forever
 from ._settings import Mode, Settings, SettingsError
+from ._uniqueness import AFTER_RESTORE_VARIABLE, Reseeder, ReseedError
 
 # The job runner (and ctypes, resource, select... under it) is imported here,
 # before the checkpoint, so that no restored sandbox reads those modules
 # through the gofer on its first job: that cost 20-40 ms of every warm job.
 
 # Exit codes: 2 for settings the executor cannot start with (as the spec asks),
-# 3 for a capture that cannot reach its checkpoint.
+# 3 for a capture that cannot reach its checkpoint, 4 for a sandbox that woke
+# up and could not be re-seeded (it must not serve: _uniqueness).
 EXIT_BAD_SETTINGS = 2
 EXIT_CAPTURE_FAILED = 3
+EXIT_NOT_RESEEDED = 4
 
 
 def main() -> int:
     _configure_logging()
     try:
         settings = Settings.from_environ(os.environ)
+        reseeder = Reseeder()
         if settings.mode is Mode.CAPTURE:
             try:
                 preimport(settings.preimport)
+                reseeder = Reseeder.prepared(os.environ.get(AFTER_RESTORE_VARIABLE, ""))
                 restored_environ = checkpoint_and_wait(sys.stdin.buffer, sys.stdout)
-            except CaptureError as exc:
+            except (CaptureError, ReseedError) as exc:
                 return _fail(f"capture failed: {exc}", EXIT_CAPTURE_FAILED)
+            try:
+                reseeder.reseed()  # before anything else runs in the sandbox we woke up in
+            except ReseedError as exc:
+                return _fail(f"sandbox refused: {exc}", EXIT_NOT_RESEEDED)
             # The frozen environment is the capture's; only the new sandbox's counts.
             os.environ.clear()
             os.environ.update(restored_environ)
@@ -44,9 +53,11 @@ def main() -> int:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
     handover = release_inherited(keep=listener.fileno())
     try:
-        serve_forever(listener, settings.socket_path, settings.chunk_size, handover)
+        serve_forever(listener, settings.socket_path, settings.chunk_size, handover, reseeder)
     except ServeError as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
+    except ReseedError as exc:
+        return _fail(f"sandbox refused: {exc}", EXIT_NOT_RESEEDED)
     return 0
 
 

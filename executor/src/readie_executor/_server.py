@@ -14,6 +14,7 @@ from ._checkpoint import CaptureError, wait_for_handover
 from .hibernation import HIBERNATE, HIBERNATING
 from .hostwire import REPLY_PREFIX
 from .protocol import FramingError, MessageReader
+from ._uniqueness import Reseeder
 from .sockets import MAX_SOCKET_PATH, receive_message, send_message
 
 log = logging.getLogger("readie_executor")
@@ -50,12 +51,16 @@ def bind_listener(path: Path) -> socket.socket:
     return listener
 
 
-def serve_forever(listener: socket.socket, socket_path: Path, chunk_size: int, handover: BinaryIO | None) -> None:
+def serve_forever(
+    listener: socket.socket, socket_path: Path, chunk_size: int, handover: BinaryIO | None, reseeder: Reseeder
+) -> None:
     """Serve until the process ends; hibernate when the worker asks (``hibernation``).
 
     ``handover`` is the pipe a restored sandbox's hand-over arrives on (None:
     this executor cannot hibernate, and the request is answered by a dropped
-    connection).
+    connection). ``reseeder`` re-seeds every wake-up from a hibernation (a
+    resume, and each side of a fork): it raises ``ReseedError``, and the
+    sandbox must not serve.
     """
     while True:
         connection, _ = listener.accept()
@@ -69,10 +74,12 @@ def serve_forever(listener: socket.socket, socket_path: Path, chunk_size: int, h
                     log.warning("worker left before the hibernation was confirmed: %s", exc)
         if hibernate:
             assert handover is not None
+            reseeder.take_census()  # the session may have imported modules with generators of their own
             try:
                 wait_for_handover(handover)
             except (CaptureError, OSError) as exc:  # the worker is gone, or a job closed the pipe
                 raise ServeError(f"cannot resume: {exc}") from None
+            reseeder.reseed()
             listener = bind_listener(socket_path)
 
 

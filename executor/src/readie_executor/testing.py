@@ -62,6 +62,7 @@ EXECUTOR_VARIABLES = (
     "EXECUTOR_CHUNK_SIZE",
     "READIE_PREIMPORT",
     "READIE_NAMESERVER",
+    "READIE_AFTER_RESTORE",
 )
 # An interpreter start plus the cloudpickle import; generous for a loaded CI machine.
 START_TIMEOUT = 30.0

@@ -126,7 +126,7 @@ def capture_one(
             spec = SandboxSpec(
                 rootfs=rootfs.path,
                 executor_dir=sandbox.executor_dir,
-                env=capture_env(plan.mounts, checkpoint.preimport),
+                env=capture_env(plan.mounts, checkpoint.preimport, checkpoint.after_restore),
                 plan=plan.mounts,
                 unused_slot_source=sandbox.unused_slots,
             )
@@ -150,20 +150,27 @@ def capture_one(
     staged = Checkpoint(
         name=name,
         preimport=checkpoint.preimport,
+        after_restore=checkpoint.after_restore,
         image_path=staging.resolve(),
         files=image_files(staging),
         restore_p50_ms=0.0,
         cold_start_p50_ms=0.0,
         restore_to_socket_p50_ms=0.0,
     )
-    common = dict(runsc=runsc, rootfs=rootfs.path, plan=plan.mounts, base_env=capture_env(plan.mounts, checkpoint.preimport))
+    base_env = capture_env(plan.mounts, checkpoint.preimport, checkpoint.after_restore)
+    common = dict(runsc=runsc, rootfs=rootfs.path, plan=plan.mounts, base_env=base_env)
     restore = RunscRestore(image_path=staged.image_path, **common)  # type: ignore[arg-type]
-    with _step(report, name, f"restore x{options.runs} (measure mode)"):
-        restore_ms = [_time_measure_restore(restore, scratch) for _ in range(options.runs)]
-    with _step(report, name, f"restore to socket x{options.runs}"):
-        restored = [_time_to_socket(restore, scratch, checkpoint.preimport) for _ in range(options.runs)]
-    with _step(report, name, f"cold start to socket x{options.runs}"):
-        cold = [_time_to_socket(RunscCold(**common), scratch, checkpoint.preimport) for _ in range(options.runs)]  # type: ignore[arg-type]
+    try:
+        with _step(report, name, f"restore x{options.runs} (measure mode)"):
+            restore_ms = [_time_measure_restore(restore, scratch) for _ in range(options.runs)]
+        with _step(report, name, f"restore to socket x{options.runs}"):
+            restored = [_time_to_socket(restore, scratch, checkpoint.preimport) for _ in range(options.runs)]
+        with _step(report, name, f"cold start to socket x{options.runs}"):
+            cold = [_time_to_socket(RunscCold(**common), scratch, checkpoint.preimport) for _ in range(options.runs)]  # type: ignore[arg-type]
+    except SandboxSetupError as exc:
+        # E.g. an after-restore hook that fails at every wake-up: no sandbox of this image would serve.
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CaptureError(f"checkpoint {name!r}: a sandbox made from it does not serve: {exc}") from None
     shutil.rmtree(image_dir, ignore_errors=True)
     staging.rename(image_dir)
     return replace(
@@ -228,7 +235,7 @@ def _median_memory(runs: list[tuple[float, int | None]]) -> int | None:
 
 
 def _up_to_date(previous: Checkpoint | None, planned: CheckpointPlan) -> bool:
-    if previous is None or previous.preimport != planned.preimport:
+    if previous is None or (previous.preimport, previous.after_restore) != (planned.preimport, planned.after_restore):
         return False
     try:
         verify_image(previous)

@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from readie_worker.bundle import MAX_SLOTS, MountPlan
+from readie_worker.bundle import AFTER_RESTORE_HOOK, MAX_SLOTS, MountPlan
 
 DEFAULT_PLAN = Path(__file__).with_name("checkpoints.toml")
 # Checkpoint names become directory names and pool names.
@@ -23,6 +23,8 @@ class PlanError(ValueError):
 class CheckpointPlan:
     name: str
     preimport: tuple[str, ...]
+    # Run in every sandbox woken from this checkpoint, after readie re-seeds (decision 23).
+    after_restore: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,17 @@ def load_plan(path: Path = DEFAULT_PLAN) -> Plan:
     for name, table in tables.items():
         if not _NAME.fullmatch(name):
             raise PlanError(f"{where}: checkpoint name {name!r} must match {_NAME.pattern}")
-        _only(table, {"preimport"}, f"{where} [checkpoints.{name}]")
+        _only(table, {"preimport", "after_restore"}, f"{where} [checkpoints.{name}]")
         modules = _strings(table.get("preimport", []), f"{where} [checkpoints.{name}].preimport")
         bad = [m for m in modules if not _MODULE.fullmatch(m)]
         if bad:
             raise PlanError(f"{where} [checkpoints.{name}].preimport: not module names: {', '.join(bad)}")
-        checkpoints.append(CheckpointPlan(name, tuple(dict.fromkeys(modules))))
+        hook = table.get("after_restore", "")
+        if not isinstance(hook, str) or (hook and not AFTER_RESTORE_HOOK.fullmatch(hook)):
+            raise PlanError(
+                f"{where} [checkpoints.{name}].after_restore: must name a module or module:callable, got {hook!r}"
+            )
+        checkpoints.append(CheckpointPlan(name, tuple(dict.fromkeys(modules)), hook))
     if not checkpoints:
         raise PlanError(f"{where}: the plan lists no checkpoints")
     return Plan(tuple(requirements), MountPlan(counts["read_slots"], counts["write_slots"], counts["package_slots"]), tuple(checkpoints))

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+from readie_executor import AFTER_RESTORE_VARIABLE
 
 # Where things live inside every sandbox.
 EXECUTOR_DIR = PurePosixPath("/readie/run")
@@ -32,11 +35,25 @@ HOSTNAME = "readie"
 NOFILE_LIMIT = 4096
 
 
-def capture_env(plan: MountPlan, preimport: tuple[str, ...]) -> dict[str, str]:
-    """The environment an executor is captured (or cold-started) with."""
+#: An after-restore hook as a capture plan and a manifest name it: ``package.module``
+#: (whose ``after_restore`` is called) or ``package.module:function``. A manifest may
+#: come from another host, so the name is checked before it reaches an environment.
+AFTER_RESTORE_HOOK = re.compile(
+    r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*)?$"
+)
+
+
+def capture_env(plan: MountPlan, preimport: tuple[str, ...], after_restore: str = "") -> dict[str, str]:
+    """The environment an executor is captured (or cold-started) with.
+
+    No ``PYTHONHASHSEED``: every capture draws its own string-hash seed (the
+    sandboxes restored from one image share it; docs/security.md).
+    """
+    hook = {AFTER_RESTORE_VARIABLE: after_restore} if after_restore else {}
     return {
         **serve_env(preimport),
         **SINGLE_THREAD_ENV,
+        **hook,
         "PYTHONPATH": plan.python_path(),
         "EXECUTOR_DIR": str(EXECUTOR_DIR),
         "EXECUTOR_MODE": "capture",

@@ -29,7 +29,7 @@ from typing import Any
 from readie_executor.digest import source_digest
 from readie_executor.protocol import PROTOCOL_VERSION
 
-from .bundle import MountPlan, family_fingerprint
+from .bundle import AFTER_RESTORE_HOOK, MountPlan, family_fingerprint
 from .errors import CheckpointUnusable, ManifestError
 from .runsc import Runsc, features
 
@@ -60,6 +60,8 @@ class Checkpoint:
     # The memory cgroup of a restored, idle sandbox (sentry, gofer, template):
     # what a job's 'memory' comes on top of. None in manifests that predate it.
     idle_memory_bytes: int | None = None
+    # The operator's after-restore hook (decision 23), run in every sandbox woken from the image.
+    after_restore: str = ""
 
     @property
     def size_bytes(self) -> int:
@@ -303,6 +305,7 @@ def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
             cold_start_p50_ms=float(entry["cold_start_p50_ms"]),
             restore_to_socket_p50_ms=float(entry["restore_to_socket_p50_ms"]),
             idle_memory_bytes=None if entry.get("idle_memory_bytes") is None else int(entry["idle_memory_bytes"]),
+            after_restore=_after_restore(entry.get("after_restore", "")),
         )
         names = [file.name for file in checkpoint.files]
         if len(set(names)) != len(names):
@@ -322,3 +325,11 @@ def _parse(raw: Mapping[str, Any], base: Path) -> Manifest:
         checkpoints=checkpoints,
         executor_digest=None if raw.get("executor_digest") is None else str(raw["executor_digest"]),
     )
+
+
+def _after_restore(value: object) -> str:
+    if value == "":
+        return ""
+    if not isinstance(value, str) or not AFTER_RESTORE_HOOK.fullmatch(value):
+        raise ValueError(f"after_restore must name a module or module:callable, got {value!r}")
+    return value

@@ -468,7 +468,7 @@ def checkpoint_factory(
         runsc=runsc,
         rootfs=manifest.rootfs,
         plan=manifest.mount_plan,
-        base_env=capture_env(manifest.mount_plan, checkpoint.preimport),
+        base_env=capture_env(manifest.mount_plan, checkpoint.preimport, checkpoint.after_restore),
         memory_limit_bytes=memory_limit_bytes,
     )
     return SandboxFactory(
