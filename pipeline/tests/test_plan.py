@@ -209,3 +209,17 @@ def test_select_unknown_names_are_named():
     assert str(error.value) == (
         "no checkpoint named nope, gone in the plan (have base, numpy, pandas)"
     )
+
+
+def test_an_after_restore_hook_is_read_per_checkpoint(tmp_path):
+    path = tmp_path / "plan.toml"
+    path.write_text('[checkpoints.base]\nafter_restore = "mylib.hooks:reseed"\n[checkpoints.other]\n')
+    assert [c.after_restore for c in load_plan(path).checkpoints] == ["mylib.hooks:reseed", ""]
+
+
+@pytest.mark.parametrize("hook", ['"not a module"', '"mylib:"', "3", '["mylib"]'])
+def test_an_after_restore_hook_that_is_no_name_is_refused(tmp_path, hook):
+    path = tmp_path / "plan.toml"
+    path.write_text(f"[checkpoints.base]\nafter_restore = {hook}\n")
+    with pytest.raises(PlanError, match=r"\[checkpoints.base\].after_restore: must name a module"):
+        load_plan(path)

@@ -241,6 +241,13 @@ def test_capture_env():
     for key in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         assert env[key] == "1", key
     assert serve_env(("numpy", "pandas")).items() <= env.items()
+    # Every capture draws its own string-hash seed (decision 23); no hook unless the plan names one.
+    assert "PYTHONHASHSEED" not in env and "READIE_AFTER_RESTORE" not in env
+
+
+def test_capture_env_hands_the_after_restore_hook_to_the_executor():
+    env = capture_env(MountPlan(), (), "mylib.hooks:reseed")
+    assert env["READIE_AFTER_RESTORE"] == "mylib.hooks:reseed"
 
 
 def test_capture_env_without_package_slots_has_only_the_site():

@@ -425,3 +425,20 @@ def test_a_checkpoint_that_lists_a_file_twice_is_a_manifest_error(written):
     rewrite_json(path, lambda raw: raw["checkpoints"][0]["files"].append(dict(raw["checkpoints"][0]["files"][0])))
     with pytest.raises(ManifestError, match="lists a file twice"):
         read_manifest(path)
+
+
+def test_an_after_restore_hook_round_trips_and_a_manifest_without_one_has_none(written):
+    path, _ = written
+    rewrite_json(path, lambda raw: raw["checkpoints"][0].update(after_restore="mylib.hooks:reseed"))
+    rewrite_json(path, lambda raw: raw["checkpoints"][1].pop("after_restore"))  # as manifests before decision 23
+    loaded = read_manifest(path)
+    assert [c.after_restore for c in loaded.checkpoints.values()] == ["mylib.hooks:reseed", ""]
+
+
+@pytest.mark.parametrize("hook", ["x; rm -rf /", "mylib:", ":f", "a b", 7, ["mylib"], "mylib:f\nEVIL=1"])
+def test_an_after_restore_hook_that_is_no_name_is_a_manifest_error(written, hook):
+    # It becomes part of every sandbox's environment: an imported manifest must not choose more.
+    path, _ = written
+    rewrite_json(path, lambda raw: raw["checkpoints"][0].update(after_restore=hook))
+    with pytest.raises(ManifestError, match="after_restore must name a module"):
+        read_manifest(path)

@@ -68,6 +68,12 @@ def test_five_sandboxes_restored_from_one_checkpoint_draw_different_numbers(work
     assert_all_differ([draws(outcome.stdout) for outcome in outcomes])
 
 
+def test_the_string_hash_seed_is_random_per_capture_not_fixed(worker):
+    # What cannot be re-seeded (docs/security.md) is at least not a constant of readie's.
+    outcome = worker.run_job(pandas_job("import os, sys\nprint(sys.flags.hash_randomization, 'PYTHONHASHSEED' in os.environ)"))
+    assert outcome.stdout == "1 False\n", outcome
+
+
 def test_a_session_and_two_forks_resumed_from_one_image_draw_different_numbers(worker):
     parent, first = worker.open_session(pandas_job("import random\nmine = random.Random(7)  # the session's own"))
     assert first.outcome.exit == 0, first.outcome
