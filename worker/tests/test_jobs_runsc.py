@@ -12,6 +12,7 @@ import pytest
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import RequestError
 from readie_worker.jobs import CodeJob
+from readie_worker.testing import wait_until
 
 pytestmark = pytest.mark.runsc
 
@@ -114,6 +115,39 @@ def test_max_file_size_makes_a_larger_write_fail(worker, grants):
     outcome = worker.run_job(job(code, allow_write=(str(out),), max_file_size=100_000))
     assert outcome.error.type == "OSError", outcome
     assert "27" in outcome.error.message or "too large" in outcome.error.message.lower()
+
+
+def test_report_files_never_lists_what_a_swapped_ancestor_of_the_grant_leads_to(worker, tmp_path):
+    """Issue 27, hole 1: job B writes ``out/b/etc`` and asks for ``report_files``; while it runs, ``out/b``
+    is renamed away and made a link to ``/`` (job A, with a grant on ``out``, can do that). B's listing
+    must report the grant changed and list nothing of the host's ``/etc``; B wrote to its own directory."""
+    grant = tmp_path / "out" / "b" / "etc"
+    grant.mkdir(parents=True)
+    held = tmp_path / "out" / "b-away" / "etc"  # where B's directory is once out/b is renamed
+    code = f"""
+import os, time
+open({str(grant / 'started')!r}, 'w').close()
+deadline = time.monotonic() + 20
+while not os.path.exists({str(grant / 'go')!r}) and time.monotonic() < deadline:
+    time.sleep(0.01)
+open({str(grant / 'mine.txt')!r}, 'w').write('B')
+"""
+    outcomes = []
+    b = threading.Thread(target=lambda: outcomes.append(
+        worker.run_job(job(code, allow_write=(str(grant),), report_files=True, timeout_ms=30_000))))
+    b.start()
+    try:
+        assert wait_until((grant / "started").exists, 60), "job B never started"
+        (tmp_path / "out" / "b").rename(tmp_path / "out" / "b-away")
+        (tmp_path / "out" / "b").symlink_to("/")
+        assert (tmp_path / "out" / "b" / "etc" / "passwd").exists()  # the path now leads to the host's /etc
+        (held / "go").touch()  # through B's mount, which still is its own directory
+    finally:
+        b.join(60)
+    [outcome] = outcomes
+    assert outcome.exit == 0, outcome
+    assert (held / "mine.txt").read_text() == "B"
+    assert outcome.files == () and outcome.files_truncated is True, outcome.files
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from readie_worker import _mounts
+from readie_worker import _grant_fs, _mounts
 from readie_worker._sandbox_dir import SandboxDir
 from readie_worker.bundle import MountPlan
 from readie_worker.errors import RequestError
@@ -39,7 +39,16 @@ def tree(tmp_path: Path) -> Path:
 # --------------------------------------------------------------------------- open_no_follow
 
 
-def test_a_directory_and_a_file_open(tree: Path) -> None:
+@pytest.fixture(params=["openat2", "by components"])
+def opener(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each opening test twice: with openat2, and as on a kernel without it (a syscall number
+    this kernel has not: ENOSYS, as from a kernel before 5.6), one component at a time."""
+    if request.param == "by components":
+        monkeypatch.setattr(_grant_fs, "_SYS_OPENAT2", 100_000)
+    return request.param
+
+
+def test_a_directory_and_a_file_open(tree: Path, opener: str) -> None:
     opened = open_no_follow(str(tree / "dir"))
     try:
         assert opened.kind is PathKind.DIRECTORY
@@ -52,14 +61,14 @@ def test_a_directory_and_a_file_open(tree: Path) -> None:
 
 
 @pytest.mark.parametrize("relative", ["dir/link", "dir/link/secret", "dir/file-link", "alias", "alias/sub"])
-def test_a_symlink_anywhere_is_refused(tree: Path, relative: str) -> None:
+def test_a_symlink_anywhere_is_refused(tree: Path, relative: str, opener: str) -> None:
     with pytest.raises(PathRefused) as refused:
         open_no_follow(str(tree / relative))
     assert refused.value.reason.startswith("passes through a symbolic link")
     assert "outside" not in refused.value.reason and "secret" not in refused.value.reason
 
 
-def test_proc_magic_links_are_refused(tree: Path) -> None:
+def test_proc_magic_links_are_refused(tree: Path, opener: str) -> None:
     with open(tree / "outside" / "secret") as held:
         with pytest.raises(PathRefused, match="symbolic link"):
             open_no_follow(f"/proc/self/fd/{held.fileno()}")
@@ -84,7 +93,7 @@ def test_only_absolute_normal_paths(path: str, reason: str) -> None:
         open_no_follow(path)
 
 
-def test_what_is_neither_directory_nor_file_is_refused_before_it_is_opened(tmp_path: Path) -> None:
+def test_what_is_neither_directory_nor_file_is_refused_before_it_is_opened(tmp_path: Path, opener: str) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # opening it for reading would block: O_PATH does not
     with pytest.raises(PathRefused, match="neither a directory nor a regular file"):
@@ -116,7 +125,7 @@ def test_read_no_follow_reads_the_opened_file_and_bounds_it(tree: Path) -> None:
         read_no_follow(str(fifo), 100)
 
 
-def test_a_held_descriptor_keeps_its_directory_when_the_path_becomes_a_symlink(tree: Path) -> None:
+def test_a_held_descriptor_keeps_its_directory_when_the_path_becomes_a_symlink(tree: Path, opener: str) -> None:
     opened = open_no_follow(str(tree / "dir"))
     try:
         os.rename(tree / "dir", tree / "moved")

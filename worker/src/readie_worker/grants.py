@@ -1,12 +1,15 @@
 """Grants that cannot move: host paths a job may read or write, held open from slot to sandbox end.
 
 A grant is resolved once, when its job takes its worker slot: each path is
-opened without following symlinks (:func:`readie_worker.paths.open_no_follow`)
-and the descriptor is what gets mounted (``SandboxDir`` bind-mounts it into
-the sandbox's own directory, and runsc mounts that). A directory renamed or
-replaced by a symlink after this moment changes nothing the sandbox sees;
-one replaced before it is refused. Symlinks a job leaves in a write grant
-are therefore never followed by readie, now or by a later job.
+opened without following symlinks (``_grant_fs.open_no_follow``, the
+worker's one way into paths under a grant) and the descriptor is what gets
+mounted (``SandboxDir`` bind-mounts it into the sandbox's own directory, and
+runsc mounts that; the mount holds it until the sandbox ends). A directory
+renamed or replaced by a symlink after this moment changes nothing the
+sandbox sees; one replaced before it is refused. Symlinks a job leaves in a
+write grant are therefore never followed by readie, now or by a later job.
+The sandbox keeps what each write grant was (:attr:`HeldGrants.write_grants`),
+so that listing what a job wrote there can tell a grant swapped since.
 
 A grant may name a directory or a single file (``package_dirs`` only
 directories). Each takes one slot planned at capture; a file is mounted
@@ -27,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 
+from ._grant_fs import OpenedPath, PathIdentity, PathKind, PathRefused, open_no_follow
 from .bundle import MountPlan
 from .errors import RequestError
-from .paths import OpenedPath, PathKind, PathRefused, open_no_follow
 
 __all__ = ["HeldGrant", "HeldGrants", "hold_grants"]
 
@@ -64,6 +67,12 @@ class HeldGrants:
         self.grants = tuple(grants)
         # What the in-sandbox runner links: each granted host path -> its target.
         self.links = tuple(links)
+
+    @property
+    def write_grants(self) -> tuple[PathIdentity, ...]:
+        """What each write grant led to when it was opened: a sandbox keeps these (no descriptor)
+        to list what its jobs wrote there (``report_files``), and to tell a grant since swapped."""
+        return tuple(grant.opened.identity for grant in self.grants if grant.writable)
 
     def close(self) -> None:
         for grant in self.grants:

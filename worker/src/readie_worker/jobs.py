@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import cloudpickle
+import structlog
 
 from readie_executor.jobs import DEFAULT_INLINE_NAME, run_job
 
@@ -47,12 +48,13 @@ from ._output_frames import (
     max_output_events,
 )
 
+from ._grant_fs import ListedGrants
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
-from .written import snapshot, written_since
+from .written import written_since
 
 __all__ = [
     "DEFAULT_INLINE_NAME",
@@ -75,6 +77,8 @@ __all__ = [
     "runner_call",
     "run_in_sandbox",
 ]
+
+log = structlog.get_logger("readie.worker")
 
 #: Answers one host-function call; runs on the worker thread that runs the job.
 #: An exception it raises becomes an error reply (HostError in the sandbox).
@@ -244,6 +248,8 @@ def run_in_sandbox(
     ``session``: run as a step in the sandbox's persistent ``__main__``. A
     cancel interrupts the exchange at once (the job then counts as failed
     under the worker, and the sandbox is not trusted again).
+    ``job.report_files``: the outcome lists what the job wrote to the write
+    grants the sandbox has mounted (``sandbox.write_grants``; ``written.py``).
 
     The caller destroys the sandbox afterwards: a timed-out or crashed one is
     never reused, and by default neither is a healthy one.
@@ -254,12 +260,35 @@ def run_in_sandbox(
             f"{len(job.functions)} host functions declared, but nothing here answers them",
             field="functions",
         )
+    if not job.report_files:
+        return _run(sandbox, job, links, host, session, cancel, output)
+    # Held by descriptor for both listings, and checked to be what the sandbox has mounted
+    # (decision 24): never a walk of whatever the grant's path leads to by then.
+    with ListedGrants(sandbox.write_grants) as grants:
+        before = grants.listing()
+        outcome = _run(sandbox, job, links, host, session, cancel, output)
+        after = grants.listing()
+    changed = sorted({*before.changed, *after.changed})
+    if changed:
+        log.warning("write grants moved or replaced while held: not listed", sandbox=sandbox.id, grants=changed)
+    files, cut = written_since(before, after)
+    return dataclasses.replace(outcome, files=files, files_truncated=cut)
+
+
+def _run(
+    sandbox: Sandbox,
+    job: CodeJob,
+    links: tuple[Mapping[str, object], ...],
+    host: HostFunction | None,
+    session: bool,
+    cancel: Cancellation,
+    output: OutputSink | None,
+) -> JobOutcome:
     backend = f"gvisor:{sandbox.launcher.name}" if sandbox.launcher.isolated else sandbox.launcher.name
     request = runner_call(job, links, session=session, stream=output is not None)
     # Even without functions: a frame the job writes by hand is refused, not taken for its result.
     conversation = HostConversation(job.functions)
     relay = None if output is None else OutputRelay(output, job.max_output)
-    before = snapshot(job.allow_write) if job.report_files else None
     started = time.monotonic()
     answer = _HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000, relay)
     # Call frames may be larger than a small job's whole result.
@@ -284,9 +313,6 @@ def run_in_sandbox(
             outcome = _from_result(result, elapsed, backend, sandbox.id)
     if relay is not None:
         relay.finish()  # what it held back is output too, and goes out ahead of the result
-    if before is not None:
-        files, cut = written_since(before, snapshot(job.allow_write))
-        outcome = dataclasses.replace(outcome, files=files, files_truncated=cut)
     return dataclasses.replace(outcome, host=conversation.stats)
 
 

@@ -1,40 +1,34 @@
-"""Host paths named by requests, opened so that no symlink can redirect them.
+"""Host paths: those requests name, and the worker's own.
 
-A request names paths; between the check of a path and its use, anything
-that can write beneath it (a job with a write grant, for one) can replace a
-directory with a symlink. So readie never follows a symlink in a path a
-request named: :func:`open_no_follow` opens it with ``openat2`` and
-``RESOLVE_NO_SYMLINKS`` (a symlink anywhere along it is refused by the
-kernel, atomically with the walk), and everything after works on that
-descriptor, never on the path again. A path with no symlink in it names what
-it says lexically, so a check that it lies beneath a ceiling directory holds
-for what was opened.
-
-A path must be absolute and normal (no ``.``, ``..``, empty or trailing
+A path a request names (a grant, a script) is opened without following any
+symlink and then used only by its descriptor; that is ``_grant_fs``'s alone
+(decision 24), and its public names are here: :func:`open_no_follow`,
+:func:`read_no_follow`, :func:`check_normal`, :class:`PathRefused`. A path
+must be absolute and normal (no ``.``, ``..``, empty or trailing
 components): the caller makes it so, and a path that is not is refused
 rather than guessed at.
 
-:func:`remove_tree` is the one way readie removes a directory a sandbox
-could have written into: it follows no symlink, crosses no mount, and no
+The worker's own paths: :func:`runtime_root` and :func:`scratch_dir`, where
+every readie process keeps its scratch, and :func:`remove_tree`, the one way
+readie removes a directory a sandbox could have written into: it follows no
+symlink, crosses no mount (so never enters a grant mounted beneath), and no
 depth of tree defeats it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import shutil
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import structlog
 from readie_protocol.requests import MAX_PATH_BYTES, MAX_PATH_CHARS
 
+from ._grant_fs import OpenedPath, PathKind, PathRefused, check_normal, open_no_follow, read_no_follow
 from ._mounts import unmount_beneath
 from .errors import SandboxSetupError
 
@@ -59,110 +53,6 @@ __all__ = [
 #: reach any of them, its own or another pool's. Short, because sandbox socket
 #: paths beneath it may not exceed 107 bytes.
 RUNTIME_ROOT = Path(os.environ.get("READIE_RUNTIME_DIR", "/tmp/readie"))
-# <linux/openat2.h>
-_SYS_OPENAT2 = 437  # x86_64 and aarch64 alike
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_NO_SYMLINKS = 0x04
-_AT_FDCWD = -100
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-class PathRefused(Exception):
-    """A path cannot be used as asked; ``reason`` (to follow the path as the caller quotes it)
-    says why without naming anything the path leads to."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class PathKind(Enum):
-    DIRECTORY = "directory"
-    FILE = "file"
-
-
-@dataclass(frozen=True, slots=True)
-class OpenedPath:
-    """A path opened without following symlinks; ``fd`` is the caller's to close."""
-
-    path: str
-    fd: int
-    kind: PathKind
-
-
-def check_normal(path: str) -> None:
-    """Refuse a path that is not absolute and normal, or that cannot be a path at all."""
-    if "\0" in path:
-        raise PathRefused("contains a NUL byte")
-    if len(os.fsencode(path)) > MAX_PATH_BYTES:
-        raise PathRefused(f"is longer than {MAX_PATH_BYTES} bytes")
-    if not path.startswith("/"):
-        raise PathRefused("is not an absolute path")
-    if path != "/" and (path.endswith("/") or os.path.normpath(path) != path):
-        raise PathRefused("is not a normal path (no '.', '..', repeated or trailing '/')")
-
-
-def open_no_follow(path: str) -> OpenedPath:
-    """Open ``path`` (absolute, normal) as an ``O_PATH`` descriptor if it is a directory or a
-    regular file and no component of it, the last included, is a symlink.
-
-    ``O_PATH`` opens nothing for reading, so naming a device or a FIFO has no
-    side effect before it is refused.
-    """
-    check_normal(path)
-    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(
-        _SYS_OPENAT2, ctypes.c_int(_AT_FDCWD), os.fsencode(path), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))
-    )
-    if fd < 0:
-        raise PathRefused(_reason(ctypes.get_errno()))
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError as exc:
-        os.close(fd)
-        raise PathRefused(_reason(exc.errno or errno.EIO)) from None
-    if stat.S_ISDIR(mode):
-        return OpenedPath(path, fd, PathKind.DIRECTORY)
-    if stat.S_ISREG(mode):
-        return OpenedPath(path, fd, PathKind.FILE)
-    os.close(fd)
-    raise PathRefused("is neither a directory nor a regular file")
-
-
-def read_no_follow(path: str, limit: int) -> bytes:
-    """The contents of the regular file at ``path`` (opened as :func:`open_no_follow` does),
-    read from that descriptor; PathRefused past ``limit`` bytes."""
-    opened = open_no_follow(path)
-    try:
-        if opened.kind is not PathKind.FILE:
-            raise PathRefused("is not a regular file")
-        # Reopened through the descriptor, so it is the same file, never the path again.
-        fd = os.open(f"/proc/self/fd/{opened.fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise PathRefused(_reason(exc.errno or errno.EIO)) from None
-    finally:
-        os.close(opened.fd)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise PathRefused(f"has {size} bytes, more than the {limit} allowed")
-        chunks, total = [], 0
-        while chunk := os.read(fd, 1024 * 1024):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:  # grew while it was read
-                raise PathRefused(f"has more than the {limit} bytes allowed")
-        return b"".join(chunks)
-    except OSError as exc:
-        raise PathRefused(_reason(exc.errno or errno.EIO)) from None
-    finally:
-        os.close(fd)
 
 
 def remove_tree(path: Path) -> bool:
@@ -254,18 +144,6 @@ def runtime_root() -> Path:
 def scratch_dir(prefix: str) -> Path:
     """A new directory of this process's under :func:`runtime_root`."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir=runtime_root()))
-
-
-def _reason(code: int) -> str:
-    if code == errno.ELOOP:
-        return "passes through a symbolic link, which readie never follows in a granted path"
-    if code == errno.ENOENT:
-        return "does not exist"
-    if code == errno.ENOTDIR:
-        return "has a component that is not a directory"
-    if code == errno.ENOSYS:
-        return "cannot be opened safely: this kernel has no openat2 (Linux 5.6 or newer is needed)"
-    return f"cannot be opened: {os.strerror(code)}"
 
 
 def canonical_dirs(*paths: Path | str) -> tuple[Path, ...]:

@@ -41,6 +41,7 @@ from readie_executor.protocol import (
 )
 from readie_executor.sockets import RECV_SIZE
 
+from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
@@ -142,6 +143,8 @@ class Sandbox:
     state: SandboxState = SandboxState.READY
     # The memory cgroup's limit once a job's 'memory' set it (None: the worker's backstop).
     memory_limit_bytes: int | None = None
+    # What each write grant mounted in it was when opened: what report_files lists (jobs.py).
+    write_grants: tuple[PathIdentity, ...] = ()
     _connection: socket.socket | None = field(default=None, repr=False)
     # interrupt() may come from another thread at any moment of an exchange.
     _interrupted: bool = field(default=False, repr=False)
@@ -370,7 +373,7 @@ def launch(
         raise
     ready_ms = (time.monotonic() - started) * 1000
     log.debug("sandbox ready", sandbox=sandbox_dir.id, launcher=launcher.name, ready_ms=round(ready_ms, 1))
-    return Sandbox(sandbox_dir, launcher, launched, ready_ms)
+    return Sandbox(sandbox_dir, launcher, launched, ready_ms, write_grants=grants.write_grants)
 
 
 def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
