@@ -19,6 +19,7 @@ import pytest
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, Step
+from readie_worker.state_dir import IMAGES
 from readie_worker.testing import FakeHost
 
 pytestmark = pytest.mark.runsc
@@ -79,13 +80,13 @@ def test_a_pandas_session_hibernates_frees_its_memory_and_resumes_with_its_state
         for pool in worker.pools.values():  # their refills would blur what the hibernation frees
             assert pool.wait_until_full(60)
         session_pss = pss_bytes(sandbox)
-        worker_before = pss_bytes(f"--root={worker.config.state_dir}")
+        worker_before = pss_bytes(f"--root={worker.runsc.root}")
         private = pss_bytes(sandbox, "Private_Dirty:") + pss_bytes(sandbox, "Private_Clean:")
         hibernate_ms = session.hibernate()
         assert hibernate_ms > 0 and session.hibernated
         assert sandbox not in worker.runsc.list_ids()
         assert session.sandbox_id is None
-        worker_after = pss_bytes(f"--root={worker.config.state_dir}")
+        worker_after = pss_bytes(f"--root={worker.runsc.root}")
         assert session_pss > 30 * 1024**2, session_pss  # a pandas sandbox: sentry, gofer, interpreter
         # What it held alone goes; of the pages it shared with the other sandboxes (the rootfs's
         # libraries), its share moves to them: measured, the drop is 84-86 % of its PSS.
@@ -286,10 +287,8 @@ def test_the_image_bounds_refuse_a_hibernation_and_keep_the_session(checkpoints)
 
 
 def test_a_restart_forgets_the_images_of_an_earlier_run(checkpoints, short_tmp):
-    config = WorkerConfig(
-        manifest=CHECKPOINTS / "manifest.json", state_dir=short_tmp / "state", run_dir=short_tmp / "run", warm={"base": 0}
-    )
-    stale = config.images_dir / "0123456789abcdef"
+    config = WorkerConfig(manifest=CHECKPOINTS / "manifest.json", state_dir=short_tmp / "state", warm={"base": 0})
+    stale = short_tmp / "state" / IMAGES / "0123456789abcdef"
     stale.mkdir(parents=True)
     (stale / "checkpoint.img").write_bytes(b"an earlier run's session")
     worker = Worker(config).start()

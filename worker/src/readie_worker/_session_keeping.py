@@ -125,7 +125,7 @@ class SessionKeeping:
         with self._hold_grants(job) as grants:
             # A job's thread can take the hand-over meant for its executor; then no socket comes,
             # and this wait, not the restore's usual minute, is what the session costs its slot.
-            sandbox = launch(restore, self.config.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
+            sandbox = launch(restore, factory.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
         sandbox.memory_limit_bytes = memory_limit
         return sandbox, grants.links
 

@@ -23,6 +23,7 @@ from typing import IO, Protocol
 
 from . import _reaper
 from .errors import SandboxSetupError
+from .paths import remove_beneath
 
 # Flags that every runsc invocation of one checkpoint family shares, beside the
 # platform (chosen per binary, see RunscFeatures): a restore refuses (or
@@ -173,7 +174,6 @@ class Runsc:
 
     def run(self, *args: str, timeout: float = COMMAND_TIMEOUT_S, reaping: bool = False, counted: bool = True) -> str:
         """Run a short runsc command and return its stdout; ``counted=False``: a failure here is expected."""
-        self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile("w+") as stderr:
             try:
                 completed = _reaper.run(self.command(*args), stderr=stderr, timeout=timeout, reaping=reaping)
@@ -199,7 +199,6 @@ class Runsc:
         runsc leaves a grandchild holding its stdio, so nothing here waits for
         that pipe's end.) The runsc process has exited when this returns.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
         launched = Launched.popen(self.command(*args))
         try:
             returncode = launched.process.wait(timeout=timeout)
@@ -301,12 +300,14 @@ class Runsc:
         for container_id in self.list_ids():
             self.destroy(container_id)
             swept.append(container_id)
-        if self.root.exists():
-            for leftover in self.root.iterdir():
-                if leftover.is_dir():
-                    shutil.rmtree(leftover, ignore_errors=True)
-                else:
-                    leftover.unlink(missing_ok=True)
+        try:  # what runsc left, removed from the root as opened here: never through a link
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return swept
+        try:
+            remove_beneath(root)
+        finally:
+            os.close(root)
         return swept
 
 
