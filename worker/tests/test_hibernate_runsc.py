@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 
 import pytest
+import structlog
+from structlog.testing import capture_logs
 
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
@@ -265,6 +267,41 @@ def test_a_job_that_closes_the_hand_over_pipe_spoils_only_its_own_resume(worker)
     other, first = worker.open_session(job("print('still serving')"))
     other.close()
     assert first.outcome.stdout == "still serving\n"
+
+
+# runsc, except that a checkpoint's image path is one nobody can write: its checkpoint fails,
+# with runsc's own words, as on a full or broken disk.
+UNWRITABLE_IMAGES = """#!/usr/bin/python3
+import os, sys
+args = sys.argv[1:]
+if "checkpoint" in args:
+    args = [a.replace("--image-path=", "--image-path=/proc/readie-unwritable", 1) for a in args]
+os.execvp("runsc", ["runsc", *args])
+"""
+
+
+def test_a_failed_hibernation_shows_the_client_no_host_fact_and_logs_them_under_its_session(checkpoints, short_tmp):
+    binary = short_tmp / "runsc"
+    binary.write_text(UNWRITABLE_IMAGES)
+    binary.chmod(0o755)
+    worker = Worker(WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 0}, runsc=str(binary))).start()
+    try:
+        session, first = worker.open_session(job("x = 1"))
+        assert first.outcome.exit == 0, first.outcome
+        with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            with pytest.raises(PoolWorkerError) as failed:
+                session.hibernate()
+        message = str(failed.value)
+        assert message.startswith(f"session {session.id} could not hibernate and has ended: runsc checkpoint exited ")
+        assert message.endswith(f"; the worker's log has the details under session {session.id}")
+        assert "/" not in message and "--" not in message and "pid" not in message
+        [line] = [line for line in logs if line["event"] == "runsc failed"]
+        assert line["session"] == session.id and line["log_level"] == "warning"
+        assert f"--image-path={worker.state.images_dir}/" in line["command"]
+        assert "/proc/readie-unwritable" in line["stderr"]  # runsc's own words, for the operator
+        assert session.ended and images(worker) == [] and worker.runsc.list_ids() == []
+    finally:
+        worker.close()
 
 
 def test_the_image_bounds_refuse_a_hibernation_and_keep_the_session(checkpoints):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .cancel import NEVER, Cancellation
-from .errors import ErrorType, PoolWorkerError, SandboxSetupError
+from .errors import ErrorType, PoolWorkerError, SandboxSetupError, bound_ids
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since
 from .sandbox import Sandbox, launch
 from .sessions import SandboxSession, StepOutcome
@@ -48,7 +48,7 @@ class SessionKeeping:
         first step as :meth:`run_job`'s job (and so ends the session).
         """
         started = time.monotonic()
-        with self._slot(cancel):
+        with self._slot(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             self._check_job(job)
             self._take_session_place()

@@ -23,7 +23,7 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from .config import DEFAULT_MAX_SESSIONS
-from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError
+from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
 from .paths import canonical_dirs, code_dirs
 from .packages import ensure_packages, package_cache
@@ -228,7 +228,7 @@ class Worker(SessionKeeping):
         ``output`` takes its output as it is written.
         """
         started = time.monotonic()
-        with self._slot(cancel):
+        with self._slot(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             outcome = self._run_job(job, host, cancel, output)
         # One line per job: identifiers, outcome and timing, never captured output.

@@ -1,5 +1,5 @@
 """runsc at arm's length: every call has a timeout, stderr goes to a file, and a
-failure raises :class:`RunscError` with runsc's own words attached."""
+failure raises :class:`RunscError`; runsc's own words go to the worker's log."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from . import _reaper
-from .errors import SandboxSetupError
+from .errors import SandboxSetupError, log_host_facts
 from .paths import remove_beneath
 
 # Flags that every runsc invocation of one checkpoint family shares, beside the
@@ -43,7 +43,7 @@ COMMAND_TIMEOUT_S = 30.0
 NETNS_DIR = Path("/var/run/netns")
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
-# runsc keeps this much of its stderr in an error message.
+# This much of a failed runsc command's stderr goes to the log.
 STDERR_TAIL = 2000
 # What is kept of a sandbox's stderr (runsc's own messages, and its executor's
 # log): the tail, for the message of a sandbox that failed to start.
@@ -66,11 +66,31 @@ class RunscObserver(Protocol):
 
 
 class RunscError(SandboxSetupError):
-    def __init__(self, args: Sequence[str], returncode: int | None, stderr: str) -> None:
+    """A runsc command failed or timed out.
+
+    The message is a client's to read: the subcommand, how it ended, and
+    ``where`` the worker's log has the rest. The command line and runsc's
+    stderr name host paths and pids, so they are attributes, logged by
+    :meth:`logged`, and never part of the message.
+    """
+
+    def __init__(self, args: Sequence[str], returncode: int | None, stderr: str, where: str = "") -> None:
         what = "timed out" if returncode is None else f"exited {returncode}"
-        super().__init__(f"runsc {' '.join(args)} {what}: {stderr.strip()[-STDERR_TAIL:] or 'no output'}")
+        super().__init__(f"runsc {args[0] if args else ''} {what}" + (f"; {where}" if where else ""))
         self.returncode = returncode
         self.stderr = stderr
+
+    @classmethod
+    def logged(
+        cls, command: Sequence[str], args: Sequence[str], returncode: int | None, stderr: str, *, expected: bool = False
+    ) -> RunscError:
+        """The error for ``command`` (``args`` its runsc arguments), its command line and the tail of
+        its stderr logged first (at debug level when the caller ``expected`` it could fail)."""
+        where = log_host_facts(
+            "runsc failed", level="debug" if expected else "warning",
+            command=" ".join(command), exit=returncode, stderr=stderr.strip()[-STDERR_TAIL:],
+        )
+        return cls(args, returncode, stderr, where)
 
 
 @dataclass(frozen=True)
@@ -178,16 +198,16 @@ class Runsc:
             try:
                 completed = _reaper.run(self.command(*args), stderr=stderr, timeout=timeout, reaping=reaping)
             except subprocess.TimeoutExpired:
-                self._failed(args, counted)
-                raise RunscError(args, None, _read(stderr)) from None
+                raise self._failed(args, None, _read(stderr), counted) from None
             if completed.returncode != 0:
-                self._failed(args, counted)
-                raise RunscError(args, completed.returncode, _read(stderr))
+                raise self._failed(args, completed.returncode, _read(stderr), counted)
             return completed.stdout
 
-    def _failed(self, args: Sequence[str], counted: bool = True) -> None:
+    def _failed(self, args: Sequence[str], returncode: int | None, stderr: str, counted: bool = True) -> RunscError:
+        """The error for a failed command, counted for the observer unless expected (``counted=False``)."""
         if counted and self.observer is not None:
             self.observer.runsc_failed(args[0] if args and args[0] in RUNSC_COMMANDS else "other")
+        return RunscError.logged(self.command(*args), args, returncode, stderr, expected=not counted)
 
     def start_detached(self, args: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> Launched:
         """Start ``run --detach`` or ``restore --detach`` with pipes on the container's stdio.
@@ -206,12 +226,10 @@ class Runsc:
             launched.process.kill()
             launched.process.wait()
             launched.close()
-            self._failed(args)
-            raise RunscError(args, None, launched.stderr.text()) from None
+            raise self._failed(args, None, launched.stderr.text()) from None
         if returncode != 0:
             launched.close()
-            self._failed(args)
-            raise RunscError(args, returncode, launched.stderr.text(wait_s=STDERR_SETTLE_S))
+            raise self._failed(args, returncode, launched.stderr.text(wait_s=STDERR_SETTLE_S))
         return launched
 
     def state(self, container_id: str) -> dict[str, object]:
@@ -287,8 +305,8 @@ class Runsc:
                     continue  # no swap accounting on this host: nothing to page out to
             try:
                 path.write_text(str(value))
-            except OSError as exc:
-                raise SandboxSetupError(f"cannot limit the memory of {container_id} to {value} bytes: {exc}") from None
+            except OSError as exc:  # its strerror only: the file's name is a host path
+                raise SandboxSetupError(f"cannot limit the memory of {container_id} to {value} bytes: {exc.strerror}") from None
 
     def sweep(self) -> list[str]:
         """Destroy every container in this state dir and remove what runsc left behind.
@@ -349,7 +367,7 @@ def version(binary: str = "runsc") -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxSetupError(f"cannot run {binary}: {exc}") from None
     if completed.returncode != 0:
-        raise RunscError(["version"], completed.returncode, completed.stderr)
+        raise RunscError.logged([binary, "--version"], ["version"], completed.returncode, completed.stderr)
     return completed.stdout.splitlines()[0].strip()
 
 
