@@ -80,8 +80,8 @@ def another_users(state: Path) -> None:
     ("plant", "reason"),
     [
         (planted_link, "is a symbolic link"),
-        (group_writable, "writable by others"),
-        (others_writable, "writable by others"),
+        (group_writable, "writable by its group or others"),
+        (others_writable, "writable by its group or others"),
         (another_users, f"belongs to uid {OTHER_UID}"),
     ],
 )

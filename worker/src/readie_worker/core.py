@@ -116,7 +116,8 @@ class Worker(SessionKeeping):
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
         self.state: StateDir | None = None  # claimed at start
-        self.runsc = Runsc(root=RUNTIME_ROOT, binary=config.runsc, observer=self.metrics)  # its root set at start
+        # Its root is the state dir's runsc/, set when start claims it; a placeholder until then.
+        self.runsc = Runsc(root=RUNTIME_ROOT, binary=config.runsc, observer=self.metrics)
         self._slots = threading.BoundedSemaphore(config.slots)
         self._busy = 0
         self._lock = threading.Lock()

@@ -33,10 +33,6 @@ from readie_protocol.errors import (
 
 __all__ = [
     "MAX_SHOWN_CHARS",
-    "bound_ids",
-    "for_client",
-    "internal_error",
-    "log_host_facts",
     "Cancelled",
     "CheckpointUnusable",
     "ConfigError",
@@ -47,8 +43,12 @@ __all__ = [
     "RequestError",
     "SandboxSetupError",
     "UnitError",
+    "bound_ids",
     "error_type",
     "family_of",
+    "for_client",
+    "internal_error",
+    "log_host_facts",
     "shown",
 ]
 

@@ -187,9 +187,15 @@ def remove_tree(path: Path | str, *, dir_fd: int | None = None) -> bool:
 
 
 def remove_beneath(dir_fd: int) -> bool:
-    """Remove everything in the directory ``dir_fd`` holds open (it stays); whether all went."""
+    """Remove everything in the directory ``dir_fd`` holds open (it stays); whether all went.
+    Never raises."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError as exc:
+        log.error("cannot list a directory to empty it", error=str(exc))
+        return False
     gone = True
-    for name in os.listdir(dir_fd):
+    for name in names:
         gone = remove_tree(name, dir_fd=dir_fd) and gone
     return gone
 

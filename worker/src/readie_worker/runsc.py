@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+import structlog
+
 from . import _reaper
 from .errors import SandboxSetupError, log_host_facts
 from .paths import remove_beneath
+
+log = structlog.get_logger("readie.runsc")
 
 # Flags that every runsc invocation of one checkpoint family shares, beside the
 # platform (chosen per binary, see RunscFeatures): a restore refuses (or
@@ -321,6 +325,9 @@ class Runsc:
         try:  # what runsc left, removed from the root as opened here: never through a link
             root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
+            return swept
+        except OSError as exc:
+            log.error("cannot open the runsc root to sweep it", root=str(self.root), error=exc.strerror)
             return swept
         try:
             remove_beneath(root)

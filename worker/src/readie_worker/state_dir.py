@@ -149,8 +149,11 @@ class StateDir:
         with _opened(self.path) as (_, fd, _):
             if not remove_beneath(fd):
                 raise SandboxSetupError(f"cannot empty the state dir {self.path}: an earlier run's mounts or files remain")
-            for name in _LAYOUT:
-                os.mkdir(name, 0o700, dir_fd=fd)
+            try:
+                for name in _LAYOUT:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+            except OSError as exc:
+                raise SandboxSetupError(f"cannot make {name} in the state dir {self.path}: {exc.strerror}") from None
 
     def close(self) -> None:
         """Remove everything beneath it, and the dir itself if this worker made it. Again after
@@ -248,7 +251,7 @@ def _open_own(path: Path, parent_fd: int) -> int:
     if info.st_uid != os.geteuid():
         reason = f"the state dir belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
     elif info.st_mode & _OTHERS_WRITE:
-        reason = f"the state dir is writable by others (mode {stat.filemode(info.st_mode)}); chmod go-w it"
+        reason = f"the state dir is writable by its group or others (mode {stat.filemode(info.st_mode)}); chmod go-w it"
     if reason is not None:
         os.close(fd)
         raise StateDirRefused(path, reason)
