@@ -351,8 +351,8 @@ def runsc_processes(container_id: str, program: str | None = None) -> list[int]:
     ]
 
 
-def containers(state_dir: Path) -> list[str]:
-    listed = subprocess.run(["runsc", f"--root={state_dir}", "list", "--quiet"], capture_output=True, text=True, timeout=30)
+def containers(runsc_root: Path) -> list[str]:
+    listed = subprocess.run(["runsc", f"--root={runsc_root}", "list", "--quiet"], capture_output=True, text=True, timeout=30)
     return listed.stdout.split()
 
 

@@ -11,7 +11,7 @@ the ``unharmed`` fixture, not in the tests):
   back to the warm sandboxes it keeps.
 
 At the end of each module the pool is closed with EOF, must exit 0, and
-must leave no runsc container, no sandbox dir and no scratch dir behind.
+must leave no runsc container, no sandbox dir and no state dir behind.
 The threat model these cases attack is docs/security.md.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -29,8 +28,8 @@ from typing import Any
 import pytest
 from readie_router.testing import PoolProcess
 from readie_worker.paths import remove_tree
-from readie_worker.runsc import Runsc
-from readie_worker.testing import wait_until
+from readie_worker.state_dir import RUN
+from readie_worker.testing import runsc_in, wait_until
 
 WORKERS = 2
 # The ceiling every module's pool runs under: a job reads data/ and writes
@@ -92,10 +91,8 @@ class Target:
             stderr_path=base / "pool.log",
         )
         self.ready = self.pool.ready()
-        found = re.search(r"run_dir=(\S+)", self.pool.stderr_text())
-        assert found, self.pool.stderr_text()
-        self.run_dir = Path(found.group(1))
-        self.scratch = self.run_dir.parent
+        self.scratch = self.state  # all the pool keeps on the host (readie_worker.state_dir)
+        self.run_dir = self.state / RUN
         self._ids = 0
 
     # -- jobs
@@ -135,7 +132,7 @@ class Target:
         return sorted(os.listdir(self.run_dir)) if self.run_dir.exists() else []
 
     def containers(self) -> list[str]:
-        return Runsc(root=self.state).list_ids() if self.state.exists() else []
+        return runsc_in(self.state).list_ids()
 
     def settled(self) -> bool:
         """Only the warm sandboxes remain (used ones are destroyed after their answer)."""
@@ -149,10 +146,10 @@ class Target:
         status = self.pool.close(timeout=60)
         leftovers = self.containers()
         runsc_processes = _processes_naming(str(self.state))
-        Runsc(root=self.state).sweep()
+        runsc_in(self.state).sweep()
         assert status == 0, self.pool.stderr_text()[-3000:]
         assert leftovers == [], f"runsc containers left: {leftovers}"
-        assert not self.scratch.exists(), f"the pool left its scratch dir: {os.listdir(self.scratch)}"
+        assert not self.scratch.exists(), f"the pool left its state dir: {os.listdir(self.scratch)}"
         assert runsc_processes == [], runsc_processes
 
 

@@ -114,7 +114,7 @@ def _busy_container(rig: Rig) -> tuple[WorkerProcess, str, bool] | None:
     grant; a warm spare mounts nothing), else any container."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        found = [(w, c) for w in rig.cluster.workers if w.process.poll() is None for c in containers(w.state_dir)]
+        found = [(w, c) for w in rig.cluster.workers if w.process.poll() is None for c in containers(w.runsc_root)]
         busy = [(w, c) for w, c in found if serves_beneath(c, rig.load.out)]
         if busy or found:
             worker, container = rig.rng.choice(busy or found)
@@ -285,7 +285,7 @@ def _rig() -> Iterator[Rig]:
             cluster.stop()
         finally:
             for worker in cluster.workers:
-                Runsc(root=worker.state_dir).sweep()
+                Runsc(root=worker.runsc_root).sweep()
             shutil.rmtree(base, ignore_errors=True)
 
 

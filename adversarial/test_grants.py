@@ -17,7 +17,7 @@ from readie_router import read_script
 from readie_router.protocol import JobRequest
 import readie_worker
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.paths import RUNTIME_ROOT
+from readie_worker.state_dir import RUNTIME_ROOT
 from readie_worker.errors import RequestError as WorkerRequestError
 from readie_worker.jobs import CodeJob
 
@@ -272,9 +272,9 @@ def worker(checkpoints, checkpoint_dir):
 def own_paths(worker: Worker) -> dict[str, Path]:
     manifest = worker.checkpoints.manifest
     return {
-        "run dir": worker.config.run_dir,
-        "state dir": worker.config.state_dir,
-        "scratch (holds both)": worker.config.scratch,
+        "run dir": worker.state.run_dir,
+        "runsc root": worker.state.runsc_root,
+        "state dir (holds both)": worker.state.path,
         "every readie scratch on the host": RUNTIME_ROOT,
         "rootfs": manifest.rootfs,
         "checkpoint images": worker.config.manifest.parent.resolve(),
@@ -284,7 +284,7 @@ def own_paths(worker: Worker) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize("which", ["run dir", "state dir", "scratch (holds both)", "every readie scratch on the host"])
+@pytest.mark.parametrize("which", ["run dir", "runsc root", "state dir (holds both)", "every readie scratch on the host"])
 @pytest.mark.parametrize("field", ["allow_read", "allow_write"])
 def test_no_grant_reaches_the_worker_s_own_directories(worker, which, field):
     path = str(own_paths(worker)[which])

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 from readie_rpc.testing import start_cluster
-from readie_worker.paths import RUNTIME_ROOT
-from readie_worker.runsc import Runsc
-from readie_worker.testing import wait_until
+from readie_worker.state_dir import RUN
+from readie_worker.testing import runsc_in, wait_until
 
 from bench._pool_client import PoolClient
 from bench._soak import Sample, SoakResult, Watched, empty_sandbox_cgroups, netns_entries, soak
@@ -69,30 +68,23 @@ def nothing_left(cgroups: frozenset[str], netns: int) -> None:
     assert netns_entries() <= netns
 
 
-def newest_scratch(before: set[str]) -> Path:
-    made = sorted(set(os.listdir(RUNTIME_ROOT)) - before)
-    assert len(made) == 1, made  # the pool's own scratch dir (worker.paths.scratch_dir)
-    return RUNTIME_ROOT / made[0] / "run"
-
-
 def test_a_soak_through_readie_pool_leaks_nothing(checkpoints):
     base = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     state = base / "state"
     cgroups, netns = empty_sandbox_cgroups(), netns_entries()
-    existing = set(os.listdir(RUNTIME_ROOT)) if RUNTIME_ROOT.is_dir() else set()
     pool = PoolClient.start(
         CHECKPOINTS / "manifest.json", (), CLIENTS, base / "pool.log",
         args=[f"--state-dir={state}", f"--max-sessions={SESSIONS}"],
     )
     try:
         watched = Watched(
-            {"pool": pool.process.pid}, lambda: len(Runsc(root=state).list_ids()), (newest_scratch(existing),), CLIENTS
+            {"pool": pool.process.pid}, lambda: len(runsc_in(state).list_ids()), (state / RUN,), CLIENTS
         )
         check(soak(pool, watched, jobs=JOBS, sessions=SESSIONS, clients=CLIENTS), watched)
     finally:
         code = pool.close()
     assert code == 0
-    assert Runsc(root=state).list_ids() == []
+    assert runsc_in(state).list_ids() == [] and not state.exists()
     nothing_left(cgroups, netns)
     shutil.rmtree(base, ignore_errors=True)
 
@@ -112,7 +104,7 @@ def test_a_soak_through_a_router_leaks_nothing(checkpoints):
             watched = Watched(
                 pids,
                 lambda: sum(len(worker.containers()) for worker in cluster.workers),
-                tuple(worker.state_dir.parent / "run" for worker in cluster.workers),
+                tuple(worker.state_dir / RUN for worker in cluster.workers),
                 len(cluster.workers),
             )
             check(soak(pool, watched, jobs=JOBS, sessions=SESSIONS, clients=CLIENTS), watched)

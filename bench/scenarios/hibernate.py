@@ -148,7 +148,7 @@ def _round(bench: Bench, worker: Worker, kept: _Kept, samples: _Samples, round_i
     bench.settle()
     sandbox_id = session.sandbox_id
     assert sandbox_id is not None
-    marker = f"--root={worker.config.state_dir}"
+    marker = f"--root={worker.runsc.root}"
     table = processes()
     session_kb = memory_kb(sandbox_pids(sandbox_id, table))["pss_kb"]
     worker_kb = memory_kb(sandbox_pids(marker, table))["pss_kb"]

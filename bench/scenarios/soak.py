@@ -11,11 +11,10 @@ the two samples at rest (after a warm-up, at the end) the test compares.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from readie_worker.paths import RUNTIME_ROOT
-from readie_worker.runsc import Runsc
+from readie_worker.state_dir import RUN
+from readie_worker.testing import runsc_in
 
 from .._bench import Bench
 from .._pool_client import PoolClient
@@ -25,17 +24,15 @@ from .._soak import STEPS_PER_SESSION, Watched, soak
 def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
     settings, name = bench.settings, bench.names[0]
     state = bench.scratch / "soak-state"
-    existing = set(os.listdir(RUNTIME_ROOT)) if RUNTIME_ROOT.is_dir() else set()
     pool = PoolClient.start(
         bench.manifest_path, bench.checkpoint(name).preimport, settings.slots, bench.scratch / "pool-soak.log",
         args=[f"--state-dir={state}", f"--max-sessions={settings.soak_sessions}"],
     )
     try:
-        made = sorted(set(os.listdir(RUNTIME_ROOT)) - existing)
         watched = Watched(
             {"pool": pool.process.pid},
-            lambda: len(Runsc(root=state).list_ids()),
-            tuple(RUNTIME_ROOT / entry / "run" for entry in made),
+            lambda: len(runsc_in(state).list_ids()),
+            (state / RUN,),
             settings.slots,
         )
         result = soak(

@@ -26,7 +26,7 @@ derived from the parsed file or the Dockerfile (client/tests/_compose_model.py):
   HEALTHCHECK's ``127.0.0.1:P`` (the container's loopback) is where the service listens for P.
 - The container's own filesystem: the working directory (WORKDIR, which holds no build/) and HOME
   are empty directories of the service's, and ``READIE_RUNTIME_DIR`` points the readie runtime dir
-  (``/tmp/readie``) into a /tmp of its own; nothing else of the test's environment is passed on
+  (where each worker makes its state dir) into a /tmp of its own; nothing else of the test's environment is passed on
   (PATH aside), so no ``READIE_CHECKPOINTS`` or ``./build/checkpoints`` is found by accident.
 - HEALTHCHECK: the command as the image gives it, run with its ``--timeout``, but every 0.5 s rather
   than every ``--interval``, and waited for at most ``--start-period`` plus ``--retries`` intervals.
@@ -67,6 +67,7 @@ from conftest import CHECKPOINTS
 from readie_rpc.security import ClientSecurity
 from readie_rpc.stubs import pool_pb2, pool_pb2_grpc, worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from readie_worker.runsc import Runsc
+from readie_worker.state_dir import RUNSC
 from readie_worker.testing import free_port, wait_until
 
 # How often the test runs a HEALTHCHECK: faster than the images' --interval, to keep the test short.
@@ -207,13 +208,14 @@ def runsc_processes(service: Service) -> list[str]:
     return found.stdout.splitlines()
 
 
-def state_dirs(service: Service) -> list[Path]:
-    return sorted(service.runtime_dir.glob("*/state"))
+def runsc_roots(service: Service) -> list[Path]:
+    """Its workers' runsc roots: in each state dir under its runtime dir (readie_worker.state_dir)."""
+    return sorted(service.runtime_dir.glob(f"*/{RUNSC}"))
 
 
-def containers(state_dir: Path) -> list[str]:
+def containers(runsc_root: Path) -> list[str]:
     listed = subprocess.run(
-        ["runsc", f"--root={state_dir}", "list", "--quiet"], capture_output=True, text=True, timeout=30, check=False
+        ["runsc", f"--root={runsc_root}", "list", "--quiet"], capture_output=True, text=True, timeout=30, check=False
     )
     return listed.stdout.split() if listed.returncode == 0 else []
 
@@ -221,8 +223,8 @@ def containers(state_dir: Path) -> list[str]:
 def sweep(services: list[Service]) -> None:
     """After a failure: what a crashed worker left, removed as `readie` sweeps its own."""
     for service in services:
-        for state in state_dirs(service):
-            Runsc(root=state).sweep()
+        for root in runsc_roots(service):
+            Runsc(root=root).sweep()
 
 
 def pool_session(address: str, token_file: Path, code: str) -> tuple[dict, dict]:
@@ -257,7 +259,7 @@ def test_the_compose_command_lines_run_as_processes_serve_a_call_through_the_rou
         running.start_in_order()
         assert all(running.healthy(name) for name in deployment.services), "all three healthy at once"
         # Each worker's sandboxes live in its own runsc state dir (warm ones fill in the background).
-        assert all(wait_until(lambda s=s: any(containers(d) for d in state_dirs(s)), 30, 0.2) for s in workers)
+        assert all(wait_until(lambda s=s: any(containers(d) for d in runsc_roots(s)), 30, 0.2) for s in workers)
         assert all(runsc_processes(s) for s in workers), "the leftover check below sees running sandboxes"
 
         # The router placed on every worker its command names: their slots are its.
@@ -273,7 +275,7 @@ def test_the_compose_command_lines_run_as_processes_serve_a_call_through_the_rou
         assert (result["exit"], result["stdout"]) == (0, "through Pool.Session\n"), result
         assert result["policy"]["backend"] == "gvisor:runsc-restore", result
 
-        states = {s.name: state_dirs(s) for s in workers}
+        states = {s.name: runsc_roots(s) for s in workers}
         statuses = running.stop_in_order()
         assert statuses == {name: 0 for name in deployment.services}, {n: running.log(n) for n in deployment.services}
         for service in workers:

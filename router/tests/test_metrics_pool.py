@@ -18,8 +18,7 @@ import pytest
 from readie_router._events import Outcome, Stats
 from readie_router.testing import PoolProcess
 from readie_worker.metrics import Metrics
-from readie_worker.runsc import Runsc
-from readie_worker.testing import free_port, sample, scrape, wait_until
+from readie_worker.testing import free_port, runsc_in, sample, scrape, wait_until
 
 from conftest import CHECKPOINTS
 from prometheus_client import generate_latest
@@ -104,9 +103,9 @@ def test_pool_metrics_count_exactly_what_ran(checkpoints):
         assert process.close() == 0
     finally:
         process.stop()
-        leftovers = Runsc(root=state).list_ids() if state.exists() else []
+        leftovers = runsc_in(state).list_ids()
         if leftovers:
-            Runsc(root=state).sweep()
+            runsc_in(state).sweep()
         shutil.rmtree(base, ignore_errors=True)
     assert leftovers == []
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from readie_router.testing import pool_placement
+from readie_worker.state_dir import IMAGES
 
 from conftest import CHECKPOINTS
 from router.tests.test_pool_sessions import Pool
@@ -30,7 +31,7 @@ def pool(checkpoints) -> Iterator[Pool]:
     made = Pool("--workers", "3", "--max-sessions", "8", "--log=json")
     yield made
     assert made.process.close() == 0
-    assert not (made.state.parent / "state-hibernated").exists(), "the pool's worker removes its images at close"
+    assert not made.state.exists(), "the pool's worker removes its state dir, images and all, at close"
     made.cleanup()
 
 
@@ -39,7 +40,7 @@ def step(pool: Pool, rid: str, session: str, code: str, **fields: Any) -> dict[s
 
 
 def hibernated_images(pool: Pool) -> list[Path]:
-    return sorted(pool.state.parent.glob("state-hibernated/*"))
+    return sorted((pool.state / IMAGES).iterdir())
 
 
 def test_a_session_hibernates_on_request_and_resumes_at_its_next_step(pool):

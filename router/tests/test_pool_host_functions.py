@@ -23,8 +23,7 @@ import pytest
 from readie_executor import hostwire
 from readie_router.testing import PoolProcess, pool_placement
 from readie_worker.jobs import MAX_REFUSED_FRAMES
-from readie_worker.runsc import Runsc
-from readie_worker.testing import CHANNEL_FORGER
+from readie_worker.testing import CHANNEL_FORGER, runsc_in
 
 from conftest import CHECKPOINTS
 
@@ -65,9 +64,9 @@ class Pool:
 
     def cleanup(self) -> None:
         self.process.stop()
-        leftovers = Runsc(root=self.state).list_ids() if self.state.exists() else []
+        leftovers = runsc_in(self.state).list_ids()
         if leftovers:
-            Runsc(root=self.state).sweep()
+            runsc_in(self.state).sweep()
         shutil.rmtree(self.base, ignore_errors=True)
         assert leftovers == [], f"readie pool left runsc containers: {leftovers}"
 

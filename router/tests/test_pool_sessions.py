@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from readie_worker.testing import runsc_in
 from readie_router.testing import PoolProcess, pool_placement
 from readie_worker.manifest import read_manifest
-from readie_worker.runsc import Runsc
 
 from conftest import CHECKPOINTS
 
@@ -57,7 +57,7 @@ class Pool:
         self.ready = self.process.ready()
 
     def containers(self) -> list[str]:
-        return Runsc(root=self.state).list_ids() if self.state.exists() else []
+        return runsc_in(self.state).list_ids()
 
     def stats(self, rid: str = "stats") -> dict[str, Any]:
         return self.process.run({"id": rid, "stats": True})
@@ -66,7 +66,7 @@ class Pool:
         self.process.stop()
         leftovers = self.containers()
         if leftovers:
-            Runsc(root=self.state).sweep()
+            runsc_in(self.state).sweep()
         shutil.rmtree(self.base, ignore_errors=True)
         assert leftovers == [], f"readie pool left runsc containers: {leftovers}"
 

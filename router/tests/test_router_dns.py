@@ -205,10 +205,10 @@ def test_the_router_follows_a_name_whose_addresses_change():
         for ip, (worker, _) in workers.items():
             if stop_worker(worker) != 0:
                 problems.append(f"worker {ip} did not drain cleanly:\n{worker.log_path.read_text()[-2000:]}")
-            leftovers = Runsc(root=worker.state_dir).list_ids()
+            leftovers = Runsc(root=worker.runsc_root).list_ids()
             if leftovers:
                 problems.append(f"worker {ip} left containers {leftovers}")
-                Runsc(root=worker.state_dir).sweep()
+                Runsc(root=worker.runsc_root).sweep()
         shutil.rmtree(ceiling.parent, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
         assert not problems, "\n".join(problems)

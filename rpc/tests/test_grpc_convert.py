@@ -259,7 +259,7 @@ def test_an_unexpected_error_is_internal_and_does_not_leak_its_message():
 
 
 def test_a_draining_worker_refuses_work_with_unavailable(tmp_path: Path):
-    worker = Worker(WorkerConfig(manifest=tmp_path / "none.json", state_dir=tmp_path / "state", run_dir=tmp_path / "run"))
+    worker = Worker(WorkerConfig(manifest=tmp_path / "none.json", state_dir=tmp_path / "state"))
     worker.drain(grace_s=0)  # never started: nothing runs, nothing to destroy
     with pytest.raises(SandboxSetupError) as refused:
         worker.run_job(CodeJob(checkpoint="base", code="pass"))

@@ -61,7 +61,7 @@ def test_a_worker_with_no_usable_checkpoint_is_not_serving_and_says_why(checkpoi
     log = short_tmp / "worker.log"
     worker = spawn(
         ["worker", f"--listen=127.0.0.1:{port}", f"--manifest={short_tmp / 'manifest.json'}",
-         f"--state-dir={short_tmp / 'state'}", f"--run-dir={short_tmp / 'run'}", "--log=json"],
+         f"--state-dir={short_tmp / 'state'}", "--log=json"],
         log,
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -91,7 +91,7 @@ def test_a_router_is_not_serving_until_a_worker_answers(checkpoints, checkpoint_
         assert "worker unreachable" in log.read_text()  # a mistyped --worker shows at once
         worker = spawn(
             ["worker", f"--listen=127.0.0.1:{worker_port}", f"--manifest={checkpoint_dir / 'manifest.json'}",
-             f"--state-dir={short_tmp / 'state'}", f"--run-dir={short_tmp / 'run'}", "--warm=base=0"],
+             f"--state-dir={short_tmp / 'state'}", "--warm=base=0"],
             short_tmp / "worker.log",
         )
         assert wait_until(lambda: health(channel) == SERVING, 30), log.read_text()

@@ -135,7 +135,6 @@ def _start_worker_process(tmp_path: Path, checkpoint_dir: Path, *flags: str) -> 
             "worker",
             f"--manifest={checkpoint_dir / 'manifest.json'}",
             f"--state-dir={tmp_path / 'state'}",
-            f"--run-dir={tmp_path / 'run'}",
             *flags,
         ],
         capture_output=True,
@@ -161,8 +160,8 @@ def test_an_unprotected_non_loopback_address_is_refused_at_start(tmp_path, check
     assert not (tmp_path / "state").exists()  # refused before any sandbox was made
 
 
-def test_insecure_is_the_operator_s_explicit_choice(checkpoints, checkpoint_dir, tmp_path):
-    worker = start_worker(tmp_path, "open-worker", checkpoint_dir / "manifest.json", warm="base=0", args=["--insecure"])
+def test_insecure_is_the_operator_s_explicit_choice(checkpoints, checkpoint_dir, short_tmp):
+    worker = start_worker(short_tmp, "open-worker", checkpoint_dir / "manifest.json", warm="base=0", args=["--insecure"])
     try:
         assert capacity(worker.channel).slots == 2
     finally:

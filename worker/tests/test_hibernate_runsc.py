@@ -15,10 +15,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import structlog
+from structlog.testing import capture_logs
 
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, Step
+from readie_worker.state_dir import IMAGES
 from readie_worker.testing import FakeHost
 
 pytestmark = pytest.mark.runsc
@@ -79,13 +82,13 @@ def test_a_pandas_session_hibernates_frees_its_memory_and_resumes_with_its_state
         for pool in worker.pools.values():  # their refills would blur what the hibernation frees
             assert pool.wait_until_full(60)
         session_pss = pss_bytes(sandbox)
-        worker_before = pss_bytes(f"--root={worker.config.state_dir}")
+        worker_before = pss_bytes(f"--root={worker.runsc.root}")
         private = pss_bytes(sandbox, "Private_Dirty:") + pss_bytes(sandbox, "Private_Clean:")
         hibernate_ms = session.hibernate()
         assert hibernate_ms > 0 and session.hibernated
         assert sandbox not in worker.runsc.list_ids()
         assert session.sandbox_id is None
-        worker_after = pss_bytes(f"--root={worker.config.state_dir}")
+        worker_after = pss_bytes(f"--root={worker.runsc.root}")
         assert session_pss > 30 * 1024**2, session_pss  # a pandas sandbox: sentry, gofer, interpreter
         # What it held alone goes; of the pages it shared with the other sandboxes (the rootfs's
         # libraries), its share moves to them: measured, the drop is 84-86 % of its PSS.
@@ -266,6 +269,41 @@ def test_a_job_that_closes_the_hand_over_pipe_spoils_only_its_own_resume(worker)
     assert first.outcome.stdout == "still serving\n"
 
 
+# runsc, except that a checkpoint's image path is one nobody can write: its checkpoint fails,
+# with runsc's own words, as on a full or broken disk.
+UNWRITABLE_IMAGES = """#!/usr/bin/python3
+import os, sys
+args = sys.argv[1:]
+if "checkpoint" in args:
+    args = [a.replace("--image-path=", "--image-path=/proc/readie-unwritable", 1) for a in args]
+os.execvp("runsc", ["runsc", *args])
+"""
+
+
+def test_a_failed_hibernation_shows_the_client_no_host_fact_and_logs_them_under_its_session(checkpoints, short_tmp):
+    binary = short_tmp / "runsc"
+    binary.write_text(UNWRITABLE_IMAGES)
+    binary.chmod(0o755)
+    worker = Worker(WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 0}, runsc=str(binary))).start()
+    try:
+        session, first = worker.open_session(job("x = 1"))
+        assert first.outcome.exit == 0, first.outcome
+        with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            with pytest.raises(PoolWorkerError) as failed:
+                session.hibernate()
+        message = str(failed.value)
+        assert message.startswith(f"session {session.id} could not hibernate and has ended: runsc checkpoint exited ")
+        assert message.endswith(f"; the worker's log has the details under session {session.id}")
+        assert "/" not in message and "--" not in message and "pid" not in message
+        [line] = [line for line in logs if line["event"] == "runsc failed"]
+        assert line["session"] == session.id and line["log_level"] == "warning"
+        assert f"--image-path={worker.state.images_dir}/" in line["command"]
+        assert "/proc/readie-unwritable" in line["stderr"]  # runsc's own words, for the operator
+        assert session.ended and images(worker) == [] and worker.runsc.list_ids() == []
+    finally:
+        worker.close()
+
+
 def test_the_image_bounds_refuse_a_hibernation_and_keep_the_session(checkpoints):
     config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 0}, max_hibernated=1)
     worker = Worker(config).start()
@@ -286,10 +324,8 @@ def test_the_image_bounds_refuse_a_hibernation_and_keep_the_session(checkpoints)
 
 
 def test_a_restart_forgets_the_images_of_an_earlier_run(checkpoints, short_tmp):
-    config = WorkerConfig(
-        manifest=CHECKPOINTS / "manifest.json", state_dir=short_tmp / "state", run_dir=short_tmp / "run", warm={"base": 0}
-    )
-    stale = config.images_dir / "0123456789abcdef"
+    config = WorkerConfig(manifest=CHECKPOINTS / "manifest.json", state_dir=short_tmp / "state", warm={"base": 0})
+    stale = short_tmp / "state" / IMAGES / "0123456789abcdef"
     stale.mkdir(parents=True)
     (stale / "checkpoint.img").write_bytes(b"an earlier run's session")
     worker = Worker(config).start()

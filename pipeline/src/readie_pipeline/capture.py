@@ -41,7 +41,8 @@ from readie_worker.runsc import STDERR_SETTLE_S, Launched, Runsc
 from readie_worker.launchers import RunscCold, RunscRestore
 from readie_worker.sandbox import SandboxDir, hand_over, launch
 from readie_worker import enter_mount_namespace
-from readie_worker.paths import remove_tree, scratch_dir
+from readie_worker.paths import remove_tree
+from readie_worker.state_dir import scratch_dir
 
 from .plan import CheckpointPlan, Plan
 from .rootfs import Rootfs, ensure_rootfs

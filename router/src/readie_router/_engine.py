@@ -56,7 +56,7 @@ from readie_protocol.connection import PoolConnection, PoolEvent, Role
 from readie_protocol.events import CancelledEvent, OutputEvent, ReadyEvent
 from readie_protocol.wire import RequestId
 from readie_worker.cancel import Cancellation
-from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError
+from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_error
 from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
 
 from ._backend import JobBackend
@@ -296,7 +296,7 @@ class PoolEngine:
                 self._accept(request, parsed_at)
             except Exception as exc:  # a bug must cost one line, never the pool
                 log.exception("internal error handling a line")
-                self._finish(JobResult.from_error(None, PoolWorkerError(f"internal error: {exc}")))
+                self._finish(JobResult.from_error(None, internal_error(exc)))
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
@@ -353,7 +353,7 @@ class PoolEngine:
             result = await self._result_for(request, parsed_at, cancel)
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
-            error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
+            error = internal_error(exc)
             result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
         finally:
             self._cancelled_with(request.id, cancel)

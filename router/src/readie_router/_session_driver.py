@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 from readie_worker.cancel import Cancellation
-from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from readie_worker.errors import Cancelled, ReadieError, RequestError, SandboxSetupError, internal_error
 from readie_worker.policy import Policy, resolve_step
 from readie_worker.sessions import StepOutcome
 
@@ -126,7 +126,7 @@ class SessionDriver:
             answer = await self._hibernated(session, request.id)
         except Exception as exc:  # a bug must cost this session, never the pool
             log.exception("internal error hibernating a session", session=session.name)
-            answer = self._failed(request.id, session, PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}"))
+            answer = self._failed(request.id, session, internal_error(exc))
         finally:
             session.answered()
             self._send(answer)
@@ -161,7 +161,7 @@ class SessionDriver:
             answer = await self._forked(source, target, request.id)
         except Exception as exc:  # a bug must cost these sessions, never the pool
             log.exception("internal error forking a session", session=source.name)
-            answer = self._failed(request.id, source, PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}"))
+            answer = self._failed(request.id, source, internal_error(exc))
         finally:
             if target.handle is None:
                 self._end_session(target)
@@ -221,7 +221,7 @@ class SessionDriver:
             result = await self._step_result(session, request, parsed_at, cancel)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
-            error = PoolWorkerError(f"internal error: {type(exc).__name__}: {exc}")
+            error = internal_error(exc)
             result = JobResult.from_error(
                 request.id, error, runtime=self._setup.runtime, session=session.name
             )

@@ -33,7 +33,6 @@ from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_worker.logs import configure_logging
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
-from readie_worker.paths import remove_tree, scratch_dir
 from readie_rpc.security import ClientSecurity, add_client_arguments, client_security
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint
@@ -49,7 +48,7 @@ __all__ = ["main"]
 
 log = structlog.get_logger("readie.pool")
 
-#: runsc --root for this pool alone; swept at start and at exit.
+#: The pool's state dir when --state-dir is not given (readie_worker.state_dir).
 STATE_DIR_VARIABLE = "READIE_STATE_DIR"
 # A router answers Capacity from memory; seconds mean it is not there.
 ROUTER_PROBE_TIMEOUT_S = 5.0
@@ -112,12 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     except ReadieError as exc:
         _fail(str(exc))
         return EXIT_USAGE
-    scratch = scratch_dir("rp-")
     state_dir = args.state_dir or os.environ.get(STATE_DIR_VARIABLE)
     worker_config = WorkerConfig(
         manifest=located.manifest,
-        state_dir=Path(state_dir) if state_dir else scratch / "state",
-        run_dir=scratch / "run",
+        state_dir=Path(state_dir) if state_dir else None,  # None: a new one, removed at exit
         warm={checkpoint.name: settings.workers},
         slots=settings.workers,
         # The pool's table bounds its sessions (forks included); its worker must keep as many, and
@@ -129,12 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     # stdout (a library's print, a child process) goes to stderr instead,
     # and nothing but the pool reads stdin.
     protocol_in, protocol_out = _claim_stdio()
-    try:
-        return asyncio.run(
-            _serve(setup, worker_config, protocol_in, protocol_out, args.router, router_security, args.metrics_listen)
-        )
-    finally:
-        remove_tree(scratch)
+    return asyncio.run(
+        _serve(setup, worker_config, protocol_in, protocol_out, args.router, router_security, args.metrics_listen)
+    )
 
 
 async def _serve(
@@ -171,7 +165,11 @@ async def _serve(
         else:
             local = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint, metrics=metrics)
             metrics.watch_worker(local.worker)  # the embedded worker's warm pool, slots and sandboxes
+            worker_config = local.worker.config  # its state dir as made
             backend = local
+    except ConfigError as exc:  # the state dir refused: bad configuration, like a bad flag
+        _fail(f"cannot start the worker: {exc}")
+        return EXIT_USAGE
     except ReadieError as exc:
         _fail(f"cannot start the worker: {exc}")
         return EXIT_FAILED
@@ -186,8 +184,7 @@ async def _serve(
             "pool ready",
             workers=setup.workers,
             checkpoint=setup.checkpoint,
-            state_dir=str(worker_config.state_dir),
-            run_dir=str(worker_config.run_dir),
+            state_dir=None if router is not None else str(worker_config.state_dir),
         )
         return await engine.serve(FdReader(fd_in), FdWriter(fd_out))
     finally:
@@ -323,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--state-dir",
         metavar="DIR",
-        help=f"runsc --root, owned by this pool alone and swept at start and exit "
-        f"(default: ${STATE_DIR_VARIABLE}, else a new temp dir)",
+        help="the pool's own dir for runsc's state, sandbox dirs and hibernated sessions: made mode 0700 "
+        "if missing, refused if a link, another user's or writable by others, emptied at start and exit "
+        f"(default: ${STATE_DIR_VARIABLE}, else a new dir under $XDG_RUNTIME_DIR/readie or "
+        "~/.cache/readie/run, removed at exit; docs/pool.md)",
     )
     add_metrics_argument(parser)
     add_client_arguments(parser, "router", "the router")

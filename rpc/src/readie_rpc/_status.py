@@ -45,7 +45,9 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from readie_worker.errors import (
+    Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, internal_error,
+)
 from readie_worker.sandbox import ExecutorTimeout
 
 log = structlog.get_logger("readie.grpc")
@@ -101,7 +103,7 @@ def status_for(error: BaseException) -> Status:
         error = on_the_wire(error)
     if not isinstance(error, ReadieError):
         # A bug: its message could hold anything, so only its type leaves the worker.
-        return Status(grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__})", ((ERROR_METADATA_KEY, "InternalError"),))
+        return Status(grpc.StatusCode.INTERNAL, str(internal_error(error)), ((ERROR_METADATA_KEY, "InternalError"),))
     code = next((code for cls, code in _STATUS_CODES if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
     metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
     if isinstance(error, RequestError) and error.field:

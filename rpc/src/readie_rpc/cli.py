@@ -20,14 +20,13 @@ import structlog
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
 from readie_worker import enter_mount_namespace
 from readie_worker.cli_flags import LOG_CHOICES, duration_seconds
-from readie_worker.errors import ReadieError
+from readie_worker.errors import ConfigError, ReadieError
 from readie_worker.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
 from readie_worker.manifest import MANIFEST_NAME
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from .grpc_service import DRAIN_NOTICE_S, serve
 from readie_worker.logs import configure_logging
 from readie_worker.config import Config, load_config
-from readie_worker.paths import remove_tree, scratch_dir
 from .security import add_server_arguments, is_local_address, server_security
 from readie_worker.stop_signal import StopSignal
 
@@ -51,26 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     except ReadieError as exc:
         log.error("cannot start", error=str(exc))
         return 1
-    # Our own temp dirs are removed at exit; dirs the caller named are left for them to inspect.
-    # Only when a dir was not named: a worker killed outright cannot remove it.
-    needs_scratch = args.state_dir is None or args.run_dir is None
-    scratch = scratch_dir("rw-") if needs_scratch else None
     config = WorkerConfig(
         manifest=manifest,
-        state_dir=args.state_dir or scratch / "state",  # type: ignore[operator]
-        run_dir=args.run_dir or scratch / "run",  # type: ignore[operator]
+        state_dir=args.state_dir,  # None: a new one, removed at exit (readie_worker.state_dir)
         slots=args.slots,
         max_sessions=args.max_sessions,
         allow_unisolated=args.allow_unisolated,
         runsc=args.runsc,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
-    stop = StopSignal()
-    try:
-        return _serve(config, args, stop)
-    finally:
-        if scratch is not None:
-            remove_tree(scratch)
+    return _serve(config, args, stop=StopSignal())
 
 
 def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> int:
@@ -86,6 +75,9 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> 
     metrics = Metrics()
     try:
         worker = Worker(config, metrics=metrics).start()
+    except ConfigError as exc:  # the state dir refused
+        log.error("worker did not start", error=str(exc))
+        return EXIT_USAGE
     except ReadieError as exc:
         log.error("worker did not start", error=str(exc))
         return 1
@@ -128,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint manifest, or its directory (default: $READIE_CHECKPOINTS, else ./build/checkpoints "
         "if it holds one, else ~/.cache/readie/checkpoints; docs/pool.md)",
     )
-    parser.add_argument("--state-dir", type=Path, help="runsc --root, owned by this worker alone (default: a new temp dir)")
-    parser.add_argument("--run-dir", type=Path, help="sandbox dirs; keep it short (default: a new dir under /tmp)")
+    parser.add_argument(
+        "--state-dir", type=Path, metavar="DIR",
+        help="the worker's own dir for runsc's state, sandbox dirs and hibernated sessions; short, sockets live "
+        "beneath it (default: a new dir under $XDG_RUNTIME_DIR/readie or ~/.cache/readie/run, removed at exit)",
+    )
     parser.add_argument("--warm", type=_warm_spec, action="append", default=[], metavar="NAME=N", help="keep N sandboxes of checkpoint NAME ready (repeatable)")
     parser.add_argument("--slots", type=_positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
     parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")

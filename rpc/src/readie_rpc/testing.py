@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from readie_worker.runsc import Runsc
+from readie_worker.state_dir import RUNSC
 from readie_worker.testing import free_port, readie_command
 
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
@@ -37,9 +38,13 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class WorkerProcess:
     process: subprocess.Popen[bytes]
     port: int
-    state_dir: Path
+    state_dir: Path  # named by --state-dir; made, and removed at exit, by the worker
     log_path: Path
     channel: grpc.Channel
+
+    @property
+    def runsc_root(self) -> Path:
+        return self.state_dir / RUNSC
 
     @property
     def stub(self) -> pb_grpc.WorkerStub:
@@ -56,10 +61,7 @@ class WorkerProcess:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
 
     def containers(self) -> list[str]:
-        listed = subprocess.run(
-            ["runsc", f"--root={self.state_dir}", "list", "--quiet"], capture_output=True, text=True, timeout=30, check=True
-        )
-        return listed.stdout.split()
+        return Runsc(root=self.runsc_root).list_ids()  # none once the worker removed its state dir
 
 #: A ceiling for test clusters: grants anywhere under /tmp, where tests keep
 #: their projects (the worker still refuses its own directories), and answers
@@ -102,14 +104,13 @@ def start_worker(
     """
     port = port or free_port()
     base.mkdir(parents=True, exist_ok=True)
-    state_dir, run_dir, log_path = base / "state", base / "run", base / "worker.log"
+    state_dir, log_path = base / "state", base / "worker.log"
     command = [
         *readie_command(),
         "worker",
         f"--listen={host}:{port}",
         f"--manifest={manifest}",
         f"--state-dir={state_dir}",
-        f"--run-dir={run_dir}",
         f"--warm={warm}",
         f"--slots={slots}",
         f"--name={name}",
@@ -182,7 +183,7 @@ class Cluster:
             alive = worker.process.poll() is None
             exit_status = stop_worker(worker)
             if not alive:  # killed by its test: its sandboxes outlive it, as after a crash
-                Runsc(root=worker.state_dir).sweep()
+                Runsc(root=worker.runsc_root).sweep()
             elif exit_status != 0:
                 problems.append(f"{worker.log_path.parent.name} exited {exit_status}:\n{worker.log_path.read_text()[-2000:]}")
             leftovers = worker.containers()

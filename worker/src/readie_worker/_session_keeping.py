@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .cancel import NEVER, Cancellation
-from .errors import ErrorType, PoolWorkerError, SandboxSetupError
+from .errors import ErrorType, PoolWorkerError, SandboxSetupError, bound_ids
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since
 from .sandbox import Sandbox, launch
 from .sessions import SandboxSession, StepOutcome
@@ -48,7 +48,7 @@ class SessionKeeping:
         first step as :meth:`run_job`'s job (and so ends the session).
         """
         started = time.monotonic()
-        with self._slot(cancel):
+        with self._slot(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             self._check_job(job)
             self._take_session_place()
@@ -125,7 +125,7 @@ class SessionKeeping:
         with self._hold_grants(job) as grants:
             # A job's thread can take the hand-over meant for its executor; then no socket comes,
             # and this wait, not the restore's usual minute, is what the session costs its slot.
-            sandbox = launch(restore, self.config.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
+            sandbox = launch(restore, factory.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
         sandbox.memory_limit_bytes = memory_limit
         return sandbox, grants.links
 

@@ -23,9 +23,9 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from .config import DEFAULT_MAX_SESSIONS
-from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError
+from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
-from .paths import RUNTIME_ROOT, canonical_dirs, code_dirs, remove_tree, scratch_dir
+from .paths import canonical_dirs, code_dirs
 from .packages import ensure_packages, package_cache
 from .grants import HeldGrants, hold_grants
 from .hibernation import DEFAULT_MAX_HIBERNATED, DEFAULT_MAX_HIBERNATED_BYTES, SessionImages
@@ -36,9 +36,8 @@ from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
 from .warm import RefillBudget, WarmSandboxes
 from .runsc import Runsc
-from readie_executor.sockets import MAX_SOCKET_PATH
+from .state_dir import RUNTIME_ROOT, StateDir
 
-from ._sandbox_dir import SandboxDir
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
 from .sandbox import Sandbox, SandboxFactory, checkpoint_factory
 from ._session_keeping import SessionKeeping
@@ -63,8 +62,9 @@ DEFAULT_DRAIN_GRACE_S = 30.0
 @dataclass(frozen=True)
 class WorkerConfig:
     manifest: Path
-    state_dir: Path  # runsc --root, owned by this worker alone
-    run_dir: Path  # sandbox dirs; short, because socket paths are limited to 107 bytes
+    # The worker's own dir, holding all it keeps on the host (state_dir.py); None: a new one
+    # under the per-user runtime root, removed at close. Short: sockets live beneath it.
+    state_dir: Path | None = None
     warm: Mapping[str, int] = field(default_factory=lambda: {"base": 1, "pandas": 1})
     slots: int = DEFAULT_SLOTS
     max_sessions: int = DEFAULT_MAX_SESSIONS
@@ -85,26 +85,15 @@ class WorkerConfig:
     network_backend: str = "none"
     # Run once in the new namespace ({netns} is its name), e.g. to add a veth for egress.
     network_setup: str | None = None
-    # A directory the worker created for itself and removes on close.
-    scratch: Path | None = None
     # The runsc binary; its flags follow from what it supports (runsc.RunscFeatures).
     runsc: str = "runsc"
-    # Hibernated sessions' images (hibernation.py): the worker's own dir, beside state_dir by default.
-    hibernated_dir: Path | None = None
     max_hibernated: int = DEFAULT_MAX_HIBERNATED
     max_hibernated_bytes: int = DEFAULT_MAX_HIBERNATED_BYTES
 
-    @property
-    def images_dir(self) -> Path:
-        if self.hibernated_dir is not None:
-            return self.hibernated_dir
-        return self.state_dir.parent / f"{self.state_dir.name or 'state'}-hibernated"
-
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
-        """State and sandbox dirs in a fresh temp dir that the worker removes on close."""
-        base = scratch_dir("rw-")
-        return cls(manifest=manifest, state_dir=base / "state", run_dir=base / "run", scratch=base, **overrides)  # type: ignore[arg-type]
+        """A worker whose state dir is a new one that it removes on close (the default)."""
+        return cls(manifest=manifest, **overrides)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -126,7 +115,9 @@ class Worker(SessionKeeping):
     def __init__(self, config: WorkerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
-        self.runsc = Runsc(root=config.state_dir, binary=config.runsc, observer=self.metrics)
+        self.state: StateDir | None = None  # claimed at start
+        # Its root is the state dir's runsc/, set when start claims it; a placeholder until then.
+        self.runsc = Runsc(root=RUNTIME_ROOT, binary=config.runsc, observer=self.metrics)
         self._slots = threading.BoundedSemaphore(config.slots)
         self._busy = 0
         self._lock = threading.Lock()
@@ -156,30 +147,23 @@ class Worker(SessionKeeping):
             raise
 
     def _start(self) -> Worker:
-        self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        _check_socket_paths(self.config.run_dir)
-        # Mount points are compared with what the kernel reports: resolved paths.
-        self.config = dataclasses.replace(
-            self.config,
-            run_dir=Path(os.path.realpath(self.config.run_dir)),
-            state_dir=Path(os.path.realpath(self.config.state_dir)),
-        )
-        self.runsc = dataclasses.replace(self.runsc, root=self.config.state_dir)
+        state = self.state = StateDir.claim(self.config.state_dir)  # StateDirRefused: nothing touched
+        # Its path as the kernel names it: mount points are compared with what the kernel reports.
+        self.config = dataclasses.replace(self.config, state_dir=state.path)
+        self.runsc = dataclasses.replace(self.runsc, root=state.runsc_root)
         if not runsc_module.available():
+            state.prepare()
             return self._start_unisolated("runsc is not installed or the worker is not root")
         enter_mount_namespace()  # where the sandboxes' mounts live (_mounts.py)
-        swept = self.runsc.sweep()
+        swept = self.runsc.sweep()  # an earlier run's containers in this state dir, by their state there
         if swept:
             log.warning("swept containers left by an earlier run", containers=swept)
-        for leftover in self.config.run_dir.iterdir():  # the worker owns its run dir alone
-            remove_tree(leftover)
+        state.prepare()
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
-        self.images = SessionImages(
-            Path(os.path.realpath(self.config.images_dir)), self.config.max_hibernated, self.config.max_hibernated_bytes
-        ).start()
-        self._private_dirs = canonical_dirs(RUNTIME_ROOT, self.config.run_dir, self.config.state_dir, self.images.root)
+        self.images = SessionImages(state.images_dir, self.config.max_hibernated, self.config.max_hibernated_bytes)
+        self._private_dirs = canonical_dirs(RUNTIME_ROOT, state.path)
         self._template_dirs = canonical_dirs(
             self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *code_dirs(self.runsc.binary)
         )
@@ -191,7 +175,7 @@ class Worker(SessionKeeping):
                 self.runsc,
                 self.checkpoints.manifest,
                 checkpoint,
-                self.config.run_dir,
+                state.run_dir,
                 memory_limit_bytes=self.config.sandbox_memory_bytes,
             )
             self.factories[name] = factory
@@ -225,7 +209,8 @@ class Worker(SessionKeeping):
             raise SandboxSetupError(f"cannot start an isolated worker: {reason}")
         log.warning("NO ISOLATION: jobs run as plain host processes", reason=reason)
         self.isolated = False
-        factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.config.run_dir, serve_env(()))
+        assert self.state is not None
+        factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.state.run_dir, serve_env(()))
         self.factories = {"base": factory}
         self.pools = {"base": WarmSandboxes("base", factory, 0, RefillBudget(), observer=self.metrics).start()}
         return self
@@ -244,7 +229,7 @@ class Worker(SessionKeeping):
         ``output`` takes its output as it is written.
         """
         started = time.monotonic()
-        with self._slot(cancel):
+        with self._slot(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             outcome = self._run_job(job, host, cancel, output)
         # One line per job: identifiers, outcome and timing, never captured output.
@@ -394,12 +379,20 @@ class Worker(SessionKeeping):
         self._retirer.close()
         for pool in self.pools.values():
             pool.close()
-        if self.isolated and runsc_module.available():
-            self.runsc.sweep()
         if self.namespace is not None:
             self.namespace.delete()
-        if self.config.scratch is not None and not (self.isolated and self.runsc.list_ids()):
-            remove_tree(self.config.scratch)
+        if self.state is not None:  # never touched unless it was claimed: a refused one is not ours
+            self._close_state(self.state)
+
+    def _close_state(self, state: StateDir) -> None:
+        survivors = []
+        if self.isolated and runsc_module.available():
+            self.runsc.sweep()
+            survivors = self.runsc.list_ids()
+        if survivors:  # what is left is an operator's to see
+            log.error("containers outlived the worker; its state dir is kept", state_dir=str(state.path), containers=survivors)
+        else:
+            state.close()
 
     def _slot(self, cancel: Cancellation = NEVER, wait_s: float | None = None):  # noqa: ANN202 - context manager
         """A slot for the work under it; with ``wait_s``, SandboxSetupError when none frees up that soon."""
@@ -432,13 +425,3 @@ class _SlotGuard:
             worker._idle.notify_all()
         worker._slots.release()
 
-
-def _check_socket_paths(run_dir: Path) -> None:
-    """Refuse a run dir too long for its sandboxes' sockets (a Unix socket path has 107 bytes
-    at most), which would otherwise fail every sandbox with little to say why."""
-    longest = SandboxDir.socket_path_in(Path(os.path.realpath(run_dir)))
-    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
-        raise SandboxSetupError(
-            f"run dir {run_dir} is too long: its sandboxes' socket paths ({longest}) would exceed "
-            f"{MAX_SOCKET_PATH} bytes; use a shorter one (the default is under {RUNTIME_ROOT})"
-        )

@@ -5,9 +5,10 @@ here and its sandbox ends; its next step restores it. A fork is a hibernate
 whose image two sessions then share: each holds its own hard links, so
 either may end and remove its copy without touching the other's.
 
-The directory is the worker's alone (mode 0700, in its private dirs: no
-grant may reach it), emptied at start and at close: a worker restart
-forgets hibernated sessions, as it forgets open ones. The image files are
+The directory is the worker's alone (``images/`` in its state dir, mode
+0700, in its private dirs: no grant may reach it), made empty at start
+and removed at close with the state dir (``state_dir.py``): a worker
+restart forgets hibernated sessions, as it forgets open ones. The image files are
 runsc's, written by the sentry from its own state; the only reader is
 ``runsc restore``.
 
@@ -46,7 +47,8 @@ _NAME_BYTES = 8
 
 
 class SessionImages:
-    """The images of one worker's hibernated sessions, each a directory under ``root``."""
+    """The images of one worker's hibernated sessions, each a directory under ``root`` (an
+    empty directory of the worker's own, made by its state dir)."""
 
     def __init__(self, root: Path, max_images: int = DEFAULT_MAX_HIBERNATED, max_bytes: int = DEFAULT_MAX_HIBERNATED_BYTES) -> None:
         self.root = root
@@ -54,11 +56,6 @@ class SessionImages:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._sizes: dict[Path, int] = {}  # reserved or written images, and their bytes
-
-    def start(self) -> SessionImages:
-        remove_tree(self.root)  # an earlier run's images belong to sessions nobody holds
-        self.root.mkdir(mode=0o700, parents=True)
-        return self
 
     @property
     def count(self) -> int:
@@ -107,8 +104,9 @@ class SessionImages:
 
     def close(self) -> None:
         with self._lock:
-            self._sizes.clear()
-        remove_tree(self.root)
+            images, self._sizes = list(self._sizes), {}
+        for image in images:
+            remove_tree(image)
 
     def _check_room(self, estimate: int) -> None:
         if len(self._sizes) >= self.max_images:

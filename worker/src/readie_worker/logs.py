@@ -47,6 +47,8 @@ def configure_logging(json: bool = False, level: str | None = None, *, process: 
     )
     structlog.configure(
         processors=[
+            # The ids of the session or job at hand (errors.bound_ids), after the line's own keys.
+            structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             functools.partial(_stamp_process, process=process),
             structlog.processors.format_exc_info,

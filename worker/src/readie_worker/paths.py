@@ -8,11 +8,10 @@ must be absolute and normal (no ``.``, ``..``, empty or trailing
 components): the caller makes it so, and a path that is not is refused
 rather than guessed at.
 
-The worker's own paths: :func:`runtime_root` and :func:`scratch_dir`, where
-every readie process keeps its scratch, and :func:`remove_tree`, the one way
-readie removes a directory a sandbox could have written into: it follows no
-symlink, crosses no mount (so never enters a grant mounted beneath), and no
-depth of tree defeats it.
+:func:`remove_tree` is the one way readie removes a directory a sandbox
+could have written into: it follows no symlink, crosses no mount, and no
+depth of tree defeats it; given a directory descriptor it holds, it removes
+by name beneath it, never by a path looked up again.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 import structlog
@@ -30,7 +28,6 @@ from readie_protocol.requests import MAX_PATH_BYTES, MAX_PATH_CHARS
 
 from ._grant_fs import OpenedPath, PathKind, PathRefused, check_normal, open_no_follow, read_no_follow
 from ._mounts import unmount_beneath
-from .errors import SandboxSetupError
 
 log = structlog.get_logger("readie.paths")
 
@@ -43,50 +40,65 @@ __all__ = [
     "check_normal",
     "open_no_follow",
     "read_no_follow",
+    "remove_beneath",
     "remove_tree",
-    "runtime_root",
-    "scratch_dir",
 ]
 
-#: Where every readie process on the host keeps its scratch (runsc state dirs,
-#: sandbox dirs): one directory, so that every worker can refuse grants that
-#: reach any of them, its own or another pool's. Short, because sandbox socket
-#: paths beneath it may not exceed 107 bytes.
-RUNTIME_ROOT = Path(os.environ.get("READIE_RUNTIME_DIR", "/tmp/readie"))
 
 
-def remove_tree(path: Path) -> bool:
+def remove_tree(path: Path | str, *, dir_fd: int | None = None) -> bool:
     """Remove ``path`` and everything beneath it; whether it is gone. Never raises.
 
-    Mounts beneath it are detached first, and the removal refuses to enter
-    anything that is still a mount, so a grant's contents can never be
-    deleted through a sandbox's directory. Iterative, with one descriptor
-    open at a time, so no depth of tree defeats it; symlinks are removed,
-    never followed.
+    With ``dir_fd``, ``path`` is one name in the directory that descriptor
+    holds open: nothing above it is looked up again by path. Mounts beneath
+    it are detached first, and the removal refuses to enter anything that is
+    still a mount, so a grant's contents can never be deleted through a
+    sandbox's directory. Iterative, with one descriptor open at a time, so no
+    depth of tree defeats it; symlinks are removed, never followed.
     """
     try:
-        if not unmount_beneath(path):
-            return False
-        _remove(path)
+        if stat.S_ISDIR(os.lstat(path, dir_fd=dir_fd).st_mode):
+            where = Path(os.readlink(f"/proc/self/fd/{dir_fd}"), path) if dir_fd is not None else Path(path)
+            if not unmount_beneath(where):
+                return False
+        _remove(path, dir_fd)
     except FileNotFoundError:
         pass
     except OSError as exc:
         log.error("cannot remove a directory", path=str(path), error=str(exc))
         return False
-    return not os.path.lexists(path)
+    try:
+        os.lstat(path, dir_fd=dir_fd)
+    except OSError:
+        return True  # gone (or unreachable, as os.path.lexists counts it)
+    return False
 
 
-def _remove(path: Path) -> None:
+def remove_beneath(dir_fd: int) -> bool:
+    """Remove everything in the directory ``dir_fd`` holds open (it stays); whether all went.
+    Never raises."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError as exc:
+        log.error("cannot list a directory to empty it", error=str(exc))
+        return False
+    gone = True
+    for name in names:
+        gone = remove_tree(name, dir_fd=dir_fd) and gone
+    return gone
+
+
+def _remove(path: Path | str, dir_fd: int | None) -> None:
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except NotADirectoryError:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
         return
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        os.unlink(path)  # a symlink: removed, not followed
+        os.unlink(path, dir_fd=dir_fd)  # a symlink: removed, not followed
         return
     device = os.fstat(fd).st_dev
     parents: list[tuple[int, int, str]] = []  # (device, inode) of each open parent, and the child's name
@@ -113,7 +125,7 @@ def _remove(path: Path) -> None:
             os.rmdir(name, dir_fd=fd)
     finally:
         os.close(fd)
-    os.rmdir(path)
+    os.rmdir(path, dir_fd=dir_fd)
 
 
 def _first_subdirectory_emptying(fd: int, device: int) -> str | None:
@@ -128,22 +140,6 @@ def _first_subdirectory_emptying(fd: int, device: int) -> str | None:
     return None
 
 
-def runtime_root() -> Path:
-    """:data:`RUNTIME_ROOT`, made if missing: a directory of this user's alone, never a link
-    (``/tmp`` is everyone's: someone could have planted one there first)."""
-    try:
-        os.mkdir(RUNTIME_ROOT, 0o700)
-    except FileExistsError:
-        pass
-    info = os.lstat(RUNTIME_ROOT)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
-        raise SandboxSetupError(f"{RUNTIME_ROOT} must be a directory of uid {os.geteuid()}'s alone (mode 0700), not a link")
-    return RUNTIME_ROOT
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A new directory of this process's under :func:`runtime_root`."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=runtime_root()))
 
 
 def canonical_dirs(*paths: Path | str) -> tuple[Path, ...]:

@@ -1,5 +1,5 @@
 """runsc at arm's length: every call has a timeout, stderr goes to a file, and a
-failure raises :class:`RunscError` with runsc's own words attached."""
+failure raises :class:`RunscError`; runsc's own words go to the worker's log."""
 
 from __future__ import annotations
 
@@ -21,8 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+import structlog
+
 from . import _reaper
-from .errors import SandboxSetupError
+from .errors import SandboxSetupError, log_host_facts
+from .paths import remove_beneath
+
+log = structlog.get_logger("readie.runsc")
 
 # Flags that every runsc invocation of one checkpoint family shares, beside the
 # platform (chosen per binary, see RunscFeatures): a restore refuses (or
@@ -42,7 +47,7 @@ COMMAND_TIMEOUT_S = 30.0
 NETNS_DIR = Path("/var/run/netns")
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
-# runsc keeps this much of its stderr in an error message.
+# This much of a failed runsc command's stderr goes to the log.
 STDERR_TAIL = 2000
 # What is kept of a sandbox's stderr (runsc's own messages, and its executor's
 # log): the tail, for the message of a sandbox that failed to start.
@@ -65,11 +70,31 @@ class RunscObserver(Protocol):
 
 
 class RunscError(SandboxSetupError):
-    def __init__(self, args: Sequence[str], returncode: int | None, stderr: str) -> None:
+    """A runsc command failed or timed out.
+
+    The message is a client's to read: the subcommand, how it ended, and
+    ``where`` the worker's log has the rest. The command line and runsc's
+    stderr name host paths and pids, so they are attributes, logged by
+    :meth:`logged`, and never part of the message.
+    """
+
+    def __init__(self, args: Sequence[str], returncode: int | None, stderr: str, where: str = "") -> None:
         what = "timed out" if returncode is None else f"exited {returncode}"
-        super().__init__(f"runsc {' '.join(args)} {what}: {stderr.strip()[-STDERR_TAIL:] or 'no output'}")
+        super().__init__(f"runsc {args[0] if args else ''} {what}" + (f"; {where}" if where else ""))
         self.returncode = returncode
         self.stderr = stderr
+
+    @classmethod
+    def logged(
+        cls, command: Sequence[str], args: Sequence[str], returncode: int | None, stderr: str, *, expected: bool = False
+    ) -> RunscError:
+        """The error for ``command`` (``args`` its runsc arguments), its command line and the tail of
+        its stderr logged first (at debug level when the caller ``expected`` it could fail)."""
+        where = log_host_facts(
+            "runsc failed", level="debug" if expected else "warning",
+            command=" ".join(command), exit=returncode, stderr=stderr.strip()[-STDERR_TAIL:],
+        )
+        return cls(args, returncode, stderr, where)
 
 
 @dataclass(frozen=True)
@@ -173,21 +198,20 @@ class Runsc:
 
     def run(self, *args: str, timeout: float = COMMAND_TIMEOUT_S, reaping: bool = False, counted: bool = True) -> str:
         """Run a short runsc command and return its stdout; ``counted=False``: a failure here is expected."""
-        self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile("w+") as stderr:
             try:
                 completed = _reaper.run(self.command(*args), stderr=stderr, timeout=timeout, reaping=reaping)
             except subprocess.TimeoutExpired:
-                self._failed(args, counted)
-                raise RunscError(args, None, _read(stderr)) from None
+                raise self._failed(args, None, _read(stderr), counted) from None
             if completed.returncode != 0:
-                self._failed(args, counted)
-                raise RunscError(args, completed.returncode, _read(stderr))
+                raise self._failed(args, completed.returncode, _read(stderr), counted)
             return completed.stdout
 
-    def _failed(self, args: Sequence[str], counted: bool = True) -> None:
+    def _failed(self, args: Sequence[str], returncode: int | None, stderr: str, counted: bool = True) -> RunscError:
+        """The error for a failed command, counted for the observer unless expected (``counted=False``)."""
         if counted and self.observer is not None:
             self.observer.runsc_failed(args[0] if args and args[0] in RUNSC_COMMANDS else "other")
+        return RunscError.logged(self.command(*args), args, returncode, stderr, expected=not counted)
 
     def start_detached(self, args: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> Launched:
         """Start ``run --detach`` or ``restore --detach`` with pipes on the container's stdio.
@@ -199,7 +223,6 @@ class Runsc:
         runsc leaves a grandchild holding its stdio, so nothing here waits for
         that pipe's end.) The runsc process has exited when this returns.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
         launched = Launched.popen(self.command(*args))
         try:
             returncode = launched.process.wait(timeout=timeout)
@@ -207,12 +230,10 @@ class Runsc:
             launched.process.kill()
             launched.process.wait()
             launched.close()
-            self._failed(args)
-            raise RunscError(args, None, launched.stderr.text()) from None
+            raise self._failed(args, None, launched.stderr.text()) from None
         if returncode != 0:
             launched.close()
-            self._failed(args)
-            raise RunscError(args, returncode, launched.stderr.text(wait_s=STDERR_SETTLE_S))
+            raise self._failed(args, returncode, launched.stderr.text(wait_s=STDERR_SETTLE_S))
         return launched
 
     def state(self, container_id: str) -> dict[str, object]:
@@ -288,8 +309,8 @@ class Runsc:
                     continue  # no swap accounting on this host: nothing to page out to
             try:
                 path.write_text(str(value))
-            except OSError as exc:
-                raise SandboxSetupError(f"cannot limit the memory of {container_id} to {value} bytes: {exc}") from None
+            except OSError as exc:  # its strerror only: the file's name is a host path
+                raise SandboxSetupError(f"cannot limit the memory of {container_id} to {value} bytes: {exc.strerror}") from None
 
     def sweep(self) -> list[str]:
         """Destroy every container in this state dir and remove what runsc left behind.
@@ -301,12 +322,17 @@ class Runsc:
         for container_id in self.list_ids():
             self.destroy(container_id)
             swept.append(container_id)
-        if self.root.exists():
-            for leftover in self.root.iterdir():
-                if leftover.is_dir():
-                    shutil.rmtree(leftover, ignore_errors=True)
-                else:
-                    leftover.unlink(missing_ok=True)
+        try:  # what runsc left, removed from the root as opened here: never through a link
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return swept
+        except OSError as exc:
+            log.error("cannot open the runsc root to sweep it", root=str(self.root), error=exc.strerror)
+            return swept
+        try:
+            remove_beneath(root)
+        finally:
+            os.close(root)
         return swept
 
 
@@ -348,7 +374,7 @@ def version(binary: str = "runsc") -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxSetupError(f"cannot run {binary}: {exc}") from None
     if completed.returncode != 0:
-        raise RunscError(["version"], completed.returncode, completed.stderr)
+        raise RunscError.logged([binary, "--version"], ["version"], completed.returncode, completed.stderr)
     return completed.stdout.splitlines()[0].strip()
 
 

@@ -45,7 +45,7 @@ from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
-from .errors import PoolWorkerError, SandboxSetupError
+from .errors import PoolWorkerError, SandboxSetupError, log_host_facts
 from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
 from .launchers import Launcher, RunscCold, RunscRestore
@@ -401,10 +401,12 @@ def _wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) ->
         # follows within STDOUT_END_GRACE_S.
         if gone_at is not None and now - gone_at >= STDOUT_END_GRACE_S:
             raise SandboxSetupError(
-                f"sandbox {sandbox.id}: executor exited before binding its socket{_stderr_tail(launched)}"
+                f"sandbox {sandbox.id}: executor exited before binding its socket{_stderr_tail(sandbox.id, launched)}"
             )
         if now >= deadline:
-            raise SandboxSetupError(f"sandbox {sandbox.id}: no executor socket after {timeout:.0f} s{_stderr_tail(launched)}")
+            raise SandboxSetupError(
+                f"sandbox {sandbox.id}: no executor socket after {timeout:.0f} s{_stderr_tail(sandbox.id, launched)}"
+            )
         time.sleep(SOCKET_POLL_S)
 
 
@@ -427,9 +429,11 @@ def _stdout_closed(stdout: IO[bytes] | None) -> bool:
     return bool(ready) and not os.read(stdout.fileno(), 4096)
 
 
-def _stderr_tail(launched: Launched) -> str:
+def _stderr_tail(sandbox_id: str, launched: Launched) -> str:
+    """Where the sandbox's last words are: they go to the worker's log (runsc's own lines name
+    host paths and pids), not into the error a client reads."""
     tail = launched.stderr.text(wait_s=STDERR_SETTLE_S)[-1500:].strip()
-    return f": {tail}" if tail else ""
+    return f"; {log_host_facts('sandbox did not start', sandbox=sandbox_id, stderr=tail)}" if tail else ""
 
 
 @dataclass(frozen=True)

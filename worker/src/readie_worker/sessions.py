@@ -39,6 +39,7 @@ they run, as a step does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 import threading
 import time
@@ -46,6 +47,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import structlog
 
@@ -53,7 +55,7 @@ from ._states import SandboxState, SessionState, check_transition
 from readie_executor.jobs import EXIT_NOT_STARTED
 
 from .cancel import NEVER, Cancellation
-from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
+from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids, for_client
 from .hibernation import SessionImages
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, run_in_sandbox
 from .runsc import RunscError
@@ -79,6 +81,25 @@ class StepOutcome:
     session_ended: bool
     # Milliseconds the step spent restoring its hibernated session first; None when it did not.
     resumed_ms: float | None = None
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _logged_under_its_id(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``method`` of a session, run with the session's id (and a step's ``job_id``) in the log
+    context: what fails under it is logged next to them, and a client's error names them."""
+
+    @functools.wraps(method)
+    def bound(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        session = args[0]
+        assert isinstance(session, SandboxSession)
+        job_id = kwargs.get("job_id")
+        with bound_ids(session=session.id, job_id=job_id if isinstance(job_id, str) else None):
+            return method(*args, **kwargs)
+
+    return bound
 
 
 #: Restores a hibernated session's image under the memory limit it had (None: the backstop):
@@ -142,6 +163,7 @@ class SandboxSession:
     def hibernated(self) -> bool:
         return self.state is SessionState.HIBERNATED
 
+    @_logged_under_its_id
     def run_step(
         self,
         step: Step,
@@ -188,6 +210,7 @@ class SandboxSession:
             self.close()
             raise
 
+    @_logged_under_its_id
     def run_in_slot(
         self,
         step: CodeJob,
@@ -238,6 +261,7 @@ class SandboxSession:
         )
         return StepOutcome(outcome, number, ends)
 
+    @_logged_under_its_id
     def hibernate(self, cancel: Cancellation = NEVER) -> float:
         """Checkpoint the idle session to disk and end its sandbox; the milliseconds it took (0 if it was).
 
@@ -281,6 +305,7 @@ class SandboxSession:
         assert self._fork is not None
         return self._fork(self, cancel)
 
+    @_logged_under_its_id
     def fork_image(self, cancel: Cancellation = NEVER) -> tuple[Path, float]:
         """Hibernate (if not already) and give a second image of this session's state, for a fork.
 
@@ -322,7 +347,7 @@ class SandboxSession:
         except (PoolWorkerError, RunscError, OSError) as exc:
             self._images.remove(image)
             self.close()  # a sandbox asked to hibernate is not trusted with another step
-            raise PoolWorkerError(f"session {self.id} could not hibernate and has ended: {exc}") from None
+            raise PoolWorkerError(f"session {self.id} could not hibernate and has ended: {for_client(exc)}") from None
         finally:
             sandbox.destroy()
         with self._lock:

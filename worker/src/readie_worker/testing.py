@@ -1,6 +1,6 @@
 """Helpers for tests (ours and yours) of the worker without its gRPC edge: waiting, ports,
-the ``readie`` command, a fake host, a raw executor socket, and :class:`FaultyLauncher`, a
-launcher that fails on demand. Real ``readie worker`` processes and clusters are
+the ``readie`` command, a state dir's runsc, a fake host, a raw executor socket, and
+:class:`FaultyLauncher`, a launcher that fails on demand. Real ``readie worker`` processes and clusters are
 ``readie_rpc.testing``'s."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ._host_frames import HostCall, HostReply
 from ._sandbox_dir import SandboxDir
 from .errors import SandboxSetupError
 from .launchers import Launcher, LocalProcess
-from .runsc import Launched
+from .runsc import Launched, Runsc
+from .state_dir import RUNSC
 
 #: Debian 12's own runsc (0.0~20221219, ptrace, compressed images), kept beside
 #: the default one by scripts/install-runsc.sh (OLD_BINARY there) for the
@@ -34,6 +35,12 @@ def wait_until(condition: Callable[[], bool], timeout: float, poll_s: float = 0.
             return False
         time.sleep(poll_s)
     return True
+
+
+def runsc_in(state_dir: Path) -> Runsc:
+    """The runsc of the worker (or pool) whose ``--state-dir`` is ``state_dir``: to list or
+    sweep its containers (none once it removed its state dir)."""
+    return Runsc(root=state_dir / RUNSC)
 
 
 def free_port() -> int:
