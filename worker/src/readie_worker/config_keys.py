@@ -8,6 +8,10 @@ publishes them (``docs/schema/config.schema.json``, ``readie pool
 --config-schema``) and ``readie_router.reference`` renders ``docs/config.md``
 from them: a key added here is parsed, published and documented, and a key
 not here is refused by all three.
+
+A ``timeout``, ``memory`` or ``max_output`` past what any job can have
+(:data:`OUT_OF_REACH_RULE`) is lowered with a warning in the ceiling and
+refused in a profile, here at load, so that no job finds it out.
 """
 
 from __future__ import annotations
@@ -87,20 +91,6 @@ LOG_FORMATS = frozenset({"console", "json", "none"})
 NETWORK_MAX_OUTPUT = 1024 * 1024
 #: Profile names are echoed in the ready event and named in requests.
 MAX_PROFILE_NAME = 64
-#: What the loader does with a value no job could be served with (docs/config.md says it).
-OUT_OF_REACH_RULE = (
-    "A value no job could be served with is dealt with at load, never found out by a job. A "
-    "ceiling's (`[pool.limits]`) `timeout`, `memory` or `max_output` past what any job may have is "
-    "lowered to that bound, with a warning on stderr naming the key: the lowered ceiling admits "
-    "exactly the requests that could run. A profile's, which jobs would be given, is refused: every "
-    "job naming the profile would fail. The bounds: a timeout of at most "
-    f"{format_duration_ms(MAX_TIMEOUT_MS)}, which every request is held to too (the sandbox's timers "
-    "take at most about 292 years, and every deadline built on a timeout must stay far inside them); "
-    f"memory of at most {format_size(MAX_JOB_MEMORY)}, the {format_size(SANDBOX_MEMORY_BACKSTOP)} "
-    "memory backstop of every sandbox less the sandbox's own share; output of at most "
-    f"{format_size(bounds.MAX_OUTPUT_LIMIT)} per stream, what a sandbox captures."
-)
-
 log = structlog.get_logger("readie.config")
 
 # What the checks below refuse inside strings, as ECMA-262 (and Python) regexes.
@@ -279,25 +269,32 @@ def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, al
     return Value(read, dict(schema if allow_zero else positive_schema(schema)), shown)
 
 
-def _at_most(base: Value, most: int, bare: int, written: str, why: str, *, lower: bool) -> Value:
-    """``base`` held to ``most`` (``bare``: what a bare TOML integer counts, for the schema).
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """The most any job can have of a limit, as a number, as the docs write it, and why."""
 
-    A value past it could serve no job. ``lower``: it is a ceiling, lowered to
-    ``most`` with a warning (it then admits exactly the requests that could
-    run); else it is given to jobs, and refused (every job given it would fail).
-    """
+    most: int
+    bare: int  # what a bare TOML integer counts, for the schema: 1000 ms (seconds) or 1 byte
+    written: str
+    why: str
+
+
+def _at_most(base: Value, bound: _Bound, *, lower: bool) -> Value:
+    """``base`` held to ``bound``, past which a value could serve no job. ``lower``: it is a
+    ceiling, lowered to the bound with a warning (it then admits exactly the requests that could
+    run); else it is given to jobs, and refused (every job given it would fail)."""
 
     def read(at: Reading, key: str, value: Any) -> int:
         result = base.read(at, key, value)
-        if result <= most:
+        if result <= bound.most:
             return result
         if not lower:
-            raise at.fail(key, f"too large: at most {written} ({why})")
-        log.warning("config value lowered", file=at.source, key=key, given=value, used=written, reason=why)
-        return most
+            raise at.fail(key, f"too large: at most {bound.written} ({bound.why})")
+        log.warning("config value lowered", file=at.source, key=key, given=value, used=bound.written, reason=bound.why)
+        return bound.most
 
-    schema = base.schema if lower else at_most_schema(base.schema, most // bare)
-    return Value(read, schema, f"{base.shown}, at most {written} ({'more is lowered' if lower else 'more is refused'})")
+    schema = base.schema if lower else at_most_schema(base.schema, bound.most // bound.bare)
+    return Value(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
 
 
 BOOLEAN = Value(_boolean, {"type": "boolean"}, "boolean")
@@ -320,16 +317,28 @@ LOG = Value(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f
 SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
 POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
 POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
-_TIMEOUT_WHY = "the longest timeout a job may have"
-_MEMORY_WHY = "the most memory a sandbox can give a job"
-_OUTPUT_WHY = "the most output a sandbox captures"
-_TIMEOUT, _MEMORY, _OUTPUT = format_duration_ms(MAX_TIMEOUT_MS), format_size(MAX_JOB_MEMORY), format_size(bounds.MAX_OUTPUT_LIMIT)
-CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, MAX_TIMEOUT_MS, 1000, _TIMEOUT, _TIMEOUT_WHY, lower=True)
-CEILING_MEMORY = _at_most(POSITIVE_SIZE, MAX_JOB_MEMORY, 1, _MEMORY, _MEMORY_WHY, lower=True)
-CEILING_OUTPUT = _at_most(SIZE, bounds.MAX_OUTPUT_LIMIT, 1, _OUTPUT, _OUTPUT_WHY, lower=True)
-JOB_TIMEOUT = _at_most(POSITIVE_DURATION, MAX_TIMEOUT_MS, 1000, _TIMEOUT, _TIMEOUT_WHY, lower=False)
-JOB_MEMORY = _at_most(POSITIVE_SIZE, MAX_JOB_MEMORY, 1, _MEMORY, _MEMORY_WHY, lower=False)
-JOB_OUTPUT = _at_most(SIZE, bounds.MAX_OUTPUT_LIMIT, 1, _OUTPUT, _OUTPUT_WHY, lower=False)
+_TIMEOUT = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
+_MEMORY = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")
+_OUTPUT = _Bound(bounds.MAX_OUTPUT_LIMIT, 1, format_size(bounds.MAX_OUTPUT_LIMIT), "the most output a sandbox captures")
+CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=True)
+CEILING_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=True)
+CEILING_OUTPUT = _at_most(SIZE, _OUTPUT, lower=True)
+JOB_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=False)
+JOB_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=False)
+JOB_OUTPUT = _at_most(SIZE, _OUTPUT, lower=False)
+
+#: What the loader does with a value no job could be served with (docs/config.md says it).
+OUT_OF_REACH_RULE = (
+    "A value no job could be served with is dealt with at load, never found out by a job. A "
+    "ceiling's (`[pool.limits]`) `timeout`, `memory` or `max_output` past what any job may have is "
+    "lowered to that bound, with a warning on stderr naming the key: the lowered ceiling admits "
+    "exactly the requests that could run. A profile's, which jobs would be given, is refused: every "
+    f"job naming the profile would fail. The bounds: a timeout of at most {_TIMEOUT.written}, which "
+    "every request is held to too (the sandbox's timers take at most about 292 years, and every "
+    f"deadline built on a timeout must stay far inside them); memory of at most {_MEMORY.written}, "
+    f"the {format_size(SANDBOX_MEMORY_BACKSTOP)} memory backstop of every sandbox less the sandbox's "
+    f"own share; output of at most {_OUTPUT.written} per stream, what a sandbox captures."
+)
 
 PROFILE_NAME_SCHEMA = {"type": "string", "pattern": f"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_PROFILE_NAME - 1}}}$"}
 
