@@ -308,6 +308,26 @@ def test_not_a_tar_and_not_our_format_are_refused(tmp_path, cache):
     refused(tmp_path, cache, good_listing(), good_members(), ArchiveFormatError, "format version 99", format_version=99)
 
 
+def test_an_archive_that_is_not_a_regular_file_is_refused_before_it_is_opened_for_reading(tmp_path, cache):
+    """A FIFO once blocked `readie checkpoints import` in open() for ever, waiting for a writer."""
+    import subprocess
+
+    from readie_worker.testing import readie_command
+
+    fifo = tmp_path / "set.tar"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    done = subprocess.run(
+        [*readie_command(), "checkpoints", "import", str(fifo), "--into", str(cache)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1 and time.monotonic() - started < 30
+    assert f"{fifo}: not a regular file (a FIFO)" in done.stderr and "Traceback" not in done.stderr
+    assert os.listdir(cache) == []
+    with pytest.raises(ArchiveFormatError, match=r"not a regular file \(a directory\)"):
+        import_checkpoints(tmp_path, cache, check_host=False)
+
+
 def test_parse_digest_refuses_malformed_entries():
     good = {"format": "readie-checkpoints", "format_version": 1, "host": HOST, "members": good_listing()}
     assert len(parse_digest(json.dumps(good).encode()).members) == 6

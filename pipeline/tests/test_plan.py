@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,18 @@ def test_no_checkpoints(write, text):
 
 def test_invalid_toml(write):
     refused(write("[checkpoints.base\npreimport = []\n"))
+
+
+def test_a_plan_is_read_as_the_config_is(write, tmp_path):
+    """Deep nesting (tomllib's RecursionError), bytes that are not UTF-8 and a FIFO (which would
+    block open() for ever) are refusals naming the file, like any other bad plan."""
+    refused(write("[site]\nrequirements = " + "[" * 5000 + "]" * 5000 + "\n"), "nested too deeply")
+    path = tmp_path / "checkpoints.toml"
+    path.write_bytes(b"[site]\nrequirements = [\"\xff\"]\n")
+    refused(path, "not valid UTF-8")
+    path.unlink()
+    os.mkfifo(path)
+    refused(path, "not a regular file (a FIFO)")
 
 
 def test_missing_file(tmp_path):

@@ -12,6 +12,7 @@ from readie_protocol.errors import RequestError
 from readie_protocol.lines import MAX_LINE_BYTES, Line, OversizeLine
 from readie_protocol.requests import (
     MAX_REPLY_BYTES,
+    MAX_TIMEOUT_MS,
     SESSION_SETUP_FIELDS,
     SESSION_STEP_FIELDS,
     CloseSession,
@@ -206,6 +207,10 @@ REFUSALS: list[tuple[str | bytes, object, str | None, str]] = [
     ('{"id": 1, "code": "x", "timeout": -1}', 1, "timeout", "negative"),
     ('{"id": 1, "code": "x", "timeout": true}', 1, "timeout", "boolean"),
     ('{"id": 1, "code": "x", "timeout": 5.0}', 1, "timeout", "float"),
+    # Past what any job may have: before, the worker's own timers failed it with OverflowError.
+    ('{"id": 1, "code": "x", "timeout": "100000000h"}', 1, "timeout", "too large: at most 24h"),
+    ('{"id": 1, "code": "x", "timeout": 86401}', 1, "timeout", "too large: at most 24h"),
+    ('{"id": 1, "session": "s", "code": "x", "timeout": "1441m"}', 1, "timeout", "too large: at most 24h"),
     ('{"id": 1, "code": "x", "memory": "1.5g"}', 1, "memory", "whole numbers"),
     ('{"id": 1, "code": "x", "memory": 0}', 1, "memory", "greater than zero"),
     ('{"id": 1, "code": "x", "memory": "512 m"}', 1, "memory", "spaces"),
@@ -360,7 +365,7 @@ valid_jobs = st.fixed_dictionaries(
         "allow_write": paths,
         "env": st.dictionaries(st.from_regex(r"[A-Z_][A-Z0-9_]{0,5}", fullmatch=True), st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=5), max_size=3),
         "allow_network": st.booleans(),
-        "timeout": st.integers(1, 10**6),
+        "timeout": st.integers(1, MAX_TIMEOUT_MS // 1000),
         "memory": st.integers(1, 2**40),
         "max_output": st.integers(0, 2**30),
         "session": st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from readie_worker.config import (
     CLI_SOURCE,
+    MAX_CONFIG_BYTES,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_IDLE_MS,
     DEFAULT_WORKERS,
@@ -18,8 +19,12 @@ from readie_worker.config import (
     load_config,
     parse_config,
 )
+from readie_executor.jobs import bounds
+from readie_protocol.requests import MAX_TIMEOUT_MS
 from readie_worker.errors import ConfigError
 from readie_worker.policy import NO_LIMITS, Limits, Profile
+from readie_worker.sandbox_memory import MAX_JOB_MEMORY
+from structlog.testing import capture_logs
 
 SPEC_CONFIG = """\
 [pool]
@@ -202,6 +207,59 @@ def test_load_config_missing_file(tmp_path: Path) -> None:
     assert "cannot read" in info.value.reason
 
 
+def test_load_config_refuses_what_is_not_a_regular_file_without_waiting(tmp_path: Path) -> None:
+    """A FIFO would block open() until a writer came: it is refused before a byte is read."""
+    fifo = tmp_path / "readie.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"cannot read: not a regular file \(a FIFO\)"):
+        load_config(fifo)
+    with pytest.raises(ConfigError, match=r"not a regular file \(a directory\)"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"not a regular file \(a character device\)"):
+        load_config("/dev/zero")  # would read without end
+
+
+def test_load_config_refuses_a_file_past_the_bound(tmp_path: Path) -> None:
+    path = tmp_path / "readie.toml"
+    path.write_text("# " + "x" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match=f"more than the {MAX_CONFIG_BYTES} allowed"):
+        load_config(path)
+
+
+def test_a_ceiling_past_what_a_job_can_have_is_lowered_with_a_warning() -> None:
+    """The ceiling then admits exactly the requests that could run; before, a 10**8 h timeout
+    failed every job that got it with OverflowError, 64g of memory every job naming none, and 1t of
+    max_output every job naming none over the network."""
+    text = '[pool.limits]\ntimeout = "100000000h"\nmemory = "64g"\nmax_output = "1t"\n'
+    with capture_logs() as logs:
+        config = parse(text)
+    assert (config.limits.timeout_ms, config.limits.memory_bytes) == (MAX_TIMEOUT_MS, MAX_JOB_MEMORY)
+    assert config.limits.max_output == bounds.MAX_OUTPUT_LIMIT
+    lowered = {entry["key"]: entry for entry in logs if entry["event"] == "config value lowered"}
+    assert set(lowered) == {"pool.limits.timeout", "pool.limits.memory", "pool.limits.max_output"}
+    assert lowered["pool.limits.timeout"]["used"] == "24h" and lowered["pool.limits.memory"]["given"] == "64g"
+    assert all(entry["log_level"] == "warning" and entry["file"] == str(SPEC_PATH) for entry in lowered.values())
+    with capture_logs() as logs:  # at the bound: kept, and nothing said
+        config = parse('[pool.limits]\ntimeout = "24h"\nmemory = "3840m"\nmax_output = "16m"\n')
+    assert (config.limits.timeout_ms, config.limits.memory_bytes) == (MAX_TIMEOUT_MS, MAX_JOB_MEMORY)
+    assert config.limits.max_output == bounds.MAX_OUTPUT_LIMIT
+    assert logs == []
+
+
+def test_an_exception_no_check_foresaw_is_still_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a check ends as the file's ConfigError, naming the exception, not as a traceback."""
+    import readie_worker.config
+
+    def broken(*args: object) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(readie_worker.config, "_check_timers", broken)
+    with pytest.raises(ConfigError) as info:
+        parse("[pool]\nworkers = 2\n")
+    assert info.value.key is None and "cannot be loaded (KeyError: 'a bug')" in info.value.reason
+    assert isinstance(info.value.__cause__, KeyError)  # kept for whoever debugs it
+
+
 def test_parse_config_needs_an_absolute_path() -> None:
     with pytest.raises(ValueError):
         parse_config("", Path("relative.toml"))
@@ -253,6 +311,15 @@ BAD_CONFIGS: list[tuple[str | bytes, str | None, str]] = [
     ('[profiles.a]\nenv = {"A=B" = "1"}\n', "profiles.a.env.A=B", "not a variable name"),
     ('[profiles.a]\nenv = ["A"]\n', "profiles.a.env", "expected a table"),
     ('[profiles.a]\ntimeout = "forever"\n', "profiles.a.timeout", "expected digits"),
+    # Values jobs would be given that no job could be served with (a ceiling's are lowered instead).
+    ('[profiles.a]\ntimeout = "100000000h"\n', "profiles.a.timeout", "too large: at most 24h"),
+    ('[profiles.a]\ntimeout = 86401\n', "profiles.a.timeout", "too large: at most 24h"),
+    ('[profiles.a]\nmemory = "5g"\n', "profiles.a.memory", "too large: at most 3840m"),
+    ('[profiles.a]\nmax_output = "8388607t"\n', "profiles.a.max_output", "too large: at most 16m"),
+    # tomllib recurses into arrays and inline tables: past a few hundred levels, RecursionError.
+    ("a = " + "[" * 5000 + "]" * 5000 + "\n", None, "nested too deeply"),
+    ("a = " + "{b = " * 5000 + "1" + "}" * 5000 + "\n", None, "nested too deeply"),
+    ("[pool]\npreload = " + "[" * 5000 + "\n", None, "nested too deeply"),  # not even closed
 ]
 
 

@@ -3,8 +3,11 @@
 test_config_schema already holds each key's reader to the schema one value at
 a time; this feeds the whole loader (UTF-8, TOML, tables, the checks across
 keys, profiles) with arbitrary bytes and with documents made of the real
-keys, several at once, in every section. The allowed failure is
-:class:`ConfigError`; any other exception is a bug in the loader.
+keys, several at once, in every section, and with values nested thousands
+deep (tomllib recurses into arrays and inline tables). The allowed failure is
+:class:`ConfigError`; any other exception is a bug in the loader, and so is a
+ConfigError that the loader's last resort made of one (it keeps the
+exception as its ``__cause__``), which would otherwise hide such bugs here.
 """
 
 from __future__ import annotations
@@ -82,11 +85,26 @@ def toml_text(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Openers of arrays and inline tables, and what closes each.
+OPENERS = {"[": "]", "{k = ": "}", "[0, ": "]", '{"q" = [': "]}", "[{a = 1}, ": "]"}
+
+
+@st.composite
+def nested_documents(draw: st.DrawFn) -> str:
+    """A value nested 1 to 3000 deep, under a real key or a stray one, closed or cut short."""
+    openers = draw(st.lists(st.sampled_from(sorted(OPENERS)), min_size=1, max_size=4))
+    levels = [openers[i % len(openers)] for i in range(draw(st.integers(1, 3000)))]
+    closed = "".join(OPENERS[opener] for opener in reversed(levels))
+    tail = closed if draw(st.booleans()) else draw(st.sampled_from(["", "]", "}", closed[:-1], "x"]))
+    key = draw(st.sampled_from(["a = ", "[pool]\npreload = ", "[pool.limits]\ntimeout = ", "[profiles.p]\nenv = "]))
+    return key + "".join(levels) + "1" + tail + "\n"
+
+
 def loads_or_refuses(data: bytes | str) -> None:
     try:
         parse_config(data, CONFIG_PATH)
-    except ConfigError:
-        pass
+    except ConfigError as exc:
+        assert exc.__cause__ is None, f"an exception no check foresaw: {exc}"
 
 
 @FUZZ
@@ -105,6 +123,12 @@ def test_any_document_of_real_keys_gives_a_config_or_a_config_error(document: di
         tomllib.loads(text)
     except tomllib.TOMLDecodeError:  # a value this renderer cannot spell (a huge integer): not the loader's case
         return
+    loads_or_refuses(text)
+
+
+@FUZZ
+@given(nested_documents())
+def test_any_nesting_gives_a_config_or_a_config_error(text: str) -> None:
     loads_or_refuses(text)
 
 

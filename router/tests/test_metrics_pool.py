@@ -18,13 +18,16 @@ import pytest
 from readie_router._events import Outcome, Stats
 from readie_router.testing import PoolProcess
 from readie_worker.metrics import Metrics
-from readie_worker.testing import free_port, runsc_in, sample, scrape, wait_until
+from readie_worker.testing import free_port, idle_connections, runsc_in, sample, scrape, thread_count, wait_until
 
 from conftest import CHECKPOINTS
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 WORKERS = 2
+# Threads the pool may start meanwhile on its own (a refill, the asyncio executor's), far below
+# the one per connection that the idle-connection check would see otherwise.
+IDLE_THREAD_SLACK = 4
 SEARCH = "from readie_host import search\nprint(search('readie'))"
 
 
@@ -65,6 +68,12 @@ def test_pool_metrics_count_exactly_what_ran(checkpoints):
         before = scrape(port)
         assert sample(before, "readie_pool_jobs_total", outcome="ok") == 0
         assert sample(before, "readie_worker_warm_sandboxes_target", checkpoint=checkpoint) == WORKERS
+        # Forty connections that never send a request take no thread of the pool's (prometheus_client's
+        # server held one each), and a scrape beside them is answered at once.
+        threads = thread_count(process.process.pid)
+        with idle_connections(port, 40):
+            assert sample(scrape(port, timeout=2.0), "readie_pool_jobs_total", outcome="ok") == 0
+            assert thread_count(process.process.pid) <= threads + IDLE_THREAD_SLACK
 
         assert process.run({"id": "a", "code": "print(1)"})["exit"] == 0
         assert process.run({"id": "b", "code": "raise ValueError('no')"})["error"]["type"] == "ValueError"

@@ -149,3 +149,23 @@ def test_package_dirs_must_exist_and_fit_the_slots(capsys, tmp_path, manifest):
         path.mkdir()
     code, err = pool(capsys, "--checkpoints", str(manifest), *(f"--package-dir={p}" for p in dirs))
     assert code == 1 and "3 package dirs, but sandboxes have 2 package slots" in err
+
+
+def test_a_deeply_nested_config_is_a_config_error_in_a_real_process(tmp_path):
+    """tomllib's RecursionError once ended `readie pool` in a traceback with exit 1: now, as any
+    bad config, one line naming the file, and exit 2, before anything starts."""
+    import subprocess
+
+    from readie_worker.testing import readie_command
+
+    nested = tmp_path / "nested.toml"
+    nested.write_text("[pool]\npreload = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    done = subprocess.run(
+        [*readie_command(), "pool", "--config", str(nested)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""  # no ready event
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [f"readie pool: {nested}: nested too deeply: arrays or inline tables "
+                                        "within each other, deeper than a TOML reader follows"]

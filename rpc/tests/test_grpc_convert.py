@@ -97,7 +97,7 @@ BAD_REQUESTS = [
     ({"packages": ["https://example.invalid/evil.whl"]}, "packages"),
     ({"timeout_ms": -1}, "timeout_ms"),
     ({"timeout_ms": 0}, "timeout_ms"),
-    ({"timeout_ms": _convert.MAX_TIMEOUT_MS + 1}, "timeout_ms"),
+    ({"timeout_ms": _convert.NETWORK_MAX_TIMEOUT_MS + 1}, "timeout_ms"),
     ({"memory_bytes": -5}, "memory_bytes"),
     ({"memory_bytes": 0}, "memory_bytes"),
     ({"memory_bytes": 2**62}, "memory_bytes"),

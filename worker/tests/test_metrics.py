@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -126,8 +129,7 @@ def test_the_flag_is_off_by_default_and_serves_when_given():
         metrics.rpc_handled("RunJob", "OK")
         assert sample(scrape(port), "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 1
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_a_failed_runsc_command_is_counted_by_subcommand_and_a_destroy_timed(tmp_path):
@@ -161,3 +163,51 @@ def test_session_steps_and_destroys_are_counted():
     assert sample(got, "readie_worker_session_steps_total", checkpoint="base", outcome="ok") == 1
     assert sample(got, "readie_worker_session_steps_total", checkpoint="base", outcome="failed") == 1
     assert sample(got, "readie_worker_sandbox_destroy_duration_seconds_bucket", le="0.1") == 1
+
+
+def test_idle_connections_hold_no_thread_and_a_scrape_still_answers():
+    """Forty connections that never send a request (the attack battery's case, which held forty
+    threads of prometheus_client's server): the endpoint keeps its one thread, a scrape on a fresh
+    connection is answered at once, the oldest silent ones make room for it, and every silent one
+    is closed at the exchange timeout."""
+    from readie_worker._metrics_http import MAX_CONNECTIONS, MetricsEndpoint, render_registry
+    from readie_worker.testing import closed_by_peer, idle_connections, thread_count, wait_until
+
+    metrics = Metrics()
+    metrics.rpc_handled("RunJob", "OK")
+    endpoint = MetricsEndpoint("127.0.0.1", 0, render_registry(metrics.registry), exchange_timeout_s=1.0)
+    port = endpoint.address[1]
+    threads = thread_count(os.getpid())
+    try:
+        with idle_connections(port, 40) as held:
+            # The first ones are closed as later ones arrive; the last MAX_CONNECTIONS wait.
+            assert wait_until(lambda: sum(map(closed_by_peer, held)) == 40 - MAX_CONNECTIONS, 2.0)
+            assert thread_count(os.getpid()) == threads
+            started = time.monotonic()
+            assert sample(scrape(port, timeout=3.0), "grpc_server_handled_total", grpc_method="RunJob", grpc_code="OK") == 1
+            assert time.monotonic() - started < 1.0  # not behind the silent ones
+            assert sum(map(closed_by_peer, held)) == 40 - MAX_CONNECTIONS + 1  # one made room for the scrape
+            assert wait_until(lambda: all(map(closed_by_peer, held)), 3.0)  # the timeout (1 s here)
+    finally:
+        endpoint.close()
+    # close() ended the endpoint's thread (the kernel lets its task go a moment after join returns).
+    assert wait_until(lambda: thread_count(os.getpid()) == threads - 1, 1.0)
+
+
+def test_the_endpoint_answers_only_get_of_metrics_and_refuses_oversized_requests():
+    metrics = Metrics()
+    endpoint = metrics.serve(f"127.0.0.1:{free_port()}")
+    port = endpoint.address[1]
+    try:
+        for method, path, status in (("GET", "/", 200), ("GET", "/metrics?x=1", 200), ("GET", "/other", 404),
+                                     ("POST", "/metrics", 405)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+                connection.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert connection.makefile("rb").readline().split()[1] == str(status).encode(), (method, path)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+            connection.sendall(b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\n\r\n")
+            assert connection.recv(100) == b""  # over MAX_REQUEST_BYTES: closed without an answer
+    finally:
+        endpoint.close()
+    with pytest.raises(OSError):  # the port is free again, and a bad address fails at once
+        metrics.serve("256.0.0.1:1")

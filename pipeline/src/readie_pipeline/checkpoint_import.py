@@ -41,6 +41,7 @@ import structlog
 from readie_worker.bundle import MountPlan, family_fingerprint
 from readie_worker.locations import CACHE_VARIABLE, check_owned, link_default
 from readie_worker.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from readie_worker.operator_files import FileRefused, open_regular
 
 from .archive_format import (
     DIGEST_NAME,
@@ -114,12 +115,12 @@ def import_checkpoints(
     if link and default.is_dir() and not default.is_symlink():
         # link_default would refuse at the very end, after all the work: say so first.
         raise ArchiveError(f"{default} is a directory of its own; readie points it at imported sets, so move it away first")
-    fd = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = open_regular(archive)  # a FIFO named here would block open() for ever
+    except FileRefused as exc:
+        raise ArchiveFormatError(f"{archive}: {exc}") from None
     with os.fdopen(fd, "rb") as raw:
-        info = os.fstat(raw.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ArchiveFormatError(f"{archive} is not a regular file")
-        size = info.st_size
+        size = os.fstat(raw.fileno()).st_size
         if size > MAX_ARCHIVE_BYTES:
             raise ArchiveTooLarge(f"{archive} is {size} bytes, over the limit of {MAX_ARCHIVE_BYTES}")
         staging = Path(tempfile.mkdtemp(dir=cache, prefix=".import-"))

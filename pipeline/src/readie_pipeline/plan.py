@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from readie_worker.bundle import AFTER_RESTORE_HOOK, MAX_SLOTS, MountPlan
+from readie_worker.config import read_toml
+from readie_worker.errors import ConfigError
 
 DEFAULT_PLAN = Path(__file__).with_name("checkpoints.toml")
 # Checkpoint names become directory names and pool names.
@@ -45,9 +46,9 @@ class Plan:
 
 def load_plan(path: Path = DEFAULT_PLAN) -> Plan:
     try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise PlanError(f"{path}: {exc}") from None
+        raw = read_toml(path)  # as the config is read: a FIFO, a huge or a deeply nested file is refused
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
     where = str(path)
     _only(raw, {"site", "mounts", "checkpoints"}, where)
     site = raw.get("site", {})

@@ -33,6 +33,7 @@ __all__ = [
     "function_names",
     "identifier",
     "list_of",
+    "at_most",
     "load_strict",
     "positive",
     "requirement",
@@ -206,6 +207,18 @@ def positive(parse: Callable[[Any], int]) -> Callable[[Any], int]:
         return result
 
     return check
+
+
+def at_most(check: Callable[[Any], int], most: int, shown: str) -> Callable[[Any], int]:
+    """``check``, refusing a value past ``most`` (written ``shown`` in the refusal)."""
+
+    def bounded(value: Any) -> int:
+        result = check(value)
+        if result > most:
+            raise Invalid(f"too large: at most {shown}")
+        return result
+
+    return bounded
 
 
 def function_names(value: Any) -> tuple[str, ...]:

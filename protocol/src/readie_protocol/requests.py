@@ -34,12 +34,21 @@ from .encoding import encode_request
 from .replies import MAX_REPLY_BYTES, ReplyRequest, parse_reply
 from .errors import RequestError, UnitError
 from .lines import ID_SCAN_BYTES, MAX_LINE_BYTES, LineEvent, OversizeLine, recover_id
-from .units import DURATION_SCHEMA, SIZE_SCHEMA, parse_duration_ms, parse_size, positive_schema
+from .units import (
+    DURATION_SCHEMA,
+    SIZE_SCHEMA,
+    at_most_schema,
+    format_duration_ms,
+    parse_duration_ms,
+    parse_size,
+    positive_schema,
+)
 from .wire import MAX_ID_CHARS, MAX_ID_INT, RequestId, id_problem, json_type
 
 from ._values import (
     MAX_REQUIREMENT_CHARS,
     Invalid,
+    at_most,
     argv_string,
     bool_value,
     bounded_text,
@@ -62,6 +71,7 @@ __all__ = [
     "MAX_REQUIREMENT_CHARS",
     "MAX_REPLY_BYTES",
     "MAX_SESSION_CHARS",
+    "MAX_TIMEOUT_MS",
     "SESSION_SETUP_FIELDS",
     "SESSION_STEP_FIELDS",
     "CLOSE_FIELDS",
@@ -93,6 +103,14 @@ MAX_PATH_CHARS = MAX_PATH_BYTES
 MAX_NAME_CHARS = 255
 #: Session names are echoed in every step's result and log line.
 MAX_SESSION_CHARS = 256
+#: The longest timeout a job or a step may have, from a request, a profile or
+#: a ceiling: a day. The sandbox's timers take at most 2**63 ns (about 292
+#: years: Python's socket and signal timers, on the host and in gVisor alike,
+#: raise OverflowError past it), and every deadline built on a timeout adds to
+#: it (the worker's grace, the monotonic clock); a day keeps all of them far
+#: inside, and a job's result within what it may claim to have run (a week,
+#: readie_worker._job_result). gRPC requests have a shorter bound of their own.
+MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
 #: Fields only a session's first request may carry: they fix the session's
 #: permissions, limits, environment and host functions for its whole life.
@@ -349,6 +367,10 @@ def _job(obj: dict[str, Any], rid: RequestId) -> JobRequest:
 
 _path = bounded_text(MAX_PATH_CHARS)
 _session = bounded_text(MAX_SESSION_CHARS)
+_timeout = with_schema(
+    at_most(positive(parse_duration_ms), MAX_TIMEOUT_MS, format_duration_ms(MAX_TIMEOUT_MS)),
+    at_most_schema(positive_schema(DURATION_SCHEMA), MAX_TIMEOUT_MS // 1000),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,9 +412,9 @@ JOB_FIELDS = (
     JobField("env", "env", env_value, "Environment variables of the program."),
     JobField("allow_network", "allow_network", bool_value,
              "Whether the job gets a network; refused unless the ceiling has allow_network = true."),
-    JobField("timeout", "timeout_ms", with_schema(positive(parse_duration_ms), positive_schema(DURATION_SCHEMA)),
-             "Wall-clock limit of the job (a session step: of the step); at most the ceiling's. Past it the "
-             "job ends with TimeoutError and exit 124."),
+    JobField("timeout", "timeout_ms", _timeout,
+             f"Wall-clock limit of the job (a session step: of the step); at most the ceiling's, and at most "
+             f"{format_duration_ms(MAX_TIMEOUT_MS)}. Past it the job ends with TimeoutError and exit 124."),
     JobField("memory", "memory_bytes", with_schema(positive(parse_size), positive_schema(SIZE_SCHEMA)),
              "Memory limit of the job, files it writes in its tmpfs included; at most the ceiling's."),
     JobField("max_output", "max_output", with_schema(parse_size, SIZE_SCHEMA),

@@ -19,7 +19,17 @@ import re
 
 from .errors import UnitError, shown
 
-__all__ = ["DURATION_SCHEMA", "MAX_VALUE", "SIZE_SCHEMA", "parse_duration_ms", "parse_size", "positive_schema"]
+__all__ = [
+    "DURATION_SCHEMA",
+    "MAX_VALUE",
+    "SIZE_SCHEMA",
+    "at_most_schema",
+    "format_duration_ms",
+    "format_size",
+    "parse_duration_ms",
+    "parse_size",
+    "positive_schema",
+]
 
 #: Converted values must fit a signed 64-bit integer: rlimits, cgroup files
 #: and protobuf int64 fields all carry them.
@@ -58,6 +68,16 @@ def positive_schema(schema: dict[str, object]) -> dict[str, object]:
     return {**schema, "anyOf": [{**integer, "minimum": 1}, {**string, "pattern": pattern}]}
 
 
+def at_most_schema(schema: dict[str, object], most: int) -> dict[str, object]:
+    """``schema`` whose bare integers stop at ``most`` (in their own unit: bytes, or seconds).
+
+    A string's value once converted cannot be bounded by a pattern (as with
+    :data:`MAX_VALUE`); the check alone refuses those past the bound.
+    """
+    integer, string = schema["anyOf"]  # type: ignore[misc]
+    return {**schema, "anyOf": [{**integer, "maximum": min(int(integer["maximum"]), most)}, string]}
+
+
 #: JSON Schema of what :func:`parse_size` accepts.
 SIZE_SCHEMA = _unit_schema(_SIZE_UNITS, "bytes, or a whole number with k, m, g or t (powers of 1024): 65536, 64k, 512m")
 #: JSON Schema of what :func:`parse_duration_ms` accepts.
@@ -72,6 +92,23 @@ def parse_size(value: object) -> int:
 def parse_duration_ms(value: object) -> int:
     """Milliseconds for a duration: a non-negative int of seconds, or a string like ``250ms``."""
     return _parse(value, _DURATION_UNITS_MS, "duration", "ms, s, m or h", "1500ms")
+
+
+def format_size(value: int) -> str:
+    """``value`` bytes as :func:`parse_size` reads it back, in the largest unit that divides it."""
+    return _format(value, _SIZE_UNITS)
+
+
+def format_duration_ms(value: int) -> str:
+    """``value`` ms as :func:`parse_duration_ms` reads it back, in the largest unit that divides it."""
+    return _format(value, {**_DURATION_UNITS_MS, "": 0})  # a bare number is seconds: always write "s"
+
+
+def _format(value: int, units: dict[str, int]) -> str:
+    for suffix, factor in sorted(units.items(), key=lambda item: item[1], reverse=True):
+        if factor and value % factor == 0:
+            return f"{value // factor}{suffix}"
+    return str(value)
 
 
 def _parse(value: object, units: dict[str, int], what: str, suffixes: str, example: str) -> int:

@@ -24,8 +24,10 @@ from readie_protocol.lines import MAX_LINE_BYTES
 from readie_protocol.requests import JOB_FIELDS, SESSION_SETUP_FIELDS, SESSION_STEP_FIELDS
 from readie_protocol.schema import protocol_schema
 from readie_protocol.units import DURATION_SCHEMA, SIZE_SCHEMA
+from readie_worker.config import MAX_CONFIG_BYTES
 from readie_worker.config_keys import (
     LIMITS,
+    OUT_OF_REACH_RULE,
     PERMISSIONS_ABOUT,
     POOL,
     PROFILE,
@@ -160,6 +162,12 @@ def config_reference() -> str:
         "stops the start with the file, the dotted key and the reason, so a typo never",
         "silently widens or drops a limit. Relative paths resolve against the file's directory,",
         "following the operator's symlinks; a file beneath one of its own write grants is refused.",
+        "Whatever goes wrong while the file is read ends the same way, never in a traceback: not a",
+        f"regular file (a FIFO is refused before it is opened for reading), more than {MAX_CONFIG_BYTES} bytes,",
+        "not UTF-8, not TOML, nested deeper than a TOML reader follows, or an error no check foresaw:",
+        "one line on stderr with the file (and the key, when there is one), and exit status 2.",
+        "",
+        OUT_OF_REACH_RULE,
         "",
         f"A **size** is {SIZE_SCHEMA['description']}. A **duration** is {DURATION_SCHEMA['description']}.",
         "Write either as a TOML integer or a string; fractions such as `1.5g` are refused (write `1536m`).",

@@ -51,8 +51,9 @@ MAX_ENV_VARS = 1024
 # Far above any mount plan (a few slots each); past it the request is garbage,
 # below it the worker refuses with the real slot count.
 MAX_GRANTS = 64
-# An hour: a slot held longer starves the worker's other callers.
-MAX_TIMEOUT_MS = 3600 * 1000
+# An hour: a slot held longer starves the worker's other callers. Shorter than
+# readie_protocol's MAX_TIMEOUT_MS, the bound of every timeout (the sandbox's timers).
+NETWORK_MAX_TIMEOUT_MS = 3600 * 1000
 # More memory or file size than any worker has is a mistake, not a limit, and
 # the executor adds its own baseline to memory_bytes, which must stay in rlim_t.
 MAX_LIMIT_BYTES = 1 << 40
@@ -92,7 +93,7 @@ def code_job(
         package_dirs=_paths("package_dirs", request.package_dirs),
         env=tuple(env.items()) or None,
         allow_network=True if request.network else None,
-        timeout_ms=_optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS),
+        timeout_ms=_optional_int(request, "timeout_ms", 1, NETWORK_MAX_TIMEOUT_MS),
         memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
         max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
         max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
@@ -154,7 +155,7 @@ def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> Step:
             code=_text("code", message.code, MAX_CODE_CHARS),
             name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
             args=_args(tuple(message.args)),
-            timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
+            timeout_ms=_optional_int(message, "timeout_ms", 1, NETWORK_MAX_TIMEOUT_MS),
             max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
             report_files=message.report_files,
         )
@@ -181,7 +182,7 @@ def checkpoint_name(name: str) -> str:
 def timeout_ms(request: pb.RunJobRequest | pb.ExecuteRequest, time_remaining_s: float | None) -> int:
     """The requested timeout (or the default), cut to what the caller's deadline leaves less
     :data:`ANSWER_MARGIN_MS`, so that a deadline ends the job with its own TimeoutError."""
-    timeout = _optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
+    timeout = _optional_int(request, "timeout_ms", 1, NETWORK_MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
     assert timeout is not None
     return cut_to_deadline(timeout, time_remaining_s)
 

@@ -19,6 +19,13 @@ apply to the pool (the spec says so); it is accepted so one file can serve
 both, and ignored. Command-line flags override ``[pool]`` through
 :func:`apply_cli`.
 
+Nothing else escapes the loader: a file nested deeper than ``tomllib`` can
+follow (its RecursionError), one that is not a regular file or is larger
+than :data:`MAX_CONFIG_BYTES`, and any exception a check did not foresee all
+end as a ConfigError, which every command reports in one line and exits 2
+with. A ceiling or a profile value no job could be served with is lowered or
+refused here, at load (``config_keys``), never found out by a job.
+
 Every key, with its check, default and meaning, is in one table,
 ``config_keys``, which the published JSON Schema and docs/config.md are
 generated from too; this module reads the file's structure through it.
@@ -50,6 +57,7 @@ from .config_keys import (
     toml_type,
 )
 from .errors import ConfigError
+from .operator_files import read_regular
 from .policy import NO_LIMITS, NOTHING_GRANTED, Limits, Profile, Resolver
 
 __all__ = [
@@ -58,6 +66,7 @@ __all__ = [
     "DEFAULT_SESSION_IDLE_MS",
     "DEFAULT_WORKERS",
     "LOG_FORMATS",
+    "MAX_CONFIG_BYTES",
     "MAX_SESSIONS",
     "MAX_WORKERS",
     "NETWORK_MAX_OUTPUT",
@@ -67,10 +76,15 @@ __all__ = [
     "apply_cli",
     "load_config",
     "parse_config",
+    "read_toml",
+    "toml_document",
 ]
 
 #: What ConfigError names as the "file" for command-line values.
 CLI_SOURCE = "command line"
+#: A file of every key with long path lists is a few KiB; past a MiB it is not
+#: a config, and tomllib holds the whole text and its tree in memory.
+MAX_CONFIG_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,30 +158,64 @@ def load_config(path: str | os.PathLike[str], *, resolve: Resolver = os.path.rea
         # if either is writable by a job, the job could swap the configuration.
         location = Path(resolve(str(given.parent))) / given.name
         real = Path(resolve(str(given)))
-        data = real.read_bytes()
     except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(shown, None, f"cannot read: {reason}") from None
-    config = parse_config(data, real, resolve=resolve)
+        raise _unreadable(shown, exc) from None
+    config = parse_config(_read(real, shown), real, resolve=resolve)
     _check_not_writable(config, location, str(real))
     return config
 
 
 def parse_config(data: bytes | str, path: Path, *, resolve: Resolver = os.path.realpath) -> Config:
-    """Parse TOML text that was read from ``path`` (absolute; relative paths resolve beside it)."""
+    """Parse TOML text that was read from ``path`` (absolute; relative paths resolve beside it).
+
+    Raises only ConfigError: an exception no check foresaw becomes one too,
+    naming its type (and kept as its ``__cause__``), so that a bad file never
+    ends in a traceback.
+    """
     if not path.is_absolute():
         raise ValueError(f"config path must be absolute, got {path}")
     shown = str(path)
     try:
+        config = _document(Reading(shown, path.parent, resolve), toml_document(data, shown))
+        _check_not_writable(config, path, shown)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a bug of the loader's: still the operator's file to fix or report
+        raise ConfigError(shown, None, f"cannot be loaded ({type(exc).__name__}: {exc})") from exc
+    return replace(config, path=path)
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The document of any TOML file the operator names (as the config is read); ConfigError otherwise."""
+    shown = os.fspath(path)
+    return toml_document(_read(shown, shown), shown)
+
+
+def toml_document(data: bytes | str, shown: str) -> dict[str, Any]:
+    """``data`` as TOML; a ConfigError naming ``shown`` for whatever ``tomllib`` cannot read."""
+    try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        document = tomllib.loads(text)
+        return tomllib.loads(text)
     except UnicodeDecodeError as exc:
         raise ConfigError(shown, None, f"not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(shown, None, f"not valid TOML: {exc}") from None
-    config = _document(Reading(shown, path.parent, resolve), document)
-    _check_not_writable(config, path, shown)
-    return replace(config, path=path)
+    except RecursionError:
+        # tomllib parses arrays and inline tables recursively, a few hundred levels deep at most.
+        raise ConfigError(shown, None, "nested too deeply: arrays or inline tables within each other, "
+                          "deeper than a TOML reader follows") from None
+
+
+def _read(path: str | os.PathLike[str], shown: str) -> bytes:
+    try:
+        return read_regular(path, MAX_CONFIG_BYTES)
+    except OSError as exc:
+        raise _unreadable(shown, exc) from None
+
+
+def _unreadable(shown: str, exc: OSError | ValueError) -> ConfigError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return ConfigError(shown, None, f"cannot read: {reason}")
 
 
 def apply_cli(

@@ -8,6 +8,10 @@ publishes them (``docs/schema/config.schema.json``, ``readie pool
 --config-schema``) and ``readie_router.reference`` renders ``docs/config.md``
 from them: a key added here is parsed, published and documented, and a key
 not here is refused by all three.
+
+A ``timeout``, ``memory`` or ``max_output`` past what any job can have
+(:data:`OUT_OF_REACH_RULE`) is lowered with a warning in the ceiling and
+refused in a profile, here at load, so that no job finds it out.
 """
 
 from __future__ import annotations
@@ -17,11 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+from readie_executor.jobs import bounds
+from readie_protocol.requests import MAX_TIMEOUT_MS
 from readie_protocol.schema import SCHEMA_DIALECT
-from readie_protocol.units import DURATION_SCHEMA, SIZE_SCHEMA, parse_duration_ms, parse_size, positive_schema
+from readie_protocol.units import (
+    DURATION_SCHEMA,
+    SIZE_SCHEMA,
+    at_most_schema,
+    format_duration_ms,
+    format_size,
+    parse_duration_ms,
+    parse_size,
+    positive_schema,
+)
 
 from .errors import ConfigError, UnitError
 from .policy import Resolver, resolve_path, scalar_defaults
+from .sandbox_memory import MAX_JOB_MEMORY, SANDBOX_MEMORY_BACKSTOP
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -35,6 +52,7 @@ __all__ = [
     "MAX_SESSIONS",
     "MAX_WORKERS",
     "NETWORK_MAX_OUTPUT",
+    "OUT_OF_REACH_RULE",
     "PERMISSIONS_ABOUT",
     "POOL",
     "PROFILE",
@@ -73,6 +91,7 @@ LOG_FORMATS = frozenset({"console", "json", "none"})
 NETWORK_MAX_OUTPUT = 1024 * 1024
 #: Profile names are echoed in the ready event and named in requests.
 MAX_PROFILE_NAME = 64
+log = structlog.get_logger("readie.config")
 
 # What the checks below refuse inside strings, as ECMA-262 (and Python) regexes.
 _NO_NUL = "^[^\\u0000]*$"
@@ -250,6 +269,34 @@ def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, al
     return Value(read, dict(schema if allow_zero else positive_schema(schema)), shown)
 
 
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """The most any job can have of a limit, as a number, as the docs write it, and why."""
+
+    most: int
+    bare: int  # what a bare TOML integer counts, for the schema: 1000 ms (seconds) or 1 byte
+    written: str
+    why: str
+
+
+def _at_most(base: Value, bound: _Bound, *, lower: bool) -> Value:
+    """``base`` held to ``bound``, past which a value could serve no job. ``lower``: it is a
+    ceiling, lowered to the bound with a warning (it then admits exactly the requests that could
+    run); else it is given to jobs, and refused (every job given it would fail)."""
+
+    def read(at: Reading, key: str, value: Any) -> int:
+        result = base.read(at, key, value)
+        if result <= bound.most:
+            return result
+        if not lower:
+            raise at.fail(key, f"too large: at most {bound.written} ({bound.why})")
+        log.warning("config value lowered", file=at.source, key=key, given=value, used=bound.written, reason=bound.why)
+        return bound.most
+
+    schema = base.schema if lower else at_most_schema(base.schema, bound.most // bound.bare)
+    return Value(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
+
+
 BOOLEAN = Value(_boolean, {"type": "boolean"}, "boolean")
 PATHS = Value(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
 MODULES = Value(
@@ -270,6 +317,28 @@ LOG = Value(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f
 SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
 POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
 POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
+_TIMEOUT = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
+_MEMORY = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")
+_OUTPUT = _Bound(bounds.MAX_OUTPUT_LIMIT, 1, format_size(bounds.MAX_OUTPUT_LIMIT), "the most output a sandbox captures")
+CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=True)
+CEILING_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=True)
+CEILING_OUTPUT = _at_most(SIZE, _OUTPUT, lower=True)
+JOB_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=False)
+JOB_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=False)
+JOB_OUTPUT = _at_most(SIZE, _OUTPUT, lower=False)
+
+#: What the loader does with a value no job could be served with (docs/config.md says it).
+OUT_OF_REACH_RULE = (
+    "A value no job could be served with is dealt with at load, never found out by a job. A "
+    "ceiling's (`[pool.limits]`) `timeout`, `memory` or `max_output` past what any job may have is "
+    "lowered to that bound, with a warning on stderr naming the key: the lowered ceiling admits "
+    "exactly the requests that could run. A profile's, which jobs would be given, is refused: every "
+    f"job naming the profile would fail. The bounds: a timeout of at most {_TIMEOUT.written}, which "
+    "every request is held to too (the sandbox's timers take at most about 292 years, and every "
+    f"deadline built on a timeout must stay far inside them); memory of at most {_MEMORY.written}, "
+    f"the {format_size(SANDBOX_MEMORY_BACKSTOP)} memory backstop of every sandbox less the sandbox's "
+    f"own share; output of at most {_OUTPUT.written} per stream, what a sandbox captures."
+)
 
 PROFILE_NAME_SCHEMA = {"type": "string", "pattern": f"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_PROFILE_NAME - 1}}}$"}
 
@@ -340,11 +409,11 @@ LIMITS = Section(
         ConfigKey("allow_network", "allow_network", BOOLEAN, "false",
                   "Whether a request may ask for the network (the pool starts no network backend yet, "
                   "so the worker still refuses it).", False),
-        ConfigKey("timeout", "timeout_ms", POSITIVE_DURATION, "no bound",
+        ConfigKey("timeout", "timeout_ms", CEILING_TIMEOUT, "no bound",
                   f"The longest timeout a request may set; {_unset('timeout')}.", "30s"),
-        ConfigKey("memory", "memory_bytes", POSITIVE_SIZE, "no bound",
+        ConfigKey("memory", "memory_bytes", CEILING_MEMORY, "no bound",
                   f"The most memory a request may set; {_unset('memory')}.", "1g"),
-        ConfigKey("max_output", "max_output", SIZE, f"no bound (over the network: {NETWORK_MAX_OUTPUT} bytes)",
+        ConfigKey("max_output", "max_output", CEILING_OUTPUT, f"no bound (over the network: {NETWORK_MAX_OUTPUT} bytes)",
                   f"The most stdout, and stderr, a request may keep; {_unset('max_output')}.", "1m"),
         ConfigKey("max_file_size", "max_file_size", SIZE, "no bound",
                   f"The largest file a request may let its job write; {_unset('max_file_size')}.", "256m"),
@@ -369,11 +438,11 @@ PROFILE = Section(
                   {"MODE": "analysis"}),
         ConfigKey("allow_network", "allow_network", BOOLEAN, "none",
                   "Whether the job gets a network, unless the request says.", False),
-        ConfigKey("timeout", "timeout_ms", POSITIVE_DURATION, "none", "The job's timeout, unless the request sets one.",
+        ConfigKey("timeout", "timeout_ms", JOB_TIMEOUT, "none", "The job's timeout, unless the request sets one.",
                   "10s"),
-        ConfigKey("memory", "memory_bytes", POSITIVE_SIZE, "none",
+        ConfigKey("memory", "memory_bytes", JOB_MEMORY, "none",
                   "The job's memory limit, unless the request sets one.", "512m"),
-        ConfigKey("max_output", "max_output", SIZE, "none",
+        ConfigKey("max_output", "max_output", JOB_OUTPUT, "none",
                   "Bytes of stdout, and of stderr, kept, unless the request sets it.", "64k"),
         ConfigKey("max_file_size", "max_file_size", SIZE, "none",
                   "The largest file the job may write, unless the request sets it.", "16m"),

@@ -36,6 +36,7 @@ from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
 from .warm import RefillBudget, WarmSandboxes
 from .runsc import Runsc
+from .sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
 from .state_dir import RUNTIME_ROOT, StateDir
 
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
@@ -49,10 +50,8 @@ log = structlog.get_logger("readie.worker")
 DEFAULT_SLOTS = 2
 # Without mounts there are no slots to fill, but the same request limits apply.
 UNISOLATED_PLAN = MountPlan()
-DEFAULT_SANDBOX_MEMORY = 4 * 1024**3
-# What gVisor's sentry and gofer take besides the job, for a checkpoint whose
-# manifest has no measurement (an idle pandas sandbox: 156 MB measured).
-SANDBOX_OVERHEAD = 256 * 1024**2
+# The backstop and the sentry's share are the config's bounds too: defined once, there.
+DEFAULT_SANDBOX_MEMORY = SANDBOX_MEMORY_BACKSTOP
 # A call waiting for a slot notices its cancellation this often.
 SLOT_WAIT_POLL_S = 0.1
 # How long a drain lets running jobs finish before it destroys their sandboxes.

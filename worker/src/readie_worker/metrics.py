@@ -3,7 +3,7 @@
     metrics = Metrics()
     worker = Worker(config, metrics=metrics).start()
     metrics.watch_worker(worker)           # warm pools, slots, sessions: read at scrape time
-    server = metrics.serve("127.0.0.1:9464")
+    endpoint = metrics.serve("127.0.0.1:9464")  # on a thread of its own (_metrics_http)
 
 Each process owns its own :class:`~prometheus_client.CollectorRegistry`, never
 the library's global one, so tests can run several in one process
@@ -16,7 +16,8 @@ launchers, gRPC methods and codes from the service definition and
 lists the metrics and example alerts.
 
 The endpoint has no authentication: metrics hold no secrets, but bind it to
-loopback or a private network.
+loopback or a private network. It runs on one thread of its own with bounded
+connections and a timeout (``_metrics_http``), never on a thread jobs need.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import argparse
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ._metrics_http import MetricsEndpoint, render_registry
 from .errors import ErrorType
 from .runsc import RUNSC_COMMANDS
 
@@ -196,11 +198,10 @@ class Metrics:
 
     # ---------------------------------------------------------------- serving
 
-    def serve(self, listen: str) -> Any:
-        """Serve ``/metrics`` on ``listen`` ("HOST:PORT") from a daemon thread; the server is returned (``shutdown()``)."""
+    def serve(self, listen: str) -> MetricsEndpoint:
+        """Serve ``/metrics`` on ``listen`` ("HOST:PORT") from a thread of its own until ``close()``."""
         host, port = split_listen(listen)
-        server, _thread = start_http_server(port, host, registry=self.registry)
-        return server
+        return MetricsEndpoint(host, port, render_registry(self.registry))
 
 
 def outcome_label(outcome: JobOutcome) -> str:
@@ -232,7 +233,7 @@ def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_if_asked(metrics: Metrics, listen: str | None) -> Any:
+def serve_if_asked(metrics: Metrics, listen: str | None) -> MetricsEndpoint | None:
     """The flag's one behaviour for every command: nothing without it; an unusable address raises OSError."""
     return None if listen is None else metrics.serve(listen)
 

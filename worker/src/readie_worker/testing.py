@@ -5,11 +5,13 @@ the ``readie`` command, a state dir's runsc, a fake host, a raw executor socket,
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +196,35 @@ def scrape(port: int, timeout: float = 5.0) -> dict[tuple[str, frozenset[tuple[s
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+@contextlib.contextmanager
+def idle_connections(port: int, count: int) -> Iterator[list[socket.socket]]:
+    """``count`` TCP connections to 127.0.0.1:``port`` that never send a byte, closed on exit."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            held[-1].settimeout(None)  # so that closed_by_peer's MSG_DONTWAIT is not waited out
+        yield held
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def closed_by_peer(connection: socket.socket) -> bool:
+    """Whether the other end has closed ``connection`` (a blocking socket; without waiting)."""
+    try:
+        return connection.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def thread_count(pid: int) -> int:
+    """The threads process ``pid`` has now."""
+    return len(os.listdir(f"/proc/{pid}/task"))
 
 
 def sample(samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
