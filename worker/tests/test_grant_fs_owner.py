@@ -147,7 +147,11 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "Runsc.oom_killed": _CGROUP,
         "kill_sandbox_process": f"runsc's pid file in the sandbox's own dir; {_PROC}",
     },
-    "testing.py": {"readie_command": "the readie entry point beside this Python (tests' helper)"},
+    "testing.py": {
+        "readie_command": "the readie entry point beside this Python (tests' helper)",
+        "thread_count": _PROC,
+    },
+    "operator_files.py": {"open_regular": _OPERATOR + "; refused unless a regular file, before any read"},
 }
 
 
