@@ -31,7 +31,7 @@ def test_a_failed_runsc_command_tells_the_client_where_and_the_log_what(tmp_path
         with pytest.raises(RunscError) as failed:
             runsc.checkpoint("rd-0123", tmp_path / "images" / "0a1b")
     message = str(failed.value)
-    assert message == "runsc checkpoint exited 128; the worker's log has the details under session ws-1 and job j1"
+    assert message == "sandbox checkpoint exited 128; the worker's log has the details under session ws-1 and job j1"
     [line] = [line for line in logs if line["event"] == "runsc failed"]
     assert (line["session"], line["job_id"], line["exit"], line["stderr"]) == ("ws-1", "j1", 128, RUNSC_SAYS)
     assert f"--image-path={tmp_path / 'images' / '0a1b'}" in line["command"]
@@ -42,7 +42,7 @@ def test_a_failure_expected_by_its_caller_is_logged_quietly_and_without_ids_says
     with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
         with pytest.raises(RunscError) as failed:
             stand_in(tmp_path).run("kill", "rd-0123", "KILL", counted=False)
-    assert str(failed.value) == "runsc kill exited 128; the worker's log has the details"
+    assert str(failed.value) == "sandbox kill exited 128; the worker's log has the details"
     assert [line["log_level"] for line in logs if line["event"] == "runsc failed"] == ["debug"]
 
 

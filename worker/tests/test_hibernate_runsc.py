@@ -292,7 +292,7 @@ def test_a_failed_hibernation_shows_the_client_no_host_fact_and_logs_them_under_
             with pytest.raises(PoolWorkerError) as failed:
                 session.hibernate()
         message = str(failed.value)
-        assert message.startswith(f"session {session.id} could not hibernate and has ended: runsc checkpoint exited ")
+        assert message.startswith(f"session {session.id} could not hibernate and has ended: sandbox checkpoint exited ")
         assert message.endswith(f"; the worker's log has the details under session {session.id}")
         assert "/" not in message and "--" not in message and "pid" not in message
         [line] = [line for line in logs if line["event"] == "runsc failed"]

@@ -119,7 +119,7 @@ def test_a_failed_restore_falls_back_to_a_cold_start(runsc, checkpoints, short_t
         sandbox.destroy()
     [fallback] = [entry for entry in logs if entry["event"] == "sandbox start failed; falling back"]
     assert fallback["fallback"] == "runsc-cold"
-    assert fallback["error"].startswith("runsc restore exited")
+    assert fallback["error"].startswith("sandbox restore exited")
     # The host facts (command line, runsc's stderr) are in the log, not in the error.
     [failed] = [entry for entry in logs if entry["event"] == "runsc failed" and " restore " in entry["command"]]
     assert "no-such-image" in failed["command"] + failed["stderr"] and "no-such-image" not in fallback["error"]

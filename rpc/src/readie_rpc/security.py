@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from readie_worker.errors import ReadieError
+from readie_worker.operator_files import read_regular
 
 __all__ = [
     "AUTHORIZATION_KEY",
@@ -52,6 +53,8 @@ AUTHORIZATION_KEY = "authorization"
 # Anything longer is not a token someone typed or generated; the bound keeps a
 # hostile header from costing a comparison of megabytes.
 MAX_TOKEN_BYTES = 4096
+# A PEM certificate chain or key: a few KiB; a megabyte is no credential.
+MAX_CREDENTIAL_BYTES = 1024 * 1024
 # Calls that need no token: a load balancer's or an orchestrator's probe.
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
@@ -75,9 +78,10 @@ def is_local_address(address: str) -> bool:
 
 def read_token(path: Path) -> str:
     try:
-        token = path.read_text().strip()
+        # Regular files only, checked before a byte is read: a FIFO named here would hang the start.
+        token = read_regular(path, MAX_TOKEN_BYTES + 2).decode("utf-8", "replace").strip()
     except OSError as exc:
-        raise SecurityError(f"cannot read the token file {path}: {exc.strerror}") from None
+        raise SecurityError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
     if not token or len(token.encode()) > MAX_TOKEN_BYTES or any(c.isspace() or not c.isprintable() for c in token):
         raise SecurityError(f"{path}: a token is 1-{MAX_TOKEN_BYTES} printable characters without spaces")
     return token
@@ -87,9 +91,9 @@ def _read(path: Path | None, what: str) -> bytes | None:
     if path is None:
         return None
     try:
-        return path.read_bytes()
+        return read_regular(path, MAX_CREDENTIAL_BYTES)
     except OSError as exc:
-        raise SecurityError(f"cannot read the {what} {path}: {exc.strerror}") from None
+        raise SecurityError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
 
 
 @dataclass(frozen=True)

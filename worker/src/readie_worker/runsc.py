@@ -80,7 +80,8 @@ class RunscError(SandboxSetupError):
 
     def __init__(self, args: Sequence[str], returncode: int | None, stderr: str, where: str = "") -> None:
         what = "timed out" if returncode is None else f"exited {returncode}"
-        super().__init__(f"runsc {args[0] if args else ''} {what}" + (f"; {where}" if where else ""))
+        # "sandbox checkpoint exited 128": the operation, never the program and its command line.
+        super().__init__(f"sandbox {args[0] if args else 'command'} {what}" + (f"; {where}" if where else ""))
         self.returncode = returncode
         self.stderr = stderr
 
