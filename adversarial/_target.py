@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import PoolProcess
+from readie_pool.testing import PoolProcess
 from readie_worker.paths import remove_tree
 from readie_worker.runsc import Runsc
 from readie_worker.testing import wait_until

@@ -42,6 +42,7 @@ COPY worker worker
 COPY rpc rpc
 COPY pipeline pipeline
 COPY protocol protocol
+COPY pool pool
 COPY router router
 COPY client client
 RUN uv sync --frozen --no-dev --no-editable --python /usr/bin/python3 \

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from readie_protocol.requests import JOB_FIELDS
-from readie_router.reference import config_example
+from readie_pool.reference import config_example
 from readie_worker.config import CliOverrides, load_config, parse_config
 from readie_worker.config_keys import DOCUMENT, LIMITS, POOL, PROFILE, Reading, Section, config_schema
 from readie_worker.errors import ConfigError

@@ -67,21 +67,21 @@ def test_the_check_sees_private_imports_in_every_spelling(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import readie_worker._mounts\n"
-        "from readie_router._events import result_line\n"
+        "from readie_pool._events import result_line\n"
         "def f():\n    from readie_executor import _calls\n"
         "from readie_worker.jobs import CodeJob\n"  # public: fine
         "from ._x import y\n"  # relative: the package's own
     )
     assert private_imports(sample, "readie") == [
         "readie_executor._calls",
-        "readie_router._events",
+        "readie_pool._events",
         "readie_worker._mounts",
     ]
-    assert private_imports(sample, "readie_worker") == ["readie_executor._calls", "readie_router._events"]
+    assert private_imports(sample, "readie_worker") == ["readie_executor._calls", "readie_pool._events"]
 
 
 def test_every_workspace_member_is_checked() -> None:
-    assert set(PACKAGES.values()) >= {"readie_protocol", "readie_executor", "readie_worker", "readie_router", "readie"}
+    assert set(PACKAGES.values()) >= {"readie_protocol", "readie_executor", "readie_worker", "readie_pool", "readie_router", "readie"}
 
 
 #: What readie_protocol may import beside the standard library: the

@@ -5,7 +5,7 @@ which carries the JSON Schema of what the check accepts, as the protocol's
 request checks do), its default, its command-line flag and what it means.
 ``config`` reads a file through these tables, :func:`config_schema`
 publishes them (``docs/schema/config.schema.json``, ``readie pool
---config-schema``) and ``readie_router.reference`` renders ``docs/config.md``
+--config-schema``) and ``readie_pool.reference`` renders ``docs/config.md``
 from them: a key added here is parsed, published and documented, and a key
 not here is refused by all three.
 """

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from readie_executor.jobs import bounds
 
-from router.tests._conformance import Pool, placed_pool
+from pool.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 

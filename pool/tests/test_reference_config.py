@@ -1,10 +1,10 @@
-"""The committed config schema and docs/config.md are what the code generates (python -m readie_router.reference)."""
+"""The committed config schema and docs/config.md are what the code generates (python -m readie_pool.reference)."""
 
 from __future__ import annotations
 
 import json
 
-from readie_router.reference import (
+from readie_pool.reference import (
     CONFIG_REFERENCE_PATH,
     CONFIG_SCHEMA_PATH,
     config_reference,
@@ -15,12 +15,12 @@ from readie_worker.config_keys import LIMITS, POOL, PROFILE
 
 
 def test_the_committed_config_schema_is_the_generated_one() -> None:
-    assert CONFIG_SCHEMA_PATH.read_text() == config_schema_json(), "run: python -m readie_router.reference"
+    assert CONFIG_SCHEMA_PATH.read_text() == config_schema_json(), "run: python -m readie_pool.reference"
     assert json.loads(CONFIG_SCHEMA_PATH.read_text())["$schema"].endswith("/2020-12/schema")
 
 
 def test_the_committed_config_reference_is_the_generated_one() -> None:
-    assert CONFIG_REFERENCE_PATH.read_text() == config_reference(), "run: python -m readie_router.reference"
+    assert CONFIG_REFERENCE_PATH.read_text() == config_reference(), "run: python -m readie_pool.reference"
 
 
 def test_the_reference_lists_every_key_once_per_section() -> None:
@@ -33,7 +33,7 @@ def test_the_reference_lists_every_key_once_per_section() -> None:
 
 
 def test_readie_pool_prints_the_config_schema_and_exits(capsys) -> None:
-    from readie_router.pool_cli import main
+    from readie_pool.cli import main
 
     assert main(["pool", "--config-schema"]) == 0
     assert capsys.readouterr().out == config_schema_json()

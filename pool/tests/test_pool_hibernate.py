@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import pool_placement
+from readie_pool.testing import pool_placement
 
 from conftest import CHECKPOINTS
-from router.tests.test_pool_sessions import Pool
+from pool.tests.test_pool_sessions import Pool
 
 pytestmark = pytest.mark.runsc
 
@@ -154,7 +154,7 @@ def test_an_idle_session_hibernates_on_its_own_then_closes_at_session_idle(check
 
 
 def test_session_hibernate_must_be_shorter_than_session_idle(checkpoints, tmp_path):
-    from readie_router.testing import PoolProcess
+    from readie_pool.testing import PoolProcess
 
     process = PoolProcess(
         ["--checkpoints", str(CHECKPOINTS), "--session-hibernate", "10m", "--session-idle", "5m"],

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.tests._conformance import Pool, placed_pool
+from pool.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 

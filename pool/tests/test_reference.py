@@ -1,20 +1,20 @@
-"""The committed schema and field reference are what the code generates (python -m readie_router.reference)."""
+"""The committed schema and field reference are what the code generates (python -m readie_pool.reference)."""
 
 from __future__ import annotations
 
 import json
 
 from readie_protocol.requests import JOB_FIELDS
-from readie_router.reference import REFERENCE_PATH, SCHEMA_PATH, field_reference, schema_json
+from readie_pool.reference import REFERENCE_PATH, SCHEMA_PATH, field_reference, schema_json
 
 
 def test_the_committed_schema_is_the_generated_one() -> None:
-    assert SCHEMA_PATH.read_text() == schema_json(), "run: python -m readie_router.reference"
+    assert SCHEMA_PATH.read_text() == schema_json(), "run: python -m readie_pool.reference"
     assert json.loads(SCHEMA_PATH.read_text())["$defs"]["request"]["oneOf"]
 
 
 def test_the_committed_field_reference_is_the_generated_one() -> None:
-    assert REFERENCE_PATH.read_text() == field_reference(), "run: python -m readie_router.reference"
+    assert REFERENCE_PATH.read_text() == field_reference(), "run: python -m readie_pool.reference"
 
 
 def test_the_reference_lists_every_field_once_with_the_pools_defaults() -> None:
@@ -25,7 +25,7 @@ def test_the_reference_lists_every_field_once_with_the_pools_defaults() -> None:
 
 
 def test_readie_pool_prints_the_schema_and_exits(capsys) -> None:
-    from readie_router.pool_cli import main
+    from readie_pool.cli import main
 
     assert main(["pool", "--schema"]) == 0
     assert capsys.readouterr().out == schema_json()

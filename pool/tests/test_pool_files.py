@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tests._conformance import Pool, placed_pool
+from pool.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 

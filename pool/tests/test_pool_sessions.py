@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import PoolProcess, pool_placement
+from readie_pool.testing import PoolProcess, pool_placement
 from readie_worker.manifest import read_manifest
 from readie_worker.runsc import Runsc
 

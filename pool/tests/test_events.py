@@ -14,7 +14,7 @@ from readie_worker.errors import (
     RequestError,
     SandboxSetupError,
 )
-from readie_router._events import (
+from readie_pool._events import (
     EXIT_NOT_RUN,
     EXIT_TIMEOUT,
     PROTOCOL_VERSION,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from readie_worker.jobs import MIN_FORWARD_INTERVAL_S, SMALL_FRAME_BURST, SMALL_FRAMES_PER_S
 
-from router.tests._conformance import Pool, placed_pool
+from pool.tests._conformance import Pool, placed_pool
 
 pytestmark = pytest.mark.runsc
 

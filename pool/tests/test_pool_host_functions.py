@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from readie_executor import hostwire
-from readie_router.testing import PoolProcess, pool_placement
+from readie_pool.testing import PoolProcess, pool_placement
 from readie_worker.jobs import MAX_REFUSED_FRAMES
 from readie_worker.runsc import Runsc
 from readie_worker.testing import CHANNEL_FORGER

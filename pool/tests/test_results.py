@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router._events import (
+from readie_pool._events import (
     EXIT_NOT_RUN,
     EXIT_TIMEOUT,
     Outcome,
@@ -14,8 +14,8 @@ from readie_router._events import (
     RuntimeInfo,
 )
 from readie_worker.policy import Policy
-from readie_router._results import MEMORY_BACKSTOP_EXIT, job_result
-from readie_router.testing import ok_outcome
+from readie_pool._results import MEMORY_BACKSTOP_EXIT, job_result
+from readie_pool.testing import ok_outcome
 from readie_protocol.events import ErrorInfo
 from readie_worker.jobs import JobOutcome
 

@@ -8,7 +8,7 @@
   explicit (nothing reads stdout behind your back), so a test can leave
   results unread and watch backpressure.
 * :class:`FakeBackend`, :class:`MemorySource` and :class:`MemorySink` run a
-  :class:`~readie_router._engine.PoolEngine` in memory, without gVisor, with
+  :class:`~readie_pool._engine.PoolEngine` in memory, without gVisor, with
   jobs (and session steps, :class:`FakeSession`) that finish when the test
   says so. :func:`serve_stdio` runs the same engine over a process's stdin
   and stdout with any backend: a ``readie pool`` without sandboxes, for a

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from readie_router._events import Outcome, Stats
-from readie_router.testing import PoolProcess
+from readie_pool._events import Outcome, Stats
+from readie_pool.testing import PoolProcess
 from readie_worker.metrics import Metrics
 from readie_worker.runsc import Runsc
 from readie_worker.testing import free_port, sample, scrape, wait_until

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from router.tests._conformance import (
+from pool.tests._conformance import (
     MIB,
     Pool,
     by_id,
@@ -32,7 +32,7 @@ from router.tests._conformance import (
     ready_event,
     runtime,
 )
-from router.tests._conformance import python_version  # noqa: F401 - fixtures
+from pool.tests._conformance import python_version  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.runsc
 

@@ -19,7 +19,7 @@ from readie_rpc.testing import start_cluster
 from readie_worker.logs import LEVELS
 
 from conftest import CHECKPOINTS
-from router.tests._conformance import Pool
+from pool.tests._conformance import Pool
 
 pytestmark = pytest.mark.runsc
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import structlog
 from readie_executor.protocol import PROTOCOL_VERSION
-from readie_router._backend import CHECKPOINT_PLAN, choose_checkpoint, manifest_path
+from readie_pool._backend import CHECKPOINT_PLAN, choose_checkpoint, manifest_path
 from readie_worker.errors import SandboxSetupError
-from readie_router.pool_cli import main
+from readie_pool.cli import main
 
 
 @pytest.fixture(autouse=True)

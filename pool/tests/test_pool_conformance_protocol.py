@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from readie_router.testing import PoolProcess
+from readie_pool.testing import PoolProcess
 
 from conftest import CHECKPOINTS
-from router.tests._conformance import (
+from pool.tests._conformance import (
     MIB,
     Pool,
     by_id,
@@ -30,7 +30,7 @@ from router.tests._conformance import (
     ready_event,
     runtime,
 )
-from router.tests._conformance import python_version  # noqa: F401 - fixtures
+from pool.tests._conformance import python_version  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.runsc
 

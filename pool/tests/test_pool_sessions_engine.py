@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from readie_worker.config import parse_config
-from readie_router._events import RuntimeInfo
-from readie_router._engine import PoolEngine, PoolSetup
+from readie_pool._events import RuntimeInfo
+from readie_pool._engine import PoolEngine, PoolSetup
 from readie_protocol.requests import SESSION_SETUP_FIELDS
-from readie_router._sessions import MAX_PENDING_STEPS
-from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
+from readie_pool._sessions import MAX_PENDING_STEPS
+from readie_pool.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_protocol.events import ErrorInfo
 
 RUNTIME = RuntimeInfo.pool("3.11.2")
@@ -393,7 +393,7 @@ class _SessionRunner:
 
 
 def test_threaded_backend_runs_a_runners_session_steps_on_its_threads():
-    from readie_router._backend import ThreadedBackend
+    from readie_pool._backend import ThreadedBackend
     from readie_worker.jobs import CodeJob, Step
 
     runner = _SessionRunner()

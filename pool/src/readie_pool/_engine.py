@@ -2,7 +2,7 @@
 
 One asyncio task reads (intake), one writes, and each accepted job is a task
 of its own that waits for one of ``workers`` slots and then for the
-:class:`~readie_router._backend.JobBackend`. Everything the protocol decides
+:class:`~readie_pool._backend.JobBackend`. Everything the protocol decides
 is delegated to the pure layers: ``_lines`` splits, ``_requests`` parses,
 ``_policy`` resolves, ``_results`` and ``_events`` build what is written.
 

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 from readie_executor import hostwire
-from readie_router._events import RuntimeInfo
+from readie_pool._events import RuntimeInfo
 from readie_protocol.connection import PoolConnection, Role
 from readie_protocol.events import CallEvent, ReadyEvent
-from readie_router._engine import PoolEngine, PoolSetup
-from readie_router.testing import FakeBackend, MemorySink, MemorySource
+from readie_pool._engine import PoolEngine, PoolSetup
+from readie_pool.testing import FakeBackend, MemorySink, MemorySource
 from readie_worker.jobs import HostCall, HostReply
 
 

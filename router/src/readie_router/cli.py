@@ -38,13 +38,13 @@ from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from readie_rpc.security import add_client_arguments, add_server_arguments, client_security, server_security
 from readie_worker.stop_signal import StopSignal
 
-from ._backend import choose_checkpoint
+from readie_pool import choose_checkpoint
 from readie_worker.config import Config, load_config
 from readie_worker.errors import ConfigError
 from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery, dns_name
-from ._events import RuntimeInfo
+from readie_protocol.events import RuntimeInfo
 from ._placement import DEFAULT_ROUTER_SESSIONS, PROBE_INTERVAL_S, Placement
-from ._setup import PoolSetup
+from readie_pool import PoolSetup
 from ._pool_service import POOL_SERVICE, PoolServicer
 
 log = structlog.get_logger("readie.router")

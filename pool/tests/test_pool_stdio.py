@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from readie_router._stdio import FdReader, FdWriter
+from readie_pool._stdio import FdReader, FdWriter
 
 
 def test_reads_only_when_asked_and_ends_with_empty_bytes():

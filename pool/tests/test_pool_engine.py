@@ -16,12 +16,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from readie_router._backend import ThreadedBackend
+from readie_pool._backend import ThreadedBackend
 from readie_worker.config import Config, parse_config
 from readie_worker.errors import PoolWorkerError
-from readie_router._events import RuntimeInfo
-from readie_router._engine import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, PoolSetup, PoolState
-from readie_router.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
+from readie_pool._events import RuntimeInfo
+from readie_pool._engine import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, PoolSetup, PoolState
+from readie_pool.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_protocol.events import ErrorInfo
 from readie_worker.jobs import CodeJob
 
