@@ -17,7 +17,7 @@ from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerEr
 from readie_worker.jobs import CodeJob, JobOutcome
 from readie_worker.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from readie_worker.runsc import RunscError
-from readie_worker.sandbox import ExecutorTimeout
+from readie_protocol.errors import ExecutorTimeout
 
 MiB = 1024 * 1024
 

@@ -286,7 +286,7 @@ def remote(
 def _translated_errors() -> Iterator[None]:
     """The worker client's errors, as the client's public ones: the one translation of this boundary."""
     from readie_worker.errors import RequestError as WorkerRequestError
-    from readie_worker.sandbox import ExecutorTimeout
+    from readie_protocol.errors import ExecutorTimeout
 
     try:
         yield

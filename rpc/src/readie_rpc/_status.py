@@ -46,7 +46,7 @@ import grpc
 import structlog
 
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
-from readie_worker.sandbox import ExecutorTimeout
+from readie_protocol.errors import ExecutorTimeout
 
 log = structlog.get_logger("readie.grpc")
 

@@ -44,7 +44,7 @@ from readie_executor.sockets import RECV_SIZE
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
-from .errors import PoolWorkerError, SandboxSetupError
+from .errors import ExecutorTimeout, PoolWorkerError, SandboxSetupError
 from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
 from .launchers import Launcher, RunscCold, RunscRestore
@@ -87,10 +87,6 @@ _WARM_UP_REQUEST = cloudpickle.dumps(
 
 #: What ``exchange``'s ``answer`` returns for a message that gets no reply.
 NO_REPLY = b""
-
-
-class ExecutorTimeout(PoolWorkerError):
-    """The executor did not answer within the call's deadline."""
 
 
 class _NoResponse(Exception):
