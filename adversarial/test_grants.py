@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from readie_pool.protocol import RequestError
-from readie_worker.policy import Limits, resolve_script
+from readie_policy.policy import Limits, resolve_script
 from readie_pool import read_script
 from readie_pool.protocol import JobRequest
 import readie_worker

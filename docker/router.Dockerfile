@@ -21,6 +21,7 @@ ENV UV_PYTHON_DOWNLOADS=never \
 WORKDIR /opt/readie
 COPY pyproject.toml uv.lock .python-version ./
 COPY executor executor
+COPY policy policy
 COPY worker worker
 COPY rpc rpc
 COPY pipeline pipeline

@@ -38,6 +38,7 @@ WORKDIR /opt/readie
 # into the venv rather than linked to the source.
 COPY pyproject.toml uv.lock .python-version ./
 COPY executor executor
+COPY policy policy
 COPY worker worker
 COPY rpc rpc
 COPY pipeline pipeline

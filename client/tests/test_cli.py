@@ -9,7 +9,7 @@ import sys
 import pytest
 from readie._cli import SUBCOMMANDS, main, version_line
 from readie_protocol.wire import PROTOCOL_VERSION
-from readie_worker.cli_flags import duration_seconds
+from readie_policy.cli_flags import duration_seconds
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:

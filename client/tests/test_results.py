@@ -16,7 +16,7 @@ from readie_pool.protocol import RequestError as RouterRequestError
 from readie_pool.protocol import ErrorInfo as RouterErrorInfo
 from readie_pool.protocol import JobResult, Outcome
 from readie_pool.protocol import RuntimeInfo as RouterRuntimeInfo
-from readie_worker.policy import Policy
+from readie_policy.policy import Policy
 
 
 def result_line(result: JobResult) -> dict[str, Any]:

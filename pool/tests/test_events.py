@@ -27,7 +27,7 @@ from readie_pool._events import (
     policy_info,
     signal_exit,
 )
-from readie_worker.policy import Policy
+from readie_policy.policy import Policy
 from readie_protocol.requests import Refused, parse_request
 from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent
 from readie_protocol.wire import encode_line

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from readie_rpc.stubs import worker_pb2 as pb
 from readie_rpc.testing import start_cluster
-from readie_worker.logs import LEVELS
+from readie_policy.logs import LEVELS
 
 from conftest import CHECKPOINTS
 from pool.tests._conformance import Pool

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from readie_pool._backend import ThreadedBackend
-from readie_worker.config import Config, parse_config
+from readie_policy.config import Config, parse_config
 from readie_worker.errors import PoolWorkerError
 from readie_pool._events import RuntimeInfo
 from readie_pool._engine import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, PoolSetup, PoolState

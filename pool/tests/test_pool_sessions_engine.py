@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from readie_worker.config import parse_config
+from readie_policy.config import parse_config
 from readie_pool._events import RuntimeInfo
 from readie_pool._engine import PoolEngine, PoolSetup
 from readie_protocol.requests import SESSION_SETUP_FIELDS

@@ -11,7 +11,7 @@ from readie_pool.reference import (
     config_schema_json,
     schema_json,
 )
-from readie_worker.config_keys import LIMITS, POOL, PROFILE
+from readie_policy.config_keys import LIMITS, POOL, PROFILE
 
 
 def test_the_committed_config_schema_is_the_generated_one() -> None:

@@ -13,7 +13,7 @@ from readie_pool._events import (
     JobResult,
     RuntimeInfo,
 )
-from readie_worker.policy import Policy
+from readie_policy.policy import Policy
 from readie_pool._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_pool.testing import ok_outcome
 from readie_protocol.events import ErrorInfo

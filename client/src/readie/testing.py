@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from readie_worker.locations import locate_checkpoints
+from readie_policy.locations import locate_checkpoints
 
 from ._pool import Pool
 from ._requests import PathArg
@@ -46,7 +46,7 @@ def __getattr__(name: str) -> object:
 
 def find_checkpoints(checkpoints: PathArg | None = None) -> Path:
     """The checkpoint manifest, found as every readie command finds it
-    (:func:`readie_worker.locations.locate_checkpoints`): ``checkpoints`` (the
+    (:func:`readie_policy.locations.locate_checkpoints`): ``checkpoints`` (the
     manifest or its directory), else ``$READIE_CHECKPOINTS``, else
     ``./build/checkpoints``, else ``~/.cache/readie/checkpoints``.
     Raises ``CheckpointsNotFound`` naming where it looked."""

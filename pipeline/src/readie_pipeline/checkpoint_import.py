@@ -39,7 +39,7 @@ from typing import Any
 import structlog
 
 from readie_worker.bundle import MountPlan, family_fingerprint
-from readie_worker.locations import CACHE_VARIABLE, check_owned, link_default
+from readie_policy.locations import CACHE_VARIABLE, check_owned, link_default
 from readie_worker.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 from .archive_format import (

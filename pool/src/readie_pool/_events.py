@@ -33,7 +33,7 @@ from typing import Any
 from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent, Value, FileInfo
 from readie_protocol.wire import PROTOCOL_VERSION, RequestId
 from readie_worker.errors import ErrorType, ReadieError, error_type
-from readie_worker.policy import Policy
+from readie_policy.policy import Policy
 
 from readie_protocol.requests import Refused
 

@@ -16,7 +16,7 @@ from readie_executor.jobs import bounds
 from readie_worker.errors import RequestError
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
 from readie_worker.paths import PathRefused, read_no_follow
-from readie_worker.policy import Policy, resolve_policy, resolve_script
+from readie_policy.policy import Policy, resolve_policy, resolve_script
 
 from readie_protocol.requests import JobRequest
 from ._setup import PoolSetup

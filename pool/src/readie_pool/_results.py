@@ -48,7 +48,7 @@ from ._events import (
     RuntimeInfo,
     signal_exit,
 )
-from readie_worker.policy import Policy
+from readie_policy.policy import Policy
 from readie_protocol.wire import RequestId
 
 __all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "job_result"]

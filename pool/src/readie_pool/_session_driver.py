@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 from readie_worker.cancel import Cancellation
 from readie_worker.errors import Cancelled, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
-from readie_worker.policy import Policy, resolve_step
+from readie_policy.policy import Policy, resolve_step
 from readie_worker.sessions import StepOutcome
 
 from readie_worker.jobs import DEFAULT_INLINE_NAME, Step

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ._backend import BackendSession
 from readie_worker.errors import RequestError
-from readie_worker.policy import Policy
+from readie_policy.policy import Policy
 from readie_protocol.requests import JobRequest
 
 __all__ = ["MAX_PENDING_STEPS", "NamedSession", "SessionPhase", "SessionTable"]

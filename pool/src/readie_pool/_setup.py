@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from readie_worker.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
+from readie_policy.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
 
 from ._events import RuntimeInfo
 

@@ -31,15 +31,15 @@ from readie_worker import enter_mount_namespace
 from readie_rpc.client import WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
-from readie_worker.logs import configure_logging
+from readie_policy.logs import configure_logging
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from readie_worker.paths import remove_tree, scratch_dir
 from readie_rpc.security import ClientSecurity, add_client_arguments, client_security
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint
-from readie_worker.config import CliOverrides, Config, apply_cli, load_config
+from readie_policy.config import CliOverrides, Config, apply_cli, load_config
 from readie_worker.errors import ConfigError
-from readie_worker.locations import CHECKPOINTS_VARIABLE, locate_checkpoints
+from readie_policy.locations import CHECKPOINTS_VARIABLE, locate_checkpoints
 from ._events import RuntimeInfo
 from ._engine import PoolEngine, PoolSetup
 from ._stdio import FdReader, FdWriter

@@ -47,7 +47,7 @@ from readie_worker.jobs import (
 )
 from readie_worker.sessions import StepOutcome
 from readie_rpc.testing import start_cluster
-from readie_worker.logs import configure_logging
+from readie_policy.logs import configure_logging
 from readie_worker.testing import readie_command
 
 from ._events import RuntimeInfo

@@ -14,7 +14,7 @@ health turns NOT_SERVING, running calls finish, the process exits 0.
 
 Only ``Pool.Session`` needs the checkpoints' manifest (the ready event names
 the checkpoint and its Python); it is found as every readie command finds it
-(``readie_worker.locations``), and where none is found the router serves
+(``readie_policy.locations``), and where none is found the router serves
 without ``Pool.Session`` and says so.
 """
 
@@ -29,17 +29,17 @@ from pathlib import Path
 import structlog
 
 from readie_rpc.stubs import pool_pb2_grpc
-from readie_worker.cli_flags import LOG_CHOICES, duration_seconds
+from readie_policy.cli_flags import LOG_CHOICES, duration_seconds
 from readie_worker.errors import ReadieError
-from readie_worker.locations import CHECKPOINTS_VARIABLE, CheckpointsNotFound, locate_checkpoints
+from readie_policy.locations import CHECKPOINTS_VARIABLE, CheckpointsNotFound, locate_checkpoints
 from readie_rpc.grpc_service import DRAIN_NOTICE_S, serve
-from readie_worker.logs import configure_logging
+from readie_policy.logs import configure_logging
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from readie_rpc.security import add_client_arguments, add_server_arguments, client_security, server_security
 from readie_worker.stop_signal import StopSignal
 
 from readie_pool import choose_checkpoint
-from readie_worker.config import Config, load_config
+from readie_policy.config import Config, load_config
 from readie_worker.errors import ConfigError
 from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery, dns_name
 from readie_protocol.events import RuntimeInfo

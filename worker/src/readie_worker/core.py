@@ -22,7 +22,7 @@ import structlog
 from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
-from .config import DEFAULT_MAX_SESSIONS
+from readie_policy.config import DEFAULT_MAX_SESSIONS
 from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError
 from ._mounts import enter_mount_namespace
 from .paths import RUNTIME_ROOT, canonical_dirs, code_dirs, remove_tree, scratch_dir

@@ -13,7 +13,7 @@ import math
 
 from readie_protocol.units import parse_duration_ms
 
-from .errors import UnitError
+from readie_protocol.errors import UnitError
 
 __all__ = ["LOG_CHOICES", "duration_seconds"]
 

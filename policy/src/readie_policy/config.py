@@ -8,7 +8,7 @@ resolve against the file's directory and then through ``realpath`` (see
 a job could rewrite the ceiling that confines it.
 
 Absent ``[pool.limits]`` means no ceiling at all; present, it is a full
-ceiling (see :class:`~readie_worker.policy.Limits`). Profiles are *not*
+ceiling (see :class:`~readie_policy.policy.Limits`). Profiles are *not*
 checked against the ceiling at load: the spec's own example pairs
 ``allow_network = false`` with a ``fetch`` profile that asks for the network,
 and the spec says the ceiling applies after the profile. A request naming
@@ -49,7 +49,7 @@ from .config_keys import (
     check_profile_name,
     toml_type,
 )
-from .errors import ConfigError
+from readie_protocol.errors import ConfigError
 from .policy import NO_LIMITS, NOTHING_GRANTED, Limits, Profile, Resolver
 
 __all__ = [

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from readie_worker.errors import RequestError
-from readie_worker.policy import (
+from readie_policy.policy import (
     DEFAULT_MAX_FILE_SIZE,
     DEFAULT_MAX_OUTPUT,
     DEFAULT_MEMORY_BYTES,

@@ -1,4 +1,4 @@
-"""The config file's JSON Schema says what the loader does: one key table (readie_worker.config_keys) feeds both.
+"""The config file's JSON Schema says what the loader does: one key table (readie_policy.config_keys) feeds both.
 
 Checked three ways: every example config in the repository (docs, example
 files, tests) is valid for the schema and loads; the bad configs the loader
@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from readie_protocol.requests import JOB_FIELDS
 from readie_pool.reference import config_example
-from readie_worker.config import CliOverrides, load_config, parse_config
-from readie_worker.config_keys import DOCUMENT, LIMITS, POOL, PROFILE, Reading, Section, config_schema
+from readie_policy.config import CliOverrides, load_config, parse_config
+from readie_policy.config_keys import DOCUMENT, LIMITS, POOL, PROFILE, Reading, Section, config_schema
 from readie_worker.errors import ConfigError
 
 from conftest import REPO
-from router.tests.test_config import BAD_CONFIGS
+from policy.tests.test_config import BAD_CONFIGS
 
 SCHEMA = config_schema()
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -79,7 +79,7 @@ EXAMPLES = {**doc_examples(), **file_and_test_examples()}
 def test_the_examples_are_found() -> None:
     names = set(EXAMPLES)
     assert "examples/demo/readie.toml" in names
-    assert "router/tests/test_config.py:SPEC_CONFIG" in names
+    assert "policy/tests/test_config.py:SPEC_CONFIG" in names
     assert "rpc/src/readie_rpc/testing.py:TEST_CEILING" in names
     assert {"docs/config.md#0", "docs/pool.md#0"} <= names
 

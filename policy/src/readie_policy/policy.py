@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar, overload
 
-from .errors import RequestError
+from readie_protocol.errors import RequestError
 
 __all__ = [
     "scalar_defaults",

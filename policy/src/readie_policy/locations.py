@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SandboxSetupError
-from .manifest import MANIFEST_NAME
+from readie_protocol.errors import SandboxSetupError
+from readie_worker.manifest import MANIFEST_NAME
 
 __all__ = [
     "BUILD_CHECKPOINTS",

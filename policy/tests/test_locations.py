@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from readie_worker.locations import (
+from readie_policy.locations import (
     CheckpointsNotFound,
     UnsafeCheckpoints,
     default_checkpoints,

@@ -20,7 +20,7 @@ from typing import Any
 from readie_protocol.schema import SCHEMA_DIALECT
 from readie_protocol.units import DURATION_SCHEMA, SIZE_SCHEMA, parse_duration_ms, parse_size, positive_schema
 
-from .errors import ConfigError, UnitError
+from readie_protocol.errors import ConfigError, UnitError
 from .policy import Resolver, resolve_path, scalar_defaults
 
 __all__ = [

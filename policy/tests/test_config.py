@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from readie_worker.config import (
+from readie_policy.config import (
     CLI_SOURCE,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_IDLE_MS,
@@ -19,7 +19,7 @@ from readie_worker.config import (
     parse_config,
 )
 from readie_worker.errors import ConfigError
-from readie_worker.policy import NO_LIMITS, Limits, Profile
+from readie_policy.policy import NO_LIMITS, Limits, Profile
 
 SPEC_CONFIG = """\
 [pool]

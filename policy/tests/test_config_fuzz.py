@@ -16,8 +16,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from readie_worker.config import parse_config
-from readie_worker.config_keys import LIMITS, POOL, PROFILE
+from readie_policy.config import parse_config
+from readie_policy.config_keys import LIMITS, POOL, PROFILE
 from readie_worker.errors import ConfigError
 
 from conftest import fuzz_examples
