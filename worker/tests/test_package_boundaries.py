@@ -123,3 +123,11 @@ def test_the_worker_has_no_grpc_the_rpc_layer_does():
     for path in (REPO / "worker" / "src").rglob("*.py"):
         for module in imported_modules(ast.parse(path.read_text())):
             assert module.split(".")[0] not in ("grpc", "grpc_health", "grpc_reflection", "google", "readie_rpc"), (path, module)
+
+
+def test_the_client_imports_nothing_from_the_worker():
+    """The client package talks to workers through readie_rpc and shares only readie_protocol's and
+    readie_policy's values with them: a worker's internals can change without the client noticing."""
+    for path in (REPO / "client" / "src").rglob("*.py"):
+        for module in imported_modules(ast.parse(path.read_text())):
+            assert module.split(".")[0] != "readie_worker", (path, module)

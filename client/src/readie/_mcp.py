@@ -39,7 +39,7 @@ import structlog
 from anyio.abc import TaskStatus
 from readie_protocol.units import parse_duration_ms
 from readie_rpc.security import read_token
-from readie_worker.errors import ReadieError
+from readie_protocol.errors import ReadieError
 from readie_policy.logs import configure_logging
 
 from ._errors import PoolError

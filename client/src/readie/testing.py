@@ -79,7 +79,7 @@ def local_router(
     """``readie router`` in front of ``workers`` ``readie worker`` processes, all on loopback.
 
     ``config`` is the router's and workers' ``--config`` (their ceiling): by
-    default one that grants paths under /tmp (``readie_worker.testing.TEST_CEILING``);
+    default one that grants paths under /tmp (``readie_rpc.testing.TEST_CEILING``);
     a network server without one grants nothing. Everything is stopped on exit
     (SIGTERM: a graceful drain) and must exit 0; workers must leave no sandbox behind.
     """

@@ -6,6 +6,6 @@ one key table, from which the loader, the schema and docs/config.md come),
 ``cli_flags`` (flag values every command reads alike), ``locations`` (where
 every command finds the checkpoints) and ``logs`` (the one log schema).
 The worker, the pool, the router, the pipeline and the client import these;
-this package imports only ``readie_protocol`` (and ``readie_worker.manifest``'s
-file name, for now), so none of them needs another's internals to agree on a limit.
+this package imports only ``readie_protocol``, so none of them needs
+another's internals to agree on a limit.
 """

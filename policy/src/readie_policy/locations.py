@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from readie_protocol.errors import SandboxSetupError
-from readie_worker.manifest import MANIFEST_NAME
 
 __all__ = [
     "BUILD_CHECKPOINTS",
     "CACHE_VARIABLE",
     "CHECKPOINTS_VARIABLE",
+    "MANIFEST_NAME",
     "CheckpointsNotFound",
     "Located",
     "UnsafeCheckpoints",
@@ -44,6 +44,8 @@ __all__ = [
     "locate_checkpoints",
 ]
 
+#: The file a checkpoint directory is found by: the manifest that names its images.
+MANIFEST_NAME = "manifest.json"
 CHECKPOINTS_VARIABLE = "READIE_CHECKPOINTS"
 CACHE_VARIABLE = "READIE_CACHE"
 #: What ``make capture`` writes, relative to a checkout (and to the working directory).
