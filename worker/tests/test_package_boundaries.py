@@ -131,3 +131,34 @@ def test_the_client_imports_nothing_from_the_worker():
     for path in (REPO / "client" / "src").rglob("*.py"):
         for module in imported_modules(ast.parse(path.read_text())):
             assert module.split(".")[0] != "readie_worker", (path, module)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each workspace package -> the other workspace packages its sources import, anywhere in them."""
+    found: dict[str, set[str]] = {package: set() for package in OURS}
+    for member, package in PACKAGES.items():
+        for path in (REPO / member / "src").rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            tops = {module.split(".")[0] for module in imported_modules(ast.parse(path.read_text()))}
+            found[package] |= (tops & OURS) - {package}
+    return found
+
+
+def test_no_two_packages_import_each_other():
+    """A package per program, layered (docs/architecture.md): the imports between packages form no cycle,
+    counting imports inside functions and TYPE_CHECKING blocks, so each package can be read, tested
+    and shipped on top of the ones below it."""
+    imports = package_imports()
+
+    def below(package: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [package]
+        while todo:
+            for other in imports[todo.pop()] - seen:
+                seen.add(other)
+                todo.append(other)
+        return seen
+
+    assert [package for package in sorted(OURS) if package in below(package)] == []
+    assert "readie_pool" in imports["readie_router"] and "readie_router" not in below("readie_pool")
