@@ -7,6 +7,7 @@ import inside a function, or one spelled ``from pkg._x import y``, counts.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -162,3 +163,15 @@ def test_no_two_packages_import_each_other():
 
     assert [package for package in sorted(OURS) if package in below(package)] == []
     assert "readie_pool" in imports["readie_router"] and "readie_router" not in below("readie_pool")
+
+
+def test_every_package_declares_the_workspace_packages_it_imports():
+    """A package installed on its own (a Docker image, a wheel) must bring what it imports."""
+    imports = package_imports()
+    undeclared = {}
+    for member, package in PACKAGES.items():
+        project = tomllib.loads((REPO / member / "pyproject.toml").read_text())["project"]
+        declared = {re.split(r"[\[<>=~ ;]", requirement)[0].replace("-", "_") for requirement in project["dependencies"]}
+        if missing := imports[package] - declared:
+            undeclared[package] = sorted(missing)
+    assert undeclared == {}
