@@ -285,8 +285,8 @@ def remote(
 @contextmanager
 def _translated_errors() -> Iterator[None]:
     """The worker client's errors, as the client's public ones: the one translation of this boundary."""
-    from readie_protocol.errors import RequestError as WorkerRequestError
     from readie_protocol.errors import ExecutorTimeout
+    from readie_protocol.errors import RequestError as WorkerRequestError
 
     try:
         yield
