@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from readie_router.testing import PoolProcess
+from readie_pool.testing import PoolProcess
 
 # Requests in flight at once: below the pool's 2 x workers permits, so writing
 # a request never blocks on backpressure while the reader thread replies to calls.

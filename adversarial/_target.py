@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.testing import PoolProcess
+from readie_pool.testing import PoolProcess
 from readie_worker.paths import remove_tree
 from readie_worker.state_dir import RUN
 from readie_worker.testing import runsc_in, wait_until

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from readie_router.testing import PoolProcess
+from readie_pool.testing import PoolProcess
 from readie_rpc.testing import SERVING, Cluster, WorkerProcess, start_cluster
 from readie_worker.runsc import Runsc
 from readie_worker.testing import wait_until

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_router.protocol import RequestError
-from readie_worker.policy import Limits, resolve_script
-from readie_router import read_script
-from readie_router.protocol import JobRequest
+from readie_pool.protocol import RequestError
+from readie_policy.policy import Limits, resolve_script
+from readie_pool import read_script
+from readie_pool.protocol import JobRequest
 import readie_worker
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.state_dir import RUNTIME_ROOT

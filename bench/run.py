@@ -23,7 +23,7 @@ from typing import Any
 
 from readie_worker import enter_mount_namespace
 from readie_worker.errors import ReadieError
-from readie_worker.logs import configure_logging
+from readie_policy.logs import configure_logging
 from readie_worker.manifest import MANIFEST_NAME
 
 from . import _machine

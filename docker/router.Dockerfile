@@ -21,10 +21,12 @@ ENV UV_PYTHON_DOWNLOADS=never \
 WORKDIR /opt/readie
 COPY pyproject.toml uv.lock .python-version ./
 COPY executor executor
+COPY policy policy
 COPY worker worker
 COPY rpc rpc
 COPY pipeline pipeline
 COPY protocol protocol
+COPY pool pool
 COPY router router
 COPY client client
 RUN uv sync --frozen --no-dev --no-editable --python /usr/bin/python3 \

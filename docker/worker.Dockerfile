@@ -38,10 +38,12 @@ WORKDIR /opt/readie
 # into the venv rather than linked to the source.
 COPY pyproject.toml uv.lock .python-version ./
 COPY executor executor
+COPY policy policy
 COPY worker worker
 COPY rpc rpc
 COPY pipeline pipeline
 COPY protocol protocol
+COPY pool pool
 COPY router router
 COPY client client
 RUN uv sync --frozen --no-dev --no-editable --python /usr/bin/python3 \

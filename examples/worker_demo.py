@@ -17,8 +17,8 @@ import cloudpickle
 
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.jobs import CodeJob
-from readie_worker.locations import locate_checkpoints
-from readie_worker.logs import configure_logging
+from readie_policy.locations import locate_checkpoints
+from readie_policy.logs import configure_logging
 
 
 

@@ -20,7 +20,7 @@ import json
 import sys
 import time
 
-from readie_router.testing import FakeBackend, ok_outcome, serve_stdio
+from readie_pool.testing import FakeBackend, ok_outcome, serve_stdio
 from readie_protocol.events import ErrorInfo
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import ErrorType

@@ -9,7 +9,7 @@ import sys
 import pytest
 from readie._cli import SUBCOMMANDS, main, version_line
 from readie_protocol.wire import PROTOCOL_VERSION
-from readie_worker.cli_flags import duration_seconds
+from readie_policy.cli_flags import duration_seconds
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -63,7 +63,7 @@ def test_durations_read_alike_on_every_command():
 
 
 def test_worker_and_router_take_the_same_flag_spellings():
-    from readie_router.router_cli import build_parser as router_parser
+    from readie_router.cli import build_parser as router_parser
     from readie_rpc.cli import build_parser as worker_parser
 
     worker = worker_parser().parse_args(["--drain-grace=30s", "--drain-notice=500ms", "--log=json", "--checkpoints=/x"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from readie_router.router_cli import build_parser as router_parser
+from readie_router.cli import build_parser as router_parser
 from readie_rpc.cli import build_parser as worker_parser
 
 from client.tests._compose_model import plan

@@ -1,7 +1,7 @@
 """``Pool`` against the real pool engine over pipes, its backend faked: demultiplexing, refusals,
 host functions, sessions, stats and the drain, as a client meets them, without gVisor.
 
-The engine is the one ``readie pool`` runs (``readie_router.testing.serve_stdio``);
+The engine is the one ``readie pool`` runs (``readie_pool.testing.serve_stdio``);
 only the sandboxes are replaced (``engine_pool.py`` says what each verb does).
 What only a broken pool does (garbage, dying, another protocol version) is
 test_pool_fake.py's, against a stand-in that misbehaves on purpose.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from readie_worker.locations import link_default
+from readie_policy.locations import link_default
 
 from client.tests._prompts import prompt_examples
 from conftest import CHECKPOINTS, REPO

@@ -11,12 +11,12 @@ import readie
 from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
 from readie_protocol import PROTOCOL_VERSION
 from readie_protocol.events import parse_ready, parse_result, parse_stats
-from readie_router.protocol import PoolWorkerError as RouterPoolWorkerError
-from readie_router.protocol import RequestError as RouterRequestError
-from readie_router.protocol import ErrorInfo as RouterErrorInfo
-from readie_router.protocol import JobResult, Outcome
-from readie_router.protocol import RuntimeInfo as RouterRuntimeInfo
-from readie_worker.policy import Policy
+from readie_pool.protocol import PoolWorkerError as RouterPoolWorkerError
+from readie_pool.protocol import RequestError as RouterRequestError
+from readie_pool.protocol import ErrorInfo as RouterErrorInfo
+from readie_pool.protocol import JobResult, Outcome
+from readie_pool.protocol import RuntimeInfo as RouterRuntimeInfo
+from readie_policy.policy import Policy
 
 
 def result_line(result: JobResult) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 A hibernated session's sandbox is gone and its next step restores it
 (``resumed_ms``); a fork is a second session, open at once, with the
 parent's state, grants and host functions, and after it the two share
-nothing. The pool's own side is router/tests/test_pool_hibernate.py's.
+nothing. The pool's own side is pool/tests/test_pool_hibernate.py's.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import yaml
 from readie._cli import SUBCOMMANDS
 from readie_router._discovery import DnsName
 from readie_rpc.security import SecurityError, read_token
-from readie_worker.config import load_config
+from readie_policy.config import load_config
 
 from conftest import REPO
 

@@ -392,7 +392,7 @@ def test_worker_dns_refuses_anything_else(text):
 
 
 def test_the_router_cli_takes_worker_dns_repeated_and_beside_worker():
-    from readie_router.router_cli import build_parser
+    from readie_router.cli import build_parser
 
     args = build_parser().parse_args(
         ["--worker=10.0.0.1:50061", "--worker-dns=a.example:50061", "--worker-dns=b.example:50062", "--dns-interval=2s"]

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from readie_rpc.stubs import worker_pb2 as pb
-from readie_router.testing import PoolProcess
+from readie_pool.testing import PoolProcess
 from readie_rpc.testing import Cluster, start_cluster
 from readie_worker.testing import wait_until
 

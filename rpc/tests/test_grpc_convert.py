@@ -15,9 +15,9 @@ from readie_rpc._status import DeadlineExpired, ResponseTooLarge, grpc_errors, s
 from readie_worker.core import Capacity, Worker, WorkerConfig
 from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
-from readie_worker.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
+from readie_policy.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from readie_worker.runsc import RunscError
-from readie_worker.sandbox import ExecutorTimeout
+from readie_protocol.errors import ExecutorTimeout
 
 MiB = 1024 * 1024
 

@@ -7,6 +7,7 @@ import inside a function, or one spelled ``from pkg._x import y``, counts.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -67,21 +68,21 @@ def test_the_check_sees_private_imports_in_every_spelling(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import readie_worker._mounts\n"
-        "from readie_router._events import result_line\n"
+        "from readie_pool._events import result_line\n"
         "def f():\n    from readie_executor import _calls\n"
         "from readie_worker.jobs import CodeJob\n"  # public: fine
         "from ._x import y\n"  # relative: the package's own
     )
     assert private_imports(sample, "readie") == [
         "readie_executor._calls",
-        "readie_router._events",
+        "readie_pool._events",
         "readie_worker._mounts",
     ]
-    assert private_imports(sample, "readie_worker") == ["readie_executor._calls", "readie_router._events"]
+    assert private_imports(sample, "readie_worker") == ["readie_executor._calls", "readie_pool._events"]
 
 
 def test_every_workspace_member_is_checked() -> None:
-    assert set(PACKAGES.values()) >= {"readie_protocol", "readie_executor", "readie_worker", "readie_router", "readie"}
+    assert set(PACKAGES.values()) >= {"readie_protocol", "readie_executor", "readie_worker", "readie_pool", "readie_router", "readie"}
 
 
 #: What readie_protocol may import beside the standard library: the
@@ -123,3 +124,54 @@ def test_the_worker_has_no_grpc_the_rpc_layer_does():
     for path in (REPO / "worker" / "src").rglob("*.py"):
         for module in imported_modules(ast.parse(path.read_text())):
             assert module.split(".")[0] not in ("grpc", "grpc_health", "grpc_reflection", "google", "readie_rpc"), (path, module)
+
+
+def test_the_client_imports_nothing_from_the_worker():
+    """The client package talks to workers through readie_rpc and shares only readie_protocol's and
+    readie_policy's values with them: a worker's internals can change without the client noticing."""
+    for path in (REPO / "client" / "src").rglob("*.py"):
+        for module in imported_modules(ast.parse(path.read_text())):
+            assert module.split(".")[0] != "readie_worker", (path, module)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each workspace package -> the other workspace packages its sources import, anywhere in them."""
+    found: dict[str, set[str]] = {package: set() for package in OURS}
+    for member, package in PACKAGES.items():
+        for path in (REPO / member / "src").rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            tops = {module.split(".")[0] for module in imported_modules(ast.parse(path.read_text()))}
+            found[package] |= (tops & OURS) - {package}
+    return found
+
+
+def test_no_two_packages_import_each_other():
+    """A package per program, layered (docs/architecture.md): the imports between packages form no cycle,
+    counting imports inside functions and TYPE_CHECKING blocks, so each package can be read, tested
+    and shipped on top of the ones below it."""
+    imports = package_imports()
+
+    def below(package: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [package]
+        while todo:
+            for other in imports[todo.pop()] - seen:
+                seen.add(other)
+                todo.append(other)
+        return seen
+
+    assert [package for package in sorted(OURS) if package in below(package)] == []
+    assert "readie_pool" in imports["readie_router"] and "readie_router" not in below("readie_pool")
+
+
+def test_every_package_declares_the_workspace_packages_it_imports():
+    """A package installed on its own (a Docker image, a wheel) must bring what it imports."""
+    imports = package_imports()
+    undeclared = {}
+    for member, package in PACKAGES.items():
+        project = tomllib.loads((REPO / member / "pyproject.toml").read_text())["project"]
+        declared = {re.split(r"[\[<>=~ ;]", requirement)[0].replace("-", "_") for requirement in project["dependencies"]}
+        if missing := imports[package] - declared:
+            undeclared[package] = sorted(missing)
+    assert undeclared == {}

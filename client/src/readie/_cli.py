@@ -22,9 +22,9 @@ SUBCOMMANDS = {
     "capture": Subcommand("readie_pipeline.cli", "capture the planned checkpoints and write manifest.json"),
     "checkpoints": Subcommand("readie_pipeline.checkpoints_cli", "export, import or verify a checkpoint set and its rootfs"),
     "mcp": Subcommand("readie._mcp", "a Model Context Protocol server (run_python tool)"),
-    "pool": Subcommand("readie_router.pool_cli", "serve the pool protocol (JSON Lines) on stdin and stdout"),
+    "pool": Subcommand("readie_pool.cli", "serve the pool protocol (JSON Lines) on stdin and stdout"),
     "rootfs": Subcommand("readie_pipeline.cli", "build (or reuse) the sandbox rootfs"),
-    "router": Subcommand("readie_router.router_cli", "place jobs on readie workers, over gRPC"),
+    "router": Subcommand("readie_router.cli", "place jobs on readie workers, over gRPC"),
     "worker": Subcommand("readie_rpc.cli", "serve one worker's gVisor sandboxes over gRPC"),
 }
 DISTRIBUTION = "readie"

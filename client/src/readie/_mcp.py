@@ -39,8 +39,8 @@ import structlog
 from anyio.abc import TaskStatus
 from readie_protocol.units import parse_duration_ms
 from readie_rpc.security import read_token
-from readie_worker.errors import ReadieError
-from readie_worker.logs import configure_logging
+from readie_protocol.errors import ReadieError
+from readie_policy.logs import configure_logging
 
 from ._errors import PoolError
 from ._mcp_tools import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, Limits, build_server
@@ -248,7 +248,7 @@ def _url_host(host: str) -> str:
 def _limits(args: argparse.Namespace) -> Limits:
     idle_s = DEFAULT_SESSION_IDLE_S if args.session_idle is None else parse_duration_ms(args.session_idle) / 1000
     max_sessions = DEFAULT_MAX_SESSIONS if args.max_sessions is None else args.max_sessions
-    from readie_worker.config import DEFAULT_SESSION_IDLE_MS, load_config
+    from readie_policy.config import DEFAULT_SESSION_IDLE_MS, load_config
 
     pool_idle_s = DEFAULT_SESSION_IDLE_MS / 1000
     if args.config is not None:

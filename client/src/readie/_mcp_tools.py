@@ -34,7 +34,7 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 from readie_protocol.events import Result
 from readie_protocol.units import parse_duration_ms
-from readie_worker.policy import DEFAULT_TIMEOUT_MS
+from readie_policy.policy import DEFAULT_TIMEOUT_MS
 
 from ._errors import PoolError, ReadieError, RequestError
 from ._pool import Pool

@@ -11,7 +11,7 @@ The async forms (:meth:`Client.call_async`, :meth:`Client.call_result_async`,
 :meth:`RemoteFunction.aio`) run the same blocking call on a thread rather
 than on a second (``grpc.aio``) stack, so both forms share one code path and
 one error translation. What async adds is cancellation: a task that stops
-awaiting cancels the gRPC call (a :class:`~readie_worker.cancel.Cancellation`
+awaiting cancels the gRPC call (a :class:`~readie_rpc.client.Cancellation`
 handed to ``WorkerClient.execute_call``), and the worker destroys the sandbox
 at once instead of letting it run to its timeout.
 
@@ -38,7 +38,7 @@ from ._errors import CallTimeout, RequestError
 
 if TYPE_CHECKING:
     from readie_rpc.client import WorkerClient
-    from readie_worker.cancel import Cancellation
+    from readie_rpc.client import Cancellation
 
 __all__ = ["DEFAULT_CHECKPOINT", "DEFAULT_TIMEOUT_S", "ROUTER_VARIABLE", "Client", "RemoteFunction", "remote"]
 
@@ -124,7 +124,7 @@ class Client:
 
     async def call_result_async(self, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> RemoteResult:
         """:meth:`call_result` for asyncio; cancellable as :meth:`call_async` is."""
-        from readie_worker.cancel import Cancellation
+        from readie_rpc.client import Cancellation
 
         cancel = Cancellation()
         # Pickling, connecting and the call all happen on the thread: a large
@@ -153,7 +153,7 @@ class Client:
         payload = call_payload(func, args, kwargs)
         worker = self._connection()
         from readie_rpc.stubs import MAX_CALL_PAYLOAD_BYTES
-        from readie_worker.cancel import NEVER
+        from readie_rpc.client import NEVER
 
         if len(payload) > MAX_CALL_PAYLOAD_BYTES:
             raise RequestError(
@@ -285,8 +285,8 @@ def remote(
 @contextmanager
 def _translated_errors() -> Iterator[None]:
     """The worker client's errors, as the client's public ones: the one translation of this boundary."""
-    from readie_worker.errors import RequestError as WorkerRequestError
-    from readie_worker.sandbox import ExecutorTimeout
+    from readie_protocol.errors import ExecutorTimeout
+    from readie_protocol.errors import RequestError as WorkerRequestError
 
     try:
         yield

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-from readie_worker.errors import ErrorType
+from readie_protocol.errors import ErrorType
 
 from ._errors import ReadieError, RequestError
 from ._requests import Duration, Size, close_request, step_request

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from readie_worker.locations import locate_checkpoints
+from readie_policy.locations import locate_checkpoints
 
 from ._pool import Pool
 from ._requests import PathArg
@@ -46,7 +46,7 @@ def __getattr__(name: str) -> object:
 
 def find_checkpoints(checkpoints: PathArg | None = None) -> Path:
     """The checkpoint manifest, found as every readie command finds it
-    (:func:`readie_worker.locations.locate_checkpoints`): ``checkpoints`` (the
+    (:func:`readie_policy.locations.locate_checkpoints`): ``checkpoints`` (the
     manifest or its directory), else ``$READIE_CHECKPOINTS``, else
     ``./build/checkpoints``, else ``~/.cache/readie/checkpoints``.
     Raises ``CheckpointsNotFound`` naming where it looked."""
@@ -79,7 +79,7 @@ def local_router(
     """``readie router`` in front of ``workers`` ``readie worker`` processes, all on loopback.
 
     ``config`` is the router's and workers' ``--config`` (their ceiling): by
-    default one that grants paths under /tmp (``readie_worker.testing.TEST_CEILING``);
+    default one that grants paths under /tmp (``readie_rpc.testing.TEST_CEILING``);
     a network server without one grants nothing. Everything is stopped on exit
     (SIGTERM: a graceful drain) and must exit 0; workers must leave no sandbox behind.
     """

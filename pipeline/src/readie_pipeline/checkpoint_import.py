@@ -39,9 +39,9 @@ from typing import Any
 import structlog
 
 from readie_worker.bundle import MountPlan, family_fingerprint
-from readie_worker.locations import CACHE_VARIABLE, check_owned, link_default
+from readie_policy.locations import CACHE_VARIABLE, check_owned, link_default
 from readie_worker.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
-from readie_worker.operator_files import FileRefused, open_regular
+from readie_policy.operator_files import FileRefused, open_regular
 
 from .archive_format import (
     DIGEST_NAME,

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from readie_worker.errors import ReadieError
-from readie_worker.locations import cache_dir, locate_checkpoints
-from readie_worker.logs import configure_logging
+from readie_policy.locations import cache_dir, locate_checkpoints
+from readie_policy.logs import configure_logging
 
 from .checkpoint_export import export_checkpoints
 from .checkpoint_import import import_checkpoints

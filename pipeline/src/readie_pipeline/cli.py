@@ -3,7 +3,7 @@
 ``readie capture`` writes to ``--output``, else ``$READIE_CHECKPOINTS``, else
 ``./build/checkpoints``; ``--link-default`` (``make capture`` passes it) then
 points the per-user default every readie command falls back to
-(``~/.cache/readie/checkpoints``, ``readie_worker.locations``) at it.
+(``~/.cache/readie/checkpoints``, ``readie_policy.locations``) at it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from readie_worker.errors import ReadieError
 from readie_worker.manifest import MANIFEST_NAME
-from readie_worker.locations import BUILD_CHECKPOINTS, CHECKPOINTS_VARIABLE, default_checkpoints, link_default
-from readie_worker.logs import configure_logging
+from readie_policy.locations import BUILD_CHECKPOINTS, CHECKPOINTS_VARIABLE, default_checkpoints, link_default
+from readie_policy.logs import configure_logging
 
 from .capture import CaptureError, CaptureOptions, capture, format_table
 from .plan import DEFAULT_PLAN, PlanError, load_plan

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from readie_worker.bundle import AFTER_RESTORE_HOOK, MAX_SLOTS, MountPlan
-from readie_worker.config import read_toml
+from readie_policy.config import read_toml
 from readie_worker.errors import ConfigError
 
 DEFAULT_PLAN = Path(__file__).with_name("checkpoints.toml")

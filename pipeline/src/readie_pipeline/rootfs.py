@@ -28,7 +28,7 @@ from pathlib import Path
 
 import readie_executor
 from readie_executor.digest import source_digest
-from readie_worker import locations
+from readie_policy import locations
 from readie_worker.bundle import EXECUTOR_DIR
 
 from .plan import Plan

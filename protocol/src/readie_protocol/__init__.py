@@ -11,10 +11,53 @@ and its parser (:mod:`readie_protocol.requests`, sizes and durations in
 (:mod:`readie_protocol.events`). Standard library only, beside the
 executor's host-function codec (``readie_executor.hostwire``, itself
 standard library only), whose rules requests share with the sandbox.
+This package exports the requests, the events and the errors by name, so a
+client writes ``from readie_protocol import JobRequest, Result, RequestError``.
 """
 
 from .connection import ENDED, NEED_DATA, PoolConnection, Role
+from .errors import (
+    ConfigError,
+    ErrorType,
+    ExecutorTimeout,
+    JobError,
+    PoolError,
+    PoolWorkerError,
+    ReadieError,
+    RequestError,
+    SandboxSetupError,
+    UnitError,
+    VersionMismatch,
+)
+from .events import (
+    CallEvent,
+    CancelledEvent,
+    ClosedEvent,
+    ErrorInfo,
+    FileInfo,
+    ForkedEvent,
+    HibernatedEvent,
+    OutputEvent,
+    PolicyInfo,
+    ReadyEvent,
+    Result,
+    RuntimeInfo,
+    StatsEvent,
+    Value,
+)
 from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine, recover_id
+from .requests import (
+    CancelJob,
+    CloseSession,
+    ForkSession,
+    HibernateSession,
+    JobRequest,
+    Refused,
+    ReplyRequest,
+    Request,
+    StatsRequest,
+    parse_request,
+)
 from .wire import PROTOCOL_VERSION, RequestId, encode_line, id_problem, json_type
 
 __all__ = [
@@ -22,15 +65,50 @@ __all__ = [
     "MAX_LINE_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "CallEvent",
+    "CancelJob",
+    "CancelledEvent",
+    "CloseSession",
+    "ClosedEvent",
+    "ConfigError",
+    "ErrorInfo",
+    "ErrorType",
+    "ExecutorTimeout",
+    "FileInfo",
+    "ForkSession",
+    "ForkedEvent",
+    "HibernateSession",
+    "HibernatedEvent",
+    "JobError",
+    "JobRequest",
     "Line",
     "LineEvent",
     "LineSplitter",
+    "OutputEvent",
     "OversizeLine",
+    "PolicyInfo",
     "PoolConnection",
+    "PoolError",
+    "PoolWorkerError",
+    "ReadieError",
+    "ReadyEvent",
+    "Refused",
+    "ReplyRequest",
+    "Request",
+    "RequestError",
     "RequestId",
+    "Result",
     "Role",
+    "RuntimeInfo",
+    "SandboxSetupError",
+    "StatsEvent",
+    "StatsRequest",
+    "UnitError",
+    "Value",
+    "VersionMismatch",
     "encode_line",
     "id_problem",
     "json_type",
+    "parse_request",
     "recover_id",
 ]

@@ -6,8 +6,12 @@ or a status. A result's ``error.type`` is either the job's Python exception
 class or one of readie's own :class:`ErrorType` values; the table between
 the families and those types is here, once: :func:`error_type` for the side
 that reports an error and :func:`family_of` for the side that raises it
-again. Layers add subclasses of their own (the worker's ``ConfigError``,
-the client's ``RemoteError``), never a second family.
+again. Layers add subclasses of their own (the worker's ``Cancelled``,
+the client's ``RemoteError``), never a second family; the two here are the
+ones more than one program raises and the client catches: a bad
+configuration file (:class:`ConfigError`, read by every command and by
+``readie mcp``) and an executor that did not answer in time
+(:class:`ExecutorTimeout`, which a remote call's status carries back).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_SHOWN_CHARS",
+    "ConfigError",
     "ErrorType",
+    "ExecutorTimeout",
     "JobError",
     "PoolError",
     "PoolWorkerError",
@@ -64,6 +70,10 @@ class PoolWorkerError(ReadieError):
     """The worker (or the sandbox under a job) failed in a way that is not the job's doing."""
 
 
+class ExecutorTimeout(PoolWorkerError):
+    """The executor did not answer within the call's deadline."""
+
+
 class PoolError(ReadieError):
     """The ``readie pool`` process failed: it did not start, it exited, or it broke the protocol.
 
@@ -87,6 +97,17 @@ class JobError(ReadieError):
             text = f"job {result.id!r} failed: {error.type}: {error.message}{where}"
         super().__init__(text)
         self.result = result
+
+
+class ConfigError(ReadieError):
+    """A TOML configuration (``readie.toml``) is unusable; names the file, the key and the reason."""
+
+    def __init__(self, path: str, key: str | None, reason: str) -> None:
+        where = f"{path}: {key}" if key else path
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.key = key
+        self.reason = reason
 
 
 class UnitError(ReadieError, ValueError):

@@ -1,11 +1,10 @@
-"""readie router: gRPC front end and the pool JSONL protocol.
+"""readie router: places jobs and sessions on readie workers, over gRPC.
 
-Public: :mod:`readie_router.protocol` (the pool protocol's sans-IO pieces),
-the CLIs (``pool_cli``, ``router_cli``), ``testing``, and :func:`read_script`,
-how ``readie pool`` reads a request's script without following a symlink.
-Everything else is private.
+Public: :mod:`readie_router.cli` (``readie router``). Everything else is
+private: placement over the members (``_placement``, ``_members``,
+``_placed_session``), finding workers by DNS (``_discovery``), and the Pool
+gRPC service (``_pool_service``), which runs ``readie_pool``'s engine on
+the placement.
 """
 
-from ._job_building import read_script
-
-__all__ = ["read_script"]
+__all__: list[str] = []

@@ -28,8 +28,7 @@ from readie_worker.metrics import Metrics
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
-from ._backend import ThreadedBackend
-from ._engine import PoolEngine, PoolSetup
+from readie_pool import PoolEngine, PoolSetup, ThreadedBackend
 
 log = structlog.get_logger("readie.router.pool")
 

@@ -29,7 +29,7 @@ from readie_protocol.events import ErrorInfo, FileInfo, Value
 from readie_worker.written import MAX_LISTED_FILES
 
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
-from readie_worker.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
+from readie_policy.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
 from readie_worker.sessions import StepOutcome
 from readie_worker.packages import validate_requirements
 from readie_worker.paths import MAX_PATH_CHARS

@@ -55,7 +55,7 @@ from ._status import on_the_wire
 from readie_worker.cancel import Cancellation
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink
-from readie_worker.policy import NO_LIMITS
+from readie_policy.policy import NO_LIMITS
 from readie_worker.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 

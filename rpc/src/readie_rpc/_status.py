@@ -48,7 +48,7 @@ import structlog
 from readie_worker.errors import (
     Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, internal_error,
 )
-from readie_worker.sandbox import ExecutorTimeout
+from readie_protocol.errors import ExecutorTimeout
 
 log = structlog.get_logger("readie.grpc")
 

@@ -5,7 +5,7 @@
 A signal starts a graceful drain: health turns NOT_SERVING, new work is
 refused with UNAVAILABLE, running jobs finish (up to --drain-grace), every
 sandbox is destroyed, and the process exits 0. The checkpoints are found as
-every readie command finds them (``readie_worker.locations``); where none
+every readie command finds them (``readie_policy.locations``); where none
 are, the worker serves cold starts only and says so.
 """
 
@@ -19,14 +19,14 @@ import structlog
 
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
 from readie_worker import enter_mount_namespace
-from readie_worker.cli_flags import LOG_CHOICES, duration_seconds
+from readie_policy.cli_flags import LOG_CHOICES, duration_seconds
 from readie_worker.errors import ConfigError, ReadieError
-from readie_worker.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
+from readie_policy.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
 from readie_worker.manifest import MANIFEST_NAME
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from .grpc_service import DRAIN_NOTICE_S, serve
-from readie_worker.logs import configure_logging
-from readie_worker.config import Config, load_config
+from readie_policy.logs import configure_logging
+from readie_policy.config import Config, load_config
 from .security import add_server_arguments, is_local_address, server_security
 from readie_worker.stop_signal import StopSignal
 

@@ -2,7 +2,9 @@
 
 Routers and ``readie pool --router`` use it; the worker's gRPC statuses come
 back as readie's own errors (``_status.error_from_status``), so callers handle
-a remote worker and a local one alike.
+a remote worker and a local one alike. A call's :class:`Cancellation` (and
+``NEVER``, none) is part of this API, so a caller such as the client's
+remote path needs nothing of the worker's to cancel one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from .remote_session import DEADLINE_MARGIN_S, InteractStream, RemoteSession
 from .security import ClientSecurity
 from readie_worker.sessions import StepOutcome
+
+__all__ = ["NEVER", "Cancellation", "WorkerClient"]
 
 # Capacity answers from memory; a second means the worker is in trouble.
 CAPACITY_TIMEOUT_S = 1.0

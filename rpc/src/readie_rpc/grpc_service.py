@@ -46,7 +46,7 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
 from readie_worker.cancel import Cancellation
-from readie_worker.config import Config
+from readie_policy.config import Config
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, Worker
 from readie_worker.errors import RequestError, SandboxSetupError
 from readie_worker.metrics import Metrics

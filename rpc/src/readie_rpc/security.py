@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from readie_worker.errors import ReadieError
-from readie_worker.operator_files import read_regular
+from readie_policy.operator_files import read_regular
 
 __all__ = [
     "AUTHORIZATION_KEY",

@@ -22,7 +22,7 @@ import structlog
 from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
-from .config import DEFAULT_MAX_SESSIONS
+from readie_policy.config import DEFAULT_MAX_SESSIONS
 from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
 from .paths import canonical_dirs, code_dirs
@@ -36,7 +36,7 @@ from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
 from .warm import RefillBudget, WarmSandboxes
 from .runsc import Runsc
-from .sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
+from readie_policy.sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
 from .state_dir import RUNTIME_ROOT, StateDir
 
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold

@@ -20,7 +20,9 @@ from contextlib import AbstractContextManager
 import structlog
 from readie_protocol.errors import (
     MAX_SHOWN_CHARS,
+    ConfigError,
     ErrorType,
+    ExecutorTimeout,
     PoolWorkerError,
     ReadieError,
     RequestError,
@@ -37,6 +39,7 @@ __all__ = [
     "CheckpointUnusable",
     "ConfigError",
     "ErrorType",
+    "ExecutorTimeout",
     "ManifestError",
     "PoolWorkerError",
     "ReadieError",
@@ -101,14 +104,3 @@ class ManifestError(SandboxSetupError):
 
 class CheckpointUnusable(SandboxSetupError):
     """One checkpoint of an otherwise good manifest cannot be used (missing or corrupt image)."""
-
-
-class ConfigError(ReadieError):
-    """A TOML configuration (``readie.toml``) is unusable; names the file, the key and the reason."""
-
-    def __init__(self, path: str, key: str | None, reason: str) -> None:
-        where = f"{path}: {key}" if key else path
-        super().__init__(f"{where}: {reason}")
-        self.path = path
-        self.key = key
-        self.reason = reason

@@ -52,7 +52,7 @@ from ._grant_fs import ListedGrants
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
-from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
+from readie_policy.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
 from .written import written_since
 

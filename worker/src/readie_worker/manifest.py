@@ -28,12 +28,12 @@ from typing import Any
 
 from readie_executor.digest import source_digest
 from readie_executor.protocol import PROTOCOL_VERSION
+from readie_policy.locations import MANIFEST_NAME
 
 from .bundle import AFTER_RESTORE_HOOK, MountPlan, family_fingerprint
 from .errors import CheckpointUnusable, ManifestError
 from .runsc import Runsc, features
 
-MANIFEST_NAME = "manifest.json"
 # A manifest lists a handful of checkpoints; anything near this is not one.
 MAX_MANIFEST_BYTES = 1024 * 1024
 _HASH_BLOCK = 1024 * 1024

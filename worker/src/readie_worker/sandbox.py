@@ -45,7 +45,7 @@ from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
-from .errors import PoolWorkerError, SandboxSetupError, log_host_facts
+from .errors import ExecutorTimeout, PoolWorkerError, SandboxSetupError, log_host_facts
 from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
 from .launchers import Launcher, RunscCold, RunscRestore
@@ -88,10 +88,6 @@ _WARM_UP_REQUEST = cloudpickle.dumps(
 
 #: What ``exchange``'s ``answer`` returns for a message that gets no reply.
 NO_REPLY = b""
-
-
-class ExecutorTimeout(PoolWorkerError):
-    """The executor did not answer within the call's deadline."""
 
 
 class _NoResponse(Exception):

@@ -1,0 +1,11 @@
+"""readie's configuration and policy: what the operator fixed, read the same by every command.
+
+Public modules: ``policy`` (a job's resolved limits and grants under the
+operator's ceiling), ``config`` (``readie.toml``) and ``config_keys`` (its
+one key table, from which the loader, the schema and docs/config.md come),
+``cli_flags`` (flag values every command reads alike), ``locations`` (where
+every command finds the checkpoints) and ``logs`` (the one log schema).
+The worker, the pool, the router, the pipeline and the client import these;
+this package imports only ``readie_protocol``, so none of them needs
+another's internals to agree on a limit.
+"""

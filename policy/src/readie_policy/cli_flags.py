@@ -1,0 +1,37 @@
+"""Flag values every readie command reads the same way (decision 15).
+
+Durations are written as in the config file and requests (``10s``, ``500ms``,
+``2m``: ``readie_protocol.units``); a bare number is seconds, decimals
+allowed, as these flags took before. Log formats are ``console`` and
+``json`` on every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from readie_protocol.units import parse_duration_ms
+
+from readie_protocol.errors import UnitError
+
+__all__ = ["LOG_CHOICES", "duration_seconds"]
+
+#: ``readie pool`` also takes ``none``, the first name of ``console`` (config.LOG_FORMATS).
+LOG_CHOICES = ("console", "json")
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds for a duration flag: ``10s``, ``250ms``, ``2m``, or a number of seconds (``0.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more, e.g. 10s or 500ms")
+        return value
+    try:
+        return parse_duration_ms(text) / 1000
+    except UnitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,485 @@
+"""Every key of the pool's TOML file, in one table that the loader and the published schema both read.
+
+A key names the attribute it fills, the check of its value (a :class:`Value`,
+which carries the JSON Schema of what the check accepts, as the protocol's
+request checks do), its default, its command-line flag and what it means.
+``config`` reads a file through these tables, :func:`config_schema`
+publishes them (``docs/schema/config.schema.json``, ``readie pool
+--config-schema``) and ``readie_pool.reference`` renders ``docs/config.md``
+from them: a key added here is parsed, published and documented, and a key
+not here is refused by all three.
+
+A ``timeout``, ``memory`` or ``max_output`` past what any job can have
+(:data:`OUT_OF_REACH_RULE`) is lowered with a warning in the ceiling and
+refused in a profile, here at load, so that no job finds it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from readie_executor.jobs import bounds
+from readie_protocol.requests import MAX_TIMEOUT_MS
+from readie_protocol.schema import SCHEMA_DIALECT
+from readie_protocol.units import (
+    DURATION_SCHEMA,
+    SIZE_SCHEMA,
+    at_most_schema,
+    format_duration_ms,
+    format_size,
+    parse_duration_ms,
+    parse_size,
+    positive_schema,
+)
+
+from readie_protocol.errors import ConfigError, UnitError
+from .policy import Resolver, resolve_path, scalar_defaults
+from .sandbox_memory import MAX_JOB_MEMORY, SANDBOX_MEMORY_BACKSTOP
+
+__all__ = [
+    "DEFAULT_MAX_SESSIONS",
+    "DEFAULT_SESSION_IDLE",
+    "DEFAULT_SESSION_IDLE_MS",
+    "DEFAULT_WORKERS",
+    "DOCUMENT",
+    "LIMITS",
+    "LOG_FORMATS",
+    "MAX_PROFILE_NAME",
+    "MAX_SESSIONS",
+    "MAX_WORKERS",
+    "NETWORK_MAX_OUTPUT",
+    "OUT_OF_REACH_RULE",
+    "PERMISSIONS_ABOUT",
+    "POOL",
+    "PROFILE",
+    "PROFILES_ABOUT",
+    "PROFILE_NAME_SCHEMA",
+    "ConfigKey",
+    "Reading",
+    "Section",
+    "Value",
+    "check_profile_name",
+    "config_schema",
+    "toml_type",
+]
+
+#: The spec's starting example (``--workers=2``); each worker is a warm
+#: sandbox holding its preloads, so the default stays small.
+DEFAULT_WORKERS = 2
+#: Each worker is a gVisor sandbox with its own Sentry and memory; past a few
+#: hundred one pool process cannot keep them fed, and a typo like 20000 would
+#: exhaust the host before the first job.
+MAX_WORKERS = 256
+#: The spec: "[pool] max_sessions (default 16)".
+DEFAULT_MAX_SESSIONS = 16
+#: Each session holds a template and a child; the bound keeps a typo from
+#: reserving the host. 0 disables sessions.
+MAX_SESSIONS = 4096
+#: The spec: "session_idle (default 10m)", as the file would write it.
+DEFAULT_SESSION_IDLE = "10m"
+DEFAULT_SESSION_IDLE_MS = parse_duration_ms(DEFAULT_SESSION_IDLE)
+#: ``json`` writes JSON logs and one line per finished job to stderr;
+#: ``console`` readable logs and no job lines (``none`` is its first name, kept).
+LOG_FORMATS = frozenset({"console", "json", "none"})
+#: An answer carries stdout and stderr, each up to max_output, and a few KiB
+#: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
+#: by default. A [pool.limits] max_output raises it (and clients must then too).
+NETWORK_MAX_OUTPUT = 1024 * 1024
+#: Profile names are echoed in the ready event and named in requests.
+MAX_PROFILE_NAME = 64
+log = structlog.get_logger("readie.config")
+
+# What the checks below refuse inside strings, as ECMA-262 (and Python) regexes.
+_NO_NUL = "^[^\\u0000]*$"
+_MODULE_PART = "[A-Za-z_][A-Za-z0-9_]*"  # an ASCII identifier, what str.isidentifier() accepts in ASCII
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """Where values are read from: errors name ``source`` (a file, or the command line) and
+    the dotted key; relative paths resolve against ``base``, through ``resolve``."""
+
+    source: str
+    base: Path
+    resolve: Resolver
+
+    def fail(self, key: str | None, reason: str) -> ConfigError:
+        return ConfigError(self.source, key, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """A kind of value: its check, ``read(reading, dotted_key, raw) -> parsed`` (a ConfigError
+    when refused), the JSON Schema of what the check accepts, and its name in docs/config.md."""
+
+    read: Callable[[Reading, str, Any], Any]
+    schema: dict[str, Any]
+    shown: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigKey:
+    """One key of a section: TOML name, the attribute it fills (of ``PoolSettings``, ``Limits``
+    or ``Profile``, whose defaults the loader keeps), its value, and for the docs and the schema
+    its default as text, its meaning, an example value and the flag that overrides it."""
+
+    name: str
+    attr: str
+    value: Value
+    default: str
+    about: str
+    example: Any
+    flag: str | None = None
+
+    def read(self, at: Reading, dotted: str, raw: Any) -> Any:
+        return self.value.read(at, dotted, raw)
+
+    def schema(self) -> dict[str, Any]:
+        schema = dict(self.value.schema)
+        # A unit's own description (how sizes and durations are written) follows the key's meaning.
+        unit = schema.pop("description", None)
+        about = self.about if unit is None else f"{self.about} Written as {unit}."
+        return {**schema, "description": about, "examples": [self.example]}
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """A TOML table: its keys, and the names of the tables it may hold (read by ``config``)."""
+
+    name: str
+    keys: tuple[ConfigKey, ...]
+    about: str
+    tables: tuple[str, ...] = ()
+
+    def read(self, at: Reading, prefix: str | None, table: dict[str, Any]) -> dict[str, Any]:
+        """The values ``table`` sets, by attribute; an unknown key is a ConfigError."""
+        allowed = {key.name for key in self.keys} | set(self.tables)
+        for name in table:
+            if name not in allowed:
+                dotted = f"{prefix}.{name}" if prefix else name
+                raise at.fail(dotted, f"unknown key (expected one of {', '.join(sorted(allowed))})")
+        dot = f"{prefix}." if prefix else ""
+        return {key.attr: key.read(at, dot + key.name, table[key.name]) for key in self.keys if key.name in table}
+
+    def schema(self, **tables: dict[str, Any]) -> dict[str, Any]:
+        """The section as a JSON Schema, given the schema of each table it holds."""
+        if set(tables) != set(self.tables):
+            raise ValueError(f"[{self.name}] holds the tables {self.tables}, got {sorted(tables)}")
+        properties = {key.name: key.schema() for key in self.keys} | tables
+        schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+        return {"title": f"[{self.name}]", "description": self.about, **schema} if self.name else schema
+
+
+# --------------------------------------------------------------------------- values
+
+
+def toml_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _integer(low: int, high: int) -> Value:
+    def read(at: Reading, key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise at.fail(key, f"expected an integer, got {toml_type(value)}")
+        if not low <= value <= high:
+            raise at.fail(key, f"must be from {low} to {high}, got {value}")
+        return value
+
+    return Value(read, {"type": "integer", "minimum": low, "maximum": high}, f"integer, {low} to {high}")
+
+
+def _boolean(at: Reading, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise at.fail(key, f"expected true or false, got {toml_type(value)}")
+    return value
+
+
+def _string(at: Reading, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise at.fail(key, f"expected a string, got {toml_type(value)}")
+    if not value:
+        raise at.fail(key, "must not be empty")
+    if "\x00" in value:
+        raise at.fail(key, "contains a NUL character")
+    return value
+
+
+_STRING_SCHEMA = {"type": "string", "minLength": 1, "pattern": _NO_NUL}
+
+
+def _strings(at: Reading, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise at.fail(key, f"expected an array of strings, got {toml_type(value)}")
+    return tuple(_string(at, f"{key}[{i}]", item) for i, item in enumerate(value))
+
+
+def _modules(at: Reading, key: str, value: Any) -> tuple[str, ...]:
+    names = _strings(at, key, value)
+    for i, name in enumerate(names):
+        if not all(part.isascii() and part.isidentifier() for part in name.split(".")):
+            raise at.fail(f"{key}[{i}]", f"{name!r} is not a module name")
+    return tuple(dict.fromkeys(names))
+
+
+def _paths(at: Reading, key: str, value: Any) -> tuple[Path, ...]:
+    resolved = []
+    for i, text in enumerate(_strings(at, key, value)):
+        try:
+            resolved.append(resolve_path(text, at.base, at.resolve))
+        except (OSError, ValueError) as exc:
+            raise at.fail(f"{key}[{i}]", f"cannot resolve {text!r}: {exc}") from None
+    return tuple(dict.fromkeys(resolved))
+
+
+def _env(at: Reading, key: str, value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise at.fail(key, f"expected a table of strings, got {toml_type(value)}")
+    pairs = []
+    for name, item in value.items():
+        if not name or "=" in name or "\x00" in name:
+            raise at.fail(f"{key}.{name}", "not a variable name (empty, '=' or NUL)")
+        if not isinstance(item, str) or "\x00" in item:
+            raise at.fail(f"{key}.{name}", f"expected a string without NUL, got {toml_type(item)}")
+        pairs.append((name, item))
+    return tuple(pairs)
+
+
+def _log(at: Reading, key: str, value: Any) -> str:
+    text = _string(at, key, value)
+    if text not in LOG_FORMATS:
+        raise at.fail(key, f"expected one of {', '.join(sorted(LOG_FORMATS))}, got {text!r}")
+    return text
+
+
+def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, allow_zero: bool) -> Value:
+    def read(at: Reading, key: str, value: Any) -> int:
+        try:
+            result = parse(value)
+        except UnitError as exc:
+            raise at.fail(key, str(exc)) from None
+        if result == 0 and not allow_zero:
+            raise at.fail(key, "must be greater than zero")
+        return result
+
+    return Value(read, dict(schema if allow_zero else positive_schema(schema)), shown)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """The most any job can have of a limit, as a number, as the docs write it, and why."""
+
+    most: int
+    bare: int  # what a bare TOML integer counts, for the schema: 1000 ms (seconds) or 1 byte
+    written: str
+    why: str
+
+
+def _at_most(base: Value, bound: _Bound, *, lower: bool) -> Value:
+    """``base`` held to ``bound``, past which a value could serve no job. ``lower``: it is a
+    ceiling, lowered to the bound with a warning (it then admits exactly the requests that could
+    run); else it is given to jobs, and refused (every job given it would fail)."""
+
+    def read(at: Reading, key: str, value: Any) -> int:
+        result = base.read(at, key, value)
+        if result <= bound.most:
+            return result
+        if not lower:
+            raise at.fail(key, f"too large: at most {bound.written} ({bound.why})")
+        log.warning("config value lowered", file=at.source, key=key, given=value, used=bound.written, reason=bound.why)
+        return bound.most
+
+    schema = base.schema if lower else at_most_schema(base.schema, bound.most // bound.bare)
+    return Value(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
+
+
+BOOLEAN = Value(_boolean, {"type": "boolean"}, "boolean")
+PATHS = Value(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
+MODULES = Value(
+    _modules,
+    {"type": "array", "items": {"type": "string", "pattern": f"^{_MODULE_PART}(\\.{_MODULE_PART})*$"}},
+    "array of module names",
+)
+ENV = Value(
+    _env,
+    {
+        "type": "object",
+        "propertyNames": {"minLength": 1, "pattern": "^[^=\\u0000]*$"},
+        "additionalProperties": {"type": "string", "pattern": _NO_NUL},
+    },
+    "table of strings",
+)
+LOG = Value(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f'`"{f}"`' for f in sorted(LOG_FORMATS)))
+SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
+POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
+POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
+_TIMEOUT = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
+_MEMORY = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")
+_OUTPUT = _Bound(bounds.MAX_OUTPUT_LIMIT, 1, format_size(bounds.MAX_OUTPUT_LIMIT), "the most output a sandbox captures")
+CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=True)
+CEILING_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=True)
+CEILING_OUTPUT = _at_most(SIZE, _OUTPUT, lower=True)
+JOB_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=False)
+JOB_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=False)
+JOB_OUTPUT = _at_most(SIZE, _OUTPUT, lower=False)
+
+#: What the loader does with a value no job could be served with (docs/config.md says it).
+OUT_OF_REACH_RULE = (
+    "A value no job could be served with is dealt with at load, never found out by a job. A "
+    "ceiling's (`[pool.limits]`) `timeout`, `memory` or `max_output` past what any job may have is "
+    "lowered to that bound, with a warning on stderr naming the key: the lowered ceiling admits "
+    "exactly the requests that could run. A profile's, which jobs would be given, is refused: every "
+    f"job naming the profile would fail. The bounds: a timeout of at most {_TIMEOUT.written}, which "
+    "every request is held to too (the sandbox's timers take at most about 292 years, and every "
+    f"deadline built on a timeout must stay far inside them); memory of at most {_MEMORY.written}, "
+    f"the {format_size(SANDBOX_MEMORY_BACKSTOP)} memory backstop of every sandbox less the sandbox's "
+    f"own share; output of at most {_OUTPUT.written} per stream, what a sandbox captures."
+)
+
+PROFILE_NAME_SCHEMA = {"type": "string", "pattern": f"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_PROFILE_NAME - 1}}}$"}
+
+
+def check_profile_name(at: Reading, key: str, name: str) -> None:
+    ok = (
+        0 < len(name) <= MAX_PROFILE_NAME
+        and name.isascii()
+        and name[0].isalnum()
+        and all(c.isalnum() or c in "-_" for c in name)
+    )
+    if not ok:
+        raise at.fail(
+            key,
+            f"profile names are 1-{MAX_PROFILE_NAME} ASCII letters, digits, '-' or '_', "
+            "starting with a letter or digit",
+        )
+
+
+# --------------------------------------------------------------------------- the sections
+
+
+def _unset(limit: str) -> str:
+    """What a ceiling's limit means for a job that sets none (policy: the smaller of it and the default)."""
+    default = scalar_defaults()[limit]
+    if default == "none":
+        return "a job that sets none gets it"
+    return f"a job that sets none gets it or {default}, the smaller"
+
+
+POOL = Section(
+    "pool",
+    (
+        ConfigKey("workers", "workers", _integer(1, MAX_WORKERS), str(DEFAULT_WORKERS),
+                  "Jobs run at once, and warm sandboxes kept of the checkpoint.", 2, "--workers"),
+        ConfigKey("preload", "preload", MODULES, "none (the `base` checkpoint)",
+                  "Modules every job finds imported; picks the checkpoint whose preimport is this set "
+                  "(order does not matter).", ["pandas"], "--preload"),
+        ConfigKey("package_dirs", "package_dirs", PATHS, "none",
+                  "site-packages directories mounted read-only into every job and listed in the ready "
+                  "event; they must exist and fit the package slots planned at capture.",
+                  ["site-packages"], "--package-dir"),
+        ConfigKey("max_sessions", "max_sessions", _integer(0, MAX_SESSIONS), str(DEFAULT_MAX_SESSIONS),
+                  "Sessions open at once; 0 disables sessions.", DEFAULT_MAX_SESSIONS, "--max-sessions"),
+        ConfigKey("session_idle", "session_idle_ms", POSITIVE_DURATION, DEFAULT_SESSION_IDLE,
+                  "A session idle this long is closed.", DEFAULT_SESSION_IDLE, "--session-idle"),
+        ConfigKey("session_hibernate", "session_hibernate_ms", POSITIVE_DURATION, "off",
+                  "A session idle this long is checkpointed to disk and its sandbox freed; its next step "
+                  "resumes it first (about a restore's time). Shorter than session_idle.", "2m", "--session-hibernate"),
+        ConfigKey("log", "log", LOG, '`"none"`',
+                  "json: JSON logs and one line per finished job on stderr; console (none is its first "
+                  "name): readable logs, no job lines.", "json", "--log"),
+    ),
+    "How the pool runs. A flag given on the command line replaces the file's value (a list whole).",
+    tables=("limits",),
+)
+
+LIMITS = Section(
+    "pool.limits",
+    (
+        ConfigKey("allow_read", "allow_read", PATHS, "nothing",
+                  "What requests may read: a request's (or its profile's) allow_read, package_dirs and "
+                  "script must lie beneath one of these or of allow_write.", ["data"]),
+        ConfigKey("allow_write", "allow_write", PATHS, "nothing",
+                  "Directories requests may write: a request's allow_write must lie beneath one. The "
+                  "file itself may not lie beneath one, since a job could then rewrite its ceiling.",
+                  ["out"]),
+        ConfigKey("allow_network", "allow_network", BOOLEAN, "false",
+                  "Whether a request may ask for the network (the pool starts no network backend yet, "
+                  "so the worker still refuses it).", False),
+        ConfigKey("timeout", "timeout_ms", CEILING_TIMEOUT, "no bound",
+                  f"The longest timeout a request may set; {_unset('timeout')}.", "30s"),
+        ConfigKey("memory", "memory_bytes", CEILING_MEMORY, "no bound",
+                  f"The most memory a request may set; {_unset('memory')}.", "1g"),
+        ConfigKey("max_output", "max_output", CEILING_OUTPUT, f"no bound (over the network: {NETWORK_MAX_OUTPUT} bytes)",
+                  f"The most stdout, and stderr, a request may keep; {_unset('max_output')}.", "1m"),
+        ConfigKey("max_file_size", "max_file_size", SIZE, "no bound",
+                  f"The largest file a request may let its job write; {_unset('max_file_size')}.", "256m"),
+    ),
+    "The operator's ceiling: every request, with the profile it names, must stay within it, or it "
+    "is refused before anything runs. Without this table the stdio pool's own client may grant "
+    "anything, and requests over the network (`readie worker`, `readie router`) get nothing; with "
+    "it, a key left out grants nothing of its kind.",
+)
+
+PROFILE = Section(
+    "profiles.NAME",
+    (
+        ConfigKey("allow_read", "allow_read", PATHS, "none", "Paths the job may read; the request's are added.",
+                  ["data"]),
+        ConfigKey("allow_write", "allow_write", PATHS, "none",
+                  "Existing directories the job may write; the request's are added.", ["out"]),
+        ConfigKey("package_dirs", "package_dirs", PATHS, "none",
+                  "site-packages directories put on the job's sys.path, read-only; the request's are added.",
+                  ["site-packages"]),
+        ConfigKey("env", "env", ENV, "none", "Environment variables of the job; the request's env updates them.",
+                  {"MODE": "analysis"}),
+        ConfigKey("allow_network", "allow_network", BOOLEAN, "none",
+                  "Whether the job gets a network, unless the request says.", False),
+        ConfigKey("timeout", "timeout_ms", JOB_TIMEOUT, "none", "The job's timeout, unless the request sets one.",
+                  "10s"),
+        ConfigKey("memory", "memory_bytes", JOB_MEMORY, "none",
+                  "The job's memory limit, unless the request sets one.", "512m"),
+        ConfigKey("max_output", "max_output", JOB_OUTPUT, "none",
+                  "Bytes of stdout, and of stderr, kept, unless the request sets it.", "64k"),
+        ConfigKey("max_file_size", "max_file_size", SIZE, "none",
+                  "The largest file the job may write, unless the request sets it.", "16m"),
+    ),
+    "A preset of request fields that a request names with `\"profile\"`: the request's own fields go "
+    "on top, then the ceiling applies. Profiles are not held to the ceiling at load; a request naming "
+    "one that asks for more is refused, saying the value came from the profile.",
+)
+
+PROFILES_ABOUT = (
+    f"Profiles by name, which is 1-{MAX_PROFILE_NAME} ASCII letters, digits, '-' or '_', starting with a "
+    "letter or digit; the ready event lists the names in file order."
+)
+#: The spec gives [permissions] to the one-shot command line; one file may serve both.
+PERMISSIONS_ABOUT = "The one-shot command line's permissions; accepted so one file serves both, and ignored by the pool."
+
+#: The file itself: no keys of its own, only tables.
+DOCUMENT = Section("", (), "", tables=("pool", "profiles", "permissions"))
+
+
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema of the whole file, as TOML parses it (``tomllib``)."""
+    profiles = {
+        "type": "object",
+        "description": PROFILES_ABOUT,
+        "propertyNames": PROFILE_NAME_SCHEMA,
+        "additionalProperties": PROFILE.schema(),
+    }
+    return {
+        "$schema": SCHEMA_DIALECT,
+        "title": "readie pool configuration (TOML)",
+        "description": "The file `--config` names, as TOML parses it. Unknown keys are refused; relative "
+        "paths resolve against the file's directory. Integers are TOML integers: 4.0 is refused where an "
+        "integer is expected, though JSON Schema allows it.",
+        **DOCUMENT.schema(
+            pool=POOL.schema(limits=LIMITS.schema()),
+            profiles=profiles,
+            permissions={"type": "object", "description": PERMISSIONS_ABOUT},
+        ),
+    }

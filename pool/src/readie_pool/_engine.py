@@ -1,0 +1,481 @@
+"""The pool engine: JSONL requests in, results out in completion order, over any byte streams.
+
+One asyncio task reads (intake), one writes, and each accepted job is a task
+of its own that waits for one of ``workers`` slots and then for the
+:class:`~readie_pool._backend.JobBackend`. Everything the protocol decides
+is delegated to the pure layers: ``_lines`` splits, ``_requests`` parses,
+``_policy`` resolves, ``_results`` and ``_events`` build what is written.
+
+Backpressure (the spec: "the pool's queue holds twice the worker count and
+stdout backpressure blocks it"): every line the pool accepts holds one of
+``QUEUE_FACTOR * workers`` permits until the line that answers it has been
+written to stdout. Intake takes a permit before it takes the next line, so
+with the permits gone it stops reading stdin, and a client that does not
+read stdout stops the pool taking work once its results fill the pipe.
+Every accepted line is answered by exactly one output line (a result, a
+refusal or a stats event), which is what keeps the count exact.
+
+Host functions (``_host``) add two kinds of line that hold no permit, so
+they can never deadlock that accounting: ``call`` events (at most one per
+running task: its thread waits for the reply) and ``reply`` lines. Intake
+reads a reply as soon as it reaches it and hands it to its call; while a
+call waits, intake also reads ahead past lines that wait for a permit
+(keeping them in order, at most :data:`MAX_PARKED_BYTES`), so a reply
+queued behind them still gets through. A reply no call waits for is
+answered with a RequestError line from a budget of its own
+(``queue_limit`` unwritten lines), not a permit.
+
+Lifecycle, one direction only::
+
+    SERVING --(EOF on stdin, stdout failed, or first drain())--> DRAINING
+    DRAINING --(second drain())--> ABORTING
+
+Draining stops intake (lines not yet read are never answered), lets every
+accepted job finish and writes its result, then closes every open session
+(sessions end with the pool). Aborting closes the backend at once, so
+running jobs end with a worker error; their results are still written if
+stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
+
+Sessions are driven by ``_session_driver`` on the engine's slots and
+output; jobs are built (policy, script, cwd) by ``_job_building``; intake's
+buffers are ``_intake``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import structlog
+from readie_protocol.connection import PoolConnection, PoolEvent, Role
+from readie_protocol.events import CancelledEvent, OutputEvent, ReadyEvent
+from readie_protocol.wire import RequestId
+from readie_worker.cancel import Cancellation
+from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_error
+from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
+
+from ._backend import JobBackend
+from ._events import JobResult, Stats, job_log_line
+from ._host import HostCalls, WaitingCall, host_function
+from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
+from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
+from readie_protocol.requests import (
+    CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
+)
+from ._results import job_result
+from ._session_driver import SessionDriver
+from ._setup import QUEUE_FACTOR, PoolSetup
+
+__all__ = [
+    "ABORT_WRITE_GRACE_S",
+    "FALLBACK_CWD",
+    "MAX_OUTPUT_BYTES",
+    "MAX_PARKED_BYTES",
+    "MAX_SCRIPT_BYTES",
+    "QUEUE_FACTOR",
+    "ByteSink",
+    "ByteSource",
+    "PoolEngine",
+    "PoolSetup",
+    "PoolState",
+]
+
+log = structlog.get_logger("readie.pool")
+
+#: After a second signal: how long the pool still tries to write the results
+#: of the jobs it stopped before giving up on a stdout nobody reads.
+ABORT_WRITE_GRACE_S = 5.0
+
+# Why a waiting host call gets no reply once intake stops.
+_STDIN_ENDED = "stdin has ended, so no reply can come"
+_INTAKE_STOPPED = "the pool stopped reading requests, so no reply can come"
+
+
+class PoolState(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    ABORTING = "aborting"
+
+
+# The only moves a pool makes; anything else is a bug.
+_TRANSITIONS = {
+    PoolState.SERVING: frozenset({PoolState.DRAINING}),
+    PoolState.DRAINING: frozenset({PoolState.ABORTING}),
+    PoolState.ABORTING: frozenset(),
+}
+
+
+class ByteSink(Protocol):
+    async def write(self, data: bytes) -> None:
+        """Returns once ``data`` is written; raises OSError when it cannot be."""
+        ...
+
+
+class PoolEngine:
+    """Serves one pool session over a byte source and sink; see the module docstring."""
+
+    def __init__(
+        self,
+        setup: PoolSetup,
+        backend: JobBackend,
+        *,
+        log_job: Callable[..., object] | None = None,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        wall_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
+        self.setup = setup
+        self.backend = backend
+        self.stats = Stats()
+        self.state = PoolState.SERVING
+        self._log_job = log_job  # a structlog method: the job line is in the one log schema
+        self._now_ns = monotonic_ns
+        self._wall_ms = wall_ms
+        self._started_ns = monotonic_ns()
+        self._permits = asyncio.BoundedSemaphore(setup.queue_limit)
+        # Answers to replies no call waits for: their own budget, never a permit.
+        self._strays = asyncio.BoundedSemaphore(setup.queue_limit)
+        self._slots = asyncio.Semaphore(setup.workers)
+        # Each line with the budget it releases once written (None: a call event).
+        self._outbox: asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None] = asyncio.Queue()
+        self._changed = asyncio.Event()  # intake's conditions may have changed (see _until)
+        # The pool's end of the protocol: requests in, events out.
+        self._connection = PoolConnection(Role.POOL)
+        self._host_calls = HostCalls(self._connection.send)
+        # The jobs a client may still cancel (queued or running), by request id.
+        self._cancels: dict[RequestId, Cancellation] = {}
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._intake_task: asyncio.Task[None] | None = None
+        self._aborted = asyncio.Event()
+        self._drain_calls = 0
+        self._output_lost = False
+        self.accepted = 0  # lines that took a permit so far (tests and logs); replies take none
+        self._session_driver = SessionDriver(self)
+
+    # ------------------------------------------------------------------ control
+
+    def drain(self) -> None:
+        """Stop taking lines and finish what was accepted; a second call aborts.
+
+        Only calls count (one per signal): a pool already draining because
+        stdin ended still drains gracefully on the first signal, so a
+        supervisor that closes stdin and then sends SIGTERM loses no job.
+        """
+        self._drain_calls += 1
+        if self._drain_calls == 1:
+            self._stop_intake("draining: no new requests; finishing accepted jobs")
+        elif self.state is PoolState.DRAINING:
+            self._move(PoolState.ABORTING)
+            self._aborted.set()
+            log.warning("aborting: stopping running jobs", accepted_jobs=len(self._jobs))
+
+    def _stop_intake(self, why: str) -> None:
+        # State first, log last: a log that cannot be written must not stop the drain.
+        serving = self.state is PoolState.SERVING
+        if serving:
+            self._move(PoolState.DRAINING)
+        if self._intake_task is not None:
+            self._intake_task.cancel()
+        if serving:
+            log.info(why, accepted_jobs=len(self._jobs))
+
+    @property
+    def serving(self) -> bool:
+        return self.state is PoolState.SERVING
+
+    def _move(self, state: PoolState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"pool cannot go from {self.state.value} to {state.value}")
+        self.state = state
+
+    async def serve(self, source: ByteSource, sink: ByteSink) -> int:
+        """Write the ready event, serve until EOF or drain, return the exit status.
+
+        0 when every accepted line was answered on stdout; 1 when stdout
+        failed or an abort gave up on writing.
+        """
+        try:
+            await sink.write(self._connection.send(self._ready()))
+        except OSError as exc:
+            log.error("cannot write the ready event", error=str(exc))
+            return 1
+        writer = asyncio.create_task(self._write_out(sink), name="readie-pool-writer")
+        self._intake_task = asyncio.create_task(self._intake(source), name="readie-pool-intake")
+        if self.state is not PoolState.SERVING:  # drained before serving began
+            self._intake_task.cancel()
+        await asyncio.wait({self._intake_task})
+        if not self._intake_task.cancelled() and self._intake_task.exception() is not None:
+            error = self._intake_task.exception()
+            log.error("intake failed; draining", error=f"{type(error).__name__}: {error}")
+        if self.state is PoolState.SERVING:
+            self._move(PoolState.DRAINING)  # EOF
+        finishing = asyncio.create_task(self._finish_all(writer), name="readie-pool-finish")
+        aborted = asyncio.create_task(self._aborted.wait())
+        await asyncio.wait({finishing, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        if not finishing.done():
+            # Abort: the backend's close ends running jobs; their results follow.
+            try:
+                await self.backend.close()
+            except Exception:
+                log.exception("closing the backend failed during an abort")
+            done, _ = await asyncio.wait({finishing}, timeout=ABORT_WRITE_GRACE_S)
+            if not done:
+                log.error("gave up writing results after an abort")
+                finishing.cancel()
+                writer.cancel()
+                for job in list(self._jobs):
+                    job.cancel()
+                return 1
+        aborted.cancel()
+        return 1 if self._output_lost else 0
+
+    async def _finish_all(self, writer: asyncio.Task[None]) -> None:
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
+        # Sessions end with the pool: every step was answered, nobody waits on a close.
+        for session in self._session_driver.table.sessions():
+            self._session_driver.close_in_background(session, "the pool is draining")
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
+        self._outbox.put_nowait(None)
+        await writer
+
+    # ------------------------------------------------------------------ intake
+
+    async def _intake(self, source: ByteSource) -> None:
+        """Read lines: replies go to their calls at once, others wait in ``parked`` for a permit.
+
+        A line is read when nothing waits for a permit and one is free (so with
+        the permits gone, stdin is not read), or, while a host call waits for
+        its reply, up to :data:`MAX_PARKED_BYTES` ahead. :meth:`_admit` takes
+        the parked lines in order, a permit each.
+        """
+        requests = RequestReader(source, self._connection)
+        parked = Parked()
+        admitting = asyncio.create_task(self._admit(parked), name="readie-pool-admit")
+        try:
+            while True:
+                await self._until(lambda: self._may_read(parked))
+                received = await requests.next()
+                if received is None:
+                    break
+                request, size = received
+                parsed_at = self._now_ns()
+                if isinstance(request, ReplyRequest):
+                    await self._accept_reply(request)
+                    continue
+                parked.push(request, parsed_at, size)
+                self._changed.set()
+            self._host_calls.close(_STDIN_ENDED)
+            parked.ended = True
+            self._changed.set()
+            await admitting
+        finally:
+            admitting.cancel()
+            self._host_calls.close(_INTAKE_STOPPED)
+
+    def _may_read(self, parked: Parked) -> bool:
+        if not parked.lines and not self._permits.locked():
+            return True
+        return len(self._host_calls) > 0 and parked.size < MAX_PARKED_BYTES
+
+    async def _admit(self, parked: Parked) -> None:
+        while True:
+            await self._until(lambda: bool(parked.lines) or parked.ended)
+            if not parked.lines:
+                return
+            await self._permits.acquire()
+            request, parsed_at = parked.pop()
+            self._changed.set()
+            self.accepted += 1
+            try:
+                self._accept(request, parsed_at)
+            except Exception as exc:  # a bug must cost one line, never the pool
+                log.exception("internal error handling a line")
+                self._finish(JobResult.from_error(None, internal_error(exc)))
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
+        while True:
+            self._changed.clear()
+            if ready():
+                return
+            await self._changed.wait()
+
+    def _accept(self, request: Request | Refused, parsed_at: int) -> None:
+        """Answer ``request`` now, or start the task that will. Exactly one answer either way."""
+        if isinstance(request, Refused):
+            self._finish(JobResult.refused(request, self.setup.runtime))
+        elif isinstance(request, StatsRequest):
+            hibernated = self._session_driver.sessions_hibernated()
+            self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers, hibernated))
+        elif isinstance(request, CloseSession):
+            self._session_driver.accept_close(request)
+        elif isinstance(request, HibernateSession):
+            self._session_driver.accept_hibernate(request)
+        elif isinstance(request, ForkSession):
+            self._session_driver.accept_fork(request)
+        elif isinstance(request, JobRequest) and request.session is not None:
+            self._session_driver.accept_step(request, parsed_at, self._cancellable(request.id))
+        elif isinstance(request, CancelJob):
+            cancel = self._cancels.get(request.target)
+            if cancel is not None:
+                cancel.cancel()
+            self._answer(CancelledEvent(request.id, request.target, found=cancel is not None))
+        elif isinstance(request, JobRequest):
+            self._spawn(self._run(request, parsed_at, self._cancellable(request.id)))
+        else:  # pragma: no cover - replies never take a permit (_intake)
+            raise TypeError(f"unhandled request {type(request).__name__}")
+
+    def _cancellable(self, request_id: RequestId) -> Cancellation:
+        """A job's or step's cancellation, known before its task starts: a cancel on the next line finds it."""
+        cancel = self._cancels[request_id] = Cancellation()
+        return cancel
+
+    def _cancelled_with(self, request_id: RequestId, cancel: Cancellation) -> None:
+        """The task of ``request_id`` is answered: a cancel no longer finds it."""
+        if self._cancels.get(request_id) is cancel:  # a later task may reuse the id
+            del self._cancels[request_id]
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    # ------------------------------------------------------------------ jobs
+
+    async def _run(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
+        try:
+            result = await self._result_for(request, parsed_at, cancel)
+        except Exception as exc:  # a bug must cost this job, never the pool's accounting
+            log.exception("internal error running a job", id=request.id)
+            error = internal_error(exc)
+            result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
+        finally:
+            self._cancelled_with(request.id, cancel)
+        self._finish(result)
+
+    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> JobResult:
+        runtime = self.setup.runtime
+        try:
+            policy = request_policy(self.setup, request)
+            job = await code_job(self.setup, request, policy)
+        except ReadieError as exc:  # refused before anything ran: no policy, no queue time
+            return JobResult.from_error(request.id, exc, runtime=runtime)
+        async with self._slots:
+            queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
+            try:
+                if cancel.cancelled:
+                    raise Cancelled("the job was cancelled by the client before it ran")
+                host = self._host_for(request.id, job.functions)
+                outcome = await self.backend.run(job, str(request.id), host, cancel, self._output_for(request))
+                self._count_host(outcome)
+            except RequestError as exc:  # the worker refused: nothing was granted
+                return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
+            except ReadieError as exc:
+                return JobResult.from_error(
+                    request.id, exc, runtime=runtime, policy=policy, queue_us=queue_us
+                )
+        return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
+
+    # ------------------------------------------------------------------ host functions
+
+    def _host_for(self, request_id: RequestId, functions: tuple[str, ...]) -> HostFunction | None:
+        """The host callback for a task of ``request_id`` (None when it declared no functions)."""
+        if not functions:
+            return None
+        return host_function(asyncio.get_running_loop(), self._post_call, self._host_calls.forget, request_id)
+
+    def _output_for(self, request: JobRequest) -> OutputSink | None:
+        """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
+        thread, and hands each chunk to the loop as an output event, numbered in order.
+
+        Its events need no permit: they come before the result that releases the
+        task's, and the worker bounds them (its max_output, per stream).
+        """
+        if not request.stream:
+            return None
+        loop = asyncio.get_running_loop()
+        numbers = itertools.count(1)
+
+        def post(chunk: OutputChunk) -> None:
+            event = OutputEvent(request.id, chunk.stream, chunk.data, next(numbers))
+            self._outbox.put_nowait((self._connection.send(event), None))
+
+        def output(chunk: OutputChunk) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the pool is gone
+                loop.call_soon_threadsafe(post, chunk)
+
+        return output
+
+    def _post_call(self, waiting: WaitingCall) -> None:
+        line = self._host_calls.post(waiting)
+        if line is not None:
+            self.stats.host_calls += 1
+            self._outbox.put_nowait((line, None))  # no permit: its task holds one, and waits
+            self._changed.set()  # a call waits: intake may read ahead for its reply
+
+    async def _accept_reply(self, reply: ReplyRequest) -> None:
+        if self._host_calls.deliver(reply):
+            self.stats.host_replies += 1
+            return  # a reply that reaches its call is not answered
+        await self._strays.acquire()
+        error = RequestError(
+            f"no call waits for a reply with call_id {reply.call_id} (it was answered already, "
+            "its task ended or ran out of time, or it was never made)",
+            "reply.call_id",
+        )
+        self.stats.late_replies += 1
+        self._finish(JobResult.from_error(None, error, runtime=self.setup.runtime), budget=self._strays)
+
+    def _count_host(self, outcome: JobOutcome) -> None:
+        if outcome.host is not None:
+            self.stats.host_frames_refused += outcome.host.refused
+
+    # ------------------------------------------------------------------ output
+
+    def _finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
+        """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
+        self.stats.record(result)
+        if self._log_job is not None and self.setup.log_jobs:
+            line = job_log_line(result, self._wall_ms())
+            with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
+                self._log_job(line.pop("event"), **line)
+        self._outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
+
+    def _answer(self, event: PoolEvent) -> None:
+        self._outbox.put_nowait((self._connection.send(event), self._permits))
+
+    async def _write_out(self, sink: ByteSink) -> None:
+        while (item := await self._outbox.get()) is not None:
+            data, budget = item
+            try:
+                if not self._output_lost:
+                    await sink.write(data)
+            except OSError as exc:
+                self._output_lost = True
+                log.error("stdout failed; results are dropped and the pool drains", error=str(exc))
+                self._stop_intake("stdout failed: draining")
+            finally:
+                if budget is not None:
+                    budget.release()
+                    self._changed.set()
+
+    def _ready(self) -> ReadyEvent:
+        setup = self.setup
+        return ReadyEvent.pool(
+            workers=setup.workers,
+            preloaded_modules=setup.runtime.preloaded_modules,
+            package_dirs=setup.package_dirs,
+            config=setup.config.path,
+            profiles=setup.config.profile_names,
+        )
+
+    def _uptime_ms(self) -> int:
+        return (self._now_ns() - self._started_ns) // 1_000_000
+
+

@@ -1,0 +1,131 @@
+"""From a parsed request to the :class:`CodeJob` a backend runs: policy, script, cwd, limits.
+
+Everything here decides what a job is granted, before it waits for a slot,
+and raises :class:`RequestError` for what the request may not have. The
+engine (``_engine``) and the session driver (``_session_driver``) both build
+their first job here, so a job and a session's first step are granted alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+from readie_executor.jobs import bounds
+from readie_worker.errors import RequestError
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
+from readie_worker.paths import PathRefused, read_no_follow
+from readie_policy.policy import Policy, resolve_policy, resolve_script
+
+from readie_protocol.requests import JobRequest
+from ._setup import PoolSetup
+
+__all__ = [
+    "FALLBACK_CWD",
+    "MAX_OUTPUT_BYTES",
+    "MAX_SCRIPT_BYTES",
+    "check_max_output",
+    "code_job",
+    "job_cwd",
+    "read_script",
+    "request_policy",
+]
+
+#: A script is read whole into the pool and sent as the job's code; every
+#: queued job may hold one. 16 MiB is far beyond hand-written code and keeps
+#: a queue of 2 x workers bounded. (Inline code is bounded by the 1 MiB line.)
+MAX_SCRIPT_BYTES = 16 * 1024 * 1024
+#: The largest max_output the in-sandbox runner accepts (its capture ceiling).
+MAX_OUTPUT_BYTES = bounds.MAX_OUTPUT_LIMIT
+#: Working directory of a job that cannot see the pool's (see :func:`job_cwd`):
+#: the sandbox's own /tmp, which is also the job's HOME.
+FALLBACK_CWD = "/tmp"
+
+
+def request_policy(setup: PoolSetup, request: JobRequest) -> Policy:
+    """The policy ``request`` runs under: its fields, its profile and the operator's ceiling."""
+    return resolve_policy(
+        request,
+        cwd=setup.cwd,
+        limits=setup.config.limits,
+        profiles=setup.config.profile_map,
+        protected=setup.package_dirs,
+    )
+
+
+async def code_job(setup: PoolSetup, request: JobRequest, policy: Policy) -> CodeJob:
+    """The job for ``request`` under ``policy``; a script is read here, without following links."""
+    check_max_output(policy)
+    script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
+    if script is not None:
+        code = await asyncio.to_thread(read_script, script, str(request.script))
+        # What the request wrote, as python3 shows the path it was given.
+        name = request.name or str(request.script)
+    else:
+        code, name = request.code or "", request.name or DEFAULT_INLINE_NAME
+    package_dirs = dict.fromkeys((*setup.package_dirs, *policy.package_dirs))
+    return CodeJob(
+        checkpoint=setup.checkpoint,
+        code=code,
+        name=name,
+        args=request.args,
+        env=dict(policy.env),
+        cwd=job_cwd(setup.cwd, policy),
+        allow_read=tuple(str(p) for p in policy.allow_read),
+        allow_write=tuple(str(p) for p in policy.allow_write),
+        package_dirs=tuple(str(p) for p in package_dirs),
+        packages=request.packages or (),
+        network=policy.network,
+        timeout_ms=policy.timeout_ms,
+        memory_bytes=policy.memory_bytes,
+        max_output=policy.max_output,
+        max_file_size=policy.max_file_size,
+        functions=request.functions or (),
+        report_files=request.report_files,
+    )
+
+
+def check_max_output(policy: Policy) -> None:
+    if policy.max_output > MAX_OUTPUT_BYTES:
+        raise RequestError(
+            f"{policy.max_output} bytes is above the sandbox's capture limit of {MAX_OUTPUT_BYTES}",
+            "max_output",
+        )
+
+
+def job_cwd(cwd: Path, policy: Policy) -> str:
+    """The pool's working directory when the job can see it, else :data:`FALLBACK_CWD`.
+
+    Inside the sandbox a grant appears at its host path, and the directories
+    above it are created on the way (empty but for the grant). So the pool's
+    directory exists there exactly when a grant lies beneath it (or it lies
+    beneath a grant), and then relative paths in the code mean what the
+    request's relative grants meant. A job with no grant there sees nothing
+    of the pool's directory anyway.
+    """
+    for grant in (*policy.allow_read, *policy.allow_write):
+        if grant.is_relative_to(cwd) or cwd.is_relative_to(grant):
+            return str(cwd)
+    return FALLBACK_CWD
+
+
+def read_script(path: Path, shown: str) -> str:
+    """The source of a script the pool runs, or RequestError naming ``script`` and quoting
+    ``shown`` (the path as the request wrote it).
+
+    Opened without following a symlink anywhere along the path and read from
+    that descriptor (``readie_worker.paths``), so a job that swaps the file
+    for a link after the check cannot make the pool read another file; a
+    FIFO or a device is refused before it is opened for reading. Decoded as
+    python3 would (a BOM or a coding cookie, else UTF-8).
+    """
+    try:
+        source = read_no_follow(str(path), MAX_SCRIPT_BYTES)
+    except PathRefused as refused:
+        raise RequestError(f"{shown!r} {refused.reason}", "script") from None
+    try:
+        return importlib.util.decode_source(source)
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise RequestError(f"{shown!r} is not readable as Python source: {exc}", "script") from None
+

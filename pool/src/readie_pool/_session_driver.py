@@ -1,0 +1,393 @@
+"""The session driver: what ``readie pool`` does with the steps and closes of named sessions.
+
+``_sessions`` decides what a line naming a session means; this runs it.
+Each accepted step or close is a task of the engine's, holds a permit until
+it is answered, and waits for the request of its session read before it; a
+step holds one of the engine's ``workers`` slots only while it runs, so an
+idle session costs a sandbox and no slot. The first step opens the session
+through the backend (``open_session``) with a job built as any job is
+(``_job_building``); later steps go to its handle. A session idle for
+``session_idle`` is closed by a timer, without an output line (nobody asked).
+
+Hibernation (decision 0022): ``{"hibernate": true}`` and ``{"fork": name}``
+queue in their session like a step and hold a slot while they run. A fork's
+new name is in the table at once (OPENING), so its first steps wait for the
+fork. A session idle for ``session_hibernate`` is hibernated by a timer, as
+the pool's own queued request: its close timer keeps running meanwhile.
+
+The driver shares the engine's slots, stats, output and task set: it is the
+engine's session half, split out to keep each readable, not a second engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import structlog
+from readie_worker.cancel import Cancellation
+from readie_worker.errors import Cancelled, ReadieError, RequestError, SandboxSetupError, internal_error
+from readie_policy.policy import Policy, resolve_step
+from readie_worker.sessions import StepOutcome
+
+from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
+
+from ._backend import BackendSession
+from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
+
+from ._events import JobResult
+from ._job_building import check_max_output, code_job, request_policy
+from readie_protocol.requests import CloseSession, ForkSession, HibernateSession, JobRequest
+from readie_protocol.wire import RequestId
+from ._results import job_result
+from ._sessions import NamedSession, SessionPhase, SessionTable
+
+if TYPE_CHECKING:
+    from ._engine import PoolEngine
+
+__all__ = ["SessionDriver"]
+
+log = structlog.get_logger("readie.pool")
+
+
+class SessionDriver:
+    """Steps and closes of the sessions in :attr:`table`, run on the engine's slots and output."""
+
+    def __init__(self, engine: PoolEngine) -> None:
+        self._engine = engine
+        self._setup = engine.setup
+        self.table = SessionTable(engine.setup.max_sessions)
+
+    def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
+        """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session."""
+        try:
+            session, first = self.table.admit(request)
+        except RequestError as exc:
+            self._engine._cancelled_with(request.id, cancel)
+            self._engine._finish(
+                JobResult.from_error(request.id, exc, runtime=self._setup.runtime, session=request.session)
+            )
+            return
+        if first:
+            self._engine.stats.session_started()
+        previous, done = session.enqueue()
+        self._engine._spawn(self._session_step(session, request, parsed_at, previous, done, cancel))
+
+    def accept_close(self, request: CloseSession) -> None:
+        session = self.table.get(request.session)
+        if session is None:  # never opened, or ended already: closed either way
+            self._engine._answer(ClosedEvent(request.id, request.session))
+            return
+        if self.table.closing(session):
+            self._engine.stats.session_ended()
+        previous, done = session.enqueue()
+        self._engine._spawn(self._session_close(session, request, previous, done))
+
+    def accept_hibernate(self, request: HibernateSession) -> None:
+        session = self.table.get(request.session)
+        if session is None:
+            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            return
+        previous, done = session.enqueue()
+        self._engine._spawn(self._session_hibernate(session, request, previous, done))
+
+    def accept_fork(self, request: ForkSession) -> None:
+        source = self.table.get(request.session)
+        if source is None:
+            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            return
+        try:
+            target = self.table.reserve(request.fork)
+        except RequestError as exc:
+            self._refuse(request.id, request.session, exc)
+            return
+        self._engine.stats.session_started()
+        previous, done = source.enqueue()
+        _, target_done = target.enqueue()  # the fork's own steps wait for it
+        self._engine._spawn(self._session_fork(source, target, request, previous, (done, target_done)))
+
+    def sessions_hibernated(self) -> int:
+        return sum(1 for session in self.table.sessions() if session.handle is not None and session.handle.hibernated)
+
+    def _refuse(self, request_id: RequestId, name: str, error: ReadieError, *, ended: bool = False) -> None:
+        """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
+        which the result says with ``session_ended``, so a client stops taking it for open."""
+        self._engine._finish(
+            JobResult.from_error(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
+        )
+
+    async def _session_hibernate(
+        self, session: NamedSession, request: HibernateSession, previous: asyncio.Event | None, done: asyncio.Event
+    ) -> None:
+        answer: HibernatedEvent | JobResult | None = None
+        try:
+            if previous is not None:
+                await previous.wait()
+            answer = await self._hibernated(session, request.id)
+        except Exception as exc:  # a bug must cost this session, never the pool
+            log.exception("internal error hibernating a session", session=session.name)
+            answer = self._failed(request.id, session, internal_error(exc))
+        finally:
+            session.answered()
+            self._send(answer)
+            done.set()
+            self._arm_idle_timer(session)
+
+    async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | JobResult:
+        if session.ended or session.handle is None:
+            why = RequestError(f"session {session.name!r} ended before it could hibernate", "session")
+            return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=session.name)
+        try:
+            async with self._engine._slots:
+                hibernate_ms = await session.handle.hibernate()
+        except ReadieError as exc:
+            return self._failed(request_id, session, exc)
+        if hibernate_ms:
+            self._engine.stats.session_image("hibernations", hibernate_ms)
+        return HibernatedEvent(request_id, session.name, round(hibernate_ms))  # type: ignore[arg-type]
+
+    async def _session_fork(
+        self,
+        source: NamedSession,
+        target: NamedSession,
+        request: ForkSession,
+        previous: asyncio.Event | None,
+        done: tuple[asyncio.Event, asyncio.Event],
+    ) -> None:
+        answer: ForkedEvent | JobResult | None = None
+        try:
+            if previous is not None:
+                await previous.wait()
+            answer = await self._forked(source, target, request.id)
+        except Exception as exc:  # a bug must cost these sessions, never the pool
+            log.exception("internal error forking a session", session=source.name)
+            answer = self._failed(request.id, source, internal_error(exc))
+        finally:
+            if target.handle is None:
+                self._end_session(target)
+            for session, event in zip((source, target), done, strict=True):
+                session.answered()
+                event.set()
+            self._send(answer)
+            for session in (source, target):
+                self._arm_idle_timer(session)
+
+    async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | JobResult:
+        if source.ended or source.handle is None or target.ended:
+            why = RequestError(f"session {source.name!r} ended before it could fork", "session")
+            return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=source.name)
+        try:
+            async with self._engine._slots:
+                handle, fork_ms = await source.handle.fork()
+        except ReadieError as exc:
+            return self._failed(request_id, source, exc)
+        self._engine.stats.session_image("forks", fork_ms)
+        target.handle, target.policy, target.functions = handle, source.policy, source.functions
+        if target.phase is SessionPhase.OPENING:
+            target.move(SessionPhase.OPEN)
+        elif target.ended:  # the pool is ending: nobody will close it otherwise
+            self._engine._spawn(handle.close())
+        return ForkedEvent(request_id, source.name, target.name, round(fork_ms))
+
+    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> JobResult:
+        """The answer to a hibernate or fork that failed: refused (RequestError, or the worker's image
+        bounds: SandboxSetupError), the session goes on; anything else has ended it."""
+        ended = not isinstance(error, RequestError | SandboxSetupError)
+        if ended:
+            self.close_in_background(session, "it could not hibernate")
+        return JobResult.from_error(
+            request_id, error, runtime=self._setup.runtime, session=session.name, session_ended=ended
+        )
+
+    def _send(self, answer: HibernatedEvent | ForkedEvent | JobResult | None) -> None:
+        if isinstance(answer, JobResult):
+            self._engine._finish(answer)
+        elif answer is not None:
+            self._engine._answer(answer)
+
+    async def _session_step(
+        self,
+        session: NamedSession,
+        request: JobRequest,
+        parsed_at: int,
+        previous: asyncio.Event | None,
+        done: asyncio.Event,
+        cancel: Cancellation,
+    ) -> None:
+        result: JobResult | None = None
+        try:
+            if previous is not None:
+                await previous.wait()
+            result = await self._step_result(session, request, parsed_at, cancel)
+        except Exception as exc:  # a bug must cost this step (and its session), never the pool
+            log.exception("internal error running a session step", id=request.id)
+            error = internal_error(exc)
+            result = JobResult.from_error(
+                request.id, error, runtime=self._setup.runtime, session=session.name
+            )
+            self.close_in_background(session, "internal error")
+        finally:
+            # Answered before the next request of the session may start.
+            self._engine._cancelled_with(request.id, cancel)
+            session.answered()
+            if result is not None:
+                self._engine._finish(result)
+            done.set()
+            self._arm_idle_timer(session)
+
+    async def _step_result(
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
+    ) -> JobResult:
+        runtime, name = self._setup.runtime, session.name
+        if session.ended:
+            why = RequestError(f"session {name!r} ended before this step ran", "session")
+            return JobResult.from_error(request.id, why, runtime=runtime, session=name)
+        first = session.handle is None
+        try:
+            if first:
+                policy = request_policy(self._setup, request)
+                job = await code_job(self._setup, request, policy)
+                session.functions = job.functions
+            else:
+                assert session.policy is not None
+                policy = resolve_step(session.policy, request, self._setup.config.limits)
+                check_max_output(policy)
+        except ReadieError as exc:  # refused before anything ran
+            if first:
+                self._end_session(session)
+            return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
+        async with self._engine._slots:
+            queue_us = max(0, (self._engine._now_ns() - parsed_at) // 1000)
+            host = self._engine._host_for(request.id, session.functions)
+            output = self._engine._output_for(request)
+            try:
+                if cancel.cancelled:
+                    raise Cancelled("the step was cancelled by the client before it ran")
+                if first:
+                    opened = await self._engine.backend.open_session(job, str(request.id), host, output, cancel)
+                    session.handle, outcome = opened
+                    session.policy = policy
+                    if session.phase is SessionPhase.OPENING:  # not CLOSING already
+                        session.move(SessionPhase.OPEN)
+                else:
+                    assert session.handle is not None
+                    step = Step(
+                        code=request.code or "",
+                        name=request.name or DEFAULT_INLINE_NAME,
+                        args=request.args,
+                        timeout_ms=policy.timeout_ms,
+                        max_output=policy.max_output,
+                        report_files=request.report_files,
+                    )
+                    outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
+                self._engine._count_host(outcome.outcome)
+            except ReadieError as exc:
+                # A refusal of the first step leaves no session; any other failure ends it.
+                if first or not isinstance(exc, RequestError):
+                    self.close_in_background(session, "its backend failed")
+                return JobResult.from_error(
+                    request.id,
+                    exc,
+                    runtime=runtime,
+                    policy=None if isinstance(exc, RequestError) else policy,
+                    queue_us=queue_us,
+                    session=name,
+                )
+        if outcome.session_ended:
+            self._end_session(session)  # the backend's side has ended already
+        if outcome.resumed_ms is not None:
+            self._engine.stats.session_image("resumes", outcome.resumed_ms)
+        return self._step_line(request, outcome, policy, queue_us, name)
+
+    def _step_line(
+        self, request: JobRequest, outcome: StepOutcome, policy: Policy, queue_us: int, name: str
+    ) -> JobResult:
+        return job_result(
+            request.id,
+            outcome.outcome,
+            runtime=self._setup.runtime,
+            policy=policy,
+            queue_us=queue_us,
+            session=name,
+            step=outcome.step,
+            session_ended=outcome.session_ended,
+            resumed_ms=outcome.resumed_ms,
+        )
+
+    async def _session_close(
+        self,
+        session: NamedSession,
+        request: CloseSession,
+        previous: asyncio.Event | None,
+        done: asyncio.Event,
+    ) -> None:
+        try:
+            if previous is not None:
+                await previous.wait()
+            handle = self._end_session(session)
+            if handle is not None:
+                await handle.close()
+        except Exception:  # the session is out of the table either way; the close is answered
+            log.exception("internal error closing a session", session=session.name)
+        finally:
+            session.answered()
+            self._engine._answer(ClosedEvent(request.id, request.session))
+            done.set()
+
+    def _end_session(self, session: NamedSession) -> BackendSession | None:
+        """Take ``session`` out of the table and the count, at once, so the next request under
+        its name starts a new one; returns its handle for the caller to close (or None)."""
+        if self.table.end(session):
+            self._engine.stats.session_ended()
+        return session.handle
+
+    def close_in_background(self, session: NamedSession, why: str) -> None:
+        handle = self._end_session(session)
+        if handle is not None:
+            log.info("closing a session", session=session.name, why=why)
+            self._engine._spawn(handle.close())
+
+    def _arm_idle_timer(self, session: NamedSession) -> None:
+        if session.phase is not SessionPhase.OPEN or session.pending or not self._engine.serving:
+            return
+        session.stop_idle_timer()
+        loop = asyncio.get_running_loop()
+        session.idle_since = loop.time()
+        session.idle = loop.call_later(self._setup.session_idle_ms / 1000, self._idle_expired, session)
+        hibernate_ms = self._setup.session_hibernate_ms
+        if hibernate_ms is not None and session.handle is not None and not session.handle.hibernated:
+            session.hibernation = loop.call_later(hibernate_ms / 1000, self._hibernate_idle, session)
+
+    def _idle_expired(self, session: NamedSession) -> None:
+        session.idle = None
+        if session.phase is SessionPhase.OPEN and not session.pending:
+            self.close_in_background(session, "idle")
+
+    def _hibernate_idle(self, session: NamedSession) -> None:
+        session.hibernation = None
+        if session.phase is SessionPhase.OPEN and not session.pending and session.handle is not None:
+            previous, done = session.enqueue(idle=True)
+            self._engine._spawn(self._idle_hibernation(session, previous, done))
+
+    async def _idle_hibernation(self, session: NamedSession, previous: asyncio.Event | None, done: asyncio.Event) -> None:
+        try:
+            if previous is not None:
+                await previous.wait()
+            answer = await self._hibernated(session, None)
+            if isinstance(answer, JobResult) and answer.error is not None:  # nobody asked: logged, not answered
+                log.warning("a session could not hibernate", session=session.name, error=answer.error.message)
+        except Exception:  # a bug must cost this session, never the pool
+            log.exception("internal error hibernating an idle session", session=session.name)
+            self.close_in_background(session, "internal error")
+        finally:
+            session.answered()
+            done.set()
+            if session.idle is None and session.phase is SessionPhase.OPEN and not session.pending and self._engine.serving:
+                # Its close timer came due while it hibernated: what is left of session_idle.
+                loop = asyncio.get_running_loop()
+                left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()
+                session.idle = loop.call_later(max(0.0, left), self._idle_expired, session)
+
+
+def _not_open(name: str) -> RequestError:
+    return RequestError(f"no open session named {name!r} (never opened, closed, or ended)", "session")

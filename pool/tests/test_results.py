@@ -1,0 +1,135 @@
+"""A worker's JobOutcome mapped to the pool's result: exit codes, counters, error types."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from readie_pool._events import (
+    EXIT_NOT_RUN,
+    EXIT_TIMEOUT,
+    Outcome,
+    JobResult,
+    RuntimeInfo,
+)
+from readie_policy.policy import Policy
+from readie_pool._results import MEMORY_BACKSTOP_EXIT, job_result
+from readie_pool.testing import ok_outcome
+from readie_protocol.events import ErrorInfo
+from readie_worker.jobs import JobOutcome
+
+
+def result_line(result: JobResult) -> dict[str, Any]:
+    return result.to_wire().to_json()
+
+RUNTIME = RuntimeInfo.pool("3.11.2", ("numpy",))
+POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)
+
+
+def error(
+    type_: str,
+    message: str = "m",
+    file: str | None = None,
+    line: int | None = None,
+    hint: str | None = None,
+) -> ErrorInfo:
+    return ErrorInfo(type_, message, file, line, hint)
+
+
+def mapped(outcome: JobOutcome):
+    return job_result("t", outcome, runtime=RUNTIME, policy=POLICY, queue_us=7)
+
+
+@pytest.mark.parametrize(
+    ("exit", "err", "outcome", "exit_code", "error_type"),
+    [
+        (0, None, Outcome.OK, 0, None),
+        (3, None, Outcome.FAILED, 3, None),  # sys.exit(3)
+        (1, error("ValueError"), Outcome.FAILED, 1, "ValueError"),
+        # the job's own exception class named like a pool error is still the job's failure
+        (1, error("RequestError"), Outcome.FAILED, 1, "RequestError"),
+        (1, error("SandboxSetupError"), Outcome.FAILED, 1, "SandboxSetupError"),
+        # the in-sandbox runner refused or could not set up the job: exit 2, code never ran
+        (2, error("RequestError"), Outcome.REQUEST_ERROR, EXIT_NOT_RUN, "RequestError"),
+        (2, error("SandboxSetupError"), Outcome.WORKER_ERROR, EXIT_NOT_RUN, "SandboxSetupError"),
+        (None, error("TimeoutError"), Outcome.TIMEOUT, EXIT_TIMEOUT, "TimeoutError"),
+        (None, error("MemoryError", hint="h"), Outcome.FAILED, MEMORY_BACKSTOP_EXIT, "MemoryError"),
+        (None, error("PoolWorkerError"), Outcome.WORKER_ERROR, EXIT_NOT_RUN, "PoolWorkerError"),
+        (None, error("SandboxSetupError"), Outcome.WORKER_ERROR, EXIT_NOT_RUN, "SandboxSetupError"),
+        (None, error("SignalError"), Outcome.SIGNAL, EXIT_NOT_RUN, "SignalError"),
+        (None, error("RequestError"), Outcome.REQUEST_ERROR, EXIT_NOT_RUN, "RequestError"),
+        (None, error("ValueError"), Outcome.WORKER_ERROR, EXIT_NOT_RUN, "PoolWorkerError"),
+        (None, None, Outcome.WORKER_ERROR, EXIT_NOT_RUN, "PoolWorkerError"),
+    ],
+)
+def test_outcomes_map_to_exit_counter_and_type(exit, err, outcome, exit_code, error_type):
+    result = mapped(ok_outcome(exit=exit, error=err))
+    assert (result.outcome, result.exit) == (outcome, exit_code)
+    assert (None if result.error is None else result.error.type) == error_type
+
+
+def test_memory_backstop_is_137_and_keeps_the_hint():
+    result = mapped(ok_outcome(exit=None, error=error("MemoryError", hint="lower 'memory'")))
+    assert MEMORY_BACKSTOP_EXIT == 137
+    assert result.error.hint == "lower 'memory'"
+
+
+def test_unknown_type_without_exit_names_what_the_worker_said():
+    result = mapped(ok_outcome(exit=None, error=error("Weird", "no idea")))
+    assert result.error.message == "the job ended without an exit status (Weird: no idea)"
+
+
+def test_every_field_of_the_line_comes_from_outcome_pool_and_policy():
+    outcome = JobOutcome(
+        exit=1,
+        stdout="out",
+        stderr="Traceback...",
+        stdout_truncated=True,
+        stderr_truncated=False,
+        error=ErrorInfo("PermissionError", "denied", "step.py", 3, "granted: /abs/out"),
+        duration_us=4001,
+        python="9.9.9",  # the job's claim; the pool reports its own
+        preloaded_modules=("forged",),
+        sandbox_id="sb",
+        backend="gvisor:runsc-restore",
+    )
+    line = result_line(mapped(outcome))
+    assert line == {
+        "id": "t",
+        "exit": 1,
+        "stdout": "out",
+        "stderr": "Traceback...",
+        "error": {
+            "type": "PermissionError",
+            "message": "denied",
+            "file": "step.py",
+            "line": 3,
+            "hint": "granted: /abs/out",
+        },
+        "stdout_truncated": True,
+        "stderr_truncated": False,
+        "duration_ms": 4,
+        "duration_us": 4001,
+        "queue_us": 7,
+        "runtime": {
+            "name": "readie",
+            "python": "3.11.2",
+            "mode": "pool",
+            "preloaded_modules": ["numpy"],
+        },
+        "policy": {
+            "allow_read": [],
+            "allow_write": ["/abs/out"],
+            "network": "deny",
+            "subprocesses": "deny",
+            "timeout_ms": 5000,
+            "memory_bytes": 536870912,
+            "backend": "gvisor:runsc-restore",
+        },
+    }
+
+
+def test_runner_refusal_drops_file_and_line():
+    result = mapped(ok_outcome(exit=2, error=error("RequestError", "bad", "x.py", 1)))
+    assert (result.error.file, result.error.line) == (None, None)
