@@ -80,7 +80,6 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "_populate": f"{_OWN}; grants are mounted from descriptors, never opened here",
     },
     "bundle.py": {"SandboxSpec.write": "the OCI bundle in the sandbox's own dir"},
-    "config.py": {"apply_cli": _OPERATOR, "load_config": _OPERATOR, "parse_config": _OPERATOR},
     "core.py": {
         "Worker._hold_grants": "realpath of the package cache dir ensure_packages made: the worker's own",
     },
@@ -88,14 +87,6 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "SessionImages.reserve": _OWN,
         "SessionImages.share": f"{_OWN}: runsc's image files, linked into a fork's image",
         "_size_of": f"{_OWN}: runsc's image files, measured",
-    },
-    "locations.py": {
-        "_checked": _CHECKPOINTS,
-        "_named": _CHECKPOINTS,
-        "_why_not": _CHECKPOINTS,
-        "check_owned": _CHECKPOINTS,
-        "link_default": f"{_CHECKPOINTS}; the link in the user's cache dir to it",
-        "locate_checkpoints": _CHECKPOINTS,
     },
     "manifest.py": {
         "_parse": _CHECKPOINTS,
@@ -116,16 +107,6 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "remove_beneath": "empties a directory the caller holds by descriptor (the state dir: decision 25)",
         "canonical_dirs": "the worker's own and the operator's dirs, resolved once to guard them from grants",
         "code_dirs": "what the worker runs as root (its Python, sys.path, runsc), guarded from write grants",
-    },
-    "policy.py": {
-        "resolve_path": _OPERATOR,
-        "refuse_symlinks": (
-            "the pool's early refusal of a request path through a symlink: realpath reads link names "
-            "(lstat, readlink), opens and lists nothing, and is only compared; the worker's open in "
-            "_grant_fs is the check that counts (decision 10)"
-        ),
-        "resolve_policy": "hands realpath to refuse_symlinks (above) as its default",
-        "resolve_script": "hands realpath to refuse_symlinks (above) as its default",
     },
     "state_dir.py": {
         "StateDir.claim": f"{_OWN}: the state dir, checked (owner, mode, no link) and held by descriptor (decision 25)",
@@ -151,7 +132,6 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "readie_command": "the readie entry point beside this Python (tests' helper)",
         "thread_count": _PROC,
     },
-    "operator_files.py": {"open_regular": _OPERATOR + "; refused unless a regular file, before any read"},
 }
 
 
