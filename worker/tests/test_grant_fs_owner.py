@@ -113,6 +113,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "StateDir.prepare": f"{_OWN}: made beneath the state dir's descriptor",
         "StateDir.close": f"{_OWN}: the state dir this process made, removed at exit",
         "runtime_root": f"{_OWN}: the per-user runtime dir (0700, checked)",
+        "_default_runtime_root": "whether /run exists, for root's default runtime dir (checked by runtime_root)",
         "scratch_dir": f"{_OWN}: a new dir under runtime_root",
         "_open_parent": f"{_OWN}: the state dir's parent, checked before the state dir is",
         "_make": f"{_OWN}: made 0700 beneath a held descriptor",

@@ -103,6 +103,7 @@ def test_a_session_that_breaks_the_reseeding_is_refused_at_its_resume(worker):
         step = session.run_step(Step("print('served half re-seeded')"))
         assert step.session_ended and step.outcome.stdout == ""
         assert step.outcome.error.type == ErrorType.SANDBOX_SETUP
-        assert "sandbox refused: cannot re-seed the random number generators" in step.outcome.error.message
+        # Why is the executor's own line, in the worker's log (no sandbox text reaches a client).
+        assert "could not resume" in step.outcome.error.message
     finally:
         session.close()

@@ -68,16 +68,21 @@ IMAGES = "images"
 _LAYOUT = (RUNSC, RUN, IMAGES)
 
 RUNTIME_DIR_VARIABLE = "READIE_RUNTIME_DIR"
+ROOT_RUNTIME_PARENT = "/run"
 
 
 def _default_runtime_root() -> Path:
     """``$READIE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/readie`` (a per-user tmpfs where a login
-    session has one), else ``readie/run`` in the user's own cache dir: never a shared place.
-    Not ``$READIE_CACHE``, which may be a volume shared with others (a node's cache in k8s)."""
+    session has one), else for root ``/run/readie`` (only root writes ``/run``; short, and
+    runsc's sockets beneath must fit in 107 bytes wherever $HOME is), else ``readie/run`` in
+    the user's own cache dir: never a shared place. Not ``$READIE_CACHE``, which may be a
+    volume shared with others (a node's cache in k8s)."""
     if os.environ.get(RUNTIME_DIR_VARIABLE):
         return Path(os.environ[RUNTIME_DIR_VARIABLE])
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "readie"
+    if os.geteuid() == 0 and os.path.isdir(ROOT_RUNTIME_PARENT):
+        return Path(ROOT_RUNTIME_PARENT) / "readie"
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ.get("HOME") or Path.home(), ".cache")
     return Path(cache) / "readie" / "run"
 
