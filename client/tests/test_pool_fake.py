@@ -1,5 +1,5 @@
 """``Pool`` against a stand-in pool that misbehaves on purpose: flags, dying, garbage, start failures,
-another protocol version, a bad exit status, an endless line. No gVisor.
+another protocol version, a bad exit status, an endless line; the stderr tail both pools keep. No gVisor.
 
 How a client meets a pool that behaves (demultiplexing, refusals, host
 functions, sessions, the drain) is test_pool_engine_backed.py's, against the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from readie_worker.testing import wait_until
 import readie
-from readie._process import pool_flags
+from readie._process import STDERR_LINE_BYTES, STDERR_TAIL_LINES, StderrTail, pool_flags
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
 
@@ -135,3 +135,17 @@ def test_a_line_without_end_breaks_the_pool_once_it_is_over_the_limit_not_at_its
     assert time.monotonic() - started < 30  # the fake writes nothing more for 60 s
     with pytest.raises(readie.PoolError):
         pool.close(timeout=1)
+
+
+def test_the_stderr_tail_keeps_the_last_lines_in_bounded_pieces_however_the_bytes_come():
+    tail = StderrTail()
+    for byte in b"one\n\ntw":  # a byte at a time, as a slow pipe gives it
+        tail.feed(bytes([byte]))
+    tail.feed(b"o\n" + b"x" * (STDERR_LINE_BYTES + 5))
+    assert tail.text.split("\n")[:3] == ["one", "", "two"]
+    assert [len(line) for line in tail.text.split("\n")[3:]] == [STDERR_LINE_BYTES], "the unfinished rest waits"
+    tail.end()
+    assert tail.text.endswith("\n" + "x" * 5) and tail.suffix().startswith("; its stderr ended with:\none\n")
+    tail.feed(b"line\n" * (STDERR_TAIL_LINES + 10))
+    assert tail.text == "\n".join(["line"] * STDERR_TAIL_LINES)
+    assert StderrTail().suffix() == " (nothing on its stderr)"

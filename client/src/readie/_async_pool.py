@@ -13,7 +13,17 @@ client, so a slow one never stops the loop) or coroutine functions (awaited
 on the loop), and so may output callbacks, which run in the task that
 awaits ``run``, in order. A task that stops awaiting :meth:`AsyncPool.run`
 (cancelled, its ``wait_timeout``, a callback that raised) sends the pool a
-cancel for the job (or the step, which ends its session), which frees its sandbox.
+cancel for the job, which frees its sandbox. A task that stops awaiting
+:meth:`AsyncSession.run <readie.AsyncSession.run>` ends the session: its
+sandbox is freed once the running step ends (at its timeout at most), and the
+next ``run`` starts a new one. Cancelling the wait for
+:meth:`AsyncSession.hibernate <readie.AsyncSession.hibernate>` does not stop
+the hibernation; the session stays open either way.
+
+:class:`~readie.AsyncSession` is the source :class:`~readie.Session` is
+generated from (scripts/unasync.py); the two pools are written twice, since
+what differs between them is how they wait, not what they say
+(docs/decisions/0029-async-written-once.md).
 """
 
 from __future__ import annotations
@@ -23,25 +33,22 @@ import inspect
 import itertools
 import logging
 import os
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
-from readie_protocol.errors import ErrorType
 from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent, Result, StatsEvent
 
-from ._errors import PoolError, ReadieError, RequestError, WaitTimeout
-from ._host import HostFunctions, check_functions, error_reply, result_reply
+from ._errors import PoolError, ReadieError, WaitTimeout
+from ._host import HostFunctions, check_functions, failed_reply, missing_reply, value_reply
 from ._output import OutputCallback, OutputCallbacks, delivering
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
-from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, STDERR_LINE_BYTES, STDERR_TAIL_LINES, pool_argv
+from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, StderrTail, pool_argv
 from ._async_session import AsyncSession
 from ._requests import Duration, PathArg, RequestId, Size, cancel_request, job_request, session_setup, stats_request
-from ._session import new_session_name
-from ._session_images import Answer
+from ._session_images import Answer, new_session_name, raise_if_refused
 
 __all__ = ["AsyncPool"]
 
@@ -92,7 +99,7 @@ class AsyncPool:
         self._write_lock = asyncio.Lock()
         # Calls waiting for their reply, by request: a pool makes at most one per task at a time.
         self._calls_waiting: set[RequestId] = set()
-        self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._tail = StderrTail()
         self._failure: str | None = None  # why the pool is unusable, once it is
         self._closed = False
         self.ready: ReadyEvent
@@ -167,7 +174,7 @@ class AsyncPool:
 
     @property
     def stderr_tail(self) -> str:
-        return "\n".join(self._tail)
+        return self._tail.text
 
     # ------------------------------------------------------------------ requests
 
@@ -209,15 +216,7 @@ class AsyncPool:
         )
         try:
             async with asyncio.timeout(wait_timeout) as waiting:
-                try:
-                    result = await self._exchange(request, declared, callbacks)
-                except ReadieError:
-                    raise
-                except BaseException:
-                    # The caller stopped waiting (cancelled, its wait_timeout, a callback that raised):
-                    # the pool stops the job and frees its sandbox.
-                    self._stop_in_background(cancel_request(self._next_id(), request["id"]))
-                    raise
+                result = await self._exchange(request, declared, callbacks)
         except TimeoutError:
             if not waiting.expired():  # a callback's own TimeoutError
                 raise
@@ -225,8 +224,7 @@ class AsyncPool:
                 f"no answer to request {request['id']!r} within {wait_timeout} s; the job was cancelled"
             ) from None
         assert isinstance(result, Result)
-        if result.error is not None and result.error.type == ErrorType.REQUEST:
-            raise RequestError(result.error.message, result=result)
+        raise_if_refused(result)
         return result
 
     def session(self, name: str | None = None, *, functions: HostFunctions | None = None, **grants: Any) -> AsyncSession:
@@ -252,6 +250,10 @@ class AsyncPool:
         functions: dict[str, Any] | None = None,
         callbacks: OutputCallbacks | None = None,
     ) -> Answer:
+        """Send ``request`` and await its answer; ``functions`` answer the calls the task makes
+        meanwhile, ``callbacks`` take its output events. A caller that stops waiting (cancelled,
+        its wait_timeout, a callback that raised) has the pool cancel the task, which frees its
+        sandbox (a step's cancel ends its session)."""
         if self._process is None:
             raise PoolError("the pool is not started: await pool.start() or use async with")
         if self._closed:
@@ -275,14 +277,20 @@ class AsyncPool:
             if callbacks is None:
                 return await answer
             return await delivering(answer, self._outputs[request_id], callbacks)
+        except ReadieError:
+            raise
+        except BaseException:
+            if "cancel" not in request:  # a cancel sent for nobody is not cancelled in turn
+                self._send_and_forget(cancel_request(self._next_id(), request_id))
+            raise
         finally:
             # Answered, failed or cancelled: nothing more is delivered to this caller.
             self._pending.pop(request_id, None)
             self._functions.pop(request_id, None)
             self._outputs.pop(request_id, None)
 
-    def _stop_in_background(self, request: dict[str, Any]) -> None:
-        """Send a cancel (or a session's close) for a caller that stopped waiting; answered in the background."""
+    def _send_and_forget(self, request: dict[str, Any]) -> None:
+        """Send ``request`` for no caller (a cancel, a session's close); it is answered in the background."""
 
         async def stop() -> None:
             try:
@@ -353,7 +361,7 @@ class AsyncPool:
     async def _answer_call(self, event: CallEvent) -> None:
         function = self._functions.get(event.id, {}).get(event.function)
         if function is None:
-            reply = error_reply(event.call_id, f"{event.function}: this client has no such host function for the task")
+            reply = missing_reply(event.call_id, event.function)
         else:
             try:
                 if inspect.iscoroutinefunction(function):
@@ -361,12 +369,9 @@ class AsyncPool:
                 else:
                     value = await asyncio.to_thread(function, *event.args, **event.kwargs)
             except Exception as exc:
-                reply = error_reply(event.call_id, str(exc) or type(exc).__name__)
+                reply = failed_reply(event.call_id, exc)
             else:
-                try:
-                    reply = result_reply(event.call_id, value)
-                except (TypeError, ValueError) as exc:
-                    reply = error_reply(event.call_id, f"{event.function} returned a value that cannot be sent: {exc}")
+                reply = value_reply(event.call_id, event.function, value)
         # Before the reply goes out: the task's next call may come the moment the pool has it.
         self._calls_waiting.discard(event.id)
         try:
@@ -382,17 +387,9 @@ class AsyncPool:
 
     async def _keep_stderr(self) -> None:
         assert self._process is not None and self._process.stderr is not None
-        partial = b""
         while chunk := await self._process.stderr.read(READ_BYTES):
-            *lines, partial = (partial + chunk).split(b"\n")
-            for line in lines:
-                self._tail.append(line[:STDERR_LINE_BYTES].decode("utf-8", "replace"))
-            # A line without end is kept in pieces, never grown without bound.
-            while len(partial) > STDERR_LINE_BYTES:
-                self._tail.append(partial[:STDERR_LINE_BYTES].decode("utf-8", "replace"))
-                partial = partial[STDERR_LINE_BYTES:]
-        if partial:
-            self._tail.append(partial.decode("utf-8", "replace"))
+            self._tail.feed(chunk)
+        self._tail.end()
 
     # ------------------------------------------------------------------ process
 
@@ -415,5 +412,4 @@ class AsyncPool:
             await process.wait()
 
     def _suffix(self) -> str:
-        tail = self.stderr_tail
-        return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+        return self._tail.suffix()

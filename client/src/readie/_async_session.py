@@ -1,39 +1,90 @@
-"""``AsyncSession``: :class:`~readie.Session` on asyncio, one sandbox whose variables survive its steps."""
+# The source of _session.py: scripts/unasync.py generates it from this file; regenerate after a change.
+"""``AsyncSession``: one sandbox whose ``__main__`` survives between :meth:`AsyncSession.run` calls.
+
+The pool creates a session on its first request, which carries the
+permissions, limits, environment and host function names given to
+:meth:`AsyncPool.session <readie.AsyncPool.session>`; later steps carry only code,
+name, args, timeout and max_output, and every step can call the functions
+(they run in this process, as for :meth:`AsyncPool.run <readie.AsyncPool.run>`). A step that times out, crashes or exits ends the session (its
+result has ``session_ended``); the next :meth:`~AsyncSession.run` then starts a
+new process with the same grants, and its result's ``step`` is 1 again.
+The pool also closes a session left idle for its ``session_idle``; the
+next step then runs in a new process *without* the grants (the client
+cannot tell in advance), which ``result.step == 1`` and the grant's
+PermissionError make visible.
+
+:meth:`AsyncSession.hibernate` checkpoints the session to disk and frees its
+sandbox; the session stays open, and its next step restores it first (that
+result's ``resumed_ms``). :meth:`AsyncSession.fork` makes a second session, open
+at once, whose ``__main__`` is a copy of this one's: same grants, same host
+functions (answered by this client for the fork's steps too), its own
+sandbox; from then on neither sees the other's changes.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import Any, Protocol, Self
 
-from readie_protocol.errors import ErrorType
 from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
 
 from ._errors import ReadieError, RequestError
 from ._output import OutputCallback, OutputCallbacks
-from ._requests import Duration, Size, cancel_request, close_request, step_request
-from ._session_images import answered, fork_name, fork_request, hibernate_request, require_open
+from ._requests import Duration, Size, close_request, step_request
+from ._session_images import Answer, answered, fork_name, fork_request, hibernate_request, raise_if_refused, require_open
 
-if TYPE_CHECKING:
-    from ._async_pool import AsyncPool
+__all__ = ["AsyncSession", "AsyncSessionPool"]
 
-__all__ = ["AsyncSession"]
+
+class AsyncSessionPool(Protocol):
+    """What a session needs of the pool that made it (the pool's own private half).
+
+    ``_exchange`` sends one request and waits for its answer; a wait that
+    ends early (cancelled, interrupted, a callback that raised) has the pool
+    cancel the request, which ends a step's session. ``_send_and_forget``
+    sends a request whose answer nobody waits for.
+    """
+
+    def _next_id(self) -> int: ...
+
+    async def _exchange(
+        self,
+        request: dict[str, Any],
+        functions: dict[str, Any] | None = None,
+        callbacks: OutputCallbacks | None = None,
+    ) -> Answer: ...
+
+    def _send_and_forget(self, request: dict[str, Any]) -> None: ...
 
 
 class AsyncSession:
-    """A stateful sandbox of an :class:`AsyncPool` (see :class:`~readie.Session`); steps run one at a time."""
+    """A stateful sandbox of a :class:`~readie.AsyncPool`; made by :meth:`AsyncPool.session <readie.AsyncPool.session>`.
 
-    def __init__(self, pool: AsyncPool, name: str, setup: Mapping[str, Any], functions: Mapping[str, Any]) -> None:
+    ``run`` calls on one AsyncSession are serialized (the pool runs a session's
+    steps one at a time anyway). Use it as a context manager, or call
+    :meth:`close`, so the pool frees the sandbox before ``session_idle``.
+    """
+
+    def __init__(
+        self,
+        pool: AsyncSessionPool,
+        name: str,
+        setup: Mapping[str, Any],
+        functions: Mapping[str, Callable[..., Any]] | None = None,
+    ) -> None:
         self.pool = pool
         self.name = name
-        self.setup = dict(setup)
-        self.functions = dict(functions)
+        self.setup = dict(setup)  # the first request's fields: grants, env, limits, function names
+        self.functions = dict(functions or {})  # what answers the steps' host calls
         self._lock = asyncio.Lock()
-        self._open = False
+        self._open = False  # the pool has a process for this session
         self.last_step = 0
 
     @property
     def open(self) -> bool:
+        """Whether the pool holds a process for this session (as far as this client knows)."""
         return self._open
 
     async def run(
@@ -48,44 +99,49 @@ class AsyncSession:
         on_stderr: OutputCallback | None = None,
         report_files: bool = False,
     ) -> Result:
-        """Run ``code`` as the session's next step (see :meth:`Session.run`).
+        """Run ``code`` as the session's next step and return its result.
 
-        Cancelling the wait ends the session: its sandbox is freed once the
-        running step ends (at its timeout at most), and the next ``run``
-        starts a new one.
+        ``on_stdout`` and ``on_stderr`` take the step's output as it is
+        written, as in :meth:`AsyncPool.run`. Returns whatever the code did (its
+        exception, a timeout: see ``result.session_ended``); raises
+        :class:`~readie.RequestError` when the pool refuses the step and
+        :class:`~readie.PoolError` when the pool fails.
         """
         callbacks = OutputCallbacks.of(on_stdout, on_stderr)
         async with self._lock:
             request = step_request(
-                self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout,
-                max_output=max_output, setup=None if self._open else self.setup, stream=callbacks is not None,
-                report_files=report_files,
+                self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
+                setup=None if self._open else self.setup, stream=callbacks is not None, report_files=report_files,
             )
-            was_open, self._open = self._open, True  # from here the pool may hold a process for it
             try:
                 result = await self.pool._exchange(request, self.functions, callbacks)
             except ReadieError:
-                self._open = was_open
                 raise
             except BaseException:
-                # Cancelled, or a callback raised: cancelling the step ends the session; the close lets the next run open anew.
+                # Cancelled, interrupted, a callback raised: the pool cancelled the step, which ends the
+                # session, and the close lets the next run open a new one under the same name.
                 self._open = False
-                self.pool._stop_in_background(cancel_request(self.pool._next_id(), request["id"]))
-                self.pool._stop_in_background(close_request(self.pool._next_id(), self.name))
+                self.pool._send_and_forget(close_request(self.pool._next_id(), self.name))
                 raise
             assert isinstance(result, Result)
-            if result.error is not None and result.error.type == ErrorType.REQUEST:
-                self._open = was_open  # refused: nothing ran, nothing changed
-                raise RequestError(result.error.message, result=result)
+            raise_if_refused(result)
             self._open = not result.session_ended
             self.last_step = result.step or 0
             return result
 
     async def hibernate(self) -> int:
-        """Checkpoint the session to disk and free its sandbox; the milliseconds it took (see :meth:`Session.hibernate`).
+        """Checkpoint the session to disk and free its sandbox; return how long it took (ms).
 
-        0, and nothing sent, when the session is not open. Cancelling the
-        wait does not stop the hibernation; the session stays open either way.
+        The session stays open, its variables and grants kept: the next
+        :meth:`run` restores it first (its result's ``resumed_ms`` says how
+        long that took). Returns 0 when it was hibernated already, and when
+        it is not open (no step has run, or the last one ended it): then
+        nothing is sent, since the pool holds nothing to hibernate, as
+        :meth:`close` does nothing. Raises :class:`~readie.RequestError` when
+        the pool refuses (the session goes on, unless the pool says it is
+        not open: then the next :meth:`run` opens it anew), :class:`~readie.SandboxSetupError` when the image could not be
+        made (the session goes on, in its sandbox) and
+        :class:`~readie.PoolWorkerError` when the attempt ended the session.
         """
         async with self._lock:
             if not self._open:
@@ -94,7 +150,18 @@ class AsyncSession:
             return answered(self, answer, HibernatedEvent).hibernate_ms
 
     async def fork(self, name: str | None = None) -> AsyncSession:
-        """A new session, open at once, whose state is a copy of this one's (see :meth:`Session.fork`)."""
+        """A new session whose state is a copy of this one's now; it is open at once.
+
+        The fork has this session's grants and limits and its host
+        functions (this client answers its steps' calls too); each goes on
+        in its own sandbox, and neither sees the other's changes. Its first
+        step is its ``step`` 1, and its result has ``resumed_ms``. ``name``
+        is the fork's name on the wire (default: a random one). Raises
+        :class:`~readie.RequestError` without asking the pool when this
+        session is not open (no step has run: there is no state to copy),
+        and when the pool refuses: ``name`` is open already, ``max_sessions``
+        are open already. Other errors as for :meth:`hibernate`.
+        """
         new_name = fork_name(name)
         async with self._lock:
             require_open(self, "fork")
@@ -104,10 +171,10 @@ class AsyncSession:
             except ReadieError:
                 raise
             except BaseException:
-                # Cancelled: the fork may be made all the same. A name made here is nobody else's,
+                # Interrupted: the fork may be made all the same. A name made here is nobody else's,
                 # so closing it cannot end another session; a caller's name may be, and is left alone.
                 if name is None:
-                    self.pool._stop_in_background(close_request(self.pool._next_id(), new_name))
+                    self.pool._send_and_forget(close_request(self.pool._next_id(), new_name))
                 raise
             answered(self, answer, ForkedEvent)
         fork = AsyncSession(self.pool, new_name, self.setup, self.functions)
@@ -115,21 +182,23 @@ class AsyncSession:
         return fork
 
     async def close(self) -> None:
-        """End the session and free its sandbox; does nothing when it is not open."""
+        """Ask the pool to end the session and free its sandbox; does nothing when it is not open."""
         async with self._lock:
-            await self._close_now()
-
-    async def _close_now(self) -> None:
-        if not self._open:
-            return
-        self._open = False
-        answer = await self.pool._exchange(close_request(self.pool._next_id(), self.name))
-        if isinstance(answer, Result):  # the pool refused the close
-            assert answer.error is not None
-            raise RequestError(answer.error.message, result=answer)
+            if not self._open:
+                return
+            self._open = False
+            answer = await self.pool._exchange(close_request(self.pool._next_id(), self.name))
+            if isinstance(answer, Result):  # the pool refused the close
+                assert answer.error is not None
+                raise RequestError(answer.error.message, result=answer)
 
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
+
+    def __repr__(self) -> str:
+        return f"<readie.AsyncSession {self.name!r} {'open' if self._open else 'not open'}>"

@@ -35,7 +35,16 @@ from readie_protocol.events import CallEvent
 
 from ._errors import PoolError, RequestError
 
-__all__ = ["HostCalls", "HostFunctions", "check_functions", "error_reply", "result_reply"]
+__all__ = [
+    "HostCalls",
+    "HostFunctions",
+    "check_functions",
+    "error_reply",
+    "failed_reply",
+    "missing_reply",
+    "result_reply",
+    "value_reply",
+]
 
 HostFunctions = Mapping[str, Callable[..., Any]]
 
@@ -81,11 +90,26 @@ def answer(
 ) -> bytes:
     """Run one call and return its reply line; never raises for what the callable does."""
     if function is None:
-        return error_reply(call_id, f"{name}: this client has no such host function for the task")
+        return missing_reply(call_id, name)
     try:
         value = function(*args, **kwargs)
     except Exception as exc:
-        return error_reply(call_id, str(exc) or type(exc).__name__)
+        return failed_reply(call_id, exc)
+    return value_reply(call_id, name, value)
+
+
+def missing_reply(call_id: int, name: str) -> bytes:
+    """The reply to a call of a function the task did not declare here."""
+    return error_reply(call_id, f"{name}: this client has no such host function for the task")
+
+
+def failed_reply(call_id: int, exc: Exception) -> bytes:
+    """The reply to a call whose callable raised ``exc``."""
+    return error_reply(call_id, str(exc) or type(exc).__name__)
+
+
+def value_reply(call_id: int, name: str, value: Any) -> bytes:
+    """The reply carrying ``value``, or an error saying why it cannot be sent."""
     try:
         return result_reply(call_id, value)
     except (TypeError, ValueError) as exc:

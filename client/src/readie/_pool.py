@@ -32,10 +32,9 @@ from typing import IO, Any, Self
 from readie_executor.jobs import bounds
 from readie_protocol import MAX_LINE_BYTES
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
-from readie_protocol.errors import ErrorType
 from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent, Result, StatsEvent
 
-from ._errors import PoolError, ReadieError, RequestError, WaitTimeout
+from ._errors import PoolError, ReadieError, WaitTimeout
 from ._host import HostCalls, HostFunctions, check_functions
 from ._process import EXIT_WAIT_S, PoolProcess, pool_argv
 from ._output import OutputCallback, OutputCallbacks, Waiter
@@ -49,8 +48,8 @@ from ._requests import (
     session_setup,
     stats_request,
 )
-from ._session import Session, new_session_name
-from ._session_images import Answer
+from ._session import Session
+from ._session_images import Answer, new_session_name, raise_if_refused
 
 __all__ = ["MAX_EVENT_LINE_BYTES", "READ_BYTES", "START_TIMEOUT_S", "Pool"]
 
@@ -206,8 +205,7 @@ class Pool:
         )
         result = self._exchange(request, declared, callbacks, wait_timeout)
         assert isinstance(result, Result)
-        if result.error is not None and result.error.type == ErrorType.REQUEST:
-            raise RequestError(result.error.message, result=result)
+        raise_if_refused(result)
         return result
 
     def session(

@@ -1,8 +1,9 @@
 """The ``readie pool`` process under a :class:`~readie.Pool`: its command, its pipes, its stderr, its end.
 
 The protocol spoken on the pipes is ``_pool``'s; this owns only the process:
-how to start it, the bounded tail of its stderr kept for error messages, its
-exit status, and stopping it (SIGTERM, then SIGKILL).
+how to start it, the bounded tail of its stderr kept for error messages
+(:class:`StderrTail`, which :class:`~readie.AsyncPool` keeps too), its exit
+status, and stopping it (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "EXIT_WAIT_S",
     "STDERR_LINE_BYTES",
     "STDERR_TAIL_LINES",
+    "StderrTail",
     "PoolProcess",
     "default_command",
     "pool_argv",
@@ -66,7 +68,7 @@ class PoolProcess:
         assert self._process.stdin and self._process.stdout and self._process.stderr
         self.stdin: IO[bytes] = self._process.stdin
         self.stdout: IO[bytes] = self._process.stdout
-        self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._tail = StderrTail()
         self._stderr_thread = threading.Thread(
             target=self._keep_stderr, args=(self._process.stderr,), name="readie-pool-stderr", daemon=True
         )
@@ -78,12 +80,11 @@ class PoolProcess:
 
     @property
     def stderr_tail(self) -> str:
-        return "\n".join(self._tail)
+        return self._tail.text
 
     def stderr_suffix(self) -> str:
         """The end of an error message: the pool's last stderr lines, or that there were none."""
-        tail = self.stderr_tail
-        return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+        return self._tail.suffix()
 
     def poll(self) -> int | None:
         return self._process.poll()
@@ -119,8 +120,50 @@ class PoolProcess:
     def _keep_stderr(self, stderr: IO[bytes]) -> None:
         with stderr:
             # Bounded reads: an endless line arrives as several pieces, never as one huge one.
-            for raw in iter(lambda: stderr.readline(STDERR_LINE_BYTES), b""):
-                self._tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
+            for piece in iter(lambda: stderr.readline(STDERR_LINE_BYTES), b""):
+                self._tail.feed(piece)
+        self._tail.end()
+
+
+class StderrTail:
+    """The pool's last stderr lines, fed its bytes in chunks of any size as they come.
+
+    At most :data:`STDERR_TAIL_LINES` lines are kept, a longer line as pieces
+    of :data:`STDERR_LINE_BYTES`, and an unfinished line waits here only up to
+    that size: a chatty pool cannot grow the client.
+    """
+
+    def __init__(self) -> None:
+        self._lines: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._partial = b""  # the line being written, shorter than STDERR_LINE_BYTES
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, partial = (self._partial + chunk).split(b"\n")
+        for line in lines:
+            self._lines.extend(_pieces(line) or [""])
+        whole = len(partial) - len(partial) % STDERR_LINE_BYTES
+        self._lines.extend(_pieces(partial[:whole]))
+        self._partial = partial[whole:]
+
+    def end(self) -> None:
+        """Stderr ended: keep its last line even without a newline."""
+        self._lines.extend(_pieces(self._partial))
+        self._partial = b""
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self._lines)
+
+    def suffix(self) -> str:
+        """The end of an error message: the pool's last stderr lines, or that there were none."""
+        tail = self.text
+        return f"; its stderr ended with:\n{tail}" if tail else " (nothing on its stderr)"
+
+
+def _pieces(line: bytes) -> list[str]:
+    """``line`` as text in pieces of at most STDERR_LINE_BYTES bytes (none for an empty line)."""
+    starts = range(0, len(line), STDERR_LINE_BYTES)
+    return [line[start : start + STDERR_LINE_BYTES].decode("utf-8", "replace") for start in starts]
 
 
 def pool_flags(

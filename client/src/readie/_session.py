@@ -1,3 +1,4 @@
+# Generated from _async_session.py by scripts/unasync.py: do not edit; change the source and regenerate.
 """``Session``: one sandbox whose ``__main__`` survives between :meth:`Session.run` calls.
 
 The pool creates a session on its first request, which carries the
@@ -25,21 +26,37 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Protocol, Self
 
-from readie_protocol.errors import ErrorType
-
-from ._errors import ReadieError, RequestError
-from ._requests import Duration, Size, close_request, step_request
-from ._output import OutputCallback, OutputCallbacks
 from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
 
-from ._session_images import answered, fork_name, fork_request, hibernate_request, new_session_name, require_open
+from ._errors import ReadieError, RequestError
+from ._output import OutputCallback, OutputCallbacks
+from ._requests import Duration, Size, close_request, step_request
+from ._session_images import Answer, answered, fork_name, fork_request, hibernate_request, raise_if_refused, require_open
 
-if TYPE_CHECKING:
-    from ._pool import Pool
+__all__ = ["Session", "SessionPool"]
 
-__all__ = ["Session", "new_session_name"]
+
+class SessionPool(Protocol):
+    """What a session needs of the pool that made it (the pool's own private half).
+
+    ``_exchange`` sends one request and waits for its answer; a wait that
+    ends early (cancelled, interrupted, a callback that raised) has the pool
+    cancel the request, which ends a step's session. ``_send_and_forget``
+    sends a request whose answer nobody waits for.
+    """
+
+    def _next_id(self) -> int: ...
+
+    def _exchange(
+        self,
+        request: dict[str, Any],
+        functions: dict[str, Any] | None = None,
+        callbacks: OutputCallbacks | None = None,
+    ) -> Answer: ...
+
+    def _send_and_forget(self, request: dict[str, Any]) -> None: ...
 
 
 class Session:
@@ -52,7 +69,7 @@ class Session:
 
     def __init__(
         self,
-        pool: Pool,
+        pool: SessionPool,
         name: str,
         setup: Mapping[str, Any],
         functions: Mapping[str, Callable[..., Any]] | None = None,
@@ -101,14 +118,13 @@ class Session:
             except ReadieError:
                 raise
             except BaseException:
-                # A callback raised, KeyboardInterrupt: the step was cancelled, which ends the session,
-                # and the close lets the next run open a new one under the same name.
+                # Cancelled, interrupted, a callback raised: the pool cancelled the step, which ends the
+                # session, and the close lets the next run open a new one under the same name.
                 self._open = False
                 self.pool._send_and_forget(close_request(self.pool._next_id(), self.name))
                 raise
             assert isinstance(result, Result)
-            if result.error is not None and result.error.type == ErrorType.REQUEST:
-                raise RequestError(result.error.message, result=result)
+            raise_if_refused(result)
             self._open = not result.session_ended
             self.last_step = result.step or 0
             return result

@@ -1,8 +1,8 @@
-"""A session's hibernate and fork, the half :class:`~readie.Session` and :class:`~readie.AsyncSession` share.
+"""The pure half of a session and of a pool's answers: what goes on the wire, how an answer reads.
 
-What goes on the wire and how the answer reads is the same for both; only
-the waiting differs (a thread's lock, the loop's). Also the answers a pool
-request can get, which both pools name.
+:class:`~readie.AsyncSession` and :class:`~readie.Session` (generated from it)
+and both pools use these; only the waiting differs (the loop's, a thread's).
+Also the answers a pool request can get, which both pools name.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Protocol, TypeVar
 
+from readie_protocol.errors import ErrorType
 from readie_protocol.events import (
     CancelledEvent,
     ClosedEvent,
@@ -22,7 +23,16 @@ from readie_protocol.events import (
 from ._errors import PoolError, RequestError
 from ._requests import RequestId
 
-__all__ = ["Answer", "answered", "fork_name", "fork_request", "hibernate_request", "new_session_name", "require_open"]
+__all__ = [
+    "Answer",
+    "answered",
+    "fork_name",
+    "fork_request",
+    "hibernate_request",
+    "new_session_name",
+    "raise_if_refused",
+    "require_open",
+]
 
 #: What answers a request: its result, or the event it asked for.
 Answer = Result | StatsEvent | ClosedEvent | CancelledEvent | HibernatedEvent | ForkedEvent
@@ -56,6 +66,13 @@ def fork_name(name: str | None) -> str:
 
 def fork_request(id: RequestId, session: str, fork: str) -> dict[str, Any]:
     return {"id": id, "session": session, "fork": fork}
+
+
+def raise_if_refused(result: Result) -> None:
+    """A result whose error is ``RequestError`` means the pool refused the request and nothing ran:
+    a bug in the caller, raised rather than returned so it is loud."""
+    if result.error is not None and result.error.type == ErrorType.REQUEST:
+        raise RequestError(result.error.message, result=result)
 
 
 def require_open(session: _Tracked, what: str) -> None:
