@@ -7,7 +7,7 @@ UV := uv
 RUN := $(UV) run --frozen --python $(PYTHON_VERSION)
 CHECKPOINTS := build/checkpoints
 
-.PHONY: help setup deps rootfs capture test test-fast fixtures proto run bench bench-smoke soak clean
+.PHONY: help setup deps rootfs capture test test-fast fixtures proto unasync run bench bench-smoke soak clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ fixtures: deps ## regenerate fixtures/frames.golden.json
 
 proto: deps ## regenerate the gRPC code in rpc/src/readie_rpc/_proto from proto/
 	$(RUN) python proto/generate.py
+
+unasync: deps ## regenerate the client's sync Session from its async source (decision 0029)
+	$(RUN) python scripts/unasync.py
 
 test: capture ## run every test, gVisor ones included
 	$(RUN) pytest

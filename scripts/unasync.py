@@ -1,6 +1,6 @@
 """Generate the client's sync modules from their async source.
 
-    uv run python scripts/unasync.py           # rewrite the generated modules
+    uv run python scripts/unasync.py           # rewrite the generated modules (make unasync)
     uv run python scripts/unasync.py --check   # exit 1 if a generated module drifted
 
 ``readie.AsyncSession`` is written once, in ``_async_session.py``; ``readie.Session``

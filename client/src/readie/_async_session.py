@@ -33,7 +33,15 @@ from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
 from ._errors import ReadieError, RequestError
 from ._output import OutputCallback, OutputCallbacks
 from ._requests import Duration, Size, close_request, step_request
-from ._session_images import Answer, answered, fork_name, fork_request, hibernate_request, raise_if_refused, require_open
+from ._session_images import (
+    Answer,
+    answered,
+    fork_name,
+    fork_request,
+    hibernate_request,
+    raise_if_refused,
+    require_open,
+)
 
 __all__ = ["AsyncSession", "AsyncSessionPool"]
 
