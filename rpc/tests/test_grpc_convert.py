@@ -207,7 +207,7 @@ def test_a_worker_answer_past_what_a_sandbox_writes_is_a_worker_error(answer):
 
 
 def test_capacity_becomes_a_response_with_pools_and_protocol():
-    capacity = Capacity(slots=2, busy=1, draining=False, pools={"base": {"ready": 1, "target": 2}}, isolated=True)
+    capacity = Capacity(slots=2, busy=1, draining=False, warm={"base": {"ready": 1, "target": 2}}, isolated=True)
     assert capacity_response(capacity, "w1", 7) == pb.CapacityResponse(
         slots=2, busy=1, draining=False, isolated=True, pools={"base": pb.PoolState(ready=1, target=2)}, worker_name="w1", protocol=7
     )

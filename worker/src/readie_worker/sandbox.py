@@ -247,7 +247,7 @@ class Sandbox:
         self.memory_limit_bytes = self.launcher.limit_memory(self.dir, job_bytes)
 
     def alive(self) -> bool:
-        """The liveness probe: run before a sandbox that waited in a pool is trusted with a job."""
+        """The liveness probe: run before a sandbox that waited warm is trusted with a job."""
         try:
             return self.call(_PING_REQUEST, timeout=PROBE_TIMEOUT_S, max_response=len(probe.PONG)) == probe.PONG
         except PoolWorkerError:
