@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readie_pool.protocol import RequestError
+from readie_pool.sans_io import RequestError
 from readie_policy.policy import Limits, resolve_script
 from readie_pool import read_script
-from readie_pool.protocol import JobRequest
+from readie_pool.sans_io import JobRequest
 import readie_worker
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.state_dir import RUNTIME_ROOT

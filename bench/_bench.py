@@ -174,7 +174,7 @@ class Bench:
             config = WorkerConfig.in_temp(self.manifest_path, warm=warm, slots=self.settings.slots)
             self.warm_worker = Worker(config).start()
             for name in warm:
-                self.warm_worker.pools[name].wait_until_full(WARM_FILL_TIMEOUT_S)
+                self.warm_worker.warm[name].wait_until_full(WARM_FILL_TIMEOUT_S)
 
     def _start_pool(self, checkpoint: Checkpoint) -> PoolClient | str:
         log_path = self.scratch / f"pool-{checkpoint.name}.log"

@@ -52,7 +52,7 @@ def readie_command() -> list[str]:
     entry_point = Path(sys.executable).with_name("readie")
     if entry_point.exists():
         return [str(entry_point)]
-    return [sys.executable, "-c", "import sys; from readie._cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from readie.cli import main; sys.exit(main())"]
 
 
 class PoolClient:

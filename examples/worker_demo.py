@@ -54,7 +54,7 @@ def main() -> int:
     # Found as every readie command finds them (docs/pool.md, "Where the checkpoints are").
     worker = Worker(WorkerConfig.in_temp(locate_checkpoints().manifest, warm={"pandas": 2})).start()
     try:
-        worker.pools["pandas"].wait_until_full(timeout=60)
+        worker.warm["pandas"].wait_until_full(timeout=60)
         for title, fields in jobs.items():
             outcome = worker.run_job(CodeJob(checkpoint="pandas", name="demo.py", **fields))
             error = f"{outcome.error.type}: {outcome.error.message}" if outcome.error else None

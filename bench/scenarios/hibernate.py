@@ -109,7 +109,7 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
     left: int | str = "?"
     try:
         for name in names:
-            worker.pools[name].wait_until_full(WARM_FILL_TIMEOUT_S)
+            worker.warm[name].wait_until_full(WARM_FILL_TIMEOUT_S)
         for round_index in range(bench.settings.hibernate_rounds):
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:
@@ -139,7 +139,7 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
 
 
 def _round(bench: Bench, worker: Worker, kept: _Kept, samples: _Samples, round_index: int, rng: random.Random) -> None:
-    pool = worker.pools[kept.name]
+    pool = worker.warm[kept.name]
     session = _live(bench, worker, kept, samples)
     if session is None:
         return
@@ -234,7 +234,7 @@ def _live(bench: Bench, worker: Worker, kept: _Kept, samples: _Samples) -> Sandb
     """The kept session, opened again (with its state) if it ended; None if it cannot open."""
     if kept.session is not None and not kept.session.ended:
         return kept.session
-    worker.pools[kept.name].wait_until_full(WARM_FILL_TIMEOUT_S)
+    worker.warm[kept.name].wait_until_full(WARM_FILL_TIMEOUT_S)
     bench.settle()
     setup = PANDAS_SETUP if kept.pandas else BASE_SETUP
     session, first = worker.open_session(CodeJob(checkpoint=kept.name, code=setup))

@@ -48,7 +48,7 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
                     cycles[arm].append(restore_cycle(dataclasses.replace(worker.factories[name], fallback=None)))
                 except ReadieError as exc:
                     errors.append(f"{arm} restore: {exc}")
-                worker.pools[name].wait_until_full(WARM_FILL_TIMEOUT_S)
+                worker.warm[name].wait_until_full(WARM_FILL_TIMEOUT_S)
                 bench.settle()
                 sample = WorkerPath(worker, name).run(PRINT)
                 if sample.error is None:

@@ -44,7 +44,7 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
     try:
         for _ in range(bench.settings.session_steps):
             for arm, worker in workers.items():
-                worker.pools[name].wait_until_full(WARM_FILL_TIMEOUT_S)
+                worker.warm[name].wait_until_full(WARM_FILL_TIMEOUT_S)
                 bench.settle()
                 sample = _one_job(worker, name)
                 if isinstance(sample, str):

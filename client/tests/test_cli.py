@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from readie._cli import SUBCOMMANDS, main, version_line
+from readie.cli import SUBCOMMANDS, main, version_line
 from readie_protocol.wire import PROTOCOL_VERSION
 from readie_policy.cli_flags import duration_seconds
 
@@ -47,7 +47,7 @@ def test_an_unknown_subcommand_says_so(capsys, arg, what):
 def test_help_and_version_import_no_component():
     # The mcp module may not be installed (or written) yet; help must not care.
     probe = (
-        "import sys; from readie._cli import main, SUBCOMMANDS; main(['--help']); main(['--version']); "
+        "import sys; from readie.cli import main, SUBCOMMANDS; main(['--help']); main(['--version']); "
         "loaded = [m for m in {s.module for s in SUBCOMMANDS.values()} if m in sys.modules]; "
         "sys.stderr.write(repr(loaded))"
     )

@@ -22,7 +22,7 @@ from mcp import Client
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from readie._mcp import main
-from readie._mcp_tools import CLOSE_TOOL_NAME, Limits, build_server
+from readie._mcp_tools import CLOSE_TOOL_NAME, SessionLimits, build_server
 
 HERE = Path(__file__).parent
 ENGINE = [sys.executable, str(HERE / "engine_pool.py")]
@@ -50,13 +50,13 @@ def pool(tmp_path):
 
 
 def in_memory(pool, grants=None, limits=None):
-    server, tools = build_server(pool, grants, limits or Limits())
+    server, tools = build_server(pool, grants, limits or SessionLimits())
     return Client(server, mode="legacy", read_timeout_seconds=READ_TIMEOUT_S), tools
 
 
 def test_tools_list_and_what_the_model_reads(pool):
     async def go():
-        client, _ = in_memory(pool, {"timeout": 5}, Limits(max_sessions=3, session_idle_s=120))
+        client, _ = in_memory(pool, {"timeout": 5}, SessionLimits(max_sessions=3, session_idle_s=120))
         async with client:
             assert client.server_info.name == "readie"
             tools = {tool.name: tool for tool in (await client.list_tools()).tools}
@@ -82,7 +82,7 @@ def test_tools_list_and_what_the_model_reads(pool):
 
 def test_sessions_are_bounded_and_closed(pool):
     async def go():
-        client, tools = in_memory(pool, limits=Limits(max_sessions=1))
+        client, tools = in_memory(pool, limits=SessionLimits(max_sessions=1))
         async with client:
             first = await client.call_tool("run_python", {"code": "say a", "session": "one"})
             assert not first.is_error and tools.sessions.names("") == ["one"]
@@ -103,7 +103,7 @@ def test_sessions_are_bounded_and_closed(pool):
 
 def test_an_ended_session_frees_its_place(pool):
     async def go():
-        client, tools = in_memory(pool, limits=Limits(max_sessions=1))
+        client, tools = in_memory(pool, limits=SessionLimits(max_sessions=1))
         async with client:
             ended = await client.call_tool("run_python", {"code": "exit", "session": "one"})
             assert "[The session ended" in text(ended)
@@ -114,7 +114,7 @@ def test_an_ended_session_frees_its_place(pool):
 
 def test_idle_sessions_are_closed(pool):
     async def go():
-        client, tools = in_memory(pool, limits=Limits(session_idle_s=0.2))
+        client, tools = in_memory(pool, limits=SessionLimits(session_idle_s=0.2))
         async with client:
             await client.call_tool("run_python", {"code": "say a", "session": "one"})
             await tools.close_idle()
@@ -128,7 +128,7 @@ def test_idle_sessions_are_closed(pool):
 
 def test_disabled_sessions_say_so(pool):
     async def go():
-        client, _ = in_memory(pool, limits=Limits(max_sessions=0))
+        client, _ = in_memory(pool, limits=SessionLimits(max_sessions=0))
         async with client:
             tool = (await client.list_tools()).tools[0]
             assert "sessions are disabled on this server" in tool.description

@@ -10,9 +10,9 @@ import pytest
 from readie import MAX_LINE_BYTES, RequestError
 from readie._requests import job_request, stats_request
 from readie_protocol.requests import encode_request
-from readie_pool.protocol import MAX_LINE_BYTES as POOL_MAX_LINE_BYTES
-from readie_pool.protocol import Line, LineSplitter, OversizeLine
-from readie_pool.protocol import JobRequest, Refused, StatsRequest, parse_request
+from readie_pool.sans_io import MAX_LINE_BYTES as POOL_MAX_LINE_BYTES
+from readie_pool.sans_io import Line, LineSplitter, OversizeLine
+from readie_pool.sans_io import JobRequest, Refused, StatsRequest, parse_request
 
 # {"id":1,"code":""} around the code
 OVERHEAD = len(b'{"id":1,"code":""}')

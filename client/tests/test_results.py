@@ -11,11 +11,11 @@ import readie
 from readie import ErrorInfo, PolicyInfo, ReadyEvent, Result, RuntimeInfo
 from readie_protocol import PROTOCOL_VERSION
 from readie_protocol.events import parse_ready, parse_result, parse_stats
-from readie_pool.protocol import PoolWorkerError as RouterPoolWorkerError
-from readie_pool.protocol import RequestError as RouterRequestError
-from readie_pool.protocol import ErrorInfo as RouterErrorInfo
-from readie_pool.protocol import JobResult, Outcome
-from readie_pool.protocol import RuntimeInfo as RouterRuntimeInfo
+from readie_pool.sans_io import PoolWorkerError as RouterPoolWorkerError
+from readie_pool.sans_io import RequestError as RouterRequestError
+from readie_pool.sans_io import ErrorInfo as RouterErrorInfo
+from readie_pool.sans_io import JobResult, Outcome
+from readie_pool.sans_io import RuntimeInfo as RouterRuntimeInfo
 from readie_policy.policy import Policy
 
 

@@ -27,7 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from readie._cli import SUBCOMMANDS
+from readie.cli import SUBCOMMANDS
 from readie_router._discovery import DnsName
 from readie_rpc.security import SecurityError, read_token
 from readie_policy.config import load_config
@@ -73,7 +73,9 @@ def parse(argv: list[str]) -> Any:
     """``readie ARGV...`` as the real CLI would read it: the subcommand's own parser."""
     assert argv and argv[0] in SUBCOMMANDS, f"no readie subcommand {argv[:1]} (have {sorted(SUBCOMMANDS)})"
     module = importlib.import_module(SUBCOMMANDS[argv[0]].module)
-    return module.build_parser().parse_args(argv[1:])
+    # A module that serves several subcommands (the pipeline's) parses the subcommand too.
+    serves_several = sum(sub.module == module.__name__ for sub in SUBCOMMANDS.values()) > 1
+    return module.build_parser().parse_args(argv if serves_several else argv[1:])
 
 
 def script_commands(script: str) -> list[list[str]]:

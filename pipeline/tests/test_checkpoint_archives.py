@@ -23,7 +23,7 @@ from readie_pipeline.archive_format import (
     ArchiveTooLarge,
     DigestMismatch,
     HostMismatch,
-    Member,
+    ArchiveMember,
     MissingMember,
     UnlistedMember,
     UnsafeMember,
@@ -151,11 +151,11 @@ def test_the_writer_never_writes_through_a_symlink(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir(), outside.mkdir()
     with TreeWriter(root) as writer:
-        writer.symlink(Member("rootfs", "symlink", target=str(outside)))
+        writer.symlink(ArchiveMember("rootfs", "symlink", target=str(outside)))
         with pytest.raises(UnsafeMember, match="is a symlink or not a directory"):
-            writer.write_file(Member("rootfs/passwd", "file", 0o644, 0, 1, sha(b"x")), io.BytesIO(b"x").read)
+            writer.write_file(ArchiveMember("rootfs/passwd", "file", 0o644, 0, 1, sha(b"x")), io.BytesIO(b"x").read)
         with pytest.raises(UnsafeMember):
-            writer.mkdir(Member("rootfs/sub", "dir"))
+            writer.mkdir(ArchiveMember("rootfs/sub", "dir"))
     assert os.listdir(outside) == []
 
 

@@ -11,7 +11,7 @@ from readie_rpc import _convert
 from readie_rpc._convert import ANSWER_MARGIN_MS, call_payload, capacity_response, code_job, run_job_response, timeout_ms
 from readie_protocol.events import ErrorInfo
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
-from readie_rpc._status import DeadlineExpired, ResponseTooLarge, grpc_errors, status_for
+from readie_rpc._status import DeadlineExpired, ResponseTooLarge, grpc_errors, readie_errors, status_for
 from readie_worker.core import Capacity, Worker, WorkerConfig
 from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
@@ -207,7 +207,7 @@ def test_a_worker_answer_past_what_a_sandbox_writes_is_a_worker_error(answer):
 
 
 def test_capacity_becomes_a_response_with_pools_and_protocol():
-    capacity = Capacity(slots=2, busy=1, draining=False, pools={"base": {"ready": 1, "target": 2}}, isolated=True)
+    capacity = Capacity(slots=2, busy=1, draining=False, warm={"base": {"ready": 1, "target": 2}}, isolated=True)
     assert capacity_response(capacity, "w1", 7) == pb.CapacityResponse(
         slots=2, busy=1, draining=False, isolated=True, pools={"base": pb.PoolState(ready=1, target=2)}, worker_name="w1", protocol=7
     )
@@ -299,3 +299,49 @@ def test_grpc_errors_lets_a_successful_body_through():
     with grpc_errors(context):
         result = 42
     assert result == 42 and context.aborted is None
+
+
+class _Failed(grpc.RpcError):
+    """A failed call as grpc raises it: a status, details and trailing metadata."""
+
+    def __init__(self, code, details, metadata=()):
+        self._code, self._details, self._metadata = code, details, metadata
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._metadata
+
+
+@pytest.mark.parametrize(
+    ("failed", "raised", "message"),
+    [
+        (
+            _Failed(grpc.StatusCode.INVALID_ARGUMENT, "timeout_ms: too long",
+                    (("readie-error", "RequestError"), ("readie-field", "timeout_ms"))),
+            RequestError,
+            "timeout_ms: too long",
+        ),
+        (_Failed(grpc.StatusCode.UNAVAILABLE, "draining", (("readie-error", "SandboxSetupError"),)), SandboxSetupError, "draining"),
+        (_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), ExecutorTimeout, "Deadline Exceeded"),
+        (_Failed(grpc.StatusCode.UNAVAILABLE, "reset"), PoolWorkerError, "worker call failed (UNAVAILABLE): reset"),
+    ],
+)
+def test_readie_errors_raises_a_failed_call_as_the_error_its_status_stands_for(failed, raised, message):
+    with pytest.raises(raised) as caught, readie_errors():
+        raise failed
+    assert type(caught.value) is raised and str(caught.value) == message
+
+
+def test_readie_errors_hands_a_call_no_worker_answered_to_its_caller():
+    def broken(error):
+        return PoolWorkerError(f"broke: {error.code().name}")
+
+    with pytest.raises(PoolWorkerError, match="^broke: UNAVAILABLE$"), readie_errors(broken):
+        raise _Failed(grpc.StatusCode.UNAVAILABLE, "reset")
+    with pytest.raises(SandboxSetupError, match="^draining$"), readie_errors(broken):  # answered: the status decides
+        raise _Failed(grpc.StatusCode.UNAVAILABLE, "draining", (("readie-error", "SandboxSetupError"),))

@@ -54,7 +54,7 @@ class FakeWorker:
         return self.envelope
 
     def capacity(self) -> Capacity:
-        return Capacity(slots=2, busy=len(self.jobs), draining=self.draining, pools={"base": {"ready": 1, "target": 1}}, isolated=False)
+        return Capacity(slots=2, busy=len(self.jobs), draining=self.draining, warm={"base": {"ready": 1, "target": 1}}, isolated=False)
 
     def drain(self, grace_s: float) -> None:
         self.draining = True

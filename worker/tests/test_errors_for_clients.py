@@ -4,13 +4,17 @@ error names. Here with a runsc stand-in; tests/test_hibernate_runsc.py has the r
 
 from __future__ import annotations
 
+import errno
+import subprocess
 from pathlib import Path
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from readie_worker.errors import bound_ids, for_client, internal_error
+from readie_worker.errors import (
+    ExecutorTimeout, PoolWorkerError, SandboxSetupError, bound_ids, for_client, host_failure, internal_error, mapped_errors,
+)
 from readie_worker.runsc import Runsc, RunscError
 
 # What runsc's stderr holds when a checkpoint fails: host paths and a host pid.
@@ -60,3 +64,33 @@ def test_an_os_error_shows_a_client_its_reason_and_logs_its_file(tmp_path):
 
 def test_a_bug_shows_a_client_its_type_only():
     assert str(internal_error(KeyError("/etc/shadow"))) == "internal error (KeyError)"
+
+
+def test_a_host_failure_names_what_failed_and_of_a_file_only_the_reason(tmp_path):
+    missing = tmp_path / "host-only" / "file"
+    with pytest.raises(SandboxSetupError) as failed, host_failure(SandboxSetupError, "cannot read the grant"):
+        missing.read_text()
+    assert str(failed.value) == "cannot read the grant: No such file or directory"
+    assert failed.value.__cause__ is None and failed.value.__suppress_context__  # the path stays out
+
+
+def test_a_host_failure_keeps_a_socket_errors_text_and_leaves_other_errors_alone():
+    with pytest.raises(PoolWorkerError, match=r"^cannot connect: \[Errno 111\] Connection refused$"):
+        with host_failure(PoolWorkerError, "cannot connect"):
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+    with pytest.raises(KeyError), host_failure(PoolWorkerError, "cannot connect"):
+        raise KeyError("not the host's")
+
+
+def test_a_command_that_timed_out_is_told_without_its_command_line():
+    with pytest.raises(SandboxSetupError, match=r"^cannot run runsc: timed out after 10 s$"):
+        with host_failure(SandboxSetupError, "cannot run runsc", caught=(OSError, subprocess.TimeoutExpired)):
+            raise subprocess.TimeoutExpired(["/opt/host-only/runsc", "flags"], 10)
+
+
+def test_mapped_errors_takes_the_first_entry_that_matches():
+    table = {TimeoutError: lambda _: ExecutorTimeout("late"), OSError: lambda exc: PoolWorkerError(f"broken: {exc}")}
+    with pytest.raises(ExecutorTimeout, match="^late$"), mapped_errors(table):
+        raise TimeoutError  # an OSError too: the more specific entry is first
+    with pytest.raises(PoolWorkerError, match="^broken: gone$"), mapped_errors(table):
+        raise OSError("gone")

@@ -79,7 +79,7 @@ def test_a_pandas_session_hibernates_frees_its_memory_and_resumes_with_its_state
         assert first.outcome.stdout == "set\n", first.outcome
         sandbox = session.sandbox_id
         assert sandbox in worker.runsc.list_ids()
-        for pool in worker.pools.values():  # their refills would blur what the hibernation frees
+        for pool in worker.warm.values():  # their refills would blur what the hibernation frees
             assert pool.wait_until_full(60)
         session_pss = pss_bytes(sandbox)
         worker_before = pss_bytes(f"--root={worker.runsc.root}")

@@ -59,7 +59,7 @@ def run(
         fields["functions"] = host.names if isinstance(host, FakeHost) else ()
     job = CodeJob(checkpoint="base", code=code, name="step.py", **fields)  # type: ignore[arg-type]
     own = sandbox is None
-    sandbox = sandbox or worker.pools["base"].take()
+    sandbox = sandbox or worker.warm["base"].take()
     try:
         return run_in_sandbox(sandbox, job, (), host=host, session=session)  # type: ignore[arg-type]
     finally:
@@ -248,7 +248,7 @@ def test_waiting_for_the_host_counts_against_the_timeout(worker):
 
 
 def test_a_session_step_keeps_calling_with_the_sessions_functions(worker):
-    sandbox = worker.pools["base"].take()
+    sandbox = worker.warm["base"].take()
     try:
         first = FakeHost(search=lambda query: f"step 1: {query}")
         one = run(worker, "from readie_host import search\nprint(search('a'))", first, sandbox=sandbox, session=True)
@@ -357,7 +357,7 @@ def test_replies_left_unread_are_skipped_by_the_honest_call(worker):
 
 
 def test_a_session_survives_replies_its_last_step_never_read(worker):
-    sandbox = worker.pools["base"].take()
+    sandbox = worker.warm["base"].take()
     try:
         host = FakeHost(search=lambda query: f"answer to {query}")
         one = run(worker, FORGER + "send(sock, b'{\"call\":0}')\nprint('left a reply unread')", host, sandbox=sandbox, session=True)

@@ -2,7 +2,7 @@
 
 A job (or session) run with ``functions={"search": search}`` declares the
 names; when its code calls one, the pool writes a ``call`` event and waits
-for a ``reply`` line. :class:`HostCalls` runs each call on one of a few
+for a ``reply`` line. :class:`HostCallRunner` runs each call on one of a few
 threads of its own, never on the thread that reads the pool's stdout (a
 callable that takes long, or a reply line that waits for the stdin lock
 while another thread's request line waits for the pool, must not stop the
@@ -36,7 +36,7 @@ from readie_protocol.events import CallEvent
 from ._errors import PoolError, RequestError
 
 __all__ = [
-    "HostCalls",
+    "HostCallRunner",
     "HostFunctions",
     "check_functions",
     "error_reply",
@@ -116,7 +116,7 @@ def value_reply(call_id: int, name: str, value: Any) -> bytes:
         return error_reply(call_id, f"{name} returned a value that cannot be sent: {exc}")
 
 
-class HostCalls:
+class HostCallRunner:
     """The declared functions of the requests in flight, and the threads that run their calls."""
 
     def __init__(self, send: Callable[[bytes], None], threads: int) -> None:

@@ -43,7 +43,7 @@ from readie_protocol.errors import ReadieError
 from readie_policy.logs import configure_logging
 
 from ._errors import PoolError
-from ._mcp_tools import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, Limits, build_server
+from ._mcp_tools import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_S, SessionLimits, build_server
 from ._pool import Pool
 
 __all__ = ["HTTP_PATH", "build_parser", "main"]
@@ -245,7 +245,7 @@ def _url_host(host: str) -> str:
 # ---------------------------------------------------------------------------- flags
 
 
-def _limits(args: argparse.Namespace) -> Limits:
+def _limits(args: argparse.Namespace) -> SessionLimits:
     idle_s = DEFAULT_SESSION_IDLE_S if args.session_idle is None else parse_duration_ms(args.session_idle) / 1000
     max_sessions = DEFAULT_MAX_SESSIONS if args.max_sessions is None else args.max_sessions
     from readie_policy.config import DEFAULT_SESSION_IDLE_MS, load_config
@@ -258,9 +258,9 @@ def _limits(args: argparse.Namespace) -> Limits:
         pool_idle_s = pool_settings.session_idle_ms / 1000
     # Ours closes first, by two sweeps' margin: a session the pool closed for idleness would come
     # back as a new one without the operator's grants and limits.
-    limits = Limits(max_sessions=max_sessions, session_idle_s=idle_s)
+    limits = SessionLimits(max_sessions=max_sessions, session_idle_s=idle_s)
     cap = max(pool_idle_s - 2 * limits.sweep_interval_s, pool_idle_s / 2)
-    return Limits(max_sessions=max_sessions, session_idle_s=min(idle_s, cap))
+    return SessionLimits(max_sessions=max_sessions, session_idle_s=min(idle_s, cap))
 
 
 def _grants(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,7 @@ call waits for a pool that is gone.
 
 Named sessions (``session="analysis"``) keep one sandbox's ``__main__``
 between calls. :class:`Sessions` bounds them in number and in idle time
-(:class:`Limits`) and closes the idle ones itself, before the pool's own
+(:class:`SessionLimits`) and closes the idle ones itself, before the pool's own
 ``session_idle`` would close them behind the model's back.
 """
 
@@ -47,7 +47,7 @@ __all__ = [
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_SESSION_IDLE_S",
     "MAX_SESSION_NAME_CHARS",
-    "Limits",
+    "SessionLimits",
     "Sessions",
     "build_server",
 ]
@@ -80,7 +80,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Limits:
+class SessionLimits:
     """How many sessions may be open at once and how long one may sit unused (seconds)."""
 
     max_sessions: int = DEFAULT_MAX_SESSIONS
@@ -111,7 +111,7 @@ class Sessions:
     threads and each :class:`~readie.Session` serializes its own steps.
     """
 
-    def __init__(self, pool: Pool, grants: Mapping[str, Any], limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, pool: Pool, grants: Mapping[str, Any], limits: SessionLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.grants = dict(grants)
         self.limits = limits
@@ -127,7 +127,7 @@ class Sessions:
     def acquire(self, connection: str, name: str) -> Session:
         """The session of that name, opened (on the pool: by its first step) when new.
 
-        Raises :class:`~readie.RequestError` past :attr:`Limits.max_sessions`.
+        Raises :class:`~readie.RequestError` past :attr:`SessionLimits.max_sessions`.
         """
         key = (connection, name)
         entry = self._open.get(key)
@@ -175,7 +175,7 @@ class Sessions:
 class ReadieTools:
     """What the tools do, against one pool; :func:`build_server` registers them."""
 
-    def __init__(self, pool: Pool, grants: Mapping[str, Any], limits: Limits) -> None:
+    def __init__(self, pool: Pool, grants: Mapping[str, Any], limits: SessionLimits) -> None:
         self.pool = pool
         self.sessions = Sessions(pool, grants, limits)
         self.grants = dict(grants)
@@ -257,7 +257,7 @@ class ReadieTools:
             return _error(f"{type(exc).__name__}: {exc}")
 
 
-def build_server(pool: Pool, grants: Mapping[str, Any] | None = None, limits: Limits = Limits()) -> tuple[MCPServer, ReadieTools]:
+def build_server(pool: Pool, grants: Mapping[str, Any] | None = None, limits: SessionLimits = SessionLimits()) -> tuple[MCPServer, ReadieTools]:
     """An MCP server with ``run_python`` and ``close_session`` over ``pool``.
 
     ``grants`` are :meth:`Pool.run <readie.Pool.run>`'s keyword arguments
@@ -319,7 +319,7 @@ def build_server(pool: Pool, grants: Mapping[str, Any] | None = None, limits: Li
     return server, tools
 
 
-def _description(setup: Mapping[str, Any], limits: Limits, idle: str) -> str:
+def _description(setup: Mapping[str, Any], limits: SessionLimits, idle: str) -> str:
     """``readie.tool``'s description (files, network, limits) with the session rules of this server."""
     # describe() says either "state persists" or "every call is clean"; here it depends on `session`,
     # so keep the lines both versions share and say that part ourselves.

@@ -35,8 +35,8 @@ from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, S
 from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent, Result, StatsEvent
 
 from ._errors import PoolError, ReadieError, WaitTimeout
-from ._host import HostCalls, HostFunctions, check_functions
-from ._process import EXIT_WAIT_S, PoolProcess, pool_argv
+from ._host import HostCallRunner, HostFunctions, check_functions
+from ._process import EXIT_WAIT_S, StartedPool, pool_argv
 from ._output import OutputCallback, OutputCallbacks, Waiter
 from ._requests import (
     Duration,
@@ -121,11 +121,11 @@ class Pool:
         self._closed = False
         self._failure: str | None = None  # why the pool is unusable, once it is
         # Host-function calls: at most one per running task, so the pool's workers bound them.
-        self._host_calls = HostCalls(self._send_line, threads=workers or 2)
+        self._host_calls = HostCallRunner(self._send_line, threads=workers or 2)
         self._ready = threading.Event()
         self._start_error: ReadieError | None = None
         self.ready: ReadyEvent
-        self._process = PoolProcess(self.argv, self.cwd)
+        self._process = StartedPool(self.argv, self.cwd)
         self._stdin: IO[bytes] = self._process.stdin
         self._reader = threading.Thread(
             target=self._read_stdout, args=(self._process.stdout,), name="readie-pool-results", daemon=True

@@ -25,8 +25,8 @@ __all__ = [
     "EXIT_WAIT_S",
     "STDERR_LINE_BYTES",
     "STDERR_TAIL_LINES",
+    "StartedPool",
     "StderrTail",
-    "PoolProcess",
     "default_command",
     "pool_argv",
     "pool_flags",
@@ -44,7 +44,7 @@ STDERR_LINE_BYTES = 2000
 #: of its stderr before reporting without them.
 EXIT_WAIT_S = 10.0
 
-_RUNNER = "import sys; from readie._cli import main; sys.exit(main())"
+_RUNNER = "import sys; from readie.cli import main; sys.exit(main())"
 
 
 def default_command() -> list[str]:
@@ -55,7 +55,7 @@ def default_command() -> list[str]:
     return [sys.executable, "-c", _RUNNER]
 
 
-class PoolProcess:
+class StartedPool:
     """A started ``readie pool``: ``stdin`` and ``stdout`` for the protocol, stderr kept here."""
 
     def __init__(self, argv: Sequence[str], cwd: Path) -> None:

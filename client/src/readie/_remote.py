@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypeVar, overload
 
@@ -282,18 +282,14 @@ def remote(
     return decorate(func) if func is not None else decorate
 
 
-@contextmanager
-def _translated_errors() -> Iterator[None]:
+def _translated_errors() -> AbstractContextManager[None]:
     """The worker client's errors, as the client's public ones: the one translation of this boundary."""
-    from readie_protocol.errors import ExecutorTimeout
-    from readie_protocol.errors import RequestError as WorkerRequestError
+    from readie_protocol.errors import ExecutorTimeout, mapped_errors
 
-    try:
-        yield
-    except WorkerRequestError as exc:
-        raise RequestError(exc.reason, exc.field) from None
-    except ExecutorTimeout as exc:
-        raise CallTimeout(f"the remote call did not finish in time: {exc}") from None
+    return mapped_errors({
+        RequestError: lambda exc: RequestError(exc.reason, exc.field),  # anew: no worker's result or chain
+        ExecutorTimeout: lambda exc: CallTimeout(f"the remote call did not finish in time: {exc}"),
+    })
 
 
 _executor: tuple[int, ThreadPoolExecutor] | None = None

@@ -102,7 +102,7 @@ class HostMismatch(ArchiveError):
 
 
 @dataclass(frozen=True)
-class Member:
+class ArchiveMember:
     """One entry of the digest manifest; ``size`` and ``sha256`` for files, ``target`` for symlinks."""
 
     path: str
@@ -148,9 +148,9 @@ class Digest:
     format_version: int
     created_at: str
     host: HostFacts
-    members: tuple[Member, ...]
+    members: tuple[ArchiveMember, ...]
     skipped: tuple[str, ...] = ()  # rootfs entries not carried (device nodes: /dev is a tmpfs in every sandbox)
-    by_path: Mapping[str, Member] = field(default_factory=dict, compare=False)
+    by_path: Mapping[str, ArchiveMember] = field(default_factory=dict, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -222,7 +222,7 @@ def check_name(path: str) -> tuple[str, ...]:
 
 def _checked(digest: Digest) -> Digest:
     """Whole-listing rules: no duplicates, each member's parent a listed directory, the totals in bounds."""
-    by_path: dict[str, Member] = {}
+    by_path: dict[str, ArchiveMember] = {}
     for member in digest.members:
         if member.path in by_path:
             raise UnlistedMember(f"the digest manifest lists {member.path!r} twice")
@@ -249,7 +249,7 @@ def _checked(digest: Digest) -> Digest:
     return Digest(digest.format_version, digest.created_at, digest.host, digest.members, digest.skipped, by_path)
 
 
-def _member(raw: object) -> Member:
+def _member(raw: object) -> ArchiveMember:
     if not isinstance(raw, dict):
         raise TypeError("a member is not an object")
     path = _text(raw["path"], "path")
@@ -265,13 +265,13 @@ def _member(raw: object) -> Member:
         size = _int(raw["size"], 0, 2**63)
         if size > MAX_TOTAL_BYTES:
             raise ArchiveTooLarge(f"member {path!r} is {size} bytes, over the limit of {MAX_TOTAL_BYTES}")
-        return Member(path, FILE, mode & KEPT_MODE_BITS, mtime_ns, size, sha256)
+        return ArchiveMember(path, FILE, mode & KEPT_MODE_BITS, mtime_ns, size, sha256)
     if kind == SYMLINK:
         target = _text(raw["target"], "target")
         if not target or "\0" in target or len(target.encode()) > MAX_LINK_BYTES:
             raise UnsafeMember(f"member {path!r}: symlink target is empty, has a NUL or is over {MAX_LINK_BYTES} bytes")
-        return Member(path, SYMLINK, 0o777, mtime_ns, target=target)
-    return Member(path, DIR, mode & KEPT_MODE_BITS, mtime_ns)
+        return ArchiveMember(path, SYMLINK, 0o777, mtime_ns, target=target)
+    return ArchiveMember(path, DIR, mode & KEPT_MODE_BITS, mtime_ns)
 
 
 def _host(raw: object) -> HostFacts:

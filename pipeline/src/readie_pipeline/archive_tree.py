@@ -27,7 +27,7 @@ from .archive_format import (
     SYMLINK,
     ArchiveError,
     DigestMismatch,
-    Member,
+    ArchiveMember,
     UnsafeMember,
     check_name,
     kind_of,
@@ -39,7 +39,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def list_tree(root: Path, prefix: str, *, hash_files: bool = True) -> tuple[list[Member], list[str]]:
+def list_tree(root: Path, prefix: str, *, hash_files: bool = True) -> tuple[list[ArchiveMember], list[str]]:
     """Every entry under ``root`` as members named ``prefix/...`` (``prefix`` is ``root`` itself),
     parents before children, sorted; and the names of what is not carried (devices, fifos, sockets)."""
     members = [_member_of(root, prefix, os.lstat(root), hash_files)]
@@ -67,15 +67,15 @@ def _walk(root: Path, prefix: str) -> Iterator[tuple[Path, str, os.stat_result]]
             yield from _walk(Path(entry.path), name)
 
 
-def _member_of(path: Path, name: str, info: os.stat_result, hash_files: bool) -> Member:
+def _member_of(path: Path, name: str, info: os.stat_result, hash_files: bool) -> ArchiveMember:
     kind = kind_of(info.st_mode)
     mode = stat.S_IMODE(info.st_mode) & KEPT_MODE_BITS
     if kind == FILE:
         digest = sha256_of(path, info.st_size) if hash_files else None
-        return Member(name, FILE, mode, info.st_mtime_ns, info.st_size, digest)
+        return ArchiveMember(name, FILE, mode, info.st_mtime_ns, info.st_size, digest)
     if kind == SYMLINK:
-        return Member(name, SYMLINK, 0o777, info.st_mtime_ns, target=os.readlink(path))
-    return Member(name, DIR, mode, info.st_mtime_ns)
+        return ArchiveMember(name, SYMLINK, 0o777, info.st_mtime_ns, target=os.readlink(path))
+    return ArchiveMember(name, DIR, mode, info.st_mtime_ns)
 
 
 def sha256_of(path: Path, size: int) -> str:
@@ -102,7 +102,7 @@ class TreeWriter:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._root_fd = os.open(root, _DIR_FLAGS)
-        self._dirs: list[Member] = []
+        self._dirs: list[ArchiveMember] = []
 
     def close(self) -> None:
         if self._root_fd >= 0:
@@ -115,7 +115,7 @@ class TreeWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def mkdir(self, member: Member) -> None:
+    def mkdir(self, member: ArchiveMember) -> None:
         parent, name = self._parent(member)
         try:
             os.mkdir(name, 0o700, dir_fd=parent)
@@ -125,7 +125,7 @@ class TreeWriter:
             os.close(parent)
         self._dirs.append(member)
 
-    def symlink(self, member: Member) -> None:
+    def symlink(self, member: ArchiveMember) -> None:
         assert member.target is not None
         parent, name = self._parent(member)
         try:
@@ -136,7 +136,7 @@ class TreeWriter:
         finally:
             os.close(parent)
 
-    def write_file(self, member: Member, read: Callable[[int], bytes]) -> None:
+    def write_file(self, member: ArchiveMember, read: Callable[[int], bytes]) -> None:
         """Create ``member`` from ``read(n)``, hashing as it goes; refused if its bytes are not the listed ones."""
         parent, name = self._parent(member)
         try:
@@ -172,7 +172,7 @@ class TreeWriter:
             finally:
                 os.close(fd)
 
-    def _parent(self, member: Member) -> tuple[int, str]:
+    def _parent(self, member: ArchiveMember) -> tuple[int, str]:
         """A descriptor of ``member``'s parent directory (the caller closes it) and its own name."""
         parts = member.parts
         return self._open_dir(parts[:-1], member.path), parts[-1]
@@ -191,10 +191,10 @@ class TreeWriter:
         return fd
 
 
-def same_tree(listed: list[Member], found: list[Member]) -> list[str]:
+def same_tree(listed: list[ArchiveMember], found: list[ArchiveMember]) -> list[str]:
     """What differs between two listings of a tree (mtimes aside: restore does not depend on them,
     decision 18); empty when they are the same tree."""
-    def key(member: Member) -> tuple[object, ...]:
+    def key(member: ArchiveMember) -> tuple[object, ...]:
         return (member.type, member.mode if member.type != SYMLINK else None, member.size, member.sha256, member.target)
 
     want = {member.path: key(member) for member in listed}

@@ -41,7 +41,7 @@ from .archive_format import (
     Digest,
     DigestMismatch,
     HostFacts,
-    Member,
+    ArchiveMember,
     check_name,
 )
 from .archive_tree import BLOCK_BYTES, list_tree
@@ -97,7 +97,7 @@ def export_checkpoints(manifest_path: Path, output: Path) -> Exported:
     base = manifest_path.parent
     manifest_bytes = (json.dumps(manifest.to_json(base), indent=2) + "\n").encode()
     sources: dict[str, Path | bytes] = {f"{SET_PREFIX}/{MANIFEST_NAME}": manifest_bytes}
-    members = [Member(SET_PREFIX, DIR, 0o755, _now_ns()), _bytes_member(f"{SET_PREFIX}/{MANIFEST_NAME}", manifest_bytes)]
+    members = [ArchiveMember(SET_PREFIX, DIR, 0o755, _now_ns()), _bytes_member(f"{SET_PREFIX}/{MANIFEST_NAME}", manifest_bytes)]
     for checkpoint in manifest.checkpoints.values():
         relative = Path(os.path.relpath(checkpoint.image_path, base))
         if relative.is_absolute() or ".." in relative.parts:
@@ -106,13 +106,13 @@ def export_checkpoints(manifest_path: Path, output: Path) -> Exported:
             name = "/".join((SET_PREFIX, *relative.parts[:depth]))
             if not any(member.path == name for member in members):
                 check_name(name)
-                members.append(Member(name, DIR, 0o755, os.lstat(base.joinpath(*relative.parts[:depth])).st_mtime_ns))
+                members.append(ArchiveMember(name, DIR, 0o755, os.lstat(base.joinpath(*relative.parts[:depth])).st_mtime_ns))
         for file in checkpoint.files:
             name = f"{SET_PREFIX}/{relative.as_posix()}/{file.name}"
             path = checkpoint.image_path / file.name
             check_name(name)
             # The manifest's own hash, verified just above: no second full read of the images.
-            members.append(Member(name, FILE, 0o644, os.lstat(path).st_mtime_ns, file.size_bytes, file.sha256))
+            members.append(ArchiveMember(name, FILE, 0o644, os.lstat(path).st_mtime_ns, file.size_bytes, file.sha256))
             sources[name] = path
     rootfs_members, skipped = list_tree(manifest.rootfs, ROOTFS_PREFIX)
     for member in rootfs_members:
@@ -160,7 +160,7 @@ def _write_atomically(output: Path, digest: Digest, sources: dict[str, Path | by
         raise
 
 
-def _info(member: Member) -> tarfile.TarInfo:
+def _info(member: ArchiveMember) -> tarfile.TarInfo:
     info = tarfile.TarInfo(member.path)
     info.mtime = member.mtime_ns // 1_000_000_000  # the exact ns are in the digest manifest
     info.mode = member.mode
@@ -175,8 +175,8 @@ def _info(member: Member) -> tarfile.TarInfo:
     return info
 
 
-def _bytes_member(name: str, data: bytes) -> Member:
-    return Member(name, FILE, 0o644, _now_ns(), len(data), "sha256:" + hashlib.sha256(data).hexdigest())
+def _bytes_member(name: str, data: bytes) -> ArchiveMember:
+    return ArchiveMember(name, FILE, 0o644, _now_ns(), len(data), "sha256:" + hashlib.sha256(data).hexdigest())
 
 
 def _now_ns() -> int:

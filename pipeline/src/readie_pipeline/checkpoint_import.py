@@ -62,7 +62,7 @@ from .archive_format import (
     Digest,
     DigestMismatch,
     HostMismatch,
-    Member,
+    ArchiveMember,
     MissingMember,
     UnlistedMember,
     UnsafeMember,
@@ -258,7 +258,7 @@ def _layer_dir(cache: Path, digest: Digest) -> Path:
     return cache / "rootfs" / f"{IMPORTED_LAYER_PREFIX}{content.hexdigest()[:16]}"
 
 
-def _rootfs_members(digest: Digest) -> list[Member]:
+def _rootfs_members(digest: Digest) -> list[ArchiveMember]:
     return [member for member in digest.members if member.parts[0] == ROOTFS_PREFIX]
 
 
@@ -322,7 +322,7 @@ def _extract(tar: tarfile.TarFile, digest: Digest, staging: Path, *, skip_rootfs
         writer.finish()
 
 
-def _listed(info: tarfile.TarInfo, digest: Digest, seen: set[str]) -> Member:
+def _listed(info: tarfile.TarInfo, digest: Digest, seen: set[str]) -> ArchiveMember:
     """The digest entry for tar member ``info``, refused unless the two agree."""
     check_name(info.name)
     if info.type in _REFUSED_TYPES:
@@ -345,7 +345,7 @@ def _listed(info: tarfile.TarInfo, digest: Digest, seen: set[str]) -> Member:
     return member
 
 
-def _hash_only(member: Member, read: Callable[[int], bytes]) -> None:
+def _hash_only(member: ArchiveMember, read: Callable[[int], bytes]) -> None:
     digest, left = hashlib.sha256(), member.size
     while left > 0:
         block = read(min(BLOCK_BYTES, left))

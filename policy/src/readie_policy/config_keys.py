@@ -1,6 +1,6 @@
 """Every key of the pool's TOML file, in one table that the loader and the published schema both read.
 
-A key names the attribute it fills, the check of its value (a :class:`Value`,
+A key names the attribute it fills, the check of its value (a :class:`ValueKind`,
 which carries the JSON Schema of what the check accepts, as the protocol's
 request checks do), its default, its command-line flag and what it means.
 ``config`` reads a file through these tables, :func:`config_schema`
@@ -61,7 +61,7 @@ __all__ = [
     "ConfigKey",
     "Reading",
     "Section",
-    "Value",
+    "ValueKind",
     "check_profile_name",
     "config_schema",
     "toml_type",
@@ -112,7 +112,7 @@ class Reading:
 
 
 @dataclass(frozen=True, slots=True)
-class Value:
+class ValueKind:
     """A kind of value: its check, ``read(reading, dotted_key, raw) -> parsed`` (a ConfigError
     when refused), the JSON Schema of what the check accepts, and its name in docs/config.md."""
 
@@ -129,7 +129,7 @@ class ConfigKey:
 
     name: str
     attr: str
-    value: Value
+    value: ValueKind
     default: str
     about: str
     example: Any
@@ -182,7 +182,7 @@ def toml_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _integer(low: int, high: int) -> Value:
+def _integer(low: int, high: int) -> ValueKind:
     def read(at: Reading, key: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise at.fail(key, f"expected an integer, got {toml_type(value)}")
@@ -190,7 +190,7 @@ def _integer(low: int, high: int) -> Value:
             raise at.fail(key, f"must be from {low} to {high}, got {value}")
         return value
 
-    return Value(read, {"type": "integer", "minimum": low, "maximum": high}, f"integer, {low} to {high}")
+    return ValueKind(read, {"type": "integer", "minimum": low, "maximum": high}, f"integer, {low} to {high}")
 
 
 def _boolean(at: Reading, key: str, value: Any) -> bool:
@@ -256,7 +256,7 @@ def _log(at: Reading, key: str, value: Any) -> str:
     return text
 
 
-def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, allow_zero: bool) -> Value:
+def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, allow_zero: bool) -> ValueKind:
     def read(at: Reading, key: str, value: Any) -> int:
         try:
             result = parse(value)
@@ -266,7 +266,7 @@ def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, al
             raise at.fail(key, "must be greater than zero")
         return result
 
-    return Value(read, dict(schema if allow_zero else positive_schema(schema)), shown)
+    return ValueKind(read, dict(schema if allow_zero else positive_schema(schema)), shown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +279,7 @@ class _Bound:
     why: str
 
 
-def _at_most(base: Value, bound: _Bound, *, lower: bool) -> Value:
+def _at_most(base: ValueKind, bound: _Bound, *, lower: bool) -> ValueKind:
     """``base`` held to ``bound``, past which a value could serve no job. ``lower``: it is a
     ceiling, lowered to the bound with a warning (it then admits exactly the requests that could
     run); else it is given to jobs, and refused (every job given it would fail)."""
@@ -294,17 +294,17 @@ def _at_most(base: Value, bound: _Bound, *, lower: bool) -> Value:
         return bound.most
 
     schema = base.schema if lower else at_most_schema(base.schema, bound.most // bound.bare)
-    return Value(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
+    return ValueKind(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
 
 
-BOOLEAN = Value(_boolean, {"type": "boolean"}, "boolean")
-PATHS = Value(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
-MODULES = Value(
+BOOLEAN = ValueKind(_boolean, {"type": "boolean"}, "boolean")
+PATHS = ValueKind(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
+MODULES = ValueKind(
     _modules,
     {"type": "array", "items": {"type": "string", "pattern": f"^{_MODULE_PART}(\\.{_MODULE_PART})*$"}},
     "array of module names",
 )
-ENV = Value(
+ENV = ValueKind(
     _env,
     {
         "type": "object",
@@ -313,7 +313,7 @@ ENV = Value(
     },
     "table of strings",
 )
-LOG = Value(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f'`"{f}"`' for f in sorted(LOG_FORMATS)))
+LOG = ValueKind(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f'`"{f}"`' for f in sorted(LOG_FORMATS)))
 SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
 POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
 POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)

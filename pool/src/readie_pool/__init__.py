@@ -6,7 +6,7 @@ and for the router's Pool service, which runs the same engine behind gRPC:
 backends it runs jobs on (:class:`JobBackend`, :class:`ThreadedBackend`,
 :class:`LocalWorkerBackend`, :func:`choose_checkpoint`), and
 :func:`read_script`, how a request's script is read without following a
-symlink. Also public: :mod:`readie_pool.protocol` (the protocol's sans-IO
+symlink. Also public: :mod:`readie_pool.sans_io` (the protocol's sans-IO
 pieces and the engine's account of a job), :mod:`readie_pool.reference`
 (the generated protocol and config references) and :mod:`readie_pool.testing`.
 Modules whose names start with ``_`` are private to this package (a test checks it).

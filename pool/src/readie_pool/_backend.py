@@ -208,7 +208,7 @@ class LocalWorkerBackend(ThreadedBackend):
         """
         worker = Worker(config, metrics=metrics).start()
         try:
-            pool = worker.pools.get(checkpoint)
+            pool = worker.warm.get(checkpoint)
             if pool is None:
                 raise SandboxSetupError(_unusable(worker, checkpoint))
             if not pool.wait_until_full(warm_timeout_s):

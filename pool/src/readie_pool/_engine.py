@@ -3,8 +3,9 @@
 One asyncio task reads (intake), one writes, and each accepted job is a task
 of its own that waits for one of ``workers`` slots and then for the
 :class:`~readie_pool._backend.JobBackend`. Everything the protocol decides
-is delegated to the pure layers: ``_lines`` splits, ``_requests`` parses,
-``_policy`` resolves, ``_results`` and ``_events`` build what is written.
+is delegated to the pure layers: :mod:`readie_protocol.lines` splits,
+:mod:`readie_protocol.requests` parses, :mod:`readie_policy.policy` resolves
+(through ``_job_building``), ``_results`` and ``_events`` build what is written.
 
 Backpressure (the spec: "the pool's queue holds twice the worker count and
 stdout backpressure blocks it"): every line the pool accepts holds one of

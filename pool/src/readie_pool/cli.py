@@ -164,7 +164,7 @@ async def _serve(
             backend: JobBackend = ThreadedBackend(client, setup.workers)
         else:
             local = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint, metrics=metrics)
-            metrics.watch_worker(local.worker)  # the embedded worker's warm pool, slots and sandboxes
+            metrics.watch_worker(local.worker)  # the embedded worker's warm sandboxes, slots and sessions
             worker_config = local.worker.config  # its state dir as made
             backend = local
     except ConfigError as exc:  # the state dir refused: bad configuration, like a bad flag

@@ -2,7 +2,7 @@
 
 * :func:`pool_placement` runs a conformance suite both ways: the pool's
   own worker, or a router in front of two worker processes
-  (:func:`readie_worker.testing.start_cluster`).
+  (:func:`readie_rpc.testing.start_cluster`).
 * :class:`PoolProcess` runs the real ``readie pool`` over pipes: write
   requests, read results with a timeout, read its stderr log. Reading is
   explicit (nothing reads stdout behind your back), so a test can leave
@@ -68,7 +68,7 @@ __all__ = [
     "readie_command",
 ]
 
-#: Long enough for a warm pool's first restores on a busy two-core machine.
+#: Long enough for the first restores of a worker's warm sandboxes on a busy two-core machine.
 DEFAULT_READY_TIMEOUT_S = 60.0
 DEFAULT_READ_TIMEOUT_S = 30.0
 

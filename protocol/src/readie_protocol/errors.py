@@ -12,12 +12,18 @@ ones more than one program raises and the client catches: a bad
 configuration file (:class:`ConfigError`, read by every command and by
 ``readie mcp``) and an executor that did not answer in time
 (:class:`ExecutorTimeout`, which a remote call's status carries back).
+
+Where a layer meets a library that fails in its own terms (a socket, runsc,
+gRPC), :func:`mapped_errors` turns those failures into these classes, from
+a table written once per boundary (decision 0028).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .events import Result
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_SHOWN_CHARS",
     "ConfigError",
+    "ErrorMap",
     "ErrorType",
     "ExecutorTimeout",
     "JobError",
@@ -37,6 +44,7 @@ __all__ = [
     "VersionMismatch",
     "error_type",
     "family_of",
+    "mapped_errors",
     "shown",
 ]
 
@@ -175,3 +183,26 @@ def shown(text: str) -> str:
     if len(text) <= MAX_SHOWN_CHARS:
         return repr(text)
     return repr(text[:MAX_SHOWN_CHARS]) + f"... ({len(text)} characters)"
+
+
+#: A boundary's failures and the readie error each one is: an exception type
+#: (or a tuple of them) to what makes the error of it. Most specific first.
+ErrorMap = Mapping[type[Exception] | tuple[type[Exception], ...], Callable[[Any], ReadieError]]
+
+
+@contextmanager
+def mapped_errors(table: ErrorMap) -> Iterator[None]:
+    """Run the body; raise what it raises as the readie error ``table`` makes of it.
+
+    The first entry whose type the exception is wins; anything the table
+    does not name leaves unchanged. The library's exception is not chained
+    (``from None``): its text may name host paths, and the readie error's
+    message already says what failed.
+    """
+    try:
+        yield
+    except Exception as exc:
+        for failure, error in table.items():
+            if isinstance(exc, failure):
+                raise error(exc) from None
+        raise

@@ -18,7 +18,7 @@ Types are strict (``_values``): a bool is not an integer, a float is not an
 integer, strings must be valid Unicode (no lone surrogates: they cannot
 cross into the sandbox as UTF-8), duplicate keys and NaN/Infinity are refused. What a request
 asks for is only checked for shape here; whether the pool grants it is
-``_policy``'s business, and whether a session step may carry it is the
+:mod:`readie_policy.policy`'s business, and whether a session step may carry it is the
 session manager's (see :attr:`JobRequest.setup_fields`).
 """
 

@@ -165,18 +165,18 @@ class Placement:
     def capacity(self) -> Capacity:
         with self._lock:
             live = [m for m in self._members if m.healthy and m.capacity is not None and not m.retired]
-            pools: dict[str, dict[str, int]] = {}
+            warm: dict[str, dict[str, int]] = {}
             for member in live:
                 assert member.capacity is not None
-                for name, state in member.capacity.pools.items():
-                    total = pools.setdefault(name, {"ready": 0, "target": 0})
+                for name, state in member.capacity.warm.items():
+                    total = warm.setdefault(name, {"ready": 0, "target": 0})
                     total["ready"] += state["ready"]
                     total["target"] += state["target"]
             return Capacity(
                 slots=sum(m.capacity.slots for m in live if m.capacity),
                 busy=sum(m.in_flight for m in live),
                 draining=self._draining,
-                pools=pools,
+                warm=warm,
                 isolated=all(m.capacity.isolated for m in live if m.capacity),
                 sessions=sum(m.sessions for m in self._members),
                 # The router's own cap, unless its live workers keep fewer between them.

@@ -264,7 +264,7 @@ def capacity_response(capacity: Capacity, worker_name: str, protocol: int) -> pb
         busy=capacity.busy,
         draining=capacity.draining,
         isolated=capacity.isolated,
-        pools={name: pb.PoolState(ready=pool["ready"], target=pool["target"]) for name, pool in capacity.pools.items()},
+        pools={name: pb.PoolState(ready=pool["ready"], target=pool["target"]) for name, pool in capacity.warm.items()},
         worker_name=worker_name,
         protocol=protocol,
         sessions=capacity.sessions,

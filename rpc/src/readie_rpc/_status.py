@@ -1,8 +1,11 @@
-"""readie's errors as gRPC status codes: the one place they are mapped.
+"""readie's errors as gRPC status codes and back: the one place they are mapped.
 
 Every RPC of the worker service runs inside :func:`grpc_errors`, which turns
 whatever the call raised into a status through :func:`status_for`. Nothing
-else in the service picks a status code.
+else in the service picks a status code. Every call to a worker runs inside
+:func:`readie_errors`, which raises a failed call as the readie error its
+status stands for (:func:`error_from_status`, the inverse); nothing else
+catches ``grpc.RpcError``.
 
 The mapping, and why:
 
@@ -38,8 +41,8 @@ failure: the worker reports it in the response's ``error``, status OK.
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -48,7 +51,7 @@ import structlog
 from readie_worker.errors import (
     Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, internal_error,
 )
-from readie_protocol.errors import ExecutorTimeout
+from readie_protocol.errors import ExecutorTimeout, mapped_errors
 
 log = structlog.get_logger("readie.grpc")
 
@@ -141,13 +144,28 @@ def answered_by_readie(error: grpc.RpcError) -> bool:
     return any(key == ERROR_METADATA_KEY for key, _ in error.trailing_metadata() or ())  # type: ignore[attr-defined]
 
 
-def error_from_status(error: grpc.RpcError) -> ReadieError:
+def readie_errors(unanswered: Callable[[grpc.RpcError], ReadieError] | None = None) -> AbstractContextManager[None]:
+    """Make a call to a worker; raise its failure as readie's error (:func:`error_from_status`).
+
+    ``unanswered`` makes the error of a call that failed before the worker's
+    code answered it (the default: :func:`error_from_status` decides).
+    """
+    return mapped_errors({
+        grpc.FutureCancelledError: lambda _: Cancelled("the call to the worker was cancelled"),
+        grpc.RpcError: lambda error: error_from_status(error, unanswered),
+    })
+
+
+def error_from_status(error: grpc.RpcError, unanswered: Callable[[grpc.RpcError], ReadieError] | None = None) -> ReadieError:
     """The readie error a failed call to a worker stands for: the inverse of :func:`status_for`.
 
     A call that failed without readie's metadata never got an answer from the
-    worker's code (connection reset, worker gone): it may have run, so it is
-    a PoolWorkerError and must not be retried blindly.
+    worker's code (connection reset, worker gone): ``unanswered`` makes its
+    error when given. Without it, such a call may have run, so it is a
+    PoolWorkerError and must not be retried blindly.
     """
+    if unanswered is not None and not answered_by_readie(error):
+        return unanswered(error)
     metadata = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
     kind = metadata.get(ERROR_METADATA_KEY)
     code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """A client of one ``readie worker``, shaped like the in-process :class:`~readie_worker.core.Worker`.
 
 Routers and ``readie pool --router`` use it; the worker's gRPC statuses come
-back as readie's own errors (``_status.error_from_status``), so callers handle
+back as readie's own errors (``_status.readie_errors``), so callers handle
 a remote worker and a local one alike. A call's :class:`Cancellation` (and
 ``NEVER``, none) is part of this API, so a caller such as the client's
 remote path needs nothing of the worker's to cancel one.
@@ -16,11 +16,11 @@ import grpc
 from ._convert import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import error_from_status
+from ._status import readie_errors
 from readie_worker.core import Capacity
 from .grpc_service import MAX_MESSAGE_BYTES
 from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.errors import Cancelled, PoolWorkerError
+from readie_worker.errors import PoolWorkerError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from .remote_session import DEADLINE_MARGIN_S, InteractStream, RemoteSession
 from .security import ClientSecurity
@@ -116,10 +116,8 @@ class WorkerClient:
 
     def capacity(self, timeout_s: float = CAPACITY_TIMEOUT_S) -> tuple[Capacity, str]:
         """The worker's capacity and its name."""
-        try:
+        with readie_errors():
             reply = self._stub.Capacity(pb.CapacityRequest(), timeout=timeout_s)
-        except grpc.RpcError as error:
-            raise error_from_status(error) from None
         pools = {name: {"ready": state.ready, "target": state.target} for name, state in reply.pools.items()}
         capacity = Capacity(
             reply.slots,
@@ -139,12 +137,8 @@ class WorkerClient:
 
 def _answer(call: grpc.Future) -> Any:
     """The response of a unary call made with ``.future``; its failure as readie's error."""
-    try:
+    with readie_errors():
         return call.result()
-    except grpc.FutureCancelledError:
-        raise Cancelled("the call to the worker was cancelled") from None
-    except grpc.RpcError as error:
-        raise error_from_status(error) from None
 
 
 def _request_id(job_id: str | None) -> tuple[tuple[str, str], ...]:

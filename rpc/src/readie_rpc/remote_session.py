@@ -30,7 +30,7 @@ from ._session_wire import milliseconds, refusal
 from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import answered_by_readie, error_from_status
+from ._status import readie_errors
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, max_output_events
@@ -95,7 +95,7 @@ class InteractStream:
         ``task_s`` is the task's own timeout: no call waits on the host longer,
         whatever deadline the worker names. ``within_s`` bounds the whole
         wait when the stream has no deadline of its own (a session's). Raises
-        the worker's error (``error_from_status``), StreamBroken when the
+        the worker's error (``readie_errors``), StreamBroken when the
         stream broke without one, or PoolWorkerError for events no honest
         worker sends (output not asked for, empty, past the task's ``max_output``
         or more events than a worker forwards); in every case the stream is over.
@@ -160,16 +160,16 @@ class InteractStream:
         return InteractStream(self._stub, first, self._functions, timeout_s=None, metadata=self._metadata)
 
     def _next_event(self, within_s: float | None) -> pb.InteractEvent:
-        try:
-            return next(self._call)
-        except StopIteration:
-            raise PoolWorkerError("the worker ended the stream without a result") from None
-        except grpc.RpcError as error:
-            if self._overdue.is_set():
-                raise PoolWorkerError(f"the worker sent no result within {within_s:.0f} s") from None
-            if not answered_by_readie(error):
-                raise StreamBroken(f"the stream to the worker broke ({error.code().name}: {error.details()})") from None
-            raise error_from_status(error) from None
+        def unanswered(error: grpc.RpcError) -> PoolWorkerError:
+            if self._overdue.is_set():  # the watchdog cancelled the call
+                return PoolWorkerError(f"the worker sent no result within {within_s:.0f} s")
+            return StreamBroken(f"the stream to the worker broke ({error.code().name}: {error.details()})")  # type: ignore[attr-defined]
+
+        with readie_errors(unanswered):
+            try:
+                return next(self._call)
+            except StopIteration:
+                raise PoolWorkerError("the worker ended the stream without a result") from None
 
     def _give_up(self) -> None:
         self._overdue.set()

@@ -150,7 +150,7 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-class _Stream:
+class _StreamAllowance:
     """One stream's allowances, and its text on the way to the sink."""
 
     __slots__ = ("budget", "large_bytes", "tokens", "filled_at", "pieces", "size", "forwarded_at")
@@ -185,7 +185,7 @@ class OutputRelay:
         self._sink: OutputSink | None = sink
         self._clock = clock
         now = clock()
-        self._streams = {stream: _Stream(max_output, now) for stream in OUTPUT_STREAMS}
+        self._streams = {stream: _StreamAllowance(max_output, now) for stream in OUTPUT_STREAMS}
         self.forwarded = 0  # chunks handed to the sink
 
     def receive(self, payload: bytes) -> None:
@@ -216,7 +216,7 @@ class OutputRelay:
             if stream.pieces:
                 self._forward(name, stream, self._clock())
 
-    def _forward(self, name: Literal["stdout", "stderr"], stream: _Stream, now: float) -> None:
+    def _forward(self, name: Literal["stdout", "stderr"], stream: _StreamAllowance, now: float) -> None:
         data = "".join(stream.pieces)
         stream.pieces, stream.size, stream.forwarded_at = [], 0, now
         self.forwarded += 1

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 class SandboxState(enum.Enum):
     STARTING = "starting"  # restore or cold start under way
-    READY = "ready"  # socket answers; waiting in a pool, or between a session's steps
+    READY = "ready"  # socket answers; waiting warm, or between a session's steps
     BUSY = "busy"  # running a job or a session step
     DEAD = "dead"  # destroyed, or broken and about to be
 

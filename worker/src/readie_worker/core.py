@@ -1,4 +1,4 @@
-"""The worker: checkpoints loaded, warm pools kept, jobs run in pristine sandboxes.
+"""The worker: checkpoints loaded, warm sandboxes kept, jobs run in pristine sandboxes.
 
 Everything here is synchronous and thread-safe; the gRPC layer calls it from
 its thread pool. A job holds one of ``slots`` for its whole run, so capacity
@@ -100,7 +100,7 @@ class Capacity:
     slots: int
     busy: int
     draining: bool
-    pools: dict[str, dict[str, int]]
+    warm: dict[str, dict[str, int]]  # by checkpoint: its warm sandboxes ready and kept
     isolated: bool
     sessions: int = 0
     max_sessions: int = 0
@@ -123,7 +123,7 @@ class Worker(SessionKeeping):
         self._draining = False
         self._closed = False
         self._idle = threading.Condition(self._lock)
-        self.pools: dict[str, WarmSandboxes] = {}
+        self.warm: dict[str, WarmSandboxes] = {}
         self.factories: dict[str, SandboxFactory] = {}
         self.checkpoints: LoadedCheckpoints | None = None
         self.isolated = True
@@ -179,7 +179,7 @@ class Worker(SessionKeeping):
             )
             self.factories[name] = factory
             target = self.config.warm.get(name, 0)
-            self.pools[name] = WarmSandboxes(name, factory, target, budget, warm_up=self.config.warm_up, observer=self.metrics).start()
+            self.warm[name] = WarmSandboxes(name, factory, target, budget, warm_up=self.config.warm_up, observer=self.metrics).start()
         if self.config.network_backend == "netns":
             self._start_network()
         elif self.config.network_backend != "none":
@@ -211,7 +211,7 @@ class Worker(SessionKeeping):
         assert self.state is not None
         factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.state.run_dir, serve_env(()))
         self.factories = {"base": factory}
-        self.pools = {"base": WarmSandboxes("base", factory, 0, RefillBudget(), observer=self.metrics).start()}
+        self.warm = {"base": WarmSandboxes("base", factory, 0, RefillBudget(), observer=self.metrics).start()}
         return self
 
     def _load_checkpoints(self) -> LoadedCheckpoints:
@@ -259,8 +259,8 @@ class Worker(SessionKeeping):
             self._retirer.retire(sandbox)
 
     def _check_job(self, job: CodeJob) -> None:
-        if job.checkpoint not in self.pools:
-            raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.pools))})", field="checkpoint")
+        if job.checkpoint not in self.warm:
+            raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.warm))})", field="checkpoint")
         if job.network and not self.networked:
             raise RequestError("this worker has no network backend configured", field="allow_network")
         ceiling = self.memory_ceiling(job.checkpoint)
@@ -279,14 +279,14 @@ class Worker(SessionKeeping):
         """A sandbox for ``job`` and the links its grants need: a warm one unless it needs mounts
         or the network. Grants are opened here, when the job has its slot, and held until its
         sandbox has them mounted (``grants.py``)."""
-        pool = self.pools[job.checkpoint]
+        warm = self.warm[job.checkpoint]
         if job.network or job.needs_own_mounts:
             with self._hold_grants(job) as grants:
-                sandbox = pool.made_for_a_job(grants, self.networked[job.checkpoint] if job.network else None)
+                sandbox = warm.made_for_a_job(grants, self.networked[job.checkpoint] if job.network else None)
             # Unisolated, the job sees the host itself: links would be made on the host.
             links = grants.links if self.isolated else ()
         else:
-            sandbox, links = pool.take(), ()
+            sandbox, links = warm.take(), ()
         if job.memory_bytes is not None:
             try:
                 sandbox.limit_memory(job.memory_bytes)
@@ -324,10 +324,10 @@ class Worker(SessionKeeping):
     ) -> bytes:
         """A readie-style call: pickled function in, envelope bytes out, never opened here."""
         with self._slot(cancel):
-            pool = self.pools.get(checkpoint)
-            if pool is None:
+            warm = self.warm.get(checkpoint)
+            if warm is None:
                 raise RequestError(f"no checkpoint named {checkpoint!r} on this worker", field="checkpoint")
-            sandbox = pool.take()
+            sandbox = warm.take()
             try:
                 with cancel.stopping(sandbox.interrupt):
                     return sandbox.call(payload, timeout=timeout_s, max_response=max_response)
@@ -341,7 +341,7 @@ class Worker(SessionKeeping):
             slots=self.config.slots,
             busy=busy,
             draining=draining,
-            pools={name: {"ready": pool.ready_count, "target": pool.target} for name, pool in self.pools.items()},
+            warm={name: {"ready": warm.ready_count, "target": warm.target} for name, warm in self.warm.items()},
             isolated=self.isolated,
             sessions=sessions,
             max_sessions=self.config.max_sessions,
@@ -351,7 +351,7 @@ class Worker(SessionKeeping):
         )
 
     def _problem(self) -> str | None:
-        if self.pools:
+        if self.warm:
             return None
         if self.checkpoints is None:
             return "the worker has not started"
@@ -376,8 +376,8 @@ class Worker(SessionKeeping):
         if self.images is not None:
             self.images.close()  # a restart forgets hibernated sessions, as it forgets open ones
         self._retirer.close()
-        for pool in self.pools.values():
-            pool.close()
+        for warm in self.warm.values():
+            warm.close()
         if self.namespace is not None:
             self.namespace.delete()
         if self.state is not None:  # never touched unless it was claimed: a refused one is not ours

@@ -2,7 +2,11 @@
 
 The families, the error types results name and the table between them are
 ``readie_protocol``'s, re-exported here so worker code has one place to
-import from. The gRPC status mapping is the other edge, in ``_status``.
+import from. The gRPC status mapping is the other edge, in
+``readie_rpc._status``. A failure of the host under the worker (a socket, a
+file, a runsc process) becomes one of these through :func:`host_failure`,
+or through a table of its own given to :func:`mapped_errors` where one call
+fails in several ways (a sandbox's exchange).
 
 What a client reads carries no host facts: no host path, command line or
 host process id (issue 27). readie's own errors are built without them; the
@@ -15,12 +19,14 @@ is what a client may read of any exception.
 
 from __future__ import annotations
 
+import subprocess
 from contextlib import AbstractContextManager
 
 import structlog
 from readie_protocol.errors import (
     MAX_SHOWN_CHARS,
     ConfigError,
+    ErrorMap,
     ErrorType,
     ExecutorTimeout,
     PoolWorkerError,
@@ -30,6 +36,7 @@ from readie_protocol.errors import (
     UnitError,
     error_type,
     family_of,
+    mapped_errors,
     shown,
 )
 
@@ -38,6 +45,7 @@ __all__ = [
     "Cancelled",
     "CheckpointUnusable",
     "ConfigError",
+    "ErrorMap",
     "ErrorType",
     "ExecutorTimeout",
     "ManifestError",
@@ -50,8 +58,10 @@ __all__ = [
     "error_type",
     "family_of",
     "for_client",
+    "host_failure",
     "internal_error",
     "log_host_facts",
+    "mapped_errors",
     "shown",
 ]
 
@@ -86,6 +96,26 @@ def for_client(exc: BaseException) -> str:
         return str(exc)
     kind = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
     return f"{kind}; {log_host_facts('host error', error=f'{type(exc).__name__}: {exc}')}"
+
+
+def host_failure(
+    family: type[ReadieError],
+    what: str,
+    caught: type[Exception] | tuple[type[Exception], ...] = OSError,
+) -> AbstractContextManager[None]:
+    """Run the body; raise a failure of the host under it (an OSError: a socket, a file, a
+    process that would not start) as ``family`` saying ``what`` failed and the host's reason."""
+    return mapped_errors({caught: lambda exc: family(f"{what}: {host_reason(exc)}")})
+
+
+def host_reason(exc: BaseException) -> str:
+    """What a client may read of a host failure: its text, but of an OSError about a file (a
+    host path) or a command that timed out (its command line) only the kind."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"timed out after {exc.timeout:g} s"
+    return str(exc)
 
 
 def internal_error(exc: BaseException) -> PoolWorkerError:

@@ -2,7 +2,7 @@
 
     metrics = Metrics()
     worker = Worker(config, metrics=metrics).start()
-    metrics.watch_worker(worker)           # warm pools, slots, sessions: read at scrape time
+    metrics.watch_worker(worker)           # warm sandboxes, slots, sessions: read at scrape time
     endpoint = metrics.serve("127.0.0.1:9464")  # on a thread of its own (_metrics_http)
 
 Each process owns its own :class:`~prometheus_client.CollectorRegistry`, never
@@ -48,7 +48,7 @@ _OUTCOME_OF_ERROR = {
     ErrorType.SANDBOX_SETUP: "worker_error",
     ErrorType.POOL_WORKER: "worker_error",
 }
-# The pool's Outcome values (router/_events.py, the stats event's counter names) as labels.
+# The pool's Outcome values (readie_pool._events, the stats event's counter names) as labels.
 _OUTCOME_OF_POOL_COUNTER = {
     "ok": "ok",
     "failed": "failed",
@@ -78,7 +78,7 @@ QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # seconds: fine steps where restores fall, coarse ones for cold starts and the tail.
 SANDBOX_START_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 # Seconds. A destroy (SIGKILL of the sandbox, runsc delete) takes 57-130 ms here
-# (retire.py); a wedged sentry or a slow delete seconds, and runsc's own
+# (_retire.py); a wedged sentry or a slow delete seconds, and runsc's own
 # timeout (30 s) is the top.
 SANDBOX_DESTROY_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -100,7 +100,7 @@ class Metrics:
         self.host_calls = Counter("readie_worker_host_calls", "Host-function calls jobs made.", ["checkpoint"], registry=r)
         self.sandbox_start = Histogram(
             "readie_worker_sandbox_start_duration_seconds",
-            "Time to make a sandbox ready (a warm pool's, or one made for a job's own mounts or network); launcher runsc-restore is a restore.",
+            "Time to make a sandbox ready (a warm one, or one made for a job's own mounts or network); launcher runsc-restore is a restore.",
             ["checkpoint", "launcher"], buckets=SANDBOX_START_BUCKETS_S, registry=r,
         )
         self.cold_fallbacks = Counter(
@@ -147,7 +147,7 @@ class Metrics:
             self.host_calls.labels(checkpoint).inc(outcome.host.calls)
 
     def sandbox_made(self, checkpoint: str, sandbox: Sandbox) -> None:
-        """A warm pool's sandbox is ready (``ready_ms`` is its launch on the worker's clock)."""
+        """A warm sandbox is ready (``ready_ms`` is its launch on the worker's clock)."""
         launcher = sandbox.launcher.name
         self.sandbox_start.labels(checkpoint, launcher).observe(sandbox.ready_ms / 1000)
         if launcher == COLD_LAUNCHER:
@@ -243,17 +243,17 @@ class _WorkerCollector(Collector):
         self._worker = worker
 
     def collect(self) -> Iterator[Any]:
-        # Capacity is answered from memory under the worker's lock; the pools are fixed at start.
+        # Capacity is answered from memory under the worker's lock; the warm sets are fixed at start.
         capacity = self._worker.capacity()
-        pools = dict(self._worker.pools)
+        warm = dict(self._worker.warm)
         ready = GaugeMetricFamily("readie_worker_warm_sandboxes_ready", "Warm sandboxes ready to take a job.", labels=["checkpoint"])
         target = GaugeMetricFamily("readie_worker_warm_sandboxes_target", "Warm sandboxes the worker keeps ready.", labels=["checkpoint"])
-        for name, counts in capacity.pools.items():
+        for name, counts in capacity.warm.items():
             ready.add_metric([name], counts["ready"])
             target.add_metric([name], counts["target"])
         hits = CounterMetricFamily("readie_worker_warm_hits", "Jobs served by a warm sandbox.", labels=["checkpoint"])
         misses = CounterMetricFamily("readie_worker_warm_misses", "Jobs that found no warm sandbox and waited for one.", labels=["checkpoint"])
-        for name, pool in pools.items():
+        for name, pool in warm.items():
             hits.add_metric([name], pool.hits)
             misses.add_metric([name], pool.misses)
         yield from (ready, target, hits, misses)

@@ -24,7 +24,7 @@ from typing import IO, Protocol
 import structlog
 
 from . import _reaper
-from .errors import SandboxSetupError, log_host_facts
+from .errors import SandboxSetupError, host_failure, log_host_facts
 from .paths import remove_beneath
 
 log = structlog.get_logger("readie.runsc")
@@ -146,11 +146,14 @@ def features(binary: str = "runsc") -> RunscFeatures:
 
 
 def _help(binary: str, *args: str) -> str:
-    try:
-        completed = subprocess.run([binary, *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SandboxSetupError(f"cannot run {binary}: {exc}") from None
+    completed = _ask(binary, *args)
     return completed.stdout + completed.stderr  # runsc prints help on either, by version
+
+
+def _ask(binary: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run one of runsc's short informational commands (its version, its help)."""
+    with host_failure(SandboxSetupError, f"cannot run {binary}", caught=(OSError, subprocess.TimeoutExpired)):
+        return subprocess.run([binary, *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -308,10 +311,8 @@ class Runsc:
             if path.name.startswith("memory.memsw") or path.name == "memory.swap.max":
                 if not path.exists():
                     continue  # no swap accounting on this host: nothing to page out to
-            try:
+            with host_failure(SandboxSetupError, f"cannot limit the memory of {container_id} to {value} bytes"):
                 path.write_text(str(value))
-            except OSError as exc:  # its strerror only: the file's name is a host path
-                raise SandboxSetupError(f"cannot limit the memory of {container_id} to {value} bytes: {exc.strerror}") from None
 
     def sweep(self) -> list[str]:
         """Destroy every container in this state dir and remove what runsc left behind.
@@ -368,12 +369,7 @@ def kill_sandbox_process(container_id: str, pid_file: Path) -> bool:
 
 def version(binary: str = "runsc") -> str:
     """``runsc --version`` first line, e.g. ``runsc version 0.0~20221219.0``."""
-    try:
-        completed = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SandboxSetupError(f"cannot run {binary}: {exc}") from None
+    completed = _ask(binary, "--version")
     if completed.returncode != 0:
         raise RunscError.logged([binary, "--version"], ["version"], completed.returncode, completed.stderr)
     return completed.stdout.splitlines()[0].strip()

@@ -45,7 +45,10 @@ from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
-from .errors import ExecutorTimeout, PoolWorkerError, SandboxSetupError, log_host_facts
+from .errors import (
+    ErrorMap, ExecutorTimeout, PoolWorkerError, SandboxSetupError, host_failure, host_reason, log_host_facts,
+    mapped_errors,
+)
 from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
 from .launchers import Launcher, RunscCold, RunscRestore
@@ -92,6 +95,18 @@ NO_REPLY = b""
 
 class _NoResponse(Exception):
     """The executor closed the connection between messages."""
+
+
+def _exchange_failures(sandbox_id: str, timeout: float | None) -> ErrorMap:
+    """What an exchange's failures are to its caller: a timeout the executor's, anything else
+    on the socket a broken sandbox (it is not trusted again)."""
+    return {
+        TimeoutError: lambda _: ExecutorTimeout(f"sandbox {sandbox_id}: no response within {timeout} s"),
+        TruncatedMessage: lambda exc: PoolWorkerError(f"sandbox {sandbox_id}: truncated response: {exc}"),
+        FramingError: lambda exc: PoolWorkerError(f"sandbox {sandbox_id}: malformed response: {exc}"),
+        _NoResponse: lambda _: PoolWorkerError(f"sandbox {sandbox_id}: no response: the executor closed the connection"),
+        OSError: lambda exc: PoolWorkerError(f"sandbox {sandbox_id}: executor connection failed: {host_reason(exc)}"),
+    }
 
 
 def _set_timeout(connection: socket.socket, deadline: float | None) -> None:
@@ -188,31 +203,17 @@ class Sandbox:
         connection = self._connect()
         reader = MessageReader(max_response) if max_response else MessageReader()
         try:
-            _send(connection, payload, deadline)
-            while True:
-                response = _receive(connection, reader, deadline)
-                if response is None:
-                    raise _NoResponse
-                reply = None if answer is None else answer(response)
-                if reply is None:
-                    return response
-                if reply is not NO_REPLY:
-                    _send(connection, reply, deadline)
-        except TimeoutError:
-            self._drop_connection()
-            raise ExecutorTimeout(f"sandbox {self.id}: no response within {timeout} s") from None
-        except TruncatedMessage as exc:
-            self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: truncated response: {exc}") from None
-        except FramingError as exc:
-            self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: malformed response: {exc}") from None
-        except _NoResponse:
-            self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: no response: the executor closed the connection") from None
-        except OSError as exc:
-            self._drop_connection()
-            raise PoolWorkerError(f"sandbox {self.id}: executor connection failed: {exc}") from None
+            with mapped_errors(_exchange_failures(self.id, timeout)):
+                _send(connection, payload, deadline)
+                while True:
+                    response = _receive(connection, reader, deadline)
+                    if response is None:
+                        raise _NoResponse
+                    reply = None if answer is None else answer(response)
+                    if reply is None:
+                        return response
+                    if reply is not NO_REPLY:
+                        _send(connection, reply, deadline)
         except BaseException:
             self._drop_connection()
             raise
@@ -246,7 +247,7 @@ class Sandbox:
         self.memory_limit_bytes = self.launcher.limit_memory(self.dir, job_bytes)
 
     def alive(self) -> bool:
-        """The liveness probe: run before a sandbox that waited in a pool is trusted with a job."""
+        """The liveness probe: run before a sandbox that waited warm is trusted with a job."""
         try:
             return self.call(_PING_REQUEST, timeout=PROBE_TIMEOUT_S, max_response=len(probe.PONG)) == probe.PONG
         except PoolWorkerError:
@@ -296,11 +297,10 @@ class Sandbox:
         try:
             if answer != HIBERNATING:
                 raise PoolWorkerError(f"sandbox {self.id}: answered {answer[:40]!r} when asked to hibernate")
-            _set_timeout(connection, deadline)
-            if connection.recv(1):
-                raise PoolWorkerError(f"sandbox {self.id}: wrote after it said it was hibernating")
-        except (TimeoutError, OSError) as exc:
-            raise PoolWorkerError(f"sandbox {self.id}: did not close its connection to hibernate: {exc}") from None
+            with host_failure(PoolWorkerError, f"sandbox {self.id}: did not close its connection to hibernate"):
+                _set_timeout(connection, deadline)
+                if connection.recv(1):
+                    raise PoolWorkerError(f"sandbox {self.id}: wrote after it said it was hibernating")
         finally:
             self._drop_connection()
         self.launcher.checkpoint(self.dir, image_dir)
@@ -323,10 +323,11 @@ class Sandbox:
             if self._connection is None:
                 connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    connection.connect(os.fsencode(self.dir.socket_path))
-                except OSError as exc:
+                    with host_failure(PoolWorkerError, f"sandbox {self.id}: cannot connect to the executor"):
+                        connection.connect(os.fsencode(self.dir.socket_path))
+                except PoolWorkerError:
                     connection.close()
-                    raise PoolWorkerError(f"sandbox {self.id}: cannot connect to the executor: {exc}") from exc
+                    raise
                 self._connection = connection
             return self._connection
 
@@ -347,17 +348,14 @@ def launch(
     """Start a sandbox with ``grants`` mounted, hand its executor ``env``, and return it once
     its socket answers."""
     started = time.monotonic()
-    try:
+    # The host's /tmp full, out of descriptors: not the request's doing.
+    with host_failure(SandboxSetupError, "cannot make a sandbox directory"):
         sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated)
-    except OSError as exc:  # the host's /tmp full, out of descriptors: not the request's doing
-        raise SandboxSetupError(f"cannot make a sandbox directory: {exc.strerror}") from None
     launched: Launched | None = None
     try:
         full_env = {**env, "EXECUTOR_DIR": launcher.executor_dir(sandbox_dir), "EXECUTOR_MODE": "sandbox"}
-        try:
+        with host_failure(SandboxSetupError, f"sandbox {sandbox_dir.id}: cannot start"):
             launched = launcher.start(sandbox_dir, full_env)
-        except OSError as exc:
-            raise SandboxSetupError(f"sandbox {sandbox_dir.id}: cannot start: {exc.strerror}") from None
         hand_over(launched.process, full_env)
         _wait_for_socket(sandbox_dir, launched, socket_wait_s)
     except BaseException:
@@ -375,11 +373,9 @@ def launch(
 def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
     """Give an executor waiting at its capture point the environment it wakes up to."""
     assert process.stdin is not None
-    try:
+    with host_failure(SandboxSetupError, "executor took no handover"):
         process.stdin.write(json.dumps({"env": dict(env)}).encode() + b"\n")
         process.stdin.flush()
-    except OSError as exc:
-        raise SandboxSetupError(f"executor took no handover: {exc}") from None
 
 
 def _wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> None:

@@ -149,7 +149,7 @@ class SandboxSession:
             self.state = SessionState.OPENING if sandbox is not None else SessionState.ENDED
         self.steps = 0
         if sandbox is not None and sandbox.state is SandboxState.READY:
-            sandbox.move(SandboxState.BUSY)  # a restored sandbox; a warm one comes BUSY from its pool
+            sandbox.move(SandboxState.BUSY)  # a restored sandbox; a warm one comes BUSY from its warm set
 
     @property
     def ended(self) -> bool:

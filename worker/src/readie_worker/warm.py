@@ -1,6 +1,6 @@
-"""Warm pools: sandboxes restored before anyone asks for them.
+"""Warm sandboxes: restored before anyone asks for them.
 
-A pool keeps ``target`` ready sandboxes of one kind (one checkpoint, one
+A :class:`WarmSandboxes` keeps ``target`` ready sandboxes of one kind (one checkpoint, one
 restore-time policy shape), each warmed up before it is ready (its first-touch
 costs paid, see Sandbox.warm_up). Taking one is a pop and a liveness check:
 the connection the warm-up left open tells of an executor that died since
@@ -9,8 +9,11 @@ the connection the warm-up left open tells of an executor that died since
 default, because restore is CPU-bound (~0.2-0.45 CPU-s each here) and a
 refill that took every core would starve the jobs it is preparing for.
 
-When a pool is empty the job restores its own sandbox in its own thread,
-outside the refill budget: a waiting job outranks a pool top-up.
+When none is ready the job restores its own sandbox in its own thread,
+outside the refill budget: a waiting job outranks a top-up.
+
+("Pool" is the ``readie pool`` process alone, decision 0028: the warm
+sandboxes of a checkpoint are its *warm* set, ``Worker.warm``.)
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from .errors import SandboxSetupError
 from .grants import NO_GRANTS, HeldGrants
 from .sandbox import Sandbox, SandboxFactory
 
-log = structlog.get_logger("readie.pool")
+log = structlog.get_logger("readie.warm")
 
-# Background restores in flight across all pools of a worker. One keeps a
+# Background restores in flight across all warm sets of a worker. One keeps a
 # core free for running jobs on these two-core machines.
 DEFAULT_REFILL_CONCURRENCY = 1
 # After a failed background restore, wait before the next try, doubling up
@@ -46,7 +49,7 @@ PING_AFTER_IDLE_S = 10.0
 
 
 class RefillBudget:
-    """Bounds background restores across all pools of one worker."""
+    """Bounds background restores across all warm sets of one worker."""
 
     def __init__(self, concurrency: int = DEFAULT_REFILL_CONCURRENCY) -> None:
         self._slots = threading.BoundedSemaphore(max(1, concurrency))
@@ -59,7 +62,7 @@ class RefillBudget:
 
 
 class SandboxObserver(Protocol):
-    """What a pool tells of the sandboxes it makes (``metrics.Metrics`` is one)."""
+    """What a warm set tells of the sandboxes it makes (``metrics.Metrics`` is one)."""
 
     def sandbox_made(self, checkpoint: str, sandbox: Sandbox) -> None: ...
 
@@ -124,10 +127,10 @@ class WarmSandboxes:
                 entry.sandbox.move(SandboxState.BUSY)
                 self.hits += 1
                 return entry.sandbox
-            log.warning("warm sandbox failed its probe", pool=self.name, sandbox=entry.sandbox.id)
+            log.warning("warm sandbox failed its probe", checkpoint=self.name, sandbox=entry.sandbox.id)
             entry.sandbox.destroy()
         self.misses += 1
-        # Warmed here too, so that every sandbox a pool hands out is in the same state
+        # Warmed here too, so that every sandbox a warm set hands out is in the same state
         # (the seccomp filter in place above all), hit or miss.
         sandbox = self._warmed(self._create())
         sandbox.move(SandboxState.BUSY)
@@ -182,7 +185,7 @@ class WarmSandboxes:
                 with self._budget:
                     sandbox = None if self._closed else self._warmed(self._create())
             except Exception as exc:  # a refill failure must never kill the refiller
-                log.warning("background restore failed", pool=self.name, error=str(exc), retry_in_s=backoff)
+                log.warning("background restore failed", checkpoint=self.name, error=str(exc), retry_in_s=backoff)
                 sandbox = None
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, REFILL_BACKOFF_MAX_S)
@@ -199,7 +202,7 @@ class WarmSandboxes:
 
     def made_for_a_job(self, grants: HeldGrants, factory: SandboxFactory | None = None) -> Sandbox:
         """A sandbox of this checkpoint made for one job (its own mounts, or ``factory``'s network),
-        not taken from the pool; told to the observer as the pool's own are."""
+        not taken from the warm set; told to the observer as the set's own are."""
         return self._create(grants, factory or self.factory)
 
     def _create(self, grants: HeldGrants = NO_GRANTS, factory: SandboxFactory | None = None) -> Sandbox:
@@ -228,7 +231,7 @@ class WarmSandboxes:
         return sandbox
 
     def wait_until_full(self, timeout: float) -> bool:
-        """Block until the pool holds its target (tests, benchmarks, start-up)."""
+        """Block until the warm set holds its target (tests, benchmarks, start-up)."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while len(self._ready) < self.target:

@@ -20,7 +20,7 @@ class Subcommand(NamedTuple):
 
 SUBCOMMANDS = {
     "capture": Subcommand("readie_pipeline.cli", "capture the planned checkpoints and write manifest.json"),
-    "checkpoints": Subcommand("readie_pipeline.checkpoints_cli", "export, import or verify a checkpoint set and its rootfs"),
+    "checkpoints": Subcommand("readie_pipeline.cli", "export, import or verify a checkpoint set and its rootfs"),
     "mcp": Subcommand("readie._mcp", "a Model Context Protocol server (run_python tool)"),
     "pool": Subcommand("readie_pool.cli", "serve the pool protocol (JSON Lines) on stdin and stdout"),
     "rootfs": Subcommand("readie_pipeline.cli", "build (or reuse) the sandbox rootfs"),
