@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from readie_worker.testing import wait_until
 import readie
-from readie._process import STDERR_LINE_BYTES, STDERR_TAIL_LINES, StderrTail, pool_flags
+from readie._process import STDERR_LINE_BYTES, STDERR_TAIL_LINES, PoolStderrTail, pool_flags
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_pool.py"))]
 
@@ -138,7 +138,7 @@ def test_a_line_without_end_breaks_the_pool_once_it_is_over_the_limit_not_at_its
 
 
 def test_the_stderr_tail_keeps_the_last_lines_in_bounded_pieces_however_the_bytes_come():
-    tail = StderrTail()
+    tail = PoolStderrTail()
     for byte in b"one\n\ntw":  # a byte at a time, as a slow pipe gives it
         tail.feed(bytes([byte]))
     tail.feed(b"o\n" + b"x" * (STDERR_LINE_BYTES + 5))
@@ -148,4 +148,4 @@ def test_the_stderr_tail_keeps_the_last_lines_in_bounded_pieces_however_the_byte
     assert tail.text.endswith("\n" + "x" * 5) and tail.suffix().startswith("; its stderr ended with:\none\n")
     tail.feed(b"line\n" * (STDERR_TAIL_LINES + 10))
     assert tail.text == "\n".join(["line"] * STDERR_TAIL_LINES)
-    assert StderrTail().suffix() == " (nothing on its stderr)"
+    assert PoolStderrTail().suffix() == " (nothing on its stderr)"

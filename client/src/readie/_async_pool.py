@@ -45,7 +45,7 @@ from ._errors import PoolError, ReadieError, WaitTimeout
 from ._host import HostFunctions, check_functions, failed_reply, missing_reply, value_reply
 from ._output import OutputCallback, OutputCallbacks, delivering
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
-from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, StderrTail, pool_argv
+from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, PoolStderrTail, pool_argv
 from ._async_session import AsyncSession
 from ._requests import Duration, PathArg, RequestId, Size, cancel_request, job_request, session_setup, stats_request
 from ._session_images import Answer, new_session_name, raise_if_refused
@@ -99,7 +99,7 @@ class AsyncPool:
         self._write_lock = asyncio.Lock()
         # Calls waiting for their reply, by request: a pool makes at most one per task at a time.
         self._calls_waiting: set[RequestId] = set()
-        self._tail = StderrTail()
+        self._tail = PoolStderrTail()
         self._failure: str | None = None  # why the pool is unusable, once it is
         self._closed = False
         self.ready: ReadyEvent

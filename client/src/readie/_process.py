@@ -2,7 +2,7 @@
 
 The protocol spoken on the pipes is ``_pool``'s; this owns only the process:
 how to start it, the bounded tail of its stderr kept for error messages
-(:class:`StderrTail`, which :class:`~readie.AsyncPool` keeps too), its exit
+(:class:`PoolStderrTail`, which :class:`~readie.AsyncPool` keeps too), its exit
 status, and stopping it (SIGTERM, then SIGKILL).
 """
 
@@ -26,7 +26,7 @@ __all__ = [
     "STDERR_LINE_BYTES",
     "STDERR_TAIL_LINES",
     "StartedPool",
-    "StderrTail",
+    "PoolStderrTail",
     "default_command",
     "pool_argv",
     "pool_flags",
@@ -68,7 +68,7 @@ class StartedPool:
         assert self._process.stdin and self._process.stdout and self._process.stderr
         self.stdin: IO[bytes] = self._process.stdin
         self.stdout: IO[bytes] = self._process.stdout
-        self._tail = StderrTail()
+        self._tail = PoolStderrTail()
         self._stderr_thread = threading.Thread(
             target=self._keep_stderr, args=(self._process.stderr,), name="readie-pool-stderr", daemon=True
         )
@@ -125,7 +125,7 @@ class StartedPool:
         self._tail.end()
 
 
-class StderrTail:
+class PoolStderrTail:
     """The pool's last stderr lines, fed its bytes in chunks of any size as they come.
 
     At most :data:`STDERR_TAIL_LINES` lines are kept, a longer line as pieces
