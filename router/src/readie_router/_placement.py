@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -54,20 +53,18 @@ from readie_worker.sessions import StepOutcome
 
 from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery
 from ._members import Member
-from ._placed_session import PlacedSession
+from ._placed_session import OpenSessions, PlacedSession
+from ._roster import EVICT_AFTER_FAILURES, PLACEMENT_POLL_S, Roster
 
 log = structlog.get_logger("readie.placement")
 
 # Probes are cheap (a Capacity RPC answered from memory); once a second
 # notices a dead worker within a few seconds without loading anyone.
 PROBE_INTERVAL_S = 1.0
-# One missed probe can be a hiccup; three in a row is a dead worker.
-EVICT_AFTER_FAILURES = 3
 # The longest a router stays quiet about a worker that does not answer its probes.
 COMPLAINT_GAP_MAX_S = 60.0
 # How long a job waits for a free slot anywhere before it is refused.
 PLACEMENT_WAIT_S = 60.0
-PLACEMENT_POLL_S = 0.02
 # Sessions this router keeps open across its workers. A session served over
 # the router's own Interact stream holds one of its server threads for its
 # life, so the router's thread pool is sized with this (router_cli).
@@ -86,16 +83,21 @@ class Placement:
     discovery: Discovery | None = None  # further workers, found by DNS
     dns_interval_s: float = DEFAULT_DNS_INTERVAL_S
     metrics: Metrics | None = None
+    _roster: Roster = field(init=False)
+    # The roster's list and lock, under the names probing and discovery use.
     _members: list[Member] = field(init=False)
-    _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
+    _lock: threading.Condition = field(init=False)
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _prober: threading.Thread | None = field(init=False, default=None)
     _discoverer: threading.Thread | None = field(init=False, default=None)
     _draining: bool = field(init=False, default=False)
-    _sessions: set[PlacedSession] = field(init=False, default_factory=set)
+    _sessions: OpenSessions = field(init=False)
 
     def __post_init__(self) -> None:
-        self._members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
+        members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
+        self._roster = Roster(self.wait_s, self.max_sessions, self.metrics, members)
+        self._members, self._lock = self._roster.members, self._roster.lock
+        self._sessions = OpenSessions(self._roster)
 
     def start(self) -> Placement:
         self.probe_all()
@@ -133,17 +135,15 @@ class Placement:
             except SandboxSetupError as exc:
                 log.info("worker refused a session; placing it elsewhere", worker=member.name, error=str(exc))
                 refused.add(id(member))
-                self._release(member, session=True)
+                self._roster.release(member, session=True)
                 continue
             except BaseException as exc:
-                self._release(member, session=True)
+                self._roster.release(member, session=True)
                 if isinstance(exc, StreamBroken):
-                    self._mark_failed(member)  # as for a job lost with its worker
+                    self._roster.mark_failed(member)  # as for a job lost with its worker
                 raise
-            self._release(member)
-            placed = PlacedSession(self, member, remote)
-            with self._lock:
-                self._sessions.add(placed)
+            self._roster.release(member)
+            placed = self._sessions.add(member, remote)
             if first.session_ended:
                 placed.close()
             log.info("session placed", session=remote.id, worker=member.name)
@@ -197,13 +197,7 @@ class Placement:
         for thread in (self._prober, self._discoverer):
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
-        with self._lock:
-            sessions = list(self._sessions)
-        if sessions:  # their sandboxes, on their workers; all at once, each waits for its worker
-            for session in sessions:
-                session.ended_by = "the router is shutting down"
-            with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
-                list(closing.map(PlacedSession.close, sessions))
+        self._sessions.close_all("the router is shutting down")
         with self._lock:
             members = list(self._members)
         for member in members:
@@ -229,48 +223,10 @@ class Placement:
             except Cancelled:
                 raise  # our caller left: the worker is as healthy as it was
             except PoolWorkerError:
-                self._mark_failed(member)
+                self._roster.mark_failed(member)
                 raise  # it may have run: never retried
             finally:
-                self._release(member)
-
-    def _take_slot(self, member: Member) -> None:
-        """A slot on ``member``, as ``_choose`` would give, for a session's step: it cannot go elsewhere.
-
-        Waits (up to ``wait_s``) for one, so the step does not queue on the
-        worker behind other work; if the worker is unhealthy or none frees up,
-        the step is sent anyway and its stream tells what became of the worker.
-        """
-        deadline = time.monotonic() + self.wait_s
-        with self._lock:
-            while member.healthy and member.free() <= 0 and (remaining := deadline - time.monotonic()) > 0:
-                self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
-            member.in_flight += 1
-
-    def _take_fork_place(self, member: Member) -> None:
-        """A slot and a session place on ``member``, for a fork of one of its sessions (which
-        cannot go elsewhere: its image is there); SandboxSetupError past ``max_sessions``."""
-        with self._lock:
-            if sum(m.sessions for m in self._members) >= self.max_sessions:
-                raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
-            member.sessions += 1
-        try:
-            self._take_slot(member)
-        except BaseException:
-            with self._lock:
-                member.sessions -= 1
-            raise
-
-    def _release(self, member: Member, *, session: bool = False) -> None:
-        """A slot (and a session place) taken by ``_choose`` given back."""
-        with self._lock:
-            member.in_flight -= 1
-            if session:
-                member.sessions -= 1
-            self._lock.notify_all()
-            dropped = self._drop_if_done(member)
-        if dropped:
-            member.client.close()
+                self._roster.release(member)
 
     def _choose(self, refused: set[int], *, session: bool = False) -> Member:
         """The worker for a job (a slot taken), or for a session (a slot and a session place taken)."""
@@ -297,14 +253,6 @@ class Placement:
                     raise SandboxSetupError(f"no worker had a free slot within {self.wait_s:.0f} s")
                 self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
 
-    def _mark_failed(self, member: Member) -> None:
-        with self._lock:
-            if member.healthy:  # several calls lost with it count as one eviction
-                self._count_eviction("lost")
-            member.healthy = False
-            member.failures = EVICT_AFTER_FAILURES
-        log.warning("worker lost under a job; evicted until it answers a probe", worker=member.name or member.client.address)
-
     # -- probing ------------------------------------------------------------
 
     def probe_all(self) -> None:
@@ -324,7 +272,7 @@ class Placement:
                 member.failures += 1
                 if member.failures >= EVICT_AFTER_FAILURES and member.healthy:
                     member.healthy = False
-                    self._count_eviction("probes")
+                    self._roster.count_eviction("probes")
                     log.warning("worker evicted", worker=member.name or member.client.address, error=str(exc))
                 self._complain(member, exc)
             return
@@ -362,10 +310,6 @@ class Placement:
         if self.metrics is not None:
             self.metrics.placement_probed(outcome)
 
-    def _count_eviction(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.worker_evicted(reason)
-
     # -- discovery ----------------------------------------------------------
 
     def discover(self) -> None:
@@ -387,25 +331,16 @@ class Placement:
                     self._lock.notify_all()
                 elif not member.retired and address not in answer:
                     member.retired = True
-                    self._count_eviction("retired")
+                    self._roster.count_eviction("retired")
                     log.info(
                         "worker retired: its address left the DNS answer",
                         worker=member.name or address, in_flight=member.in_flight, sessions=member.sessions,
                     )
-            dropped = [m for m in found.values() if self._drop_if_done(m)]
+            dropped = [m for m in found.values() if self._roster.drop_if_done(m)]
         for member in dropped:
             member.client.close()
         for member in fresh:  # before any work: only a probe makes a member healthy
             self._probe(member)
-
-    def _drop_if_done(self, member: Member) -> bool:
-        """Forget ``member`` if it is retired and nothing runs there any more (under the lock); the
-        caller closes its channel, outside the lock."""
-        if not (member.retired and member.idle() and member in self._members):
-            return False
-        self._members.remove(member)
-        log.info("retired worker dropped", worker=member.name or member.client.address)
-        return True
 
     def _discover_loop(self) -> None:
         while not self._stop.wait(self.dns_interval_s):
