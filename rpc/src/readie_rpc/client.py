@@ -17,7 +17,7 @@ from ._convert import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import error_from_status
-from readie_worker.core import Capacity
+from readie_worker.runner import Capacity
 from .grpc_service import MAX_MESSAGE_BYTES
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import Cancelled, PoolWorkerError

@@ -40,9 +40,10 @@ from readie_policy.sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHE
 from .state_dir import RUNTIME_ROOT, StateDir
 
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
-from .sandbox import Sandbox, SandboxFactory, checkpoint_factory
-from ._session_keeping import SessionKeeping
-from .sessions import SandboxSession
+from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
+from ._session_keeping import SessionSandboxes, WorkerSessions
+from .runner import Capacity
+from .sessions import SandboxSession, StepOutcome
 
 log = structlog.get_logger("readie.worker")
 
@@ -56,6 +57,8 @@ DEFAULT_SANDBOX_MEMORY = SANDBOX_MEMORY_BACKSTOP
 SLOT_WAIT_POLL_S = 0.1
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
+# A restore answers in 0.2-1 s here, a few on a loaded host: the resume's bound on its socket.
+RESUME_SOCKET_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -95,22 +98,7 @@ class WorkerConfig:
         return cls(manifest=manifest, **overrides)  # type: ignore[arg-type]
 
 
-@dataclass
-class Capacity:
-    slots: int
-    busy: int
-    draining: bool
-    pools: dict[str, dict[str, int]]
-    isolated: bool
-    sessions: int = 0
-    max_sessions: int = 0
-    hibernated: int = 0  # sessions whose image is on disk (they count in sessions too)
-    hibernated_bytes: int = 0
-    # Why nothing can be served, when nothing can: health says NOT_SERVING then.
-    problem: str | None = None
-
-
-class Worker(SessionKeeping):
+class Worker:
     def __init__(self, config: WorkerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
@@ -121,7 +109,6 @@ class Worker(SessionKeeping):
         self._busy = 0
         self._lock = threading.Lock()
         self._draining = False
-        self._closed = False
         self._idle = threading.Condition(self._lock)
         self.pools: dict[str, WarmSandboxes] = {}
         self.factories: dict[str, SandboxFactory] = {}
@@ -130,9 +117,12 @@ class Worker(SessionKeeping):
         self._retirer = Retirer()
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
-        self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
         self.images: SessionImages | None = None  # where sessions hibernate; None unisolated
-        self._session_places = 0  # sessions open or being opened, at most config.max_sessions
+        self.sessions = WorkerSessions(
+            SessionSandboxes(self._slot, self._check_job, self._acquire, self._restore_session),
+            config.max_sessions,
+            self.metrics,
+        )
         # Paths no grant may touch (the worker's own), and paths no grant may write (what
         # every sandbox is made from); absolute and symlink-free, set at start.
         self._private_dirs: tuple[Path, ...] = ()
@@ -161,7 +151,9 @@ class Worker(SessionKeeping):
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
-        self.images = SessionImages(state.images_dir, self.config.max_hibernated, self.config.max_hibernated_bytes)
+        self.images = self.sessions.images = SessionImages(
+            state.images_dir, self.config.max_hibernated, self.config.max_hibernated_bytes
+        )
         self._private_dirs = canonical_dirs(RUNTIME_ROOT, state.path)
         self._template_dirs = canonical_dirs(
             self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *code_dirs(self.runsc.binary)
@@ -208,6 +200,7 @@ class Worker(SessionKeeping):
             raise SandboxSetupError(f"cannot start an isolated worker: {reason}")
         log.warning("NO ISOLATION: jobs run as plain host processes", reason=reason)
         self.isolated = False
+        self.sessions.backend = "local"
         assert self.state is not None
         factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.state.run_dir, serve_env(()))
         self.factories = {"base": factory}
@@ -295,6 +288,25 @@ class Worker(SessionKeeping):
                 raise
         return sandbox, links
 
+    def _restore_session(
+        self, job: CodeJob, image: Path, memory_limit: int | None
+    ) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
+        """A hibernated session's sandbox, restored from ``image`` with its grants opened again
+        under the rules of a new job (a grant that is gone or moved refuses the resume).
+
+        The memory limit the session had is in the restore's own spec, so the restored
+        sandbox is never without it, not even before its first step.
+        """
+        factory = self.factories[job.checkpoint]
+        limit = factory.primary.memory_limit_bytes if memory_limit is None else memory_limit
+        restore = dataclasses.replace(factory.primary, image_path=image, memory_limit_bytes=limit)
+        with self._hold_grants(job) as grants:
+            # A job's thread can take the hand-over meant for its executor; then no socket comes,
+            # and this wait, not the restore's usual minute, is what the session costs its slot.
+            sandbox = launch(restore, factory.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
+        sandbox.memory_limit_bytes = memory_limit
+        return sandbox, grants.links
+
     def _hold_grants(self, job: CodeJob) -> HeldGrants:
         package_dirs = job.package_dirs
         if job.packages:
@@ -312,6 +324,17 @@ class Worker(SessionKeeping):
         if self.checkpoints is None or self.checkpoints.manifest is None:
             return UNISOLATED_PLAN
         return self.checkpoints.manifest.mount_plan
+
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
+    ) -> tuple[SandboxSession, StepOutcome]:
+        """Open a session whose setup and first step are ``job`` (:meth:`WorkerSessions.open_session`)."""
+        return self.sessions.open_session(job, job_id, host, cancel=cancel, output=output)
+
+    def fork_session(self, session: SandboxSession, cancel: Cancellation = NEVER) -> tuple[SandboxSession, float]:
+        """A new session with ``session``'s state now (:meth:`WorkerSessions.fork_session`)."""
+        return self.sessions.fork_session(session, cancel)
 
     def execute_call(
         self,
@@ -336,7 +359,8 @@ class Worker(SessionKeeping):
 
     def capacity(self) -> Capacity:
         with self._lock:
-            busy, draining, sessions = self._busy, self._draining, self._session_places
+            busy, draining = self._busy, self._draining
+        sessions = self.sessions.places
         return Capacity(
             slots=self.config.slots,
             busy=busy,
@@ -368,11 +392,7 @@ class Worker(SessionKeeping):
         self.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            sessions = list(self._sessions)
-        for session in sessions:  # their sandboxes; a step still running ends with a worker error
-            session.close()
+        self.sessions.close()  # their sandboxes; a step still running ends with a worker error
         if self.images is not None:
             self.images.close()  # a restart forgets hibernated sessions, as it forgets open ones
         self._retirer.close()
