@@ -154,15 +154,15 @@ class Cluster:
     servers: list[WorkerServer]
 
     def member(self, index: int):
-        return self.placement._members[index]
+        return self.placement._roster.members[index]
 
     def counts(self) -> list[tuple[int, int]]:
         """(in_flight, sessions) per member, as the placement counts them."""
-        with self.placement._lock:
-            return [(m.in_flight, m.sessions) for m in self.placement._members]
+        with self.placement._roster.lock:
+            return [(m.in_flight, m.sessions) for m in self.placement._roster.members]
 
     def idle(self) -> bool:
-        with self.placement._lock:
+        with self.placement._roster.lock:
             return self.counts() == [(0, 0)] * len(self.workers) and not self.placement._sessions
 
 

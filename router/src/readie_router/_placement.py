@@ -83,10 +83,7 @@ class Placement:
     discovery: Discovery | None = None  # further workers, found by DNS
     dns_interval_s: float = DEFAULT_DNS_INTERVAL_S
     metrics: Metrics | None = None
-    _roster: Roster = field(init=False)
-    # The roster's list and lock, under the names probing and discovery use.
-    _members: list[Member] = field(init=False)
-    _lock: threading.Condition = field(init=False)
+    _roster: Roster = field(init=False)  # the members and their counts, under its lock
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _prober: threading.Thread | None = field(init=False, default=None)
     _discoverer: threading.Thread | None = field(init=False, default=None)
@@ -96,7 +93,6 @@ class Placement:
     def __post_init__(self) -> None:
         members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
         self._roster = Roster(self.wait_s, self.max_sessions, self.metrics, members)
-        self._members, self._lock = self._roster.members, self._roster.lock
         self._sessions = OpenSessions(self._roster)
 
     def start(self) -> Placement:
@@ -163,8 +159,8 @@ class Placement:
         )
 
     def capacity(self) -> Capacity:
-        with self._lock:
-            live = [m for m in self._members if m.healthy and m.capacity is not None and not m.retired]
+        with self._roster.lock:
+            live = [m for m in self._roster.members if m.healthy and m.capacity is not None and not m.retired]
             pools: dict[str, dict[str, int]] = {}
             for member in live:
                 assert member.capacity is not None
@@ -178,18 +174,18 @@ class Placement:
                 draining=self._draining,
                 pools=pools,
                 isolated=all(m.capacity.isolated for m in live if m.capacity),
-                sessions=sum(m.sessions for m in self._members),
+                sessions=sum(m.sessions for m in self._roster.members),
                 # The router's own cap, unless its live workers keep fewer between them.
                 max_sessions=min(self.max_sessions, sum(m.capacity.max_sessions for m in live if m.capacity)),
-                problem=None if live else f"no healthy worker (of {len(self._members)})",
+                problem=None if live else f"no healthy worker (of {len(self._roster.members)})",
             )
 
     def drain(self, grace_s: float = 30.0) -> None:
-        with self._lock:
+        with self._roster.lock:
             self._draining = True
             deadline = time.monotonic() + grace_s
-            while any(m.in_flight for m in self._members) and time.monotonic() < deadline:
-                self._lock.wait(deadline - time.monotonic())
+            while any(m.in_flight for m in self._roster.members) and time.monotonic() < deadline:
+                self._roster.lock.wait(deadline - time.monotonic())
         self.close()
 
     def close(self) -> None:
@@ -198,15 +194,15 @@ class Placement:
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
         self._sessions.close_all("the router is shutting down")
-        with self._lock:
-            members = list(self._members)
+        with self._roster.lock:
+            members = list(self._roster.members)
         for member in members:
             member.client.close()
 
     def discovered_workers(self) -> int:
         """Members found by DNS and not retired (what ``readie_router_discovered_workers`` shows)."""
-        with self._lock:
-            return sum(1 for m in self._members if m.discovered and not m.retired)
+        with self._roster.lock:
+            return sum(1 for m in self._roster.members if m.discovered and not m.retired)
 
     # -- placement ----------------------------------------------------------
 
@@ -232,32 +228,32 @@ class Placement:
         """The worker for a job (a slot taken), or for a session (a slot and a session place taken)."""
         deadline = time.monotonic() + self.wait_s
         room, order = (Member.session_room, Member.session_load) if session else (Member.free, Member.load)
-        with self._lock:
+        with self._roster.lock:
             while True:
                 if self._draining:
                     raise SandboxSetupError("the router is draining and takes no new work")
-                if session and sum(m.sessions for m in self._members) >= self.max_sessions:
+                if session and sum(m.sessions for m in self._roster.members) >= self.max_sessions:
                     raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
-                candidates = [m for m in self._members if not m.retired and room(m) > 0 and id(m) not in refused]
+                candidates = [m for m in self._roster.members if not m.retired and room(m) > 0 and id(m) not in refused]
                 if candidates:
                     chosen = min(candidates, key=order)
                     chosen.in_flight += 1
                     chosen.sessions += session
                     return chosen
-                if not any(m.could_take(session) and id(m) not in refused for m in self._members):
+                if not any(m.could_take(session) and id(m) not in refused for m in self._roster.members):
                     # Waiting cannot help: nobody left who would ever say yes.
                     what = "session (a worker with --max-sessions 0, or too old, keeps none)" if session else "job"
                     raise SandboxSetupError(f"no healthy worker can take the {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SandboxSetupError(f"no worker had a free slot within {self.wait_s:.0f} s")
-                self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
+                self._roster.lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
 
     # -- probing ------------------------------------------------------------
 
     def probe_all(self) -> None:
-        with self._lock:
-            members = list(self._members)  # discovery may add or drop some meanwhile
+        with self._roster.lock:
+            members = list(self._roster.members)  # discovery may add or drop some meanwhile
         for member in members:
             self._probe(member)
 
@@ -265,8 +261,8 @@ class Placement:
         try:
             capacity, name = member.client.capacity()
         except Exception as exc:  # any failure to answer counts against the worker
-            with self._lock:
-                if member not in self._members:
+            with self._roster.lock:
+                if member not in self._roster.members:
                     return  # dropped (and its channel closed) while we asked
                 self._count_probe("failed")
                 member.failures += 1
@@ -276,15 +272,15 @@ class Placement:
                     log.warning("worker evicted", worker=member.name or member.client.address, error=str(exc))
                 self._complain(member, exc)
             return
-        with self._lock:
-            if member not in self._members:
+        with self._roster.lock:
+            if member not in self._roster.members:
                 return
             self._count_probe("ok")
             if not member.healthy:
                 log.info("worker admitted", worker=name, address=member.client.address, slots=capacity.slots)
             member.name, member.capacity, member.failures, member.healthy = name, capacity, 0, True
             member.next_complaint, member.complaint_gap_s = 0.0, 0.0
-            self._lock.notify_all()
+            self._roster.lock.notify_all()
 
     def _complain(self, member: Member, exc: Exception) -> None:
         """Log a failed probe: the first at once (a mistyped --worker shows at start), then after
@@ -317,18 +313,18 @@ class Placement:
         assert self.discovery is not None
         answer = set(self.discovery.resolve())
         fresh: list[Member] = []
-        with self._lock:
-            named = {m.client.address for m in self._members if not m.discovered}
-            found = {m.client.address: m for m in self._members if m.discovered}
+        with self._roster.lock:
+            named = {m.client.address for m in self._roster.members if not m.discovered}
+            found = {m.client.address: m for m in self._roster.members if m.discovered}
             for address in sorted(answer - named - found.keys()):
                 member = Member(WorkerClient(address, self.security), discovered=True)
-                self._members.append(member)
+                self._roster.members.append(member)
                 fresh.append(member)
             for address, member in found.items():
                 if member.retired and address in answer:
                     member.retired = False
                     log.info("worker back in the DNS answer", worker=member.name or address)
-                    self._lock.notify_all()
+                    self._roster.lock.notify_all()
                 elif not member.retired and address not in answer:
                     member.retired = True
                     self._roster.count_eviction("retired")
