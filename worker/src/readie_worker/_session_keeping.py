@@ -33,7 +33,7 @@ Links = tuple[Mapping[str, object], ...]
 class SessionSandboxes:
     """What the worker lends its sessions: its slots, and sandboxes for a job."""
 
-    slot: Callable[[Cancellation], AbstractContextManager[None]]  # one of the worker's slots
+    slot: Callable[..., AbstractContextManager[None]]  # (cancel, wait_s=None): one of the worker's slots
     check: Callable[[CodeJob], None]  # RequestError for a job this worker cannot take
     acquire: Callable[[CodeJob], tuple[Sandbox, Links]]  # ready for the job, its grants opened
     restore: Callable[[CodeJob, Path, int | None], tuple[Sandbox, Links]]  # from a session's image

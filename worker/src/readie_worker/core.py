@@ -1,9 +1,10 @@
 """The worker: checkpoints loaded, warm pools kept, jobs run in pristine sandboxes.
 
 Everything here is synchronous and thread-safe; the gRPC layer calls it from
-its thread pool. A job holds one of ``slots`` for its whole run, so capacity
-is a plain count that placement can trust. A session (``sessions.py``) holds
-a slot only while one of its steps runs; its sandbox lives between steps and
+its thread pool. A job holds one of ``slots`` for its whole run (``_slots``),
+so capacity is a plain count that placement can trust. A session
+(``sessions.py``, kept by the worker's ``_session_keeping`` part) holds a
+slot only while one of its steps runs; its sandbox lives between steps and
 is destroyed when the session ends, or when the worker closes or drains.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from readie_policy.config import DEFAULT_MAX_SESSIONS
-from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError, bound_ids
+from .errors import ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
 from .paths import canonical_dirs, code_dirs
 from .packages import ensure_packages, package_cache
@@ -42,6 +42,7 @@ from .state_dir import RUNTIME_ROOT, StateDir
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
 from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
 from ._session_keeping import SessionSandboxes, WorkerSessions
+from ._slots import Slots
 from .runner import Capacity
 from .sessions import SandboxSession, StepOutcome
 
@@ -53,8 +54,6 @@ DEFAULT_SLOTS = 2
 UNISOLATED_PLAN = MountPlan()
 # The backstop and the sentry's share are the config's bounds too: defined once, there.
 DEFAULT_SANDBOX_MEMORY = SANDBOX_MEMORY_BACKSTOP
-# A call waiting for a slot notices its cancellation this often.
-SLOT_WAIT_POLL_S = 0.1
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
 # A restore answers in 0.2-1 s here, a few on a loaded host: the resume's bound on its socket.
@@ -105,11 +104,7 @@ class Worker:
         self.state: StateDir | None = None  # claimed at start
         # Its root is the state dir's runsc/, set when start claims it; a placeholder until then.
         self.runsc = Runsc(root=RUNTIME_ROOT, binary=config.runsc, observer=self.metrics)
-        self._slots = threading.BoundedSemaphore(config.slots)
-        self._busy = 0
-        self._lock = threading.Lock()
-        self._draining = False
-        self._idle = threading.Condition(self._lock)
+        self._slots = Slots(config.slots)
         self.pools: dict[str, WarmSandboxes] = {}
         self.factories: dict[str, SandboxFactory] = {}
         self.checkpoints: LoadedCheckpoints | None = None
@@ -119,7 +114,7 @@ class Worker:
         self.networked: dict[str, SandboxFactory] = {}
         self.images: SessionImages | None = None  # where sessions hibernate; None unisolated
         self.sessions = WorkerSessions(
-            SessionSandboxes(self._slot, self._check_job, self._acquire, self._restore_session),
+            SessionSandboxes(self._slots.taken, self._check_job, self._acquire, self._restore_session),
             config.max_sessions,
             self.metrics,
         )
@@ -221,7 +216,7 @@ class Worker:
         ``output`` takes its output as it is written.
         """
         started = time.monotonic()
-        with self._slot(cancel), bound_ids(job_id=job_id):
+        with self._slots.taken(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             outcome = self._run_job(job, host, cancel, output)
         # One line per job: identifiers, outcome and timing, never captured output.
@@ -346,7 +341,7 @@ class Worker:
         cancel: Cancellation = NEVER,
     ) -> bytes:
         """A readie-style call: pickled function in, envelope bytes out, never opened here."""
-        with self._slot(cancel):
+        with self._slots.taken(cancel):
             pool = self.pools.get(checkpoint)
             if pool is None:
                 raise RequestError(f"no checkpoint named {checkpoint!r} on this worker", field="checkpoint")
@@ -358,8 +353,7 @@ class Worker:
                 self._retirer.retire(sandbox)
 
     def capacity(self) -> Capacity:
-        with self._lock:
-            busy, draining = self._busy, self._draining
+        busy, draining = self._slots.state()
         sessions = self.sessions.places
         return Capacity(
             slots=self.config.slots,
@@ -384,11 +378,7 @@ class Worker:
 
     def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
         """Stop taking work, let running jobs finish (up to ``grace_s``), destroy everything."""
-        with self._lock:
-            self._draining = True
-            deadline = time.monotonic() + grace_s
-            while self._busy and time.monotonic() < deadline:
-                self._idle.wait(deadline - time.monotonic())
+        self._slots.drain(grace_s)
         self.close()
 
     def close(self) -> None:
@@ -412,35 +402,3 @@ class Worker:
             log.error("containers outlived the worker; its state dir is kept", state_dir=str(state.path), containers=survivors)
         else:
             state.close()
-
-    def _slot(self, cancel: Cancellation = NEVER, wait_s: float | None = None):  # noqa: ANN202 - context manager
-        """A slot for the work under it; with ``wait_s``, SandboxSetupError when none frees up that soon."""
-        return _SlotGuard(self, cancel, wait_s)
-
-
-class _SlotGuard:
-    def __init__(self, worker: Worker, cancel: Cancellation, wait_s: float | None = None) -> None:
-        self._worker = worker
-        self._cancel = cancel
-        self._deadline = None if wait_s is None else time.monotonic() + wait_s
-
-    def __enter__(self) -> None:
-        worker = self._worker
-        with worker._lock:
-            if worker._draining:
-                raise SandboxSetupError("the worker is draining and takes no new work")
-        while not worker._slots.acquire(timeout=SLOT_WAIT_POLL_S):
-            if self._cancel.cancelled:
-                raise Cancelled("the call was cancelled while it waited for a slot")
-            if self._deadline is not None and time.monotonic() > self._deadline:
-                raise SandboxSetupError("no slot of this worker came free in time; nothing was done")
-        with worker._lock:
-            worker._busy += 1
-
-    def __exit__(self, *exc: object) -> None:
-        worker = self._worker
-        with worker._lock:
-            worker._busy -= 1
-            worker._idle.notify_all()
-        worker._slots.release()
-
