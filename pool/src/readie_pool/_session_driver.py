@@ -50,7 +50,7 @@ log = structlog.get_logger("readie.pool")
 
 
 class SessionDriver:
-    """Steps and closes of the sessions in :attr:`table`, run on the engine's slots and output."""
+    """Steps and closes of the sessions in :attr:`table`, run as the pool's tasks (:class:`PoolTasks`)."""
 
     def __init__(self, tasks: PoolTasks, serving: Callable[[], bool]) -> None:
         self._tasks = tasks
