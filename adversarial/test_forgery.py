@@ -20,7 +20,7 @@ pytestmark = pytest.mark.runsc
 FORGE = CHANNEL_FORGER + textwrap.dedent(
     """
     import time
-    from readie_executor.protocol import encode_message
+    from readie_executor.framing import encode_message
 
     def forge(payload, raw=False):
         sock.sendall(payload if raw else encode_message(payload))

@@ -23,7 +23,7 @@ import pytest
 
 from executor.tests._executor_process import add, assert_answers_fresh_connection, framed
 from executor.tests._executor_process import executor, short_dir  # noqa: F401 - fixtures
-from readie_executor.protocol import MAX_CHUNK_SIZE
+from readie_executor.framing import MAX_CHUNK_SIZE
 from readie_executor.testing import ExecutorProcess, request_bytes, start_executor
 
 

@@ -20,7 +20,7 @@ import pytest
 from executor.tests._executor_process import add, environ, framed
 from executor.tests._executor_process import executor, short_dir  # noqa: F401 - fixtures
 from readie_executor._checkpoint import PROC_CHECKPOINT, READY_MARKER
-from readie_executor.protocol import MAX_CHUNK_SIZE
+from readie_executor.framing import MAX_CHUNK_SIZE
 from readie_executor.testing import (
     ExecutorExited,
     ExecutorProcess,

@@ -1,4 +1,4 @@
-"""Framing v2 (readie_executor.protocol): the shared golden fixture, golden errors, properties."""
+"""Framing v2 (readie_executor.framing): the shared golden fixture, golden errors, properties."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from readie_executor.protocol import (
+from readie_executor.framing import (
     END_OF_STREAM,
     MAX_CHUNK_SIZE,
     MAX_MESSAGE_SIZE,

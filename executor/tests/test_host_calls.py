@@ -23,7 +23,7 @@ from readie_executor import _channel, hostwire, probe
 from readie_executor._server import serve_connection
 from readie_executor.jobs import _host
 from readie_executor.jobs._spec import JobSpecError, parse_job
-from readie_executor.protocol import MessageReader, encode_message
+from readie_executor.framing import MessageReader, encode_message
 from readie_executor.sockets import receive_message, send_message
 
 TIMEOUT_S = 30

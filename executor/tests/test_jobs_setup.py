@@ -28,7 +28,7 @@ import pytest
 from executor.tests._jobs_child import CHILD_TIMEOUT_SECONDS, job, run_in_child, run_one
 from readie_executor.jobs import run_job
 from readie_executor.jobs._spec import JobSpecError, parse_job
-from readie_executor.protocol import MessageReader
+from readie_executor.framing import MessageReader
 from readie_executor.sockets import receive_message, send_message
 
 
@@ -207,7 +207,7 @@ after = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLI
 print(json.dumps({
     "answer": answer.decode(),
     "same_process_state": before == after and sys.modules["__main__"] is main,
-    "seccomp": _seccomp.is_installed(),
+    "seccomp": _seccomp.job_filter_installed(),
     "memory_ceiling": _limits.memory_limit_bytes(),
     "linecache": [name for name in linecache.cache if "warm-up" in name],
     "threads": sorted(thread.name for thread in threading.enumerate()),

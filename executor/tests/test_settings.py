@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from readie_executor._checkpoint import (
-    CaptureError,
+    CapturePointError,
     parse_handover,
     parse_spec_environ,
     template_census,
 )
 from readie_executor._settings import Mode, Settings, SettingsError
-from readie_executor.protocol import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+from readie_executor.framing import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
 BASE = {"EXECUTOR_DIR": "/run/rx"}
 
@@ -143,7 +143,7 @@ def test_handover_ignores_other_keys() -> None:
     ids=["empty", "not-json", "cut-short", "not-utf8", "list", "string", "null"],
 )
 def test_handover_that_is_not_a_json_object(line: bytes) -> None:
-    with pytest.raises(CaptureError):
+    with pytest.raises(CapturePointError):
         parse_handover(line)
 
 
@@ -164,7 +164,7 @@ def test_handover_that_is_not_a_json_object(line: bytes) -> None:
     ],
 )
 def test_handover_env_must_be_names_to_strings(line: bytes) -> None:
-    with pytest.raises(CaptureError, match="handover line must be"):
+    with pytest.raises(CapturePointError, match="handover line must be"):
         parse_handover(line)
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_pipeline.capture import CaptureError, CaptureOptions, capture
 from readie_pipeline.plan import CheckpointPlan, load_plan
 from readie_worker.core import Worker, WorkerConfig

@@ -32,7 +32,7 @@ from readie_pipeline.archive_format import (
 from readie_pipeline.archive_tree import TreeWriter
 from readie_pipeline.checkpoint_import import import_checkpoints
 from readie_worker.bundle import MountPlan, family_fingerprint
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_worker.manifest import Manifest, load_checkpoints, platform_of, write_manifest
 
 FINGERPRINT = "sha256:" + "5e" * 32

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_pool._backend import CHECKPOINT_PLAN, choose_checkpoint, manifest_path
 from readie_worker.errors import SandboxSetupError
 from readie_pool.cli import main

@@ -35,7 +35,7 @@ import structlog
 from readie_router._discovery import MAX_DISCOVERED_WORKERS, Discovery, DnsName, dns_name
 from readie_router._placement import Placement
 from readie_rpc.grpc_service import WorkerServer, serve
-from readie_worker.core import Capacity
+from readie_worker.runner import Capacity
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome, Step
 from readie_worker.metrics import Metrics
@@ -139,8 +139,8 @@ class Fleet:
 
     def members(self) -> dict[str, tuple[bool, bool]]:
         """(healthy, retired) by address, as the placement holds them."""
-        with self.placement._lock:
-            return {m.client.address: (m.healthy, m.retired) for m in self.placement._members}
+        with self.placement._roster.lock:
+            return {m.client.address: (m.healthy, m.retired) for m in self.placement._roster.members}
 
     def jobs(self) -> dict[str, int]:
         return {ip: len(fake.jobs) for ip, fake in self.workers.items()}
@@ -303,7 +303,7 @@ def test_an_address_also_named_by_worker_is_one_member(fleet):
     placement = Placement([f"127.0.0.2:{port}"], probe_interval_s=NEVER_S, dns_interval_s=NEVER_S,
                           discovery=Discovery([DnsName(NAME, port)], answers)).start()
     try:
-        assert [m.client.address for m in placement._members] == [f"127.0.0.2:{port}"]
+        assert [m.client.address for m in placement._roster.members] == [f"127.0.0.2:{port}"]
         answers.ips = []
         placement.discover()  # a static member is never retired
         assert placement.run_job(job("x")).stdout == "x"

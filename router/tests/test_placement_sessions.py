@@ -41,7 +41,7 @@ import structlog
 
 from readie_router._placement import Placement, PlacedSession
 from readie_worker.testing import wait_until as wait_for
-from readie_worker.core import Capacity
+from readie_worker.runner import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
 from readie_rpc.grpc_service import WorkerServer, serve
 from readie_worker.jobs import CodeJob, JobOutcome, Step
@@ -154,15 +154,15 @@ class Cluster:
     servers: list[WorkerServer]
 
     def member(self, index: int):
-        return self.placement._members[index]
+        return self.placement._roster.members[index]
 
     def counts(self) -> list[tuple[int, int]]:
         """(in_flight, sessions) per member, as the placement counts them."""
-        with self.placement._lock:
-            return [(m.in_flight, m.sessions) for m in self.placement._members]
+        with self.placement._roster.lock:
+            return [(m.in_flight, m.sessions) for m in self.placement._roster.members]
 
     def idle(self) -> bool:
-        with self.placement._lock:
+        with self.placement._roster.lock:
             return self.counts() == [(0, 0)] * len(self.workers) and not self.placement._sessions
 
 

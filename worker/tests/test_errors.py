@@ -54,7 +54,7 @@ def test_the_executor_reports_only_readies_own_error_types() -> None:
         for call in ast.walk(ast.parse(source.read_text())):
             if (
                 isinstance(call, ast.Call)
-                and getattr(call.func, "id", None) == "ErrorInfo"
+                and getattr(call.func, "id", None) == "ErrorReport"
                 and call.args
                 and isinstance(call.args[0], ast.Constant)
             ):

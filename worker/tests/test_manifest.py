@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from readie_executor.digest import source_digest
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_worker import manifest as manifest_module
 from readie_worker.bundle import MountPlan
 from readie_worker.errors import CheckpointUnusable, ManifestError

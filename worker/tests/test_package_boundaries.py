@@ -175,3 +175,99 @@ def test_every_package_declares_the_workspace_packages_it_imports():
         if missing := imports[package] - declared:
             undeclared[package] = sorted(missing)
     assert undeclared == {}
+
+
+def workspace_modules(src_dirs: list[Path]) -> dict[str, Path]:
+    """Every module under ``src_dirs`` by its dotted name; a package is its ``__init__.py``."""
+    modules = {}
+    for src in src_dirs:
+        for path in src.rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            parts = list(path.relative_to(src).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``name`` imports anywhere in it (in a function, under TYPE_CHECKING).
+
+    ``from pkg import x`` names ``pkg.x`` when that is a module, and ``pkg``
+    itself: importing from a package runs its ``__init__``, so a submodule
+    that does it while the ``__init__`` imports that submodule is a cycle.
+    """
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    named = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            named += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            named += [base] + [f"{base}.{alias.name}" for alias in node.names]
+    found = set()
+    for module in named:
+        while module and module not in modules:  # a name imported from a module: the module
+            module = module.rpartition(".")[0]
+        if module and module != name:
+            found.add(module)
+    return found
+
+
+def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """The sets of modules that import each other, directly or around a loop (Tarjan's strongly
+    connected components), each sorted; none when the imports are layered."""
+    graph = {name: module_imports(name, path, modules) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for other in graph[name]:
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component = []
+            while (top := stack.pop()) != name:
+                component.append(top)
+            if component:
+                cycles.append(sorted([name, *component]))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(cycles)
+
+
+def test_no_two_modules_import_each_other():
+    """Modules are split by concept, so their imports are layered too: no module-level cycle, counting
+    imports inside functions and TYPE_CHECKING blocks (docs/decisions/0030-no-import-cycles.md)."""
+    modules = workspace_modules([REPO / member / "src" for member in PACKAGES])
+    assert len(modules) > 100
+    assert import_cycles(modules) == []
+
+
+def test_the_cycle_check_sees_cycles_in_every_spelling(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    sources = {
+        "__init__.py": "from ._a import A\nfrom ._c import C\n",
+        "_a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._b import B\n",
+        "_b.py": "def f():\n    from pkg._a import A\n",  # inside a function, absolute
+        "_c.py": "from . import _d\n",  # imports the package, whose __init__ imports _c
+        "_d.py": "import os\n",
+        "_e.py": "from ._d import x\nimport pkg._c\n",  # imports others, nobody imports it
+    }
+    for file, text in sources.items():
+        (package / file).write_text(text)
+    assert import_cycles(workspace_modules([tmp_path])) == [["pkg", "pkg._c"], ["pkg._a", "pkg._b"]]

@@ -2,8 +2,9 @@
 
 The families (:class:`ReadieError`, :class:`RequestError`,
 :class:`SandboxSetupError`, :class:`PoolWorkerError`) and the pool
-protocol's :class:`PoolError`, :class:`VersionMismatch` and
-:class:`JobError` are ``readie_protocol.errors``'s, the classes the worker
+protocol's :class:`PoolError` and :class:`VersionMismatch` are
+``readie_protocol.errors``'s (:class:`JobError`, the error a result raises,
+is ``readie_protocol.results``'s), the classes the worker
 and the pool raise too, so one ``except`` covers a local pool and a remote
 router alike. A :class:`RequestError` raised again from a pool's answer
 carries that result line (``result``).
@@ -17,7 +18,6 @@ remote function that raises is the exception: :class:`RemoteError`.
 from __future__ import annotations
 
 from readie_protocol.errors import (
-    JobError,
     PoolError,
     PoolWorkerError,
     ReadieError,
@@ -25,6 +25,7 @@ from readie_protocol.errors import (
     SandboxSetupError,
     VersionMismatch,
 )
+from readie_protocol.results import JobError
 
 __all__ = [
     "CallTimeout",

@@ -9,7 +9,7 @@ import sys
 from typing import BinaryIO
 
 from . import jobs  # noqa: F401 - see below
-from ._checkpoint import CaptureError, checkpoint_and_wait
+from ._checkpoint import CapturePointError, checkpoint_and_wait
 from ._server import ServeError, bind_listener, serve_forever
 from ._settings import Mode, Settings, SettingsError
 from ._uniqueness import AFTER_RESTORE_VARIABLE, Reseeder, ReseedError
@@ -36,7 +36,7 @@ def main() -> int:
                 preimport(settings.preimport)
                 reseeder = Reseeder.prepared(os.environ.get(AFTER_RESTORE_VARIABLE, ""))
                 restored_environ = checkpoint_and_wait(sys.stdin.buffer, sys.stdout)
-            except (CaptureError, ReseedError) as exc:
+            except (CapturePointError, ReseedError) as exc:
                 return _fail(f"capture failed: {exc}", EXIT_CAPTURE_FAILED)
             try:
                 reseeder.reseed()  # before anything else runs in the sandbox we woke up in
@@ -93,7 +93,7 @@ def preimport(modules: tuple[str, ...]) -> None:
         try:
             importlib.import_module(name)
         except BaseException as exc:
-            raise CaptureError(f"cannot pre-import {name!r}: {type(exc).__name__}: {exc}") from None
+            raise CapturePointError(f"cannot pre-import {name!r}: {type(exc).__name__}: {exc}") from None
 
 
 def _configure_logging() -> None:

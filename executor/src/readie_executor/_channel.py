@@ -3,7 +3,7 @@
 :func:`readie_executor._server.serve_connection` makes its connection current
 around each call; host functions (:mod:`readie_executor.jobs._host`) send
 their call frames on it and read the worker's replies with the same
-:class:`~readie_executor.protocol.MessageReader` the server reads requests
+:class:`~readie_executor.framing.MessageReader` the server reads requests
 with, so bytes it has already buffered are never lost. The output capture's
 drain thread sends output frames on it too, while a host call may be
 waiting for its reply: sends are serialized here, receives by their caller.
@@ -16,7 +16,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
-from .protocol import FramingError, MessageReader
+from .framing import FramingError, MessageReader
 from .sockets import receive_message, send_message
 
 

@@ -35,7 +35,7 @@ READY_MARKER = "readie-capture-ready "
 MAX_HANDOVER_LINE = 1024 * 1024
 
 
-class CaptureError(Exception):
+class CapturePointError(Exception):
     """The capture point could not be reached or left cleanly."""
 
 
@@ -99,15 +99,15 @@ def _via_procfs() -> dict[str, str]:
         return parse_spec_environ(PROC_SPEC_ENVIRON.read_bytes())
     if outcome == "resume":
         return dict(os.environ)
-    raise CaptureError(f"/proc/gvisor/checkpoint answered {outcome!r}")
+    raise CapturePointError(f"/proc/gvisor/checkpoint answered {outcome!r}")
 
 
 def _via_stdio(stdin: BinaryIO) -> dict[str, str]:
     line = stdin.readline(MAX_HANDOVER_LINE + 1)
     if not line:
-        raise CaptureError("stdin closed before the restored sandbox handed over its environment")
+        raise CapturePointError("stdin closed before the restored sandbox handed over its environment")
     if len(line) > MAX_HANDOVER_LINE:
-        raise CaptureError(f"handover line longer than {MAX_HANDOVER_LINE} bytes")
+        raise CapturePointError(f"handover line longer than {MAX_HANDOVER_LINE} bytes")
     return parse_handover(line)
 
 
@@ -127,7 +127,7 @@ def parse_handover(line: bytes) -> dict[str, str]:
     try:
         handover = json.loads(line)
     except ValueError as exc:
-        raise CaptureError(f"handover line is not JSON: {exc}") from None
+        raise CapturePointError(f"handover line is not JSON: {exc}") from None
     env = handover.get("env") if isinstance(handover, dict) else None
     # A NUL cannot be in an environment variable: os.environ would raise mid-update.
     if not isinstance(env, dict) or not all(
@@ -135,7 +135,7 @@ def parse_handover(line: bytes) -> dict[str, str]:
         and isinstance(value, str) and "\0" not in value
         for key, value in env.items()
     ):
-        raise CaptureError('handover line must be {"env": {NAME: VALUE, ...}} with string values')
+        raise CapturePointError('handover line must be {"env": {NAME: VALUE, ...}} with string values')
     return env
 
 

@@ -10,10 +10,10 @@ from typing import BinaryIO
 
 from . import _channel
 from ._calls import run_call
-from ._checkpoint import CaptureError, wait_for_handover
+from ._checkpoint import CapturePointError, wait_for_handover
 from .hibernation import HIBERNATE, HIBERNATING
 from .hostwire import REPLY_PREFIX
-from .protocol import FramingError, MessageReader
+from .framing import FramingError, MessageReader
 from ._uniqueness import Reseeder
 from .sockets import MAX_SOCKET_PATH, receive_message, send_message
 
@@ -77,7 +77,7 @@ def serve_forever(
             reseeder.take_census()  # the session may have imported modules with generators of their own
             try:
                 wait_for_handover(handover)
-            except (CaptureError, OSError) as exc:  # the worker is gone, or a job closed the pipe
+            except (CapturePointError, OSError) as exc:  # the worker is gone, or a job closed the pipe
                 raise ServeError(f"cannot resume: {exc}") from None
             reseeder.reseed()
             listener = bind_listener(socket_path)

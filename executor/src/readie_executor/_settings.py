@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .protocol import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+from .framing import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 from .sockets import SOCKET_NAME
 
 

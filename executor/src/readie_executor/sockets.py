@@ -1,10 +1,10 @@
-"""Blocking-socket adapter over the sans-IO framing in :mod:`readie_executor.protocol`."""
+"""Blocking-socket adapter over the sans-IO framing in :mod:`readie_executor.framing`."""
 
 from __future__ import annotations
 
 import socket
 
-from .protocol import DEFAULT_CHUNK_SIZE, END_OF_STREAM, Message, MessageReader, iter_frames
+from .framing import DEFAULT_CHUNK_SIZE, END_OF_STREAM, Message, MessageReader, iter_frames
 
 # One recv() per this many bytes: big enough for few syscalls on a 100 MB
 # payload, small enough that an idle reader does not pin much memory.
@@ -44,7 +44,7 @@ def _send_all_of(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
 def receive_message(sock: socket.socket, reader: MessageReader) -> bytes | None:
     """The next message's payload, or None when the peer closed between messages.
 
-    A stream that ends inside a message raises :class:`~readie_executor.protocol.TruncatedMessage`.
+    A stream that ends inside a message raises :class:`~readie_executor.framing.TruncatedMessage`.
     """
     while True:
         event = reader.next_event()

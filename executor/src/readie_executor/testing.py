@@ -36,7 +36,7 @@ import cloudpickle
 
 from ._checkpoint import READY_MARKER
 from .sockets import SOCKET_NAME
-from .protocol import DEFAULT_CHUNK_SIZE, MessageReader
+from .framing import DEFAULT_CHUNK_SIZE, MessageReader
 from .sockets import receive_message, send_message
 
 __all__ = [

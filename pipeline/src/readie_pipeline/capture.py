@@ -22,7 +22,7 @@ import structlog
 
 from readie_executor import READY_MARKER
 from readie_executor.digest import source_digest
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_worker import runsc as runsc_module
 from readie_worker.bundle import EXECUTOR_ARGV, SandboxSpec, capture_env, family_fingerprint, serve_env
 from readie_worker.errors import SandboxSetupError

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from readie_executor.digest import source_digest
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_worker.errors import CheckpointUnusable, ManifestError, SandboxSetupError
 from readie_worker.manifest import Manifest, checkpoints_for, platform_of, read_manifest, verify_image
 from readie_worker.runsc import Runsc, features

@@ -37,32 +37,28 @@ accepted job finish and writes its result, then closes every open session
 running jobs end with a worker error; their results are still written if
 stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
 
-Sessions are driven by ``_session_driver`` on the engine's slots and
-output; jobs are built (policy, script, cwd) by ``_job_building``; intake's
-buffers are ``_intake``'s.
+What every task runs with (the slots, cancellations, host calls and output
+streams, the one answer per line) is ``_tasks``'s; sessions are driven by
+``_session_driver`` on the same tasks; jobs are built (policy, script, cwd)
+by ``_job_building``; intake's buffers are ``_intake``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import itertools
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
-from readie_protocol.connection import PoolConnection, PoolEvent, Role
-from readie_protocol.events import CancelledEvent, OutputEvent, ReadyEvent
-from readie_protocol.wire import RequestId
+from readie_protocol.connection import PoolConnection, Role
+from readie_protocol.events import CancelledEvent, ReadyEvent
 from readie_worker.cancel import Cancellation
 from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_error
-from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
 
 from ._backend import JobBackend
-from ._events import JobResult, Stats, job_log_line
-from ._host import HostCalls, WaitingCall, host_function
+from ._events import JobResult
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
 from readie_protocol.requests import (
@@ -71,6 +67,7 @@ from readie_protocol.requests import (
 from ._results import job_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
+from ._tasks import PoolTasks
 
 __all__ = [
     "ABORT_WRITE_GRACE_S",
@@ -131,31 +128,28 @@ class PoolEngine:
     ) -> None:
         self.setup = setup
         self.backend = backend
-        self.stats = Stats()
         self.state = PoolState.SERVING
-        self._log_job = log_job  # a structlog method: the job line is in the one log schema
         self._now_ns = monotonic_ns
-        self._wall_ms = wall_ms
         self._started_ns = monotonic_ns()
         self._permits = asyncio.BoundedSemaphore(setup.queue_limit)
         # Answers to replies no call waits for: their own budget, never a permit.
         self._strays = asyncio.BoundedSemaphore(setup.queue_limit)
-        self._slots = asyncio.Semaphore(setup.workers)
-        # Each line with the budget it releases once written (None: a call event).
-        self._outbox: asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None] = asyncio.Queue()
         self._changed = asyncio.Event()  # intake's conditions may have changed (see _until)
         # The pool's end of the protocol: requests in, events out.
         self._connection = PoolConnection(Role.POOL)
-        self._host_calls = HostCalls(self._connection.send)
-        # The jobs a client may still cancel (queued or running), by request id.
-        self._cancels: dict[RequestId, Cancellation] = {}
-        self._jobs: set[asyncio.Task[None]] = set()
+        self._tasks = PoolTasks(
+            setup, backend, self._connection, self._permits, self._changed,
+            log_job=log_job, monotonic_ns=monotonic_ns, wall_ms=wall_ms,
+        )
+        self.stats = self._tasks.stats
+        self._host_calls = self._tasks.host_calls
+        self._jobs = self._tasks.running  # every task: jobs, steps, closes
         self._intake_task: asyncio.Task[None] | None = None
         self._aborted = asyncio.Event()
         self._drain_calls = 0
         self._output_lost = False
         self.accepted = 0  # lines that took a permit so far (tests and logs); replies take none
-        self._session_driver = SessionDriver(self)
+        self._session_driver = SessionDriver(self._tasks, lambda: self.serving)
 
     # ------------------------------------------------------------------ control
 
@@ -242,7 +236,7 @@ class PoolEngine:
             self._session_driver.close_in_background(session, "the pool is draining")
         while self._jobs:
             await asyncio.wait(set(self._jobs))
-        self._outbox.put_nowait(None)
+        self._tasks.outbox.put_nowait(None)
         await writer
 
     # ------------------------------------------------------------------ intake
@@ -297,7 +291,7 @@ class PoolEngine:
                 self._accept(request, parsed_at)
             except Exception as exc:  # a bug must cost one line, never the pool
                 log.exception("internal error handling a line")
-                self._finish(JobResult.from_error(None, internal_error(exc)))
+                self._tasks.finish(JobResult.from_error(None, internal_error(exc)))
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
@@ -310,10 +304,10 @@ class PoolEngine:
     def _accept(self, request: Request | Refused, parsed_at: int) -> None:
         """Answer ``request`` now, or start the task that will. Exactly one answer either way."""
         if isinstance(request, Refused):
-            self._finish(JobResult.refused(request, self.setup.runtime))
+            self._tasks.finish(JobResult.refused(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
             hibernated = self._session_driver.sessions_hibernated()
-            self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers, hibernated))
+            self._tasks.answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers, hibernated))
         elif isinstance(request, CloseSession):
             self._session_driver.accept_close(request)
         elif isinstance(request, HibernateSession):
@@ -321,31 +315,14 @@ class PoolEngine:
         elif isinstance(request, ForkSession):
             self._session_driver.accept_fork(request)
         elif isinstance(request, JobRequest) and request.session is not None:
-            self._session_driver.accept_step(request, parsed_at, self._cancellable(request.id))
+            self._session_driver.accept_step(request, parsed_at, self._tasks.cancellable(request.id))
         elif isinstance(request, CancelJob):
-            cancel = self._cancels.get(request.target)
-            if cancel is not None:
-                cancel.cancel()
-            self._answer(CancelledEvent(request.id, request.target, found=cancel is not None))
+            found = self._tasks.cancel(request.target)
+            self._tasks.answer(CancelledEvent(request.id, request.target, found=found))
         elif isinstance(request, JobRequest):
-            self._spawn(self._run(request, parsed_at, self._cancellable(request.id)))
+            self._tasks.spawn(self._run(request, parsed_at, self._tasks.cancellable(request.id)))
         else:  # pragma: no cover - replies never take a permit (_intake)
             raise TypeError(f"unhandled request {type(request).__name__}")
-
-    def _cancellable(self, request_id: RequestId) -> Cancellation:
-        """A job's or step's cancellation, known before its task starts: a cancel on the next line finds it."""
-        cancel = self._cancels[request_id] = Cancellation()
-        return cancel
-
-    def _cancelled_with(self, request_id: RequestId, cancel: Cancellation) -> None:
-        """The task of ``request_id`` is answered: a cancel no longer finds it."""
-        if self._cancels.get(request_id) is cancel:  # a later task may reuse the id
-            del self._cancels[request_id]
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.create_task(work)
-        self._jobs.add(task)
-        task.add_done_callback(self._jobs.discard)
 
     # ------------------------------------------------------------------ jobs
 
@@ -357,8 +334,8 @@ class PoolEngine:
             error = internal_error(exc)
             result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
         finally:
-            self._cancelled_with(request.id, cancel)
-        self._finish(result)
+            self._tasks.cancelled_with(request.id, cancel)
+        self._tasks.finish(result)
 
     async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> JobResult:
         runtime = self.setup.runtime
@@ -367,14 +344,14 @@ class PoolEngine:
             job = await code_job(self.setup, request, policy)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
             return JobResult.from_error(request.id, exc, runtime=runtime)
-        async with self._slots:
+        async with self._tasks.slots:
             queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
             try:
                 if cancel.cancelled:
                     raise Cancelled("the job was cancelled by the client before it ran")
-                host = self._host_for(request.id, job.functions)
-                outcome = await self.backend.run(job, str(request.id), host, cancel, self._output_for(request))
-                self._count_host(outcome)
+                host = self._tasks.host_for(request.id, job.functions)
+                outcome = await self.backend.run(job, str(request.id), host, cancel, self._tasks.output_for(request))
+                self._tasks.count_host(outcome)
             except RequestError as exc:  # the worker refused: nothing was granted
                 return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
             except ReadieError as exc:
@@ -384,41 +361,6 @@ class PoolEngine:
         return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
 
     # ------------------------------------------------------------------ host functions
-
-    def _host_for(self, request_id: RequestId, functions: tuple[str, ...]) -> HostFunction | None:
-        """The host callback for a task of ``request_id`` (None when it declared no functions)."""
-        if not functions:
-            return None
-        return host_function(asyncio.get_running_loop(), self._post_call, self._host_calls.forget, request_id)
-
-    def _output_for(self, request: JobRequest) -> OutputSink | None:
-        """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
-        thread, and hands each chunk to the loop as an output event, numbered in order.
-
-        Its events need no permit: they come before the result that releases the
-        task's, and the worker bounds them (its max_output, per stream).
-        """
-        if not request.stream:
-            return None
-        loop = asyncio.get_running_loop()
-        numbers = itertools.count(1)
-
-        def post(chunk: OutputChunk) -> None:
-            event = OutputEvent(request.id, chunk.stream, chunk.data, next(numbers))
-            self._outbox.put_nowait((self._connection.send(event), None))
-
-        def output(chunk: OutputChunk) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the pool is gone
-                loop.call_soon_threadsafe(post, chunk)
-
-        return output
-
-    def _post_call(self, waiting: WaitingCall) -> None:
-        line = self._host_calls.post(waiting)
-        if line is not None:
-            self.stats.host_calls += 1
-            self._outbox.put_nowait((line, None))  # no permit: its task holds one, and waits
-            self._changed.set()  # a call waits: intake may read ahead for its reply
 
     async def _accept_reply(self, reply: ReplyRequest) -> None:
         if self._host_calls.deliver(reply):
@@ -431,28 +373,12 @@ class PoolEngine:
             "reply.call_id",
         )
         self.stats.late_replies += 1
-        self._finish(JobResult.from_error(None, error, runtime=self.setup.runtime), budget=self._strays)
-
-    def _count_host(self, outcome: JobOutcome) -> None:
-        if outcome.host is not None:
-            self.stats.host_frames_refused += outcome.host.refused
+        self._tasks.finish(JobResult.from_error(None, error, runtime=self.setup.runtime), budget=self._strays)
 
     # ------------------------------------------------------------------ output
 
-    def _finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
-        """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
-        self.stats.record(result)
-        if self._log_job is not None and self.setup.log_jobs:
-            line = job_log_line(result, self._wall_ms())
-            with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
-                self._log_job(line.pop("event"), **line)
-        self._outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
-
-    def _answer(self, event: PoolEvent) -> None:
-        self._outbox.put_nowait((self._connection.send(event), self._permits))
-
     async def _write_out(self, sink: ByteSink) -> None:
-        while (item := await self._outbox.get()) is not None:
+        while (item := await self._tasks.outbox.get()) is not None:
             data, budget = item
             try:
                 if not self._output_lost:

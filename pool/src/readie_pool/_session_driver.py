@@ -15,14 +15,15 @@ new name is in the table at once (OPENING), so its first steps wait for the
 fork. A session idle for ``session_hibernate`` is hibernated by a timer, as
 the pool's own queued request: its close timer keeps running meanwhile.
 
-The driver shares the engine's slots, stats, output and task set: it is the
-engine's session half, split out to keep each readable, not a second engine.
+The driver runs on the same :class:`~readie_pool._tasks.PoolTasks` as the
+engine's jobs (slots, stats, answers, the task set), and knows of the engine
+only whether it is still serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import structlog
 from readie_worker.cancel import Cancellation
@@ -41,9 +42,7 @@ from readie_protocol.requests import CloseSession, ForkSession, HibernateSession
 from readie_protocol.wire import RequestId
 from ._results import job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
-
-if TYPE_CHECKING:
-    from ._engine import PoolEngine
+from ._tasks import PoolTasks
 
 __all__ = ["SessionDriver"]
 
@@ -51,37 +50,38 @@ log = structlog.get_logger("readie.pool")
 
 
 class SessionDriver:
-    """Steps and closes of the sessions in :attr:`table`, run on the engine's slots and output."""
+    """Steps and closes of the sessions in :attr:`table`, run as the pool's tasks (:class:`PoolTasks`)."""
 
-    def __init__(self, engine: PoolEngine) -> None:
-        self._engine = engine
-        self._setup = engine.setup
-        self.table = SessionTable(engine.setup.max_sessions)
+    def __init__(self, tasks: PoolTasks, serving: Callable[[], bool]) -> None:
+        self._tasks = tasks
+        self._serving = serving  # the engine's: no idle timers once it drains
+        self._setup = tasks.setup
+        self.table = SessionTable(tasks.setup.max_sessions)
 
     def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
         """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session."""
         try:
             session, first = self.table.admit(request)
         except RequestError as exc:
-            self._engine._cancelled_with(request.id, cancel)
-            self._engine._finish(
+            self._tasks.cancelled_with(request.id, cancel)
+            self._tasks.finish(
                 JobResult.from_error(request.id, exc, runtime=self._setup.runtime, session=request.session)
             )
             return
         if first:
-            self._engine.stats.session_started()
+            self._tasks.stats.session_started()
         previous, done = session.enqueue()
-        self._engine._spawn(self._session_step(session, request, parsed_at, previous, done, cancel))
+        self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel))
 
     def accept_close(self, request: CloseSession) -> None:
         session = self.table.get(request.session)
         if session is None:  # never opened, or ended already: closed either way
-            self._engine._answer(ClosedEvent(request.id, request.session))
+            self._tasks.answer(ClosedEvent(request.id, request.session))
             return
         if self.table.closing(session):
-            self._engine.stats.session_ended()
+            self._tasks.stats.session_ended()
         previous, done = session.enqueue()
-        self._engine._spawn(self._session_close(session, request, previous, done))
+        self._tasks.spawn(self._session_close(session, request, previous, done))
 
     def accept_hibernate(self, request: HibernateSession) -> None:
         session = self.table.get(request.session)
@@ -89,7 +89,7 @@ class SessionDriver:
             self._refuse(request.id, request.session, _not_open(request.session), ended=True)
             return
         previous, done = session.enqueue()
-        self._engine._spawn(self._session_hibernate(session, request, previous, done))
+        self._tasks.spawn(self._session_hibernate(session, request, previous, done))
 
     def accept_fork(self, request: ForkSession) -> None:
         source = self.table.get(request.session)
@@ -101,10 +101,10 @@ class SessionDriver:
         except RequestError as exc:
             self._refuse(request.id, request.session, exc)
             return
-        self._engine.stats.session_started()
+        self._tasks.stats.session_started()
         previous, done = source.enqueue()
         _, target_done = target.enqueue()  # the fork's own steps wait for it
-        self._engine._spawn(self._session_fork(source, target, request, previous, (done, target_done)))
+        self._tasks.spawn(self._session_fork(source, target, request, previous, (done, target_done)))
 
     def sessions_hibernated(self) -> int:
         return sum(1 for session in self.table.sessions() if session.handle is not None and session.handle.hibernated)
@@ -112,7 +112,7 @@ class SessionDriver:
     def _refuse(self, request_id: RequestId, name: str, error: ReadieError, *, ended: bool = False) -> None:
         """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
         which the result says with ``session_ended``, so a client stops taking it for open."""
-        self._engine._finish(
+        self._tasks.finish(
             JobResult.from_error(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
         )
 
@@ -138,12 +138,12 @@ class SessionDriver:
             why = RequestError(f"session {session.name!r} ended before it could hibernate", "session")
             return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=session.name)
         try:
-            async with self._engine._slots:
+            async with self._tasks.slots:
                 hibernate_ms = await session.handle.hibernate()
         except ReadieError as exc:
             return self._failed(request_id, session, exc)
         if hibernate_ms:
-            self._engine.stats.session_image("hibernations", hibernate_ms)
+            self._tasks.stats.session_image("hibernations", hibernate_ms)
         return HibernatedEvent(request_id, session.name, round(hibernate_ms))  # type: ignore[arg-type]
 
     async def _session_fork(
@@ -177,16 +177,16 @@ class SessionDriver:
             why = RequestError(f"session {source.name!r} ended before it could fork", "session")
             return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=source.name)
         try:
-            async with self._engine._slots:
+            async with self._tasks.slots:
                 handle, fork_ms = await source.handle.fork()
         except ReadieError as exc:
             return self._failed(request_id, source, exc)
-        self._engine.stats.session_image("forks", fork_ms)
+        self._tasks.stats.session_image("forks", fork_ms)
         target.handle, target.policy, target.functions = handle, source.policy, source.functions
         if target.phase is SessionPhase.OPENING:
             target.move(SessionPhase.OPEN)
         elif target.ended:  # the pool is ending: nobody will close it otherwise
-            self._engine._spawn(handle.close())
+            self._tasks.spawn(handle.close())
         return ForkedEvent(request_id, source.name, target.name, round(fork_ms))
 
     def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> JobResult:
@@ -201,9 +201,9 @@ class SessionDriver:
 
     def _send(self, answer: HibernatedEvent | ForkedEvent | JobResult | None) -> None:
         if isinstance(answer, JobResult):
-            self._engine._finish(answer)
+            self._tasks.finish(answer)
         elif answer is not None:
-            self._engine._answer(answer)
+            self._tasks.answer(answer)
 
     async def _session_step(
         self,
@@ -228,10 +228,10 @@ class SessionDriver:
             self.close_in_background(session, "internal error")
         finally:
             # Answered before the next request of the session may start.
-            self._engine._cancelled_with(request.id, cancel)
+            self._tasks.cancelled_with(request.id, cancel)
             session.answered()
             if result is not None:
-                self._engine._finish(result)
+                self._tasks.finish(result)
             done.set()
             self._arm_idle_timer(session)
 
@@ -256,15 +256,15 @@ class SessionDriver:
             if first:
                 self._end_session(session)
             return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
-        async with self._engine._slots:
-            queue_us = max(0, (self._engine._now_ns() - parsed_at) // 1000)
-            host = self._engine._host_for(request.id, session.functions)
-            output = self._engine._output_for(request)
+        async with self._tasks.slots:
+            queue_us = max(0, (self._tasks.now_ns() - parsed_at) // 1000)
+            host = self._tasks.host_for(request.id, session.functions)
+            output = self._tasks.output_for(request)
             try:
                 if cancel.cancelled:
                     raise Cancelled("the step was cancelled by the client before it ran")
                 if first:
-                    opened = await self._engine.backend.open_session(job, str(request.id), host, output, cancel)
+                    opened = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
                     session.handle, outcome = opened
                     session.policy = policy
                     if session.phase is SessionPhase.OPENING:  # not CLOSING already
@@ -280,7 +280,7 @@ class SessionDriver:
                         report_files=request.report_files,
                     )
                     outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
-                self._engine._count_host(outcome.outcome)
+                self._tasks.count_host(outcome.outcome)
             except ReadieError as exc:
                 # A refusal of the first step leaves no session; any other failure ends it.
                 if first or not isinstance(exc, RequestError):
@@ -296,7 +296,7 @@ class SessionDriver:
         if outcome.session_ended:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
-            self._engine.stats.session_image("resumes", outcome.resumed_ms)
+            self._tasks.stats.session_image("resumes", outcome.resumed_ms)
         return self._step_line(request, outcome, policy, queue_us, name)
 
     def _step_line(
@@ -331,24 +331,24 @@ class SessionDriver:
             log.exception("internal error closing a session", session=session.name)
         finally:
             session.answered()
-            self._engine._answer(ClosedEvent(request.id, request.session))
+            self._tasks.answer(ClosedEvent(request.id, request.session))
             done.set()
 
     def _end_session(self, session: NamedSession) -> BackendSession | None:
         """Take ``session`` out of the table and the count, at once, so the next request under
         its name starts a new one; returns its handle for the caller to close (or None)."""
         if self.table.end(session):
-            self._engine.stats.session_ended()
+            self._tasks.stats.session_ended()
         return session.handle
 
     def close_in_background(self, session: NamedSession, why: str) -> None:
         handle = self._end_session(session)
         if handle is not None:
             log.info("closing a session", session=session.name, why=why)
-            self._engine._spawn(handle.close())
+            self._tasks.spawn(handle.close())
 
     def _arm_idle_timer(self, session: NamedSession) -> None:
-        if session.phase is not SessionPhase.OPEN or session.pending or not self._engine.serving:
+        if session.phase is not SessionPhase.OPEN or session.pending or not self._serving():
             return
         session.stop_idle_timer()
         loop = asyncio.get_running_loop()
@@ -367,7 +367,7 @@ class SessionDriver:
         session.hibernation = None
         if session.phase is SessionPhase.OPEN and not session.pending and session.handle is not None:
             previous, done = session.enqueue(idle=True)
-            self._engine._spawn(self._idle_hibernation(session, previous, done))
+            self._tasks.spawn(self._idle_hibernation(session, previous, done))
 
     async def _idle_hibernation(self, session: NamedSession, previous: asyncio.Event | None, done: asyncio.Event) -> None:
         try:
@@ -382,7 +382,7 @@ class SessionDriver:
         finally:
             session.answered()
             done.set()
-            if session.idle is None and session.phase is SessionPhase.OPEN and not session.pending and self._engine.serving:
+            if session.idle is None and session.phase is SessionPhase.OPEN and not session.pending and self._serving():
                 # Its close timer came due while it hibernated: what is left of session_idle.
                 loop = asyncio.get_running_loop()
                 left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()

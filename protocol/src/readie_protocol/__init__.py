@@ -20,7 +20,6 @@ from .errors import (
     ConfigError,
     ErrorType,
     ExecutorTimeout,
-    JobError,
     PoolError,
     PoolWorkerError,
     ReadieError,
@@ -58,6 +57,7 @@ from .requests import (
     StatsRequest,
     parse_request,
 )
+from .results import JobError
 from .wire import PROTOCOL_VERSION, RequestId, encode_line, id_problem, json_type
 
 __all__ = [

@@ -23,10 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .events import Result
+from typing import Any
 
 __all__ = [
     "MAX_SHOWN_CHARS",
@@ -34,7 +31,6 @@ __all__ = [
     "ErrorMap",
     "ErrorType",
     "ExecutorTimeout",
-    "JobError",
     "PoolError",
     "PoolWorkerError",
     "ReadieError",
@@ -60,10 +56,13 @@ class RequestError(ReadieError):
     nested values, e.g. ``reply.call_id``); the message then starts with it,
     so a client that only shows the message still learns which field.
     ``result`` is the result line that carried the refusal, when one did (a
-    client raising it again from a pool's answer); None when raised at once.
+    client raising it again from a pool's answer: a
+    :class:`readie_protocol.results.Result`); None when raised at once. It is
+    typed loosely because the result module is above this one: a result
+    raises these errors again, so this module cannot name it.
     """
 
-    def __init__(self, message: str, field: str | None = None, *, result: Result | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, *, result: Any = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
         self.reason = message
@@ -91,20 +90,6 @@ class PoolError(ReadieError):
 
 class VersionMismatch(ReadieError):
     """The two ends of a wire speak different versions; the message names both."""
-
-
-class JobError(ReadieError):
-    """Raised by :meth:`Result.raise_for_error` for a job whose code failed (exception, exit, timeout)."""
-
-    def __init__(self, result: Result) -> None:
-        error = result.error
-        if error is None:
-            text = f"job {result.id!r} exited with status {result.exit}"
-        else:
-            where = f" ({error.file}, line {error.line})" if error.file and error.line else ""
-            text = f"job {result.id!r} failed: {error.type}: {error.message}{where}"
-        super().__init__(text)
-        self.result = result
 
 
 class ConfigError(ReadieError):

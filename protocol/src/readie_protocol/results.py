@@ -1,6 +1,7 @@
 """A job's result line as a frozen value, for both ends, with its parts (the error, the runtime,
-the policy, the last expression's value) and its parser. ``readie_protocol.events`` holds the
-other lines and re-exports these; see its docstring for the parsing rules."""
+the policy, the last expression's value), its parser and :class:`JobError`, the error a failed
+job's result raises. ``readie_protocol.events`` holds the other lines and re-exports these; see
+its docstring for the parsing rules."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._fields import Fields, broken
-from .errors import ErrorType, JobError, RequestError, family_of
+from .errors import ErrorType, ReadieError, RequestError, family_of
 from .wire import RequestId
 
-__all__ = ["RUNTIME_NAME", "ErrorInfo", "FileInfo", "PolicyInfo", "Result", "RuntimeInfo", "Value", "parse_result"]
+__all__ = [
+    "RUNTIME_NAME",
+    "ErrorInfo",
+    "FileInfo",
+    "JobError",
+    "PolicyInfo",
+    "Result",
+    "RuntimeInfo",
+    "Value",
+    "parse_result",
+]
 
 #: The spec's "runtime" value, with pynox read as readie.
 RUNTIME_NAME = "readie"
@@ -198,6 +209,20 @@ class Result:
             out["files"] = [file.to_json() for file in self.files]
             out["files_truncated"] = self.files_truncated
         return out
+
+
+class JobError(ReadieError):
+    """Raised by :meth:`Result.raise_for_error` for a job whose code failed (exception, exit, timeout)."""
+
+    def __init__(self, result: Result) -> None:
+        error = result.error
+        if error is None:
+            text = f"job {result.id!r} exited with status {result.exit}"
+        else:
+            where = f" ({error.file}, line {error.line})" if error.file and error.line else ""
+            text = f"job {result.id!r} failed: {error.type}: {error.message}{where}"
+        super().__init__(text)
+        self.result = result
 
 
 def parse_result(obj: Any) -> Result:

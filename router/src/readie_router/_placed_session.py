@@ -1,8 +1,13 @@
-"""A session on the worker ``Placement`` chose for it: steps, hibernation and forks there."""
+"""A session on the worker ``Placement`` chose for it: steps, hibernation and forks there.
+
+:class:`OpenSessions` is the set of them the router has open, each holding a
+session place on its worker in the :class:`~._roster.Roster` until it ends;
+the router closes what is left of them when it shuts down.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
 
 from readie_rpc.remote_session import RemoteSession, SessionLost
 from readie_worker.cancel import NEVER, Cancellation
@@ -11,22 +16,63 @@ from readie_worker.jobs import HostFunction, OutputSink, Step
 from readie_worker.sessions import StepOutcome
 
 from ._members import Member
+from ._roster import Roster
 
-if TYPE_CHECKING:
-    from ._placement import Placement
+__all__ = ["OpenSessions", "PlacedSession"]
 
-__all__ = ["PlacedSession"]
+
+class OpenSessions:
+    """The sessions this router placed and has not seen end (under the roster's lock)."""
+
+    def __init__(self, roster: Roster) -> None:
+        self.roster = roster
+        self._sessions: set[PlacedSession] = set()
+
+    def __len__(self) -> int:
+        with self.roster.lock:
+            return len(self._sessions)
+
+    def add(self, member: Member, remote: RemoteSession) -> PlacedSession:
+        """The session ``remote`` on ``member``, whose session place it now holds."""
+        placed = PlacedSession(self, member, remote)
+        with self.roster.lock:
+            self._sessions.add(placed)
+        return placed
+
+    def ended(self, session: PlacedSession) -> None:
+        """Give back ``session``'s place on its worker (once; later calls do nothing)."""
+        member = session.member
+        with self.roster.lock:
+            if session not in self._sessions:
+                return
+            self._sessions.discard(session)
+            member.sessions -= 1
+            self.roster.lock.notify_all()
+            dropped = self.roster.drop_if_done(member)
+        if dropped:
+            member.client.close()
+
+    def close_all(self, reason: str) -> None:
+        """Close every open session, their sandboxes on their workers, all at once (each waits
+        for its worker); the next step of each says ``reason``."""
+        with self.roster.lock:
+            sessions = list(self._sessions)
+        if sessions:
+            for session in sessions:
+                session.ended_by = reason
+            with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
+                list(closing.map(PlacedSession.close, sessions))
 
 
 class PlacedSession:
     """A session on the worker ``Placement`` chose for it: its steps count against that worker's slots."""
 
-    def __init__(self, placement: Placement, member: Member, remote: RemoteSession) -> None:
-        self._placement = placement
-        self._member = member
+    def __init__(self, open_sessions: OpenSessions, member: Member, remote: RemoteSession) -> None:
+        self._open = open_sessions  # it holds one of the member's session places until it ends
+        self._roster = open_sessions.roster
+        self.member = member
         self._remote = remote
         self.id = remote.id
-        self._counted = True  # holds one of the member's session places until it ends
         # Why the router ended it under its client, if it did: the next step is then the
         # router's failure (PoolWorkerError, the session gone), not the client's mistake.
         self.ended_by: str | None = None
@@ -47,15 +93,14 @@ class PlacedSession:
         """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
         if self.ended_by is not None:
             raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        placement = self._placement
-        placement._take_slot(self._member)
+        self._roster.take_slot(self.member)
         try:
             return self._remote.run_step(step, job_id=job_id, host=host, cancel=cancel, output=output)
         except SessionLost:
-            placement._mark_failed(self._member)  # as for a job lost with its worker
+            self._roster.mark_failed(self.member)  # as for a job lost with its worker
             raise
         finally:
-            placement._release(self._member)
+            self._roster.release(self.member)
             if self._remote.ended:
                 self._forget()
 
@@ -68,14 +113,14 @@ class PlacedSession:
         The session stays pinned to that worker, whose disk holds its image (decision 0022)."""
         if self.ended_by is not None:
             raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        self._placement._take_slot(self._member)
+        self._roster.take_slot(self.member)
         try:
             return self._remote.hibernate(cancel)
         except SessionLost:
-            self._placement._mark_failed(self._member)  # as for a step lost with its worker
+            self._roster.mark_failed(self.member)  # as for a step lost with its worker
             raise
         finally:
-            self._placement._release(self._member)
+            self._roster.release(self.member)
             if self._remote.ended:
                 self._forget()
 
@@ -84,23 +129,20 @@ class PlacedSession:
         it takes a session place there and under the router's ``max_sessions``."""
         if self.ended_by is not None:
             raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        placement, member = self._placement, self._member
-        placement._take_fork_place(member)
+        roster, member = self._roster, self.member
+        roster.take_fork_place(member)
         try:
             remote, fork_ms = self._remote.fork(cancel)
         except BaseException as exc:
-            placement._release(member, session=True)
+            roster.release(member, session=True)
             if isinstance(exc, SessionLost):
-                placement._mark_failed(member)
+                roster.mark_failed(member)
             raise
         finally:
             if self._remote.ended:
                 self._forget()
-        placement._release(member)  # the slot; the session place is the fork's now
-        fork = PlacedSession(placement, member, remote)
-        with placement._lock:
-            placement._sessions.add(fork)
-        return fork, fork_ms
+        roster.release(member)  # the slot; the session place is the fork's now
+        return self._open.add(member, remote), fork_ms
 
     def close(self) -> None:
         try:
@@ -109,14 +151,4 @@ class PlacedSession:
             self._forget()
 
     def _forget(self) -> None:
-        placement = self._placement
-        with placement._lock:
-            if not self._counted:
-                return
-            self._counted = False
-            self._member.sessions -= 1
-            placement._sessions.discard(self)
-            placement._lock.notify_all()
-            dropped = placement._drop_if_done(self._member)
-        if dropped:
-            self._member.client.close()
+        self._open.ended(self)

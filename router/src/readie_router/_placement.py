@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -45,7 +44,7 @@ import structlog
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
-from readie_worker.core import Capacity
+from readie_worker.runner import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from readie_rpc.remote_session import StreamBroken
@@ -54,20 +53,18 @@ from readie_worker.sessions import StepOutcome
 
 from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery
 from ._members import Member
-from ._placed_session import PlacedSession
+from ._placed_session import OpenSessions, PlacedSession
+from ._roster import EVICT_AFTER_FAILURES, PLACEMENT_POLL_S, Roster
 
 log = structlog.get_logger("readie.placement")
 
 # Probes are cheap (a Capacity RPC answered from memory); once a second
 # notices a dead worker within a few seconds without loading anyone.
 PROBE_INTERVAL_S = 1.0
-# One missed probe can be a hiccup; three in a row is a dead worker.
-EVICT_AFTER_FAILURES = 3
 # The longest a router stays quiet about a worker that does not answer its probes.
 COMPLAINT_GAP_MAX_S = 60.0
 # How long a job waits for a free slot anywhere before it is refused.
 PLACEMENT_WAIT_S = 60.0
-PLACEMENT_POLL_S = 0.02
 # Sessions this router keeps open across its workers. A session served over
 # the router's own Interact stream holds one of its server threads for its
 # life, so the router's thread pool is sized with this (router_cli).
@@ -86,16 +83,17 @@ class Placement:
     discovery: Discovery | None = None  # further workers, found by DNS
     dns_interval_s: float = DEFAULT_DNS_INTERVAL_S
     metrics: Metrics | None = None
-    _members: list[Member] = field(init=False)
-    _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
+    _roster: Roster = field(init=False)  # the members and their counts, under its lock
     _stop: threading.Event = field(init=False, default_factory=threading.Event)
     _prober: threading.Thread | None = field(init=False, default=None)
     _discoverer: threading.Thread | None = field(init=False, default=None)
     _draining: bool = field(init=False, default=False)
-    _sessions: set[PlacedSession] = field(init=False, default_factory=set)
+    _sessions: OpenSessions = field(init=False)
 
     def __post_init__(self) -> None:
-        self._members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
+        members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
+        self._roster = Roster(self.wait_s, self.max_sessions, self.metrics, members)
+        self._sessions = OpenSessions(self._roster)
 
     def start(self) -> Placement:
         self.probe_all()
@@ -133,17 +131,15 @@ class Placement:
             except SandboxSetupError as exc:
                 log.info("worker refused a session; placing it elsewhere", worker=member.name, error=str(exc))
                 refused.add(id(member))
-                self._release(member, session=True)
+                self._roster.release(member, session=True)
                 continue
             except BaseException as exc:
-                self._release(member, session=True)
+                self._roster.release(member, session=True)
                 if isinstance(exc, StreamBroken):
-                    self._mark_failed(member)  # as for a job lost with its worker
+                    self._roster.mark_failed(member)  # as for a job lost with its worker
                 raise
-            self._release(member)
-            placed = PlacedSession(self, member, remote)
-            with self._lock:
-                self._sessions.add(placed)
+            self._roster.release(member)
+            placed = self._sessions.add(member, remote)
             if first.session_ended:
                 placed.close()
             log.info("session placed", session=remote.id, worker=member.name)
@@ -163,8 +159,8 @@ class Placement:
         )
 
     def capacity(self) -> Capacity:
-        with self._lock:
-            live = [m for m in self._members if m.healthy and m.capacity is not None and not m.retired]
+        with self._roster.lock:
+            live = [m for m in self._roster.members if m.healthy and m.capacity is not None and not m.retired]
             warm: dict[str, dict[str, int]] = {}
             for member in live:
                 assert member.capacity is not None
@@ -178,18 +174,18 @@ class Placement:
                 draining=self._draining,
                 warm=warm,
                 isolated=all(m.capacity.isolated for m in live if m.capacity),
-                sessions=sum(m.sessions for m in self._members),
+                sessions=sum(m.sessions for m in self._roster.members),
                 # The router's own cap, unless its live workers keep fewer between them.
                 max_sessions=min(self.max_sessions, sum(m.capacity.max_sessions for m in live if m.capacity)),
-                problem=None if live else f"no healthy worker (of {len(self._members)})",
+                problem=None if live else f"no healthy worker (of {len(self._roster.members)})",
             )
 
     def drain(self, grace_s: float = 30.0) -> None:
-        with self._lock:
+        with self._roster.lock:
             self._draining = True
             deadline = time.monotonic() + grace_s
-            while any(m.in_flight for m in self._members) and time.monotonic() < deadline:
-                self._lock.wait(deadline - time.monotonic())
+            while any(m.in_flight for m in self._roster.members) and time.monotonic() < deadline:
+                self._roster.lock.wait(deadline - time.monotonic())
         self.close()
 
     def close(self) -> None:
@@ -197,22 +193,16 @@ class Placement:
         for thread in (self._prober, self._discoverer):
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
-        with self._lock:
-            sessions = list(self._sessions)
-        if sessions:  # their sandboxes, on their workers; all at once, each waits for its worker
-            for session in sessions:
-                session.ended_by = "the router is shutting down"
-            with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
-                list(closing.map(PlacedSession.close, sessions))
-        with self._lock:
-            members = list(self._members)
+        self._sessions.close_all("the router is shutting down")
+        with self._roster.lock:
+            members = list(self._roster.members)
         for member in members:
             member.client.close()
 
     def discovered_workers(self) -> int:
         """Members found by DNS and not retired (what ``readie_router_discovered_workers`` shows)."""
-        with self._lock:
-            return sum(1 for m in self._members if m.discovered and not m.retired)
+        with self._roster.lock:
+            return sum(1 for m in self._roster.members if m.discovered and not m.retired)
 
     # -- placement ----------------------------------------------------------
 
@@ -229,87 +219,41 @@ class Placement:
             except Cancelled:
                 raise  # our caller left: the worker is as healthy as it was
             except PoolWorkerError:
-                self._mark_failed(member)
+                self._roster.mark_failed(member)
                 raise  # it may have run: never retried
             finally:
-                self._release(member)
-
-    def _take_slot(self, member: Member) -> None:
-        """A slot on ``member``, as ``_choose`` would give, for a session's step: it cannot go elsewhere.
-
-        Waits (up to ``wait_s``) for one, so the step does not queue on the
-        worker behind other work; if the worker is unhealthy or none frees up,
-        the step is sent anyway and its stream tells what became of the worker.
-        """
-        deadline = time.monotonic() + self.wait_s
-        with self._lock:
-            while member.healthy and member.free() <= 0 and (remaining := deadline - time.monotonic()) > 0:
-                self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
-            member.in_flight += 1
-
-    def _take_fork_place(self, member: Member) -> None:
-        """A slot and a session place on ``member``, for a fork of one of its sessions (which
-        cannot go elsewhere: its image is there); SandboxSetupError past ``max_sessions``."""
-        with self._lock:
-            if sum(m.sessions for m in self._members) >= self.max_sessions:
-                raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
-            member.sessions += 1
-        try:
-            self._take_slot(member)
-        except BaseException:
-            with self._lock:
-                member.sessions -= 1
-            raise
-
-    def _release(self, member: Member, *, session: bool = False) -> None:
-        """A slot (and a session place) taken by ``_choose`` given back."""
-        with self._lock:
-            member.in_flight -= 1
-            if session:
-                member.sessions -= 1
-            self._lock.notify_all()
-            dropped = self._drop_if_done(member)
-        if dropped:
-            member.client.close()
+                self._roster.release(member)
 
     def _choose(self, refused: set[int], *, session: bool = False) -> Member:
         """The worker for a job (a slot taken), or for a session (a slot and a session place taken)."""
         deadline = time.monotonic() + self.wait_s
         room, order = (Member.session_room, Member.session_load) if session else (Member.free, Member.load)
-        with self._lock:
+        with self._roster.lock:
             while True:
                 if self._draining:
                     raise SandboxSetupError("the router is draining and takes no new work")
-                if session and sum(m.sessions for m in self._members) >= self.max_sessions:
+                if session and sum(m.sessions for m in self._roster.members) >= self.max_sessions:
                     raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
-                candidates = [m for m in self._members if not m.retired and room(m) > 0 and id(m) not in refused]
+                candidates = [m for m in self._roster.members if not m.retired and room(m) > 0 and id(m) not in refused]
                 if candidates:
                     chosen = min(candidates, key=order)
                     chosen.in_flight += 1
                     chosen.sessions += session
                     return chosen
-                if not any(m.could_take(session) and id(m) not in refused for m in self._members):
+                if not any(m.could_take(session) and id(m) not in refused for m in self._roster.members):
                     # Waiting cannot help: nobody left who would ever say yes.
                     what = "session (a worker with --max-sessions 0, or too old, keeps none)" if session else "job"
                     raise SandboxSetupError(f"no healthy worker can take the {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SandboxSetupError(f"no worker had a free slot within {self.wait_s:.0f} s")
-                self._lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
-
-    def _mark_failed(self, member: Member) -> None:
-        with self._lock:
-            if member.healthy:  # several calls lost with it count as one eviction
-                self._count_eviction("lost")
-            member.healthy = False
-            member.failures = EVICT_AFTER_FAILURES
-        log.warning("worker lost under a job; evicted until it answers a probe", worker=member.name or member.client.address)
+                self._roster.lock.wait(min(remaining, PLACEMENT_POLL_S * 50))
 
     # -- probing ------------------------------------------------------------
 
     def probe_all(self) -> None:
-        with self._lock:
-            members = list(self._members)  # discovery may add or drop some meanwhile
+        with self._roster.lock:
+            members = list(self._roster.members)  # discovery may add or drop some meanwhile
         for member in members:
             self._probe(member)
 
@@ -317,26 +261,26 @@ class Placement:
         try:
             capacity, name = member.client.capacity()
         except Exception as exc:  # any failure to answer counts against the worker
-            with self._lock:
-                if member not in self._members:
+            with self._roster.lock:
+                if member not in self._roster.members:
                     return  # dropped (and its channel closed) while we asked
                 self._count_probe("failed")
                 member.failures += 1
                 if member.failures >= EVICT_AFTER_FAILURES and member.healthy:
                     member.healthy = False
-                    self._count_eviction("probes")
+                    self._roster.count_eviction("probes")
                     log.warning("worker evicted", worker=member.name or member.client.address, error=str(exc))
                 self._complain(member, exc)
             return
-        with self._lock:
-            if member not in self._members:
+        with self._roster.lock:
+            if member not in self._roster.members:
                 return
             self._count_probe("ok")
             if not member.healthy:
                 log.info("worker admitted", worker=name, address=member.client.address, slots=capacity.slots)
             member.name, member.capacity, member.failures, member.healthy = name, capacity, 0, True
             member.next_complaint, member.complaint_gap_s = 0.0, 0.0
-            self._lock.notify_all()
+            self._roster.lock.notify_all()
 
     def _complain(self, member: Member, exc: Exception) -> None:
         """Log a failed probe: the first at once (a mistyped --worker shows at start), then after
@@ -362,10 +306,6 @@ class Placement:
         if self.metrics is not None:
             self.metrics.placement_probed(outcome)
 
-    def _count_eviction(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.worker_evicted(reason)
-
     # -- discovery ----------------------------------------------------------
 
     def discover(self) -> None:
@@ -373,39 +313,30 @@ class Placement:
         assert self.discovery is not None
         answer = set(self.discovery.resolve())
         fresh: list[Member] = []
-        with self._lock:
-            named = {m.client.address for m in self._members if not m.discovered}
-            found = {m.client.address: m for m in self._members if m.discovered}
+        with self._roster.lock:
+            named = {m.client.address for m in self._roster.members if not m.discovered}
+            found = {m.client.address: m for m in self._roster.members if m.discovered}
             for address in sorted(answer - named - found.keys()):
                 member = Member(WorkerClient(address, self.security), discovered=True)
-                self._members.append(member)
+                self._roster.members.append(member)
                 fresh.append(member)
             for address, member in found.items():
                 if member.retired and address in answer:
                     member.retired = False
                     log.info("worker back in the DNS answer", worker=member.name or address)
-                    self._lock.notify_all()
+                    self._roster.lock.notify_all()
                 elif not member.retired and address not in answer:
                     member.retired = True
-                    self._count_eviction("retired")
+                    self._roster.count_eviction("retired")
                     log.info(
                         "worker retired: its address left the DNS answer",
                         worker=member.name or address, in_flight=member.in_flight, sessions=member.sessions,
                     )
-            dropped = [m for m in found.values() if self._drop_if_done(m)]
+            dropped = [m for m in found.values() if self._roster.drop_if_done(m)]
         for member in dropped:
             member.client.close()
         for member in fresh:  # before any work: only a probe makes a member healthy
             self._probe(member)
-
-    def _drop_if_done(self, member: Member) -> bool:
-        """Forget ``member`` if it is retired and nothing runs there any more (under the lock); the
-        caller closes its channel, outside the lock."""
-        if not (member.retired and member.idle() and member in self._members):
-            return False
-        self._members.remove(member)
-        log.info("retired worker dropped", worker=member.name or member.client.address)
-        return True
 
     def _discover_loop(self) -> None:
         while not self._stop.wait(self.dns_interval_s):

@@ -22,7 +22,7 @@ from readie_executor.jobs import bounds
 
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
-from readie_worker.core import Capacity
+from readie_worker.runner import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError
 from ._session_wire import milliseconds
 from readie_protocol.events import ErrorInfo, FileInfo, Value

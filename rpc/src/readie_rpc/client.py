@@ -17,7 +17,7 @@ from ._convert import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import readie_errors
-from readie_worker.core import Capacity
+from readie_worker.runner import Capacity
 from .grpc_service import MAX_MESSAGE_BYTES
 from readie_worker.cancel import NEVER, Cancellation
 from readie_worker.errors import PoolWorkerError
@@ -118,12 +118,12 @@ class WorkerClient:
         """The worker's capacity and its name."""
         with readie_errors():
             reply = self._stub.Capacity(pb.CapacityRequest(), timeout=timeout_s)
-        pools = {name: {"ready": state.ready, "target": state.target} for name, state in reply.pools.items()}
+        warm = {name: {"ready": state.ready, "target": state.target} for name, state in reply.pools.items()}
         capacity = Capacity(
             reply.slots,
             reply.busy,
             reply.draining,
-            pools,
+            warm,
             reply.isolated,
             reply.sessions,
             reply.max_sessions,

@@ -1,37 +1,75 @@
 """The worker's sessions: opened, forked, restored from their images, and counted (``sessions.py``).
 
-A part of :class:`~readie_worker.core.Worker`, split out to keep each
-readable; it uses the worker's slots, grants, factories and metrics.
+A part :class:`~readie_worker.core.Worker` owns (``worker.sessions``). It
+keeps the open sessions and their places (at most ``max_sessions``), and
+takes what it needs of the worker through :class:`SessionSandboxes`: a slot
+for each step, a sandbox made for a job, a sandbox restored from an image.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, SandboxSetupError, bound_ids
+from .hibernation import SessionImages
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since
-from .sandbox import Sandbox, launch
+from .metrics import Metrics
+from .sandbox import Sandbox
 from .sessions import SandboxSession, StepOutcome
 
-if TYPE_CHECKING:
-    from .core import Worker
+__all__ = ["SessionSandboxes", "WorkerSessions"]
 
-__all__ = ["SessionKeeping"]
-
-# A restore answers in 0.2-1 s here, a few on a loaded host: the resume's bound on its socket.
-RESUME_SOCKET_WAIT_S = 15.0
+#: The links a sandbox's grants need, as the job's spec carries them.
+Links = tuple[Mapping[str, object], ...]
 
 
-class SessionKeeping:
-    """The session methods of :class:`~readie_worker.core.Worker`."""
+@dataclass(frozen=True)
+class SessionSandboxes:
+    """What the worker lends its sessions: its slots, and sandboxes for a job."""
+
+    slot: Callable[..., AbstractContextManager[None]]  # (cancel, wait_s=None): one of the worker's slots
+    check: Callable[[CodeJob], None]  # RequestError for a job this worker cannot take
+    acquire: Callable[[CodeJob], tuple[Sandbox, Links]]  # ready for the job, its grants opened
+    restore: Callable[[CodeJob, Path, int | None], tuple[Sandbox, Links]]  # from a session's image
+
+
+class WorkerSessions:
+    """The worker's open sessions, each holding a sandbox or a hibernated image."""
+
+    def __init__(self, sandboxes: SessionSandboxes, max_sessions: int, metrics: Metrics) -> None:
+        self._sandboxes = sandboxes
+        self.max_sessions = max_sessions
+        self._metrics = metrics
+        # Where sessions hibernate, and the backend a failed open names: known once the worker started.
+        self.images: SessionImages | None = None
+        self.backend = "gvisor"
+        self._lock = threading.Lock()
+        self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
+        self._places = 0  # sessions open or being opened, at most max_sessions
+        self._closed = False
+
+    @property
+    def places(self) -> int:
+        """Sessions open or being opened (what the worker's capacity counts)."""
+        with self._lock:
+            return self._places
+
+    def close(self) -> None:
+        """Close every open session (their sandboxes); none opens after this."""
+        with self._lock:
+            self._closed = True
+            sessions = list(self._sessions)
+        for session in sessions:  # a step still running ends with a worker error
+            session.close()
 
     def open_session(
-        self: Worker,
+        self,
         job: CodeJob,
         job_id: str | None = None,
         host: HostFunction | None = None,
@@ -48,20 +86,19 @@ class SessionKeeping:
         first step as :meth:`run_job`'s job (and so ends the session).
         """
         started = time.monotonic()
-        with self._slot(cancel), bound_ids(job_id=job_id):
+        slot = self._sandboxes.slot
+        with slot(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
-            self._check_job(job)
+            self._sandboxes.check(job)
             self._take_session_place()
             try:
-                sandbox, links = self._acquire(job)
+                sandbox, links = self._sandboxes.acquire(job)
             except BaseException as exc:
                 self._give_session_place()
                 if not isinstance(exc, SandboxSetupError):
                     raise
-                failed = JobOutcome.failure(
-                    ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local"
-                )
-                return SandboxSession(job, None, (), slot=self._slot), StepOutcome(failed, 1, True)
+                failed = JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), self.backend)
+                return SandboxSession(job, None, (), slot=slot), StepOutcome(failed, 1, True)
             session = self._session(job, sandbox, links)
             with self._lock:
                 self._sessions.add(session)
@@ -75,7 +112,7 @@ class SessionKeeping:
                 session.close()
                 raise
 
-    def fork_session(self: Worker, session: SandboxSession, cancel: Cancellation = NEVER) -> tuple[SandboxSession, float]:
+    def fork_session(self, session: SandboxSession, cancel: Cancellation = NEVER) -> tuple[SandboxSession, float]:
         """A new session with ``session``'s state at this moment, and the milliseconds the fork took.
 
         Both are left hibernated, sharing the image's bytes; each resumes at
@@ -98,50 +135,32 @@ class SessionKeeping:
         return fork, fork_ms
 
     def _session(
-        self: Worker, job: CodeJob, sandbox: Sandbox | None, links: tuple[Mapping[str, object], ...],
+        self, job: CodeJob, sandbox: Sandbox | None, links: Links,
         image: Path | None = None, memory_limit: int | None = None,
     ) -> SandboxSession:
         # A networked session's sandbox is a cold start in the worker's namespace: not restorable here.
         hibernates = self.images is not None and not job.network
         return SandboxSession(
-            job, sandbox, links, slot=self._slot, forget=self._forget_session, observe=self.metrics.step_finished,
-            images=self.images if hibernates else None, restore=self._restore_session if hibernates else None,
-            observe_image=self.metrics.session_image, image=image,
+            job, sandbox, links, slot=self._sandboxes.slot, forget=self._forget_session,
+            observe=self._metrics.step_finished, images=self.images if hibernates else None,
+            restore=self._sandboxes.restore if hibernates else None,
+            observe_image=self._metrics.session_image, image=image,
             fork=self.fork_session if hibernates else None, memory_limit=memory_limit,
         )
 
-    def _restore_session(
-        self: Worker, job: CodeJob, image: Path, memory_limit: int | None
-    ) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
-        """A hibernated session's sandbox, restored from ``image`` with its grants opened again
-        under the rules of a new job (a grant that is gone or moved refuses the resume).
-
-        The memory limit the session had is in the restore's own spec, so the restored
-        sandbox is never without it, not even before its first step.
-        """
-        factory = self.factories[job.checkpoint]
-        limit = factory.primary.memory_limit_bytes if memory_limit is None else memory_limit
-        restore = dataclasses.replace(factory.primary, image_path=image, memory_limit_bytes=limit)
-        with self._hold_grants(job) as grants:
-            # A job's thread can take the hand-over meant for its executor; then no socket comes,
-            # and this wait, not the restore's usual minute, is what the session costs its slot.
-            sandbox = launch(restore, factory.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
-        sandbox.memory_limit_bytes = memory_limit
-        return sandbox, grants.links
-
-    def _take_session_place(self: Worker) -> None:
+    def _take_session_place(self) -> None:
         with self._lock:
-            if self._session_places >= self.config.max_sessions:
+            if self._places >= self.max_sessions:
                 # Not the request's fault: another worker (or this one, later) may take it.
-                raise SandboxSetupError(f"this worker keeps at most {self.config.max_sessions} sessions, and all are open")
-            self._session_places += 1
+                raise SandboxSetupError(f"this worker keeps at most {self.max_sessions} sessions, and all are open")
+            self._places += 1
 
-    def _give_session_place(self: Worker) -> None:
+    def _give_session_place(self) -> None:
         with self._lock:
-            self._session_places -= 1
+            self._places -= 1
 
-    def _forget_session(self: Worker, session: SandboxSession) -> None:
+    def _forget_session(self, session: SandboxSession) -> None:
         with self._lock:
             if session in self._sessions:
                 self._sessions.remove(session)
-                self._session_places -= 1
+                self._places -= 1

@@ -1,9 +1,10 @@
 """The worker: checkpoints loaded, warm sandboxes kept, jobs run in pristine sandboxes.
 
 Everything here is synchronous and thread-safe; the gRPC layer calls it from
-its thread pool. A job holds one of ``slots`` for its whole run, so capacity
-is a plain count that placement can trust. A session (``sessions.py``) holds
-a slot only while one of its steps runs; its sandbox lives between steps and
+its thread pool. A job holds one of ``slots`` for its whole run (``_slots``),
+so capacity is a plain count that placement can trust. A session
+(``sessions.py``, kept by the worker's ``_session_keeping`` part) holds a
+slot only while one of its steps runs; its sandbox lives between steps and
 is destroyed when the session ends, or when the worker closes or drains.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
 from .cancel import NEVER, Cancellation
 from readie_policy.config import DEFAULT_MAX_SESSIONS
-from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError, bound_ids
+from .errors import ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
 from .paths import canonical_dirs, code_dirs
 from .packages import ensure_packages, package_cache
@@ -40,9 +40,11 @@ from readie_policy.sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHE
 from .state_dir import RUNTIME_ROOT, StateDir
 
 from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
-from .sandbox import Sandbox, SandboxFactory, checkpoint_factory
-from ._session_keeping import SessionKeeping
-from .sessions import SandboxSession
+from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
+from ._session_keeping import SessionSandboxes, WorkerSessions
+from ._slots import Slots
+from .runner import Capacity
+from .sessions import SandboxSession, StepOutcome
 
 log = structlog.get_logger("readie.worker")
 
@@ -52,10 +54,10 @@ DEFAULT_SLOTS = 2
 UNISOLATED_PLAN = MountPlan()
 # The backstop and the sentry's share are the config's bounds too: defined once, there.
 DEFAULT_SANDBOX_MEMORY = SANDBOX_MEMORY_BACKSTOP
-# A call waiting for a slot notices its cancellation this often.
-SLOT_WAIT_POLL_S = 0.1
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
+# A restore answers in 0.2-1 s here, a few on a loaded host: the resume's bound on its socket.
+RESUME_SOCKET_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -95,34 +97,14 @@ class WorkerConfig:
         return cls(manifest=manifest, **overrides)  # type: ignore[arg-type]
 
 
-@dataclass
-class Capacity:
-    slots: int
-    busy: int
-    draining: bool
-    warm: dict[str, dict[str, int]]  # by checkpoint: its warm sandboxes ready and kept
-    isolated: bool
-    sessions: int = 0
-    max_sessions: int = 0
-    hibernated: int = 0  # sessions whose image is on disk (they count in sessions too)
-    hibernated_bytes: int = 0
-    # Why nothing can be served, when nothing can: health says NOT_SERVING then.
-    problem: str | None = None
-
-
-class Worker(SessionKeeping):
+class Worker:
     def __init__(self, config: WorkerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()  # unserved unless the CLI serves it
         self.state: StateDir | None = None  # claimed at start
         # Its root is the state dir's runsc/, set when start claims it; a placeholder until then.
         self.runsc = Runsc(root=RUNTIME_ROOT, binary=config.runsc, observer=self.metrics)
-        self._slots = threading.BoundedSemaphore(config.slots)
-        self._busy = 0
-        self._lock = threading.Lock()
-        self._draining = False
-        self._closed = False
-        self._idle = threading.Condition(self._lock)
+        self._slots = Slots(config.slots)
         self.warm: dict[str, WarmSandboxes] = {}
         self.factories: dict[str, SandboxFactory] = {}
         self.checkpoints: LoadedCheckpoints | None = None
@@ -130,9 +112,12 @@ class Worker(SessionKeeping):
         self._retirer = Retirer()
         self.namespace: NetworkNamespace | None = None
         self.networked: dict[str, SandboxFactory] = {}
-        self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
         self.images: SessionImages | None = None  # where sessions hibernate; None unisolated
-        self._session_places = 0  # sessions open or being opened, at most config.max_sessions
+        self.sessions = WorkerSessions(
+            SessionSandboxes(self._slots.taken, self._check_job, self._acquire, self._restore_session),
+            config.max_sessions,
+            self.metrics,
+        )
         # Paths no grant may touch (the worker's own), and paths no grant may write (what
         # every sandbox is made from); absolute and symlink-free, set at start.
         self._private_dirs: tuple[Path, ...] = ()
@@ -161,7 +146,9 @@ class Worker(SessionKeeping):
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
-        self.images = SessionImages(state.images_dir, self.config.max_hibernated, self.config.max_hibernated_bytes)
+        self.images = self.sessions.images = SessionImages(
+            state.images_dir, self.config.max_hibernated, self.config.max_hibernated_bytes
+        )
         self._private_dirs = canonical_dirs(RUNTIME_ROOT, state.path)
         self._template_dirs = canonical_dirs(
             self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *code_dirs(self.runsc.binary)
@@ -208,6 +195,7 @@ class Worker(SessionKeeping):
             raise SandboxSetupError(f"cannot start an isolated worker: {reason}")
         log.warning("NO ISOLATION: jobs run as plain host processes", reason=reason)
         self.isolated = False
+        self.sessions.backend = "local"
         assert self.state is not None
         factory = SandboxFactory(self.config.unisolated_launcher or LocalProcess(), self.state.run_dir, serve_env(()))
         self.factories = {"base": factory}
@@ -228,7 +216,7 @@ class Worker(SessionKeeping):
         ``output`` takes its output as it is written.
         """
         started = time.monotonic()
-        with self._slot(cancel), bound_ids(job_id=job_id):
+        with self._slots.taken(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             outcome = self._run_job(job, host, cancel, output)
         # One line per job: identifiers, outcome and timing, never captured output.
@@ -295,6 +283,25 @@ class Worker(SessionKeeping):
                 raise
         return sandbox, links
 
+    def _restore_session(
+        self, job: CodeJob, image: Path, memory_limit: int | None
+    ) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
+        """A hibernated session's sandbox, restored from ``image`` with its grants opened again
+        under the rules of a new job (a grant that is gone or moved refuses the resume).
+
+        The memory limit the session had is in the restore's own spec, so the restored
+        sandbox is never without it, not even before its first step.
+        """
+        factory = self.factories[job.checkpoint]
+        limit = factory.primary.memory_limit_bytes if memory_limit is None else memory_limit
+        restore = dataclasses.replace(factory.primary, image_path=image, memory_limit_bytes=limit)
+        with self._hold_grants(job) as grants:
+            # A job's thread can take the hand-over meant for its executor; then no socket comes,
+            # and this wait, not the restore's usual minute, is what the session costs its slot.
+            sandbox = launch(restore, factory.run_dir, factory.env, grants, RESUME_SOCKET_WAIT_S)
+        sandbox.memory_limit_bytes = memory_limit
+        return sandbox, grants.links
+
     def _hold_grants(self, job: CodeJob) -> HeldGrants:
         package_dirs = job.package_dirs
         if job.packages:
@@ -313,6 +320,17 @@ class Worker(SessionKeeping):
             return UNISOLATED_PLAN
         return self.checkpoints.manifest.mount_plan
 
+    def open_session(
+        self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
+        cancel: Cancellation = NEVER, output: OutputSink | None = None,
+    ) -> tuple[SandboxSession, StepOutcome]:
+        """Open a session whose setup and first step are ``job`` (:meth:`WorkerSessions.open_session`)."""
+        return self.sessions.open_session(job, job_id, host, cancel=cancel, output=output)
+
+    def fork_session(self, session: SandboxSession, cancel: Cancellation = NEVER) -> tuple[SandboxSession, float]:
+        """A new session with ``session``'s state now (:meth:`WorkerSessions.fork_session`)."""
+        return self.sessions.fork_session(session, cancel)
+
     def execute_call(
         self,
         checkpoint: str,
@@ -323,7 +341,7 @@ class Worker(SessionKeeping):
         cancel: Cancellation = NEVER,
     ) -> bytes:
         """A readie-style call: pickled function in, envelope bytes out, never opened here."""
-        with self._slot(cancel):
+        with self._slots.taken(cancel):
             warm = self.warm.get(checkpoint)
             if warm is None:
                 raise RequestError(f"no checkpoint named {checkpoint!r} on this worker", field="checkpoint")
@@ -335,8 +353,8 @@ class Worker(SessionKeeping):
                 self._retirer.retire(sandbox)
 
     def capacity(self) -> Capacity:
-        with self._lock:
-            busy, draining, sessions = self._busy, self._draining, self._session_places
+        busy, draining = self._slots.state()
+        sessions = self.sessions.places
         return Capacity(
             slots=self.config.slots,
             busy=busy,
@@ -360,19 +378,11 @@ class Worker(SessionKeeping):
 
     def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
         """Stop taking work, let running jobs finish (up to ``grace_s``), destroy everything."""
-        with self._lock:
-            self._draining = True
-            deadline = time.monotonic() + grace_s
-            while self._busy and time.monotonic() < deadline:
-                self._idle.wait(deadline - time.monotonic())
+        self._slots.drain(grace_s)
         self.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            sessions = list(self._sessions)
-        for session in sessions:  # their sandboxes; a step still running ends with a worker error
-            session.close()
+        self.sessions.close()  # their sandboxes; a step still running ends with a worker error
         if self.images is not None:
             self.images.close()  # a restart forgets hibernated sessions, as it forgets open ones
         self._retirer.close()
@@ -392,35 +402,3 @@ class Worker(SessionKeeping):
             log.error("containers outlived the worker; its state dir is kept", state_dir=str(state.path), containers=survivors)
         else:
             state.close()
-
-    def _slot(self, cancel: Cancellation = NEVER, wait_s: float | None = None):  # noqa: ANN202 - context manager
-        """A slot for the work under it; with ``wait_s``, SandboxSetupError when none frees up that soon."""
-        return _SlotGuard(self, cancel, wait_s)
-
-
-class _SlotGuard:
-    def __init__(self, worker: Worker, cancel: Cancellation, wait_s: float | None = None) -> None:
-        self._worker = worker
-        self._cancel = cancel
-        self._deadline = None if wait_s is None else time.monotonic() + wait_s
-
-    def __enter__(self) -> None:
-        worker = self._worker
-        with worker._lock:
-            if worker._draining:
-                raise SandboxSetupError("the worker is draining and takes no new work")
-        while not worker._slots.acquire(timeout=SLOT_WAIT_POLL_S):
-            if self._cancel.cancelled:
-                raise Cancelled("the call was cancelled while it waited for a slot")
-            if self._deadline is not None and time.monotonic() > self._deadline:
-                raise SandboxSetupError("no slot of this worker came free in time; nothing was done")
-        with worker._lock:
-            worker._busy += 1
-
-    def __exit__(self, *exc: object) -> None:
-        worker = self._worker
-        with worker._lock:
-            worker._busy -= 1
-            worker._idle.notify_all()
-        worker._slots.release()
-

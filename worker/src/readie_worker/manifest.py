@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from readie_executor.digest import source_digest
-from readie_executor.protocol import PROTOCOL_VERSION
+from readie_executor.framing import PROTOCOL_VERSION
 from readie_policy.locations import MANIFEST_NAME
 
 from .bundle import AFTER_RESTORE_HOOK, MountPlan, family_fingerprint

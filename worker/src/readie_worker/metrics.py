@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,12 +32,13 @@ from prometheus_client.registry import Collector
 
 from ._metrics_http import MetricsEndpoint, render_registry
 from .errors import ErrorType
+from .runner import Capacity
 from .runsc import RUNSC_COMMANDS
 
 if TYPE_CHECKING:
-    from .core import Worker
     from .jobs import JobOutcome
     from .sandbox import Sandbox
+    from .warm import WarmSandboxes
 
 # The closed set a job's outcome label takes (the pool's stats counters, in the singular).
 OUTCOMES = ("ok", "failed", "timeout", "signal", "request_error", "worker_error")
@@ -179,7 +180,7 @@ class Metrics:
 
     # ---------------------------------------------------------------- read at scrape time
 
-    def watch_worker(self, worker: Worker) -> None:
+    def watch_worker(self, worker: WatchedWorker) -> None:
         """Warm sandboxes ready vs target, slots and sessions, read from ``worker`` at each scrape."""
         self.registry.register(_WorkerCollector(worker))
 
@@ -238,8 +239,17 @@ def serve_if_asked(metrics: Metrics, listen: str | None) -> MetricsEndpoint | No
     return None if listen is None else metrics.serve(listen)
 
 
+class WatchedWorker(Protocol):
+    """What the worker gauges read at each scrape (a :class:`~readie_worker.core.Worker` has it)."""
+
+    @property
+    def warm(self) -> Mapping[str, WarmSandboxes]: ...
+
+    def capacity(self) -> Capacity: ...
+
+
 class _WorkerCollector(Collector):
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WatchedWorker) -> None:
         self._worker = worker
 
     def collect(self) -> Iterator[Any]:

@@ -3,18 +3,35 @@
 Three things have this shape: the in-process :class:`~readie_worker.core.Worker`,
 a :class:`~readie_rpc.client.WorkerClient` of a remote one, and a router's
 placement across many. The gRPC service serves any of them, and the pool
-engine runs on any of them, without knowing which.
+engine runs on any of them, without knowing which. :class:`Capacity` is what
+each of them answers when asked how much it can take now.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from .cancel import Cancellation
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from .sessions import StepOutcome
 
-__all__ = ["JobRunner", "SessionHandle"]
+__all__ = ["Capacity", "JobRunner", "SessionHandle"]
+
+
+@dataclass
+class Capacity:
+    slots: int
+    busy: int
+    draining: bool
+    warm: dict[str, dict[str, int]]  # by checkpoint: its warm sandboxes ready and kept
+    isolated: bool
+    sessions: int = 0
+    max_sessions: int = 0
+    hibernated: int = 0  # sessions whose image is on disk (they count in sessions too)
+    hibernated_bytes: int = 0
+    # Why nothing can be served, when nothing can: health says NOT_SERVING then.
+    problem: str | None = None
 
 
 class SessionHandle(Protocol):

@@ -30,7 +30,7 @@ import cloudpickle
 from readie_executor import jobs as executor_jobs
 from readie_executor import probe
 from readie_executor.hibernation import HIBERNATE, HIBERNATING
-from readie_executor.protocol import (
+from readie_executor.framing import (
     END_OF_STREAM,
     FramingError,
     Message,

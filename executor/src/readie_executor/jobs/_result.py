@@ -15,14 +15,30 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from . import _bounds
-from ._bounds import clean_text, encoded_size, fit_text
+from ._bounds import (
+    HINTED_ERROR_TYPES,
+    MAX_ERROR_MESSAGE,
+    MAX_ERROR_TYPE,
+    MAX_EXIT_STATUS,
+    MAX_FILE_NAME,
+    MAX_HINT,
+    MAX_LINE_NUMBER,
+    MAX_MODULE_NAME,
+    MAX_POLICY_NOTE,
+    MAX_POLICY_NOTES,
+    MAX_PRELOADED_MODULES,
+    MAX_PYTHON_VERSION,
+    clean_text,
+    encoded_size,
+    fit_text,
+    result_budget,
+)
 from ._capture import CapturedBytes
 from ._spec import JobSpec
 
 # clean_text, encoded_size and fit_text are the bounds' measure, used here and re-exported.
 __all__ = [
-    "ErrorInfo", "clean_text", "describe_exception", "encode_result", "encoded_size", "fit_stream",
+    "ErrorReport", "clean_text", "describe_exception", "encode_result", "encoded_size", "fit_stream",
     "fit_text", "safe_repr", "safe_str",
 ]
 
@@ -32,7 +48,13 @@ def fit_stream(captured: CapturedBytes, max_output: int) -> tuple[str, bool]:
 
 
 @dataclass(frozen=True, slots=True)
-class ErrorInfo:
+class ErrorReport:
+    """A job's error as the sandbox reports it in its result JSON, cut to the bounds on the way out.
+
+    The host parses it into ``readie_protocol.results.ErrorInfo``; this side
+    is standard library only, so it cannot share that class.
+    """
+
     type: str
     message: str
     file: str | None = None
@@ -41,19 +63,19 @@ class ErrorInfo:
 
     def as_json(self) -> dict[str, Any]:
         error: dict[str, Any] = {
-            "type": fit_text(self.type, _bounds.MAX_ERROR_TYPE)[0],
-            "message": fit_text(self.message, _bounds.MAX_ERROR_MESSAGE)[0],
-            "file": None if self.file is None else fit_text(self.file, _bounds.MAX_FILE_NAME)[0],
+            "type": fit_text(self.type, MAX_ERROR_TYPE)[0],
+            "message": fit_text(self.message, MAX_ERROR_MESSAGE)[0],
+            "file": None if self.file is None else fit_text(self.file, MAX_FILE_NAME)[0],
             "line": self.line
-            if self.line is None or 0 <= self.line <= _bounds.MAX_LINE_NUMBER
+            if self.line is None or 0 <= self.line <= MAX_LINE_NUMBER
             else None,
         }
-        if self.type in _bounds.HINTED_ERROR_TYPES:
-            error["hint"] = fit_text(self.hint or "", _bounds.MAX_HINT)[0]
+        if self.type in HINTED_ERROR_TYPES:
+            error["hint"] = fit_text(self.hint or "", MAX_HINT)[0]
         return error
 
 
-def describe_exception(exc: BaseException, spec: JobSpec, memory_limit: int | None) -> ErrorInfo:
+def describe_exception(exc: BaseException, spec: JobSpec, memory_limit: int | None) -> ErrorReport:
     file, line = locate(exc, spec.name)
     read_only, filename = _read_only_file_system(exc)
     if read_only:
@@ -67,14 +89,14 @@ def describe_exception(exc: BaseException, spec: JobSpec, memory_limit: int | No
             permission_hint(spec)
             + " (The sandbox answered EROFS: the path is on a read-only mount.)"
         )
-        return ErrorInfo("PermissionError", message, file, line, hint)
+        return ErrorReport("PermissionError", message, file, line, hint)
     exc_type = type(exc).__name__
     hint = None
     if isinstance(exc, PermissionError):
         hint = permission_hint(spec)
     elif isinstance(exc, MemoryError):
         hint = memory_hint(memory_limit)
-    return ErrorInfo(exc_type, safe_str(exc), file, line, hint)
+    return ErrorReport(exc_type, safe_str(exc), file, line, hint)
 
 
 def _read_only_file_system(exc: BaseException) -> tuple[bool, str | None]:
@@ -131,7 +153,7 @@ def encode_result(
     exit_status: int,
     stdout: CapturedBytes,
     stderr: CapturedBytes,
-    error: ErrorInfo | None,
+    error: ErrorReport | None,
     duration_us: int,
     preloaded_modules: list[str],
     policy_notes: list[str],
@@ -143,7 +165,7 @@ def encode_result(
     stdout_text, stdout_truncated = fit_stream(stdout, max_output)
     stderr_text, stderr_truncated = fit_stream(stderr, max_output)
     result = {
-        "exit": exit_status & _bounds.MAX_EXIT_STATUS,
+        "exit": exit_status & MAX_EXIT_STATUS,
         "system_exit": system_exit,
         "timed_out": timed_out,
         "stdout": stdout_text,
@@ -153,18 +175,18 @@ def encode_result(
         "error": None if error is None else error.as_json(),
         "duration_us": max(0, duration_us),
         "preloaded_modules": [
-            fit_text(module, _bounds.MAX_MODULE_NAME)[0]
-            for module in preloaded_modules[: _bounds.MAX_PRELOADED_MODULES]
+            fit_text(module, MAX_MODULE_NAME)[0]
+            for module in preloaded_modules[: MAX_PRELOADED_MODULES]
         ],
-        "python": fit_text(platform.python_version(), _bounds.MAX_PYTHON_VERSION)[0],
+        "python": fit_text(platform.python_version(), MAX_PYTHON_VERSION)[0],
         "policy_notes": [
-            fit_text(note, _bounds.MAX_POLICY_NOTE)[0]
-            for note in policy_notes[: _bounds.MAX_POLICY_NOTES]
+            fit_text(note, MAX_POLICY_NOTE)[0]
+            for note in policy_notes[: MAX_POLICY_NOTES]
         ],
         "value": value,  # shown by _value.show_value, which keeps it within its caps
     }
     encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    budget = _bounds.result_budget(max_output)
+    budget = result_budget(max_output)
     if len(encoded) > budget:  # cannot happen if the bounds add up; never send more than promised
         raise AssertionError(f"job result of {len(encoded)} bytes exceeds its budget of {budget}")
     return encoded

@@ -25,10 +25,20 @@ from typing import Any
 from .. import _channel
 from .._calls import RAW_RESPONSE_ATTRIBUTE
 from .._settings import parse_preimport
-from . import _guards, _host, _limits, _seccomp
 from ._bounds import MAX_OUTPUT_LIMIT
 from ._capture import CapturedBytes, OutputCapture
-from ._result import ErrorInfo, describe_exception, encode_result, safe_str
+from ._guards import JobGuard, guarded, writable_roots
+from ._host import declared
+from ._limits import (
+    JobTimedOut,
+    apply_file_size_limit,
+    apply_memory_limit,
+    deadline,
+    memory_limit_bytes,
+    relax_memory_limit,
+)
+from ._result import ErrorReport, describe_exception, encode_result, safe_str
+from ._seccomp import install_job_filter, job_filter_installed
 from ._spec import JobSpec, JobSpecError, Link, parse_job
 from ._value import compile_cell, show_value
 
@@ -53,7 +63,7 @@ class SetupError(Exception):
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     exit_status: int
-    error: ErrorInfo | None
+    error: ErrorReport | None
     duration_us: int
     system_exit: bool = False  # ended by SystemExit: in a session, that ends the session
     timed_out: bool = False  # stopped at its deadline: in a session, that ends the session too
@@ -68,10 +78,10 @@ def run_job(job: dict[str, object]) -> bytes:
         max_output = spec.limits.max_output
         return _run(spec)
     except JobSpecError as exc:
-        return _not_started(ErrorInfo("RequestError", str(exc)), max_output)
+        return _not_started(ErrorReport("RequestError", str(exc)), max_output)
     except BaseException as exc:  # a bug here must still answer, not break the executor's reply
         message = f"internal error in the job runner: {type(exc).__name__}: {safe_str(exc)}"
-        return _not_started(ErrorInfo("SandboxSetupError", message), max_output)
+        return _not_started(ErrorReport("SandboxSetupError", message), max_output)
 
 
 # The executor sends these bytes back as they are instead of pickling them
@@ -124,13 +134,13 @@ def _run(spec: JobSpec) -> bytes:
         stderr = (
             f"python3: can't open file {spec.script_path!r}: [Errno {exc.errno}] {exc.strerror}\n"
         )
-        error = ErrorInfo(type(exc).__name__, safe_str(exc), spec.script_path, None)
+        error = ErrorReport(type(exc).__name__, safe_str(exc), spec.script_path, None)
         return _not_started(error, spec.limits.max_output, stderr=stderr, preloaded=preloaded)
     try:
         create_links(spec.links)
     except SetupError as exc:
         return _not_started(
-            ErrorInfo("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
+            ErrorReport("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
         )
     notes += _apply_subprocess_policy(spec.limits.subprocesses)
     channel = _channel.current() if spec.stream else None
@@ -140,7 +150,7 @@ def _run(spec: JobSpec) -> bytes:
             outcome = _execute(spec, source, notes)
     except SetupError as exc:
         return _not_started(
-            ErrorInfo("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
+            ErrorReport("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
         )
     return encode_result(
         exit_status=outcome.exit_status,
@@ -159,13 +169,13 @@ def _run(spec: JobSpec) -> bytes:
 
 def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
     module = _main_module(spec)
-    guard = _guards.JobGuard(
-        writable_roots=_guards.writable_roots(
+    guard = JobGuard(
+        writable_roots=writable_roots(
             path for link in spec.writable_links for path in (link.path, link.target)
         ),
         subprocesses=spec.limits.subprocesses,
     )
-    with _job_process_state(spec, module), _host.declared(spec.functions):
+    with _job_process_state(spec, module), declared(spec.functions):
         try:
             # Code runs as a notebook cell: its last bare expression is shown. (The pool sends a
             # script's text as code too; only a script the sandbox reads itself is left as python3 runs it.)
@@ -176,21 +186,21 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
         except BaseException as exc:  # SyntaxError, or ValueError for a NUL in the source
             return _failure(exc, spec, duration_us=0)
         _register_source(spec.name, source)
-        notes += _limits.apply_file_size_limit(spec.limits.max_file_size)
-        notes += _limits.apply_memory_limit(spec.limits.memory_bytes, spec.limits.max_output)
+        notes += apply_file_size_limit(spec.limits.max_file_size)
+        notes += apply_memory_limit(spec.limits.memory_bytes, spec.limits.max_output)
         started = time.perf_counter_ns()
         try:
             try:
-                with _limits.deadline(spec.limits.timeout_ms), _guards.guarded(guard):
+                with deadline(spec.limits.timeout_ms), guarded(guard):
                     exec(code, module.__dict__)
                     # Its repr and display methods are the job's code too: under the same limits.
                     value = None if last is None else show_value(eval(last, module.__dict__), spec.limits.max_output)
             finally:
-                _limits.relax_memory_limit()
+                relax_memory_limit()
                 duration_us = (time.perf_counter_ns() - started) // 1000
-        except _limits.JobTimedOut:
+        except JobTimedOut:
             message = f"job exceeded its timeout of {spec.limits.timeout_ms} ms"
-            return _Outcome(EXIT_TIMED_OUT, ErrorInfo("TimeoutError", message), duration_us, timed_out=True)
+            return _Outcome(EXIT_TIMED_OUT, ErrorReport("TimeoutError", message), duration_us, timed_out=True)
         except SystemExit as exc:
             return _Outcome(_exit_status(exc.code), None, duration_us, system_exit=True)
         except BaseException as exc:
@@ -232,11 +242,11 @@ def preloaded_modules() -> list[str]:
 
 def _apply_subprocess_policy(allowed: bool) -> list[str]:
     if allowed:
-        if _seccomp.is_installed():
+        if job_filter_installed():
             return ["subprocesses: an earlier job in this process denied them, for good"]
         return []
     try:
-        _seccomp.install_job_filter()
+        install_job_filter()
     except Exception as exc:  # SeccompUnavailable, or anything ctypes raises
         return [
             f"subprocesses: seccomp filter not installed ({safe_str(exc)}); only an audit hook "
@@ -329,9 +339,9 @@ def _failure(exc: BaseException, spec: JobSpec, duration_us: int) -> _Outcome:
     # The exception is the job's object: any attribute read may raise.
     try:
         _strip_runner_frames(exc)
-        error = describe_exception(exc, spec, _limits.memory_limit_bytes())
+        error = describe_exception(exc, spec, memory_limit_bytes())
     except BaseException:
-        error = ErrorInfo(type(exc).__name__, safe_str(exc))
+        error = ErrorReport(type(exc).__name__, safe_str(exc))
     try:
         text = "".join(traceback.format_exception(exc))
     except BaseException:
@@ -393,7 +403,7 @@ def _declared_max_output(job: object) -> int:
 
 
 def _not_started(
-    error: ErrorInfo, max_output: int, *, stderr: str = "", preloaded: list[str] | None = None
+    error: ErrorReport, max_output: int, *, stderr: str = "", preloaded: list[str] | None = None
 ) -> bytes:
     stderr_bytes = stderr.encode("utf-8", "replace")
     return encode_result(

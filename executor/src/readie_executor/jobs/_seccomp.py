@@ -186,7 +186,7 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-def is_installed() -> bool:
+def job_filter_installed() -> bool:
     return _installed
 
 

@@ -40,7 +40,10 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class ProcessLimits:
+    """The limits the job's own process puts on itself in the sandbox (rlimits, output cut,
+    subprocesses, deadline), as the worker's spec dict asks; ``readie_policy`` chose them."""
+
     memory_bytes: int | None
     max_file_size: int | None
     max_output: int
@@ -59,7 +62,7 @@ class JobSpec:
     env: Mapping[str, str]
     cwd: str | None
     links: tuple[Link, ...]
-    limits: Limits
+    limits: ProcessLimits
     session: bool
     # Host functions readie_host offers (decision 8); empty: none.
     functions: tuple[str, ...] = ()
@@ -111,14 +114,14 @@ def _functions(raw: object) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _limits(raw: object) -> Limits:
+def _limits(raw: object) -> ProcessLimits:
     if not isinstance(raw, dict):
         raise JobSpecError(f"limits must be a dict, got {type(raw).__name__}")
     _refuse_unknown(raw, _LIMIT_FIELDS, "limits")
     max_output = raw.get("max_output")
     if not _is_int(max_output) or not 0 <= max_output <= MAX_OUTPUT_LIMIT:
         raise JobSpecError(f"limits.max_output must be an integer in 0..{MAX_OUTPUT_LIMIT}")
-    return Limits(
+    return ProcessLimits(
         memory_bytes=_optional_positive_int(raw.get("memory_bytes"), "limits.memory_bytes"),
         max_file_size=_optional_positive_int(raw.get("max_file_size"), "limits.max_file_size"),
         max_output=max_output,

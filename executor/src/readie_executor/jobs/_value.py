@@ -22,8 +22,14 @@ import base64
 from types import CodeType
 from typing import Any
 
-from . import _bounds
-from ._bounds import encoded_size, fit_text
+from ._bounds import (
+    BINARY_DISPLAY_TYPES,
+    DISPLAY_METHODS,
+    MAX_DISPLAY_BYTES,
+    MAX_VALUE_TEXT,
+    encoded_size,
+    fit_text,
+)
 from ._result import safe_repr
 
 __all__ = ["compile_cell", "show_value"]
@@ -48,12 +54,12 @@ def show_value(value: Any, max_output: int) -> dict[str, Any] | None:
     """The result's ``value`` for ``value``; None for None, as a notebook shows nothing."""
     if value is None:
         return None
-    text, truncated = fit_text(safe_repr(value), min(max_output, _bounds.MAX_VALUE_TEXT))
+    text, truncated = fit_text(safe_repr(value), min(max_output, MAX_VALUE_TEXT))
     data: dict[str, str] = {}
     omitted: list[str] = []
     # A client that keeps its results small with max_output gets small display data too.
-    room = min(max_output, _bounds.MAX_DISPLAY_BYTES)
-    for mime, method in _bounds.DISPLAY_METHODS:
+    room = min(max_output, MAX_DISPLAY_BYTES)
+    for mime, method in DISPLAY_METHODS:
         rendered = _render(value, method, mime, room)
         if rendered is None:
             continue
@@ -81,7 +87,7 @@ def _render(value: Any, method: str, mime: str, room: int) -> Any:
         rendered = render()
         if isinstance(rendered, tuple) and len(rendered) == 2:  # IPython allows (data, metadata)
             rendered = rendered[0]
-        if mime in _bounds.BINARY_DISPLAY_TYPES:
+        if mime in BINARY_DISPLAY_TYPES:
             if not isinstance(rendered, bytes):
                 return None
             raw = bytes.__bytes__(rendered)  # exact bytes: a subclass's methods are the job's code

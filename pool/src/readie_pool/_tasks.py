@@ -1,0 +1,146 @@
+"""What every task of the pool runs with, a job's or a session's: the engine's and the driver's one collaborator.
+
+A task (a job, a session step, a close, a hibernation) waits for one of the
+``workers`` slots, reaches the backend with a host callback and an output
+sink made for its request, can be cancelled by the id of its request, and
+ends with exactly one answer, which releases the permit its line holds once
+written. :class:`PoolTasks` owns those parts; the engine owns intake, the
+lifecycle and the writer that drains :attr:`PoolTasks.outbox`, and
+``_session_driver`` owns the sessions. Neither reaches into the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from readie_protocol.connection import PoolConnection, PoolEvent
+from readie_protocol.events import OutputEvent
+from readie_protocol.requests import JobRequest
+from readie_protocol.wire import RequestId
+from readie_worker.cancel import Cancellation
+from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
+
+from ._backend import JobBackend
+from ._events import JobResult, Stats, job_log_line
+from ._host import HostCalls, WaitingCall, host_function
+from ._setup import PoolSetup
+
+__all__ = ["Outbox", "PoolTasks"]
+
+# Each line with the budget it releases once written (None: a call or output event); None ends it.
+Outbox = asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None]
+
+
+class PoolTasks:
+    """The slots, the running tasks, their cancellations, host calls and output, and their answers."""
+
+    def __init__(
+        self,
+        setup: PoolSetup,
+        backend: JobBackend,
+        connection: PoolConnection,
+        permits: asyncio.BoundedSemaphore,
+        changed: asyncio.Event,
+        *,
+        log_job: Callable[..., object] | None,
+        monotonic_ns: Callable[[], int],
+        wall_ms: Callable[[], int],
+    ) -> None:
+        self.setup = setup
+        self.backend = backend
+        self.stats = Stats()
+        self.now_ns = monotonic_ns
+        self.slots = asyncio.Semaphore(setup.workers)
+        self.outbox: Outbox = asyncio.Queue()
+        self.running: set[asyncio.Task[None]] = set()
+        self._connection = connection
+        self.host_calls = HostCalls(connection.send)
+        self._permits = permits  # what an answer releases unless it says otherwise
+        self._changed = changed  # intake's conditions may have changed (a call waits)
+        self._log_job = log_job  # a structlog method: the job line is in the one log schema
+        self._wall_ms = wall_ms
+        # The jobs a client may still cancel (queued or running), by request id.
+        self._cancels: dict[RequestId, Cancellation] = {}
+
+    # ------------------------------------------------------------------ tasks
+
+    def spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    def cancellable(self, request_id: RequestId) -> Cancellation:
+        """A job's or step's cancellation, known before its task starts: a cancel on the next line finds it."""
+        cancel = self._cancels[request_id] = Cancellation()
+        return cancel
+
+    def cancelled_with(self, request_id: RequestId, cancel: Cancellation) -> None:
+        """The task of ``request_id`` is answered: a cancel no longer finds it."""
+        if self._cancels.get(request_id) is cancel:  # a later task may reuse the id
+            del self._cancels[request_id]
+
+    def cancel(self, target: RequestId) -> bool:
+        """Cancel the task of ``target``; whether one was found."""
+        cancel = self._cancels.get(target)
+        if cancel is not None:
+            cancel.cancel()
+        return cancel is not None
+
+    # ------------------------------------------------------------------ host functions and output
+
+    def host_for(self, request_id: RequestId, functions: tuple[str, ...]) -> HostFunction | None:
+        """The host callback for a task of ``request_id`` (None when it declared no functions)."""
+        if not functions:
+            return None
+        return host_function(asyncio.get_running_loop(), self._post_call, self.host_calls.forget, request_id)
+
+    def output_for(self, request: JobRequest) -> OutputSink | None:
+        """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
+        thread, and hands each chunk to the loop as an output event, numbered in order.
+
+        Its events need no permit: they come before the result that releases the
+        task's, and the worker bounds them (its max_output, per stream).
+        """
+        if not request.stream:
+            return None
+        loop = asyncio.get_running_loop()
+        numbers = itertools.count(1)
+
+        def post(chunk: OutputChunk) -> None:
+            event = OutputEvent(request.id, chunk.stream, chunk.data, next(numbers))
+            self.outbox.put_nowait((self._connection.send(event), None))
+
+        def output(chunk: OutputChunk) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the pool is gone
+                loop.call_soon_threadsafe(post, chunk)
+
+        return output
+
+    def _post_call(self, waiting: WaitingCall) -> None:
+        line = self.host_calls.post(waiting)
+        if line is not None:
+            self.stats.host_calls += 1
+            self.outbox.put_nowait((line, None))  # no permit: its task holds one, and waits
+            self._changed.set()  # a call waits: intake may read ahead for its reply
+
+    def count_host(self, outcome: JobOutcome) -> None:
+        if outcome.host is not None:
+            self.stats.host_frames_refused += outcome.host.refused
+
+    # ------------------------------------------------------------------ answers
+
+    def finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
+        """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
+        self.stats.record(result)
+        if self._log_job is not None and self.setup.log_jobs:
+            line = job_log_line(result, self._wall_ms())
+            with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
+                self._log_job(line.pop("event"), **line)
+        self.outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
+
+    def answer(self, event: PoolEvent) -> None:
+        self.outbox.put_nowait((self._connection.send(event), self._permits))
