@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from readie_protocol.errors import RequestError
 from readie_protocol.lines import MAX_LINE_BYTES, Line, OversizeLine
 from readie_protocol.requests import (
+    MAX_OUTPUT_BYTES,
     MAX_REPLY_BYTES,
     MAX_TIMEOUT_MS,
     SESSION_SETUP_FIELDS,
@@ -215,6 +216,7 @@ REFUSALS: list[tuple[str | bytes, object, str | None, str]] = [
     ('{"id": 1, "code": "x", "memory": 0}', 1, "memory", "greater than zero"),
     ('{"id": 1, "code": "x", "memory": "512 m"}', 1, "memory", "spaces"),
     ('{"id": 1, "code": "x", "max_output": -1}', 1, "max_output", "negative"),
+    ('{"id": 1, "code": "x", "max_output": "17m"}', 1, "max_output", "too large: at most 16m"),
     ('{"id": 1, "code": "x", "max_output": 65536.0}', 1, "max_output", "float"),
     ('{"id": 1, "code": "x", "max_file_size": "9999999t"}', 1, "max_file_size", "too large"),
     ('{"id": 1, "code": "x", "profile": 3}', 1, "profile", "expected a string"),
@@ -367,7 +369,7 @@ valid_jobs = st.fixed_dictionaries(
         "allow_network": st.booleans(),
         "timeout": st.integers(1, MAX_TIMEOUT_MS // 1000),
         "memory": st.integers(1, 2**40),
-        "max_output": st.integers(0, 2**30),
+        "max_output": st.integers(0, MAX_OUTPUT_BYTES),
         "session": st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True),
     },
 )

@@ -66,6 +66,7 @@ __all__ = [
     "Profile",
     "Resolver",
     "check_step",
+    "call_timeout",
     "refuse_symlinks",
     "request_path",
     "resolve_path",
@@ -314,6 +315,12 @@ def check_step(timeout_ms: int | None, max_output: int | None, limits: Limits) -
         _within("timeout", timeout_ms, limits.timeout_ms, _ms)
     if max_output is not None:
         _within("max_output", max_output, limits.max_output, _bytes)
+
+
+def call_timeout(timeout_ms: int | None, limits: Limits = NO_LIMITS) -> int:
+    """The timeout of a call that has no policy of its own (a remote function's ``Execute``),
+    resolved as a job's is: the asked one within the ceiling, else the default, at most the ceiling's."""
+    return _limited("timeout", (timeout_ms, ""), limits.timeout_ms, DEFAULT_TIMEOUT_MS, _ms)
 
 
 def resolve_script(

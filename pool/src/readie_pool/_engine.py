@@ -63,7 +63,7 @@ from ._backend import JobBackend
 from ._events import JobResult, Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
-from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
+from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job, request_policy
 from readie_protocol.requests import (
     CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
 )
@@ -74,7 +74,6 @@ from ._setup import QUEUE_FACTOR, PoolSetup
 __all__ = [
     "ABORT_WRITE_GRACE_S",
     "FALLBACK_CWD",
-    "MAX_OUTPUT_BYTES",
     "MAX_PARKED_BYTES",
     "MAX_SCRIPT_BYTES",
     "QUEUE_FACTOR",

@@ -36,7 +36,7 @@ from ._backend import BackendSession
 from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
 
 from ._events import JobResult
-from ._job_building import check_max_output, code_job, request_policy
+from ._job_building import code_job, request_policy
 from readie_protocol.requests import CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
 from ._results import job_result
@@ -251,7 +251,6 @@ class SessionDriver:
             else:
                 assert session.policy is not None
                 policy = resolve_step(session.policy, request, self._setup.config.limits)
-                check_max_output(policy)
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
@@ -275,8 +274,9 @@ class SessionDriver:
                         code=request.code or "",
                         name=request.name or DEFAULT_INLINE_NAME,
                         args=request.args,
-                        timeout_ms=policy.timeout_ms,
-                        max_output=policy.max_output,
+                        # As the request set them: the session's job fills the rest (CodeJob.step).
+                        timeout_ms=request.timeout_ms,
+                        max_output=request.max_output,
                         report_files=request.report_files,
                     )
                     outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)

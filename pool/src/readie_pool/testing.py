@@ -366,15 +366,7 @@ class FakeSession:
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER,
     ) -> StepOutcome:
-        job = dataclasses.replace(
-            self.job,
-            code=step.code,
-            name=step.name,
-            args=step.args,
-            timeout_ms=step.timeout_ms,
-            max_output=step.max_output,
-        )
-        return await self.step(job, job_id, host, output, cancel)
+        return await self.step(self.job.step(step), job_id, host, output, cancel)
 
     async def step(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,

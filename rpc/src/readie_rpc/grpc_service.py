@@ -187,7 +187,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext, call: CallLog) -> pb.ExecuteResponse:
         checkpoint = checkpoint_name(request.checkpoint)
         payload = call_payload(request)
-        timeout = timeout_ms(request, context.time_remaining())
+        timeout = timeout_ms(request, context.time_remaining(), self.ceiling.limits)
         call.bind(checkpoint=checkpoint, timeout_ms=timeout, payload_bytes=len(payload))
         started = time.monotonic()
         envelope = self.worker.execute_call(

@@ -238,13 +238,14 @@ class RemoteSession:
             if self._running:
                 raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
             self._running = True
-        task_s = (step.timeout_ms or self.job.timeout_ms) / 1000
+        job = self.job.step(step)
+        task_s = job.timeout_ms / 1000
         try:
             self._stream.send(pb.InteractRequest(step=message))
             with cancel.stopping(self.close):
                 response = self._stream.result(
                     host, task_s, task_s + DEADLINE_MARGIN_S,
-                    output=output, max_output=self.job.max_output if step.max_output is None else step.max_output,
+                    output=output, max_output=job.max_output,
                 )
         except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
             closed = self.ended  # close() cancelled the stream under the step

@@ -126,6 +126,21 @@ class CodeJob:
     # List the files it creates or changes in allow_write (written.py) in its outcome.
     report_files: bool = False
 
+    def step(self, step: Step) -> CodeJob:
+        """The job ``step`` runs in the session this job opened: the step's code, and its own
+        ``timeout_ms`` and ``max_output`` where it sets them, else this job's. The one place a
+        step's defaults are filled in: the worker's session, its remote mirror and the fake
+        backend all run steps through it."""
+        return dataclasses.replace(
+            self,
+            code=step.code,
+            name=step.name,
+            args=step.args,
+            timeout_ms=self.timeout_ms if step.timeout_ms is None else step.timeout_ms,
+            max_output=self.max_output if step.max_output is None else step.max_output,
+            report_files=step.report_files,
+        )
+
     @property
     def needs_own_mounts(self) -> bool:
         """Grants and packages are mount sources, fixed at restore: no warm sandbox has them."""
@@ -137,9 +152,10 @@ class Step:
     """A later step of an open session: its code, and its own timeout and output cap.
 
     ``timeout_ms`` and ``max_output`` left None are the session's (its first
-    job's). Every layer passes this one value: the pool engine, the router's
-    placement, the gRPC stream (``session_step`` converts the wire's) and the
-    worker's session, which runs it as its job with these fields replaced.
+    job's). Every layer passes this one value as the request set it: the pool
+    engine, the router's placement, the gRPC stream (``session_step`` converts
+    the wire's) and the worker's session, which runs it as its job through
+    :meth:`CodeJob.step`, where the session's values fill what it left None.
     """
 
     code: str

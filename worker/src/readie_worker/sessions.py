@@ -180,15 +180,7 @@ class SandboxSession:
         step is running; a step that raises rather than returning an outcome
         (declared functions and no ``host``) ends the session.
         """
-        job = dataclasses.replace(
-            self.job,
-            code=step.code,
-            name=step.name,
-            args=step.args,
-            timeout_ms=self.job.timeout_ms if step.timeout_ms is None else step.timeout_ms,
-            max_output=self.job.max_output if step.max_output is None else step.max_output,
-            report_files=step.report_files,
-        )
+        job = self.job.step(step)
         with self._lock:
             if self.state is SessionState.ENDED:
                 raise RequestError(f"session {self.id} has ended", field="session")
