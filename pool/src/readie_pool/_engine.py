@@ -60,14 +60,15 @@ from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_
 from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
 
 from ._backend import JobBackend
-from ._events import JobResult, Stats, job_log_line
+from ._events import Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job, request_policy
 from readie_protocol.requests import (
     CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
 )
-from ._results import job_result
+from readie_protocol.results import Result
+from ._results import error_result, job_result, refused_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
 
@@ -295,7 +296,7 @@ class PoolEngine:
                 self._accept(request, parsed_at)
             except Exception as exc:  # a bug must cost one line, never the pool
                 log.exception("internal error handling a line")
-                self._finish(JobResult.from_error(None, internal_error(exc)))
+                self._finish(error_result(None, internal_error(exc)))
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
@@ -308,7 +309,7 @@ class PoolEngine:
     def _accept(self, request: Request | Refused, parsed_at: int) -> None:
         """Answer ``request`` now, or start the task that will. Exactly one answer either way."""
         if isinstance(request, Refused):
-            self._finish(JobResult.refused(request, self.setup.runtime))
+            self._finish(refused_result(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
             hibernated = self._session_driver.sessions_hibernated()
             self._answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers, hibernated))
@@ -353,18 +354,18 @@ class PoolEngine:
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
             error = internal_error(exc)
-            result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
+            result = error_result(request.id, error, runtime=self.setup.runtime)
         finally:
             self._cancelled_with(request.id, cancel)
         self._finish(result)
 
-    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> JobResult:
+    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> Result:
         runtime = self.setup.runtime
         try:
             policy = request_policy(self.setup, request)
             job = await code_job(self.setup, request, policy)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
-            return JobResult.from_error(request.id, exc, runtime=runtime)
+            return error_result(request.id, exc, runtime=runtime)
         async with self._slots:
             queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
             try:
@@ -374,9 +375,9 @@ class PoolEngine:
                 outcome = await self.backend.run(job, str(request.id), host, cancel, self._output_for(request))
                 self._count_host(outcome)
             except RequestError as exc:  # the worker refused: nothing was granted
-                return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
+                return error_result(request.id, exc, runtime=runtime, queue_us=queue_us)
             except ReadieError as exc:
-                return JobResult.from_error(
+                return error_result(
                     request.id, exc, runtime=runtime, policy=policy, queue_us=queue_us
                 )
         return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
@@ -429,7 +430,7 @@ class PoolEngine:
             "reply.call_id",
         )
         self.stats.late_replies += 1
-        self._finish(JobResult.from_error(None, error, runtime=self.setup.runtime), budget=self._strays)
+        self._finish(error_result(None, error, runtime=self.setup.runtime), budget=self._strays)
 
     def _count_host(self, outcome: JobOutcome) -> None:
         if outcome.host is not None:
@@ -437,14 +438,14 @@ class PoolEngine:
 
     # ------------------------------------------------------------------ output
 
-    def _finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
+    def _finish(self, result: Result, budget: asyncio.BoundedSemaphore | None = None) -> None:
         """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
         self.stats.record(result)
         if self._log_job is not None and self.setup.log_jobs:
             line = job_log_line(result, self._wall_ms())
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_job(line.pop("event"), **line)
-        self._outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
+        self._outbox.put_nowait((self._connection.send(result), budget or self._permits))
 
     def _answer(self, event: PoolEvent) -> None:
         self._outbox.put_nowait((self._connection.send(event), self._permits))

@@ -35,11 +35,11 @@ from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
 from ._backend import BackendSession
 from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
 
-from ._events import JobResult
 from ._job_building import code_job, request_policy
 from readie_protocol.requests import CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
-from ._results import job_result
+from readie_protocol.results import Result
+from ._results import error_result, job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class SessionDriver:
         except RequestError as exc:
             self._engine._cancelled_with(request.id, cancel)
             self._engine._finish(
-                JobResult.from_error(request.id, exc, runtime=self._setup.runtime, session=request.session)
+                error_result(request.id, exc, runtime=self._setup.runtime, session=request.session)
             )
             return
         if first:
@@ -113,13 +113,13 @@ class SessionDriver:
         """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
         which the result says with ``session_ended``, so a client stops taking it for open."""
         self._engine._finish(
-            JobResult.from_error(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
+            error_result(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
         )
 
     async def _session_hibernate(
         self, session: NamedSession, request: HibernateSession, previous: asyncio.Event | None, done: asyncio.Event
     ) -> None:
-        answer: HibernatedEvent | JobResult | None = None
+        answer: HibernatedEvent | Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
@@ -133,10 +133,10 @@ class SessionDriver:
             done.set()
             self._arm_idle_timer(session)
 
-    async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | JobResult:
+    async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | Result:
         if session.ended or session.handle is None:
             why = RequestError(f"session {session.name!r} ended before it could hibernate", "session")
-            return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=session.name)
+            return error_result(request_id, why, runtime=self._setup.runtime, session=session.name)
         try:
             async with self._engine._slots:
                 hibernate_ms = await session.handle.hibernate()
@@ -154,7 +154,7 @@ class SessionDriver:
         previous: asyncio.Event | None,
         done: tuple[asyncio.Event, asyncio.Event],
     ) -> None:
-        answer: ForkedEvent | JobResult | None = None
+        answer: ForkedEvent | Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
@@ -172,10 +172,10 @@ class SessionDriver:
             for session in (source, target):
                 self._arm_idle_timer(session)
 
-    async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | JobResult:
+    async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | Result:
         if source.ended or source.handle is None or target.ended:
             why = RequestError(f"session {source.name!r} ended before it could fork", "session")
-            return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=source.name)
+            return error_result(request_id, why, runtime=self._setup.runtime, session=source.name)
         try:
             async with self._engine._slots:
                 handle, fork_ms = await source.handle.fork()
@@ -189,18 +189,18 @@ class SessionDriver:
             self._engine._spawn(handle.close())
         return ForkedEvent(request_id, source.name, target.name, round(fork_ms))
 
-    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> JobResult:
+    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> Result:
         """The answer to a hibernate or fork that failed: refused (RequestError, or the worker's image
         bounds: SandboxSetupError), the session goes on; anything else has ended it."""
         ended = not isinstance(error, RequestError | SandboxSetupError)
         if ended:
             self.close_in_background(session, "it could not hibernate")
-        return JobResult.from_error(
+        return error_result(
             request_id, error, runtime=self._setup.runtime, session=session.name, session_ended=ended
         )
 
-    def _send(self, answer: HibernatedEvent | ForkedEvent | JobResult | None) -> None:
-        if isinstance(answer, JobResult):
+    def _send(self, answer: HibernatedEvent | ForkedEvent | Result | None) -> None:
+        if isinstance(answer, Result):
             self._engine._finish(answer)
         elif answer is not None:
             self._engine._answer(answer)
@@ -214,7 +214,7 @@ class SessionDriver:
         done: asyncio.Event,
         cancel: Cancellation,
     ) -> None:
-        result: JobResult | None = None
+        result: Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
@@ -222,7 +222,7 @@ class SessionDriver:
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
             error = internal_error(exc)
-            result = JobResult.from_error(
+            result = error_result(
                 request.id, error, runtime=self._setup.runtime, session=session.name
             )
             self.close_in_background(session, "internal error")
@@ -237,11 +237,11 @@ class SessionDriver:
 
     async def _step_result(
         self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
-    ) -> JobResult:
+    ) -> Result:
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
-            return JobResult.from_error(request.id, why, runtime=runtime, session=name)
+            return error_result(request.id, why, runtime=runtime, session=name)
         first = session.handle is None
         try:
             if first:
@@ -254,7 +254,7 @@ class SessionDriver:
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
-            return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
+            return error_result(request.id, exc, runtime=runtime, session=name)
         async with self._engine._slots:
             queue_us = max(0, (self._engine._now_ns() - parsed_at) // 1000)
             host = self._engine._host_for(request.id, session.functions)
@@ -285,7 +285,7 @@ class SessionDriver:
                 # A refusal of the first step leaves no session; any other failure ends it.
                 if first or not isinstance(exc, RequestError):
                     self.close_in_background(session, "its backend failed")
-                return JobResult.from_error(
+                return error_result(
                     request.id,
                     exc,
                     runtime=runtime,
@@ -301,7 +301,7 @@ class SessionDriver:
 
     def _step_line(
         self, request: JobRequest, outcome: StepOutcome, policy: Policy, queue_us: int, name: str
-    ) -> JobResult:
+    ) -> Result:
         return job_result(
             request.id,
             outcome.outcome,
@@ -374,7 +374,7 @@ class SessionDriver:
             if previous is not None:
                 await previous.wait()
             answer = await self._hibernated(session, None)
-            if isinstance(answer, JobResult) and answer.error is not None:  # nobody asked: logged, not answered
+            if isinstance(answer, Result) and answer.error is not None:  # nobody asked: logged, not answered
                 log.warning("a session could not hibernate", session=session.name, error=answer.error.message)
         except Exception:  # a bug must cost this session, never the pool
             log.exception("internal error hibernating an idle session", session=session.name)
