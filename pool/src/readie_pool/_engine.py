@@ -55,7 +55,7 @@ import structlog
 from readie_protocol.connection import PoolConnection, PoolEvent, Role
 from readie_protocol.events import CancelledEvent, OutputEvent, ReadyEvent
 from readie_protocol.wire import RequestId
-from readie_worker.cancel import Cancellation
+from readie_protocol.cancel import Cancellation
 from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_error
 from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
 

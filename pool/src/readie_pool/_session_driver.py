@@ -25,7 +25,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import structlog
-from readie_worker.cancel import Cancellation
+from readie_protocol.cancel import Cancellation
 from readie_worker.errors import Cancelled, ReadieError, RequestError, SandboxSetupError, internal_error
 from readie_policy.policy import Policy, resolve_step
 from readie_worker.sessions import StepOutcome

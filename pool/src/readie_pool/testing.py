@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.jobs import (
     CANCELLED_MESSAGE,
     CodeJob,

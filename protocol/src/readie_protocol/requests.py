@@ -67,6 +67,7 @@ from ._values import (
 
 __all__ = [
     "MAX_FUNCTIONS",
+    "MAX_LISTED_FILES",
     "MAX_OUTPUT_BYTES",
     "MAX_PATH_BYTES",
     "MAX_NAME_CHARS",
@@ -104,6 +105,12 @@ MAX_PATH_BYTES = 4096
 MAX_PATH_CHARS = MAX_PATH_BYTES
 #: Linux's NAME_MAX: ``name`` becomes the file name in tracebacks.
 MAX_NAME_CHARS = 255
+#: A result lists at most this many files (``report_files``): a model or a person
+#: reads the first thousand. Paths are at most PATH_MAX, so the list is at most
+#: 4 MiB, and 12 MiB of JSON for names that are not UTF-8 (each byte a
+#: replacement character). The worker cuts its list there; a peer reading a
+#: worker's answer refuses a longer one.
+MAX_LISTED_FILES = 1000
 #: Session names are echoed in every step's result and log line.
 MAX_SESSION_CHARS = 256
 #: The longest timeout a job or a step may have, from a request, a profile or

@@ -22,17 +22,15 @@ from readie_executor.jobs import bounds
 
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
-from readie_worker.core import Capacity
-from readie_worker.errors import PoolWorkerError, RequestError
+from readie_protocol.errors import PoolWorkerError, RequestError
 from ._session_wire import milliseconds
 from readie_protocol.events import ErrorInfo, FileInfo, Value
-from readie_worker.written import MAX_LISTED_FILES
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
+from readie_policy.jobs import (
+    DEFAULT_INLINE_NAME, Capacity, CodeJob, HostStats, JobOutcome, Step, StepOutcome, check_functions, validate_requirements,
+)
 from readie_policy.policy import NO_LIMITS, Limits, Profile, call_timeout, check_step, resolve_policy
-from readie_protocol.requests import MAX_NAME_CHARS, MAX_OUTPUT_BYTES, MAX_PATH_CHARS, MAX_TIMEOUT_MS
-from readie_worker.sessions import StepOutcome
-from readie_worker.packages import validate_requirements
+from readie_protocol.requests import MAX_LISTED_FILES, MAX_NAME_CHARS, MAX_OUTPUT_BYTES, MAX_PATH_CHARS, MAX_TIMEOUT_MS
 
 # Profile names in a config file are at most this long (config.py).
 MAX_PROFILE_NAME = 64

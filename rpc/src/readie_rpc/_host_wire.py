@@ -21,8 +21,8 @@ from readie_executor import hostwire
 from readie_executor.hostwire import MAX_ARGUMENT_BYTES, MAX_CALL_ID, MAX_RESULT_BYTES
 
 from ._proto.readie.v1 import worker_pb2 as pb
-from readie_worker.errors import PoolWorkerError, RequestError
-from readie_worker.jobs import HostCall, HostReply, OutputChunk
+from readie_protocol.errors import PoolWorkerError, RequestError
+from readie_policy.jobs import HostCall, HostReply, OutputChunk
 
 __all__ = [
     "call_from_message",

@@ -31,10 +31,9 @@ from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import answered_by_readie, error_from_status
-from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, max_output_events
-from readie_worker.sessions import StepOutcome
+from readie_protocol.cancel import NEVER, Cancellation
+from readie_protocol.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from readie_policy.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, StepOutcome, ask_host, max_output_events
 
 __all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, SandboxSetupError, bound_ids
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since
 from .sandbox import Sandbox, launch

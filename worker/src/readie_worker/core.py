@@ -21,7 +21,8 @@ import structlog
 
 from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
+from readie_policy.jobs import Capacity
 from readie_policy.config import DEFAULT_MAX_SESSIONS
 from .errors import Cancelled, ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
@@ -93,21 +94,6 @@ class WorkerConfig:
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
         """A worker whose state dir is a new one that it removes on close (the default)."""
         return cls(manifest=manifest, **overrides)  # type: ignore[arg-type]
-
-
-@dataclass
-class Capacity:
-    slots: int
-    busy: int
-    draining: bool
-    pools: dict[str, dict[str, int]]
-    isolated: bool
-    sessions: int = 0
-    max_sessions: int = 0
-    hibernated: int = 0  # sessions whose image is on disk (they count in sessions too)
-    hibernated_bytes: int = 0
-    # Why nothing can be served, when nothing can: health says NOT_SERVING then.
-    problem: str | None = None
 
 
 class Worker(SessionKeeping):

@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 import structlog
 from readie_protocol.errors import (
     MAX_SHOWN_CHARS,
+    Cancelled,
     ConfigError,
     ErrorType,
     ExecutorTimeout,
@@ -30,6 +31,7 @@ from readie_protocol.errors import (
     UnitError,
     error_type,
     family_of,
+    internal_error,
     shown,
 )
 
@@ -86,16 +88,6 @@ def for_client(exc: BaseException) -> str:
         return str(exc)
     kind = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
     return f"{kind}; {log_host_facts('host error', error=f'{type(exc).__name__}: {exc}')}"
-
-
-def internal_error(exc: BaseException) -> PoolWorkerError:
-    """What a client reads of a bug: its type only, since its text could hold anything (host
-    paths among it); the caller logs the traceback."""
-    return PoolWorkerError(f"internal error ({type(exc).__name__})")
-
-
-class Cancelled(PoolWorkerError):
-    """The caller gave up (a cancelled call, a passed deadline) before the work could start."""
 
 
 class ManifestError(SandboxSetupError):

@@ -2,19 +2,20 @@
 
 Three things have this shape: the in-process :class:`~readie_worker.core.Worker`,
 a :class:`~readie_rpc.client.WorkerClient` of a remote one, and a router's
-placement across many. The gRPC service serves any of them, and the pool
-engine runs on any of them, without knowing which.
+placement across many. The gRPC service serves any of them (as a
+:class:`ServedRunner`), and the pool engine runs on any of them, without
+knowing which; neither imports the worker (decision 27).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from .cancel import Cancellation
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
-from .sessions import StepOutcome
+from readie_protocol.cancel import Cancellation
 
-__all__ = ["JobRunner", "SessionHandle"]
+from .jobs import Capacity, CodeJob, HostFunction, JobOutcome, OutputSink, Step, StepOutcome
+
+__all__ = ["CallCounter", "JobRunner", "ServedRunner", "SessionHandle"]
 
 
 class SessionHandle(Protocol):
@@ -79,3 +80,23 @@ class JobRunner(Protocol):
     ) -> tuple[SessionHandle, StepOutcome]: ...
 
     def close(self) -> None: ...
+
+
+class ServedRunner(JobRunner, Protocol):
+    """What ``readie_rpc``'s gRPC service serves: a runner that also runs pickled calls, says
+    what it can take and drains (the worker's ``Worker``, a router's ``Placement``)."""
+
+    def execute_call(
+        self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None, *,
+        cancel: Cancellation = ...,
+    ) -> bytes: ...
+
+    def capacity(self) -> Capacity: ...
+
+    def drain(self, grace_s: float) -> None: ...
+
+
+class CallCounter(Protocol):
+    """Counts a server's calls by method and status code (the worker's and the router's metrics)."""
+
+    def rpc_handled(self, method: str, code: str) -> None: ...
