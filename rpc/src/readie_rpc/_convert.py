@@ -1,8 +1,8 @@
 """Proto messages to readie values and back: validation without I/O.
 
-A request from the wire becomes a :class:`~readie_worker.jobs.CodeJob` only
+A request from the wire becomes a :class:`~readie_policy.jobs.CodeJob` only
 through :func:`code_job`, which refuses what no job needs with a
-:class:`~readie_worker.errors.RequestError` naming the field: negative or
+:class:`~readie_protocol.errors.RequestError` naming the field: negative or
 absurd numbers, NUL characters (no path, argument or variable can hold one,
 and ``compile`` refuses them in source), oversized strings and lists. Checks
 that need the worker's state (the checkpoint exists, a grant fits a mount slot,

@@ -1,13 +1,13 @@
 """Host calls, replies and output as Interact messages, and back: validation without I/O.
 
 Both ends of an ``Interact`` stream use these: the worker turns a client's
-``HostReply`` into a :class:`~readie_worker.jobs.HostReply`; the client (a router, ``readie pool
+``HostReply`` into a :class:`~readie_policy.jobs.HostReply`; the client (a router, ``readie pool
 --router``) turns the worker's ``HostCall`` into a
-:class:`~readie_worker.jobs.HostCall` for its host function. Neither end
+:class:`~readie_policy.jobs.HostCall` for its host function. Neither end
 trusts the other's bytes: JSON goes through :mod:`readie_executor.hostwire`
 (iterative, lossless, size-checked first), and a message that is not what
-the protocol allows is a :class:`~readie_worker.errors.RequestError` (from a
-client) or a :class:`~readie_worker.errors.PoolWorkerError` (from a worker)
+the protocol allows is a :class:`~readie_protocol.errors.RequestError` (from a
+client) or a :class:`~readie_protocol.errors.PoolWorkerError` (from a worker)
 naming what was wrong.
 """
 
