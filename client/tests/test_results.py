@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from readie_pool.protocol import RequestError as RouterRequestError
 from readie_pool.protocol import ErrorInfo as RouterErrorInfo
 from readie_pool.protocol import error_result, policy_info
 from readie_pool.protocol import RuntimeInfo as RouterRuntimeInfo
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
 
 
 def result_line(result: Result) -> dict[str, Any]:
@@ -74,8 +73,8 @@ def test_the_specs_ready_and_stats_events():
 
 def test_what_the_pool_writes_for_every_outcome_parses_back():
     runtime = RouterRuntimeInfo.pool("3.11.2", ("pandas",))
-    resolved = Policy(allow_write=(Path("/w"),), timeout_ms=5000, memory_bytes=None)
-    policy = policy_info(resolved)
+    job = CodeJob("base", "", allow_write=("/w",), timeout_ms=5000, memory_bytes=None)
+    policy = policy_info(job)
     cases = [
         Result(id=1, exit=0, stdout="hi\n", duration_ms=4, duration_us=4001, runtime=runtime, policy=policy),
         Result(id="f", exit=1, stderr="Traceback...",
@@ -83,7 +82,7 @@ def test_what_the_pool_writes_for_every_outcome_parses_back():
                runtime=runtime, policy=policy, stderr_truncated=True),
         Result(id=3, exit=124, error=RouterErrorInfo("TimeoutError", "over 5000 ms"), runtime=runtime, policy=policy),
         error_result(4, RouterRequestError("not beneath the limits", "allow_read"), runtime=runtime),
-        error_result(5, RouterPoolWorkerError("sandbox died"), runtime=runtime, policy=resolved),
+        error_result(5, RouterPoolWorkerError("sandbox died"), runtime=runtime, job=job),
         Result(id=6, exit=0, session="nb", step=2, runtime=runtime, policy=policy),
     ]
     parsed = [parse_result(json.loads(json.dumps(result_line(case)))) for case in cases]

@@ -26,7 +26,7 @@ from readie_pool._events import (
     policy_info,
     signal_exit,
 )
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
 from readie_protocol.results import Result
 from readie_pool._results import error_result, refused_result
 from readie_protocol.requests import Refused, parse_request
@@ -99,7 +99,7 @@ SPEC_RESULT_VALUE = Result(
     duration_us=4001,
     queue_us=120,
     runtime=RuntimeInfo.pool("3.11.17"),
-    policy=policy_info(Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=536870912), "landlock+seccomp"),
+    policy=policy_info(CodeJob("base", "", allow_write=("/abs/out",), timeout_ms=5000, memory_bytes=536870912), "landlock+seccomp"),
 )
 
 
@@ -108,10 +108,10 @@ def test_spec_result() -> None:
 
 
 def test_spec_result_default_backend_is_gvisor() -> None:
-    policy = policy_info(Policy()).to_json()
+    policy = policy_info(CodeJob("base", "")).to_json()
     assert policy["backend"] == "gvisor"
     assert (policy["network"], policy["subprocesses"], policy["memory_bytes"]) == ("deny", "deny", None)
-    assert policy_info(Policy(network=True)).network == "allow"
+    assert policy_info(CodeJob("base", "", network=True)).network == "allow"
 
 
 def test_spec_stats() -> None:
@@ -205,7 +205,7 @@ def test_spec_log_line() -> None:
         duration_ms=4,
         duration_us=4999,
         queue_us=85,
-        policy=policy_info(Policy()),
+        policy=policy_info(CodeJob("base", "")),
     )
     line = job_log_line(result, ts_ms=1792310000123)
     assert_same(line, spec(SPEC_LOG))
@@ -214,7 +214,7 @@ def test_spec_log_line() -> None:
 
 def test_log_line_for_a_session_step_and_a_refusal() -> None:
     step = Result(id=2, exit=0, stdout_truncated=False, stderr_truncated=True,
-                  policy=policy_info(Policy(network=True)), session="notebook-7", step=2)
+                  policy=policy_info(CodeJob("base", "", network=True)), session="notebook-7", step=2)
     line = job_log_line(step, ts_ms=1)
     assert (line["session"], line["step"], line["network"], line["truncated"], line["error"]) == (
         "notebook-7", 2, "allow", True, None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from readie_pool._events import (
     RuntimeInfo,
 )
 from readie_protocol.results import Result
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
 from readie_pool._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_pool.testing import ok_outcome
 from readie_protocol.events import ErrorInfo
@@ -24,7 +23,7 @@ def result_line(result: Result) -> dict[str, Any]:
     return result.to_json()
 
 RUNTIME = RuntimeInfo.pool("3.11.2", ("numpy",))
-POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)
+JOB = CodeJob("base", "print(1)", allow_write=("/abs/out",), timeout_ms=5000, memory_bytes=512 * 1024**2)
 
 
 def error(
@@ -38,7 +37,7 @@ def error(
 
 
 def mapped(outcome: JobOutcome):
-    return job_result("t", outcome, runtime=RUNTIME, policy=POLICY, queue_us=7)
+    return job_result("t", outcome, runtime=RUNTIME, job=JOB, queue_us=7)
 
 
 @pytest.mark.parametrize(

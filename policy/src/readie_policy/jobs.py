@@ -31,6 +31,7 @@ from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 __all__ = [
     "DEFAULT_INLINE_NAME",
     "FORWARD_BYTES",
+    "JOB_SUBPROCESSES",
     "MAX_REQUIREMENTS",
     "MIN_FORWARD_INTERVAL_S",
     "Capacity",
@@ -50,6 +51,9 @@ __all__ = [
     "validate_requirements",
 ]
 
+#: No job may start processes (the worker's seccomp filter refuses fork and
+#: exec): what the worker's spec sends, and what every result's policy reports.
+JOB_SUBPROCESSES = False
 # Well under the sandbox's own interval, so that its honest frames never wait
 # here however the two clocks' wake-ups fall.
 MIN_FORWARD_INTERVAL_S = OUTPUT_INTERVAL_S / 2.5

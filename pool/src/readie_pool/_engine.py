@@ -63,7 +63,7 @@ from ._backend import JobBackend
 from ._events import Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
-from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job, request_policy
+from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job
 from readie_protocol.requests import (
     CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
 )
@@ -362,8 +362,7 @@ class PoolEngine:
     async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> Result:
         runtime = self.setup.runtime
         try:
-            policy = request_policy(self.setup, request)
-            job = await code_job(self.setup, request, policy)
+            job = await code_job(self.setup, request)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
             return error_result(request.id, exc, runtime=runtime)
         async with self._slots:
@@ -378,9 +377,9 @@ class PoolEngine:
                 return error_result(request.id, exc, runtime=runtime, queue_us=queue_us)
             except ReadieError as exc:
                 return error_result(
-                    request.id, exc, runtime=runtime, policy=policy, queue_us=queue_us
+                    request.id, exc, runtime=runtime, job=job, queue_us=queue_us
                 )
-        return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
+        return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
 
     # ------------------------------------------------------------------ host functions
 

@@ -23,7 +23,7 @@ from typing import Any
 from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, RuntimeInfo, StatsEvent
 from readie_protocol.results import EXIT_NOT_RUN, EXIT_TIMEOUT, Outcome, Result
 from readie_protocol.wire import PROTOCOL_VERSION, RequestId
-from readie_policy.policy import Policy
+from readie_policy.jobs import JOB_SUBPROCESSES, CodeJob
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -52,15 +52,15 @@ def signal_exit(signum: int) -> int:
 # --------------------------------------------------------------------------- builders
 
 
-def policy_info(policy: Policy, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
-    """What a result line says about the policy a job ran under."""
+def policy_info(job: CodeJob, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
+    """What a result line says about the policy a job ran under: the job's own grants and limits."""
     return PolicyInfo(
-        allow_read=tuple(str(p) for p in policy.allow_read),
-        allow_write=tuple(str(p) for p in policy.allow_write),
-        network="allow" if policy.network else "deny",
-        subprocesses="allow" if policy.subprocesses else "deny",
-        timeout_ms=policy.timeout_ms,
-        memory_bytes=policy.memory_bytes,
+        allow_read=job.allow_read,
+        allow_write=job.allow_write,
+        network="allow" if job.network else "deny",
+        subprocesses="allow" if JOB_SUBPROCESSES else "deny",
+        timeout_ms=job.timeout_ms,
+        memory_bytes=job.memory_bytes,
         backend=backend,
     )
 

@@ -49,8 +49,10 @@ def request_policy(setup: PoolSetup, request: JobRequest) -> Policy:
     )
 
 
-async def code_job(setup: PoolSetup, request: JobRequest, policy: Policy) -> CodeJob:
-    """The job for ``request`` under ``policy``; a script is read here, without following links."""
+async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
+    """The job for ``request`` under its policy (:func:`request_policy`), one value from here to the
+    worker and to the result line's ``policy``; a script is read here, without following links."""
+    policy = request_policy(setup, request)
     script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
     if script is not None:
         code = await asyncio.to_thread(read_script, script, str(request.script))

@@ -30,7 +30,7 @@ says what ``exit`` holds). The rules, in order:
 * otherwise the code ran: exit 0 without an error is ok, anything else
   failed, and ``exit`` is the job's own status.
 
-``runtime`` and ``policy`` come from the pool, not from the outcome: the
+``runtime`` and ``policy`` come from the pool (the job it built), not from the outcome: the
 outcome's ``python`` and ``preloaded_modules`` are what the job's process
 claimed, and the job could have forged them. ``backend`` is the worker's.
 
@@ -50,7 +50,7 @@ from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_protocol.requests import Refused
 from readie_protocol.results import EXIT_NOT_RUN, EXIT_TIMEOUT, ErrorInfo, Result, RuntimeInfo
 from ._events import DEFAULT_BACKEND, policy_info, signal_exit
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
 from readie_protocol.wire import RequestId
 
 __all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "error_result", "job_result", "refused_result"]
@@ -68,7 +68,7 @@ def job_result(
     outcome: JobOutcome,
     *,
     runtime: RuntimeInfo,
-    policy: Policy,
+    job: CodeJob,
     queue_us: int,
     session: str | None = None,
     step: int | None = None,
@@ -90,7 +90,7 @@ def job_result(
         duration_us=duration_us,
         queue_us=queue_us,
         runtime=runtime,
-        policy=policy_info(policy, outcome.backend),
+        policy=policy_info(job, outcome.backend),
         session=session,
         step=step,
         session_ended=session_ended,
@@ -106,7 +106,7 @@ def error_result(
     error: ReadieError,
     *,
     runtime: RuntimeInfo | None = None,
-    policy: Policy | None = None,
+    job: CodeJob | None = None,
     queue_us: int = 0,
     session: str | None = None,
     step: int | None = None,
@@ -126,7 +126,7 @@ def error_result(
         error=ErrorInfo(type=kind, message=str(error)),
         queue_us=queue_us,
         runtime=runtime,
-        policy=None if policy is None else policy_info(policy, DEFAULT_BACKEND),
+        policy=None if job is None else policy_info(job, DEFAULT_BACKEND),
         session=session,
         step=step,
         session_ended=session_ended,

@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING
 import structlog
 from readie_protocol.cancel import Cancellation
 from readie_worker.errors import Cancelled, ReadieError, RequestError, SandboxSetupError, internal_error
-from readie_policy.policy import Policy, resolve_step
+from readie_policy.policy import check_step
 from readie_worker.sessions import StepOutcome
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, Step
 
 from ._backend import BackendSession
 from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
 
-from ._job_building import code_job, request_policy
+from ._job_building import code_job
 from readie_protocol.requests import CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
@@ -182,7 +182,7 @@ class SessionDriver:
         except ReadieError as exc:
             return self._failed(request_id, source, exc)
         self._engine.stats.session_image("forks", fork_ms)
-        target.handle, target.policy, target.functions = handle, source.policy, source.functions
+        target.handle, target.job, target.functions = handle, source.job, source.functions
         if target.phase is SessionPhase.OPENING:
             target.move(SessionPhase.OPEN)
         elif target.ended:  # the pool is ending: nobody will close it otherwise
@@ -245,12 +245,21 @@ class SessionDriver:
         first = session.handle is None
         try:
             if first:
-                policy = request_policy(self._setup, request)
-                job = await code_job(self._setup, request, policy)
+                job = await code_job(self._setup, request)
                 session.functions = job.functions
             else:
-                assert session.policy is not None
-                policy = resolve_step(session.policy, request, self._setup.config.limits)
+                assert session.job is not None
+                check_step(request.timeout_ms, request.max_output, self._setup.config.limits)
+                step = Step(
+                    code=request.code or "",
+                    name=request.name or DEFAULT_INLINE_NAME,
+                    args=request.args,
+                    # As the request set them: the session's job fills the rest (CodeJob.step).
+                    timeout_ms=request.timeout_ms,
+                    max_output=request.max_output,
+                    report_files=request.report_files,
+                )
+                job = session.job.step(step)  # what the step runs, and what its result reports
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
@@ -265,20 +274,11 @@ class SessionDriver:
                 if first:
                     opened = await self._engine.backend.open_session(job, str(request.id), host, output, cancel)
                     session.handle, outcome = opened
-                    session.policy = policy
+                    session.job = job
                     if session.phase is SessionPhase.OPENING:  # not CLOSING already
                         session.move(SessionPhase.OPEN)
                 else:
                     assert session.handle is not None
-                    step = Step(
-                        code=request.code or "",
-                        name=request.name or DEFAULT_INLINE_NAME,
-                        args=request.args,
-                        # As the request set them: the session's job fills the rest (CodeJob.step).
-                        timeout_ms=request.timeout_ms,
-                        max_output=request.max_output,
-                        report_files=request.report_files,
-                    )
                     outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
                 self._engine._count_host(outcome.outcome)
             except ReadieError as exc:
@@ -289,7 +289,7 @@ class SessionDriver:
                     request.id,
                     exc,
                     runtime=runtime,
-                    policy=None if isinstance(exc, RequestError) else policy,
+                    job=None if isinstance(exc, RequestError) else job,
                     queue_us=queue_us,
                     session=name,
                 )
@@ -297,16 +297,16 @@ class SessionDriver:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._engine.stats.session_image("resumes", outcome.resumed_ms)
-        return self._step_line(request, outcome, policy, queue_us, name)
+        return self._step_line(request, outcome, job, queue_us, name)
 
     def _step_line(
-        self, request: JobRequest, outcome: StepOutcome, policy: Policy, queue_us: int, name: str
+        self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str
     ) -> Result:
         return job_result(
             request.id,
             outcome.outcome,
             runtime=self._setup.runtime,
-            policy=policy,
+            job=job,
             queue_us=queue_us,
             session=name,
             step=outcome.step,
