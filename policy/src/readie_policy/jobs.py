@@ -29,6 +29,7 @@ from readie_protocol.requests import MAX_REQUIREMENT_CHARS
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
 
 __all__ = [
+    "BASE_JOB_ENV",
     "DEFAULT_INLINE_NAME",
     "FORWARD_BYTES",
     "JOB_SUBPROCESSES",
@@ -51,6 +52,9 @@ __all__ = [
     "validate_requirements",
 ]
 
+#: What every job's environment starts from; the request's env goes on top.
+#: Nothing of the worker's own environment is ever copied in.
+BASE_JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 #: No job may start processes (the worker's seccomp filter refuses fork and
 #: exec): what the worker's spec sends, and what every result's policy reports.
 JOB_SUBPROCESSES = False
@@ -110,6 +114,33 @@ class CodeJob:
             max_output=self.max_output if step.max_output is None else step.max_output,
             report_files=step.report_files,
         )
+
+    def spec(self, links: tuple[Mapping[str, object], ...], *, session: bool = False, stream: bool = False) -> dict[str, Any]:
+        """The job as the sandbox's runner reads it (``readie_executor.jobs``' spec): plain data.
+
+        ``links`` are the worker's mounts of the grants (where each host path
+        appears inside). ``session``: run in the sandbox's persistent
+        ``__main__`` (a notebook step) instead of a fresh namespace.
+        ``stream``: send output frames while the job runs.
+        """
+        return {
+            "code": self.code,
+            "name": self.name,
+            "args": list(self.args),
+            "env": {**BASE_JOB_ENV, **self.env},
+            "cwd": self.cwd,
+            "links": [dict(link) for link in links],
+            "limits": {
+                "memory_bytes": self.memory_bytes,
+                "max_file_size": self.max_file_size,
+                "max_output": self.max_output,
+                "subprocesses": JOB_SUBPROCESSES,
+                "timeout_ms": self.timeout_ms,
+            },
+            "session": session,
+            "functions": list(self.functions),
+            "stream": stream,
+        }
 
     @property
     def needs_own_mounts(self) -> bool:

@@ -51,7 +51,7 @@ from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, pars
 from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
 from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, Step, ask_host
-from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
+from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
 from .written import written_since
 
 __all__ = [
@@ -78,9 +78,6 @@ __all__ = [
 
 log = structlog.get_logger("readie.worker")
 
-# What every job's environment starts from; the request's env goes on top.
-# Nothing of the worker's own environment is ever copied in.
-BASE_JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 # Files count: /tmp, /dev/shm and everything written outside the grants live
 # in the sandbox's memory, under the same cgroup as its allocations.
 # After a job's timeout its code is stopped inside the sandbox (SIGALRM) and
@@ -98,30 +95,9 @@ MEMORY_BACKSTOP_HINT = (
 def runner_call(
     job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False, stream: bool = False
 ) -> bytes:
-    """The pickled call: a reference to the trusted runner, and plain data.
-
-    ``session``: run in the sandbox's persistent ``__main__`` (a notebook
-    step) instead of a fresh namespace. ``stream``: send output frames while
-    the job runs.
-    """
-    spec = {
-        "code": job.code,
-        "name": job.name,
-        "args": list(job.args),
-        "env": {**BASE_JOB_ENV, **job.env},
-        "cwd": job.cwd,
-        "links": [dict(link) for link in links],
-        "limits": {
-            "memory_bytes": job.memory_bytes,
-            "max_file_size": job.max_file_size,
-            "max_output": job.max_output,
-            "subprocesses": JOB_SUBPROCESSES,
-            "timeout_ms": job.timeout_ms,
-        },
-        "session": session,
-        "functions": list(job.functions),
-        "stream": stream,
-    }
+    """The pickled call: a reference to the trusted runner, and the job's spec (plain data,
+    :meth:`CodeJob.spec`)."""
+    spec = job.spec(links, session=session, stream=stream)
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
 

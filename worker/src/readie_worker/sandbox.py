@@ -41,7 +41,7 @@ from readie_executor.protocol import (
 )
 from readie_executor.sockets import RECV_SIZE
 
-from readie_policy.jobs import JOB_SUBPROCESSES  # what runner_call sends, and a warm-up prepares for
+from readie_policy.jobs import JOB_SUBPROCESSES  # what a job's spec sends, and a warm-up prepares for
 
 from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
