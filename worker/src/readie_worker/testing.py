@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from readie_policy.testing import free_port, readie_command
+from readie_policy.testing import free_port, readie_command  # noqa: F401  (named here too: tests import them from here)
 
 from ._host_frames import HostCall, HostReply
 from ._sandbox_dir import SandboxDir
