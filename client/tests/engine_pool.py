@@ -22,7 +22,7 @@ import time
 
 from readie_pool.testing import FakeBackend, ok_outcome, serve_stdio
 from readie_protocol.events import ErrorInfo
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.errors import ErrorType
 from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, JobOutcome, OutputChunk, OutputSink
 

@@ -64,7 +64,7 @@ def test_durations_read_alike_on_every_command():
 
 def test_worker_and_router_take_the_same_flag_spellings():
     from readie_router.cli import build_parser as router_parser
-    from readie_rpc.cli import build_parser as worker_parser
+    from readie_worker.cli import build_parser as worker_parser
 
     worker = worker_parser().parse_args(["--drain-grace=30s", "--drain-notice=500ms", "--log=json", "--checkpoints=/x"])
     assert (worker.drain_grace, worker.drain_notice, worker.log, str(worker.checkpoints)) == (30, 0.5, "json", "/x")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from readie_router.cli import build_parser as router_parser
-from readie_rpc.cli import build_parser as worker_parser
+from readie_worker.cli import build_parser as worker_parser
 
 from client.tests._compose_model import plan
 from conftest import REPO

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,13 +13,13 @@ from readie_protocol.events import parse_ready, parse_result, parse_stats
 from readie_pool.sans_io import PoolWorkerError as RouterPoolWorkerError
 from readie_pool.sans_io import RequestError as RouterRequestError
 from readie_pool.sans_io import ErrorInfo as RouterErrorInfo
-from readie_pool.sans_io import JobResult, Outcome
+from readie_pool.sans_io import error_result, policy_info
 from readie_pool.sans_io import RuntimeInfo as RouterRuntimeInfo
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
 
 
-def result_line(result: JobResult) -> dict[str, Any]:
-    return result.to_wire().to_json()
+def result_line(result: Result) -> dict[str, Any]:
+    return result.to_json()
 
 
 def ready_event(**fields: Any) -> dict[str, Any]:
@@ -74,17 +73,17 @@ def test_the_specs_ready_and_stats_events():
 
 def test_what_the_pool_writes_for_every_outcome_parses_back():
     runtime = RouterRuntimeInfo.pool("3.11.2", ("pandas",))
-    policy = Policy(allow_write=(Path("/w"),), timeout_ms=5000, memory_bytes=None)
+    job = CodeJob("base", "", allow_write=("/w",), timeout_ms=5000, memory_bytes=None)
+    policy = policy_info(job)
     cases = [
-        JobResult(id=1, outcome=Outcome.OK, exit=0, stdout="hi\n", duration_us=4001, runtime=runtime, policy=policy),
-        JobResult(id="f", outcome=Outcome.FAILED, exit=1, stderr="Traceback...",
-                  error=RouterErrorInfo("PermissionError", "[Errno 13] denied", "<string>", 3, "granted: /w"),
-                  runtime=runtime, policy=policy, stderr_truncated=True),
-        JobResult(id=3, outcome=Outcome.TIMEOUT, exit=124, error=RouterErrorInfo("TimeoutError", "over 5000 ms"),
-                  runtime=runtime, policy=policy),
-        JobResult.from_error(4, RouterRequestError("not beneath the limits", "allow_read"), runtime=runtime),
-        JobResult.from_error(5, RouterPoolWorkerError("sandbox died"), runtime=runtime, policy=policy),
-        JobResult(id=6, outcome=Outcome.OK, exit=0, session="nb", step=2, runtime=runtime, policy=policy),
+        Result(id=1, exit=0, stdout="hi\n", duration_ms=4, duration_us=4001, runtime=runtime, policy=policy),
+        Result(id="f", exit=1, stderr="Traceback...",
+               error=RouterErrorInfo("PermissionError", "[Errno 13] denied", "<string>", 3, "granted: /w"),
+               runtime=runtime, policy=policy, stderr_truncated=True),
+        Result(id=3, exit=124, error=RouterErrorInfo("TimeoutError", "over 5000 ms"), runtime=runtime, policy=policy),
+        error_result(4, RouterRequestError("not beneath the limits", "allow_read"), runtime=runtime),
+        error_result(5, RouterPoolWorkerError("sandbox died"), runtime=runtime, job=job),
+        Result(id=6, exit=0, session="nb", step=2, runtime=runtime, policy=policy),
     ]
     parsed = [parse_result(json.loads(json.dumps(result_line(case)))) for case in cases]
     ok, failed, timeout, refused, worker, step = parsed

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from readie_worker.errors import RequestError
+from readie_policy.jobs import CodeJob, Step
 from readie_policy.policy import (
     DEFAULT_MAX_FILE_SIZE,
     DEFAULT_MAX_OUTPUT,
@@ -21,7 +22,7 @@ from readie_policy.policy import (
     resolve_path,
     resolve_policy,
     resolve_script,
-    resolve_step,
+    check_step,
 )
 from readie_protocol.requests import JobRequest, parse_request
 
@@ -73,7 +74,7 @@ def test_defaults_without_a_ceiling() -> None:
     assert policy('{"id": 1, "code": "x"}') == Policy()
     assert Policy() == Policy(
         allow_read=(), allow_write=(), package_dirs=(), env=(), network=False,
-        subprocesses=False, timeout_ms=30_000, memory_bytes=None, max_output=1024 * 1024,
+        timeout_ms=30_000, memory_bytes=None, max_output=1024 * 1024,
         max_file_size=None,
     )
     assert (DEFAULT_TIMEOUT_MS, DEFAULT_MEMORY_BYTES, DEFAULT_MAX_OUTPUT, DEFAULT_MAX_FILE_SIZE) == (
@@ -330,19 +331,17 @@ def test_resolve_script() -> None:
     assert info.value.field == "script"
 
 
-def test_resolve_step() -> None:
-    session = policy('{"id": 1, "session": "s", "code": "x", "allow_read": ["data"], "timeout": "10s"}', limits=SPEC_LIMITS)
-    step = job('{"id": 2, "session": "s", "code": "y", "timeout": "20s", "max_output": 10}')
-    result = resolve_step(session, step, SPEC_LIMITS)
-    assert result == Policy(
-        allow_read=session.allow_read, timeout_ms=20_000, memory_bytes=GIB, max_output=10,
-        max_file_size=256 * MIB,
-    )
-    plain = job('{"id": 3, "session": "s", "code": "z"}')
-    assert resolve_step(session, plain, SPEC_LIMITS) == session
+def test_a_step_is_held_to_the_ceiling_and_takes_the_sessions_job_for_the_rest() -> None:
+    check_step(20_000, 10, SPEC_LIMITS)
+    check_step(None, None, SPEC_LIMITS)
     with pytest.raises(RequestError) as info:
-        resolve_step(session, job('{"id": 4, "session": "s", "code": "z", "timeout": "1m"}'), SPEC_LIMITS)
+        check_step(60_000, None, SPEC_LIMITS)
     assert info.value.field == "timeout"
+    session = CodeJob("base", "x", allow_read=("/data",), timeout_ms=10_000, max_output=64)
+    assert session.step(Step("y", timeout_ms=20_000, max_output=10)) == CodeJob(
+        "base", "y", allow_read=("/data",), timeout_ms=20_000, max_output=10
+    )
+    assert session.step(Step("z")) == CodeJob("base", "z", allow_read=("/data",), timeout_ms=10_000, max_output=64)
 
 
 # --------------------------------------------------------------------------- property

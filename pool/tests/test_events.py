@@ -19,7 +19,6 @@ from readie_pool._events import (
     EXIT_TIMEOUT,
     PROTOCOL_VERSION,
     ErrorInfo,
-    JobResult,
     Outcome,
     RuntimeInfo,
     Stats,
@@ -27,13 +26,15 @@ from readie_pool._events import (
     policy_info,
     signal_exit,
 )
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
+from readie_protocol.results import Result
+from readie_pool._results import error_result, refused_result
 from readie_protocol.requests import Refused, parse_request
 from readie_protocol.events import CallEvent, ClosedEvent, ReadyEvent
 from readie_protocol.wire import encode_line
 
-def result_line(result: JobResult) -> dict[str, Any]:
-    return result.to_wire().to_json()
+def result_line(result: Result) -> dict[str, Any]:
+    return result.to_json()
 
 
 def ready_event(**fields: Any) -> dict[str, Any]:
@@ -90,16 +91,15 @@ def test_ready_event_without_config() -> None:
     assert event["preloaded_modules"] == ["pandas"]
 
 
-SPEC_RESULT_VALUE = JobResult(
+SPEC_RESULT_VALUE = Result(
     id="task-1",
-    outcome=Outcome.OK,
     exit=0,
     stdout='{"ok": true}\n',
+    duration_ms=4,
     duration_us=4001,
     queue_us=120,
     runtime=RuntimeInfo.pool("3.11.17"),
-    policy=Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=536870912),
-    backend="landlock+seccomp",
+    policy=policy_info(CodeJob("base", "", allow_write=("/abs/out",), timeout_ms=5000, memory_bytes=536870912), "landlock+seccomp"),
 )
 
 
@@ -108,10 +108,10 @@ def test_spec_result() -> None:
 
 
 def test_spec_result_default_backend_is_gvisor() -> None:
-    policy = policy_info(Policy()).to_json()
+    policy = policy_info(CodeJob("base", "")).to_json()
     assert policy["backend"] == "gvisor"
     assert (policy["network"], policy["subprocesses"], policy["memory_bytes"]) == ("deny", "deny", None)
-    assert policy_info(Policy(network=True)).network == "allow"
+    assert policy_info(CodeJob("base", "", network=True)).network == "allow"
 
 
 def test_spec_stats() -> None:
@@ -129,10 +129,9 @@ def test_spec_stats() -> None:
             info = None if error is None else ErrorInfo(type=error, message="m")
             # The first job carries all the time, so the totals come out exact.
             first = outcome is Outcome.OK and n == 0
-            stats.record(JobResult(
-                id=n, outcome=outcome, exit=exit, error=info,
-                duration_us=20_511_999 if first else 0, queue_us=98_120 if first else 0,
-            ))
+            result = Result(id=n, exit=exit, error=info, duration_us=20_511_999 if first else 0, queue_us=98_120 if first else 0)
+            assert result.outcome is outcome
+            stats.record(result)
     stats.session_started()
     stats.session_started()
     snapshot = stats.snapshot("s1", uptime_ms=81234, workers=4).to_json()
@@ -149,10 +148,10 @@ def test_spec_stats() -> None:
 
 def test_stats_jobs_is_the_sum_of_disjoint_outcomes() -> None:
     stats = Stats()
-    stats.record(JobResult.from_error(1, PoolWorkerError("crashed")))
-    stats.record(JobResult.from_error(2, SandboxSetupError("no mount")))
-    stats.record(JobResult(id=3, outcome=Outcome.SIGNAL, exit=signal_exit(9), error=ErrorInfo("SignalError", "killed by SIGKILL")))
-    stats.record(JobResult(id=4, outcome=Outcome.FAILED, exit=1, error=ErrorInfo("TimeoutError", "raised by the code")))
+    stats.record(error_result(1, PoolWorkerError("crashed")))
+    stats.record(error_result(2, SandboxSetupError("no mount")))
+    stats.record(Result(id=3, exit=EXIT_NOT_RUN, error=ErrorInfo("SignalError", "killed by SIGKILL")))
+    stats.record(Result(id=4, exit=1, error=ErrorInfo("TimeoutError", "raised by the code")))
     snap = stats.snapshot(5, uptime_ms=0, workers=1).to_json()
     assert (snap["jobs"], snap["worker_errors"], snap["signals"], snap["failed"], snap["timeouts"]) == (4, 2, 1, 1, 0)
     # A TimeoutError the code raised is a failure, not a pool timeout.
@@ -184,10 +183,12 @@ def test_stats_counters_add_up(outcomes: list[Outcome]) -> None:
         Outcome.REQUEST_ERROR: ErrorInfo("RequestError", ""),
         Outcome.WORKER_ERROR: ErrorInfo("PoolWorkerError", ""),
     }
+    exit_for = {Outcome.OK: 0, Outcome.FAILED: 1, Outcome.TIMEOUT: EXIT_TIMEOUT}
     stats = Stats()
     for outcome in outcomes:
-        exit = 0 if outcome is Outcome.OK else 1
-        stats.record(JobResult(id=1, outcome=outcome, exit=exit, error=error_for[outcome], duration_us=1500))
+        result = Result(id=1, exit=exit_for.get(outcome, EXIT_NOT_RUN), error=error_for[outcome], duration_us=1500)
+        assert result.outcome is outcome
+        stats.record(result)
     snap = stats.snapshot(1, 0, 1).to_json()
     counters = ("ok", "failed", "timeouts", "signals", "request_errors", "worker_errors")
     assert snap["jobs"] == len(outcomes) == sum(snap[c] for c in counters)
@@ -196,15 +197,15 @@ def test_stats_counters_add_up(outcomes: list[Outcome]) -> None:
 
 
 def test_spec_log_line() -> None:
-    result = JobResult(
+    result = Result(
         id="tool-42",
-        outcome=Outcome.FAILED,
         exit=1,
         stdout="secret output never logged",
         error=ErrorInfo(type="PermissionError", message="[Errno 13] Permission denied: '/etc/passwd'", file="t.py", line=1),
+        duration_ms=4,
         duration_us=4999,
         queue_us=85,
-        policy=Policy(),
+        policy=policy_info(CodeJob("base", "")),
     )
     line = job_log_line(result, ts_ms=1792310000123)
     assert_same(line, spec(SPEC_LOG))
@@ -212,13 +213,13 @@ def test_spec_log_line() -> None:
 
 
 def test_log_line_for_a_session_step_and_a_refusal() -> None:
-    step = JobResult(id=2, outcome=Outcome.OK, exit=0, stdout_truncated=False, stderr_truncated=True,
-                     policy=Policy(network=True), session="notebook-7", step=2)
+    step = Result(id=2, exit=0, stdout_truncated=False, stderr_truncated=True,
+                  policy=policy_info(CodeJob("base", "", network=True)), session="notebook-7", step=2)
     line = job_log_line(step, ts_ms=1)
     assert (line["session"], line["step"], line["network"], line["truncated"], line["error"]) == (
         "notebook-7", 2, "allow", True, None,
     )
-    refusal = JobResult.refused(Refused(None, RequestError("unknown field", "cwd")))
+    refusal = refused_result(Refused(None, RequestError("unknown field", "cwd")))
     line = job_log_line(refusal, ts_ms=1)
     assert (line["id"], line["exit"], line["error"], line["message"], line["network"]) == (
         None, -1, "RequestError", "cwd: unknown field", None,
@@ -229,7 +230,7 @@ def test_refusal_result_line() -> None:
     refusal = parse_request(b'{"id": "task-9", "code": "x", "timeout": "1.5s"}')
     assert isinstance(refusal, Refused)
     runtime = RuntimeInfo.pool("3.11.7", ("pandas",))
-    line = result_line(JobResult.refused(refusal, runtime))
+    line = result_line(refused_result(refusal, runtime))
     assert_same(line, {
         "id": "task-9",
         "exit": -1,
@@ -252,15 +253,15 @@ def test_refusal_result_line() -> None:
 
 
 def test_worker_errors() -> None:
-    result = JobResult.from_error("j", SandboxSetupError("runsc restore failed"), queue_us=7, session="s", step=3)
+    result = error_result("j", SandboxSetupError("runsc restore failed"), queue_us=7, session="s", step=3)
     assert (result.outcome, result.exit, result.error) == (
         Outcome.WORKER_ERROR, EXIT_NOT_RUN, ErrorInfo("SandboxSetupError", "runsc restore failed"),
     )
     line = result_line(result)
     assert list(line)[-3:] == ["session", "step", "session_ended"]
     assert (line["session"], line["step"], line["session_ended"], line["queue_us"]) == ("s", 3, True, 7)
-    assert JobResult.from_error("j", PoolWorkerError("x")).error.type == "PoolWorkerError"
-    assert JobResult.from_error("j", RequestError("busy", None), session="s").session_ended is False
+    assert error_result("j", PoolWorkerError("x")).error.type == "PoolWorkerError"
+    assert error_result("j", RequestError("busy", None), session="s").session_ended is False
 
 
 def test_error_hint_only_when_present() -> None:
@@ -271,39 +272,36 @@ def test_error_hint_only_when_present() -> None:
 
 
 def test_session_results_carry_session_fields() -> None:
-    result = JobResult(id=2, outcome=Outcome.TIMEOUT, exit=EXIT_TIMEOUT, error=ErrorInfo("TimeoutError", "5000 ms"),
-                       session="notebook-7", step=2, session_ended=True)
+    result = Result(id=2, exit=EXIT_TIMEOUT, error=ErrorInfo("TimeoutError", "5000 ms"),
+                    session="notebook-7", step=2, session_ended=True)
     line = result_line(result)
     assert (line["session"], line["step"], line["session_ended"]) == ("notebook-7", 2, True)
     assert "session" not in result_line(SPEC_RESULT_VALUE)
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("exit", "error", "outcome"),
     [
-        {"outcome": Outcome.OK, "exit": 1},
-        {"outcome": Outcome.OK, "exit": 0, "error": ErrorInfo("X", "")},
-        {"outcome": Outcome.FAILED, "exit": 0},
-        {"outcome": Outcome.TIMEOUT, "exit": EXIT_TIMEOUT},
-        {"outcome": Outcome.TIMEOUT, "exit": EXIT_TIMEOUT, "error": ErrorInfo("ValueError", "")},
-        {"outcome": Outcome.SIGNAL, "exit": 137, "error": ErrorInfo("TimeoutError", "")},
-        {"outcome": Outcome.REQUEST_ERROR, "exit": -1, "error": ErrorInfo("PoolWorkerError", "")},
-        {"outcome": Outcome.WORKER_ERROR, "exit": -1, "error": ErrorInfo("RequestError", "")},
-        {"outcome": Outcome.OK, "exit": 0, "duration_us": -1},
+        (0, None, Outcome.OK),
+        (1, None, Outcome.FAILED),
+        (0, ErrorInfo("ValueError", ""), Outcome.FAILED),
+        (1, ErrorInfo("TimeoutError", "raised by the code"), Outcome.FAILED),
+        (EXIT_TIMEOUT, None, Outcome.FAILED),  # sys.exit(124)
+        (EXIT_TIMEOUT, ErrorInfo("TimeoutError", ""), Outcome.TIMEOUT),
+        (1, ErrorInfo("RequestError", ""), Outcome.FAILED),  # the code's own class of that name
+        (EXIT_NOT_RUN, ErrorInfo("RequestError", ""), Outcome.REQUEST_ERROR),
+        (EXIT_NOT_RUN, ErrorInfo("SignalError", ""), Outcome.SIGNAL),
+        (EXIT_NOT_RUN, ErrorInfo("PoolWorkerError", ""), Outcome.WORKER_ERROR),
+        (EXIT_NOT_RUN, ErrorInfo("SandboxSetupError", ""), Outcome.WORKER_ERROR),
+        (signal_exit(9), ErrorInfo("MemoryError", ""), Outcome.FAILED),  # the memory backstop
     ],
 )
-def test_inconsistent_results_are_bugs(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ValueError):
-        JobResult(id=1, **kwargs)
+def test_the_outcome_is_read_from_exit_and_error(exit: int, error: ErrorInfo | None, outcome: Outcome) -> None:
+    assert Result(id=1, exit=exit, error=error).outcome is outcome
 
 
 def test_exit_codes() -> None:
     assert (EXIT_NOT_RUN, EXIT_TIMEOUT, signal_exit(9), signal_exit(11)) == (-1, 124, 137, 139)
-
-
-def test_duration_ms_rounds_down() -> None:
-    assert JobResult(id=1, outcome=Outcome.OK, exit=0, duration_us=999).duration_ms == 0
-    assert JobResult(id=1, outcome=Outcome.OK, exit=0, duration_us=4001).duration_ms == 4
 
 
 def test_spec_call_event_and_close() -> None:
@@ -333,7 +331,7 @@ def test_encode_line_refuses_nan() -> None:
 
 @given(st.text(), st.text())
 def test_any_output_encodes_to_one_line(stdout: str, stderr: str) -> None:
-    result = JobResult(id="x", outcome=Outcome.OK, exit=0, stdout=stdout, stderr=stderr)
+    result = Result(id="x", exit=0, stdout=stdout, stderr=stderr)
     data = encode_line(result_line(result))
     assert data.count(b"\n") == 1 and data.endswith(b"\n")
     assert json.loads(data)["stdout"] == stdout

@@ -20,7 +20,8 @@ from readie_pool._backend import ThreadedBackend
 from readie_policy.config import Config, parse_config
 from readie_worker.errors import PoolWorkerError
 from readie_pool._events import RuntimeInfo
-from readie_pool._engine import FALLBACK_CWD, MAX_OUTPUT_BYTES, PoolEngine, PoolSetup, PoolState
+from readie_pool._engine import FALLBACK_CWD, PoolEngine, PoolSetup, PoolState
+from readie_protocol.requests import MAX_OUTPUT_BYTES
 from readie_pool.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_protocol.events import ErrorInfo
 from readie_worker.jobs import CodeJob

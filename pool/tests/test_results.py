@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,21 +9,21 @@ from readie_pool._events import (
     EXIT_NOT_RUN,
     EXIT_TIMEOUT,
     Outcome,
-    JobResult,
     RuntimeInfo,
 )
-from readie_policy.policy import Policy
+from readie_protocol.results import Result
+from readie_policy.jobs import CodeJob
 from readie_pool._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_pool.testing import ok_outcome
 from readie_protocol.events import ErrorInfo
 from readie_worker.jobs import JobOutcome
 
 
-def result_line(result: JobResult) -> dict[str, Any]:
-    return result.to_wire().to_json()
+def result_line(result: Result) -> dict[str, Any]:
+    return result.to_json()
 
 RUNTIME = RuntimeInfo.pool("3.11.2", ("numpy",))
-POLICY = Policy(allow_write=(Path("/abs/out"),), timeout_ms=5000, memory_bytes=512 * 1024**2)
+JOB = CodeJob("base", "print(1)", allow_write=("/abs/out",), timeout_ms=5000, memory_bytes=512 * 1024**2)
 
 
 def error(
@@ -38,7 +37,7 @@ def error(
 
 
 def mapped(outcome: JobOutcome):
-    return job_result("t", outcome, runtime=RUNTIME, policy=POLICY, queue_us=7)
+    return job_result("t", outcome, runtime=RUNTIME, job=JOB, queue_us=7)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +72,11 @@ def test_memory_backstop_is_137_and_keeps_the_hint():
     result = mapped(ok_outcome(exit=None, error=error("MemoryError", hint="lower 'memory'")))
     assert MEMORY_BACKSTOP_EXIT == 137
     assert result.error.hint == "lower 'memory'"
+
+
+def test_duration_ms_rounds_down():
+    assert mapped(ok_outcome(duration_us=999)).duration_ms == 0
+    assert (mapped(ok_outcome(duration_us=4001)).duration_ms, mapped(ok_outcome(duration_us=-5)).duration_us) == (4, 0)
 
 
 def test_unknown_type_without_exit_names_what_the_worker_said():

@@ -9,13 +9,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from readie_protocol.errors import RequestError
+from readie_protocol.connection import PoolConnection, Role
+from readie_protocol.encoding import encode_request
 from readie_protocol.lines import MAX_LINE_BYTES, Line, OversizeLine
+from readie_protocol.request_lines import request_json
 from readie_protocol.requests import (
+    MAX_OUTPUT_BYTES,
     MAX_REPLY_BYTES,
     MAX_TIMEOUT_MS,
     SESSION_SETUP_FIELDS,
     SESSION_STEP_FIELDS,
+    CancelJob,
     CloseSession,
+    ForkSession,
+    HibernateSession,
     JobRequest,
     Refused,
     ReplyRequest,
@@ -215,6 +222,7 @@ REFUSALS: list[tuple[str | bytes, object, str | None, str]] = [
     ('{"id": 1, "code": "x", "memory": 0}', 1, "memory", "greater than zero"),
     ('{"id": 1, "code": "x", "memory": "512 m"}', 1, "memory", "spaces"),
     ('{"id": 1, "code": "x", "max_output": -1}', 1, "max_output", "negative"),
+    ('{"id": 1, "code": "x", "max_output": "17m"}', 1, "max_output", "too large: at most 16m"),
     ('{"id": 1, "code": "x", "max_output": 65536.0}', 1, "max_output", "float"),
     ('{"id": 1, "code": "x", "max_file_size": "9999999t"}', 1, "max_file_size", "too large"),
     ('{"id": 1, "code": "x", "profile": 3}', 1, "profile", "expected a string"),
@@ -367,7 +375,7 @@ valid_jobs = st.fixed_dictionaries(
         "allow_network": st.booleans(),
         "timeout": st.integers(1, MAX_TIMEOUT_MS // 1000),
         "memory": st.integers(1, 2**40),
-        "max_output": st.integers(0, 2**30),
+        "max_output": st.integers(0, MAX_OUTPUT_BYTES),
         "session": st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True),
     },
 )
@@ -404,3 +412,46 @@ def test_a_deep_reply_is_parsed_without_recursion() -> None:
     while value:
         (value,), levels = value, levels + 1
     assert levels == depth
+
+
+# --------------------------------------------------------------------------- typed requests written back
+
+
+def round_trip(request: Any) -> Any:
+    return parse_request(encode_request(request_json(request)).rstrip(b"\n"))
+
+
+@settings(max_examples=200)
+@given(valid_jobs)
+def test_every_job_the_parser_accepts_is_written_back_as_itself(obj: dict[str, Any]) -> None:
+    parsed = parse_request(json.dumps(obj).encode())
+    assert round_trip(parsed) == parsed
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        StatsRequest("s1"),
+        CancelJob(2, "task-1"),
+        CloseSession(3, "nb"),
+        HibernateSession(4, "nb"),
+        ForkSession(5, "nb", "nb-2"),
+        ReplyRequest(7, result=["first hit"]),
+        ReplyRequest(7, result=None),
+        ReplyRequest(8, error="backend unavailable"),
+        JobRequest(id="t", script="app.py", timeout_ms=1500, max_output=0, stream=True,
+                   fields=frozenset({"script", "timeout", "max_output", "stream"})),
+    ],
+    ids=lambda request: type(request).__name__,
+)
+def test_every_kind_of_request_is_written_back_as_itself(request_: Any) -> None:
+    assert round_trip(request_) == request_
+
+
+def test_a_client_connection_sends_a_typed_request_and_expects_its_answer() -> None:
+    connection = PoolConnection(Role.CLIENT)
+    line = connection.send(JobRequest(id=1, code="print(1)", timeout_ms=250, args=("a",)))
+    assert json.loads(line) == {"id": 1, "code": "print(1)", "args": ["a"], "timeout": "250ms"}
+    assert parse_request(line.rstrip(b"\n")) == JobRequest(
+        id=1, code="print(1)", args=("a",), timeout_ms=250, fields=frozenset({"code", "args", "timeout"})
+    )

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
+from readie_protocol.requests import MAX_TIMEOUT_MS
 import structlog
 
 from readie_router._placement import Placement, PlacedSession
@@ -385,7 +386,7 @@ def test_a_step_refused_for_a_bad_field_evicts_nobody_and_the_session_goes_on(cl
     c = cluster()
     session, _ = c.placement.open_session(JOB)
     with pytest.raises(RequestError) as caught:
-        session.run_step(Step("x", timeout_ms=3_600_001))
+        session.run_step(Step("x", timeout_ms=MAX_TIMEOUT_MS + 1))  # past any timeout: refused before it is sent
     assert caught.value.field == "step.timeout_ms"
     assert not session.ended
     assert c.member(0).healthy and c.member(1).healthy

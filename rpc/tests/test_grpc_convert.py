@@ -16,7 +16,9 @@ from readie_worker.core import Worker, WorkerConfig
 from readie_worker.runner import Capacity
 from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
-from readie_policy.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
+from readie_policy.config import NETWORK_MAX_TIMEOUT_MS, Config
+from readie_policy.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, Limits
+from readie_protocol.requests import MAX_TIMEOUT_MS
 from readie_worker.runsc import RunscError
 from readie_protocol.errors import ExecutorTimeout
 
@@ -98,7 +100,7 @@ BAD_REQUESTS = [
     ({"packages": ["https://example.invalid/evil.whl"]}, "packages"),
     ({"timeout_ms": -1}, "timeout_ms"),
     ({"timeout_ms": 0}, "timeout_ms"),
-    ({"timeout_ms": _convert.NETWORK_MAX_TIMEOUT_MS + 1}, "timeout_ms"),
+    ({"timeout_ms": MAX_TIMEOUT_MS + 1}, "timeout_ms"),
     ({"memory_bytes": -5}, "memory_bytes"),
     ({"memory_bytes": 0}, "memory_bytes"),
     ({"memory_bytes": 2**62}, "memory_bytes"),
@@ -135,6 +137,23 @@ def test_the_timeout_is_the_shorter_of_the_request_and_the_deadline(requested, r
     if requested is not None:
         request.timeout_ms = requested
     assert timeout_ms(request, remaining_s) == expected
+
+
+def test_a_timeout_is_bounded_as_on_the_pool_protocol_and_held_to_the_network_ceiling():
+    """One bound for every timeout (MAX_TIMEOUT_MS, the JSONL parser's too); the network's hour
+    is the ceiling's, which an operator's [pool.limits] timeout replaces."""
+    network, operator = Config().network_limits, Limits(allow_read=(), allow_write=(), timeout_ms=2 * NETWORK_MAX_TIMEOUT_MS)
+    over_an_hour = pb.RunJobRequest(checkpoint="base", code="pass", timeout_ms=NETWORK_MAX_TIMEOUT_MS + 1)
+    with pytest.raises(RequestError, match="exceeds the pool's") as refused:
+        code_job(over_an_hour, None, network)
+    assert refused.value.field == "timeout"  # timeout_ms on the wire (_status)
+    assert code_job(over_an_hour, None, operator).timeout_ms == NETWORK_MAX_TIMEOUT_MS + 1
+    call = pb.ExecuteRequest(checkpoint="base", payload=b"x", timeout_ms=NETWORK_MAX_TIMEOUT_MS + 1)
+    with pytest.raises(RequestError, match="exceeds the pool's"):
+        timeout_ms(call, None, network)
+    assert timeout_ms(pb.ExecuteRequest(checkpoint="base", payload=b"x"), None, Limits(timeout_ms=1000)) == 1000
+    with pytest.raises(RequestError, match="too large|between"):
+        timeout_ms(pb.ExecuteRequest(checkpoint="base", payload=b"x", timeout_ms=MAX_TIMEOUT_MS + 1), None)
 
 
 @pytest.mark.parametrize("remaining_s", [0.0004, ANSWER_MARGIN_MS / 1000])

@@ -80,6 +80,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "_populate": f"{_OWN}; grants are mounted from descriptors, never opened here",
     },
     "bundle.py": {"SandboxSpec.write": "the OCI bundle in the sandbox's own dir"},
+    "cli.py": {"_manifest": f"whether --checkpoints names a directory: {_OPERATOR}"},
     "core.py": {
         "Worker._hold_grants": "realpath of the package cache dir ensure_packages made: the worker's own",
     },
@@ -130,7 +131,6 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "kill_sandbox_process": f"runsc's pid file in the sandbox's own dir; {_PROC}",
     },
     "testing.py": {
-        "readie_command": "the readie entry point beside this Python (tests' helper)",
         "thread_count": _PROC,
     },
 }

@@ -87,8 +87,10 @@ def test_every_workspace_member_is_checked() -> None:
 
 #: What readie_protocol may import beside the standard library: the
 #: host-function JSON codec, whose rules (function names, reply sizes, deep
-#: values without recursion) request checks must share with the sandbox.
-PROTOCOL_MAY_IMPORT = "readie_executor.hostwire"
+#: values without recursion) request checks must share with the sandbox, and
+#: the job bounds the sandbox's runner enforces (``max_output``'s ceiling).
+#: Both are standard library only (they run in the sandbox's python3).
+PROTOCOL_MAY_IMPORT = ("readie_executor.hostwire", "readie_executor.jobs")
 
 
 def test_the_pool_protocol_needs_only_the_standard_library() -> None:
@@ -96,11 +98,12 @@ def test_the_pool_protocol_needs_only_the_standard_library() -> None:
     for path in (REPO / "protocol" / "src").rglob("*.py"):
         for module in imported_modules(ast.parse(path.read_text())):
             top = module.split(".")[0]
-            allowed = top in sys.stdlib_module_names or top in ("", "readie_protocol") or module.split(".")[:2] == PROTOCOL_MAY_IMPORT.split(".")
+            allowed = top in sys.stdlib_module_names or top in ("", "readie_protocol") or ".".join(module.split(".")[:2]) in PROTOCOL_MAY_IMPORT
             assert allowed, (path, module)
-    hostwire = REPO / "executor" / "src" / "readie_executor" / "hostwire.py"
-    for module in imported_modules(ast.parse(hostwire.read_text())):
-        assert module.split(".")[0] in sys.stdlib_module_names, (hostwire, module)
+    executor = REPO / "executor" / "src" / "readie_executor"
+    for path in (executor / "hostwire.py", *(executor / "jobs").glob("*.py")):
+        for module in imported_modules(ast.parse(path.read_text())):
+            assert module.split(".")[0] in sys.stdlib_module_names or module.startswith("readie_executor"), (path, module)
 
 
 #: A module a reader can hold in their head; past it, a module is two ideas
@@ -120,10 +123,16 @@ def test_no_module_is_over_the_line_limit_outside_generated_code() -> None:
 
 
 def test_the_worker_has_no_grpc_the_rpc_layer_does():
-    """The worker is a library any front end drives; gRPC and protobuf are readie_rpc's alone."""
+    """The worker is a library any front end drives; gRPC and protobuf are readie_rpc's alone. Only
+    its command line (``readie worker``, cli.py) serves it through readie_rpc, which imports nothing
+    of the worker (decision 27)."""
+    cli = REPO / "worker" / "src" / "readie_worker" / "cli.py"
     for path in (REPO / "worker" / "src").rglob("*.py"):
-        for module in imported_modules(ast.parse(path.read_text())):
-            assert module.split(".")[0] not in ("grpc", "grpc_health", "grpc_reflection", "google", "readie_rpc"), (path, module)
+        tops = {module.split(".")[0] for module in imported_modules(ast.parse(path.read_text()))}
+        assert not tops & {"grpc", "grpc_health", "grpc_reflection", "google"}, path
+        assert "readie_rpc" not in tops or path == cli, path
+    assert "readie_rpc" in {module.split(".")[0] for module in imported_modules(ast.parse(cli.read_text()))}
+    assert "readie_worker" not in package_imports()["readie_rpc"]
 
 
 def test_the_client_imports_nothing_from_the_worker():

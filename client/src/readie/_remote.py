@@ -33,6 +33,8 @@ from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Self, TypeVar, overload
 
+from readie_policy.policy import DEFAULT_TIMEOUT_MS
+
 from ._envelope import RemoteResult, call_payload, check_python, decode_envelope
 from ._errors import CallTimeout, RequestError
 
@@ -45,8 +47,8 @@ __all__ = ["DEFAULT_CHECKPOINT", "DEFAULT_TIMEOUT_S", "ROUTER_VARIABLE", "Client
 #: Where a Client or @remote without router= finds the router: host:port.
 ROUTER_VARIABLE = "READIE_ROUTER"
 DEFAULT_CHECKPOINT = "base"
-#: The worker's own default for a call (proto: ExecuteRequest.timeout_ms).
-DEFAULT_TIMEOUT_S = 30.0
+#: The worker's own default for a call (proto: ExecuteRequest.timeout_ms), in seconds.
+DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT_MS / 1000
 #: Async calls in flight at once in one process; more wait for a thread (not
 #: yet sent, so their timeout has not started). The threads only wait on gRPC.
 MAX_ASYNC_CALLS = 64

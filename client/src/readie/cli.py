@@ -25,7 +25,7 @@ SUBCOMMANDS = {
     "pool": Subcommand("readie_pool.cli", "serve the pool protocol (JSON Lines) on stdin and stdout"),
     "rootfs": Subcommand("readie_pipeline.cli", "build (or reuse) the sandbox rootfs"),
     "router": Subcommand("readie_router.cli", "place jobs on readie workers, over gRPC"),
-    "worker": Subcommand("readie_rpc.cli", "serve one worker's gVisor sandboxes over gRPC"),
+    "worker": Subcommand("readie_worker.cli", "serve one worker's gVisor sandboxes over gRPC"),
 }
 DISTRIBUTION = "readie"
 EXIT_USAGE = 2

@@ -50,6 +50,7 @@ from .config_keys import (
     MAX_SESSIONS,
     MAX_WORKERS,
     NETWORK_MAX_OUTPUT,
+    NETWORK_MAX_TIMEOUT_MS,
     POOL,
     PROFILE,
     Reading,
@@ -71,6 +72,7 @@ __all__ = [
     "MAX_SESSIONS",
     "MAX_WORKERS",
     "NETWORK_MAX_OUTPUT",
+    "NETWORK_MAX_TIMEOUT_MS",
     "CliOverrides",
     "Config",
     "PoolSettings",
@@ -116,10 +118,15 @@ class Config:
 
         The file's ``[pool.limits]``; without one, :data:`NOTHING_GRANTED`. A
         ``max_output`` it leaves unset is :data:`NETWORK_MAX_OUTPUT`, so that a
-        client library's default receive limit holds any answer.
+        client library's default receive limit holds any answer, and a
+        ``timeout`` :data:`NETWORK_MAX_TIMEOUT_MS`.
         """
         limits = NOTHING_GRANTED if self.limits is NO_LIMITS else self.limits
-        return limits if limits.max_output is not None else replace(limits, max_output=NETWORK_MAX_OUTPUT)
+        return replace(
+            limits,
+            max_output=NETWORK_MAX_OUTPUT if limits.max_output is None else limits.max_output,
+            timeout_ms=NETWORK_MAX_TIMEOUT_MS if limits.timeout_ms is None else limits.timeout_ms,
+        )
 
     @property
     def profile_map(self) -> Mapping[str, Profile]:

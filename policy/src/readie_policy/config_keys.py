@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from readie_executor.jobs import bounds
-from readie_protocol.requests import MAX_TIMEOUT_MS
+from readie_protocol.requests import MAX_OUTPUT_BYTES, MAX_TIMEOUT_MS
 from readie_protocol.schema import SCHEMA_DIALECT
 from readie_protocol.units import (
     DURATION_SCHEMA,
@@ -52,6 +51,7 @@ __all__ = [
     "MAX_SESSIONS",
     "MAX_WORKERS",
     "NETWORK_MAX_OUTPUT",
+    "NETWORK_MAX_TIMEOUT_MS",
     "OUT_OF_REACH_RULE",
     "PERMISSIONS_ABOUT",
     "POOL",
@@ -89,6 +89,11 @@ LOG_FORMATS = frozenset({"console", "json", "none"})
 #: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
 #: by default. A [pool.limits] max_output raises it (and clients must then too).
 NETWORK_MAX_OUTPUT = 1024 * 1024
+#: A request from the network that [pool.limits] does not bound runs at most an
+#: hour: a slot held longer starves the worker's other callers. The ceiling's
+#: own timeout replaces it (up to readie_protocol's MAX_TIMEOUT_MS, the bound of
+#: every timeout).
+NETWORK_MAX_TIMEOUT_MS = 3600 * 1000
 #: Profile names are echoed in the ready event and named in requests.
 MAX_PROFILE_NAME = 64
 log = structlog.get_logger("readie.config")
@@ -319,7 +324,7 @@ POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
 POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
 _TIMEOUT = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
 _MEMORY = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")
-_OUTPUT = _Bound(bounds.MAX_OUTPUT_LIMIT, 1, format_size(bounds.MAX_OUTPUT_LIMIT), "the most output a sandbox captures")
+_OUTPUT = _Bound(MAX_OUTPUT_BYTES, 1, format_size(MAX_OUTPUT_BYTES), "the most output a sandbox captures")
 CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=True)
 CEILING_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=True)
 CEILING_OUTPUT = _at_most(SIZE, _OUTPUT, lower=True)
@@ -409,7 +414,8 @@ LIMITS = Section(
         ConfigKey("allow_network", "allow_network", BOOLEAN, "false",
                   "Whether a request may ask for the network (the pool starts no network backend yet, "
                   "so the worker still refuses it).", False),
-        ConfigKey("timeout", "timeout_ms", CEILING_TIMEOUT, "no bound",
+        ConfigKey("timeout", "timeout_ms", CEILING_TIMEOUT,
+                  f"no bound (over the network: {format_duration_ms(NETWORK_MAX_TIMEOUT_MS)})",
                   f"The longest timeout a request may set; {_unset('timeout')}.", "30s"),
         ConfigKey("memory", "memory_bytes", CEILING_MEMORY, "no bound",
                   f"The most memory a request may set; {_unset('memory')}.", "1g"),

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, overload
 
@@ -66,12 +66,12 @@ __all__ = [
     "Profile",
     "Resolver",
     "check_step",
+    "call_timeout",
     "refuse_symlinks",
     "request_path",
     "resolve_path",
     "resolve_policy",
     "resolve_script",
-    "resolve_step",
 ]
 
 #: A job that sets no timeout still ends: 30 s is the spec's example ceiling
@@ -177,8 +177,6 @@ class Policy:
     package_dirs: tuple[Path, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     network: bool = False
-    # Jobs never start processes; the field exists so results can say so.
-    subprocesses: bool = False
     timeout_ms: int = DEFAULT_TIMEOUT_MS
     memory_bytes: int | None = DEFAULT_MEMORY_BYTES
     max_output: int = DEFAULT_MAX_OUTPUT
@@ -295,25 +293,23 @@ def resolve_policy(
     )
 
 
-def resolve_step(policy: Policy, request: PolicyRequest, limits: Limits = NO_LIMITS) -> Policy:
-    """A session step's policy: the session's, with the step's own timeout and max_output.
-
-    The session manager refuses any other setup field before calling this.
-    """
-    check_step(request.timeout_ms, request.max_output, limits)
-    return replace(
-        policy,
-        timeout_ms=policy.timeout_ms if request.timeout_ms is None else request.timeout_ms,
-        max_output=policy.max_output if request.max_output is None else request.max_output,
-    )
-
-
 def check_step(timeout_ms: int | None, max_output: int | None, limits: Limits) -> None:
-    """RequestError if a session step's own ``timeout`` or ``max_output`` exceeds the ceiling."""
+    """RequestError if a session step's own ``timeout`` or ``max_output`` exceeds the ceiling.
+
+    A step takes the session's grants; the session manager refuses any other
+    setup field before this, and the session's job fills what the step leaves
+    unset (``readie_policy.jobs.CodeJob.step``).
+    """
     if timeout_ms is not None:
         _within("timeout", timeout_ms, limits.timeout_ms, _ms)
     if max_output is not None:
         _within("max_output", max_output, limits.max_output, _bytes)
+
+
+def call_timeout(timeout_ms: int | None, limits: Limits = NO_LIMITS) -> int:
+    """The timeout of a call that has no policy of its own (a remote function's ``Execute``),
+    resolved as a job's is: the asked one within the ceiling, else the default, at most the ceiling's."""
+    return _limited("timeout", (timeout_ms, ""), limits.timeout_ms, DEFAULT_TIMEOUT_MS, _ms)
 
 
 def resolve_script(

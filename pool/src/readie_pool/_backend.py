@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import structlog
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.metrics import Metrics
-from readie_worker.runner import JobRunner, SessionHandle
+from readie_policy.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
 __all__ = [

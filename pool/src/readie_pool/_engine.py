@@ -54,17 +54,17 @@ from typing import Protocol
 import structlog
 from readie_protocol.connection import PoolConnection, Role
 from readie_protocol.events import CancelledEvent, ReadyEvent
-from readie_worker.cancel import Cancellation
+from readie_protocol.cancel import Cancellation
 from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_error
 
 from ._backend import JobBackend
-from ._events import JobResult
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
-from ._job_building import FALLBACK_CWD, MAX_OUTPUT_BYTES, MAX_SCRIPT_BYTES, code_job, request_policy
+from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job
 from readie_protocol.requests import (
     CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
 )
-from ._results import job_result
+from readie_protocol.results import Result
+from ._results import error_result, job_result, refused_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
 from ._tasks import PoolTasks
@@ -72,7 +72,6 @@ from ._tasks import PoolTasks
 __all__ = [
     "ABORT_WRITE_GRACE_S",
     "FALLBACK_CWD",
-    "MAX_OUTPUT_BYTES",
     "MAX_PARKED_BYTES",
     "MAX_SCRIPT_BYTES",
     "QUEUE_FACTOR",
@@ -291,7 +290,7 @@ class PoolEngine:
                 self._accept(request, parsed_at)
             except Exception as exc:  # a bug must cost one line, never the pool
                 log.exception("internal error handling a line")
-                self._tasks.finish(JobResult.from_error(None, internal_error(exc)))
+                self._tasks.finish(error_result(None, internal_error(exc)))
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
@@ -304,7 +303,7 @@ class PoolEngine:
     def _accept(self, request: Request | Refused, parsed_at: int) -> None:
         """Answer ``request`` now, or start the task that will. Exactly one answer either way."""
         if isinstance(request, Refused):
-            self._tasks.finish(JobResult.refused(request, self.setup.runtime))
+            self._tasks.finish(refused_result(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
             hibernated = self._session_driver.sessions_hibernated()
             self._tasks.answer(self.stats.snapshot(request.id, self._uptime_ms(), self.setup.workers, hibernated))
@@ -332,18 +331,17 @@ class PoolEngine:
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
             error = internal_error(exc)
-            result = JobResult.from_error(request.id, error, runtime=self.setup.runtime)
+            result = error_result(request.id, error, runtime=self.setup.runtime)
         finally:
             self._tasks.cancelled_with(request.id, cancel)
         self._tasks.finish(result)
 
-    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> JobResult:
+    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> Result:
         runtime = self.setup.runtime
         try:
-            policy = request_policy(self.setup, request)
-            job = await code_job(self.setup, request, policy)
+            job = await code_job(self.setup, request)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
-            return JobResult.from_error(request.id, exc, runtime=runtime)
+            return error_result(request.id, exc, runtime=runtime)
         async with self._tasks.slots:
             queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
             try:
@@ -353,12 +351,12 @@ class PoolEngine:
                 outcome = await self.backend.run(job, str(request.id), host, cancel, self._tasks.output_for(request))
                 self._tasks.count_host(outcome)
             except RequestError as exc:  # the worker refused: nothing was granted
-                return JobResult.from_error(request.id, exc, runtime=runtime, queue_us=queue_us)
+                return error_result(request.id, exc, runtime=runtime, queue_us=queue_us)
             except ReadieError as exc:
-                return JobResult.from_error(
-                    request.id, exc, runtime=runtime, policy=policy, queue_us=queue_us
+                return error_result(
+                    request.id, exc, runtime=runtime, job=job, queue_us=queue_us
                 )
-        return job_result(request.id, outcome, runtime=runtime, policy=policy, queue_us=queue_us)
+        return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
 
     # ------------------------------------------------------------------ host functions
 
@@ -373,7 +371,7 @@ class PoolEngine:
             "reply.call_id",
         )
         self.stats.late_replies += 1
-        self._tasks.finish(JobResult.from_error(None, error, runtime=self.setup.runtime), budget=self._strays)
+        self._tasks.finish(error_result(None, error, runtime=self.setup.runtime), budget=self._strays)
 
     # ------------------------------------------------------------------ output
 

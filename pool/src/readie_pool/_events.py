@@ -1,20 +1,12 @@
-"""What the pool reports: results, stats, job logs.
+"""What the pool reports beside the result lines: stats, job logs, a result's policy.
 
 The lines themselves are ``readie_protocol.events`` values, written through
 the pool's :class:`~readie_protocol.connection.PoolConnection` and parsed
-back into the same values by a client; :class:`JobResult` is the engine's account of a job,
-which also says which outcome counter it belongs to, so :class:`Stats`
-never guesses from strings, and :meth:`JobResult.to_wire` is its line.
-
-``exit`` is always an integer, so a client testing ``exit == 0`` (or a shell
-habit, ``if exit:``) never mistakes a job that did not run for a success:
-
-* the code ran and exited: its exit status (0; 1 for an uncaught exception;
-  ``n`` for ``sys.exit(n)``);
-* killed by a signal: 128 + the signal number, as a shell reports it;
-* killed at its timeout: 124, as ``timeout(1)`` reports it;
-* never ran, or no status was observed (RequestError, SandboxSetupError,
-  PoolWorkerError): -1, which no process can exit with.
+back into the same values by a client. A job's result is one
+:class:`~readie_protocol.results.Result` from the engine to the client
+(built in ``_results``); :class:`Stats` counts it by its
+:attr:`~readie_protocol.results.Result.outcome`, so it never guesses from
+strings. ``readie_protocol.results`` says what ``exit`` holds.
 
 A refused request still gets a full result line: empty output, zero
 durations, ``policy`` null (none was resolved), ``runtime`` the pool's when
@@ -26,16 +18,12 @@ refuse a pool that speaks a version they do not.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Any
 
-from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, Result, RuntimeInfo, StatsEvent, Value, FileInfo
+from readie_protocol.events import RUNTIME_NAME, ErrorInfo, PolicyInfo, RuntimeInfo, StatsEvent
+from readie_protocol.results import EXIT_NOT_RUN, EXIT_TIMEOUT, Outcome, Result
 from readie_protocol.wire import PROTOCOL_VERSION, RequestId
-from readie_worker.errors import ErrorType, ReadieError, error_type
-from readie_policy.policy import Policy
-
-from readie_protocol.requests import Refused
+from readie_policy.jobs import JOB_SUBPROCESSES, CodeJob
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -44,7 +32,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RUNTIME_NAME",
     "ErrorInfo",
-    "JobResult",
     "Outcome",
     "RuntimeInfo",
     "Stats",
@@ -56,167 +43,29 @@ __all__ = [
 #: The sandbox that enforces a policy, reported in every result's policy.
 DEFAULT_BACKEND = "gvisor"
 
-#: ``exit`` of a job that never ran or whose status was never observed.
-EXIT_NOT_RUN = -1
-#: ``exit`` of a job killed at its timeout, as ``timeout(1)`` reports it.
-EXIT_TIMEOUT = 124
-
 
 def signal_exit(signum: int) -> int:
     """``exit`` of a job killed by ``signum``, as a shell reports it."""
     return 128 + signum
 
 
-class Outcome(enum.Enum):
-    """Which stats counter a finished job adds to; the counters are disjoint."""
-
-    OK = "ok"
-    FAILED = "failed"  # the job's Python code raised or exited non-zero
-    TIMEOUT = "timeouts"
-    SIGNAL = "signals"
-    REQUEST_ERROR = "request_errors"
-    WORKER_ERROR = "worker_errors"  # PoolWorkerError and SandboxSetupError
-
-
-# The error type each non-Python outcome must carry.
-_OUTCOME_TYPES: dict[Outcome, frozenset[str]] = {
-    Outcome.TIMEOUT: frozenset({ErrorType.TIMEOUT}),
-    Outcome.SIGNAL: frozenset({ErrorType.SIGNAL}),
-    Outcome.REQUEST_ERROR: frozenset({ErrorType.REQUEST}),
-    Outcome.WORKER_ERROR: frozenset({ErrorType.POOL_WORKER, ErrorType.SANDBOX_SETUP}),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class JobResult:
-    """One finished job (or refused request), as the pool reports it."""
-
-    id: RequestId | None
-    outcome: Outcome
-    exit: int
-    stdout: str = ""
-    stderr: str = ""
-    error: ErrorInfo | None = None
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    duration_us: int = 0
-    queue_us: int = 0
-    runtime: RuntimeInfo | None = None
-    policy: Policy | None = None
-    backend: str = DEFAULT_BACKEND
-    session: str | None = None
-    step: int | None = None
-    session_ended: bool = False
-    value: Value | None = None
-    files: tuple[FileInfo, ...] | None = None
-    files_truncated: bool = False
-    resumed_ms: int | None = None  # the step restored its hibernated session first
-
-    def __post_init__(self) -> None:
-        # Wrong combinations are bugs in the caller; refusing them here keeps
-        # the stats counters and the wire consistent with each other.
-        if self.outcome is Outcome.OK:
-            if self.exit != 0 or self.error is not None:
-                raise ValueError("an OK result has exit 0 and no error")
-        elif self.outcome is Outcome.FAILED:
-            if self.exit == 0 and self.error is None:
-                raise ValueError("a FAILED result has an error or a non-zero exit")
-        elif self.error is None or self.error.type not in _OUTCOME_TYPES[self.outcome]:
-            allowed = " or ".join(sorted(_OUTCOME_TYPES[self.outcome]))
-            raise ValueError(f"a {self.outcome.name} result carries an error of type {allowed}")
-        if self.duration_us < 0 or self.queue_us < 0:
-            raise ValueError("durations cannot be negative")
-
-    @property
-    def duration_ms(self) -> int:
-        # Derived, so the two never disagree (the spec's 4001 us is 4 ms).
-        return self.duration_us // 1000
-
-    @property
-    def truncated(self) -> bool:
-        return self.stdout_truncated or self.stderr_truncated
-
-    def to_wire(self) -> Result:
-        """The result line this stands for, as a client reads it back."""
-        return Result(
-            id=self.id,
-            exit=self.exit,
-            stdout=self.stdout,
-            stderr=self.stderr,
-            error=self.error,
-            stdout_truncated=self.stdout_truncated,
-            stderr_truncated=self.stderr_truncated,
-            duration_ms=self.duration_ms,
-            duration_us=self.duration_us,
-            queue_us=self.queue_us,
-            runtime=self.runtime,
-            policy=None if self.policy is None else policy_info(self.policy, self.backend),
-            session=self.session,
-            step=self.step,
-            session_ended=self.session_ended,
-            value=self.value,
-            files=self.files,
-            files_truncated=self.files_truncated,
-            resumed_ms=self.resumed_ms,
-        )
-
-    @classmethod
-    def refused(cls, refusal: Refused, runtime: RuntimeInfo | None = None) -> JobResult:
-        """The result line answering a refused request."""
-        return cls.from_error(refusal.id, refusal.error, runtime=runtime)
-
-    @classmethod
-    def from_error(
-        cls,
-        id: RequestId | None,
-        error: ReadieError,
-        *,
-        runtime: RuntimeInfo | None = None,
-        policy: Policy | None = None,
-        queue_us: int = 0,
-        session: str | None = None,
-        step: int | None = None,
-        session_ended: bool | None = None,
-    ) -> JobResult:
-        """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError.
-
-        In a session, a worker error ends it unless ``session_ended`` says otherwise (a
-        hibernation refused for the worker's image bounds leaves it as it was).
-        """
-        kind = error_type(error)
-        outcome = Outcome.REQUEST_ERROR if kind is ErrorType.REQUEST else Outcome.WORKER_ERROR
-        return cls(
-            id=id,
-            outcome=outcome,
-            exit=EXIT_NOT_RUN,
-            error=ErrorInfo(type=kind, message=str(error)),
-            queue_us=queue_us,
-            runtime=runtime,
-            policy=policy,
-            session=session,
-            step=step,
-            # A worker failure takes the session's process with it.
-            session_ended=(session is not None and outcome is Outcome.WORKER_ERROR) if session_ended is None else session_ended,
-        )
-
-
 # --------------------------------------------------------------------------- builders
 
 
-def policy_info(policy: Policy, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
-    """What a result line says about the policy a job ran under."""
+def policy_info(job: CodeJob, backend: str = DEFAULT_BACKEND) -> PolicyInfo:
+    """What a result line says about the policy a job ran under: the job's own grants and limits."""
     return PolicyInfo(
-        allow_read=tuple(str(p) for p in policy.allow_read),
-        allow_write=tuple(str(p) for p in policy.allow_write),
-        network="allow" if policy.network else "deny",
-        subprocesses="allow" if policy.subprocesses else "deny",
-        timeout_ms=policy.timeout_ms,
-        memory_bytes=policy.memory_bytes,
+        allow_read=job.allow_read,
+        allow_write=job.allow_write,
+        network="allow" if job.network else "deny",
+        subprocesses="allow" if JOB_SUBPROCESSES else "deny",
+        timeout_ms=job.timeout_ms,
+        memory_bytes=job.memory_bytes,
         backend=backend,
     )
 
 
-def job_log_line(result: JobResult, ts_ms: int) -> dict[str, Any]:
+def job_log_line(result: Result, ts_ms: int) -> dict[str, Any]:
     """The ``--log=json`` line: identifiers, outcome and timing, never captured output."""
     return {
         "ts_ms": ts_ms,
@@ -230,9 +79,7 @@ def job_log_line(result: JobResult, ts_ms: int) -> dict[str, Any]:
         "duration_ms": result.duration_ms,
         "queue_us": result.queue_us,
         # null when no policy was resolved: a refused request had no network to deny.
-        "network": None
-        if result.policy is None
-        else ("allow" if result.policy.network else "deny"),
+        "network": None if result.policy is None else result.policy.network,
         "truncated": result.truncated,
     }
 
@@ -266,7 +113,7 @@ class Stats:
         self.late_replies = 0
         self.host_frames_refused = 0
 
-    def record(self, result: JobResult) -> None:
+    def record(self, result: Result) -> None:
         self.jobs += 1
         self.counts[result.outcome] += 1
         self.duration_us_total += result.duration_us

@@ -12,7 +12,6 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
-from readie_executor.jobs import bounds
 from readie_worker.errors import RequestError
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
 from readie_worker.paths import PathRefused, read_no_follow
@@ -23,9 +22,7 @@ from ._setup import PoolSetup
 
 __all__ = [
     "FALLBACK_CWD",
-    "MAX_OUTPUT_BYTES",
     "MAX_SCRIPT_BYTES",
-    "check_max_output",
     "code_job",
     "job_cwd",
     "read_script",
@@ -36,8 +33,6 @@ __all__ = [
 #: queued job may hold one. 16 MiB is far beyond hand-written code and keeps
 #: a queue of 2 x workers bounded. (Inline code is bounded by the 1 MiB line.)
 MAX_SCRIPT_BYTES = 16 * 1024 * 1024
-#: The largest max_output the in-sandbox runner accepts (its capture ceiling).
-MAX_OUTPUT_BYTES = bounds.MAX_OUTPUT_LIMIT
 #: Working directory of a job that cannot see the pool's (see :func:`job_cwd`):
 #: the sandbox's own /tmp, which is also the job's HOME.
 FALLBACK_CWD = "/tmp"
@@ -54,9 +49,10 @@ def request_policy(setup: PoolSetup, request: JobRequest) -> Policy:
     )
 
 
-async def code_job(setup: PoolSetup, request: JobRequest, policy: Policy) -> CodeJob:
-    """The job for ``request`` under ``policy``; a script is read here, without following links."""
-    check_max_output(policy)
+async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
+    """The job for ``request`` under its policy (:func:`request_policy`), one value from here to the
+    worker and to the result line's ``policy``; a script is read here, without following links."""
+    policy = request_policy(setup, request)
     script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
     if script is not None:
         code = await asyncio.to_thread(read_script, script, str(request.script))
@@ -84,14 +80,6 @@ async def code_job(setup: PoolSetup, request: JobRequest, policy: Policy) -> Cod
         functions=request.functions or (),
         report_files=request.report_files,
     )
-
-
-def check_max_output(policy: Policy) -> None:
-    if policy.max_output > MAX_OUTPUT_BYTES:
-        raise RequestError(
-            f"{policy.max_output} bytes is above the sandbox's capture limit of {MAX_OUTPUT_BYTES}",
-            "max_output",
-        )
 
 
 def job_cwd(cwd: Path, policy: Policy) -> str:

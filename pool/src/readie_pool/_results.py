@@ -1,8 +1,12 @@
-"""A worker's :class:`JobOutcome` turned into the pool's :class:`JobResult`, in one place.
+"""Every result line the engine writes, built in one place as the one
+:class:`~readie_protocol.results.Result` that goes to the client: a worker's
+:class:`JobOutcome` (:func:`job_result`), or readie's refusal or failure
+(:func:`error_result`, :func:`refused_result`).
 
 The worker reports what happened; the pool protocol wants an integer
-``exit``, an error type from its list and the stats counter the job adds to
-(see ``_events`` for the exit conventions). The rules, in order:
+``exit`` and an error type from its list, which is also the stats counter the
+job adds to (:attr:`Result.outcome` reads it back; ``readie_protocol.results``
+says what ``exit`` holds). The rules, in order:
 
 * the job did not end on its own (``exit`` None):
 
@@ -26,9 +30,13 @@ The worker reports what happened; the pool protocol wants an integer
 * otherwise the code ran: exit 0 without an error is ok, anything else
   failed, and ``exit`` is the job's own status.
 
-``runtime`` and ``policy`` come from the pool, not from the outcome: the
+``runtime`` and ``policy`` come from the pool (the job it built), not from the outcome: the
 outcome's ``python`` and ``preloaded_modules`` are what the job's process
 claimed, and the job could have forged them. ``backend`` is the worker's.
+
+A forged answer (the job writes its own result JSON) can claim any exit from 0
+to 255 with any error, but never -1: it may make its own line read as a
+timeout (exit 124, TimeoutError) and be counted as one, nothing more.
 """
 
 from __future__ import annotations
@@ -38,30 +46,21 @@ import signal
 from readie_executor.jobs import EXIT_NOT_STARTED
 from readie_worker.jobs import JobOutcome
 
-from readie_worker.errors import ErrorType
-from ._events import (
-    EXIT_NOT_RUN,
-    EXIT_TIMEOUT,
-    ErrorInfo,
-    JobResult,
-    Outcome,
-    RuntimeInfo,
-    signal_exit,
-)
-from readie_policy.policy import Policy
+from readie_worker.errors import ErrorType, ReadieError, error_type
+from readie_protocol.requests import Refused
+from readie_protocol.results import EXIT_NOT_RUN, EXIT_TIMEOUT, ErrorInfo, Result, RuntimeInfo
+from ._events import DEFAULT_BACKEND, policy_info, signal_exit
+from readie_policy.jobs import CodeJob
 from readie_protocol.wire import RequestId
 
-__all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "job_result"]
+__all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "error_result", "job_result", "refused_result"]
 
 #: A sandbox killed by the memory backstop: the kernel's OOM killer sends SIGKILL.
 MEMORY_BACKSTOP_EXIT = signal_exit(signal.SIGKILL)
 MEMORY_ERROR = "MemoryError"
 
-# Error types the runner reports for a job it did not start, and their counter.
-_NOT_STARTED: dict[str, Outcome] = {
-    ErrorType.REQUEST: Outcome.REQUEST_ERROR,
-    ErrorType.SANDBOX_SETUP: Outcome.WORKER_ERROR,
-}
+# Error types the runner reports for a job it did not start.
+_NOT_STARTED = frozenset({ErrorType.REQUEST, ErrorType.SANDBOX_SETUP})
 
 
 def job_result(
@@ -69,29 +68,29 @@ def job_result(
     outcome: JobOutcome,
     *,
     runtime: RuntimeInfo,
-    policy: Policy,
+    job: CodeJob,
     queue_us: int,
     session: str | None = None,
     step: int | None = None,
     session_ended: bool = False,
     resumed_ms: float | None = None,
-) -> JobResult:
-    """The result line's value for a job (or a session's step) the backend ran, or tried to."""
-    status, exit_code, error = _classify(outcome)
-    return JobResult(
+) -> Result:
+    """The result line for a job (or a session's step) the backend ran, or tried to."""
+    exit_code, error = _classify(outcome)
+    duration_us = max(0, outcome.duration_us)
+    return Result(
         id=id,
-        outcome=status,
         exit=exit_code,
         stdout=outcome.stdout,
         stderr=outcome.stderr,
         error=error,
         stdout_truncated=outcome.stdout_truncated,
         stderr_truncated=outcome.stderr_truncated,
-        duration_us=max(0, outcome.duration_us),
+        duration_ms=duration_us // 1000,  # the spec's 4001 us is 4 ms
+        duration_us=duration_us,
         queue_us=queue_us,
         runtime=runtime,
-        policy=policy,
-        backend=outcome.backend,
+        policy=policy_info(job, outcome.backend),
         session=session,
         step=step,
         session_ended=session_ended,
@@ -102,31 +101,62 @@ def job_result(
     )
 
 
-def _classify(outcome: JobOutcome) -> tuple[Outcome, int, ErrorInfo | None]:
+def error_result(
+    id: RequestId | None,
+    error: ReadieError,
+    *,
+    runtime: RuntimeInfo | None = None,
+    job: CodeJob | None = None,
+    queue_us: int = 0,
+    session: str | None = None,
+    step: int | None = None,
+    session_ended: bool | None = None,
+) -> Result:
+    """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError.
+
+    In a session, a worker error ends it unless ``session_ended`` says otherwise (a
+    hibernation refused for the worker's image bounds leaves it as it was).
+    """
+    kind = error_type(error)
+    if session_ended is None:  # a worker failure takes the session's process with it
+        session_ended = session is not None and kind is not ErrorType.REQUEST
+    return Result(
+        id=id,
+        exit=EXIT_NOT_RUN,
+        error=ErrorInfo(type=kind, message=str(error)),
+        queue_us=queue_us,
+        runtime=runtime,
+        policy=None if job is None else policy_info(job, DEFAULT_BACKEND),
+        session=session,
+        step=step,
+        session_ended=session_ended,
+    )
+
+
+def refused_result(refusal: Refused, runtime: RuntimeInfo | None = None) -> Result:
+    """The result line answering a refused request."""
+    return error_result(refusal.id, refusal.error, runtime=runtime)
+
+
+def _classify(outcome: JobOutcome) -> tuple[int, ErrorInfo | None]:
     info = outcome.error  # already the result line's ErrorInfo
     if outcome.exit is None:
         return _without_exit(info)
     if info is not None and outcome.exit == EXIT_NOT_STARTED and info.type in _NOT_STARTED:
         # file/line point at nothing: the job's code never ran.
-        return _NOT_STARTED[info.type], EXIT_NOT_RUN, ErrorInfo(info.type, info.message)
-    if info is None and outcome.exit == 0:
-        return Outcome.OK, 0, None
-    return Outcome.FAILED, outcome.exit, info
+        return EXIT_NOT_RUN, ErrorInfo(info.type, info.message)
+    return outcome.exit, info
 
 
-def _without_exit(info: ErrorInfo | None) -> tuple[Outcome, int, ErrorInfo | None]:
+def _without_exit(info: ErrorInfo | None) -> tuple[int, ErrorInfo | None]:
     kind = None if info is None else info.type
     if info is not None:
         if kind == ErrorType.TIMEOUT:
-            return Outcome.TIMEOUT, EXIT_TIMEOUT, info
+            return EXIT_TIMEOUT, info
         if kind == MEMORY_ERROR:
-            return Outcome.FAILED, MEMORY_BACKSTOP_EXIT, info
-        if kind == ErrorType.SIGNAL:
-            return Outcome.SIGNAL, EXIT_NOT_RUN, info
-        if kind in (ErrorType.POOL_WORKER, ErrorType.SANDBOX_SETUP):
-            return Outcome.WORKER_ERROR, EXIT_NOT_RUN, info
-        if kind == ErrorType.REQUEST:
-            return Outcome.REQUEST_ERROR, EXIT_NOT_RUN, info
+            return MEMORY_BACKSTOP_EXIT, info
+        if kind in (ErrorType.SIGNAL, ErrorType.POOL_WORKER, ErrorType.SANDBOX_SETUP, ErrorType.REQUEST):
+            return EXIT_NOT_RUN, info
     what = "no error" if info is None else f"{info.type}: {info.message}"
     message = f"the job ended without an exit status ({what})"
-    return Outcome.WORKER_ERROR, EXIT_NOT_RUN, ErrorInfo(ErrorType.POOL_WORKER, message)
+    return EXIT_NOT_RUN, ErrorInfo(ErrorType.POOL_WORKER, message)

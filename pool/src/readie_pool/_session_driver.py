@@ -26,21 +26,21 @@ import asyncio
 from collections.abc import Callable
 
 import structlog
-from readie_worker.cancel import Cancellation
+from readie_protocol.cancel import Cancellation
 from readie_worker.errors import Cancelled, ReadieError, RequestError, SandboxSetupError, internal_error
-from readie_policy.policy import Policy, resolve_step
+from readie_policy.policy import check_step
 from readie_worker.sessions import StepOutcome
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, Step
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, Step
 
 from ._backend import BackendSession
 from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
 
-from ._events import JobResult
-from ._job_building import check_max_output, code_job, request_policy
+from ._job_building import code_job
 from readie_protocol.requests import CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
-from ._results import job_result
+from readie_protocol.results import Result
+from ._results import error_result, job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
 from ._tasks import PoolTasks
 
@@ -65,7 +65,7 @@ class SessionDriver:
         except RequestError as exc:
             self._tasks.cancelled_with(request.id, cancel)
             self._tasks.finish(
-                JobResult.from_error(request.id, exc, runtime=self._setup.runtime, session=request.session)
+                error_result(request.id, exc, runtime=self._setup.runtime, session=request.session)
             )
             return
         if first:
@@ -113,13 +113,13 @@ class SessionDriver:
         """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
         which the result says with ``session_ended``, so a client stops taking it for open."""
         self._tasks.finish(
-            JobResult.from_error(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
+            error_result(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
         )
 
     async def _session_hibernate(
         self, session: NamedSession, request: HibernateSession, previous: asyncio.Event | None, done: asyncio.Event
     ) -> None:
-        answer: HibernatedEvent | JobResult | None = None
+        answer: HibernatedEvent | Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
@@ -133,10 +133,10 @@ class SessionDriver:
             done.set()
             self._arm_idle_timer(session)
 
-    async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | JobResult:
+    async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | Result:
         if session.ended or session.handle is None:
             why = RequestError(f"session {session.name!r} ended before it could hibernate", "session")
-            return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=session.name)
+            return error_result(request_id, why, runtime=self._setup.runtime, session=session.name)
         try:
             async with self._tasks.slots:
                 hibernate_ms = await session.handle.hibernate()
@@ -154,7 +154,7 @@ class SessionDriver:
         previous: asyncio.Event | None,
         done: tuple[asyncio.Event, asyncio.Event],
     ) -> None:
-        answer: ForkedEvent | JobResult | None = None
+        answer: ForkedEvent | Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
@@ -172,35 +172,35 @@ class SessionDriver:
             for session in (source, target):
                 self._arm_idle_timer(session)
 
-    async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | JobResult:
+    async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | Result:
         if source.ended or source.handle is None or target.ended:
             why = RequestError(f"session {source.name!r} ended before it could fork", "session")
-            return JobResult.from_error(request_id, why, runtime=self._setup.runtime, session=source.name)
+            return error_result(request_id, why, runtime=self._setup.runtime, session=source.name)
         try:
             async with self._tasks.slots:
                 handle, fork_ms = await source.handle.fork()
         except ReadieError as exc:
             return self._failed(request_id, source, exc)
         self._tasks.stats.session_image("forks", fork_ms)
-        target.handle, target.policy, target.functions = handle, source.policy, source.functions
+        target.handle, target.job, target.functions = handle, source.job, source.functions
         if target.phase is SessionPhase.OPENING:
             target.move(SessionPhase.OPEN)
         elif target.ended:  # the pool is ending: nobody will close it otherwise
             self._tasks.spawn(handle.close())
         return ForkedEvent(request_id, source.name, target.name, round(fork_ms))
 
-    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> JobResult:
+    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> Result:
         """The answer to a hibernate or fork that failed: refused (RequestError, or the worker's image
         bounds: SandboxSetupError), the session goes on; anything else has ended it."""
         ended = not isinstance(error, RequestError | SandboxSetupError)
         if ended:
             self.close_in_background(session, "it could not hibernate")
-        return JobResult.from_error(
+        return error_result(
             request_id, error, runtime=self._setup.runtime, session=session.name, session_ended=ended
         )
 
-    def _send(self, answer: HibernatedEvent | ForkedEvent | JobResult | None) -> None:
-        if isinstance(answer, JobResult):
+    def _send(self, answer: HibernatedEvent | ForkedEvent | Result | None) -> None:
+        if isinstance(answer, Result):
             self._tasks.finish(answer)
         elif answer is not None:
             self._tasks.answer(answer)
@@ -214,7 +214,7 @@ class SessionDriver:
         done: asyncio.Event,
         cancel: Cancellation,
     ) -> None:
-        result: JobResult | None = None
+        result: Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
@@ -222,7 +222,7 @@ class SessionDriver:
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
             error = internal_error(exc)
-            result = JobResult.from_error(
+            result = error_result(
                 request.id, error, runtime=self._setup.runtime, session=session.name
             )
             self.close_in_background(session, "internal error")
@@ -237,25 +237,33 @@ class SessionDriver:
 
     async def _step_result(
         self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
-    ) -> JobResult:
+    ) -> Result:
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
-            return JobResult.from_error(request.id, why, runtime=runtime, session=name)
+            return error_result(request.id, why, runtime=runtime, session=name)
         first = session.handle is None
         try:
             if first:
-                policy = request_policy(self._setup, request)
-                job = await code_job(self._setup, request, policy)
+                job = await code_job(self._setup, request)
                 session.functions = job.functions
             else:
-                assert session.policy is not None
-                policy = resolve_step(session.policy, request, self._setup.config.limits)
-                check_max_output(policy)
+                assert session.job is not None
+                check_step(request.timeout_ms, request.max_output, self._setup.config.limits)
+                step = Step(
+                    code=request.code or "",
+                    name=request.name or DEFAULT_INLINE_NAME,
+                    args=request.args,
+                    # As the request set them: the session's job fills the rest (CodeJob.step).
+                    timeout_ms=request.timeout_ms,
+                    max_output=request.max_output,
+                    report_files=request.report_files,
+                )
+                job = session.job.step(step)  # what the step runs, and what its result reports
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
-            return JobResult.from_error(request.id, exc, runtime=runtime, session=name)
+            return error_result(request.id, exc, runtime=runtime, session=name)
         async with self._tasks.slots:
             queue_us = max(0, (self._tasks.now_ns() - parsed_at) // 1000)
             host = self._tasks.host_for(request.id, session.functions)
@@ -266,30 +274,22 @@ class SessionDriver:
                 if first:
                     opened = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
                     session.handle, outcome = opened
-                    session.policy = policy
+                    session.job = job
                     if session.phase is SessionPhase.OPENING:  # not CLOSING already
                         session.move(SessionPhase.OPEN)
                 else:
                     assert session.handle is not None
-                    step = Step(
-                        code=request.code or "",
-                        name=request.name or DEFAULT_INLINE_NAME,
-                        args=request.args,
-                        timeout_ms=policy.timeout_ms,
-                        max_output=policy.max_output,
-                        report_files=request.report_files,
-                    )
                     outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
                 self._tasks.count_host(outcome.outcome)
             except ReadieError as exc:
                 # A refusal of the first step leaves no session; any other failure ends it.
                 if first or not isinstance(exc, RequestError):
                     self.close_in_background(session, "its backend failed")
-                return JobResult.from_error(
+                return error_result(
                     request.id,
                     exc,
                     runtime=runtime,
-                    policy=None if isinstance(exc, RequestError) else policy,
+                    job=None if isinstance(exc, RequestError) else job,
                     queue_us=queue_us,
                     session=name,
                 )
@@ -297,16 +297,16 @@ class SessionDriver:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._tasks.stats.session_image("resumes", outcome.resumed_ms)
-        return self._step_line(request, outcome, policy, queue_us, name)
+        return self._step_line(request, outcome, job, queue_us, name)
 
     def _step_line(
-        self, request: JobRequest, outcome: StepOutcome, policy: Policy, queue_us: int, name: str
-    ) -> JobResult:
+        self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str
+    ) -> Result:
         return job_result(
             request.id,
             outcome.outcome,
             runtime=self._setup.runtime,
-            policy=policy,
+            job=job,
             queue_us=queue_us,
             session=name,
             step=outcome.step,
@@ -374,7 +374,7 @@ class SessionDriver:
             if previous is not None:
                 await previous.wait()
             answer = await self._hibernated(session, None)
-            if isinstance(answer, JobResult) and answer.error is not None:  # nobody asked: logged, not answered
+            if isinstance(answer, Result) and answer.error is not None:  # nobody asked: logged, not answered
                 log.warning("a session could not hibernate", session=session.name, error=answer.error.message)
         except Exception:  # a bug must cost this session, never the pool
             log.exception("internal error hibernating an idle session", session=session.name)

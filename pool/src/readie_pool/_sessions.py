@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ._backend import BackendSession
 from readie_worker.errors import RequestError
-from readie_policy.policy import Policy
+from readie_policy.jobs import CodeJob
 from readie_protocol.requests import JobRequest
 
 __all__ = ["MAX_PENDING_STEPS", "NamedSession", "SessionPhase", "SessionTable"]
@@ -73,7 +73,7 @@ class NamedSession:
     phase: SessionPhase = SessionPhase.OPENING
     pending: int = 0  # accepted requests (steps and closes) not yet answered
     handle: BackendSession | None = None
-    policy: Policy | None = None  # the session's, fixed by the first request
+    job: CodeJob | None = None  # the session's first job: its grants and limits, fixed for its life
     functions: tuple[str, ...] = ()  # its host functions, fixed by the first request too
     idle: asyncio.TimerHandle | None = None  # closes it at session_idle
     hibernation: asyncio.TimerHandle | None = None  # hibernates it at session_hibernate

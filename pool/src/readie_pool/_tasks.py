@@ -20,12 +20,13 @@ from typing import Any
 from readie_protocol.connection import PoolConnection, PoolEvent
 from readie_protocol.events import OutputEvent
 from readie_protocol.requests import JobRequest
+from readie_protocol.results import Result
 from readie_protocol.wire import RequestId
-from readie_worker.cancel import Cancellation
-from readie_worker.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
+from readie_protocol.cancel import Cancellation
+from readie_policy.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
 
 from ._backend import JobBackend
-from ._events import JobResult, Stats, job_log_line
+from ._events import Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
 from ._setup import PoolSetup
 
@@ -133,14 +134,14 @@ class PoolTasks:
 
     # ------------------------------------------------------------------ answers
 
-    def finish(self, result: JobResult, budget: asyncio.BoundedSemaphore | None = None) -> None:
+    def finish(self, result: Result, budget: asyncio.BoundedSemaphore | None = None) -> None:
         """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
         self.stats.record(result)
         if self._log_job is not None and self.setup.log_jobs:
             line = job_log_line(result, self._wall_ms())
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_job(line.pop("event"), **line)
-        self.outbox.put_nowait((self._connection.send(result.to_wire()), budget or self._permits))
+        self.outbox.put_nowait((self._connection.send(result), budget or self._permits))
 
     def answer(self, event: PoolEvent) -> None:
         self.outbox.put_nowait((self._connection.send(event), self._permits))

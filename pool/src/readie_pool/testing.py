@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.jobs import (
     CANCELLED_MESSAGE,
     CodeJob,
@@ -366,15 +366,7 @@ class FakeSession:
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER,
     ) -> StepOutcome:
-        job = dataclasses.replace(
-            self.job,
-            code=step.code,
-            name=step.name,
-            args=step.args,
-            timeout_ms=step.timeout_ms,
-            max_output=step.max_output,
-        )
-        return await self.step(job, job_id, host, output, cancel)
+        return await self.step(self.job.step(step), job_id, host, output, cancel)
 
     async def step(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,

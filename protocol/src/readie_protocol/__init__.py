@@ -8,8 +8,10 @@ line encoder (:mod:`readie_protocol.wire`), the line limit and the splitter
 that enforces it (:mod:`readie_protocol.lines`), what a request line may say
 and its parser (:mod:`readie_protocol.requests`, sizes and durations in
 :mod:`readie_protocol.units`), and the events a pool writes
-(:mod:`readie_protocol.events`). Standard library only, beside the
-executor's host-function codec (``readie_executor.hostwire``, itself
+(:mod:`readie_protocol.events`; a result and the outcome it counts as in
+:mod:`readie_protocol.results`), and a caller's :class:`~readie_protocol.cancel.Cancellation`.
+Standard library only, beside the executor's host-function codec and job
+bounds (``readie_executor.hostwire``, ``readie_executor.jobs``, themselves
 standard library only), whose rules requests share with the sandbox.
 This package exports the requests, the events and the errors by name, so a
 client writes ``from readie_protocol import JobRequest, Result, RequestError``.

@@ -59,6 +59,7 @@ from .events import (
     parse_stats,
 )
 from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine
+from .request_lines import request_json
 from .requests import Refused, Request, encode_request, parse_event
 from .wire import RequestId, encode_line
 
@@ -178,15 +179,17 @@ class PoolConnection:
 
     # ------------------------------------------------------------------ outgoing
 
-    def send(self, event: Mapping[str, Any] | PoolEvent) -> bytes:
-        """The line for one outgoing request (a client's: a JSON object) or event (the pool's).
+    def send(self, event: Request | Mapping[str, Any] | PoolEvent) -> bytes:
+        """The line for one outgoing request (a client's: a typed request, as the pool parses it
+        back, or a JSON object) or event (the pool's).
 
         A client's request line over the limit raises
         :class:`~readie_protocol.errors.RequestError` naming the field that made
         it long; a request with an id expects its answer by that id.
         """
         if self.our_role is Role.CLIENT:
-            assert isinstance(event, Mapping), "a client sends requests as JSON objects"
+            if not isinstance(event, Mapping):
+                event = request_json(event)  # type: ignore[arg-type]  # a client sends requests, never events
             line = encode_request(event)
             request_id = event.get("id")
             if "reply" not in event and request_id is not None:

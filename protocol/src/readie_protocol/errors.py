@@ -6,12 +6,14 @@ or a status. A result's ``error.type`` is either the job's Python exception
 class or one of readie's own :class:`ErrorType` values; the table between
 the families and those types is here, once: :func:`error_type` for the side
 that reports an error and :func:`family_of` for the side that raises it
-again. Layers add subclasses of their own (the worker's ``Cancelled``,
-the client's ``RemoteError``), never a second family; the two here are the
-ones more than one program raises and the client catches: a bad
-configuration file (:class:`ConfigError`, read by every command and by
-``readie mcp``) and an executor that did not answer in time
-(:class:`ExecutorTimeout`, which a remote call's status carries back).
+again. Layers add subclasses of their own (the client's ``RemoteError``),
+never a second family; the three here are the ones more than one program
+raises and the client catches: a bad configuration file
+(:class:`ConfigError`, read by every command and by ``readie mcp``), an
+executor that did not answer in time (:class:`ExecutorTimeout`, which a
+remote call's status carries back) and work its caller gave up on
+(:class:`Cancelled`, raised by the worker and mapped to a status by the
+gRPC layer).
 
 Where a layer meets a library that fails in its own terms (a socket, runsc,
 gRPC), :func:`mapped_errors` turns those failures into these classes, from
@@ -27,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "MAX_SHOWN_CHARS",
+    "Cancelled",
     "ConfigError",
     "ErrorMap",
     "ErrorType",
@@ -40,6 +43,7 @@ __all__ = [
     "VersionMismatch",
     "error_type",
     "family_of",
+    "internal_error",
     "mapped_errors",
     "shown",
 ]
@@ -79,6 +83,16 @@ class PoolWorkerError(ReadieError):
 
 class ExecutorTimeout(PoolWorkerError):
     """The executor did not answer within the call's deadline."""
+
+
+class Cancelled(PoolWorkerError):
+    """The caller gave up (a cancelled call, a passed deadline) before the work could start."""
+
+
+def internal_error(exc: BaseException) -> PoolWorkerError:
+    """What a client reads of a bug: its type only, since its text could hold anything (host
+    paths among it); the caller logs the traceback."""
+    return PoolWorkerError(f"internal error ({type(exc).__name__})")
 
 
 class PoolError(ReadieError):

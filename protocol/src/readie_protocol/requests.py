@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from readie_executor.hostwire import MAX_FUNCTIONS
+from readie_executor.jobs import bounds
 
 from .encoding import encode_request
 from .replies import MAX_REPLY_BYTES, ReplyRequest, parse_reply
@@ -39,6 +40,7 @@ from .units import (
     SIZE_SCHEMA,
     at_most_schema,
     format_duration_ms,
+    format_size,
     parse_duration_ms,
     parse_size,
     positive_schema,
@@ -65,6 +67,8 @@ from ._values import (
 
 __all__ = [
     "MAX_FUNCTIONS",
+    "MAX_LISTED_FILES",
+    "MAX_OUTPUT_BYTES",
     "MAX_PATH_BYTES",
     "MAX_NAME_CHARS",
     "MAX_PATH_CHARS",
@@ -101,6 +105,12 @@ MAX_PATH_BYTES = 4096
 MAX_PATH_CHARS = MAX_PATH_BYTES
 #: Linux's NAME_MAX: ``name`` becomes the file name in tracebacks.
 MAX_NAME_CHARS = 255
+#: A result lists at most this many files (``report_files``): a model or a person
+#: reads the first thousand. Paths are at most PATH_MAX, so the list is at most
+#: 4 MiB, and 12 MiB of JSON for names that are not UTF-8 (each byte a
+#: replacement character). The worker cuts its list there; a peer reading a
+#: worker's answer refuses a longer one.
+MAX_LISTED_FILES = 1000
 #: Session names are echoed in every step's result and log line.
 MAX_SESSION_CHARS = 256
 #: The longest timeout a job or a step may have, from a request, a profile or
@@ -111,6 +121,10 @@ MAX_SESSION_CHARS = 256
 #: inside, and a job's result within what it may claim to have run (a week,
 #: readie_worker._job_result). gRPC requests have a shorter bound of their own.
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
+#: The largest ``max_output`` a job or a step may have: what the in-sandbox
+#: runner captures at most. Held at every parse (this one, the gRPC wire's,
+#: the config's), so a policy never holds more.
+MAX_OUTPUT_BYTES = bounds.MAX_OUTPUT_LIMIT
 
 #: Fields only a session's first request may carry: they fix the session's
 #: permissions, limits, environment and host functions for its whole life.
@@ -371,6 +385,10 @@ _timeout = with_schema(
     at_most(positive(parse_duration_ms), MAX_TIMEOUT_MS, format_duration_ms(MAX_TIMEOUT_MS)),
     at_most_schema(positive_schema(DURATION_SCHEMA), MAX_TIMEOUT_MS // 1000),
 )
+_max_output = with_schema(
+    at_most(parse_size, MAX_OUTPUT_BYTES, format_size(MAX_OUTPUT_BYTES)),
+    at_most_schema(SIZE_SCHEMA, MAX_OUTPUT_BYTES),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,8 +435,9 @@ JOB_FIELDS = (
              f"{format_duration_ms(MAX_TIMEOUT_MS)}. Past it the job ends with TimeoutError and exit 124."),
     JobField("memory", "memory_bytes", with_schema(positive(parse_size), positive_schema(SIZE_SCHEMA)),
              "Memory limit of the job, files it writes in its tmpfs included; at most the ceiling's."),
-    JobField("max_output", "max_output", with_schema(parse_size, SIZE_SCHEMA),
-             "Bytes of stdout, and of stderr, kept; the rest is cut and the result says truncated."),
+    JobField("max_output", "max_output", _max_output,
+             f"Bytes of stdout, and of stderr, kept; the rest is cut and the result says truncated. At most "
+             f"the ceiling's, and at most {format_size(MAX_OUTPUT_BYTES)}."),
     JobField("max_file_size", "max_file_size", with_schema(parse_size, SIZE_SCHEMA),
              "The largest file the job may write (RLIMIT_FSIZE); at most the ceiling's, which also applies "
              "when unset."),

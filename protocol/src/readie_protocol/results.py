@@ -1,10 +1,27 @@
 """A job's result line as a frozen value, for both ends, with its parts (the error, the runtime,
-the policy, the last expression's value), its parser and :class:`JobError`, the error a failed
-job's result raises. ``readie_protocol.events`` holds the other lines and re-exports these; see
-its docstring for the parsing rules."""
+the policy, the last expression's value), the outcome it stands for, its parser and
+:class:`JobError`, the error a failed job's result raises. ``readie_protocol.events`` holds the other lines and re-exports these; see its docstring for the
+parsing rules.
+
+One :class:`Result` travels from the pool's engine to its client: the engine
+builds it from a worker's outcome (``readie_pool._results``), writes it, and
+counts it by :attr:`Result.outcome`; a client parses the same value back.
+
+``exit`` is always an integer, so a client testing ``exit == 0`` (or a shell
+habit, ``if exit:``) never mistakes a job that did not run for a success:
+
+* the code ran and exited: its exit status (0; 1 for an uncaught exception;
+  ``n`` for ``sys.exit(n)``);
+* killed by a signal: 128 + the signal number, as a shell reports it;
+* killed at its timeout: 124 (:data:`EXIT_TIMEOUT`), as ``timeout(1)`` reports it;
+* never ran, or no status was observed (RequestError, SandboxSetupError,
+  PoolWorkerError, SignalError): -1 (:data:`EXIT_NOT_RUN`), which no process
+  can exit with.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,10 +31,13 @@ from .errors import ErrorType, ReadieError, RequestError, family_of
 from .wire import RequestId
 
 __all__ = [
+    "EXIT_NOT_RUN",
+    "EXIT_TIMEOUT",
     "RUNTIME_NAME",
     "ErrorInfo",
     "FileInfo",
     "JobError",
+    "Outcome",
     "PolicyInfo",
     "Result",
     "RuntimeInfo",
@@ -27,6 +47,25 @@ __all__ = [
 
 #: The spec's "runtime" value, with pynox read as readie.
 RUNTIME_NAME = "readie"
+#: ``exit`` of a job that never ran or whose status was never observed.
+EXIT_NOT_RUN = -1
+#: ``exit`` of a job killed at its timeout, as ``timeout(1)`` reports it.
+EXIT_TIMEOUT = 124
+
+
+class Outcome(enum.Enum):
+    """Which stats counter a result adds to; the counters are disjoint. Values are the stats event's keys."""
+
+    OK = "ok"
+    FAILED = "failed"  # the job's Python code raised or exited non-zero
+    TIMEOUT = "timeouts"
+    SIGNAL = "signals"
+    REQUEST_ERROR = "request_errors"
+    WORKER_ERROR = "worker_errors"  # PoolWorkerError and SandboxSetupError
+
+
+# The outcome of a result that readie ended before the job's code did, by its error type.
+_NOT_RUN = {ErrorType.SIGNAL: Outcome.SIGNAL, ErrorType.REQUEST: Outcome.REQUEST_ERROR}
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +181,16 @@ class Result:
 
     id: RequestId | None
     exit: int
-    stdout: str
-    stderr: str
-    error: ErrorInfo | None
-    stdout_truncated: bool
-    stderr_truncated: bool
-    duration_ms: int
-    duration_us: int
-    queue_us: int
-    runtime: RuntimeInfo | None
-    policy: PolicyInfo | None
+    stdout: str = ""
+    stderr: str = ""
+    error: ErrorInfo | None = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_ms: int = 0
+    duration_us: int = 0
+    queue_us: int = 0
+    runtime: RuntimeInfo | None = None
+    policy: PolicyInfo | None = None
     session: str | None = None
     step: int | None = None
     session_ended: bool = False
@@ -168,6 +207,24 @@ class Result:
     @property
     def truncated(self) -> bool:
         return self.stdout_truncated or self.stderr_truncated
+
+    @property
+    def outcome(self) -> Outcome:
+        """The counter this result adds to, read from ``exit`` and the error's type alone.
+
+        Only readie writes exit -1 (a process exits 0 to 255), so a job's own
+        exception named like one of readie's errors (exit 1) is the job's
+        failure; a timeout is exit 124 with ``TimeoutError``, which a job's
+        uncaught TimeoutError (exit 1) is not.
+        """
+        error = self.error
+        if error is None:
+            return Outcome.OK if self.exit == 0 else Outcome.FAILED
+        if self.exit == EXIT_NOT_RUN:
+            return _NOT_RUN.get(error.type, Outcome.WORKER_ERROR)
+        if self.exit == EXIT_TIMEOUT and error.type == ErrorType.TIMEOUT:
+            return Outcome.TIMEOUT
+        return Outcome.FAILED
 
     def raise_for_error(self) -> Result:
         """Return this result if ok, else raise: :class:`RequestError` (carrying this result),

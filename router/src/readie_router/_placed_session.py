@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from readie_rpc.remote_session import RemoteSession, SessionLost
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.errors import PoolWorkerError
 from readie_worker.jobs import HostFunction, OutputSink, Step
 from readie_worker.sessions import StepOutcome

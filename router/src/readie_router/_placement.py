@@ -41,7 +41,7 @@ from typing import TypeVar
 
 import structlog
 
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
 from readie_worker.runner import Capacity

@@ -18,14 +18,14 @@ from collections.abc import Iterator
 
 import grpc
 import structlog
-from readie_worker.cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 
 from readie_rpc.grpc_service import CallLog
 from readie_rpc.stubs import pool_pb2 as pb
 from readie_rpc.stubs import pool_pb2_grpc as pb_grpc
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from readie_worker.metrics import Metrics
-from readie_worker.runner import JobRunner, SessionHandle
+from readie_policy.runner import JobRunner, SessionHandle
 from readie_worker.sessions import StepOutcome
 
 from readie_pool import PoolEngine, PoolSetup, ThreadedBackend

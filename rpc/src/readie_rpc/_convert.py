@@ -1,8 +1,8 @@
 """Proto messages to readie values and back: validation without I/O.
 
-A request from the wire becomes a :class:`~readie_worker.jobs.CodeJob` only
+A request from the wire becomes a :class:`~readie_policy.jobs.CodeJob` only
 through :func:`code_job`, which refuses what no job needs with a
-:class:`~readie_worker.errors.RequestError` naming the field: negative or
+:class:`~readie_protocol.errors.RequestError` naming the field: negative or
 absurd numbers, NUL characters (no path, argument or variable can hold one,
 and ``compile`` refuses them in source), oversized strings and lists. Checks
 that need the worker's state (the checkpoint exists, a grant fits a mount slot,
@@ -22,17 +22,15 @@ from readie_executor.jobs import bounds
 
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
-from readie_worker.runner import Capacity
-from readie_worker.errors import PoolWorkerError, RequestError
+from readie_protocol.errors import PoolWorkerError, RequestError
 from ._session_wire import milliseconds
 from readie_protocol.events import ErrorInfo, FileInfo, Value
-from readie_worker.written import MAX_LISTED_FILES
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostStats, JobOutcome, Step, check_functions
-from readie_policy.policy import DEFAULT_TIMEOUT_MS, NO_LIMITS, Limits, Profile, check_step, resolve_policy
-from readie_worker.sessions import StepOutcome
-from readie_worker.packages import validate_requirements
-from readie_worker.paths import MAX_PATH_CHARS
+from readie_policy.jobs import (
+    DEFAULT_INLINE_NAME, Capacity, CodeJob, HostStats, JobOutcome, Step, StepOutcome, check_functions, validate_requirements,
+)
+from readie_policy.policy import NO_LIMITS, Limits, Profile, call_timeout, check_step, resolve_policy
+from readie_protocol.requests import MAX_LISTED_FILES, MAX_NAME_CHARS, MAX_OUTPUT_BYTES, MAX_PATH_CHARS, MAX_TIMEOUT_MS
 
 # Profile names in a config file are at most this long (config.py).
 MAX_PROFILE_NAME = 64
@@ -51,9 +49,6 @@ MAX_ENV_VARS = 1024
 # Far above any mount plan (a few slots each); past it the request is garbage,
 # below it the worker refuses with the real slot count.
 MAX_GRANTS = 64
-# An hour: a slot held longer starves the worker's other callers. Shorter than
-# readie_protocol's MAX_TIMEOUT_MS, the bound of every timeout (the sandbox's timers).
-NETWORK_MAX_TIMEOUT_MS = 3600 * 1000
 # More memory or file size than any worker has is a mistake, not a limit, and
 # the executor adds its own baseline to memory_bytes, which must stay in rlim_t.
 MAX_LIMIT_BYTES = 1 << 40
@@ -93,9 +88,9 @@ def code_job(
         package_dirs=_paths("package_dirs", request.package_dirs),
         env=tuple(env.items()) or None,
         allow_network=True if request.network else None,
-        timeout_ms=_optional_int(request, "timeout_ms", 1, NETWORK_MAX_TIMEOUT_MS),
+        timeout_ms=_optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS),
         memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
-        max_output=_optional_int(request, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+        max_output=_optional_int(request, "max_output", 0, MAX_OUTPUT_BYTES),
         max_file_size=_optional_int(request, "max_file_size", 1, MAX_LIMIT_BYTES),
         packages=validate_requirements(tuple(request.packages)) or None,
     )
@@ -103,7 +98,7 @@ def code_job(
     return CodeJob(
         checkpoint=checkpoint_name(request.checkpoint),
         code=_text("code", request.code, MAX_CODE_CHARS),
-        name=_text("name", request.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
+        name=_text("name", request.name, MAX_NAME_CHARS) or DEFAULT_INLINE_NAME,
         args=args,
         env=dict(policy.env),
         cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
@@ -153,10 +148,10 @@ def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> Step:
     try:
         step = Step(
             code=_text("code", message.code, MAX_CODE_CHARS),
-            name=_text("name", message.name, bounds.MAX_FILE_NAME) or DEFAULT_INLINE_NAME,
+            name=_text("name", message.name, MAX_NAME_CHARS) or DEFAULT_INLINE_NAME,
             args=_args(tuple(message.args)),
-            timeout_ms=_optional_int(message, "timeout_ms", 1, NETWORK_MAX_TIMEOUT_MS),
-            max_output=_optional_int(message, "max_output", 0, bounds.MAX_OUTPUT_LIMIT),
+            timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
+            max_output=_optional_int(message, "max_output", 0, MAX_OUTPUT_BYTES),
             report_files=message.report_files,
         )
         check_step(step.timeout_ms, step.max_output, limits)
@@ -179,11 +174,11 @@ def checkpoint_name(name: str) -> str:
     return _text("checkpoint", name, MAX_CHECKPOINT_NAME)
 
 
-def timeout_ms(request: pb.RunJobRequest | pb.ExecuteRequest, time_remaining_s: float | None) -> int:
-    """The requested timeout (or the default), cut to what the caller's deadline leaves less
-    :data:`ANSWER_MARGIN_MS`, so that a deadline ends the job with its own TimeoutError."""
-    timeout = _optional_int(request, "timeout_ms", 1, NETWORK_MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
-    assert timeout is not None
+def timeout_ms(request: pb.ExecuteRequest, time_remaining_s: float | None, limits: Limits = NO_LIMITS) -> int:
+    """A call's timeout: the requested one within the ceiling (or the default), cut to what the
+    caller's deadline leaves less :data:`ANSWER_MARGIN_MS`, so that a deadline ends the call
+    with its own TimeoutError."""
+    timeout = call_timeout(_optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS), limits)
     return cut_to_deadline(timeout, time_remaining_s)
 
 
@@ -323,9 +318,9 @@ def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...] | None:
     return tuple(_absolute(field, path) for path in paths) or None
 
 
-def _optional_int(message: Message, field: str, low: int, high: int, default: int | None = None) -> int | None:
+def _optional_int(message: Message, field: str, low: int, high: int) -> int | None:
     if not message.HasField(field):
-        return default
+        return None
     value: int = getattr(message, field)
     if not low <= value <= high:
         raise RequestError(f"must be between {low} and {high}, got {value}", field=field)

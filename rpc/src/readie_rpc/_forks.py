@@ -14,8 +14,8 @@ from __future__ import annotations
 import secrets
 import threading
 
-from readie_worker.errors import RequestError, SandboxSetupError
-from readie_worker.runner import SessionHandle
+from readie_protocol.errors import RequestError, SandboxSetupError
+from readie_policy.runner import SessionHandle
 
 __all__ = ["FORK_ATTACH_S", "MAX_WAITING_FORKS", "WaitingForks"]
 

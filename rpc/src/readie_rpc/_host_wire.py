@@ -1,13 +1,13 @@
 """Host calls, replies and output as Interact messages, and back: validation without I/O.
 
 Both ends of an ``Interact`` stream use these: the worker turns a client's
-``HostReply`` into a :class:`~readie_worker.jobs.HostReply`; the client (a router, ``readie pool
+``HostReply`` into a :class:`~readie_policy.jobs.HostReply`; the client (a router, ``readie pool
 --router``) turns the worker's ``HostCall`` into a
-:class:`~readie_worker.jobs.HostCall` for its host function. Neither end
+:class:`~readie_policy.jobs.HostCall` for its host function. Neither end
 trusts the other's bytes: JSON goes through :mod:`readie_executor.hostwire`
 (iterative, lossless, size-checked first), and a message that is not what
-the protocol allows is a :class:`~readie_worker.errors.RequestError` (from a
-client) or a :class:`~readie_worker.errors.PoolWorkerError` (from a worker)
+the protocol allows is a :class:`~readie_protocol.errors.RequestError` (from a
+client) or a :class:`~readie_protocol.errors.PoolWorkerError` (from a worker)
 naming what was wrong.
 """
 
@@ -21,8 +21,8 @@ from readie_executor import hostwire
 from readie_executor.hostwire import MAX_ARGUMENT_BYTES, MAX_CALL_ID, MAX_RESULT_BYTES
 
 from ._proto.readie.v1 import worker_pb2 as pb
-from readie_worker.errors import PoolWorkerError, RequestError
-from readie_worker.jobs import HostCall, HostReply, OutputChunk
+from readie_protocol.errors import PoolWorkerError, RequestError
+from readie_policy.jobs import HostCall, HostReply, OutputChunk
 
 __all__ = [
     "call_from_message",

@@ -52,12 +52,11 @@ from ._session_wire import forked_message, hibernated_message
 from ._host_wire import call_message, output_message, reply_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
-from readie_worker.cancel import Cancellation
-from readie_worker.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
-from readie_worker.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink
+from readie_protocol.cancel import Cancellation
+from readie_protocol.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
+from readie_policy.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink, StepOutcome
 from readie_policy.policy import NO_LIMITS
-from readie_worker.runner import JobRunner, SessionHandle
-from readie_worker.sessions import StepOutcome
+from readie_policy.runner import JobRunner, SessionHandle
 
 __all__ = ["Interaction", "Mailbox"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._proto.readie.v1 import worker_pb2 as pb
-from readie_worker.errors import ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, error_type
+from readie_protocol.errors import ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, error_type
 
 __all__ = ["MAX_REFUSAL_CHARS", "MAX_SESSION_IMAGE_MS", "forked_message", "hibernated_message", "milliseconds", "refusal"]
 

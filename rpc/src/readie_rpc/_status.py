@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from readie_worker.errors import (
+from readie_protocol.errors import (
     Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, internal_error,
 )
 from readie_protocol.errors import ExecutorTimeout, mapped_errors

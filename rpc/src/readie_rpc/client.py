@@ -17,14 +17,12 @@ from ._convert import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import readie_errors
-from readie_worker.runner import Capacity
 from .grpc_service import MAX_MESSAGE_BYTES
-from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.errors import PoolWorkerError
-from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
+from readie_protocol.cancel import NEVER, Cancellation
+from readie_protocol.errors import Cancelled, PoolWorkerError
+from readie_policy.jobs import Capacity, CodeJob, HostFunction, JobOutcome, OutputSink, StepOutcome
 from .remote_session import DEADLINE_MARGIN_S, InteractStream, RemoteSession
 from .security import ClientSecurity
-from readie_worker.sessions import StepOutcome
 
 __all__ = ["NEVER", "Cancellation", "WorkerClient"]
 

@@ -1,7 +1,8 @@
 """The worker as a gRPC service: readie.v1.Worker, standard health, reflection, graceful drain.
 
 A thin adapter. Requests become readie values in :mod:`._convert`, the
-:class:`~readie_worker.core.Worker` does the work, failures become status
+runner it serves (a :class:`~readie_policy.runner.ServedRunner`: the
+worker, or a router's placement) does the work, failures become status
 codes in :mod:`._status`; this module only wires them to grpc and logs one
 line per call (ids, status, timings; never the job's output). The worker
 logs each job's own line under the same id (the caller's x-request-id when
@@ -45,11 +46,10 @@ from ._interact import Interaction
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
-from readie_worker.cancel import Cancellation
+from readie_protocol.cancel import Cancellation
 from readie_policy.config import Config
-from readie_worker.core import DEFAULT_DRAIN_GRACE_S, Worker
-from readie_worker.errors import RequestError, SandboxSetupError
-from readie_worker.metrics import Metrics
+from readie_policy.runner import CallCounter, ServedRunner
+from readie_protocol.errors import RequestError, SandboxSetupError
 from .security import ServerSecurity
 
 log = structlog.get_logger("readie.grpc")
@@ -106,7 +106,7 @@ _Response = TypeVar("_Response")
 class CallLog:
     """One log line per call: bound fields gathered while it runs, written when it ends."""
 
-    def __init__(self, rpc: str, context: grpc.ServicerContext, level: str = "info", metrics: Metrics | None = None) -> None:
+    def __init__(self, rpc: str, context: grpc.ServicerContext, level: str = "info", metrics: CallCounter | None = None) -> None:
         self.request_id = _request_id(context)
         self._rpc = rpc
         self._metrics = metrics  # counts each call by its status, where the log line is written
@@ -159,7 +159,7 @@ def _rpc(level: str = "info") -> Callable[[Callable[..., _Response]], Callable[.
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, worker: Worker, name: str, max_streams: int, config: Config, metrics: Metrics | None = None) -> None:
+    def __init__(self, worker: ServedRunner, name: str, max_streams: int, config: Config, metrics: CallCounter | None = None) -> None:
         self.worker = worker
         self.metrics = metrics
         self.name = name
@@ -187,7 +187,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext, call: CallLog) -> pb.ExecuteResponse:
         checkpoint = checkpoint_name(request.checkpoint)
         payload = call_payload(request)
-        timeout = timeout_ms(request, context.time_remaining())
+        timeout = timeout_ms(request, context.time_remaining(), self.ceiling.limits)
         call.bind(checkpoint=checkpoint, timeout_ms=timeout, payload_bytes=len(payload))
         started = time.monotonic()
         envelope = self.worker.execute_call(
@@ -229,7 +229,7 @@ class _Health:
     change is logged once.
     """
 
-    def __init__(self, servicer: health.HealthServicer, worker: Worker, services: Sequence[str]) -> None:
+    def __init__(self, servicer: health.HealthServicer, worker: ServedRunner, services: Sequence[str]) -> None:
         self._servicer = servicer
         self._worker = worker
         self._services = ("", *services)  # "" is the whole server, as health clients ask by default
@@ -271,12 +271,12 @@ class WorkerServer:
 
     server: grpc.Server
     health: health.HealthServicer
-    worker: Worker
+    worker: ServedRunner
     address: str
     port: int
     watch: _Health
 
-    def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S, notice_s: float = DRAIN_NOTICE_S) -> None:
+    def drain(self, grace_s: float, notice_s: float = DRAIN_NOTICE_S) -> None:
         """Stop taking work, let running jobs finish (up to ``grace_s``), destroy sandboxes, stop.
 
         Health turns NOT_SERVING first, and the port stays open for at least
@@ -297,7 +297,7 @@ class WorkerServer:
 
 
 def serve(
-    worker: Worker,
+    worker: ServedRunner,
     address: str,
     *,
     name: str | None = None,
@@ -307,7 +307,7 @@ def serve(
     extra_services: Sequence[tuple[str, Callable[[grpc.Server], None]]] = (),
     security: ServerSecurity = ServerSecurity(),
     config: Config = Config(),
-    metrics: Metrics | None = None,
+    metrics: CallCounter | None = None,
 ) -> WorkerServer:
     """Serve a started ``worker`` on ``address`` ("host:port"; port 0 picks a free one).
 

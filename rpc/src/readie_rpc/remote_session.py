@@ -31,10 +31,9 @@ from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import readie_errors
-from readie_worker.cancel import NEVER, Cancellation
-from readie_worker.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
-from readie_worker.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, ask_host, max_output_events
-from readie_worker.sessions import StepOutcome
+from readie_protocol.cancel import NEVER, Cancellation
+from readie_protocol.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
+from readie_policy.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, StepOutcome, ask_host, max_output_events
 
 __all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
 
@@ -238,13 +237,14 @@ class RemoteSession:
             if self._running:
                 raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
             self._running = True
-        task_s = (step.timeout_ms or self.job.timeout_ms) / 1000
+        job = self.job.step(step)
+        task_s = job.timeout_ms / 1000
         try:
             self._stream.send(pb.InteractRequest(step=message))
             with cancel.stopping(self.close):
                 response = self._stream.result(
                     host, task_s, task_s + DEADLINE_MARGIN_S,
-                    output=output, max_output=self.job.max_output if step.max_output is None else step.max_output,
+                    output=output, max_output=job.max_output,
                 )
         except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
             closed = self.ended  # close() cancelled the stream under the step

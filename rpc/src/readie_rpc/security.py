@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from readie_worker.errors import ReadieError
+from readie_protocol.errors import ReadieError
 from readie_policy.operator_files import read_regular
 
 __all__ = [

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from readie_worker.runsc import Runsc
-from readie_worker.state_dir import RUNSC
-from readie_worker.testing import free_port, readie_command
+from readie_policy.testing import free_port, readie_command
 
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from .security import ClientSecurity
@@ -29,9 +27,25 @@ STARTUP_TIMEOUT_S = 30.0
 # A drain with nothing running takes well under a second; the rest is margin.
 EXIT_TIMEOUT_S = 30.0
 
+# Where a worker's runsc keeps its containers, beneath its --state-dir (readie_worker.state_dir.RUNSC).
+RUNSC_DIR = "runsc"
+# runsc list and delete answer in well under a second; past this the machine is wedged.
+RUNSC_TIMEOUT_S = 30.0
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def runsc_containers(root: Path) -> list[str]:
+    """The containers runsc holds under ``root``, asked of runsc itself: a leak check made from
+    outside the worker under test (which lists them through ``readie_worker.runsc``)."""
+    if not root.exists():
+        return []
+    listed = subprocess.run(
+        ["runsc", "--root", str(root), "list", "--quiet"], capture_output=True, text=True, timeout=RUNSC_TIMEOUT_S, check=True
+    )
+    return listed.stdout.split()
 
 
 @dataclass
@@ -44,7 +58,7 @@ class WorkerProcess:
 
     @property
     def runsc_root(self) -> Path:
-        return self.state_dir / RUNSC
+        return self.state_dir / RUNSC_DIR
 
     @property
     def stub(self) -> pb_grpc.WorkerStub:
@@ -61,7 +75,7 @@ class WorkerProcess:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
 
     def containers(self) -> list[str]:
-        return Runsc(root=self.runsc_root).list_ids()  # none once the worker removed its state dir
+        return runsc_containers(self.runsc_root)  # none once the worker removed its state dir
 
 #: A ceiling for test clusters: grants anywhere under /tmp, where tests keep
 #: their projects (the worker still refuses its own directories), and answers
@@ -183,7 +197,9 @@ class Cluster:
             alive = worker.process.poll() is None
             exit_status = stop_worker(worker)
             if not alive:  # killed by its test: its sandboxes outlive it, as after a crash
-                Runsc(root=worker.runsc_root).sweep()
+                for container in runsc_containers(worker.runsc_root):
+                    subprocess.run(["runsc", "--root", str(worker.runsc_root), "delete", "--force", container],
+                                   capture_output=True, timeout=RUNSC_TIMEOUT_S, check=False)
             elif exit_status != 0:
                 problems.append(f"{worker.log_path.parent.name} exited {exit_status}:\n{worker.log_path.read_text()[-2000:]}")
             leftovers = worker.containers()

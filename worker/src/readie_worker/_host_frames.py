@@ -22,8 +22,8 @@ socket loop is ``Sandbox.exchange``; the glue is ``jobs.run_in_sandbox``.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from readie_executor import hostwire
 from readie_executor.hostwire import (
@@ -31,12 +31,13 @@ from readie_executor.hostwire import (
     MAX_CALL_FRAME_BYTES,
     MAX_CALL_ID,
     MAX_CALLS_PER_TASK,
-    MAX_FUNCTIONS,
     MAX_RESULT_BYTES,
     REPLY_PREFIX,
 )
 
-from .errors import PoolWorkerError, RequestError
+from readie_policy.jobs import HostCall, HostReply, HostStats, check_functions
+
+from .errors import PoolWorkerError
 
 __all__ = [
     "MAX_REFUSED_FRAMES",
@@ -93,43 +94,6 @@ class TooManyRefusedFrames(PoolWorkerError):
 
 
 @dataclass(frozen=True, slots=True)
-class HostCall:
-    """A validated call, rebuilt from the frame. ``deadline`` is not from the frame: the worker
-    sets it to the ``time.monotonic()`` at which the task's timeout runs out, so a host that
-    waits (on a client) knows when to give up."""
-
-    call_id: int
-    function: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    deadline: float | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class HostReply:
-    """The host's answer: ``result`` (any JSON value) unless ``error`` is set."""
-
-    result: Any = None
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class HostStats:
-    """What one task's host-function channel carried."""
-
-    calls: int = 0  # valid calls handed to the host
-    replies: int = 0  # replies sent into the sandbox: answers and refusals
-    junk: int = 0  # frames that were not a well-formed call: dropped, answered with an error
-    forged: int = 0  # well-formed calls refused: undeclared name, out of sequence, over the limit
-    host_errors: int = 0  # calls the host answered with an error (or raised on)
-    wait_us: int = 0  # time spent waiting for the host
-
-    @property
-    def refused(self) -> int:
-        return self.junk + self.forged
-
-
-@dataclass(frozen=True, slots=True)
 class RefusedFrame:
     """A refused frame and the error reply that answers it."""
 
@@ -141,18 +105,6 @@ class RefusedFrame:
 def is_call_frame(payload: bytes) -> bool:
     """Whether a message from the sandbox is a call frame rather than the job's final answer."""
     return payload[: len(CALL_PREFIX)] == CALL_PREFIX
-
-
-def check_functions(functions: Collection[str]) -> None:
-    """Refuse declared names readie_host cannot offer, before anything runs."""
-    if len(functions) > MAX_FUNCTIONS:
-        raise RequestError(f"at most {MAX_FUNCTIONS} may be declared", field="functions")
-    for name in functions:
-        problem = hostwire.function_name_problem(name)
-        if problem is not None:
-            raise RequestError(problem, field="functions")
-    if len(set(functions)) != len(functions):
-        raise RequestError("a name is declared twice", field="functions")
 
 
 def parse_call_frame(

@@ -36,20 +36,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import structlog
 
 from readie_executor import hostwire
 from readie_executor.hostwire import (
-    MAX_OUTPUT_CHUNK_BYTES,
     MAX_OUTPUT_FRAME_BYTES,
     OUTPUT_INTERVAL_S,
     OUTPUT_PREFIX,
     OUTPUT_STREAMS,
 )
 from readie_executor.jobs import bounds
+from readie_policy.jobs import FORWARD_BYTES, MIN_FORWARD_INTERVAL_S, OutputChunk, OutputSink, max_output_events
 
 __all__ = [
     "FORWARD_BYTES",
@@ -67,12 +66,6 @@ __all__ = [
 
 _log = structlog.get_logger("readie.worker")
 
-# Well under the sandbox's own interval, so that its honest frames never wait
-# here however the two clocks' wake-ups fall.
-MIN_FORWARD_INTERVAL_S = OUTPUT_INTERVAL_S / 2.5
-# Held text goes out at this size regardless of the interval: a job printing
-# fast sends full-sized chunks (the sandbox's size trigger), which pass at once.
-FORWARD_BYTES = MAX_OUTPUT_CHUNK_BYTES // 2
 # The honest sandbox sends a stream's small frames once per OUTPUT_INTERVAL_S,
 # plus one each time the other stream's flush takes it along, plus its last:
 # at most 2 / OUTPUT_INTERVAL_S. Three times that, after a burst, is a flood.
@@ -86,31 +79,12 @@ _STREAM_PREFIXES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class OutputChunk:
-    """Text a running job wrote on one stream, validated and bounded."""
-
-    stream: Literal["stdout", "stderr"]
-    data: str
-
-
-#: Takes each chunk as the job writes; called on the thread that runs the job.
-#: It must not block for long: the job's exchange waits for it.
-OutputSink = Callable[[OutputChunk], None]
-
-
 class OutputRefused(ValueError):
     """An output frame that is not one, or one too many: dropped, and counted as junk."""
 
 
 def is_output_frame(payload: bytes) -> bool:
     return payload[: len(OUTPUT_PREFIX)] == OUTPUT_PREFIX
-
-
-def max_output_events(task_s: float, max_output: int) -> int:
-    """The most chunks a task of ``task_s`` seconds forwards per stream: one per interval, one per
-    FORWARD_BYTES of its budget, and the last."""
-    return int(task_s / MIN_FORWARD_INTERVAL_S) + max_output // FORWARD_BYTES + 2
 
 
 def parse_output_frame(payload: bytes) -> OutputChunk:

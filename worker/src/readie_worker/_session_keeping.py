@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, SandboxSetupError, bound_ids
 from .hibernation import SessionImages
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since

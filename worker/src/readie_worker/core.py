@@ -21,7 +21,8 @@ import structlog
 
 from . import runsc as runsc_module
 from .bundle import MountPlan, serve_env
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
+from readie_policy.jobs import Capacity
 from readie_policy.config import DEFAULT_MAX_SESSIONS
 from .errors import ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace

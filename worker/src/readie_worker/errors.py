@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 import structlog
 from readie_protocol.errors import (
     MAX_SHOWN_CHARS,
+    Cancelled,
     ConfigError,
     ErrorMap,
     ErrorType,
@@ -36,6 +37,7 @@ from readie_protocol.errors import (
     UnitError,
     error_type,
     family_of,
+    internal_error,
     mapped_errors,
     shown,
 )
@@ -116,16 +118,6 @@ def host_reason(exc: BaseException) -> str:
     if isinstance(exc, subprocess.TimeoutExpired):
         return f"timed out after {exc.timeout:g} s"
     return str(exc)
-
-
-def internal_error(exc: BaseException) -> PoolWorkerError:
-    """What a client reads of a bug: its type only, since its text could hold anything (host
-    paths among it); the caller logs the traceback."""
-    return PoolWorkerError(f"internal error ({type(exc).__name__})")
-
-
-class Cancelled(PoolWorkerError):
-    """The caller gave up (a cancelled call, a passed deadline) before the work could start."""
 
 
 class ManifestError(SandboxSetupError):

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
 import cloudpickle
 import structlog
@@ -34,7 +33,6 @@ from ._host_frames import (
     check_functions,
     is_call_frame,
 )
-from readie_protocol.events import ErrorInfo, FileInfo, Value
 
 from ._output_frames import (
     MIN_FORWARD_INTERVAL_S,
@@ -50,10 +48,10 @@ from ._output_frames import (
 
 from ._grant_fs import ListedGrants
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
-from readie_policy.policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
-from .sandbox import JOB_SUBPROCESSES, NO_REPLY, ExecutorTimeout, Sandbox
+from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, Step, ask_host
+from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
 from .written import written_since
 
 __all__ = [
@@ -80,13 +78,6 @@ __all__ = [
 
 log = structlog.get_logger("readie.worker")
 
-#: Answers one host-function call; runs on the worker thread that runs the job.
-#: An exception it raises becomes an error reply (HostError in the sandbox).
-HostFunction = Callable[[HostCall], HostReply]
-
-# What every job's environment starts from; the request's env goes on top.
-# Nothing of the worker's own environment is ever copied in.
-BASE_JOB_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 # Files count: /tmp, /dev/shm and everything written outside the grants live
 # in the sandbox's memory, under the same cgroup as its allocations.
 # After a job's timeout its code is stopped inside the sandbox (SIGALRM) and
@@ -101,130 +92,12 @@ MEMORY_BACKSTOP_HINT = (
 )
 
 
-@dataclass(frozen=True)
-class CodeJob:
-    """One job as the worker runs it: validated, paths absolute, limits resolved."""
-
-    checkpoint: str
-    code: str
-    name: str = DEFAULT_INLINE_NAME
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    cwd: str = "/tmp"
-    allow_read: tuple[str, ...] = ()
-    allow_write: tuple[str, ...] = ()
-    package_dirs: tuple[str, ...] = ()
-    packages: tuple[str, ...] = ()  # requirements, installed on the worker host and mounted
-    network: bool = False
-    timeout_ms: int = DEFAULT_TIMEOUT_MS
-    memory_bytes: int | None = None
-    max_output: int = DEFAULT_MAX_OUTPUT
-    max_file_size: int | None = None
-    # Host functions the code may call through readie_host (the sessions and
-    # host functions issue); empty means readie_host offers nothing.
-    functions: tuple[str, ...] = ()
-    # List the files it creates or changes in allow_write (written.py) in its outcome.
-    report_files: bool = False
-
-    @property
-    def needs_own_mounts(self) -> bool:
-        """Grants and packages are mount sources, fixed at restore: no warm sandbox has them."""
-        return bool(self.allow_read or self.allow_write or self.package_dirs or self.packages)
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """A later step of an open session: its code, and its own timeout and output cap.
-
-    ``timeout_ms`` and ``max_output`` left None are the session's (its first
-    job's). Every layer passes this one value: the pool engine, the router's
-    placement, the gRPC stream (``session_step`` converts the wire's) and the
-    worker's session, which runs it as its job with these fields replaced.
-    """
-
-    code: str
-    name: str = DEFAULT_INLINE_NAME
-    args: tuple[str, ...] = ()
-    timeout_ms: int | None = None
-    max_output: int | None = None
-    report_files: bool = False
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """What a job came to: its own result, or the worker's account of why there is none."""
-
-    exit: int | None  # None when the job did not end on its own (timeout, crash, refusal)
-    stdout: str
-    stderr: str
-    stdout_truncated: bool
-    stderr_truncated: bool
-    error: ErrorInfo | None
-    duration_us: int  # the worker's clock around the call, not the job's claim
-    python: str
-    preloaded_modules: tuple[str, ...]
-    sandbox_id: str | None
-    backend: str
-    # The code raised SystemExit (in a session, that ends the session).
-    system_exit: bool = False
-    # What the host-function channel carried (None only where no job ran).
-    host: HostStats | None = None
-    # Where the time went, for stats and the bench (None where not measured):
-    # getting a sandbox (a warm one's check, or a restore) on the worker's
-    # clock, and the job's own claim of how long its code ran (untrusted).
-    acquire_us: int | None = None
-    code_us: int | None = None
-    # The code's last bare expression, shown (None: no such expression, or its value was None).
-    value: Value | None = None
-    # What it wrote to its write grants, when the job asked (report_files); None otherwise.
-    files: tuple[FileInfo, ...] | None = None
-    files_truncated: bool = False
-
-    def log_fields(self) -> dict[str, object]:
-        """What the worker's one log line per job or step says of its outcome: never captured output."""
-        return {
-            "sandbox": self.sandbox_id,
-            "backend": self.backend,
-            "exit": self.exit,
-            "error": self.error.type if self.error else None,
-            "duration_us": self.duration_us,
-            "truncated": self.stdout_truncated or self.stderr_truncated,
-        }
-
-    @classmethod
-    def failure(cls, error_type: str, message: str, duration_us: int, backend: str,
-                sandbox_id: str | None = None, hint: str | None = None) -> JobOutcome:
-        return cls(None, "", "", False, False, ErrorInfo(error_type, message, None, None, hint),
-                   duration_us, "", (), sandbox_id, backend)
-
-
 def runner_call(
     job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False, stream: bool = False
 ) -> bytes:
-    """The pickled call: a reference to the trusted runner, and plain data.
-
-    ``session``: run in the sandbox's persistent ``__main__`` (a notebook
-    step) instead of a fresh namespace. ``stream``: send output frames while
-    the job runs.
-    """
-    spec = {
-        "code": job.code,
-        "name": job.name,
-        "args": list(job.args),
-        "env": {**BASE_JOB_ENV, **job.env},
-        "cwd": job.cwd,
-        "links": [dict(link) for link in links],
-        "limits": {
-            "memory_bytes": job.memory_bytes,
-            "max_file_size": job.max_file_size,
-            "max_output": job.max_output,
-            "subprocesses": JOB_SUBPROCESSES,
-            "timeout_ms": job.timeout_ms,
-        },
-        "session": session,
-        "functions": list(job.functions),
-        "stream": stream,
-    }
+    """The pickled call: a reference to the trusted runner, and the job's spec (plain data,
+    :meth:`CodeJob.spec`)."""
+    spec = job.spec(links, session=session, stream=stream)
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
 
@@ -381,17 +254,6 @@ class _HostAnswer:
             self._relay.receive(message)
         except OutputRefused as exc:  # TooManyRefusedFrames from here ends the job
             self._conversation.count_refused("junk", f"output frame refused: {exc}")
-
-
-def ask_host(host: HostFunction, call: HostCall) -> HostReply:
-    """``host``'s answer to ``call``; whatever goes wrong in it is the call's failure, not the job's."""
-    try:
-        reply = host(call)
-    except Exception as exc:  # noqa: BLE001
-        return HostReply(error=f"{call.function} failed on the host: {type(exc).__name__}: {exc}")
-    if not isinstance(reply, HostReply):
-        return HostReply(error=f"{call.function}: the host answered with {type(reply).__name__}, not a reply")
-    return reply
 
 
 def _from_result(result: SandboxAnswer, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:

@@ -13,43 +13,19 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from readie_protocol.requests import MAX_REQUIREMENT_CHARS
+from readie_policy.jobs import validate_requirements
 
 from .errors import RequestError, SandboxSetupError
 
-# name[extras] with optional version clauses; no URLs, paths, options or markers.
-_REQUIREMENT = re.compile(
-    r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
-    r"(?:\[[A-Za-z0-9._-]+(?:,[A-Za-z0-9._-]+)*\])?"
-    r"(?:(?:===|==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!_-]+"
-    r"(?:,(?:===|==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!_-]+)*)?"
-)
-# Enough for any real job's list; bounds the install command and the cache key.
-MAX_REQUIREMENTS = 32
 # A cold install of a few wheels takes seconds; minutes mean a stuck index.
 INSTALL_TIMEOUT_S = 300.0
 STAMP = "readie-packages.json"
-
-
-def validate_requirements(requirements: Sequence[str]) -> tuple[str, ...]:
-    if len(requirements) > MAX_REQUIREMENTS:
-        raise RequestError(f"{len(requirements)} requirements, at most {MAX_REQUIREMENTS}", field="packages")
-    cleaned = []
-    for requirement in requirements:
-        text = requirement.strip()
-        if len(text) > MAX_REQUIREMENT_CHARS or not _REQUIREMENT.fullmatch(text):
-            raise RequestError(
-                f"{requirement[:80]!r} is not a requirement of the form name[extras]==version", field="packages"
-            )
-        cleaned.append(text)
-    return tuple(sorted(dict.fromkeys(cleaned)))
 
 
 def package_cache() -> Path:

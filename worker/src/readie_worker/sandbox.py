@@ -41,6 +41,8 @@ from readie_executor.framing import (
 )
 from readie_executor.sockets import RECV_SIZE
 
+from readie_policy.jobs import JOB_SUBPROCESSES  # what a job's spec sends, and a warm-up prepares for
+
 from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
 from ._states import SandboxState, check_transition
@@ -81,9 +83,6 @@ MAX_WARM_UP_ANSWER = 4096
 # session left running may hold the interpreter for a while (a C call); five seconds
 # without an answer means it is wedged, and it is not checkpointed.
 HIBERNATE_ANSWER_S = 5.0
-# No job may start processes (the seccomp filter refuses fork and exec): what
-# runner_call sends, and what a warm-up prepares for by installing that filter.
-JOB_SUBPROCESSES = False
 _WARM_UP_REQUEST = cloudpickle.dumps(
     {"func": executor_jobs.warm_up, "args": (), "kwargs": {"subprocesses": JOB_SUBPROCESSES}}
 )

@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -54,10 +53,11 @@ import structlog
 from ._states import SandboxState, SessionState, check_transition
 from readie_executor.jobs import EXIT_NOT_STARTED
 
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids, for_client
 from .hibernation import SessionImages
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, run_in_sandbox
+from readie_policy.jobs import StepOutcome
 from .runsc import RunscError
 from .sandbox import Sandbox
 
@@ -70,17 +70,6 @@ log = structlog.get_logger("readie.worker")
 HIBERNATE_SLOT_WAIT_S = 20.0
 # Session ids appear in logs next to sandbox ids; the same width.
 SESSION_ID_BYTES = 6
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    """One step's outcome, its number in the session (1 opens it), and whether it ended the session."""
-
-    outcome: JobOutcome
-    step: int
-    session_ended: bool
-    # Milliseconds the step spent restoring its hibernated session first; None when it did not.
-    resumed_ms: float | None = None
 
 
 _P = ParamSpec("_P")
@@ -180,15 +169,7 @@ class SandboxSession:
         step is running; a step that raises rather than returning an outcome
         (declared functions and no ``host``) ends the session.
         """
-        job = dataclasses.replace(
-            self.job,
-            code=step.code,
-            name=step.name,
-            args=step.args,
-            timeout_ms=self.job.timeout_ms if step.timeout_ms is None else step.timeout_ms,
-            max_output=self.job.max_output if step.max_output is None else step.max_output,
-            report_files=step.report_files,
-        )
+        job = self.job.step(step)
         with self._lock:
             if self.state is SessionState.ENDED:
                 raise RequestError(f"session {self.id} has ended", field="session")

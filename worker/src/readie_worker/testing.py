@@ -9,12 +9,13 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from readie_policy.testing import free_port, readie_command  # noqa: F401  (named here too: tests import them from here)
 
 from ._host_frames import HostCall, HostReply
 from ._sandbox_dir import SandboxDir
@@ -43,19 +44,6 @@ def runsc_in(state_dir: Path) -> Runsc:
     """The runsc of the worker (or pool) whose ``--state-dir`` is ``state_dir``: to list or
     sweep its containers (none once it removed its state dir)."""
     return Runsc(root=state_dir / RUNSC)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def readie_command() -> list[str]:
-    entry_point = Path(sys.executable).with_name("readie")
-    if entry_point.exists():
-        return [str(entry_point)]
-    return [sys.executable, "-c", "import sys; from readie.cli import main; sys.exit(main())"]
 
 
 class FakeHost:

@@ -18,15 +18,12 @@ from __future__ import annotations
 import os
 
 from readie_protocol.events import FileInfo
+from readie_protocol.requests import MAX_LISTED_FILES
 
 from ._grant_fs import Listing
 
 __all__ = ["MAX_LISTED_FILES", "written_since"]
 
-# A result lists at most this many files: a model or a person reads the first
-# thousand. Paths are at most PATH_MAX, so the list is at most 4 MiB, and 12
-# MiB of JSON for names that are not UTF-8 (each byte a replacement character).
-MAX_LISTED_FILES = 1000
 
 
 def written_since(before: Listing, after: Listing) -> tuple[tuple[FileInfo, ...], bool]:

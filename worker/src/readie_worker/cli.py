@@ -1,4 +1,4 @@
-"""``readie worker``: serve one worker over gRPC until SIGTERM or SIGINT, then drain.
+"""``readie worker``: serve one worker over gRPC (``readie_rpc.grpc_service``) until SIGTERM or SIGINT, then drain.
 
     readie worker --listen 127.0.0.1:50061 --warm base=2 --warm pandas=1 --log=json
 
@@ -24,10 +24,10 @@ from readie_worker.errors import ConfigError, ReadieError
 from readie_policy.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
 from readie_worker.manifest import MANIFEST_NAME
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
-from .grpc_service import DRAIN_NOTICE_S, serve
+from readie_rpc.grpc_service import DRAIN_NOTICE_S, serve
 from readie_policy.logs import configure_logging
 from readie_policy.config import Config, load_config
-from .security import add_server_arguments, is_local_address, server_security
+from readie_rpc.security import add_server_arguments, is_local_address, server_security
 from readie_worker.stop_signal import StopSignal
 
 log = structlog.get_logger("readie.worker")

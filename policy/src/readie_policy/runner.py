@@ -2,9 +2,9 @@
 
 Three things have this shape: the in-process :class:`~readie_worker.core.Worker`,
 a :class:`~readie_rpc.client.WorkerClient` of a remote one, and a router's
-placement across many. The gRPC service serves any of them, and the pool
-engine runs on any of them, without knowing which. :class:`Capacity` is what
-each of them answers when asked how much it can take now.
+placement across many. The gRPC service serves any of them (as a
+:class:`ServedRunner`), and the pool engine runs on any of them, without
+knowing which; neither imports the worker (decision 27).
 """
 
 from __future__ import annotations
@@ -12,26 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .cancel import Cancellation
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
-from .sessions import StepOutcome
+from readie_protocol.cancel import Cancellation
 
-__all__ = ["Capacity", "JobRunner", "SessionHandle"]
+from .jobs import Capacity, CodeJob, HostFunction, JobOutcome, OutputSink, Step, StepOutcome
 
-
-@dataclass
-class Capacity:
-    slots: int
-    busy: int
-    draining: bool
-    warm: dict[str, dict[str, int]]  # by checkpoint: its warm sandboxes ready and kept
-    isolated: bool
-    sessions: int = 0
-    max_sessions: int = 0
-    hibernated: int = 0  # sessions whose image is on disk (they count in sessions too)
-    hibernated_bytes: int = 0
-    # Why nothing can be served, when nothing can: health says NOT_SERVING then.
-    problem: str | None = None
+__all__ = ["CallCounter", "JobRunner", "ServedRunner", "SessionHandle"]
 
 
 class SessionHandle(Protocol):
@@ -96,3 +81,23 @@ class JobRunner(Protocol):
     ) -> tuple[SessionHandle, StepOutcome]: ...
 
     def close(self) -> None: ...
+
+
+class ServedRunner(JobRunner, Protocol):
+    """What ``readie_rpc``'s gRPC service serves: a runner that also runs pickled calls, says
+    what it can take and drains (the worker's ``Worker``, a router's ``Placement``)."""
+
+    def execute_call(
+        self, checkpoint: str, payload: bytes, timeout_s: float, max_response: int | None = None, *,
+        cancel: Cancellation = ...,
+    ) -> bytes: ...
+
+    def capacity(self) -> Capacity: ...
+
+    def drain(self, grace_s: float) -> None: ...
+
+
+class CallCounter(Protocol):
+    """Counts a server's calls by method and status code (the worker's and the router's metrics)."""
+
+    def rpc_handled(self, method: str, code: str) -> None: ...
