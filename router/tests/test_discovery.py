@@ -35,7 +35,7 @@ import structlog
 from readie_router._discovery import MAX_DISCOVERED_WORKERS, Discovery, DnsName, dns_name
 from readie_router._placement import Placement
 from readie_rpc.grpc_service import WorkerServer, serve
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome, Step
 from readie_worker.metrics import Metrics

@@ -42,7 +42,7 @@ import structlog
 
 from readie_router._placement import Placement, PlacedSession
 from readie_worker.testing import wait_until as wait_for
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError, SandboxSetupError
 from readie_rpc.grpc_service import WorkerServer, serve
 from readie_worker.jobs import CodeJob, JobOutcome, Step

@@ -23,7 +23,7 @@ from readie_rpc._interact import Interaction
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_rpc._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_rpc.client import WorkerClient
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 from readie_worker.errors import PoolWorkerError
 from readie_rpc.grpc_service import WorkerServer, serve
 from readie_worker.jobs import CodeJob, HostCall, HostReply, JobOutcome

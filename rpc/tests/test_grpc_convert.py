@@ -13,7 +13,7 @@ from readie_protocol.events import ErrorInfo
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_rpc._status import DeadlineExpired, ResponseTooLarge, grpc_errors, readie_errors, status_for
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
 from readie_policy.config import NETWORK_MAX_TIMEOUT_MS, Config

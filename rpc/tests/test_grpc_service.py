@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_rpc._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 from readie_worker.errors import SandboxSetupError
 from readie_rpc.grpc_service import WORKER_PROTOCOL, WorkerServer, serve
 from readie_worker.jobs import CodeJob, JobOutcome

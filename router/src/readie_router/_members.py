@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from readie_rpc.client import WorkerClient
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 
 
 # Compared by identity: two members are never the same worker, and lists of them are searched.

@@ -44,7 +44,7 @@ import structlog
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
-from readie_worker.runner import Capacity
+from readie_policy.jobs import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
 from readie_rpc.remote_session import StreamBroken

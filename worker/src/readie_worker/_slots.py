@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .cancel import NEVER, Cancellation
+from readie_protocol.cancel import NEVER, Cancellation
 from .errors import Cancelled, SandboxSetupError
 
 __all__ = ["SLOT_WAIT_POLL_S", "Slots"]

@@ -44,7 +44,6 @@ from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
 from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
 from ._session_keeping import SessionSandboxes, WorkerSessions
 from ._slots import Slots
-from .runner import Capacity
 from .sessions import SandboxSession, StepOutcome
 
 log = structlog.get_logger("readie.worker")

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from ._metrics_http import MetricsEndpoint, render_registry
 from .errors import ErrorType
-from .runner import Capacity
+from readie_policy.jobs import Capacity
 from .runsc import RUNSC_COMMANDS
 
 if TYPE_CHECKING:
