@@ -15,7 +15,7 @@ from readie_protocol.units import parse_duration_ms
 
 from readie_protocol.errors import UnitError
 
-__all__ = ["LOG_CHOICES", "duration_seconds"]
+__all__ = ["LOG_CHOICES", "duration_seconds", "non_negative_int", "positive_duration", "positive_int"]
 
 #: ``readie pool`` also takes ``none``, the first name of ``console`` (config.LOG_FORMATS).
 LOG_CHOICES = ("console", "json")
@@ -35,3 +35,27 @@ def duration_seconds(text: str) -> float:
         return parse_duration_ms(text) / 1000
     except UnitError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_duration(text: str) -> float:
+    """A duration flag that paces a loop: 0 would make the loop spin."""
+    value = duration_seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0, e.g. 5s")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count of things to run at once (slots, workers): 0 would serve nothing."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A count that may be 0 (sessions kept open: 0 turns sessions off)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value

@@ -29,7 +29,7 @@ from pathlib import Path
 import structlog
 
 from readie_rpc.stubs import pool_pb2_grpc
-from readie_policy.cli_flags import LOG_CHOICES, duration_seconds
+from readie_policy.cli_flags import LOG_CHOICES, duration_seconds, non_negative_int, positive_duration
 from readie_worker.errors import ReadieError
 from readie_policy.locations import CHECKPOINTS_VARIABLE, CheckpointsNotFound, locate_checkpoints
 from readie_rpc.grpc_service import DRAIN_NOTICE_S, serve
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every --dns-interval; repeatable, and may be combined with --worker",
     )
     parser.add_argument(
-        "--dns-interval", type=_positive_duration, default=DEFAULT_DNS_INTERVAL_S, metavar="DURATION",
+        "--dns-interval", type=positive_duration, default=DEFAULT_DNS_INTERVAL_S, metavar="DURATION",
         help="time between resolutions of --worker-dns, e.g. 5s (default %(default)s seconds)",
     )
     parser.add_argument("--name", default=None, help="what Capacity reports as this router's name")
@@ -174,23 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         "else ./build/checkpoints if it holds one, else ~/.cache/readie/checkpoints; without any: no Pool.Session)",
     )
     parser.add_argument("--preload", default="", help="the checkpoint Pool sessions use, by its pre-imports (a,b)")
-    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_ROUTER_SESSIONS, help="sessions kept open at once across the workers")
+    parser.add_argument("--max-sessions", type=non_negative_int, default=DEFAULT_ROUTER_SESSIONS, help="sessions kept open at once across the workers")
     parser.add_argument("--session-workers", type=int, default=4, help="jobs one Pool session runs at once")
     add_server_arguments(parser)
     add_metrics_argument(parser)
     add_client_arguments(parser, "worker", "the workers")
     return parser
-
-
-def _positive_duration(text: str) -> float:
-    value = duration_seconds(text)
-    if value <= 0:  # 0 would resolve in a busy loop
-        raise argparse.ArgumentTypeError("must be more than 0, e.g. 5s")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value

@@ -19,7 +19,7 @@ import structlog
 
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
 from readie_worker import enter_mount_namespace
-from readie_policy.cli_flags import LOG_CHOICES, duration_seconds
+from readie_policy.cli_flags import LOG_CHOICES, duration_seconds, non_negative_int, positive_int
 from readie_worker.errors import ConfigError, ReadieError
 from readie_policy.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
 from readie_worker.manifest import MANIFEST_NAME
@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "beneath it (default: a new dir under $XDG_RUNTIME_DIR/readie or ~/.cache/readie/run, removed at exit)",
     )
     parser.add_argument("--warm", type=_warm_spec, action="append", default=[], metavar="NAME=N", help="keep N sandboxes of checkpoint NAME ready (repeatable)")
-    parser.add_argument("--slots", type=_positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
-    parser.add_argument("--max-sessions", type=_non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
+    parser.add_argument("--slots", type=positive_int, default=DEFAULT_SLOTS, help="jobs run at once (default %(default)s)")
+    parser.add_argument("--max-sessions", type=non_negative_int, default=DEFAULT_MAX_SESSIONS, help="sessions kept open at once, each holding a sandbox (default %(default)s)")
     parser.add_argument("--name", help="worker name reported by Capacity (default: HOST:PORT)")
     parser.add_argument("--runsc", default="runsc", metavar="BINARY", help="the runsc to run sandboxes with; its checkpoints must come from the same one (default: runsc on PATH)")
     parser.add_argument("--drain-grace", type=duration_seconds, default=DEFAULT_DRAIN_GRACE_S, metavar="DURATION", help="how long a drain lets running jobs finish, e.g. 30s (default %(default)s seconds)")
@@ -140,17 +140,3 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(parser)
     add_metrics_argument(parser)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
