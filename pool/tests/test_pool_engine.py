@@ -21,7 +21,7 @@ from readie_policy.config import Config, parse_config
 from readie_worker.errors import PoolWorkerError
 from readie_pool._events import RuntimeInfo
 from readie_pool._engine import FALLBACK_CWD, PoolEngine, PoolSetup, PoolState
-from readie_protocol.requests import MAX_OUTPUT_BYTES
+from readie_protocol.requests import MAX_NAME_CHARS, MAX_OUTPUT_BYTES
 from readie_pool.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
 from readie_protocol.events import ErrorInfo
 from readie_worker.jobs import CodeJob
@@ -392,3 +392,15 @@ def test_threaded_backend_runs_blocking_jobs_concurrently_and_refuses_after_clos
 
     assert asyncio.run(main()) == ["j0:0", "j1:1"]
     assert len(runner.threads) == 2 and runner.closed == 1
+
+
+def test_a_script_with_a_path_longer_than_a_name_is_named_by_its_end(tmp_path):
+    """A job's name is at most MAX_NAME_CHARS on every path (a router's parser holds it to that),
+    so a script path longer than that names its job by the end a traceback needs."""
+    deep = Path("d" * 200) / ("s" * 200) / "app.py"
+    (tmp_path / deep.parent).mkdir(parents=True)
+    (tmp_path / deep).write_text("print(1)\n")
+    job, result = sent_job(tmp_path, {"id": 1, "script": str(deep)})
+    assert result["exit"] == 0
+    assert len(job.name) == MAX_NAME_CHARS and job.name.endswith(f"{'s' * 200}/app.py")
+    assert job.name.startswith("…")

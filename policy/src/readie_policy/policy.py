@@ -307,9 +307,15 @@ def check_step(timeout_ms: int | None, max_output: int | None, limits: Limits) -
 
 
 def call_timeout(timeout_ms: int | None, limits: Limits = NO_LIMITS) -> int:
-    """The timeout of a call that has no policy of its own (a remote function's ``Execute``),
-    resolved as a job's is: the asked one within the ceiling, else the default, at most the ceiling's."""
-    return _limited("timeout", (timeout_ms, ""), limits.timeout_ms, DEFAULT_TIMEOUT_MS, _ms)
+    """The timeout of a call that has no policy of its own (a remote function's ``Execute``): the
+    asked one (else the default), at most the ceiling's.
+
+    Cut, not refused, as a caller's deadline cuts it: a remote call always asks for its client's
+    timeout (30 s unless set), and a worker whose ceiling is shorter must still serve it, for at
+    most as long as its operator allows; the call then ends with its own TimeoutError.
+    """
+    asked = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
+    return asked if limits.timeout_ms is None else min(asked, limits.timeout_ms)
 
 
 def resolve_script(

@@ -17,7 +17,7 @@ from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
 from readie_worker.paths import PathRefused, read_no_follow
 from readie_policy.policy import Policy, resolve_policy, resolve_script
 
-from readie_protocol.requests import JobRequest
+from readie_protocol.requests import MAX_NAME_CHARS, JobRequest
 from ._setup import PoolSetup
 
 __all__ = [
@@ -49,6 +49,17 @@ def request_policy(setup: PoolSetup, request: JobRequest) -> Policy:
     )
 
 
+def script_name(written: str) -> str:
+    """A script job's name: the path the request wrote, as python3 shows the path it was given.
+
+    A name is at most ``MAX_NAME_CHARS`` on every path (a router's gRPC parser holds a job's name
+    to it), and a path may be longer: such a path is named by its end, the part a traceback needs.
+    """
+    if len(written) <= MAX_NAME_CHARS:
+        return written
+    return "…" + written[-(MAX_NAME_CHARS - 1):]
+
+
 async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
     """The job for ``request`` under its policy (:func:`request_policy`), one value from here to the
     worker and to the result line's ``policy``; a script is read here, without following links."""
@@ -56,8 +67,7 @@ async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
     script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
     if script is not None:
         code = await asyncio.to_thread(read_script, script, str(request.script))
-        # What the request wrote, as python3 shows the path it was given.
-        name = request.name or str(request.script)
+        name = request.name or script_name(str(request.script))
     else:
         code, name = request.code or "", request.name or DEFAULT_INLINE_NAME
     package_dirs = dict.fromkeys((*setup.package_dirs, *policy.package_dirs))

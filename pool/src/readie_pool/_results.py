@@ -35,8 +35,10 @@ outcome's ``python`` and ``preloaded_modules`` are what the job's process
 claimed, and the job could have forged them. ``backend`` is the worker's.
 
 A forged answer (the job writes its own result JSON) can claim any exit from 0
-to 255 with any error, but never -1: it may make its own line read as a
-timeout (exit 124, TimeoutError) and be counted as one, nothing more.
+to 255 with any error, and so the runner's "not started" too: it may make its
+own line read as a timeout (exit 124, TimeoutError) or as refused before its
+code ran (exit -1 with RequestError or SandboxSetupError, its own message), and
+be counted as one, nothing more: a job can only misreport itself.
 """
 
 from __future__ import annotations

@@ -212,9 +212,10 @@ class Result:
     def outcome(self) -> Outcome:
         """The counter this result adds to, read from ``exit`` and the error's type alone.
 
-        Only readie writes exit -1 (a process exits 0 to 255), so a job's own
-        exception named like one of readie's errors (exit 1) is the job's
-        failure; a timeout is exit 124 with ``TimeoutError``, which a job's
+        Only readie writes exit -1 (a process exits 0 to 255; a job that forges
+        its runner's "not started" answer gets it too, for its own line only),
+        so a job's own exception named like one of readie's errors (exit 1) is
+        the job's failure; a timeout is exit 124 with ``TimeoutError``, which a job's
         uncaught TimeoutError (exit 1) is not.
         """
         error = self.error
