@@ -387,3 +387,21 @@ def test_a_path_outside_the_ceiling_is_refused_without_being_looked_at(tmp_path:
 def test_a_path_granted_both_ways_is_a_write_grant() -> None:
     result = policy('{"id": 1, "code": "x", "allow_read": ["work", "data"], "allow_write": ["work"]}', limits=SPEC_LIMITS)
     assert (result.allow_read, result.allow_write) == ((Path("/srv/agent/data"),), (Path("/srv/agent/work"),))
+
+
+def test_a_job_under_a_policy_holds_its_grants_and_limits_as_the_worker_reads_them() -> None:
+    granted = Policy(
+        allow_read=(Path("/srv/data"),),
+        allow_write=(Path("/srv/out"),),
+        package_dirs=(Path("/srv/site"), Path("/opt/pool")),
+        env=(("A", "1"),),
+        network=True,
+        timeout_ms=5000,
+        memory_bytes=None,
+        max_output=10,
+        max_file_size=20,
+    )
+    job = CodeJob.under(granted, checkpoint="base", code="x", pool_package_dirs=(Path("/opt/pool"),))
+    assert (job.allow_read, job.allow_write, job.env) == (("/srv/data",), ("/srv/out",), {"A": "1"})
+    assert job.package_dirs == ("/opt/pool", "/srv/site")  # the pool's first, each once
+    assert (job.network, job.timeout_ms, job.memory_bytes, job.max_output, job.max_file_size) == (True, 5000, None, 10, 20)

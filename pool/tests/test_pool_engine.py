@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from readie_pool._backend import ThreadedBackend
 from readie_policy.config import Config, parse_config
-from readie_worker.errors import PoolWorkerError
+from readie_worker.errors import PoolWorkerError, RequestError
 from readie_pool._events import RuntimeInfo
 from readie_pool._engine import FALLBACK_CWD, PoolEngine, PoolSetup, PoolState
 from readie_protocol.requests import MAX_NAME_CHARS, MAX_OUTPUT_BYTES
@@ -188,6 +188,34 @@ def test_stats_answer_at_once_with_the_counters(tmp_path):
     }
     assert stats["duration_ms_total"] == 5  # five jobs of 1000 us each
     assert stats["workers"] == 2 and stats["sessions_active"] == 0
+
+
+def test_a_failure_raised_or_returned_writes_the_line_the_rule_says(tmp_path):
+    """JobBackend's one rule: raised when no runner took the job, returned once one did."""
+
+    def answer(job):
+        if job.code == "refused":  # the worker refuses: nothing was granted
+            raise RequestError("no network backend", "allow_network")
+        if job.code == "unreachable":  # no worker answers: the pool's own clock and backend name
+            raise PoolWorkerError("worker call failed (UNAVAILABLE): gone")
+        # A runner took it and says why it failed: its clock and backend.
+        return ok_outcome(exit=None, error=ErrorInfo("SandboxSetupError", "restore failed", None, None, None))
+
+    async def scenario(engine, source, sink, fake):
+        source.feed_lines(*({"id": code, "code": code} for code in ("refused", "unreachable", "no sandbox")))
+        source.end()
+
+    _, lines, *_ = serve(setup_for(tmp_path), scenario, FakeBackend(answer=answer))
+    got = {
+        line["id"]: (line["exit"], line["error"]["type"], line["duration_us"], line["policy"] and line["policy"]["backend"])
+        for line in lines[1:]
+    }
+    assert got == {
+        "refused": (-1, "RequestError", 0, None),
+        "unreachable": (-1, "PoolWorkerError", 0, "gvisor"),
+        "no sandbox": (-1, "SandboxSetupError", 1000, "fake"),
+    }
+    assert all(line["queue_us"] >= 0 for line in lines[1:])
 
 
 def test_drain_stops_intake_and_finishes_accepted_jobs(tmp_path):

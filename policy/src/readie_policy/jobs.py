@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from readie_executor import hostwire
@@ -26,7 +27,7 @@ from readie_protocol.errors import RequestError
 from readie_protocol.events import ErrorInfo, FileInfo, Value
 from readie_protocol.requests import MAX_REQUIREMENT_CHARS
 
-from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS
+from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, Policy
 
 __all__ = [
     "BASE_JOB_ENV",
@@ -99,6 +100,48 @@ class CodeJob:
     functions: tuple[str, ...] = ()
     # List the files it creates or changes in allow_write (written.py) in its outcome.
     report_files: bool = False
+
+    @classmethod
+    def under(
+        cls,
+        policy: Policy,
+        *,
+        checkpoint: str,
+        code: str,
+        name: str = DEFAULT_INLINE_NAME,
+        args: tuple[str, ...] = (),
+        cwd: str = "/tmp",
+        packages: tuple[str, ...] = (),
+        functions: tuple[str, ...] = (),
+        report_files: bool = False,
+        pool_package_dirs: Iterable[Path] = (),
+    ) -> CodeJob:
+        """The job that runs ``code`` with what ``policy`` grants and limits it to.
+
+        The one place a resolved :class:`Policy` becomes a job's fields (paths as
+        the text the worker opens), for the pool's parse and the wire's alike.
+        ``pool_package_dirs`` (the pool's own) come before the policy's.
+        """
+        package_dirs = dict.fromkeys((*pool_package_dirs, *policy.package_dirs))
+        return cls(
+            checkpoint=checkpoint,
+            code=code,
+            name=name,
+            args=args,
+            env=dict(policy.env),
+            cwd=cwd,
+            allow_read=tuple(str(path) for path in policy.allow_read),
+            allow_write=tuple(str(path) for path in policy.allow_write),
+            package_dirs=tuple(str(path) for path in package_dirs),
+            packages=packages,
+            network=policy.network,
+            timeout_ms=policy.timeout_ms,
+            memory_bytes=policy.memory_bytes,
+            max_output=policy.max_output,
+            max_file_size=policy.max_file_size,
+            functions=functions,
+            report_files=report_files,
+        )
 
     def step(self, step: Step) -> CodeJob:
         """The job ``step`` runs in the session this job opened: the step's code, and its own

@@ -12,11 +12,15 @@ remote router (``--router``) is a ``ThreadedBackend`` around a
 
 The contract every backend keeps:
 
-* ``run`` either returns an outcome (the job ran, or the worker explains why
-  it could not: timeout, crash, setup failure) or raises a
-  :class:`~readie_worker.errors.ReadieError`: ``RequestError`` for a job the
-  worker refuses (too many grants, no network backend), ``PoolWorkerError``
-  when it cannot be reached or is shutting down;
+* one rule for failures (decision 0027): a job no runner took is *raised*
+  as a :class:`~readie_worker.errors.ReadieError` (``RequestError`` for a job
+  the worker refuses: too many grants, no network backend, a session that
+  ended; ``PoolWorkerError`` or ``SandboxSetupError`` when no worker can be
+  reached or it is shutting down; ``Cancelled`` while it waited); a job a
+  runner took (a worker's slot, the router's placement) *returns* its
+  outcome, whatever came of it (timeout, crash, cancel, no sandbox), with
+  that runner's clock and backend. The engine turns each into its line in
+  one place (``PoolTasks.on_backend``, ``_results``);
 * ``close`` ends everything the backend started (no runsc container is left)
   and may be called more than once; a ``run`` after ``close`` raises
   ``PoolWorkerError`` without touching the worker. Jobs still running when

@@ -55,7 +55,7 @@ import structlog
 from readie_protocol.connection import PoolConnection, Role
 from readie_protocol.events import CancelledEvent, ReadyEvent
 from readie_protocol.cancel import Cancellation
-from readie_worker.errors import Cancelled, ReadieError, RequestError, internal_error
+from readie_worker.errors import ReadieError, RequestError, internal_error
 
 from ._backend import JobBackend
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
@@ -342,20 +342,13 @@ class PoolEngine:
             job = await code_job(self.setup, request)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
             return error_result(request.id, exc, runtime=runtime)
-        async with self._tasks.slots:
-            queue_us = max(0, (self._now_ns() - parsed_at) // 1000)
-            try:
-                if cancel.cancelled:
-                    raise Cancelled("the job was cancelled by the client before it ran")
-                host = self._tasks.host_for(request.id, job.functions)
-                outcome = await self.backend.run(job, str(request.id), host, cancel, self._tasks.output_for(request))
-                self._tasks.count_host(outcome)
-            except RequestError as exc:  # the worker refused: nothing was granted
-                return error_result(request.id, exc, runtime=runtime, queue_us=queue_us)
-            except ReadieError as exc:
-                return error_result(
-                    request.id, exc, runtime=runtime, job=job, queue_us=queue_us
-                )
+        reached = await self._tasks.on_backend(
+            request, job, parsed_at, cancel, lambda host, output: self.backend.run(job, str(request.id), host, cancel, output)
+        )
+        if isinstance(reached, Result):
+            return reached
+        outcome, queue_us = reached
+        self._tasks.count_host(outcome)
         return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
 
     # ------------------------------------------------------------------ host functions

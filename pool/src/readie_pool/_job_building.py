@@ -70,25 +70,17 @@ async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
         name = request.name or script_name(str(request.script))
     else:
         code, name = request.code or "", request.name or DEFAULT_INLINE_NAME
-    package_dirs = dict.fromkeys((*setup.package_dirs, *policy.package_dirs))
-    return CodeJob(
+    return CodeJob.under(
+        policy,
         checkpoint=setup.checkpoint,
         code=code,
         name=name,
         args=request.args,
-        env=dict(policy.env),
         cwd=job_cwd(setup.cwd, policy),
-        allow_read=tuple(str(p) for p in policy.allow_read),
-        allow_write=tuple(str(p) for p in policy.allow_write),
-        package_dirs=tuple(str(p) for p in package_dirs),
         packages=request.packages or (),
-        network=policy.network,
-        timeout_ms=policy.timeout_ms,
-        memory_bytes=policy.memory_bytes,
-        max_output=policy.max_output,
-        max_file_size=policy.max_file_size,
         functions=request.functions or (),
         report_files=request.report_files,
+        pool_package_dirs=setup.package_dirs,
     )
 
 

@@ -116,10 +116,13 @@ def error_result(
 ) -> Result:
     """A job that readie refused or failed: RequestError, SandboxSetupError, PoolWorkerError.
 
-    In a session, a worker error ends it unless ``session_ended`` says otherwise (a
-    hibernation refused for the worker's image bounds leaves it as it was).
+    ``job`` is what the line reports as its policy, unless ``error`` refuses the
+    request: a refused job was granted nothing. In a session, a worker error ends
+    it unless ``session_ended`` says otherwise (a hibernation refused for the
+    worker's image bounds leaves it as it was).
     """
     kind = error_type(error)
+    granted = None if kind is ErrorType.REQUEST else job
     if session_ended is None:  # a worker failure takes the session's process with it
         session_ended = session is not None and kind is not ErrorType.REQUEST
     return Result(
@@ -128,7 +131,7 @@ def error_result(
         error=ErrorInfo(type=kind, message=str(error)),
         queue_us=queue_us,
         runtime=runtime,
-        policy=None if job is None else policy_info(job, DEFAULT_BACKEND),
+        policy=None if granted is None else policy_info(granted, DEFAULT_BACKEND),
         session=session,
         step=step,
         session_ended=session_ended,

@@ -23,15 +23,15 @@ only whether it is still serving.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from readie_protocol.cancel import Cancellation
-from readie_worker.errors import Cancelled, ReadieError, RequestError, SandboxSetupError, internal_error
+from readie_worker.errors import ErrorType, ReadieError, RequestError, SandboxSetupError, internal_error
 from readie_policy.policy import check_step
 from readie_worker.sessions import StepOutcome
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, Step
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostFunction, OutputSink, Step
 
 from ._backend import BackendSession
 from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
@@ -264,40 +264,37 @@ class SessionDriver:
             if first:
                 self._end_session(session)
             return error_result(request.id, exc, runtime=runtime, session=name)
-        async with self._tasks.slots:
-            queue_us = max(0, (self._tasks.now_ns() - parsed_at) // 1000)
-            host = self._tasks.host_for(request.id, session.functions)
-            output = self._tasks.output_for(request)
-            try:
-                if cancel.cancelled:
-                    raise Cancelled("the step was cancelled by the client before it ran")
-                if first:
-                    opened = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
-                    session.handle, outcome = opened
-                    session.job = job
-                    if session.phase is SessionPhase.OPENING:  # not CLOSING already
-                        session.move(SessionPhase.OPEN)
-                else:
-                    assert session.handle is not None
-                    outcome = await session.handle.run_step(step, str(request.id), host, output, cancel)
-                self._tasks.count_host(outcome.outcome)
-            except ReadieError as exc:
-                # A refusal of the first step leaves no session; any other failure ends it.
-                if first or not isinstance(exc, RequestError):
-                    self.close_in_background(session, "its backend failed")
-                return error_result(
-                    request.id,
-                    exc,
-                    runtime=runtime,
-                    job=None if isinstance(exc, RequestError) else job,
-                    queue_us=queue_us,
-                    session=name,
-                )
+        reached = await self._tasks.on_backend(
+            request, job, parsed_at, cancel, self._reach(session, job, None if first else step, request, cancel), what="step", session=name
+        )
+        if isinstance(reached, Result):  # a refusal of the first step leaves no session; any other failure ends it
+            if first or reached.error is None or reached.error.type != ErrorType.REQUEST:
+                self.close_in_background(session, "its backend failed")
+            return reached
+        outcome, queue_us = reached
+        self._tasks.count_host(outcome.outcome)
         if outcome.session_ended:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._tasks.stats.session_image("resumes", outcome.resumed_ms)
         return self._step_line(request, outcome, job, queue_us, name)
+
+    def _reach(
+        self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation
+    ) -> Callable[[HostFunction | None, OutputSink | None], Awaitable[StepOutcome]]:
+        """The backend call of a step: the session's opening (``step`` None) or a step of its handle."""
+
+        async def reach(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
+            if step is not None:
+                assert session.handle is not None
+                return await session.handle.run_step(step, str(request.id), host, output, cancel)
+            session.handle, outcome = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
+            session.job = job
+            if session.phase is SessionPhase.OPENING:  # not CLOSING already
+                session.move(SessionPhase.OPEN)
+            return outcome
+
+        return reach
 
     def _step_line(
         self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from readie_protocol.connection import PoolConnection, PoolEvent
 from readie_protocol.events import OutputEvent
@@ -23,14 +23,18 @@ from readie_protocol.requests import JobRequest
 from readie_protocol.results import Result
 from readie_protocol.wire import RequestId
 from readie_protocol.cancel import Cancellation
-from readie_policy.jobs import HostFunction, JobOutcome, OutputChunk, OutputSink
+from readie_protocol.errors import Cancelled, ReadieError
+from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, OutputChunk, OutputSink
 
 from ._backend import JobBackend
 from ._events import Stats, job_log_line
 from ._host import HostCalls, WaitingCall, host_function
+from ._results import error_result
 from ._setup import PoolSetup
 
 __all__ = ["Outbox", "PoolTasks"]
+
+_Answer = TypeVar("_Answer")
 
 # Each line with the budget it releases once written (None: a call or output event); None ends it.
 Outbox = asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None]
@@ -90,6 +94,39 @@ class PoolTasks:
         if cancel is not None:
             cancel.cancel()
         return cancel is not None
+
+    # ------------------------------------------------------------------ the backend
+
+    async def on_backend(
+        self,
+        request: JobRequest,
+        job: CodeJob,
+        parsed_at: int,
+        cancel: Cancellation,
+        call: Callable[[HostFunction | None, OutputSink | None], Awaitable[_Answer]],
+        *,
+        what: str = "job",
+        session: str | None = None,
+    ) -> tuple[_Answer, int] | Result:
+        """``call`` the backend for ``request`` on one of the slots: its answer and the task's queue
+        time, or the result line for the error it raised.
+
+        The one path a backend's failure takes to a line (``JobBackend``'s rule: an
+        error is raised when no worker took the job, an outcome returned once one
+        did). ``job`` is what the line reports as its policy unless the backend
+        refused the job (``error_result``).
+        """
+        async with self.slots:
+            queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
+            try:
+                if cancel.cancelled:
+                    raise Cancelled(f"the {what} was cancelled by the client before it ran")
+                answer = await call(self.host_for(request.id, job.functions), self.output_for(request))
+            except ReadieError as exc:
+                return error_result(
+                    request.id, exc, runtime=self.setup.runtime, job=job, queue_us=queue_us, session=session
+                )
+        return answer, queue_us
 
     # ------------------------------------------------------------------ host functions and output
 

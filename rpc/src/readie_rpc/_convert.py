@@ -11,6 +11,7 @@ a path is an existing directory) stay with the worker.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -95,22 +96,20 @@ def code_job(
         packages=validate_requirements(tuple(request.packages)) or None,
     )
     policy = resolve_policy(asked, cwd="/", limits=limits, profiles=profiles, resolve=None)
-    return CodeJob(
-        checkpoint=checkpoint_name(request.checkpoint),
-        code=_text("code", request.code, MAX_CODE_CHARS),
-        name=_text("name", request.name, MAX_NAME_CHARS) or DEFAULT_INLINE_NAME,
+    # Checked in the order they always were: a request with two bad fields names the same one.
+    checkpoint = checkpoint_name(request.checkpoint)
+    code = _text("code", request.code, MAX_CODE_CHARS)
+    name = _text("name", request.name, MAX_NAME_CHARS) or DEFAULT_INLINE_NAME
+    cwd = _absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD
+    timeout_ms = cut_to_deadline(policy.timeout_ms, time_remaining_s)
+    return CodeJob.under(
+        dataclasses.replace(policy, timeout_ms=timeout_ms),
+        checkpoint=checkpoint,
+        code=code,
+        name=name,
         args=args,
-        env=dict(policy.env),
-        cwd=_absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD,
-        allow_read=tuple(str(path) for path in policy.allow_read),
-        allow_write=tuple(str(path) for path in policy.allow_write),
-        package_dirs=tuple(str(path) for path in policy.package_dirs),
+        cwd=cwd,
         packages=asked.packages or (),
-        network=policy.network,
-        timeout_ms=cut_to_deadline(policy.timeout_ms, time_remaining_s),
-        memory_bytes=policy.memory_bytes,
-        max_output=policy.max_output,
-        max_file_size=policy.max_file_size,
         functions=_functions(tuple(request.functions)),
         report_files=request.report_files,
     )
