@@ -1,7 +1,9 @@
 """``Pool``: a ``readie pool`` process driven over its JSONL pipes, safe to share between threads.
 
 Both directions go through one :class:`~readie_protocol.connection.PoolConnection`
-(the client's end of the protocol, without I/O). One thread reads the pool's
+(the client's end of the protocol, without I/O), which writes the protocol's
+typed requests (a host function's reply, answered by nothing, is written by
+the same protocol code on the thread that ran the call). One thread reads the pool's
 stdout into it and hands each answer to the caller waiting on its id (results come in completion order, not request order); another
 keeps the last lines of its stderr for error messages. Callers write their
 request lines under a lock and wait on their own queue, which brings their
@@ -39,6 +41,7 @@ from ._host import HostCallRunner, HostFunctions, check_functions
 from ._process import EXIT_WAIT_S, StartedPool, pool_argv
 from ._output import OutputCallback, OutputCallbacks, Waiter
 from ._requests import (
+    AnsweredRequest,
     Duration,
     PathArg,
     RequestId,
@@ -306,7 +309,7 @@ class Pool:
 
     def _exchange(
         self,
-        request: dict[str, Any],
+        request: AnsweredRequest,
         functions: dict[str, Any] | None = None,
         callbacks: OutputCallbacks | None = None,
         wait_timeout: float | None = None,
@@ -316,7 +319,7 @@ class Pool:
         a callback's exception, KeyboardInterrupt) cancels the task (a step's cancel ends its
         session). ``wait_timeout`` counts from when the request is written: the pool's queue
         pushes back on writers before that."""
-        request_id = request["id"]
+        request_id = request.id
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         waiter = Waiter(callbacks)
         with self._lock:
@@ -368,7 +371,7 @@ class Pool:
                 return
         self._send_and_forget(cancel_request(self._next_id(), request_id))
 
-    def _send_and_forget(self, request: dict[str, Any]) -> None:
+    def _send_and_forget(self, request: AnsweredRequest) -> None:
         """Send ``request`` for no caller: its answer is dropped (a cancel, a session's close)."""
         with self._lock:
             if self._ended or self._closed:
