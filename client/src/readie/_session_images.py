@@ -8,7 +8,7 @@ Also the answers a pool request can get, which both pools name.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from readie_protocol.errors import ErrorType
 from readie_protocol.requests import ForkSession, HibernateSession
