@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from readie_protocol.requests import build_job
 from readie_worker.bundle import SINGLE_THREAD_ENV, SITE_DIR
 from readie_worker.core import Worker
 from readie_worker.jobs import CodeJob
@@ -76,7 +77,7 @@ class PoolPath:
 
     def run(self, kind: JobKind) -> Sample:
         try:
-            result, elapsed_s = self.client.request({"code": kind.code}, timeout=JOB_TIMEOUT_S)
+            result, elapsed_s = self.client.request(lambda rid: build_job(rid, {"code": kind.code}), timeout=JOB_TIMEOUT_S)
         except PoolError as exc:
             return Sample(0.0, f"pool: {exc}")
         error = result.get("error")

@@ -25,6 +25,8 @@ from readie import MAX_EVENT_LINE_BYTES
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.errors import ReadieError
 from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent
+from readie_protocol.requests import ReplyRequest, Request
+from readie_protocol.wire import RequestId
 
 # Start-up restores ``workers`` warm sandboxes before the ready event (~0.5 s
 # each, one at a time); a minute covers a loaded machine.
@@ -108,9 +110,10 @@ class PoolClient:
         return cls(process, connection, ready, log_path)
 
     def request(
-        self, body: dict[str, Any], timeout: float, on_call: CallHandler | None = None
+        self, make: Callable[[RequestId], Request], timeout: float, on_call: CallHandler | None = None
     ) -> tuple[dict[str, Any], float]:
-        """Send one request; return its result line and the seconds from write to arrival."""
+        """Send the request ``make`` builds for an id of ours; return its answer's line and the seconds
+        from write to arrival."""
         request_id = f"b{next(self._ids)}"
         waiter = _Waiter()
         with self._lock:
@@ -121,7 +124,7 @@ class PoolClient:
                 self._handlers[request_id] = on_call
         try:
             started = time.monotonic()
-            self._write({"id": request_id, **body})
+            self._write(make(request_id))
             if not waiter.done.wait(timeout):
                 raise PoolError(f"no result for {request_id} within {timeout:.0f} s")
             if waiter.result is None:
@@ -148,10 +151,10 @@ class PoolClient:
         finally:
             self._reader.join(5)
 
-    def _write(self, obj: dict[str, Any]) -> None:
+    def _write(self, request: Request) -> None:
         assert self.process.stdin is not None
         with self._connection_lock:
-            data = self._connection.send(obj)
+            data = self._connection.send(request)
         with self._write_lock:
             try:
                 self.process.stdin.write(data)
@@ -208,7 +211,7 @@ class PoolClient:
             reply = handler(event.to_json()) if handler else {"error": "no handler in the bench"}
         except Exception as exc:  # a handler bug becomes the task's HostError, not a hang
             reply = {"error": f"bench handler failed: {exc}"}
-        self._write({"reply": {"call_id": event.call_id, **reply}})
+        self._write(ReplyRequest(event.call_id, **reply))
 
 
 def _first_event(process: subprocess.Popen[bytes], connection: PoolConnection, timeout: float) -> ReadyEvent:

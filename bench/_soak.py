@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from readie_protocol.requests import CloseSession, Request, build_job
+from readie_protocol.wire import RequestId
+
 from ._pool_client import PoolClient
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -181,7 +184,7 @@ class _Load:
             if i >= self.jobs:
                 self._stop.set()  # the session clients finish their session and stop
                 return
-            result = self._request({"code": f"print({i})"})
+            result = self._request(lambda rid: build_job(rid, {"code": f"print({i})"}))
             if result is not None and result.get("stdout") != f"{i}\n":
                 self._fail(f"job {i}: {_brief(result)}")
             with self._lock:
@@ -196,20 +199,20 @@ class _Load:
             name = f"soak-{k}-{cycle}"
             steps = [("x = 0", None), *(("x += 1\nprint(x)", f"{n}\n") for n in range(1, STEPS_PER_SESSION + 1))]
             for code, expected in steps:
-                result = self._request({"session": name, "code": code})
+                result = self._request(lambda rid: build_job(rid, {"session": name, "code": code}))
                 if result is None:
                     break
                 if expected is not None and result.get("stdout") != expected:
                     self._fail(f"session {name}: {_brief(result)}")
-            self._request({"session": name, "close": True})
+            self._request(lambda rid: CloseSession(rid, name))
             with self._lock:
                 self.sessions_done += 1
 
-    def _request(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def _request(self, make: Callable[[RequestId], Request]) -> dict[str, Any] | None:
         try:
-            return self.pool.request(body, REQUEST_TIMEOUT_S)[0]
+            return self.pool.request(make, REQUEST_TIMEOUT_S)[0]
         except Exception as exc:  # counted, and the soak goes on: the leak check still runs
-            self._fail(f"{body}: {type(exc).__name__}: {exc}")
+            self._fail(f"{make('?')}: {type(exc).__name__}: {exc}")
             return None
 
     def _fail(self, what: str) -> None:

@@ -52,9 +52,12 @@ def test_host_functions_may_be_coroutines_or_plain_callables(tmp_path):
 def test_a_refusal_raises_with_its_result_and_the_pool_serves_on(tmp_path):
     async def main() -> None:
         async with readie.AsyncPool(command=ENGINE, cwd=tmp_path) as pool:
-            with pytest.raises(readie.RequestError, match="timeout: 'soon' is not a duration") as refused:
-                await pool.run("say never", timeout="soon")
+            with pytest.raises(readie.RequestError, match="no-such-profile") as refused:
+                await pool.run("say never", profile="no-such-profile")
             assert refused.value.result is not None and refused.value.result.exit == -1
+            with pytest.raises(readie.RequestError, match="timeout: 'soon' is not a duration") as refused:
+                await pool.run("say never", timeout="soon")  # refused before sending, by the parser's check
+            assert refused.value.result is None
             failed = await pool.run("raise")
             assert failed.exit == 1 and failed.error == readie.ErrorInfo("ValueError", "boom", "<string>", 1)
             assert (await pool.run("say fine")).stdout == "fine\n"

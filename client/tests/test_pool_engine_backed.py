@@ -59,10 +59,14 @@ def test_a_job_failure_is_a_result_and_the_engines_refusal_raises_with_its_line(
     with pytest.raises(readie.JobError, match=r"job 1 failed: ValueError: boom \(<string>, line 1\)"):
         failed.raise_for_error()
     with pytest.raises(readie.RequestError) as refused:
-        pool.run("say never", timeout="soon")
-    assert str(refused.value).startswith("timeout: 'soon' is not a duration"), refused.value
+        pool.run("say never", profile="no-such-profile")
+    assert "no-such-profile" in str(refused.value), refused.value
     assert refused.value.result is not None and refused.value.result.exit == -1
     assert refused.value.result.error.type == "RequestError"
+    # What the pool's parser refuses is refused before sending, by the same check: no line, no result.
+    with pytest.raises(readie.RequestError, match="timeout: 'soon' is not a duration") as refused:
+        pool.run("say never", timeout="soon")
+    assert refused.value.result is None
     assert pool.run("say fine").raise_for_error().stdout == "fine\n"
 
 

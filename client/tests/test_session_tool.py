@@ -30,7 +30,7 @@ def test_the_first_step_carries_the_grants_and_later_steps_only_code(pool):
         first = session.run("request", name="one.py")
         assert sent(first) == {
             "id": first.id, "session": "nb", "code": "request", "name": "one.py", "allow_read": ["data"],
-            "env": {"K": "v"}, "timeout": 5, "memory": "512m",
+            "env": {"K": "v"}, "timeout": "5s", "memory": 512 * 1024**2,  # 5 and "512m", as the protocol writes them
         }
         assert (first.session, first.step, first.session_ended, session.open) == ("nb", 1, False, True)
         second = session.run("request", args=["a"], timeout=0.25, max_output=100)

@@ -45,21 +45,16 @@ def pair() -> tuple[PoolConnection, PoolConnection]:
 def test_requests_cross_as_the_pool_parses_them() -> None:
     client, pool = pair()
     sent = [
-        {"id": 1, "code": "print(1)", "timeout": "5s", "allow_read": ["/data"], "env": {"A": "b"}},
-        {"id": "s", "stats": True},
-        {"id": 2, "session": "nb", "close": True},
-        {"reply": {"call_id": 3, "result": [1, {"x": None}]}},
-        {"id": "c", "cancel": 1},
-    ]
-    received = events(pool, b"".join(client.send(request) for request in sent))
-    assert received == [
         JobRequest(id=1, code="print(1)", timeout_ms=5000, allow_read=("/data",), env=(("A", "b"),),
                    fields=frozenset({"code", "timeout", "allow_read", "env"})),
         StatsRequest("s"),
         CloseSession(2, "nb"),
         ReplyRequest(call_id=3, result=[1, {"x": None}]),
+        ReplyRequest(call_id=4, error="no"),
         CancelJob("c", 1),
     ]
+    received = events(pool, b"".join(client.send(request) for request in sent))
+    assert received == sent
     assert pool.next_event() is NEED_DATA
     pool.receive_data(b"")
     assert pool.next_event() is ENDED
@@ -67,8 +62,8 @@ def test_requests_cross_as_the_pool_parses_them() -> None:
 
 def test_each_answer_is_read_as_what_its_request_asked_for() -> None:
     client, pool = pair()
-    for request in ({"id": 1, "code": "x"}, {"id": "s", "stats": True}, {"id": 2, "session": "nb", "close": True},
-                    {"id": 3, "session": "gone", "close": True}, {"id": "c", "cancel": 1}):
+    for request in (JobRequest(1, code="x"), StatsRequest("s"), CloseSession(2, "nb"), CloseSession(3, "gone"),
+                    CancelJob("c", 1)):
         client.send(request)
     refused = result(3, exit=-1, stdout="", error=ErrorInfo("RequestError", "session: no session 'gone'"))
     answers = [
@@ -89,7 +84,7 @@ def test_each_answer_is_read_as_what_its_request_asked_for() -> None:
 def test_any_split_of_the_bytes_gives_the_same_events(data: st.DataObject) -> None:
     client, pool = pair()
     for n in range(3):
-        client.send({"id": n, "code": "x"})
+        client.send(JobRequest(n, code="x"))
     stream = b"".join(pool.send(result(n, stdout="é\n" * n)) for n in range(3))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
     got: list[Any] = []
@@ -121,7 +116,7 @@ def test_a_client_refuses_another_version_and_a_first_line_that_is_not_ready() -
 
 def test_a_broken_line_breaks_the_client_side_for_good() -> None:
     client, pool = pair()
-    client.send({"id": 1, "code": "x"})
+    client.send(JobRequest(1, code="x"))
     with pytest.raises(PoolError, match="broke the protocol: the pool wrote a line that is not JSON"):
         events(client, b"{oops\n" + pool.send(result(1)))
     with pytest.raises(PoolError, match="not JSON"):
@@ -130,7 +125,7 @@ def test_a_broken_line_breaks_the_client_side_for_good() -> None:
 
 def test_a_result_with_a_wrong_type_breaks_the_protocol() -> None:
     client, pool = pair()
-    client.send({"id": 1, "code": "x"})
+    client.send(JobRequest(1, code="x"))
     line = json.dumps({**result(1).to_json(), "exit": "0"}).encode() + b"\n"
     with pytest.raises(PoolError, match="exit has the wrong type"):
         events(client, line)
@@ -157,7 +152,7 @@ def test_the_pool_side_refuses_an_oversize_line_by_its_id_and_goes_on() -> None:
 def test_a_client_refuses_to_send_a_line_the_pool_would_refuse() -> None:
     client, pool = pair()
     with pytest.raises(RequestError, match="1 MiB") as refused:
-        client.send({"id": 1, "code": "#" * MAX_LINE_BYTES})
+        client.send(JobRequest(1, code="#" * MAX_LINE_BYTES))
     assert refused.value.field == "code"
     # Nothing is in flight for it: a later answer under its id is a stray.
     (stray,) = events(client, pool.send(result(1)))
@@ -166,7 +161,7 @@ def test_a_client_refuses_to_send_a_line_the_pool_would_refuse() -> None:
 
 def test_a_forgotten_request_is_answered_as_a_stray() -> None:
     client, pool = pair()
-    client.send({"id": 1, "code": "x"})
+    client.send(JobRequest(1, code="x"))
     client.forget(1)
     (stray,) = events(client, pool.send(result(1)))
     assert isinstance(stray, Stray)
@@ -174,7 +169,26 @@ def test_a_forgotten_request_is_answered_as_a_stray() -> None:
 
 def test_an_id_of_true_is_a_stray_and_does_not_take_request_ones_answer() -> None:
     client, pool = pair()
-    client.send({"id": 1, "code": "x"})
+    client.send(JobRequest(1, code="x"))
     forged = json.dumps({**result(1).to_json(), "id": True}).encode() + b"\n"
     stray, answer = events(client, forged + pool.send(result(1)))
     assert isinstance(stray, Stray) and answer == result(1)
+
+
+def test_a_client_sends_typed_requests_only() -> None:
+    # One definition of each request: a JSON object is not one (a hostile-input test writes bytes instead).
+    client, _ = pair()
+    with pytest.raises(TypeError, match="not a request: dict"):
+        client.send({"id": 1, "code": "x"})  # type: ignore[arg-type]
+
+
+def test_a_reply_is_written_losslessly_and_one_that_cannot_be_sent_is_a_type_or_value_error() -> None:
+    client, pool = pair()
+    deep: Any = 10**400  # past 64 bits, and nested: written as hostwire writes it
+    for _ in range(50):
+        deep = [deep]
+    assert events(pool, client.send(ReplyRequest(call_id=1, result=deep))) == [ReplyRequest(call_id=1, result=deep)]
+    with pytest.raises(ValueError):
+        client.send(ReplyRequest(call_id=2, result=float("nan")))
+    with pytest.raises(TypeError):
+        client.send(ReplyRequest(call_id=3, result=object()))

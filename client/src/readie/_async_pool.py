@@ -40,6 +40,7 @@ from typing import Any, Self
 
 from readie_protocol.connection import ENDED, NEED_DATA, PoolConnection, Role, Stray
 from readie_protocol.events import CallEvent, OutputEvent, ReadyEvent, Result, StatsEvent
+from readie_protocol.requests import CancelJob
 
 from ._errors import PoolError, ReadieError, WaitTimeout
 from ._host import HostFunctions, check_functions, failed_reply, missing_reply, value_reply
@@ -47,7 +48,17 @@ from ._output import OutputCallback, OutputCallbacks, delivering
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
 from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, PoolStderrTail, pool_argv
 from ._async_session import AsyncSession
-from ._requests import Duration, PathArg, RequestId, Size, cancel_request, job_request, session_setup, stats_request
+from ._requests import (
+    AnsweredRequest,
+    Duration,
+    PathArg,
+    RequestId,
+    Size,
+    cancel_request,
+    job_request,
+    session_setup,
+    stats_request,
+)
 from ._session_images import Answer, new_session_name, raise_if_refused
 
 __all__ = ["AsyncPool"]
@@ -221,7 +232,7 @@ class AsyncPool:
             if not waiting.expired():  # a callback's own TimeoutError
                 raise
             raise WaitTimeout(
-                f"no answer to request {request['id']!r} within {wait_timeout} s; the job was cancelled"
+                f"no answer to request {request.id!r} within {wait_timeout} s; the job was cancelled"
             ) from None
         assert isinstance(result, Result)
         raise_if_refused(result)
@@ -246,7 +257,7 @@ class AsyncPool:
 
     async def _exchange(
         self,
-        request: dict[str, Any],
+        request: AnsweredRequest,
         functions: dict[str, Any] | None = None,
         callbacks: OutputCallbacks | None = None,
     ) -> Answer:
@@ -260,7 +271,7 @@ class AsyncPool:
             raise PoolError("the pool is closed")
         if self._failure is not None:
             raise PoolError(f"{self._failure}{self._suffix()}")
-        request_id = request["id"]
+        request_id = request.id
         line = self._connection.send(request)
         answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = answer
@@ -280,7 +291,7 @@ class AsyncPool:
         except ReadieError:
             raise
         except BaseException:
-            if "cancel" not in request:  # a cancel sent for nobody is not cancelled in turn
+            if not isinstance(request, CancelJob):  # a cancel sent for nobody is not cancelled in turn
                 self._send_and_forget(cancel_request(self._next_id(), request_id))
             raise
         finally:
@@ -289,7 +300,7 @@ class AsyncPool:
             self._functions.pop(request_id, None)
             self._outputs.pop(request_id, None)
 
-    def _send_and_forget(self, request: dict[str, Any]) -> None:
+    def _send_and_forget(self, request: AnsweredRequest) -> None:
         """Send ``request`` for no caller (a cancel, a session's close); it is answered in the background."""
 
         async def stop() -> None:

@@ -6,7 +6,9 @@ for a ``reply`` line. :class:`HostCallRunner` runs each call on one of a few
 threads of its own, never on the thread that reads the pool's stdout (a
 callable that takes long, or a reply line that waits for the stdin lock
 while another thread's request line waits for the pool, must not stop the
-results and call events behind it), and writes the reply:
+results and call events behind it), and writes the reply, the protocol's
+:class:`~readie_protocol.replies.ReplyRequest`, as
+:func:`~readie_protocol.request_lines.reply_line` writes it:
 
 * the callable's return value as ``result``, encoded by the same lossless,
   iterative encoder the sandbox uses (:func:`readie_executor.hostwire.dumps`),
@@ -23,15 +25,15 @@ connection refuses it, and the pool with it.)
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from readie_executor import hostwire
-from readie_executor.hostwire import MAX_RESULT_BYTES, function_name_problem
+from readie_executor.hostwire import function_name_problem
 from readie_protocol.events import CallEvent
+from readie_protocol.replies import ReplyRequest
+from readie_protocol.request_lines import reply_line
 
 from ._errors import PoolError, RequestError
 
@@ -42,7 +44,6 @@ __all__ = [
     "error_reply",
     "failed_reply",
     "missing_reply",
-    "result_reply",
     "value_reply",
 ]
 
@@ -71,18 +72,12 @@ def check_functions(functions: HostFunctions | None) -> dict[str, Callable[..., 
     return checked
 
 
-def result_reply(call_id: int, value: Any) -> bytes:
-    """The reply line carrying ``value``; TypeError or ValueError when it cannot be sent."""
-    body = hostwire.dumps(value, MAX_RESULT_BYTES, what="result")
-    return b'{"reply":{"call_id":%d,"result":' % call_id + body + b"}}\n"
-
-
-def error_reply(call_id: int, text: str) -> bytes:
-    """The reply line carrying ``text`` as the error, cut and made valid UTF-8."""
+def error_reply(call_id: int, text: str) -> ReplyRequest:
+    """The reply carrying ``text`` as the error, cut and made valid UTF-8."""
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS] + " [cut]"
     text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates: the pool refuses them
-    return (json.dumps({"reply": {"call_id": call_id, "error": text}}) + "\n").encode("utf-8")
+    return ReplyRequest(call_id, error=text)
 
 
 def answer(
@@ -99,21 +94,21 @@ def answer(
 
 
 def missing_reply(call_id: int, name: str) -> bytes:
-    """The reply to a call of a function the task did not declare here."""
-    return error_reply(call_id, f"{name}: this client has no such host function for the task")
+    """The reply line to a call of a function the task did not declare here."""
+    return reply_line(error_reply(call_id, f"{name}: this client has no such host function for the task"))
 
 
 def failed_reply(call_id: int, exc: Exception) -> bytes:
-    """The reply to a call whose callable raised ``exc``."""
-    return error_reply(call_id, str(exc) or type(exc).__name__)
+    """The reply line to a call whose callable raised ``exc``."""
+    return reply_line(error_reply(call_id, str(exc) or type(exc).__name__))
 
 
 def value_reply(call_id: int, name: str, value: Any) -> bytes:
-    """The reply carrying ``value``, or an error saying why it cannot be sent."""
+    """The line of the reply carrying ``value``, or of an error saying why it cannot be sent."""
     try:
-        return result_reply(call_id, value)
+        return reply_line(ReplyRequest(call_id, result=value))
     except (TypeError, ValueError) as exc:
-        return error_reply(call_id, f"{name} returned a value that cannot be sent: {exc}")
+        return reply_line(error_reply(call_id, f"{name} returned a value that cannot be sent: {exc}"))
 
 
 class HostCallRunner:

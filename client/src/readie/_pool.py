@@ -1,7 +1,9 @@
 """``Pool``: a ``readie pool`` process driven over its JSONL pipes, safe to share between threads.
 
 Both directions go through one :class:`~readie_protocol.connection.PoolConnection`
-(the client's end of the protocol, without I/O). One thread reads the pool's
+(the client's end of the protocol, without I/O), which writes the protocol's
+typed requests (a host function's reply, answered by nothing, is written by
+the same protocol code on the thread that ran the call). One thread reads the pool's
 stdout into it and hands each answer to the caller waiting on its id (results come in completion order, not request order); another
 keeps the last lines of its stderr for error messages. Callers write their
 request lines under a lock and wait on their own queue, which brings their
@@ -39,6 +41,7 @@ from ._host import HostCallRunner, HostFunctions, check_functions
 from ._process import EXIT_WAIT_S, StartedPool, pool_argv
 from ._output import OutputCallback, OutputCallbacks, Waiter
 from ._requests import (
+    AnsweredRequest,
     Duration,
     PathArg,
     RequestId,
@@ -190,8 +193,9 @@ class Pool:
         ``allow_write`` (host path and size).
 
         Returns the result whatever the job did; raises :class:`~readie.RequestError`
-        when the request is refused (by this client: a line over 1 MiB; or by the
-        pool: a grant outside its limits, an unknown profile, ...) and
+        when the request is refused (by this client, before it sends anything: a
+        value the pool's parser refuses, such as ``timeout="soon"``, or a line over
+        1 MiB; or by the pool: a grant outside its limits, an unknown profile, ...) and
         :class:`~readie.PoolError` when the pool process fails.
         """
         declared = check_functions(functions)
@@ -306,7 +310,7 @@ class Pool:
 
     def _exchange(
         self,
-        request: dict[str, Any],
+        request: AnsweredRequest,
         functions: dict[str, Any] | None = None,
         callbacks: OutputCallbacks | None = None,
         wait_timeout: float | None = None,
@@ -316,7 +320,7 @@ class Pool:
         a callback's exception, KeyboardInterrupt) cancels the task (a step's cancel ends its
         session). ``wait_timeout`` counts from when the request is written: the pool's queue
         pushes back on writers before that."""
-        request_id = request["id"]
+        request_id = request.id
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         waiter = Waiter(callbacks)
         with self._lock:
@@ -368,7 +372,7 @@ class Pool:
                 return
         self._send_and_forget(cancel_request(self._next_id(), request_id))
 
-    def _send_and_forget(self, request: dict[str, Any]) -> None:
+    def _send_and_forget(self, request: AnsweredRequest) -> None:
         """Send ``request`` for no caller: its answer is dropped (a cancel, a session's close)."""
         with self._lock:
             if self._ended or self._closed:

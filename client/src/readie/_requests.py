@@ -1,15 +1,23 @@
-"""Request lines for ``readie pool``, without I/O: Python arguments in, one bounded JSONL line out.
+"""Request values for ``readie pool``, without I/O: Python arguments in, the protocol's typed request out.
 
-Only what the caller set goes on the wire, so the pool's defaults and a
-named profile apply to everything else (an explicit ``"allow_network":
-false`` would override a profile that grants it). The id is always the
-first key: the pool recovers the id of a line it cannot parse from its first
-key only, so even a refused line is answered to the caller waiting on it.
+Each request is the value :mod:`readie_protocol` defines (a
+:class:`~readie_protocol.requests.JobRequest`, a
+:class:`~readie_protocol.requests.CancelJob`, ...), which the pool parses
+its line back into; :class:`~readie_protocol.connection.PoolConnection`
+writes its line. Only what the caller set goes on the wire, so the pool's
+defaults and a named profile apply to everything else (an explicit
+``"allow_network": false`` would override a profile that grants it), and
+the id is the line's first key: the pool recovers the id of a line it
+cannot parse from its first key only.
 
-The client converts Python conveniences (paths, ``timedelta``, float
-seconds) and refuses what it can tell is a bug before sending (both or
-neither of code and script, a string where a list belongs, a line over the
-limit). Whether the pool grants a request is the pool's decision.
+Two checks, one definition each. This module converts Python conveniences
+(paths, ``timedelta``, float seconds) and raises TypeError for a Python
+mistake (a string where a list belongs, a bool for a size). What a value may
+be (a duration's units and range, a size, both or neither of code and
+script) is :func:`readie_protocol.requests.build_job`'s, the pool parser's
+own checks, so a request the pool would refuse for its shape raises
+:class:`~readie.RequestError` here, naming the field. Whether the pool
+grants a request is the pool's decision.
 """
 
 from __future__ import annotations
@@ -21,11 +29,19 @@ from datetime import timedelta
 from typing import Any, TypeAlias
 
 from readie_protocol import MAX_LINE_BYTES, RequestId
-
-from ._errors import RequestError
+from readie_protocol.requests import (
+    CancelJob,
+    CloseSession,
+    ForkSession,
+    HibernateSession,
+    JobRequest,
+    StatsRequest,
+    build_job,
+)
 
 __all__ = [
     "MAX_LINE_BYTES",
+    "AnsweredRequest",
     "Duration",
     "PathArg",
     "RequestId",
@@ -40,14 +56,22 @@ __all__ = [
 
 PathArg: TypeAlias = str | os.PathLike[str]
 #: int: seconds (as the pool reads a bare number); float and timedelta are
-#: converted to whole milliseconds, rounded up; str is sent as is ("250ms", "5s").
+#: converted to whole milliseconds, rounded up; str is read as the pool reads it ("250ms", "5s").
 Duration: TypeAlias = int | float | timedelta | str
-#: int: bytes; str is sent as is ("512m", "64k").
+#: int: bytes; str is read as the pool reads it ("512m", "64k").
 Size: TypeAlias = int | str
+#: A request the pool answers by its id (a host function's reply is answered by nothing).
+AnsweredRequest: TypeAlias = JobRequest | StatsRequest | CancelJob | CloseSession | HibernateSession | ForkSession
 
 
-def job_request(
-    id: RequestId,
+def job_request(id: RequestId, code: str | None = None, **fields: Any) -> JobRequest:
+    """One job request (``fields`` as :func:`_job_fields` takes them); raises :class:`RequestError`
+    for what the pool would refuse as a line (both or neither of code and script, a timeout of no
+    duration, ...)."""
+    return build_job(id, _job_fields(code, **fields))
+
+
+def _job_fields(
     code: str | None = None,
     *,
     script: PathArg | None = None,
@@ -68,13 +92,11 @@ def job_request(
     stream: bool = False,
     report_files: bool = False,
 ) -> dict[str, Any]:
-    """The JSON object of one job request; raises :class:`RequestError` for both or neither of code and script."""
-    if (code is None) == (script is None):
-        raise RequestError("give exactly one of code and script", "code")
-    request: dict[str, Any] = {"id": id}
+    """The fields a job's line carries beside its id, as JSON values: only those the caller set."""
+    request: dict[str, Any] = {}
     if code is not None:
         request["code"] = _text(code, "code")
-    else:
+    if script is not None:
         request["script"] = _path(script, "script")
     if name is not None:
         request["name"] = _text(name, "name")
@@ -107,8 +129,8 @@ def job_request(
     return request
 
 
-def stats_request(id: RequestId) -> dict[str, Any]:
-    return {"id": id, "stats": True}
+def stats_request(id: RequestId) -> StatsRequest:
+    return StatsRequest(id)
 
 
 def session_setup(
@@ -127,13 +149,13 @@ def session_setup(
     functions: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The fields a session's first request carries (its permissions, limits, environment and
-    host function names), checked now."""
-    fields = job_request(
-        0, "", allow_read=allow_read, allow_write=allow_write, package_dirs=package_dirs, env=env,
+    host function names) as JSON values, checked now as that request will be."""
+    fields = _job_fields(
+        allow_read=allow_read, allow_write=allow_write, package_dirs=package_dirs, env=env,
         allow_network=allow_network, timeout=timeout, memory=memory, max_output=max_output,
         max_file_size=max_file_size, profile=profile, packages=packages, functions=functions,
     )
-    del fields["id"], fields["code"]
+    build_job(0, {"code": "", **fields})
     return fields
 
 
@@ -149,24 +171,24 @@ def step_request(
     setup: Mapping[str, Any] | None = None,
     stream: bool = False,
     report_files: bool = False,
-) -> dict[str, Any]:
+) -> JobRequest:
     """One step of ``session``; the first carries ``setup`` (from :func:`session_setup`), later ones must not."""
-    request = job_request(id, code, name=name, args=args, stream=stream, report_files=report_files)
-    request["session"] = _text(session, "session")
-    request.update(setup or {})
+    fields = _job_fields(code, name=name, args=args, stream=stream, report_files=report_files)
+    fields["session"] = _text(session, "session")
+    fields.update(setup or {})
     # The step's own timeout and max_output go over the session's.
-    _put(request, "timeout", timeout, _duration)
-    _put(request, "max_output", max_output, _size)
-    return request
+    _put(fields, "timeout", timeout, _duration)
+    _put(fields, "max_output", max_output, _size)
+    return build_job(id, fields)
 
 
-def cancel_request(id: RequestId, target: RequestId) -> dict[str, Any]:
+def cancel_request(id: RequestId, target: RequestId) -> CancelJob:
     """Stop job ``target`` and free its sandbox (answered by a cancelled event)."""
-    return {"id": id, "cancel": target}
+    return CancelJob(id, target)
 
 
-def close_request(id: RequestId, session: str) -> dict[str, Any]:
-    return {"id": id, "session": _text(session, "session"), "close": True}
+def close_request(id: RequestId, session: str) -> CloseSession:
+    return CloseSession(id, _text(session, "session"))
 
 
 # --------------------------------------------------------------------------- conversions

@@ -32,7 +32,7 @@ from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
 
 from ._errors import ReadieError, RequestError
 from ._output import OutputCallback, OutputCallbacks
-from ._requests import Duration, Size, close_request, step_request
+from ._requests import AnsweredRequest, Duration, Size, close_request, step_request
 from ._session_images import (
     Answer,
     answered,
@@ -59,12 +59,12 @@ class SessionPool(Protocol):
 
     def _exchange(
         self,
-        request: dict[str, Any],
+        request: AnsweredRequest,
         functions: dict[str, Any] | None = None,
         callbacks: OutputCallbacks | None = None,
     ) -> Answer: ...
 
-    def _send_and_forget(self, request: dict[str, Any]) -> None: ...
+    def _send_and_forget(self, request: AnsweredRequest) -> None: ...
 
 
 class Session:

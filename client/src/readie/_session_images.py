@@ -8,9 +8,10 @@ Also the answers a pool request can get, which both pools name.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from readie_protocol.errors import ErrorType
+from readie_protocol.requests import ForkSession, HibernateSession
 from readie_protocol.events import (
     CancelledEvent,
     ClosedEvent,
@@ -47,8 +48,8 @@ class _Tracked(Protocol):
     _open: bool
 
 
-def hibernate_request(id: RequestId, session: str) -> dict[str, Any]:
-    return {"id": id, "session": session, "hibernate": True}
+def hibernate_request(id: RequestId, session: str) -> HibernateSession:
+    return HibernateSession(id, session)
 
 
 def new_session_name() -> str:
@@ -64,8 +65,8 @@ def fork_name(name: str | None) -> str:
     return name
 
 
-def fork_request(id: RequestId, session: str, fork: str) -> dict[str, Any]:
-    return {"id": id, "session": session, "fork": fork}
+def fork_request(id: RequestId, session: str, fork: str) -> ForkSession:
+    return ForkSession(id, session, fork)
 
 
 def raise_if_refused(result: Result) -> None:

@@ -57,6 +57,7 @@ from .requests import (
     ReplyRequest,
     Request,
     StatsRequest,
+    build_job,
     parse_request,
 )
 from .results import JobError
@@ -108,6 +109,7 @@ __all__ = [
     "UnitError",
     "Value",
     "VersionMismatch",
+    "build_job",
     "encode_line",
     "id_problem",
     "json_type",

@@ -32,7 +32,6 @@ from __future__ import annotations
 import enum
 import json
 from collections import deque
-from collections.abc import Mapping
 from typing import Any, Final
 
 from readie_executor import hostwire
@@ -59,8 +58,20 @@ from .events import (
     parse_stats,
 )
 from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine
-from .request_lines import request_json
-from .requests import Refused, Request, encode_request, parse_event
+from .request_lines import reply_line, request_json
+from .requests import (
+    CancelJob,
+    CloseSession,
+    ForkSession,
+    HibernateSession,
+    JobRequest,
+    Refused,
+    ReplyRequest,
+    Request,
+    StatsRequest,
+    encode_request,
+    parse_event,
+)
 from .wire import RequestId, encode_line
 
 __all__ = [
@@ -179,23 +190,22 @@ class PoolConnection:
 
     # ------------------------------------------------------------------ outgoing
 
-    def send(self, event: Request | Mapping[str, Any] | PoolEvent) -> bytes:
-        """The line for one outgoing request (a client's: a typed request, as the pool parses it
-        back, or a JSON object) or event (the pool's).
+    def send(self, event: Request | PoolEvent) -> bytes:
+        """The line for one outgoing request (a client's, typed as the pool parses it back) or event
+        (the pool's).
 
         A client's request line over the limit raises
         :class:`~readie_protocol.errors.RequestError` naming the field that made
-        it long; a request with an id expects its answer by that id.
+        it long; a request with an id expects its answer by that id. A client
+        sends typed values only: a line that is not one (a hostile-input
+        test's) is written as bytes, past the connection.
         """
         if self.our_role is Role.CLIENT:
-            if not isinstance(event, Mapping):
-                event = request_json(event)  # type: ignore[arg-type]  # a client sends requests, never events
-            line = encode_request(event)
-            request_id = event.get("id")
-            if "reply" not in event and request_id is not None:
-                self._in_flight[request_id] = _answer_to(event)
+            if isinstance(event, ReplyRequest):
+                return reply_line(event)  # answered by nothing: not in flight
+            line = encode_request(request_json(event))  # type: ignore[arg-type]  # a client sends requests, never events
+            self._in_flight[event.id] = _ANSWERS[type(event)]  # type: ignore[union-attr]
             return line
-        assert not isinstance(event, Mapping), "the pool sends typed events"
         if isinstance(event, ReadyEvent) != (not self._ready_seen):
             raise RuntimeError("the ready event is the pool's first line, and only that")
         self._ready_seen = True
@@ -243,18 +253,14 @@ class PoolConnection:
         return parse_result(obj)
 
 
-def _answer_to(request: Mapping[str, Any]) -> _Answer:
-    if "stats" in request:
-        return _Answer.STATS
-    if request.get("close") is True:
-        return _Answer.CLOSE
-    if "cancel" in request:
-        return _Answer.CANCEL
-    if request.get("hibernate") is True:
-        return _Answer.HIBERNATE
-    if "fork" in request:
-        return _Answer.FORK
-    return _Answer.RESULT
+_ANSWERS: Final = {
+    JobRequest: _Answer.RESULT,
+    StatsRequest: _Answer.STATS,
+    CloseSession: _Answer.CLOSE,
+    CancelJob: _Answer.CANCEL,
+    HibernateSession: _Answer.HIBERNATE,
+    ForkSession: _Answer.FORK,
+}
 
 
 def _first_line(line: LineEvent) -> Any:

@@ -8,13 +8,21 @@ writes it with :func:`request_json`. For every request the parser accepts,
 ``parse_request(encode_request(request_json(request)))`` is that request
 again (a property test holds it): one definition of each field's wire name
 (``requests.JOB_FIELDS``), read both ways.
+
+A host function's reply is the one request whose line is not written by
+``json``: its result is any value the sandbox's code may receive (integers
+of any size, nesting of any depth), so :func:`reply_line` writes it with
+hostwire's lossless, iterative encoder, as the pool's side writes a call.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .replies import ReplyRequest
+from readie_executor import hostwire
+
+from .encoding import encode_request
+from .replies import MAX_REPLY_BYTES, ReplyRequest
 from .requests import (
     JOB_FIELDS,
     CancelJob,
@@ -27,7 +35,20 @@ from .requests import (
 )
 from .units import format_duration_ms
 
-__all__ = ["request_json"]
+__all__ = ["reply_line", "request_json"]
+
+
+def reply_line(reply: ReplyRequest) -> bytes:
+    """The line of a host function's reply; TypeError or ValueError when its result cannot be sent
+    (not JSON, a cycle, NaN, over :data:`~readie_protocol.replies.MAX_REPLY_BYTES` of JSON).
+
+    Stateless: a reply is answered by nothing, so a client may write it
+    without holding its connection (a 1 MB result is encoded off the lock).
+    """
+    if reply.error is not None:
+        return encode_request(request_json(reply))
+    body = hostwire.dumps(reply.result, MAX_REPLY_BYTES, what="result")
+    return b'{"reply":{"call_id":%d,"result":' % reply.call_id + body + b"}}\n"
 
 
 def request_json(request: Request) -> dict[str, Any]:

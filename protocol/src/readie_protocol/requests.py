@@ -24,7 +24,7 @@ session manager's (see :attr:`JobRequest.setup_fields`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,7 @@ __all__ = [
     "Request",
     "StatsRequest",
     "CancelJob",
+    "build_job",
     "encode_request",
     "parse_event",
     "parse_request",
@@ -328,10 +329,10 @@ def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
             return CloseSession(_required_id(rid), _field(obj, "session", _session))
         # "close": false asks for nothing; the line is an ordinary job or step.
         obj = {k: v for k, v in obj.items() if k != "close"}
-    return _job(obj, _required_id(rid))
+    return build_job(_required_id(rid), obj)
 
 
-def _only(obj: dict[str, Any], allowed: frozenset[str], what: str) -> None:
+def _only(obj: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
     for key in obj:
         if key not in allowed:
             if key in _JOB_FIELDS or key in _ALL_KINDS:
@@ -351,7 +352,7 @@ def _required_id(rid: RequestId | None) -> RequestId:
     return rid
 
 
-def _field(obj: dict[str, Any], name: str, check: Callable[[Any], Any]) -> Any:
+def _field(obj: Mapping[str, Any], name: str, check: Callable[[Any], Any]) -> Any:
     try:
         return check(obj[name])
     except (Invalid, UnitError) as exc:
@@ -361,22 +362,26 @@ def _field(obj: dict[str, Any], name: str, check: Callable[[Any], Any]) -> Any:
 # --------------------------------------------------------------------------- jobs
 
 
-def _job(obj: dict[str, Any], rid: RequestId) -> JobRequest:
-    _only(obj, _JOB_KEYS, "a job")
+def build_job(id: RequestId, fields: Mapping[str, Any]) -> JobRequest:
+    """The job (or step) whose line carries ``fields`` (wire names, JSON values) beside ``id``, checked
+    as the parser checks that line: a client builds its requests here (RequestError naming the field)."""
+    if problem := id_problem(id):
+        raise RequestError(problem, "id")
+    _only(fields, _JOB_KEYS, "a job")
     values: dict[str, Any] = {}
-    for key in obj:
+    for key in fields:
         if key == "id":
             continue
         field = _JOB_FIELDS[key]
-        values[field.attr] = _field(obj, key, field.check)
-    has_code, has_script = "code" in obj, "script" in obj
+        values[field.attr] = _field(fields, key, field.check)
+    has_code, has_script = "code" in fields, "script" in fields
     if has_code and has_script:
         raise RequestError("give exactly one of code and script, not both", "script")
     if not has_code and not has_script:
         raise RequestError("required: give exactly one of code and script", "code")
-    if has_script and "session" in obj:
+    if has_script and "session" in fields:
         raise RequestError("sessions take inline code, not script", "script")
-    return JobRequest(id=rid, fields=frozenset(obj) - {"id"}, **values)
+    return JobRequest(id=id, fields=frozenset(fields) - {"id"}, **values)
 
 
 _path = bounded_text(MAX_PATH_CHARS)
