@@ -9,7 +9,6 @@ The seed is printed; ``READIE_FAULT_SEED=N`` replays a schedule.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import shutil
@@ -19,13 +18,12 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from readie_pool.testing import PoolProcess
-from readie_rpc.testing import SERVING, Cluster, WorkerProcess, start_cluster
+from readie_rpc.testing import SERVING, Cluster, WorkerProcess, not_a_subreaper, start_cluster
 from readie_worker.runsc import Runsc
 from readie_worker.testing import wait_until
 
@@ -231,30 +229,6 @@ def schedule(rng: random.Random) -> list[str]:
 
 
 # -------------------------------------------------------------------------- the suite
-
-
-PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
-
-
-@contextmanager
-def not_a_subreaper() -> Iterator[None]:
-    """This process stops adopting orphans while the suite runs, as a supervisor that reaps would.
-
-    A worker that starts sandboxes makes its process a child subreaper, and so does every
-    in-process worker an earlier test ran here. Then the sandboxes of a SIGKILLed worker
-    were adopted by pytest, which never reaps them, and the restarted worker's runsc
-    delete of each waited for a zombie until it timed out (30 s), so the worker did not
-    start (CI, twice; alone, the suite passed). Outside the suite, init or the container's
-    init (Compose's init: true) adopts and reaps them.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    was = ctypes.c_int(0)
-    libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-    try:
-        yield
-    finally:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, was.value, 0, 0, 0)
 
 
 @pytest.fixture

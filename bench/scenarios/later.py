@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from readie_protocol.requests import Refused as LineRefused
+from readie_protocol.requests import Request, parse_request
+from readie_protocol.wire import RequestId
+
 from .._bench import Bench
 from .._jobs import PRINT
 from .._pool_client import PoolClient, PoolError
@@ -50,8 +54,16 @@ def _unavailable(reason: str) -> dict[str, Any]:
 
 
 def pool_request(pool: PoolClient, body: dict[str, Any], **kwargs: Any) -> tuple[dict[str, Any], float]:
+    """Send a request line's fields (its id ours); the pool protocol's own parser makes the typed request."""
+
+    def make(request_id: RequestId) -> Request:
+        request = parse_request(json.dumps({"id": request_id, **body}))
+        if isinstance(request, LineRefused):
+            raise Refused(f"not a request: {request.error}")
+        return request
+
     try:
-        result, elapsed_s = pool.request(body, STEP_TIMEOUT_S, **kwargs)
+        result, elapsed_s = pool.request(make, STEP_TIMEOUT_S, **kwargs)
     except PoolError as exc:
         raise Refused(f"readie pool failed: {exc}") from None
     error = result.get("error")

@@ -14,7 +14,7 @@ import pytest
 
 from readie_rpc.stubs import worker_pb2 as pb
 from readie_pool.testing import PoolProcess
-from readie_rpc.testing import Cluster, start_cluster
+from readie_rpc.testing import Cluster, not_a_subreaper, start_cluster
 from readie_worker.testing import wait_until
 
 pytestmark = pytest.mark.runsc
@@ -25,9 +25,10 @@ from conftest import CHECKPOINTS  # noqa: E402
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
     base = Path(tempfile.mkdtemp(prefix="rr-", dir="/tmp"))
-    made = start_cluster(base, CHECKPOINTS / "manifest.json", router_args=["--session-workers=2"])
-    yield made
-    made.stop()
+    with not_a_subreaper():  # some tests here kill a worker: its sandboxes must go to init, who reaps
+        made = start_cluster(base, CHECKPOINTS / "manifest.json", router_args=["--session-workers=2"])
+        yield made
+        made.stop()
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -4,13 +4,15 @@ PKI for TLS."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +164,32 @@ def stop_worker(worker: WorkerProcess) -> int:
             worker.process.kill()
 
 
+# prctl options: whether this process adopts its descendants' orphans.
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+@contextmanager
+def not_a_subreaper() -> Iterator[None]:
+    """This process stops adopting orphans while a test that kills workers runs, as a supervisor
+    that reaps would.
+
+    A worker that starts sandboxes makes its process a child subreaper, and so does every
+    in-process worker an earlier test ran here. Then the sandboxes of a SIGKILLed worker are
+    adopted by the test process, which never reaps them, and every ``runsc delete`` of them
+    (the restarted worker's, :meth:`Cluster.stop`'s) waits for a zombie until it times out
+    (30 s). Outside tests, init or the container's init (Compose's ``init: true``) adopts and
+    reaps them.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    was = ctypes.c_int(0)
+    libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    try:
+        yield
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, was.value, 0, 0, 0)
+
+
 @dataclass
 class Cluster:
     """``readie router`` on a free loopback port, placing on ``workers`` (see :func:`start_cluster`)."""
@@ -196,7 +224,7 @@ class Cluster:
         for worker in self.workers:
             alive = worker.process.poll() is None
             exit_status = stop_worker(worker)
-            if not alive:  # killed by its test: its sandboxes outlive it, as after a crash
+            if not alive:  # killed by its test (under not_a_subreaper): its sandboxes outlive it, as after a crash
                 for container in runsc_containers(worker.runsc_root):
                     subprocess.run(["runsc", "--root", str(worker.runsc_root), "delete", "--force", container],
                                    capture_output=True, timeout=RUNSC_TIMEOUT_S, check=False)
