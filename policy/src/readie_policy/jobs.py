@@ -26,6 +26,7 @@ from readie_executor.jobs import DEFAULT_INLINE_NAME
 from readie_protocol.errors import RequestError
 from readie_protocol.events import ErrorInfo, FileInfo, Value
 from readie_protocol.requests import MAX_REQUIREMENT_CHARS
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES, Collected
 
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, Policy
 
@@ -100,6 +101,16 @@ class CodeJob:
     functions: tuple[str, ...] = ()
     # List the files it creates or changes in allow_write (written.py) in its outcome.
     report_files: bool = False
+    # Files written into the workspace (its cwd, in the sandbox) before the code runs, as
+    # checked workspace paths and bytes (readie_protocol.workspace.check_files); and the
+    # paths or patterns whose files come back with the outcome (decision 31).
+    files: tuple[tuple[str, bytes], ...] = ()
+    collect: tuple[str, ...] = ()
+    # What the operator's ceiling lets come back: bytes and files of one outcome's
+    # ``collected``, and the largest file one session upload or download moves.
+    collect_bytes: int = MAX_COLLECTED_BYTES
+    collect_files: int = MAX_COLLECTED_FILES
+    transfer_bytes: int = MAX_TRANSFER_BYTES
 
     @classmethod
     def under(
@@ -156,6 +167,8 @@ class CodeJob:
             timeout_ms=self.timeout_ms if step.timeout_ms is None else step.timeout_ms,
             max_output=self.max_output if step.max_output is None else step.max_output,
             report_files=step.report_files,
+            files=step.files,
+            collect=step.collect,
         )
 
     def spec(self, links: tuple[Mapping[str, object], ...], *, session: bool = False, stream: bool = False) -> dict[str, Any]:
@@ -208,6 +221,10 @@ class Step:
     timeout_ms: int | None = None
     max_output: int | None = None
     report_files: bool = False
+    # Like a job's: written into the session's workspace before the step's code runs, and
+    # brought back after it (decision 31).
+    files: tuple[tuple[str, bytes], ...] = ()
+    collect: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,6 +256,9 @@ class JobOutcome:
     # What it wrote to its write grants, when the job asked (report_files); None otherwise.
     files: tuple[FileInfo, ...] | None = None
     files_truncated: bool = False
+    # What its ``collect`` brought back, checked by the worker (decision 31); None when it
+    # asked for nothing.
+    collected: Collected | None = None
 
     def log_fields(self) -> dict[str, object]:
         """What the worker's one log line per job or step says of its outcome: never captured output."""

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from readie_protocol.cancel import Cancellation
 
+from readie_protocol.workspace import FileChunk, FileListing
+
 from .jobs import Capacity, CodeJob, HostFunction, JobOutcome, OutputSink, Step, StepOutcome
 
 __all__ = ["CallCounter", "JobRunner", "ServedRunner", "SessionHandle"]
@@ -53,6 +55,29 @@ class SessionHandle(Protocol):
 
     def fork(self, cancel: Cancellation = ...) -> tuple[SessionHandle, float]:
         """A new session with this one's state now, its own sandbox; and the milliseconds it took."""
+        ...
+
+    # Files in the session's workspace (decision 31). Paths are checked workspace paths
+    # (readie_protocol.workspace); a hibernated session is resumed first, as for a step.
+    # A bad path, a missing file, a size past the session's ``transfer_bytes`` or past the
+    # memory its sandbox has left is a RequestError naming the field, and the session goes on;
+    # a sandbox that answers out of bounds is a PoolWorkerError.
+
+    def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel: Cancellation = ...) -> int:
+        """Write ``data`` at ``offset`` of the ``size``-byte file ``path``; the bytes it holds now.
+
+        Offset 0 creates the file (and its directories), replacing one there;
+        each later chunk must start where the file ends; ``size`` is the
+        whole upload's, checked against the limits before the first byte.
+        """
+        ...
+
+    def download_chunk(self, path: str, offset: int, length: int, *, cancel: Cancellation = ...) -> FileChunk:
+        """At most ``length`` bytes of ``path`` from ``offset``, with the file's size and mtime."""
+        ...
+
+    def list_files(self, path: str, *, cancel: Cancellation = ...) -> FileListing:
+        """The entries of directory ``path`` (``"."``: the workspace), sorted, bounded."""
         ...
 
 

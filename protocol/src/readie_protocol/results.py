@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._fields import Fields, broken
+from ._fields import Fields, broken, short
 from .errors import ErrorType, ReadieError, RequestError, family_of
 from .wire import RequestId
+from ._values import Invalid
+from .workspace import LEFT_OUT_REASONS, LeftOut, decode_bytes, encode_bytes
 
 __all__ = [
     "EXIT_NOT_RUN",
@@ -198,6 +200,12 @@ class Result:
     files: tuple[FileInfo, ...] | None = None
     files_truncated: bool = False
     resumed_ms: int | None = None
+    # What ``collect`` brought back (decision 31): each file's bytes by its workspace path, and
+    # the matches left out and why (at most MAX_LEFT_OUT; ``left_out_more`` counts the rest).
+    # None and empty unless the request asked to collect.
+    collected: Mapping[str, bytes] | None = None
+    left_out: tuple[LeftOut, ...] = ()
+    left_out_more: int = 0
 
     @property
     def ok(self) -> bool:
@@ -266,6 +274,10 @@ class Result:
         if self.files is not None:
             out["files"] = [file.to_json() for file in self.files]
             out["files_truncated"] = self.files_truncated
+        if self.collected is not None:
+            out["collected"] = {path: encode_bytes(data) for path, data in self.collected.items()}
+            out["left_out"] = [entry.to_json() for entry in self.left_out]
+            out["left_out_more"] = self.left_out_more
         return out
 
 
@@ -306,7 +318,35 @@ def parse_result(obj: Any) -> Result:
         files=_files(obj["files"]) if obj.get("files") is not None else None,
         files_truncated=fields.optional("files_truncated", bool) or False,
         resumed_ms=fields.optional("resumed_ms", int),
+        collected=_collected(obj["collected"]) if obj.get("collected") is not None else None,
+        left_out=_left_out(obj.get("left_out") or []),
+        left_out_more=fields.optional("left_out_more", int) or 0,
     )
+
+
+def _collected(files: Any) -> dict[str, bytes]:
+    if not isinstance(files, Mapping):
+        broken(f"a result's collected must be an object, got {type(files).__name__}")
+    collected = {}
+    for path, text in files.items():
+        try:
+            collected[path] = decode_bytes(text)
+        except Invalid as exc:
+            broken(f"a result's collected file {short(path)}: {exc}")
+    return collected
+
+
+def _left_out(entries: Any) -> tuple[LeftOut, ...]:
+    if not isinstance(entries, list):
+        broken(f"a result's left_out must be a list, got {type(entries).__name__}")
+    left_out = []
+    for entry in entries:
+        fields = Fields(entry, "a result's left_out entry")
+        reason = fields.get("reason", str)
+        if reason not in LEFT_OUT_REASONS:
+            broken(f"a result's left_out entry has an unknown reason: {short(reason)}")
+        left_out.append(LeftOut(path=fields.get("path", str), reason=reason, size=fields.optional("size", int)))
+    return tuple(left_out)
 
 
 def _value(fields: Fields) -> Value:

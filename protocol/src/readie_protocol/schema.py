@@ -38,6 +38,7 @@ from .lines import MAX_LINE_BYTES
 from .requests import CLOSE_FIELDS, FORK_FIELDS, HIBERNATE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
 from .units import MAX_VALUE
 from .wire import PROTOCOL_VERSION
+from .workspace import LeftOut
 
 __all__ = ["SCHEMA_DIALECT", "event_schemas", "protocol_schema", "request_schema"]
 
@@ -130,7 +131,8 @@ def event_schemas() -> dict[str, dict[str, Any]]:
     """Every line a pool writes, by name."""
     return {
         "ready": _event(ReadyEvent, "ready", required_extra=()),
-        "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated", "resumed_ms"}),
+        "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated", "resumed_ms",
+                                            "collected", "left_out", "left_out_more"}),
         "stats": {
             **_object(StatsEvent, skip={"counters"}),
             "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
@@ -187,7 +189,7 @@ def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), ski
     return schema
 
 
-_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo)
+_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo, LeftOut)
 
 
 def _type(hint: Any) -> dict[str, Any]:
@@ -205,6 +207,8 @@ def _type(hint: Any) -> dict[str, Any]:
         return {"type": "integer"}
     if hint is str:
         return {"type": "string"}
+    if hint is bytes:  # a file's bytes in a JSON line
+        return {"type": "string", "contentEncoding": "base64"}
     if hint is Any:
         return {}
     if hint in _NESTED:
