@@ -45,7 +45,7 @@ from .units import (
     parse_size,
     positive_schema,
 )
-from .wire import MAX_ID_CHARS, MAX_ID_INT, RequestId, id_problem, json_type
+from .wire import MAX_ID_CHARS, MAX_ID_INT, MAX_SESSION_CHARS, RequestId, id_problem, json_type
 
 from ._values import (
     MAX_REQUIREMENT_CHARS,
@@ -112,8 +112,6 @@ MAX_NAME_CHARS = 255
 #: replacement character). The worker cuts its list there; a peer reading a
 #: worker's answer refuses a longer one.
 MAX_LISTED_FILES = 1000
-#: Session names are echoed in every step's result and log line.
-MAX_SESSION_CHARS = 256
 #: The longest timeout a job or a step may have, from a request, a profile or
 #: a ceiling: a day. The sandbox's timers take at most 2**63 ns (about 292
 #: years: Python's socket and signal timers, on the host and in gVisor alike,

@@ -13,6 +13,7 @@ __all__ = [
     "MAX_ID_CHARS",
     "PROTOCOL_VERSION",
     "MAX_ID_INT",
+    "MAX_SESSION_CHARS",
     "RequestId",
     "encode_line",
     "id_problem",
@@ -30,6 +31,8 @@ RequestId = str | int
 MAX_ID_CHARS = 256
 #: Integer ids must survive clients whose JSON numbers are int64 (Go, Java).
 MAX_ID_INT = 2**63 - 1
+#: Session names are echoed in every step's result and log line.
+MAX_SESSION_CHARS = 256
 
 
 def id_problem(value: object) -> str | None:
