@@ -40,8 +40,14 @@ INCLUDE = ("python3", "ca-certificates")
 # 2: site packages are byte-compiled.
 BUILD_RECIPE = 2
 STAMP = "readie-layer.json"
-# Old rootfs layers kept besides the current one; each holds ~150 MB of site packages.
+# Old rootfs layers kept besides the current one, however old; each holds ~150 MB of site packages.
 KEEP_OLD_LAYERS = 2
+# A layer a capture built or reused this recently is never pruned: its checkpoints may be in
+# use. Two checkouts capturing on one machine (a developer's and CI's clean clone) each prune
+# the other's layer otherwise, and the other's sandboxes then fail to start ("mounting root").
+LAYER_IN_USE_S = 24 * 3600
+# The most old layers kept, recently used or not: the cache's bound.
+MAX_OLD_LAYERS = 8
 # debootstrap downloads ~100 MB; on a slow mirror it can take minutes.
 DEBOOTSTRAP_TIMEOUT_S = 20 * 60
 INSTALL_TIMEOUT_S = 10 * 60
@@ -86,6 +92,7 @@ def ensure_rootfs(plan: Plan, report: Callable[[str], None] | None = None) -> Ro
         lambda target: _build_site(base / "rootfs", target, plan),
         report,
     )
+    os.utime(layer)  # reused counts as used: _prune keeps what was used lately
     _prune(cache / "rootfs", keep=layer)
     return Rootfs(layer / "rootfs", fingerprint, _sandbox_python_version(layer / "rootfs"))
 
@@ -194,7 +201,10 @@ def _prune(layers: Path, keep: Path) -> None:
         if p.is_dir() and p != keep and not p.name.startswith((".", IMPORTED_LAYER_PREFIX))
     ]
     others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in others[KEEP_OLD_LAYERS:]:
+    recent = time.time() - LAYER_IN_USE_S
+    for rank, stale in enumerate(others):
+        if rank < KEEP_OLD_LAYERS or (rank < MAX_OLD_LAYERS and stale.stat().st_mtime >= recent):
+            continue
         shutil.rmtree(stale, ignore_errors=True)
 
 
