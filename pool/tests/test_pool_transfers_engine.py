@@ -35,7 +35,7 @@ def serve(setup, scenario, backend=None):
         source, sink = MemorySource(), MemorySink()
         engine = PoolEngine(setup, fake)
         serving = asyncio.create_task(engine.serve(source, sink))
-        await scenario(source, sink, fake)
+        await asyncio.wait_for(scenario(source, sink, fake), 10)  # a wait that never ends fails
         source.end()
         code = await asyncio.wait_for(serving, 5)
         return code, sink.lines[1:], fake
@@ -163,29 +163,31 @@ def test_a_backend_answering_out_of_bounds_ends_the_session_not_the_pool(tmp_pat
     assert by_id[4]["exit"] == 0
 
 
-def test_other_sessions_steps_run_between_the_chunks_of_a_transfer(tmp_path):
-    """A chunk holds a worker's slot while it moves and gives it up before the next: with one slot
-    left (a step of C holds the other), B's step waiting for it runs between A's chunks."""
+def test_steps_and_transfers_never_wait_for_each_other(tmp_path):
+    """One worker slot: a transfer takes none, so a chunk held up in the sandbox does not hold back
+    another session's step, and a step holding the slot does not hold back a session's chunks."""
 
     async def scenario(source, sink, fake):
-        source.feed_lines(*({"id": name, "session": name, "code": "open"} for name in "ABC"))
-        await sink.wait_for(4)
+        source.feed_lines(*({"id": name, "session": name, "code": "open"} for name in "AB"))
+        await sink.wait_for(3)
         fake.gates.update(big=asyncio.Event(), hold=asyncio.Event())
-        source.feed_lines({"id": "c2", "session": "C", "code": "hold"})
-        source.feed_lines(*({"id": f"up{i}", "session": "A", "upload": "big", "size": 2, "offset": i,
-                             "data": b64(b"x")} for i in range(2)))
-        while fake.transfers != ["big"]:  # the first chunk holds the other slot
+        source.feed_lines({"id": "up0", "session": "A", "upload": "big", "size": 2, "offset": 0, "data": b64(b"x")})
+        while fake.transfers != ["big"]:  # held up in the sandbox
             await asyncio.sleep(0.001)
         source.feed_lines({"id": "b2", "session": "B", "code": "meanwhile"})
-        await asyncio.sleep(0.05)
+        await sink.wait_for(4)  # B's step ran while A's chunk was held
         fake.gates["big"].set()
-        await sink.wait_for(7)
+        await sink.wait_for(5)
+        source.feed_lines({"id": "b3", "session": "B", "code": "hold"},
+                          {"id": "up1", "session": "A", "upload": "big", "size": 2, "offset": 1, "data": b64(b"y")})
+        await sink.wait_for(6)  # A's chunk moved while B's step held the only slot
         fake.gates["hold"].set()
-        await sink.wait_for(8)
+        await sink.wait_for(7)
 
-    lines, fake = serve(setup_for(tmp_path, workers=2), scenario)
-    assert [line["id"] for line in lines[3:]] == ["up0", "b2", "up1", "c2"]
-    assert fake.most_running == 2
+    lines, fake = serve(setup_for(tmp_path, workers=1), scenario)
+    assert [line["id"] for line in lines[2:]] == ["b2", "up0", "up1", "b3"]
+    assert fake.sessions[0].workspace["big"] == b"xy"
+    assert fake.most_running == 1
 
 
 def test_a_lying_chunk_is_caught_whatever_it_gets_wrong(tmp_path):

@@ -10,10 +10,11 @@ through the backend (``open_session``) with a job built as any job is
 ``session_idle`` is closed by a timer, without an output line (nobody asked).
 
 Hibernation (decision 0022): ``{"hibernate": true}`` and ``{"fork": name}``
-queue in their session like a step and hold a slot while they run. So do a
+queue in their session like a step and hold a slot while they run. A
 session's file transfers (decision 31: ``upload``, ``download``, ``list``;
-``_transfers`` moves them), one chunk per request: the slot is given up
-between chunks, so other sessions' steps run while a large file moves. A fork's
+``_transfers`` moves them, one chunk per request) queue in it too, but take
+no slot, as the worker's take none: a large file moving never holds back
+other sessions' steps, nor do their steps hold it back. A fork's
 new name is in the table at once (OPENING), so its first steps wait for the
 fork. A session idle for ``session_hibernate`` is hibernated by a timer, as
 the pool's own queued request: its close timer keeps running meanwhile.
@@ -230,8 +231,7 @@ class SessionDriver:
             why = RequestError(f"session {session.name!r} ended before its files could move", "session")
             return error_result(request.id, why, runtime=self._setup.runtime, session=session.name, session_ended=True)
         try:
-            async with self._tasks.slots:  # one chunk's worth
-                return await move(session.handle, request, session.job)
+            return await move(session.handle, request, session.job)  # no slot: see the module docstring
         except ReadieError as exc:
             return self._failed(request.id, session, exc, "its files could not move")
 

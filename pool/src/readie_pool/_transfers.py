@@ -2,9 +2,9 @@
 download or list request once its turn in the session has come.
 
 The session driver (``_session_driver``) queues each request in its session
-as it queues a hibernation, holds one of the workers' slots for it (one
-chunk's worth: the next chunk queues again, so other sessions' steps run in
-between) and turns a refusal into a result. This calls the session's backend
+as it queues a hibernation (but takes no worker slot for it: a chunk runs on
+the backend's threads for files, so steps and transfers never wait for each
+other) and turns a refusal into a result. This calls the session's backend
 and builds the event that answers.
 
 The pool's ceiling is held here too, whatever the backend holds: an upload
