@@ -50,7 +50,7 @@ class MemoryWorkspace:
     until it is set (a transfer that takes long)."""
 
     def __init__(self, transfer_bytes: int = 64 * 1024 * 1024) -> None:
-        self.files: dict[str, bytes] = {}
+        self.files: dict[str, bytearray] = {}
         self.transfer_bytes = transfer_bytes
         self.gate: threading.Event | None = None
         self.waiting = threading.Event()  # a file request waits at the gate
@@ -60,18 +60,20 @@ class MemoryWorkspace:
         self._wait()
         if size > self.transfer_bytes:
             raise RequestError(f"{size} bytes; at most {self.transfer_bytes} move", field="upload.size")
-        held = self.files.get(path, b"") if offset else b""
+        if offset == 0:
+            self.files[path] = bytearray()
+        held = self.files.get(path, bytearray())
         if offset != len(held):
             raise RequestError(f"{offset} is not where {path!r} ends ({len(held)})", field="upload.offset")
-        self.files[path] = held + data
-        return len(self.files[path])
+        held += data
+        return len(held)
 
     def download_chunk(self, path: str, offset: int, length: int, *, cancel=None) -> FileChunk:
         self._wait()
         if path not in self.files:
             raise RequestError(f"no file {path!r} in the workspace", field="download.path")
         data = self.files[path]
-        return FileChunk(path, offset, len(data), 1_000, data[offset : offset + length])
+        return FileChunk(path, offset, len(data), 1_000, bytes(data[offset : offset + length]))
 
     def list_files(self, path: str, *, cancel=None) -> FileListing:
         self._wait()

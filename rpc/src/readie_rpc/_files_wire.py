@@ -59,8 +59,14 @@ __all__ = [
     "workspace_files",
 ]
 
+# Each file request of an open session, and the event (its name, its message) that answers it.
+_ANSWERS: dict[str, tuple[str, type[pb.ChunkUploaded | pb.ChunkDownloaded | pb.FilesListed]]] = {
+    "upload": ("uploaded", pb.ChunkUploaded),
+    "download": ("downloaded", pb.ChunkDownloaded),
+    "list_files": ("listed", pb.FilesListed),
+}
 #: Each file request of an open session and the event that answers it.
-FILE_EVENTS = {"upload": "uploaded", "download": "downloaded", "list_files": "listed"}
+FILE_EVENTS = {kind: event for kind, (event, _) in _ANSWERS.items()}
 # A refusal's field names a request field: longer than any, it is a worker's garbage, cut.
 MAX_REFUSAL_FIELD_CHARS = 64
 _KINDS = {
@@ -157,8 +163,7 @@ def answer_file_request(session: SessionHandle, request: pb.InteractRequest, can
     session goes on; anything else is raised, and ends the stream.
     """
     kind = request.WhichOneof("kind")
-    event = FILE_EVENTS[kind]
-    message_type = type(getattr(pb.InteractEvent(), event))
+    event, message_type = _ANSWERS[kind]
     try:
         if kind == "upload":
             path, offset, data, size = _upload(request.upload)
