@@ -9,7 +9,8 @@ router, ``RemoteSession`` again to the worker, the worker's ``SandboxSession`` i
   ``collect``-ed, byte-exact;
 * 64 MiB go up into a session in chunks, a step checksums them in the sandbox, a 64 MiB file the
   step wrote comes back in chunks byte-exact, while another session's steps keep running;
-* a bad path is refused naming its field, and the session goes on.
+* a bad path (the router's check) and a missing file (the worker's) are refused naming their
+  field, and the session goes on.
 """
 
 from __future__ import annotations
@@ -112,9 +113,12 @@ def test_64_mib_up_and_down_through_the_router_while_another_session_steps(clien
     listing = {entry.name: (entry.size, entry.kind) for entry in session.list_files(".").entries}
     assert listing["out.bin"] == (BIG, "file") and listing["in"][1] == "dir"
     assert len(steps_meanwhile) >= 5 and steps_meanwhile == [f"{n}\n" for n in range(1, len(steps_meanwhile) + 1)]
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(RequestError) as refused:  # the router's own check
         session.download_chunk("../../etc/passwd", 0, 1)
     assert refused.value.field == "download.path" and not session.ended
+    with pytest.raises(RequestError) as missing:  # the worker's, relayed by the router naming its field
+        session.download_chunk("missing.bin", 0, 1)
+    assert missing.value.field == "download" and "missing.bin" in str(missing.value) and not session.ended
     assert session.run_step(Step("print('goes on')")).outcome.stdout == "goes on\n"
     session.close()
     other.close()

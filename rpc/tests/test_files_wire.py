@@ -221,8 +221,10 @@ def test_a_listing_out_of_bounds_is_a_worker_error(entries):
 class _Refusing:
     """A session whose file methods record what they were asked, or raise ``error``."""
 
-    def __init__(self, error: Exception | None = None) -> None:
+    def __init__(self, error: Exception | None = None, ends: bool = False) -> None:
         self.error = error
+        self.ends = ends  # the error ends the session
+        self.ended = False
         self.asked: list[tuple] = []
 
     def upload_chunk(self, path, offset, data, size, *, cancel):
@@ -237,6 +239,7 @@ class _Refusing:
     def _answer(self, asked, answer):
         self.asked.append(asked)
         if self.error is not None:
+            self.ended = self.ends
             raise self.error
         return answer
 
@@ -281,9 +284,13 @@ def test_the_sessions_refusals_are_answered_and_anything_else_raised():
     refused = answer_file_request(_Refusing(RequestError("past the memory left", field="upload.size")), upload_message("x", 0, b"", 9), NEVER)
     error = file_refusal(refused.uploaded)
     assert isinstance(error, RequestError) and error.field == "upload.size" and "memory" in str(error)
+    not_a_dir = answer_file_request(_Refusing(RequestError("x: not a directory", field="list")), list_message("x"), NEVER)
+    assert file_refusal(not_a_dir.listed).field == "list_files"  # the pool protocol's name, as the proto spells it
     no_resume = answer_file_request(_Refusing(SandboxSetupError("restore failed")), list_message("."), NEVER)
     assert isinstance(file_refusal(no_resume.listed), SandboxSetupError)
     with pytest.raises(PoolWorkerError):
-        answer_file_request(_Refusing(PoolWorkerError("the sandbox lied")), download_message("x", 0, 1), NEVER)
+        answer_file_request(_Refusing(PoolWorkerError("the sandbox lied"), ends=True), download_message("x", 0, 1), NEVER)
+    with pytest.raises(SandboxSetupError):  # its resume failed, and the session ended
+        answer_file_request(_Refusing(SandboxSetupError("restore failed"), ends=True), list_message("."), NEVER)
     strange = file_refusal(pb.FilesListed(error_type="KeyError", error_message="m"))
     assert isinstance(strange, PoolWorkerError)

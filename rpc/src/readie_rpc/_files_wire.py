@@ -159,8 +159,8 @@ def answer_file_request(session: SessionHandle, request: pb.InteractRequest, can
     """Do what an ``upload``, ``download`` or ``list_files`` asks of ``session``; its answer.
 
     A request the wire's checks refuse, and a refusal of the session's
-    (RequestError, SandboxSetupError), are answered in the event and the
-    session goes on; anything else is raised, and ends the stream.
+    (RequestError, SandboxSetupError) that left it open, are answered in the
+    event and the session goes on; anything else is raised, and ends the stream.
     """
     kind = request.WhichOneof("kind")
     event, message_type = _ANSWERS[kind]
@@ -174,6 +174,8 @@ def answer_file_request(session: SessionHandle, request: pb.InteractRequest, can
         else:
             answer = _listing_message(session.list_files(_listed_path(request.list_files.path), cancel=cancel))
     except (RequestError, SandboxSetupError) as refused:
+        if session.ended:  # a resume that failed ended it: not a refusal, the stream ends with it
+            raise
         answer = message_type(**refusal_fields(refused, with_field=True))
     return pb.InteractEvent(**{event: answer})
 
