@@ -1,6 +1,7 @@
 """Files in and out of a sandbox through ``readie pool`` under runsc (decision 31): a job's files and
 collect, a session's upload, download and list, byte for byte; bad paths, oversize files and links
-refused or left out, with the pool serving on and no container left."""
+refused or left out, with the pool serving on and no container left. Each runs twice: with the pool's own
+worker, and through ``readie pool --router`` in front of two workers whose disk the client never touches."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-@pytest.fixture(scope="module")
-def pool(checkpoints, tmp_path_factory) -> Iterator[Pool]:
+@pytest.fixture(scope="module", params=["local", "router"])
+def pool(request, checkpoints, tmp_path_factory) -> Iterator[Pool]:
     config = tmp_path_factory.mktemp("cfg") / "readie.toml"
     config.write_text(LIMITS)
-    with placed_pool("local", "rxfer-", "--workers", "2", "--config", str(config)) as made:
+    with placed_pool(request.param, "rxfer-", "--workers", "2", "--config", str(config)) as made:
         yield made
 
 
