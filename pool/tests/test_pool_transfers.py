@@ -120,3 +120,32 @@ def test_too_many_files_bad_paths_and_the_ceiling_are_refused_or_left_out(pool):
                              "collect": ["w*"]}, timeout=60))
     assert len(result["collected"]) == 3  # the ceiling's collect_files
     assert sorted(entry["reason"] for entry in result["left_out"]) == ["count", "count"]
+
+
+def test_a_large_file_moves_while_another_sessions_steps_run(pool):
+    """A file as large as the ceiling's transfer_bytes up and back, three chunks in flight at a time
+    with a step of another session among them (the pool's 2 x workers lines in flight): both
+    sessions answered, the file byte for byte."""
+    process, size, chunk = pool.process, 2 * 1024 * 1024, 512 * 1024
+    whole = hashlib.sha256(b"seed").digest() * (size // 32)
+    ok(process.run({"id": "big", "session": "big", "code": "import hashlib"}, timeout=60))
+    ok(process.run({"id": "other", "session": "other", "code": "n = 0"}, timeout=60))
+    offsets = list(range(0, size, chunk))
+    for window in range(0, len(offsets), 3):
+        lines = [{"id": f"u{offset}", "session": "big", "upload": "in.bin", "size": size, "offset": offset,
+                  "data": b64(whole[offset : offset + chunk])} for offset in offsets[window : window + 3]]
+        process.send(*lines, {"id": f"n{window}", "session": "other", "code": "n += 1\nprint(n)"})
+        answers = {answer["id"]: answer for answer in process.results(len(lines) + 1, timeout=60)}
+        assert answers[f"n{window}"]["stdout"] == f"{window // 3 + 1}\n", answers[f"n{window}"]
+        assert [answers[line["id"]]["received"] for line in lines] == [
+            min(size, line["offset"] + chunk) for line in lines]
+    step = ok(process.run({"id": "sum", "session": "big", "code":
+                           "print(hashlib.sha256(open('in.bin', 'rb').read()).hexdigest())"}, timeout=60))
+    assert step["stdout"].strip() == hashlib.sha256(whole).hexdigest()
+    got = b""
+    while len(got) < size:
+        answer = process.run({"id": "d", "session": "big", "download": "in.bin", "offset": len(got)}, timeout=60)
+        got += base64.b64decode(answer["data"])
+    assert got == whole
+    for name in ("big", "other"):
+        assert process.run({"id": "c", "session": name, "close": True})["closed"] is True
