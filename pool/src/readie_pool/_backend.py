@@ -31,7 +31,11 @@ The contract every backend keeps:
   :class:`~readie_worker.sessions.StepOutcome`; it raises like ``run``. The
   session stays where it opened: in this process's worker, or (through a
   router) on one worker, down its own Interact stream. ``hibernate`` and
-  ``fork`` work where the worker is this process's (decision 0022).
+  ``fork`` work where the worker is this process's (decision 0022). Its
+  files move one chunk per call (``upload_chunk``, ``download_chunk``,
+  ``list_files``; decision 31), which raise like ``run``: a RequestError for
+  a refusal (the session goes on), a PoolWorkerError for a sandbox that
+  answered out of bounds.
 * host functions: ``run``, ``open_session`` and ``run_step`` take a ``host``
   callback (:data:`~readie_worker.jobs.HostFunction`, called on the job's
   thread for each call the job makes to its declared functions), and an
@@ -59,10 +63,12 @@ from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, St
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.metrics import Metrics
 from readie_policy.runner import JobRunner, SessionHandle
+from readie_protocol.workspace import FileChunk, FileListing
 from readie_worker.sessions import StepOutcome
 
 __all__ = [
     "CHECKPOINT_PLAN",
+    "TRANSFER_THREADS",
     "WARM_TIMEOUT_S",
     "BackendSession",
     "JobBackend",
@@ -82,6 +88,11 @@ CHECKPOINT_PLAN = "pipeline/src/readie_pipeline/checkpoints.toml"
 #: anyway. A restore takes 0.3-0.7 s here and refills run one at a time, so
 #: this covers dozens of workers; past it the first jobs restore their own.
 WARM_TIMEOUT_S = 60.0
+#: Chunks of session files that move at once (decision 31), on threads of their own: on the job
+#: threads a chunk would wait behind other sessions' steps, or they behind it. A chunk is a
+#: socket's few milliseconds to the sandbox; past this many they queue (each session's are in
+#: order anyway, and every line holds one of the pool's permits until answered).
+TRANSFER_THREADS = 4
 
 class BackendSession(Protocol):
     """An open session: one sandbox, steps in it one at a time."""
@@ -108,6 +119,18 @@ class BackendSession(Protocol):
         """A new session with this one's state now, its own sandbox; and the milliseconds it took."""
         ...
 
+    async def upload_chunk(self, path: str, offset: int, data: bytes, size: int) -> int:
+        """Write ``data`` at ``offset`` of the ``size``-byte workspace file ``path``; the bytes it holds now."""
+        ...
+
+    async def download_chunk(self, path: str, offset: int, length: int) -> FileChunk:
+        """At most ``length`` bytes of workspace file ``path`` from ``offset``."""
+        ...
+
+    async def list_files(self, path: str) -> FileListing:
+        """The entries of workspace directory ``path``."""
+        ...
+
 
 class JobBackend(Protocol):
     """Runs code jobs for the pool engine; see the module docstring for the contract."""
@@ -131,12 +154,14 @@ class ThreadedBackend:
     """A :class:`JobRunner` as a :class:`JobBackend`: each job on one of ``slots`` threads.
 
     ``slots`` should match the pool's workers, so a job the engine lets run
-    never waits for a thread.
+    never waits for a thread. A session's file chunks have threads of their own
+    (:data:`TRANSFER_THREADS`).
     """
 
     def __init__(self, runner: JobRunner, slots: int) -> None:
         self.runner = runner
         self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
+        self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="readie-files")
         self._closed = False
 
     async def run(
@@ -154,16 +179,17 @@ class ThreadedBackend:
         session, first = await self._on_thread(opening)
         return _ThreadedSession(self, session), first
 
-    async def _on_thread(self, call: functools.partial[_T]) -> _T:
+    async def _on_thread(self, call: functools.partial[_T], *, transfer: bool = False) -> _T:
         if self._closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, call)
+        return await loop.run_in_executor(self._transfer_threads if transfer else self._threads, call)
 
     async def close(self) -> None:
         self._closed = True
         await asyncio.to_thread(self.runner.close)
-        await asyncio.to_thread(self._threads.shutdown, wait=True, cancel_futures=True)
+        for threads in (self._threads, self._transfer_threads):
+            await asyncio.to_thread(threads.shutdown, wait=True, cancel_futures=True)
 
 
 class _ThreadedSession:
@@ -194,6 +220,19 @@ class _ThreadedSession:
     async def fork(self) -> tuple[BackendSession, float]:
         forked, fork_ms = await self._backend._on_thread(functools.partial(self.session.fork))
         return _ThreadedSession(self._backend, forked), fork_ms
+
+    # Off the job threads: a chunk never waits behind another session's step, nor a step behind it.
+
+    async def upload_chunk(self, path: str, offset: int, data: bytes, size: int) -> int:
+        upload = functools.partial(self.session.upload_chunk, path, offset, data, size)
+        return await self._backend._on_thread(upload, transfer=True)
+
+    async def download_chunk(self, path: str, offset: int, length: int) -> FileChunk:
+        download = functools.partial(self.session.download_chunk, path, offset, length)
+        return await self._backend._on_thread(download, transfer=True)
+
+    async def list_files(self, path: str) -> FileListing:
+        return await self._backend._on_thread(functools.partial(self.session.list_files, path), transfer=True)
 
 
 class LocalWorkerBackend(ThreadedBackend):
