@@ -32,6 +32,7 @@ def render(result: dict[str, Any]) -> str:
         ("12. soak: what the pool holds as jobs and sessions go by", "soak", _soak),
         ("13. session hibernation: hibernate, resume, fork, ms p50 (p95); image and memory, MB p50", "hibernate",
          _hibernate),
+        ("14. files into and out of a session, MB/s (and of cp on the host)", "transfers", _transfers),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -154,6 +155,18 @@ def _hibernate(entry: dict[str, Any]) -> list[str]:
         *_grid(["checkpoint", "fork", "fork of hibernated", "fork's 1st step", "image MB", "on disk",
                 "session PSS", "PSS freed"], forks),
         f"  {entry['what']}; containers left: {entry['containers_left']}{note}",
+    ]
+
+
+def _transfers(entry: dict[str, Any]) -> list[str]:
+    rows = [
+        [size, e["cp_mb_s"], e["local"]["upload_mb_s"], e["local"]["download_mb_s"], e["routed"]["upload_mb_s"],
+         e["routed"]["download_mb_s"], _x(e["local"]["upload_over_cp"]), _x(e["routed"]["upload_over_cp"])]
+        for size, e in entry["sizes"].items()
+    ]
+    return [
+        *_grid(["size", "cp", "local up", "local down", "routed up", "routed down", "local up/cp", "routed up/cp"], rows),
+        f"  {entry['what']}",
     ]
 
 

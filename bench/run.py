@@ -135,6 +135,10 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     figures[f"{name}: step after hibernation / fresh session's first step"] = pick(f"{hibernate}/resume_over_fresh")
     figures[f"{name}: fork of a live session p50 ms"] = pick(f"{hibernate}/fork_ms/p50")
     figures[f"{name}: MB on disk per hibernated session"] = pick(f"{hibernate}/image_mb/p50")
+    for arm in ("local", "routed"):
+        for way in ("upload", "download"):
+            figures[f"128 MiB {way} MB/s, {arm}"] = pick(f"transfers/sizes/128MiB/{arm}/{way}_mb_s")
+    figures["128 MiB cp on the host MB/s"] = pick("transfers/sizes/128MiB/cp_mb_s")
     return {key: value for key, value in figures.items() if value is not None}
 
 

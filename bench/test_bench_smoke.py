@@ -18,7 +18,7 @@ pytestmark = pytest.mark.runsc
 SMOKE_BUDGET_S = 60.0
 SCENARIOS = (
     "start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop", "phases",
-    "old_runsc", "stream", "soak", "hibernate",
+    "old_runsc", "stream", "soak", "hibernate", "transfers",
 )
 
 
@@ -79,5 +79,10 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
     old = scenarios["old_runsc"]
     assert old["arms"]["old"]["platform"] == "ptrace" and old["arms"]["new"]["platform"] == "systrap", old["errors"]
     assert old["arms"]["old"]["warm_job_ms"]["n"] >= 1 and old["old_over_new_cpu"] > 0, old["errors"]
+    # A file up and down through a local pool and a routed one, beside cp on the host.
+    transfer = scenarios["transfers"]["sizes"]["1MiB"]
+    assert transfer["cp_mb_s"] > 0
+    for arm in ("local", "routed"):
+        assert transfer[arm]["upload_mb_s"] > 0 and transfer[arm]["download_mb_s"] > 0, arm
     # The table renders from the JSON alone.
     assert "key figures" in done.stdout

@@ -7,7 +7,7 @@ figures that combine two (restore time vs image size uses scenario 1).
 
 from __future__ import annotations
 
-from . import hibernate, later, latency, memory, old_runsc, phases, router, scaling, soak, throughput
+from . import hibernate, later, latency, memory, old_runsc, phases, router, scaling, soak, throughput, transfers
 
 # (what --only calls it, module, entries it produces)
 SCENARIOS = (
@@ -21,6 +21,7 @@ SCENARIOS = (
     ("old_runsc", old_runsc, ("old_runsc",)),
     ("soak", soak, ("soak",)),
     ("hibernate", hibernate, ("hibernate",)),
+    ("transfers", transfers, ("transfers",)),
 )
 #: Run only when named (``--only soak``, ``make soak``) or in the smoke run: at the
 #: bench's size the soak takes about an hour, and ``make bench`` has ten minutes.
