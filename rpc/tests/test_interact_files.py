@@ -12,7 +12,7 @@ workspace in a dict (``_interact_fakes.MemoryWorkspace``). Covered:
 * a file request while a step runs is refused on the calling side;
 * a transfer held up on one session holds up no other session's steps;
 * a worker whose chunk or collected files break the bounds is refused, the
-  session ended;
+  session ended; a worker of an older protocol is sent no files at all;
 * a job's files reach it and come back collected, and the largest answer a
   worker sends (32 MiB collected, 16 MiB of stdout and of stderr, a value) fits.
 
@@ -29,7 +29,8 @@ import pytest
 
 from readie_executor.jobs import bounds
 from readie_policy.jobs import CodeJob, JobOutcome, Step
-from readie_protocol.errors import PoolWorkerError, RequestError
+from readie_protocol.errors import PoolWorkerError, RequestError, SandboxSetupError
+from readie_rpc import grpc_service
 from readie_protocol.workspace import DOWNLOAD_CHUNK_BYTES, MAX_COLLECTED_BYTES, UPLOAD_CHUNK_BYTES, Collected, FileChunk, FileEntry
 from rpc.tests._interact_fakes import WAIT_S, wait_until
 from rpc.tests._interact_fakes import serve_fake  # noqa: F401 - fixtures
@@ -152,3 +153,18 @@ def test_a_worker_that_lies_about_files_is_refused_and_its_session_ends(serve_fa
     monkeypatch.setattr(served.runner, "run_job", lambda *args, **kwargs: lying)
     with pytest.raises(PoolWorkerError, match="a collected file's path"):
         client.run_job(CodeJob("base", "x", timeout_ms=5000, collect=("**",)))
+
+
+def test_an_older_worker_is_sent_no_files_and_its_session_goes_on(serve_fake, monkeypatch):
+    monkeypatch.setattr(grpc_service, "WORKER_PROTOCOL", grpc_service.FILES_PROTOCOL - 1)
+    served = serve_fake()
+    client = served.client()
+    client.capacity()
+    with pytest.raises(SandboxSetupError, match="files need 4"):  # a router places it on another worker
+        client.run_job(CodeJob("base", "x", timeout_ms=5000, files=(("a", b"1"),)))
+    session, _ = client.open_session(OPEN)
+    with pytest.raises(SandboxSetupError, match="takes no files"):
+        session.upload_chunk("a", 0, b"1", 1)
+    with pytest.raises(SandboxSetupError, match="takes no files"):
+        session.run_step(Step("x", collect=("a",)))
+    assert session.run_step(Step("x")).outcome.stdout == "x" and served.runner.sessions[0].files == {}
