@@ -11,6 +11,8 @@ workspace in a dict (``_interact_fakes.MemoryWorkspace``). Covered:
 * a failure of the session under a file request ends it, its sandbox closed;
 * a file request while a step runs is refused on the calling side;
 * a transfer held up on one session holds up no other session's steps;
+* a worker whose chunk or collected files break the bounds is refused, the
+  session ended; a worker of an older protocol is sent no files at all;
 * a job's files reach it and come back collected, and the largest answer a
   worker sends (32 MiB collected, 16 MiB of stdout and of stderr, a value) fits.
 
@@ -19,15 +21,17 @@ Real sandboxes behind a router: router/tests/test_router_files_runsc.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 
 import pytest
 
 from readie_executor.jobs import bounds
-from readie_policy.jobs import CodeJob, Step
-from readie_protocol.errors import PoolWorkerError, RequestError
-from readie_protocol.workspace import DOWNLOAD_CHUNK_BYTES, MAX_COLLECTED_BYTES, UPLOAD_CHUNK_BYTES, FileEntry
+from readie_policy.jobs import CodeJob, JobOutcome, Step
+from readie_protocol.errors import PoolWorkerError, RequestError, SandboxSetupError
+from readie_rpc import grpc_service
+from readie_protocol.workspace import DOWNLOAD_CHUNK_BYTES, MAX_COLLECTED_BYTES, UPLOAD_CHUNK_BYTES, Collected, FileChunk, FileEntry
 from rpc.tests._interact_fakes import WAIT_S, wait_until
 from rpc.tests._interact_fakes import serve_fake  # noqa: F401 - fixtures
 
@@ -133,3 +137,34 @@ def test_a_jobs_files_come_back_collected_and_the_largest_answer_fits(serve_fake
     big = client.run_job(CodeJob("base", f"big {MAX_COLLECTED_BYTES}", timeout_ms=5000, collect=("big.bin",)))
     assert big.collected is not None and big.collected.files["big.bin"] == b"\xa5" * MAX_COLLECTED_BYTES
     assert len(big.stdout) == len(big.stderr) == bounds.MAX_OUTPUT_LIMIT and big.value is not None
+
+
+def test_a_worker_that_lies_about_files_is_refused_and_its_session_ends(serve_fake, monkeypatch):
+    served = serve_fake()
+    client = served.client()
+    session, _ = client.open_session(OPEN)
+    worker_side = served.runner.sessions[0]
+    worker_side.download_chunk = lambda path, offset, length, cancel=None: FileChunk(path, offset, 99, 1, b"x" * (length + 1))
+    with pytest.raises(PoolWorkerError, match="the worker answered 5 bytes"):
+        session.download_chunk("f", 0, 4)
+    assert session.ended and worker_side.closed.wait(WAIT_S)
+
+    lying = dataclasses.replace(JobOutcome.failure("x", "y", 1, "fake"), collected=Collected({"../../etc/cron.d/x": b"*"}))
+    monkeypatch.setattr(served.runner, "run_job", lambda *args, **kwargs: lying)
+    with pytest.raises(PoolWorkerError, match="a collected file's path"):
+        client.run_job(CodeJob("base", "x", timeout_ms=5000, collect=("**",)))
+
+
+def test_an_older_worker_is_sent_no_files_and_its_session_goes_on(serve_fake, monkeypatch):
+    monkeypatch.setattr(grpc_service, "WORKER_PROTOCOL", grpc_service.FILES_PROTOCOL - 1)
+    served = serve_fake()
+    client = served.client()
+    client.capacity()
+    with pytest.raises(SandboxSetupError, match="files need 4"):  # a router places it on another worker
+        client.run_job(CodeJob("base", "x", timeout_ms=5000, files=(("a", b"1"),)))
+    session, _ = client.open_session(OPEN)
+    with pytest.raises(SandboxSetupError, match="takes no files"):
+        session.upload_chunk("a", 0, b"1", 1)
+    with pytest.raises(SandboxSetupError, match="takes no files"):
+        session.run_step(Step("x", collect=("a",)))
+    assert session.run_step(Step("x")).outcome.stdout == "x" and served.runner.sessions[0].files == {}

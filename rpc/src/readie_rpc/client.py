@@ -17,9 +17,9 @@ from ._client_wire import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import readie_errors
-from .grpc_service import MAX_MESSAGE_BYTES
+from .grpc_service import FILES_PROTOCOL, MAX_MESSAGE_BYTES
 from readie_protocol.cancel import NEVER, Cancellation
-from readie_protocol.errors import Cancelled, PoolWorkerError
+from readie_protocol.errors import Cancelled, PoolWorkerError, SandboxSetupError
 from readie_policy.jobs import Capacity, CodeJob, HostFunction, JobOutcome, OutputSink, StepOutcome
 from .remote_session import DEADLINE_MARGIN_S, InteractStream, RemoteSession
 from .security import ClientSecurity
@@ -51,6 +51,8 @@ class WorkerClient:
             ],
         )
         self._stub = pb_grpc.WorkerStub(self._channel)
+        # The worker's protocol as its last Capacity answer said; None until one did.
+        self.protocol: int | None = None
 
     def run_job(
         self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
@@ -61,6 +63,7 @@ class WorkerClient:
 
         ``cancel`` cancels the call to the worker, which stops the job there.
         """
+        self._check_files(job.files or job.collect)
         timeout_s = job.timeout_ms / 1000 + DEADLINE_MARGIN_S
         if job.functions or output is not None:  # calls and output come back on an Interact stream
             request = run_job_request(job, stream_output=output is not None)
@@ -79,6 +82,7 @@ class WorkerClient:
         cancel: Cancellation = NEVER, output: OutputSink | None = None,
     ) -> tuple[RemoteSession, StepOutcome]:
         """Open a session on the worker whose setup and first step are ``job`` (``Worker.open_session``'s shape)."""
+        self._check_files(job.files or job.collect)
         request = run_job_request(job, stream_output=output is not None)
         stream = self._interact(pb.InteractRequest(open_session=request), job, job_id, None)
         with cancel.stopping(stream.cancel):
@@ -94,10 +98,22 @@ class WorkerClient:
         except PoolWorkerError:  # an answer out of bounds: the session is not trusted with more
             stream.cancel()
             raise
-        session = RemoteSession(stream, job, response.session_id, self.address)
+        session = RemoteSession(stream, job, response.session_id, self.address, files=self.files)
         if first.session_ended:
             session.close()
         return session, first
+
+    @property
+    def files(self) -> bool:
+        """Whether the worker takes files (decision 31): it said a protocol that has them, or
+        has not said yet (it then refuses what it does not know, as any request of its)."""
+        return self.protocol is None or self.protocol >= FILES_PROTOCOL
+
+    def _check_files(self, asked: object) -> None:
+        if asked and not self.files:
+            raise SandboxSetupError(
+                f"the worker at {self.address} speaks protocol {self.protocol}; files need {FILES_PROTOCOL}"
+            )
 
     def _interact(self, first: pb.InteractRequest, job: CodeJob, job_id: str | None, timeout_s: float | None) -> InteractStream:
         return InteractStream(self._stub, first, job.functions, timeout_s=timeout_s, metadata=_request_id(job_id))
@@ -120,6 +136,7 @@ class WorkerClient:
         """The worker's capacity and its name."""
         with readie_errors():
             reply = self._stub.Capacity(pb.CapacityRequest(), timeout=timeout_s)
+        self.protocol = reply.protocol
         warm = {name: {"ready": state.ready, "target": state.target} for name, state in reply.pools.items()}
         capacity = Capacity(
             reply.slots,

@@ -65,6 +65,9 @@ log = structlog.get_logger("readie.grpc")
 # 4: files in the workspace: a job's and a step's files and collect, a response's
 #    collected; upload, download and list_files on Interact (decision 31).
 WORKER_PROTOCOL = 4
+# The first protocol with files in the workspace: an older worker drops a request's files and
+# collect unread, and ends a session's stream at an upload, so its clients do not send them.
+FILES_PROTOCOL = 4
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # A call's answer may be as large as its question: a data frame in, one out.

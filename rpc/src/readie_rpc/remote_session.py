@@ -211,10 +211,11 @@ FILE_ANSWER_WAIT_S = SESSION_IMAGE_WAIT_S
 class RemoteSession:
     """A session in a sandbox on another worker; see the module docstring."""
 
-    def __init__(self, stream: InteractStream, job: CodeJob, session_id: str, address: str) -> None:
+    def __init__(self, stream: InteractStream, job: CodeJob, session_id: str, address: str, *, files: bool = True) -> None:
         self.id = session_id
         self.job = job  # the setup, as opened
         self.address = address
+        self._files = files  # its worker takes files (WorkerClient.files)
         self._stream = stream
         self._lock = threading.Lock()  # one step at a time
         self._running = False
@@ -237,6 +238,7 @@ class RemoteSession:
         worker ended the session otherwise. After either, the session has ended.
         ``cancel`` ends the stream, which stops the step and ends the session.
         """
+        self._check_files(step.files or step.collect)
         message = session_step_message(step)
         message.stream_output = output is not None
         session_step(message)  # the worker's own checks, here, so a refusal does not cost the session
@@ -304,7 +306,7 @@ class RemoteSession:
             attached = stream.answer("attached", SESSION_IMAGE_WAIT_S)
         except ReadieError as exc:
             raise PoolWorkerError(f"the fork was made but could not be reached: {exc}") from None
-        fork = RemoteSession(stream, self.job, attached.session_id, self.address)
+        fork = RemoteSession(stream, self.job, attached.session_id, self.address, files=self._files)
         fork.hibernated = True
         return fork, fork_ms
 
@@ -314,21 +316,30 @@ class RemoteSession:
 
     def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel: Cancellation = NEVER) -> int:
         """Write ``data`` at ``offset`` of the ``size``-byte workspace file ``path``; the bytes it holds now."""
+        self._check_files(True)
         answer = self._ask(upload_message(path, offset, data, size), "uploaded", cancel, FILE_ANSWER_WAIT_S)
         self.hibernated = False
         return self._checked(received_from_answer, answer, offset, data)
 
     def download_chunk(self, path: str, offset: int, length: int, *, cancel: Cancellation = NEVER) -> FileChunk:
         """At most ``length`` bytes of ``path`` from ``offset``, with the file's size and mtime."""
+        self._check_files(True)
         answer = self._ask(download_message(path, offset, length), "downloaded", cancel, FILE_ANSWER_WAIT_S)
         self.hibernated = False
         return self._checked(chunk_from_answer, answer, path, offset, length)
 
     def list_files(self, path: str, *, cancel: Cancellation = NEVER) -> FileListing:
         """The entries of directory ``path`` (``"."``: the workspace), sorted, bounded."""
+        self._check_files(True)
         answer = self._ask(list_message(path), "listed", cancel, FILE_ANSWER_WAIT_S)
         self.hibernated = False
         return self._checked(listing_from_answer, answer, path)
+
+    def _check_files(self, asked: object) -> None:
+        """An older worker would drop a step's files unread, and end the stream at an upload:
+        refused here, before anything is sent, and the session goes on."""
+        if asked and not self._files:
+            raise SandboxSetupError(f"the session's worker at {self.address} takes no files (an older protocol)")
 
     def _checked(self, read: Callable[..., _T], *args: Any) -> _T:
         """An answer read by ``read``; one out of bounds ends the session (not trusted with more)."""
