@@ -21,6 +21,7 @@ from readie_policy.config import (
 )
 from readie_executor.jobs import bounds
 from readie_protocol.requests import MAX_TIMEOUT_MS
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES
 from readie_worker.errors import ConfigError
 from readie_policy.policy import NO_LIMITS, Limits, Profile
 from readie_policy.sandbox_memory import MAX_JOB_MEMORY
@@ -246,6 +247,20 @@ def test_a_ceiling_past_what_a_job_can_have_is_lowered_with_a_warning() -> None:
     assert logs == []
 
 
+def test_what_comes_back_and_moves_is_lowered_to_decision_31s_bounds() -> None:
+    """collect_bytes, collect_files and transfer_bytes are ceiling-only, lowered as timeout is."""
+    with capture_logs() as logs:
+        config = parse('[pool.limits]\ncollect_bytes = "1g"\ncollect_files = 100000\ntransfer_bytes = "1t"\n')
+    limits = config.limits
+    assert (limits.collect_bytes, limits.collect_files, limits.transfer_bytes) == (
+        MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES)
+    lowered = {entry["key"] for entry in logs if entry["event"] == "config value lowered"}
+    assert lowered == {"pool.limits.collect_bytes", "pool.limits.collect_files", "pool.limits.transfer_bytes"}
+    config = parse('[pool.limits]\ncollect_bytes = "1m"\ncollect_files = 0\ntransfer_bytes = 0\n')
+    assert (config.limits.collect_bytes, config.limits.collect_files, config.limits.transfer_bytes) == (2**20, 0, 0)
+    assert parse("[pool.limits]\n").limits.collect_bytes is None  # unset: the hard maximum, in the policy
+
+
 def test_an_exception_no_check_foresaw_is_still_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in a check ends as the file's ConfigError, naming the exception, not as a traceback."""
     import readie_policy.config
@@ -316,6 +331,12 @@ BAD_CONFIGS: list[tuple[str | bytes, str | None, str]] = [
     ('[profiles.a]\ntimeout = 86401\n', "profiles.a.timeout", "too large: at most 24h"),
     ('[profiles.a]\nmemory = "5g"\n', "profiles.a.memory", "too large: at most 3840m"),
     ('[profiles.a]\nmax_output = "8388607t"\n', "profiles.a.max_output", "too large: at most 16m"),
+    ('[pool.limits]\ncollect_files = -1\n', "pool.limits.collect_files", "must be from 0"),
+    ('[pool.limits]\ncollect_files = "3"\n', "pool.limits.collect_files", "expected an integer"),
+    ('[pool.limits]\ntransfer_bytes = "1.5g"\n', "pool.limits.transfer_bytes", ""),
+    # Ceiling-only: a profile cannot set what comes back or moves.
+    ('[profiles.a]\ncollect_bytes = "1m"\n', "profiles.a.collect_bytes", "unknown key"),
+    ('[profiles.a]\ntransfer_bytes = "1m"\n', "profiles.a.transfer_bytes", "unknown key"),
     # tomllib recurses into arrays and inline tables: past a few hundred levels, RecursionError.
     ("a = " + "[" * 5000 + "]" * 5000 + "\n", None, "nested too deeply"),
     ("a = " + "{b = " * 5000 + "1" + "}" * 5000 + "\n", None, "nested too deeply"),

@@ -25,6 +25,7 @@ from readie_policy.policy import (
     check_step,
 )
 from readie_protocol.requests import JobRequest, parse_request
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES
 
 GIB = 1024**3
 MIB = 1024**2
@@ -405,3 +406,19 @@ def test_a_job_under_a_policy_holds_its_grants_and_limits_as_the_worker_reads_th
     assert (job.allow_read, job.allow_write, job.env) == (("/srv/data",), ("/srv/out",), {"A": "1"})
     assert job.package_dirs == ("/opt/pool", "/srv/site")  # the pool's first, each once
     assert (job.network, job.timeout_ms, job.memory_bytes, job.max_output, job.max_file_size) == (True, 5000, None, 10, 20)
+
+
+def test_what_comes_back_and_moves_is_the_ceilings_at_most_the_hard_maxima() -> None:
+    request = parse_request('{"id": 1, "code": "x", "files": {"a": "aGk="}, "collect": ["out/*"]}')
+    assert isinstance(request, JobRequest)
+    unbounded = resolve_policy(request, cwd="/srv", resolve=None)
+    assert (unbounded.collect_bytes, unbounded.collect_files, unbounded.transfer_bytes) == (
+        MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES)
+    ceiling = Limits(collect_bytes=1000, collect_files=2, transfer_bytes=MAX_TRANSFER_BYTES * 2)
+    policy = resolve_policy(request, cwd="/srv", limits=ceiling, resolve=None)
+    job = CodeJob.under(policy, checkpoint="base", code="x", files=request.files, collect=request.collect)
+    assert (job.collect_bytes, job.collect_files, job.transfer_bytes) == (1000, 2, MAX_TRANSFER_BYTES)
+    assert (job.files, job.collect) == ((("a", b"hi"),), ("out/*",))
+    # A step brings its own files and collect; what may come back stays the session's.
+    stepped = job.step(Step(code="y", files=(("b", b""),)))
+    assert (stepped.files, stepped.collect, stepped.collect_bytes) == ((("b", b""),), (), 1000)

@@ -29,3 +29,26 @@ def test_readie_pool_prints_the_schema_and_exits(capsys) -> None:
 
     assert main(["pool", "--schema"]) == 0
     assert capsys.readouterr().out == schema_json()
+
+
+def test_the_json_examples_are_lines_the_pool_accepts_or_writes() -> None:
+    """docs/requests.md's examples: each request line parses, each answer is described by its event's schema."""
+    import re
+
+    import jsonschema
+    from readie_protocol.requests import Refused, parse_request
+    from readie_protocol.schema import SCHEMA_DIALECT, event_schemas
+
+    schemas = event_schemas()
+    blocks = re.findall(r"^```json\n(.*?)^```", field_reference(), re.MULTILINE | re.DOTALL)
+    lines = [line for block in blocks for line in block.splitlines()]
+    assert len(lines) >= 9
+    for line in lines:
+        obj = json.loads(line)
+        if "event" in obj or "exit" in obj:
+            schema = schemas[obj.get("event", "result")]
+            if "exit" in obj:  # shown in part: the fields the section is about
+                schema = {**schema, "required": [name for name in schema["required"] if name in obj]}
+            assert jsonschema.Draft202012Validator({"$schema": SCHEMA_DIALECT, **schema}).is_valid(obj), line
+        else:
+            assert not isinstance(parse_request(line), Refused), line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -26,6 +27,7 @@ from readie_protocol.requests import (
     JobRequest,
     Refused,
     ReplyRequest,
+    Request,
     StatsRequest,
     parse_event,
     parse_request,
@@ -326,12 +328,13 @@ FIELD_NAMES = [
     "id", "code", "script", "name", "args", "allow_read", "allow_write", "package_dirs", "env",
     "allow_network", "timeout", "memory", "max_output", "max_file_size", "profile", "functions",
     "session", "packages", "close", "stats", "reply", "call_id", "result", "error", "bogus",
+    "files", "collect", "upload", "download", "list", "size", "offset", "data",
 ]
 request_like = st.dictionaries(st.sampled_from(FIELD_NAMES), json_values, max_size=8)
 
 
 def check_outcome(result: object) -> None:
-    assert isinstance(result, JobRequest | StatsRequest | CloseSession | ReplyRequest | Refused)
+    assert isinstance(result, Request | Refused)
     if isinstance(result, Refused):
         assert isinstance(result.error, RequestError)
         assert result.id is None or isinstance(result.id, str | int)
@@ -377,6 +380,9 @@ valid_jobs = st.fixed_dictionaries(
         "memory": st.integers(1, 2**40),
         "max_output": st.integers(0, MAX_OUTPUT_BYTES),
         "session": st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True),
+        "files": st.dictionaries(st.from_regex(r"[a-z]{1,8}(/[a-z]{1,8})?", fullmatch=True),
+                                 st.binary(max_size=20).map(lambda data: base64.b64encode(data).decode()), max_size=3),
+        "collect": st.lists(st.from_regex(r"[a-z*?]{1,8}", fullmatch=True), max_size=3, unique=True),
     },
 )
 

@@ -11,33 +11,52 @@ not here is refused by all three.
 
 A ``timeout``, ``memory`` or ``max_output`` past what any job can have
 (:data:`OUT_OF_REACH_RULE`) is lowered with a warning in the ceiling and
-refused in a profile, here at load, so that no job finds it out.
+refused in a profile, here at load, so that no job finds it out; so is a
+ceiling's ``collect_bytes``, ``collect_files`` or ``transfer_bytes`` past
+what decision 31 allows any result or transfer (profiles have none: the
+operator bounds them, nobody asks for more). The kinds of value are
+``config_values``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import structlog
-from readie_protocol.requests import MAX_OUTPUT_BYTES, MAX_TIMEOUT_MS
 from readie_protocol.schema import SCHEMA_DIALECT
-from readie_protocol.units import (
-    DURATION_SCHEMA,
-    SIZE_SCHEMA,
-    at_most_schema,
-    format_duration_ms,
-    format_size,
-    parse_duration_ms,
-    parse_size,
-    positive_schema,
-)
+from readie_protocol.units import format_duration_ms, format_size, parse_duration_ms
 
-from readie_protocol.errors import ConfigError, UnitError
-from .policy import Resolver, resolve_path, scalar_defaults
-from .sandbox_memory import MAX_JOB_MEMORY, SANDBOX_MEMORY_BACKSTOP
+from .config_values import (
+    BOOLEAN,
+    CEILING_COLLECT_BYTES,
+    CEILING_COLLECT_FILES,
+    CEILING_MEMORY,
+    CEILING_OUTPUT,
+    CEILING_TIMEOUT,
+    CEILING_TRANSFER_BYTES,
+    COLLECT_BYTES_BOUND,
+    COLLECT_FILES_BOUND,
+    ENV,
+    JOB_MEMORY,
+    JOB_OUTPUT,
+    JOB_TIMEOUT,
+    LOG,
+    LOG_FORMATS,
+    MEMORY_BOUND,
+    MODULES,
+    OUTPUT_BOUND,
+    PATHS,
+    POSITIVE_DURATION,
+    SIZE,
+    TIMEOUT_BOUND,
+    TRANSFER_BYTES_BOUND,
+    Reading,
+    ValueKind,
+    integer,
+    toml_type,
+)
+from .policy import scalar_defaults
+from .sandbox_memory import SANDBOX_MEMORY_BACKSTOP
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -82,9 +101,6 @@ MAX_SESSIONS = 4096
 #: The spec: "session_idle (default 10m)", as the file would write it.
 DEFAULT_SESSION_IDLE = "10m"
 DEFAULT_SESSION_IDLE_MS = parse_duration_ms(DEFAULT_SESSION_IDLE)
-#: ``json`` writes JSON logs and one line per finished job to stderr;
-#: ``console`` readable logs and no job lines (``none`` is its first name, kept).
-LOG_FORMATS = frozenset({"console", "json", "none"})
 #: An answer carries stdout and stderr, each up to max_output, and a few KiB
 #: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
 #: by default. A [pool.limits] max_output raises it (and clients must then too).
@@ -96,34 +112,8 @@ NETWORK_MAX_OUTPUT = 1024 * 1024
 NETWORK_MAX_TIMEOUT_MS = 3600 * 1000
 #: Profile names are echoed in the ready event and named in requests.
 MAX_PROFILE_NAME = 64
-log = structlog.get_logger("readie.config")
 
 # What the checks below refuse inside strings, as ECMA-262 (and Python) regexes.
-_NO_NUL = "^[^\\u0000]*$"
-_MODULE_PART = "[A-Za-z_][A-Za-z0-9_]*"  # an ASCII identifier, what str.isidentifier() accepts in ASCII
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """Where values are read from: errors name ``source`` (a file, or the command line) and
-    the dotted key; relative paths resolve against ``base``, through ``resolve``."""
-
-    source: str
-    base: Path
-    resolve: Resolver
-
-    def fail(self, key: str | None, reason: str) -> ConfigError:
-        return ConfigError(self.source, key, reason)
-
-
-@dataclass(frozen=True, slots=True)
-class ValueKind:
-    """A kind of value: its check, ``read(reading, dotted_key, raw) -> parsed`` (a ConfigError
-    when refused), the JSON Schema of what the check accepts, and its name in docs/config.md."""
-
-    read: Callable[[Reading, str, Any], Any]
-    schema: dict[str, Any]
-    shown: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,158 +169,6 @@ class Section:
         return {"title": f"[{self.name}]", "description": self.about, **schema} if self.name else schema
 
 
-# --------------------------------------------------------------------------- values
-
-
-def toml_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _integer(low: int, high: int) -> ValueKind:
-    def read(at: Reading, key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise at.fail(key, f"expected an integer, got {toml_type(value)}")
-        if not low <= value <= high:
-            raise at.fail(key, f"must be from {low} to {high}, got {value}")
-        return value
-
-    return ValueKind(read, {"type": "integer", "minimum": low, "maximum": high}, f"integer, {low} to {high}")
-
-
-def _boolean(at: Reading, key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise at.fail(key, f"expected true or false, got {toml_type(value)}")
-    return value
-
-
-def _string(at: Reading, key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise at.fail(key, f"expected a string, got {toml_type(value)}")
-    if not value:
-        raise at.fail(key, "must not be empty")
-    if "\x00" in value:
-        raise at.fail(key, "contains a NUL character")
-    return value
-
-
-_STRING_SCHEMA = {"type": "string", "minLength": 1, "pattern": _NO_NUL}
-
-
-def _strings(at: Reading, key: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise at.fail(key, f"expected an array of strings, got {toml_type(value)}")
-    return tuple(_string(at, f"{key}[{i}]", item) for i, item in enumerate(value))
-
-
-def _modules(at: Reading, key: str, value: Any) -> tuple[str, ...]:
-    names = _strings(at, key, value)
-    for i, name in enumerate(names):
-        if not all(part.isascii() and part.isidentifier() for part in name.split(".")):
-            raise at.fail(f"{key}[{i}]", f"{name!r} is not a module name")
-    return tuple(dict.fromkeys(names))
-
-
-def _paths(at: Reading, key: str, value: Any) -> tuple[Path, ...]:
-    resolved = []
-    for i, text in enumerate(_strings(at, key, value)):
-        try:
-            resolved.append(resolve_path(text, at.base, at.resolve))
-        except (OSError, ValueError) as exc:
-            raise at.fail(f"{key}[{i}]", f"cannot resolve {text!r}: {exc}") from None
-    return tuple(dict.fromkeys(resolved))
-
-
-def _env(at: Reading, key: str, value: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(value, dict):
-        raise at.fail(key, f"expected a table of strings, got {toml_type(value)}")
-    pairs = []
-    for name, item in value.items():
-        if not name or "=" in name or "\x00" in name:
-            raise at.fail(f"{key}.{name}", "not a variable name (empty, '=' or NUL)")
-        if not isinstance(item, str) or "\x00" in item:
-            raise at.fail(f"{key}.{name}", f"expected a string without NUL, got {toml_type(item)}")
-        pairs.append((name, item))
-    return tuple(pairs)
-
-
-def _log(at: Reading, key: str, value: Any) -> str:
-    text = _string(at, key, value)
-    if text not in LOG_FORMATS:
-        raise at.fail(key, f"expected one of {', '.join(sorted(LOG_FORMATS))}, got {text!r}")
-    return text
-
-
-def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, allow_zero: bool) -> ValueKind:
-    def read(at: Reading, key: str, value: Any) -> int:
-        try:
-            result = parse(value)
-        except UnitError as exc:
-            raise at.fail(key, str(exc)) from None
-        if result == 0 and not allow_zero:
-            raise at.fail(key, "must be greater than zero")
-        return result
-
-    return ValueKind(read, dict(schema if allow_zero else positive_schema(schema)), shown)
-
-
-@dataclass(frozen=True, slots=True)
-class _Bound:
-    """The most any job can have of a limit, as a number, as the docs write it, and why."""
-
-    most: int
-    bare: int  # what a bare TOML integer counts, for the schema: 1000 ms (seconds) or 1 byte
-    written: str
-    why: str
-
-
-def _at_most(base: ValueKind, bound: _Bound, *, lower: bool) -> ValueKind:
-    """``base`` held to ``bound``, past which a value could serve no job. ``lower``: it is a
-    ceiling, lowered to the bound with a warning (it then admits exactly the requests that could
-    run); else it is given to jobs, and refused (every job given it would fail)."""
-
-    def read(at: Reading, key: str, value: Any) -> int:
-        result = base.read(at, key, value)
-        if result <= bound.most:
-            return result
-        if not lower:
-            raise at.fail(key, f"too large: at most {bound.written} ({bound.why})")
-        log.warning("config value lowered", file=at.source, key=key, given=value, used=bound.written, reason=bound.why)
-        return bound.most
-
-    schema = base.schema if lower else at_most_schema(base.schema, bound.most // bound.bare)
-    return ValueKind(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
-
-
-BOOLEAN = ValueKind(_boolean, {"type": "boolean"}, "boolean")
-PATHS = ValueKind(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
-MODULES = ValueKind(
-    _modules,
-    {"type": "array", "items": {"type": "string", "pattern": f"^{_MODULE_PART}(\\.{_MODULE_PART})*$"}},
-    "array of module names",
-)
-ENV = ValueKind(
-    _env,
-    {
-        "type": "object",
-        "propertyNames": {"minLength": 1, "pattern": "^[^=\\u0000]*$"},
-        "additionalProperties": {"type": "string", "pattern": _NO_NUL},
-    },
-    "table of strings",
-)
-LOG = ValueKind(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f'`"{f}"`' for f in sorted(LOG_FORMATS)))
-SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
-POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
-POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
-_TIMEOUT = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
-_MEMORY = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")
-_OUTPUT = _Bound(MAX_OUTPUT_BYTES, 1, format_size(MAX_OUTPUT_BYTES), "the most output a sandbox captures")
-CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=True)
-CEILING_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=True)
-CEILING_OUTPUT = _at_most(SIZE, _OUTPUT, lower=True)
-JOB_TIMEOUT = _at_most(POSITIVE_DURATION, _TIMEOUT, lower=False)
-JOB_MEMORY = _at_most(POSITIVE_SIZE, _MEMORY, lower=False)
-JOB_OUTPUT = _at_most(SIZE, _OUTPUT, lower=False)
 
 #: What the loader does with a value no job could be served with (docs/config.md says it).
 OUT_OF_REACH_RULE = (
@@ -338,11 +176,13 @@ OUT_OF_REACH_RULE = (
     "ceiling's (`[pool.limits]`) `timeout`, `memory` or `max_output` past what any job may have is "
     "lowered to that bound, with a warning on stderr naming the key: the lowered ceiling admits "
     "exactly the requests that could run. A profile's, which jobs would be given, is refused: every "
-    f"job naming the profile would fail. The bounds: a timeout of at most {_TIMEOUT.written}, which "
+    f"job naming the profile would fail. The bounds: a timeout of at most {TIMEOUT_BOUND.written}, which "
     "every request is held to too (the sandbox's timers take at most about 292 years, and every "
-    f"deadline built on a timeout must stay far inside them); memory of at most {_MEMORY.written}, "
+    f"deadline built on a timeout must stay far inside them); memory of at most {MEMORY_BOUND.written}, "
     f"the {format_size(SANDBOX_MEMORY_BACKSTOP)} memory backstop of every sandbox less the sandbox's "
-    f"own share; output of at most {_OUTPUT.written} per stream, what a sandbox captures."
+    f"own share; output of at most {OUTPUT_BOUND.written} per stream, what a sandbox captures. The "
+    "ceiling's `collect_bytes`, `collect_files` and `transfer_bytes` are lowered the same way, to "
+    f"{COLLECT_BYTES_BOUND.written}, {COLLECT_FILES_BOUND.written} files and {TRANSFER_BYTES_BOUND.written}."
 )
 
 PROFILE_NAME_SCHEMA = {"type": "string", "pattern": f"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_PROFILE_NAME - 1}}}$"}
@@ -377,7 +217,7 @@ def _unset(limit: str) -> str:
 POOL = Section(
     "pool",
     (
-        ConfigKey("workers", "workers", _integer(1, MAX_WORKERS), str(DEFAULT_WORKERS),
+        ConfigKey("workers", "workers", integer(1, MAX_WORKERS), str(DEFAULT_WORKERS),
                   "Jobs run at once, and warm sandboxes kept of the checkpoint.", 2, "--workers"),
         ConfigKey("preload", "preload", MODULES, "none (the `base` checkpoint)",
                   "Modules every job finds imported; picks the checkpoint whose preimport is this set "
@@ -386,7 +226,7 @@ POOL = Section(
                   "site-packages directories mounted read-only into every job and listed in the ready "
                   "event; they must exist and fit the package slots planned at capture.",
                   ["site-packages"], "--package-dir"),
-        ConfigKey("max_sessions", "max_sessions", _integer(0, MAX_SESSIONS), str(DEFAULT_MAX_SESSIONS),
+        ConfigKey("max_sessions", "max_sessions", integer(0, MAX_SESSIONS), str(DEFAULT_MAX_SESSIONS),
                   "Sessions open at once; 0 disables sessions.", DEFAULT_MAX_SESSIONS, "--max-sessions"),
         ConfigKey("session_idle", "session_idle_ms", POSITIVE_DURATION, DEFAULT_SESSION_IDLE,
                   "A session idle this long is closed.", DEFAULT_SESSION_IDLE, "--session-idle"),
@@ -423,6 +263,15 @@ LIMITS = Section(
                   f"The most stdout, and stderr, a request may keep; {_unset('max_output')}.", "1m"),
         ConfigKey("max_file_size", "max_file_size", SIZE, "no bound",
                   f"The largest file a request may let its job write; {_unset('max_file_size')}.", "256m"),
+        ConfigKey("collect_bytes", "collect_bytes", CEILING_COLLECT_BYTES, COLLECT_BYTES_BOUND.written,
+                  "The most bytes one result brings back with collect, all files together; a file past it "
+                  "is left out (reason size). Only the ceiling sets it: not a request, not a profile.", "8m"),
+        ConfigKey("collect_files", "collect_files", CEILING_COLLECT_FILES, COLLECT_FILES_BOUND.written,
+                  "The most files one result brings back with collect; the rest are left out (reason count). "
+                  "Only the ceiling sets it.", 16),
+        ConfigKey("transfer_bytes", "transfer_bytes", CEILING_TRANSFER_BYTES, TRANSFER_BYTES_BOUND.written,
+                  "The largest file one session upload or download moves; a larger one is refused before its "
+                  "first byte. Only the ceiling sets it.", "64m"),
     ),
     "The operator's ceiling: every request, with the profile it names, must stay within it, or it "
     "is refused before anything runs. Without this table the stdio pool's own client may grant "

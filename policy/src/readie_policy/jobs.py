@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -125,13 +125,17 @@ class CodeJob:
         packages: tuple[str, ...] = (),
         functions: tuple[str, ...] = (),
         report_files: bool = False,
+        files: tuple[tuple[str, bytes], ...] = (),
+        collect: tuple[str, ...] = (),
         pool_package_dirs: Iterable[Path] = (),
     ) -> CodeJob:
         """The job that runs ``code`` with what ``policy`` grants and limits it to.
 
         The one place a resolved :class:`Policy` becomes a job's fields (paths as
         the text the worker opens), for the pool's parse and the wire's alike.
-        ``pool_package_dirs`` (the pool's own) come before the policy's.
+        ``pool_package_dirs`` (the pool's own) come before the policy's. ``files``
+        and ``collect`` are the request's, checked by its wire's parser
+        (``readie_protocol.workspace``); what may come back is the policy's.
         """
         package_dirs = dict.fromkeys((*pool_package_dirs, *policy.package_dirs))
         return cls(
@@ -152,6 +156,11 @@ class CodeJob:
             max_file_size=policy.max_file_size,
             functions=functions,
             report_files=report_files,
+            files=files,
+            collect=collect,
+            collect_bytes=policy.collect_bytes,
+            collect_files=policy.collect_files,
+            transfer_bytes=policy.transfer_bytes,
         )
 
     def step(self, step: Step) -> CodeJob:

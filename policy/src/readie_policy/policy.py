@@ -14,7 +14,10 @@ Then the ceiling: every path must lie beneath a ceiling path (``allow_read``
 beneath a ceiling read *or* write path, since writing implies reading;
 ``allow_write`` beneath a ceiling write path; ``package_dirs`` beneath either,
 or beneath one of the pool's own package dirs), ``allow_network`` needs the
-ceiling's, and the four numbers may not exceed it. A value left unset takes
+ceiling's, and the four numbers may not exceed it. What a result may bring
+back with ``collect`` and the largest file a session moves are the
+ceiling's alone (``collect_bytes``, ``collect_files``, ``transfer_bytes``),
+at most decision 31's hard maxima. A value left unset takes
 the smaller of the default below and the ceiling, so the ceiling's
 ``max_file_size`` (or ``memory``, or ``timeout``) applies to a request that
 does not set one.
@@ -51,6 +54,15 @@ from pathlib import Path
 from typing import Protocol, TypeVar, overload
 
 from readie_protocol.errors import RequestError
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES
+
+from ._grant_paths import Named as _Named
+from ._grant_paths import beneath as _beneath
+from ._grant_paths import join as _join
+from ._grant_paths import merge as _merge
+from ._grant_paths import named as _named
+from ._grant_paths import not_over as _not_over
+from ._grant_paths import refuse_symlinks, request_path, resolve_path
 
 __all__ = [
     "scalar_defaults",
@@ -143,6 +155,12 @@ class Limits:
     memory_bytes: int | None = None
     max_output: int | None = None
     max_file_size: int | None = None
+    # What may come back with a result's ``collect``, and the largest file a session's upload or
+    # download moves (decision 31); None: the hard maxima of ``readie_protocol.workspace``.
+    # Ceiling-only: no request or profile asks for these.
+    collect_bytes: int | None = None
+    collect_files: int | None = None
+    transfer_bytes: int | None = None
 
 
 NO_LIMITS = Limits()
@@ -181,48 +199,9 @@ class Policy:
     memory_bytes: int | None = DEFAULT_MEMORY_BYTES
     max_output: int = DEFAULT_MAX_OUTPUT
     max_file_size: int | None = DEFAULT_MAX_FILE_SIZE
-
-
-def resolve_path(path: str | Path, base: str | Path, resolve: Callable[[str], str] = os.path.realpath) -> Path:
-    """``path`` made absolute against ``base``, normalized and symlink-free (symlinks followed:
-    for the operator's paths; a request's go through :func:`request_path`)."""
-    if not os.path.isabs(base):
-        raise ValueError(f"base directory must be absolute, got {base!r}")
-    joined = os.path.join(base, path)  # an absolute path replaces base
-    # realpath first, as the kernel would walk it: in "data/link/../x" the
-    # ".." applies to link's target, which a lexical normpath would get wrong.
-    return _normal(resolve(joined))
-
-
-def request_path(field: str, path: str, cwd: str | Path) -> Path:
-    """A path a request names, made absolute against ``cwd`` (symlink-free) and normalized
-    lexically; :func:`refuse_symlinks` checks that the lexical reading is the true one."""
-    if not os.path.isabs(cwd):
-        raise ValueError(f"base directory must be absolute, got {cwd!r}")
-    if "\0" in path:
-        raise RequestError(f"{path!r} contains a NUL character", field)
-    return _normal(os.path.join(cwd, path))
-
-
-def refuse_symlinks(
-    field: str, shown: str, path: Path, cwd: str | Path, resolve: Callable[[str], str] = os.path.realpath
-) -> None:
-    """RequestError if ``shown`` (the request's words, against ``cwd``) passes through a
-    symlink, so that ``path`` (its lexical reading) is not what the kernel would reach.
-
-    Asked only of paths already found beneath the ceiling: the host's other
-    paths are never looked at on a request's behalf, so a refusal tells
-    nothing about them (nor can a path elsewhere make the pool wait on it).
-    """
-    try:
-        # The words as written: in "data/link/../x" the ".." applies to the link's target.
-        resolved = _normal(resolve(os.path.join(cwd, shown)))
-    except OSError as exc:  # its text would name where the walk got to: not the client's business
-        raise RequestError(f"cannot resolve {shown!r}: {exc.strerror}", field) from None
-    if resolved != path:
-        raise RequestError(
-            f"{shown!r} passes through a symbolic link, which readie never follows in a granted path", field
-        )
+    collect_bytes: int = MAX_COLLECTED_BYTES
+    collect_files: int = MAX_COLLECTED_FILES
+    transfer_bytes: int = MAX_TRANSFER_BYTES
 
 
 def resolve_policy(
@@ -285,12 +264,21 @@ def resolve_policy(
         package_dirs=merged["package_dirs"],
         env=tuple(env.items()),
         network=bool(network),
+        **_workspace_bounds(limits),
         **{
             attribute: _limited(field, _pick(getattr(request, attribute), getattr(profile, attribute), note),
                                 getattr(limits, attribute), default, show)
             for field, attribute, default, show in _SCALARS
         },
     )
+
+
+def _workspace_bounds(limits: Limits) -> dict[str, int]:
+    """What may come back and move (decision 31): the ceiling's, never past the hard maxima."""
+    bounds = {"collect_bytes": MAX_COLLECTED_BYTES, "collect_files": MAX_COLLECTED_FILES,
+              "transfer_bytes": MAX_TRANSFER_BYTES}
+    return {name: most if getattr(limits, name) is None else min(most, getattr(limits, name))
+            for name, most in bounds.items()}
 
 
 def check_step(timeout_ms: int | None, max_output: int | None, limits: Limits) -> None:
@@ -343,10 +331,6 @@ def resolve_script(
 # --------------------------------------------------------------------------- helpers
 
 
-#: A path as the request (or profile) wrote it, for messages, and as the policy holds it.
-_Named = tuple[str, Path]
-
-
 class _RequestPaths:
     """The request's own path lists, resolved against the caller's directory."""
 
@@ -361,17 +345,6 @@ class _RequestPaths:
         self.package_dirs = each("package_dirs", request.package_dirs)
 
 
-def _named(paths: tuple[Path, ...] | None) -> tuple[_Named, ...]:
-    """The operator's paths (a profile's): shown as they resolved."""
-    return tuple((str(path), path) for path in paths or ())
-
-
-def _normal(path: str) -> Path:
-    normal = os.path.normpath(path)
-    # POSIX keeps a leading "//" as it is; Linux means "/" by it.
-    return Path("/" + normal.lstrip("/") if normal.startswith("//") else normal)
-
-
 def _profile(name: str | None, profiles: Mapping[str, Profile]) -> Profile:
     if name is None:
         return Profile(name="")
@@ -380,42 +353,6 @@ def _profile(name: str | None, profiles: Mapping[str, Profile]) -> Profile:
     except KeyError:
         known = ", ".join(sorted(profiles)) or "none are configured"
         raise RequestError(f"unknown profile {name!r} (known: {known})", "profile") from None
-
-
-def _merge(first: tuple[Path, ...] | None, second: tuple[Path, ...] | None) -> tuple[Path, ...]:
-    return tuple(dict.fromkeys((*(first or ()), *(second or ()))))
-
-
-def _join(*groups: tuple[Path, ...] | None) -> tuple[Path, ...] | None:
-    """Union of ceiling path lists; unbounded (None) if any of them is."""
-    if any(group is None for group in groups):
-        return None
-    return tuple(path for group in groups for path in group or ())
-
-
-def _beneath(
-    field: str, paths: tuple[_Named, ...], ceiling: tuple[Path, ...] | None, note: str = ""
-) -> None:
-    if ceiling is None:
-        return
-    for shown, path in paths:
-        if not any(path.is_relative_to(top) for top in ceiling):
-            listed = ", ".join(str(top) for top in ceiling) or "none"
-            raise RequestError(
-                f"{shown!r} is not beneath a path the pool's [pool.limits] allow ({listed}){note}",
-                field,
-            )
-
-
-def _not_over(writes: tuple[_Named, ...], guarded: tuple[Path, ...], note: str = "") -> None:
-    for shown, path in writes:
-        for top in guarded:
-            if path.is_relative_to(top) or top.is_relative_to(path):
-                raise RequestError(
-                    f"{shown!r} overlaps the pool's package dir {str(top)!r}, "
-                    f"which jobs may not write{note}",
-                    "allow_write",
-                )
 
 
 def _pick(mine: _T | None, theirs: _T | None, note: str) -> tuple[_T | None, str]:

@@ -9,7 +9,6 @@ knowing which; neither imports the worker (decision 27).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from readie_protocol.cancel import Cancellation

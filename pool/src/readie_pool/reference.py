@@ -20,10 +20,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from readie_protocol.events import ErrorInfo, Result
 from readie_protocol.lines import MAX_LINE_BYTES
 from readie_protocol.requests import JOB_FIELDS, SESSION_SETUP_FIELDS, SESSION_STEP_FIELDS
 from readie_protocol.schema import protocol_schema
-from readie_protocol.units import DURATION_SCHEMA, SIZE_SCHEMA
+from readie_protocol.transfers import ChunkEvent, DownloadChunk, ListFiles, ListingEvent, UploadChunk, UploadedEvent
+from readie_protocol.units import DURATION_SCHEMA, SIZE_SCHEMA, format_size
+from readie_protocol.workspace import (
+    DOWNLOAD_CHUNK_BYTES,
+    LEFT_OUT_REASONS,
+    MAX_COLLECTED_BYTES,
+    MAX_COLLECTED_FILES,
+    MAX_LEFT_OUT,
+    MAX_LISTED_ENTRIES,
+    MAX_TRANSFER_BYTES,
+    UPLOAD_CHUNK_BYTES,
+    FileChunk,
+    FileEntry,
+    FileListing,
+    LeftOut,
+    encode_bytes,
+)
 from readie_policy.config import MAX_CONFIG_BYTES
 from readie_policy.config_keys import (
     LIMITS,
@@ -119,8 +136,93 @@ def field_reference() -> str:
         "`{\"reply\": {\"call_id\", \"result\" | \"error\"}}` answers a host-function call",
         "(at most 1,000,000 bytes of JSON). See [pool.md](pool.md) for what the pool writes back.",
         "",
+        *_workspace_reference(),
     ]
     return "\n".join(lines)
+
+
+def _json_block(*values: dict[str, Any]) -> list[str]:
+    return ["```json", *(json.dumps(value, ensure_ascii=False) for value in values), "```"]
+
+
+# The examples of the workspace's section, made by the code that writes and reads them.
+_CSV = b"product,amount\nbook,12\n"
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _workspace_reference() -> list[str]:
+    """The section of docs/requests.md on files in a job's workspace and a session's (decision 31)."""
+    job = {"id": 1, "code": "import pandas as pd\npd.read_csv('data/orders.csv').plot().figure.savefig('chart.png')",
+           "files": {"data/orders.csv": encode_bytes(_CSV)}, "collect": ["*.png", "report.xlsx"]}
+    answer = Result(id=1, exit=0, collected={"chart.png": _PNG},
+                    left_out=(LeftOut("report.xlsx", "unreadable"),)).to_json()
+    collected = {key: answer[key] for key in ("id", "exit", "collected", "left_out", "left_out_more")}
+    chunk = FileChunk("out/table.parquet", 0, 4, 1_764_000_000_000_000_000, b"PAR1")
+    listing = FileListing(".", (FileEntry("chart.png", 8, "file"), FileEntry("data", 0, "dir"), FileEntry("out", 0, "dir")))
+    refused = Result(id=7, exit=-1, error=ErrorInfo("RequestError", "upload: no open session named 'nb'"),
+                     session="nb", session_ended=True).to_json()
+    return [
+        "## Files in the workspace",
+        "",
+        "A job's workspace is its working directory inside the sandbox, the sandbox's own memory-backed",
+        "filesystem: nothing of the host's. A session's lives as long as the session, through hibernation",
+        "and into its forks. Every path is relative to it: UTF-8, at most 1024 bytes, no NUL, not absolute,",
+        "no `..`, normalised (`a//./b` is `a/b`), no two entries naming the same file once normalised; a",
+        "bad one is a `RequestError` naming the field. In the sandbox no path is followed through a link.",
+        "",
+        "`files` are written before the code runs (replacing what is there, creating directories);",
+        "`collect` is matched after it ran, failed or not (not after a timeout or a crash: the sandbox is",
+        "gone). A job, or any step of a session:",
+        "",
+        *_json_block(job),
+        "",
+        f"Its result carries what came back (base64), at most {format_size(MAX_COLLECTED_BYTES)} and "
+        f"{MAX_COLLECTED_FILES} files, or the",
+        "ceiling's `collect_bytes` and `collect_files` ([config.md](config.md)), and what matched but was",
+        f"left out, with why: {', '.join(f'`{reason}`' for reason in LEFT_OUT_REASONS)}. A `collect` entry "
+        "without glob",
+        "characters that names no file is left out as `unreadable`; a pattern that matches nothing adds",
+        f"nothing. `left_out` lists at most {MAX_LEFT_OUT} entries; `left_out_more` counts the rest.",
+        "",
+        *_json_block(collected),
+        "",
+        "## A session's files",
+        "",
+        "Larger files move into and out of an open session in chunks, one request and one answer each,",
+        "in the session's order with its steps (a transfer waits for the step before it, and the next",
+        "step for it). A chunk holds one of the pool's workers only while it moves, so other sessions'",
+        "steps run between the chunks of a long transfer. A refusal is a result with the error, as for",
+        "a close: an unknown or ended session (`session_ended` true), a bad path, a missing file, a size",
+        "past the ceiling's `transfer_bytes` or past the memory the session's sandbox has left (its files",
+        "live in its memory); the session goes on.",
+        "",
+        f"An upload is a run of chunks of at most {format_size(UPLOAD_CHUNK_BYTES)} each: offset 0 creates "
+        "the file, each next chunk",
+        "starts where the last ended, and `size` is the whole file's in every chunk (at most "
+        f"{format_size(MAX_TRANSFER_BYTES)}), checked",
+        "before the first byte. Each chunk is answered by an `uploaded` event:",
+        "",
+        *_json_block(UploadChunk(5, "nb", "data/orders.csv", 0, len(_CSV), _CSV).to_json(),
+                     UploadedEvent(5, "nb", "data/orders.csv", len(_CSV), len(_CSV)).to_json()),
+        "",
+        f"A download is a run of requests, each answered by a `file_chunk` of at most "
+        f"{format_size(DOWNLOAD_CHUNK_BYTES)} from `offset`;",
+        "a chunk whose `size` or `modified_ns` differs from the first's means the file changed while it",
+        "was read, and the client reports it instead of joining two versions:",
+        "",
+        *_json_block(DownloadChunk(6, "nb", "out/table.parquet", 0).to_json(), ChunkEvent(6, "nb", chunk).to_json()),
+        "",
+        f"A listing names a directory (`\".\"`: the workspace) and holds at most {MAX_LISTED_ENTRIES} "
+        "entries, sorted by",
+        "name (`truncated` says when there were more); kinds are `file`, `dir`, `link` and `other`:",
+        "",
+        *_json_block(ListFiles(8, "nb", ".").to_json(), ListingEvent(8, "nb", listing).to_json()),
+        "",
+        "A refusal:",
+        "",
+        *_json_block({key: refused[key] for key in ("id", "exit", "error", "session", "session_ended")}),
+        "",
+    ]
 
 
 def _type(schema: dict[str, Any]) -> str:
@@ -130,7 +232,10 @@ def _type(schema: dict[str, Any]) -> str:
     if kind == "array":
         return f"array of {_type(schema.get('items', {}))}"
     if kind == "object":
-        return "object of strings" if schema.get("additionalProperties") == {"type": "string"} else "object"
+        values = schema.get("additionalProperties")
+        if values == {"type": "string"}:
+            return "object of strings"
+        return "object of base64" if isinstance(values, dict) and values.get("contentEncoding") == "base64" else "object"
     if kind == "string" and "maxLength" in schema:
         return f"string (≤ {schema['maxLength']})"
     return str(kind or "any")

@@ -6,8 +6,10 @@ modules: readie's error families and the error types results name
 (:mod:`readie_protocol.errors`), the protocol version, request ids and the
 line encoder (:mod:`readie_protocol.wire`), the line limit and the splitter
 that enforces it (:mod:`readie_protocol.lines`), what a request line may say
-and its parser (:mod:`readie_protocol.requests`, sizes and durations in
-:mod:`readie_protocol.units`), and the events a pool writes
+and its parser (:mod:`readie_protocol.requests`, a job's fields in
+:mod:`readie_protocol.job_requests`, sizes and durations in :mod:`readie_protocol.units`),
+files in a job's workspace and a session's transfers (:mod:`readie_protocol.workspace`,
+:mod:`readie_protocol.transfers`), and the events a pool writes
 (:mod:`readie_protocol.events`; a result and the outcome it counts as in
 :mod:`readie_protocol.results`), and a caller's :class:`~readie_protocol.cancel.Cancellation`.
 Standard library only, beside the executor's host-function codec and job
@@ -61,32 +63,62 @@ from .requests import (
     parse_request,
 )
 from .results import JobError
+from .transfers import (
+    ChunkEvent,
+    DownloadChunk,
+    ListFiles,
+    ListingEvent,
+    UploadChunk,
+    UploadedEvent,
+    build_transfer,
+)
 from .wire import PROTOCOL_VERSION, RequestId, encode_line, id_problem, json_type
+from .workspace import (
+    DOWNLOAD_CHUNK_BYTES,
+    MAX_TRANSFER_BYTES,
+    UPLOAD_CHUNK_BYTES,
+    Collected,
+    FileChunk,
+    FileEntry,
+    FileListing,
+    LeftOut,
+)
 
 __all__ = [
+    "DOWNLOAD_CHUNK_BYTES",
     "ENDED",
     "MAX_LINE_BYTES",
+    "MAX_TRANSFER_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "CallEvent",
     "CancelJob",
     "CancelledEvent",
+    "ChunkEvent",
+    "Collected",
     "CloseSession",
     "ClosedEvent",
     "ConfigError",
+    "DownloadChunk",
     "ErrorInfo",
     "ErrorType",
     "ExecutorTimeout",
+    "FileChunk",
+    "FileEntry",
     "FileInfo",
+    "FileListing",
     "ForkSession",
     "ForkedEvent",
     "HibernateSession",
     "HibernatedEvent",
     "JobError",
     "JobRequest",
+    "LeftOut",
     "Line",
     "LineEvent",
     "LineSplitter",
+    "ListFiles",
+    "ListingEvent",
     "OutputEvent",
     "OversizeLine",
     "PolicyInfo",
@@ -106,10 +138,14 @@ __all__ = [
     "SandboxSetupError",
     "StatsEvent",
     "StatsRequest",
+    "UPLOAD_CHUNK_BYTES",
     "UnitError",
+    "UploadChunk",
+    "UploadedEvent",
     "Value",
     "VersionMismatch",
     "build_job",
+    "build_transfer",
     "encode_line",
     "id_problem",
     "json_type",

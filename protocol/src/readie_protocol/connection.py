@@ -18,7 +18,9 @@ What it keeps beyond single lines is what the two sides must agree on:
   the client's own bound (a pool writing past it, even without ever ending
   the line, is broken at once);
 * an answer is read as what its request asked for (a result, the stats
-  event, the closed or cancelled event), matched by id among the requests in flight.
+  event, the closed or cancelled event, a session's uploaded, file_chunk or
+  listing event), matched by id among the requests in flight; a refusal of
+  any of them is a result.
 
 The pool side never raises on input: a bad line is a
 :class:`~readie_protocol.requests.Refused`. The client side raises
@@ -59,6 +61,17 @@ from .events import (
 )
 from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine
 from .request_lines import reply_line, request_json
+from .transfers import (
+    ChunkEvent,
+    DownloadChunk,
+    ListFiles,
+    ListingEvent,
+    UploadChunk,
+    UploadedEvent,
+    parse_chunk,
+    parse_listing,
+    parse_uploaded,
+)
 from .requests import (
     CancelJob,
     CloseSession,
@@ -118,6 +131,7 @@ class Stray:
 
 PoolEvent = (
     ReadyEvent | Result | StatsEvent | ClosedEvent | HibernatedEvent | ForkedEvent | CancelledEvent | CallEvent | OutputEvent
+    | UploadedEvent | ChunkEvent | ListingEvent
 )
 ClientEvent = PoolEvent | Stray
 
@@ -131,6 +145,9 @@ class _Answer(enum.Enum):
     HIBERNATE = "hibernate"  # the hibernated event, or a result when it is refused
     FORK = "fork"  # the forked event, or a result when it is refused
     CANCEL = "cancel"  # the cancelled event, or a result when the cancel is refused
+    UPLOAD = "upload"  # the uploaded event, or a result when the chunk is refused
+    DOWNLOAD = "download"  # the file_chunk event, or a result when it is refused
+    LIST = "list"  # the listing event, or a result when it is refused
 
 
 class PoolConnection:
@@ -250,6 +267,8 @@ class PoolConnection:
             return parse_hibernated(obj)
         if answer is _Answer.FORK and obj.get("forked") is not None:
             return parse_forked(obj)
+        if (parse := _TRANSFER_EVENTS.get((answer, obj.get("event")))) is not None:
+            return parse(obj)
         return parse_result(obj)
 
 
@@ -260,6 +279,15 @@ _ANSWERS: Final = {
     CancelJob: _Answer.CANCEL,
     HibernateSession: _Answer.HIBERNATE,
     ForkSession: _Answer.FORK,
+    UploadChunk: _Answer.UPLOAD,
+    DownloadChunk: _Answer.DOWNLOAD,
+    ListFiles: _Answer.LIST,
+}
+#: A transfer's answer by what was asked and the event the line names; anything else is a result.
+_TRANSFER_EVENTS: Final = {
+    (_Answer.UPLOAD, "uploaded"): parse_uploaded,
+    (_Answer.DOWNLOAD, "file_chunk"): parse_chunk,
+    (_Answer.LIST, "listing"): parse_listing,
 }
 
 

@@ -29,10 +29,11 @@ def encode_request(request: Mapping[str, Any]) -> bytes:
         sizes = {key: len(_dumps(value).encode("utf-8")) for key, value in request.items()}
         biggest = max(sizes, key=sizes.__getitem__)
         hint = " (pass long code as a file with script=...)" if biggest == "code" else ""
+        instead = "upload large files into a session instead" if biggest == "files" else (
+            "put large data in a file under allow_read instead")
         raise RequestError(
             f"the request line is {len(data)} bytes, {sizes[biggest]} of them {biggest}; "
-            f"the pool reads at most {MAX_LINE_BYTES} bytes (1 MiB) per line{hint}; "
-            "put large data in a file under allow_read instead",
+            f"the pool reads at most {MAX_LINE_BYTES} bytes (1 MiB) per line{hint}; {instead}",
             biggest,
         )
     return data + b"\n"

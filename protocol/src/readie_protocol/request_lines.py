@@ -33,7 +33,9 @@ from .requests import (
     Request,
     StatsRequest,
 )
+from .transfers import DownloadChunk, ListFiles, UploadChunk
 from .units import format_duration_ms
+from .workspace import encode_bytes
 
 __all__ = ["reply_line", "request_json"]
 
@@ -68,6 +70,8 @@ def request_json(request: Request) -> dict[str, Any]:
         return {"id": request.id, "session": request.session, "hibernate": True}
     if isinstance(request, ForkSession):
         return {"id": request.id, "session": request.session, "fork": request.fork}
+    if isinstance(request, UploadChunk | DownloadChunk | ListFiles):
+        return request.to_json()
     raise TypeError(f"not a request: {type(request).__name__}")
 
 
@@ -86,6 +90,8 @@ def _wire(name: str, value: Any) -> Any:
         return format_duration_ms(value)  # "250ms", "5s": what parse_duration_ms reads back exactly
     if name == "env":
         return dict(value)
+    if name == "files":  # checked paths to their bytes, as base64
+        return {path: encode_bytes(data) for path, data in value}
     if isinstance(value, tuple):
         return list(value)
     return value

@@ -36,9 +36,10 @@ from .events import (
 )
 from .lines import MAX_LINE_BYTES
 from .requests import CLOSE_FIELDS, FORK_FIELDS, HIBERNATE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
+from .transfers import DOWNLOAD_FIELDS, LIST_FIELDS, UPLOAD_FIELDS, ChunkEvent, ListingEvent, UploadedEvent
 from .units import MAX_VALUE
 from .wire import PROTOCOL_VERSION
-from .workspace import LeftOut
+from .workspace import FileChunk, FileEntry, FileListing, LeftOut
 
 __all__ = ["SCHEMA_DIALECT", "event_schemas", "protocol_schema", "request_schema"]
 
@@ -46,7 +47,8 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def request_schema() -> dict[str, Any]:
-    """A request line: a job (or session step), a stats request, a close, a cancel, or a host-call reply."""
+    """A request line: a job (or session step), a stats request, a session's close, hibernate, fork,
+    upload, download or list, a cancel, or a host-call reply."""
     job = {
         "title": "job or session step",
         "type": "object",
@@ -89,6 +91,21 @@ def request_schema() -> dict[str, Any]:
         "required": ["id", "session", "fork"],
         "additionalProperties": False,
     }
+    transfers = [
+        {
+            "title": title,
+            "type": "object",
+            "properties": {"id": REQUEST_ID_SCHEMA, **fields},
+            "required": ["id", *fields],
+            "additionalProperties": False,
+        }
+        for title, fields in (
+            ("upload a chunk of a file into a session", UPLOAD_FIELDS),
+            ("download a chunk of a session's file", DOWNLOAD_FIELDS),
+            ("list a directory of a session's workspace", LIST_FIELDS),
+        )
+    ]
+    transfers[1]["required"].remove("offset")  # a download starts at 0 unless it says
     cancel = {
         "title": "cancel a job",
         "type": "object",
@@ -123,7 +140,7 @@ def request_schema() -> dict[str, Any]:
         "title": "readie pool request line",
         "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused. "
         "Integers are JSON integers: 1.0 is refused where an integer is expected, though JSON Schema allows it.",
-        "oneOf": [job, stats, close, hibernate, fork, cancel, reply],
+        "oneOf": [job, stats, close, hibernate, fork, *transfers, cancel, reply],
     }
 
 
@@ -150,6 +167,10 @@ def event_schemas() -> dict[str, dict[str, Any]]:
         "cancelled": _event(CancelledEvent, "cancelled", required_extra=()),
         "call": _event(CallEvent, "call", required_extra=()),
         "output": _event(OutputEvent, "output", required_extra=()),
+        "uploaded": _event(UploadedEvent, "uploaded", required_extra=()),
+        # These two carry a value's fields beside the request's id and session, flat.
+        "file_chunk": _flat(ChunkEvent, "file_chunk", "chunk", FileChunk),
+        "listing": _flat(ListingEvent, "listing", "listing", FileListing),
     }
 
 
@@ -173,6 +194,16 @@ def _event(cls: type, name: str, *, required_extra: tuple[str, ...]) -> dict[str
     return schema
 
 
+def _flat(cls: type, name: str, attribute: str, value: type) -> dict[str, Any]:
+    """The event ``cls`` whose ``to_json`` writes its own fields but ``attribute``, then the
+    fields of that ``value``, side by side."""
+    schema = _object(cls, skip={attribute})
+    inner = _object(value)
+    schema["properties"] = {"event": {"const": name}, **schema["properties"], **inner["properties"]}
+    schema["required"] = ["event", *schema["required"], *inner["required"]]
+    return schema
+
+
 def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), skip: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     fields = [field for field in dataclasses.fields(cls) if field.name not in skip]
@@ -189,7 +220,7 @@ def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), ski
     return schema
 
 
-_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo, LeftOut)
+_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo, LeftOut, FileEntry)
 
 
 def _type(hint: Any) -> dict[str, Any]:

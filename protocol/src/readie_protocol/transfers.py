@@ -128,6 +128,8 @@ def build_transfer(rid: RequestId, obj: Mapping[str, Any]) -> UploadChunk | Down
     if not isinstance(obj["data"], str) or len(obj["data"]) > _encoded_length(UPLOAD_CHUNK_BYTES):
         raise RequestError(f"must be base64 of at most {UPLOAD_CHUNK_BYTES} bytes", "data")
     data = _checked(obj, "data", decode_bytes)
+    if len(data) > UPLOAD_CHUNK_BYTES:  # base64's padding lets a byte or two past the text's bound
+        raise RequestError(f"must be base64 of at most {UPLOAD_CHUNK_BYTES} bytes", "data")
     if offset + len(data) > size:
         raise RequestError(f"runs past the upload's size of {size} bytes", "data")
     return UploadChunk(rid, session, path, offset, size, data)

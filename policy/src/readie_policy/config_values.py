@@ -1,0 +1,262 @@
+"""The kinds of value a key of the pool's TOML file holds: each a check that reads the parsed value
+(a :class:`ConfigError` naming the file and the dotted key when it refuses), the JSON Schema of
+what it accepts, and its name in docs/config.md. ``config_keys`` names the keys that hold them.
+
+A ceiling's ``timeout``, ``memory``, ``max_output``, ``collect_bytes``, ``collect_files`` and
+``transfer_bytes`` past what any job can have are lowered with a warning; a profile's ``timeout``,
+``memory`` and ``max_output`` past it are refused (:func:`_at_most`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+from readie_protocol.errors import ConfigError, UnitError
+from readie_protocol.requests import MAX_OUTPUT_BYTES, MAX_TIMEOUT_MS
+from readie_protocol.units import (
+    DURATION_SCHEMA,
+    MAX_VALUE,
+    SIZE_SCHEMA,
+    at_most_schema,
+    format_duration_ms,
+    format_size,
+    parse_duration_ms,
+    parse_size,
+    positive_schema,
+)
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES
+
+from .policy import Resolver, resolve_path
+from .sandbox_memory import MAX_JOB_MEMORY
+
+__all__ = [
+    "BOOLEAN",
+    "CEILING_COLLECT_BYTES",
+    "CEILING_COLLECT_FILES",
+    "CEILING_MEMORY",
+    "CEILING_OUTPUT",
+    "CEILING_TIMEOUT",
+    "CEILING_TRANSFER_BYTES",
+    "COLLECT_BYTES_BOUND",
+    "COLLECT_FILES_BOUND",
+    "COUNT",
+    "ENV",
+    "JOB_MEMORY",
+    "JOB_OUTPUT",
+    "JOB_TIMEOUT",
+    "LOG",
+    "LOG_FORMATS",
+    "MEMORY_BOUND",
+    "MODULES",
+    "OUTPUT_BOUND",
+    "PATHS",
+    "POSITIVE_DURATION",
+    "POSITIVE_SIZE",
+    "SIZE",
+    "TIMEOUT_BOUND",
+    "TRANSFER_BYTES_BOUND",
+    "Reading",
+    "ValueKind",
+    "integer",
+    "toml_type",
+]
+
+log = structlog.get_logger("readie.config")
+
+#: ``json`` writes JSON logs and one line per finished job to stderr;
+#: ``console`` readable logs and no job lines (``none`` is its first name, kept).
+LOG_FORMATS = frozenset({"console", "json", "none"})
+
+_NO_NUL = "^[^\\u0000]*$"
+_MODULE_PART = "[A-Za-z_][A-Za-z0-9_]*"  # an ASCII identifier, what str.isidentifier() accepts in ASCII
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """Where values are read from: errors name ``source`` (a file, or the command line) and
+    the dotted key; relative paths resolve against ``base``, through ``resolve``."""
+
+    source: str
+    base: Path
+    resolve: Resolver
+
+    def fail(self, key: str | None, reason: str) -> ConfigError:
+        return ConfigError(self.source, key, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueKind:
+    """A kind of value: its check, ``read(reading, dotted_key, raw) -> parsed`` (a ConfigError
+    when refused), the JSON Schema of what the check accepts, and its name in docs/config.md."""
+
+    read: Callable[[Reading, str, Any], Any]
+    schema: dict[str, Any]
+    shown: str
+
+
+# --------------------------------------------------------------------------- values
+
+
+def toml_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array", dict: "a table"}
+    return names.get(type(value), type(value).__name__)
+
+
+def integer(low: int, high: int) -> ValueKind:
+    def read(at: Reading, key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise at.fail(key, f"expected an integer, got {toml_type(value)}")
+        if not low <= value <= high:
+            raise at.fail(key, f"must be from {low} to {high}, got {value}")
+        return value
+
+    return ValueKind(read, {"type": "integer", "minimum": low, "maximum": high}, f"integer, {low} to {high}")
+
+
+def _boolean(at: Reading, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise at.fail(key, f"expected true or false, got {toml_type(value)}")
+    return value
+
+
+def _string(at: Reading, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise at.fail(key, f"expected a string, got {toml_type(value)}")
+    if not value:
+        raise at.fail(key, "must not be empty")
+    if "\x00" in value:
+        raise at.fail(key, "contains a NUL character")
+    return value
+
+
+_STRING_SCHEMA = {"type": "string", "minLength": 1, "pattern": _NO_NUL}
+
+
+def _strings(at: Reading, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise at.fail(key, f"expected an array of strings, got {toml_type(value)}")
+    return tuple(_string(at, f"{key}[{i}]", item) for i, item in enumerate(value))
+
+
+def _modules(at: Reading, key: str, value: Any) -> tuple[str, ...]:
+    names = _strings(at, key, value)
+    for i, name in enumerate(names):
+        if not all(part.isascii() and part.isidentifier() for part in name.split(".")):
+            raise at.fail(f"{key}[{i}]", f"{name!r} is not a module name")
+    return tuple(dict.fromkeys(names))
+
+
+def _paths(at: Reading, key: str, value: Any) -> tuple[Path, ...]:
+    resolved = []
+    for i, text in enumerate(_strings(at, key, value)):
+        try:
+            resolved.append(resolve_path(text, at.base, at.resolve))
+        except (OSError, ValueError) as exc:
+            raise at.fail(f"{key}[{i}]", f"cannot resolve {text!r}: {exc}") from None
+    return tuple(dict.fromkeys(resolved))
+
+
+def _env(at: Reading, key: str, value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise at.fail(key, f"expected a table of strings, got {toml_type(value)}")
+    pairs = []
+    for name, item in value.items():
+        if not name or "=" in name or "\x00" in name:
+            raise at.fail(f"{key}.{name}", "not a variable name (empty, '=' or NUL)")
+        if not isinstance(item, str) or "\x00" in item:
+            raise at.fail(f"{key}.{name}", f"expected a string without NUL, got {toml_type(item)}")
+        pairs.append((name, item))
+    return tuple(pairs)
+
+
+def _log(at: Reading, key: str, value: Any) -> str:
+    text = _string(at, key, value)
+    if text not in LOG_FORMATS:
+        raise at.fail(key, f"expected one of {', '.join(sorted(LOG_FORMATS))}, got {text!r}")
+    return text
+
+
+def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, allow_zero: bool) -> ValueKind:
+    def read(at: Reading, key: str, value: Any) -> int:
+        try:
+            result = parse(value)
+        except UnitError as exc:
+            raise at.fail(key, str(exc)) from None
+        if result == 0 and not allow_zero:
+            raise at.fail(key, "must be greater than zero")
+        return result
+
+    return ValueKind(read, dict(schema if allow_zero else positive_schema(schema)), shown)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """The most any job can have of a limit, as a number, as the docs write it, and why."""
+
+    most: int
+    bare: int  # what a bare TOML integer counts, for the schema: 1000 ms (seconds) or 1 byte
+    written: str
+    why: str
+
+
+def _at_most(base: ValueKind, bound: _Bound, *, lower: bool) -> ValueKind:
+    """``base`` held to ``bound``, past which a value could serve no job. ``lower``: it is a
+    ceiling, lowered to the bound with a warning (it then admits exactly the requests that could
+    run); else it is given to jobs, and refused (every job given it would fail)."""
+
+    def read(at: Reading, key: str, value: Any) -> int:
+        result = base.read(at, key, value)
+        if result <= bound.most:
+            return result
+        if not lower:
+            raise at.fail(key, f"too large: at most {bound.written} ({bound.why})")
+        log.warning("config value lowered", file=at.source, key=key, given=value, used=bound.written, reason=bound.why)
+        return bound.most
+
+    schema = base.schema if lower else at_most_schema(base.schema, bound.most // bound.bare)
+    return ValueKind(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
+
+
+BOOLEAN = ValueKind(_boolean, {"type": "boolean"}, "boolean")
+PATHS = ValueKind(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
+MODULES = ValueKind(
+    _modules,
+    {"type": "array", "items": {"type": "string", "pattern": f"^{_MODULE_PART}(\\.{_MODULE_PART})*$"}},
+    "array of module names",
+)
+ENV = ValueKind(
+    _env,
+    {
+        "type": "object",
+        "propertyNames": {"minLength": 1, "pattern": "^[^=\\u0000]*$"},
+        "additionalProperties": {"type": "string", "pattern": _NO_NUL},
+    },
+    "table of strings",
+)
+LOG = ValueKind(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f'`"{f}"`' for f in sorted(LOG_FORMATS)))
+SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
+POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
+POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
+COUNT = replace(integer(0, MAX_VALUE), shown="integer, 0 or more")
+TIMEOUT_BOUND = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
+MEMORY_BOUND = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")
+OUTPUT_BOUND = _Bound(MAX_OUTPUT_BYTES, 1, format_size(MAX_OUTPUT_BYTES), "the most output a sandbox captures")
+COLLECT_BYTES_BOUND = _Bound(MAX_COLLECTED_BYTES, 1, format_size(MAX_COLLECTED_BYTES),
+                             "the most a result brings back, held whole by the pool and its client")
+COLLECT_FILES_BOUND = _Bound(MAX_COLLECTED_FILES, 1, str(MAX_COLLECTED_FILES), "the most files a result brings back")
+TRANSFER_BYTES_BOUND = _Bound(MAX_TRANSFER_BYTES, 1, format_size(MAX_TRANSFER_BYTES),
+                              "the largest file a session's upload or download moves")
+CEILING_TIMEOUT = _at_most(POSITIVE_DURATION, TIMEOUT_BOUND, lower=True)
+CEILING_MEMORY = _at_most(POSITIVE_SIZE, MEMORY_BOUND, lower=True)
+CEILING_OUTPUT = _at_most(SIZE, OUTPUT_BOUND, lower=True)
+# 0 is allowed: nothing comes back, or no file moves, which an operator may want.
+CEILING_COLLECT_BYTES = _at_most(SIZE, COLLECT_BYTES_BOUND, lower=True)
+CEILING_COLLECT_FILES = _at_most(COUNT, COLLECT_FILES_BOUND, lower=True)
+CEILING_TRANSFER_BYTES = _at_most(SIZE, TRANSFER_BYTES_BOUND, lower=True)
+JOB_TIMEOUT = _at_most(POSITIVE_DURATION, TIMEOUT_BOUND, lower=False)
+JOB_MEMORY = _at_most(POSITIVE_SIZE, MEMORY_BOUND, lower=False)
+JOB_OUTPUT = _at_most(SIZE, OUTPUT_BOUND, lower=False)
