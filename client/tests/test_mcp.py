@@ -63,7 +63,7 @@ def test_tools_list_and_what_the_model_reads(pool):
             assert set(tools) == {"run_python", CLOSE_TOOL_NAME}
             run = tools["run_python"]
             assert run.input_schema["required"] == ["code"]
-            assert set(run.input_schema["properties"]) == {"code", "session", "timeout"}
+            assert set(run.input_schema["properties"]) == {"code", "session", "timeout", "files", "collect"}
             assert "At most 3 sessions may be open; one unused for 2 min is closed." in run.description
             assert "Each call may run for 5 seconds." in run.description
             assert "Every call starts from a clean interpreter: variables" not in run.description
