@@ -127,6 +127,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "Runsc.sweep": _RUNSC,
         "Runsc.limit_memory": _CGROUP,
         "Runsc.memory_usage": _CGROUP,
+        "Runsc.memory_limit": _CGROUP,
         "Runsc.oom_killed": _CGROUP,
         "kill_sandbox_process": f"runsc's pid file in the sandbox's own dir; {_PROC}",
     },

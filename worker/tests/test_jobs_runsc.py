@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -256,19 +258,22 @@ def test_a_sandbox_killed_by_the_memory_backstop_reports_memory_error(short_tmp)
     assert small.runsc.list_ids() == []
 
 
-def test_package_dirs_are_importable_and_read_only(worker, tmp_path):
-    packages = tmp_path / "site"
-    packages.mkdir()
-    (packages / "readie_demo_mod.py").write_text("ANSWER = 42\n")
-    code = f"""
+def test_package_dirs_are_importable_and_read_only(worker):
+    # Not under /tmp: that is the job's workspace, where its code may write (decision 31).
+    packages = Path(tempfile.mkdtemp(prefix="site-", dir="/var/tmp"))
+    try:
+        (packages / "readie_demo_mod.py").write_text("ANSWER = 42\n")
+        code = f"""
 import readie_demo_mod
 print(readie_demo_mod.ANSWER)
 open({str(packages / 'x.py')!r}, 'w')
 """
-    outcome = worker.run_job(job(code, package_dirs=(str(packages),)))
-    assert outcome.stdout == "42\n", outcome
-    assert outcome.error.type == "PermissionError"
-    assert not (packages / "x.py").exists()
+        outcome = worker.run_job(job(code, package_dirs=(str(packages),)))
+        assert outcome.stdout == "42\n", outcome
+        assert outcome.error.type == "PermissionError"
+        assert not (packages / "x.py").exists()
+    finally:
+        shutil.rmtree(packages, ignore_errors=True)
 
 
 def test_packages_are_installed_on_the_host_and_mounted(worker, tmp_path, monkeypatch):

@@ -18,8 +18,8 @@ import cloudpickle
 MAX_CAPTURED_OUTPUT = 16 * 1024 * 1024
 TRUNCATION_MARKER = "\n[readie: output truncated at {limit} characters]\n"
 RESOLV_CONF = "/etc/resolv.conf"
-# A function carrying this attribute (set to True) that returns bytes is
-# answered with those bytes as they are, not with a pickled envelope. Code jobs
+# A function carrying this attribute (set to True) that returns bytes (or a
+# bytearray) is answered with those bytes as they are, not with a pickled envelope. Code jobs
 # (readie_executor.jobs.run_job) use it so that the worker, which must never
 # unpickle what comes out of a sandbox, gets plain JSON. This adds no risk:
 # job code runs in this process and could tamper with the executor to send
@@ -32,7 +32,7 @@ class InvalidRequest(Exception):
     pass
 
 
-def run_call(request: bytes) -> bytes:
+def run_call(request: bytes) -> bytes | bytearray:
     """Decode, run and answer one request. Never raises."""
     output = CapturedOutput(MAX_CAPTURED_OUTPUT)
     try:
@@ -46,7 +46,7 @@ def run_call(request: bytes) -> bytes:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt are answers too
             envelope = failure(type(exc).__name__, _safe_str(exc), _format_traceback(exc), output)
         else:
-            if isinstance(value, bytes) and _wants_raw_response(func):
+            if isinstance(value, (bytes, bytearray)) and _wants_raw_response(func):
                 return value  # the bytes are the whole answer; output captured around it is dropped
             envelope = {"ok": True, "value": value, "output": output.texts()}
     return _dump(envelope, output)

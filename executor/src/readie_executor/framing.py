@@ -101,7 +101,7 @@ END_OF_STREAM = _Sentinel("END_OF_STREAM")
 Event = Message | _Sentinel
 
 
-def iter_frames(payload: bytes | memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[bytes | memoryview]:
+def iter_frames(payload: bytes | bytearray | memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[bytes | memoryview]:
     """Yield the pieces of one encoded message, without copying the payload."""
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE}, got {chunk_size}")

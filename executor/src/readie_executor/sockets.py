@@ -16,7 +16,7 @@ SOCKET_NAME = "executor.sock"
 MAX_SOCKET_PATH = 107
 
 
-def send_message(sock: socket.socket, payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+def send_message(sock: socket.socket, payload: bytes | bytearray, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
     """Send one message with one vectored write per frame (header and chunk together).
 
     Every write is a syscall and a wake-up of the reader, which gVisor makes

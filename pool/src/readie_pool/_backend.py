@@ -31,7 +31,11 @@ The contract every backend keeps:
   :class:`~readie_worker.sessions.StepOutcome`; it raises like ``run``. The
   session stays where it opened: in this process's worker, or (through a
   router) on one worker, down its own Interact stream. ``hibernate`` and
-  ``fork`` work where the worker is this process's (decision 0022).
+  ``fork`` work where the worker is this process's (decision 0022). Its
+  files move one chunk per call (``upload_chunk``, ``download_chunk``,
+  ``list_files``; decision 31), which raise like ``run``: a RequestError for
+  a refusal (the session goes on), a PoolWorkerError for a sandbox that
+  answered out of bounds.
 * host functions: ``run``, ``open_session`` and ``run_step`` take a ``host``
   callback (:data:`~readie_worker.jobs.HostFunction`, called on the job's
   thread for each call the job makes to its declared functions), and an
@@ -59,6 +63,7 @@ from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, St
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.metrics import Metrics
 from readie_policy.runner import JobRunner, SessionHandle
+from readie_protocol.workspace import FileChunk, FileListing
 from readie_worker.sessions import StepOutcome
 
 __all__ = [
@@ -106,6 +111,18 @@ class BackendSession(Protocol):
 
     async def fork(self) -> tuple[BackendSession, float]:
         """A new session with this one's state now, its own sandbox; and the milliseconds it took."""
+        ...
+
+    async def upload_chunk(self, path: str, offset: int, data: bytes, size: int) -> int:
+        """Write ``data`` at ``offset`` of the ``size``-byte workspace file ``path``; the bytes it holds now."""
+        ...
+
+    async def download_chunk(self, path: str, offset: int, length: int) -> FileChunk:
+        """At most ``length`` bytes of workspace file ``path`` from ``offset``."""
+        ...
+
+    async def list_files(self, path: str) -> FileListing:
+        """The entries of workspace directory ``path``."""
         ...
 
 
@@ -194,6 +211,17 @@ class _ThreadedSession:
     async def fork(self) -> tuple[BackendSession, float]:
         forked, fork_ms = await self._backend._on_thread(functools.partial(self.session.fork))
         return _ThreadedSession(self._backend, forked), fork_ms
+
+    # On the job threads, as a step: the engine holds a slot for each chunk.
+
+    async def upload_chunk(self, path: str, offset: int, data: bytes, size: int) -> int:
+        return await self._backend._on_thread(functools.partial(self.session.upload_chunk, path, offset, data, size))
+
+    async def download_chunk(self, path: str, offset: int, length: int) -> FileChunk:
+        return await self._backend._on_thread(functools.partial(self.session.download_chunk, path, offset, length))
+
+    async def list_files(self, path: str) -> FileListing:
+        return await self._backend._on_thread(functools.partial(self.session.list_files, path))
 
 
 class LocalWorkerBackend(ThreadedBackend):

@@ -61,7 +61,8 @@ from ._backend import JobBackend
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job
 from readie_protocol.requests import (
-    CancelJob, CloseSession, ForkSession, HibernateSession, JobRequest, Refused, ReplyRequest, Request, StatsRequest,
+    CancelJob, CloseSession, DownloadChunk, ForkSession, HibernateSession, JobRequest, ListFiles, Refused,
+    ReplyRequest, Request, StatsRequest, UploadChunk,
 )
 from readie_protocol.results import Result
 from ._results import error_result, job_result, refused_result
@@ -313,6 +314,8 @@ class PoolEngine:
             self._session_driver.accept_hibernate(request)
         elif isinstance(request, ForkSession):
             self._session_driver.accept_fork(request)
+        elif isinstance(request, UploadChunk | DownloadChunk | ListFiles):
+            self._session_driver.accept_transfer(request)
         elif isinstance(request, JobRequest) and request.session is not None:
             self._session_driver.accept_step(request, parsed_at, self._tasks.cancellable(request.id))
         elif isinstance(request, CancelJob):

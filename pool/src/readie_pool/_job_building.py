@@ -80,6 +80,8 @@ async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
         packages=request.packages or (),
         functions=request.functions or (),
         report_files=request.report_files,
+        files=request.files,
+        collect=request.collect,
         pool_package_dirs=setup.package_dirs,
     )
 

@@ -30,6 +30,10 @@ says what ``exit`` holds). The rules, in order:
 * otherwise the code ran: exit 0 without an error is ok, anything else
   failed, and ``exit`` is the job's own status.
 
+What ``collect`` brought back (decision 31) is the outcome's, checked by the
+worker against the job's limits before it got here: the result carries its
+files, and what matched but was left out.
+
 ``runtime`` and ``policy`` come from the pool (the job it built), not from the outcome: the
 outcome's ``python`` and ``preloaded_modules`` are what the job's process
 claimed, and the job could have forged them. ``backend`` is the worker's.
@@ -80,6 +84,7 @@ def job_result(
     """The result line for a job (or a session's step) the backend ran, or tried to."""
     exit_code, error = _classify(outcome)
     duration_us = max(0, outcome.duration_us)
+    collected = outcome.collected
     return Result(
         id=id,
         exit=exit_code,
@@ -100,6 +105,9 @@ def job_result(
         value=outcome.value,
         files=outcome.files,
         files_truncated=outcome.files_truncated,
+        collected=None if collected is None else collected.files,
+        left_out=() if collected is None else collected.left_out,
+        left_out_more=0 if collected is None else collected.left_out_more,
     )
 
 

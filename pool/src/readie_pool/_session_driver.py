@@ -10,7 +10,10 @@ through the backend (``open_session``) with a job built as any job is
 ``session_idle`` is closed by a timer, without an output line (nobody asked).
 
 Hibernation (decision 0022): ``{"hibernate": true}`` and ``{"fork": name}``
-queue in their session like a step and hold a slot while they run. A fork's
+queue in their session like a step and hold a slot while they run. So do a
+session's file transfers (decision 31: ``upload``, ``download``, ``list``;
+``_transfers`` moves them), one chunk per request: the slot is given up
+between chunks, so other sessions' steps run while a large file moves. A fork's
 new name is in the table at once (OPENING), so its first steps wait for the
 fork. A session idle for ``session_hibernate`` is hibernated by a timer, as
 the pool's own queued request: its close timer keeps running meanwhile.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeAlias
 
 import structlog
 from readie_protocol.cancel import Cancellation
@@ -34,6 +38,7 @@ from readie_worker.sessions import StepOutcome
 from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostFunction, OutputSink, Step
 
 from ._backend import BackendSession
+from readie_protocol.connection import PoolEvent
 from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
 
 from ._job_building import code_job
@@ -43,10 +48,14 @@ from readie_protocol.results import Result
 from ._results import error_result, job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
 from ._tasks import PoolTasks
+from ._transfers import Transfer, TransferEvent, move
 
 __all__ = ["SessionDriver"]
 
 log = structlog.get_logger("readie.pool")
+
+#: What a request queued in its session like a hibernation answers with: its event, or a result.
+_Answer: TypeAlias = PoolEvent | Result
 
 
 class SessionDriver:
@@ -84,12 +93,23 @@ class SessionDriver:
         self._tasks.spawn(self._session_close(session, request, previous, done))
 
     def accept_hibernate(self, request: HibernateSession) -> None:
+        self._in_turn(request, "hibernating", lambda session: self._hibernated(session, request.id))
+
+    def accept_transfer(self, request: Transfer) -> None:
+        """Queue an upload, download or list chunk in its session, as a hibernation is."""
+        self._in_turn(request, "moving files of", lambda session: self._transferred(session, request))
+
+    def _in_turn(
+        self, request: HibernateSession | Transfer, doing: str, work: Callable[[NamedSession], Awaitable[_Answer]]
+    ) -> None:
+        """Answer ``request`` with what ``work`` gives once its session's requests before it are answered;
+        refused at once when no session of its name is open."""
         session = self.table.get(request.session)
         if session is None:
             self._refuse(request.id, request.session, _not_open(request.session), ended=True)
             return
         previous, done = session.enqueue()
-        self._tasks.spawn(self._session_hibernate(session, request, previous, done))
+        self._tasks.spawn(self._queued(session, request.id, previous, done, doing, work))
 
     def accept_fork(self, request: ForkSession) -> None:
         source = self.table.get(request.session)
@@ -116,17 +136,23 @@ class SessionDriver:
             error_result(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
         )
 
-    async def _session_hibernate(
-        self, session: NamedSession, request: HibernateSession, previous: asyncio.Event | None, done: asyncio.Event
+    async def _queued(
+        self,
+        session: NamedSession,
+        request_id: RequestId,
+        previous: asyncio.Event | None,
+        done: asyncio.Event,
+        doing: str,
+        work: Callable[[NamedSession], Awaitable[_Answer]],
     ) -> None:
-        answer: HibernatedEvent | Result | None = None
+        answer: _Answer | None = None
         try:
             if previous is not None:
                 await previous.wait()
-            answer = await self._hibernated(session, request.id)
+            answer = await work(session)
         except Exception as exc:  # a bug must cost this session, never the pool
-            log.exception("internal error hibernating a session", session=session.name)
-            answer = self._failed(request.id, session, internal_error(exc))
+            log.exception(f"internal error {doing} a session", session=session.name)
+            answer = self._failed(request_id, session, internal_error(exc), "internal error")
         finally:
             session.answered()
             self._send(answer)
@@ -141,7 +167,7 @@ class SessionDriver:
             async with self._tasks.slots:
                 hibernate_ms = await session.handle.hibernate()
         except ReadieError as exc:
-            return self._failed(request_id, session, exc)
+            return self._failed(request_id, session, exc, "it could not hibernate")
         if hibernate_ms:
             self._tasks.stats.session_image("hibernations", hibernate_ms)
         return HibernatedEvent(request_id, session.name, round(hibernate_ms))  # type: ignore[arg-type]
@@ -161,7 +187,7 @@ class SessionDriver:
             answer = await self._forked(source, target, request.id)
         except Exception as exc:  # a bug must cost these sessions, never the pool
             log.exception("internal error forking a session", session=source.name)
-            answer = self._failed(request.id, source, internal_error(exc))
+            answer = self._failed(request.id, source, internal_error(exc), "it could not fork")
         finally:
             if target.handle is None:
                 self._end_session(target)
@@ -180,7 +206,7 @@ class SessionDriver:
             async with self._tasks.slots:
                 handle, fork_ms = await source.handle.fork()
         except ReadieError as exc:
-            return self._failed(request_id, source, exc)
+            return self._failed(request_id, source, exc, "it could not fork")
         self._tasks.stats.session_image("forks", fork_ms)
         target.handle, target.job, target.functions = handle, source.job, source.functions
         if target.phase is SessionPhase.OPENING:
@@ -189,17 +215,27 @@ class SessionDriver:
             self._tasks.spawn(handle.close())
         return ForkedEvent(request_id, source.name, target.name, round(fork_ms))
 
-    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError) -> Result:
-        """The answer to a hibernate or fork that failed: refused (RequestError, or the worker's image
-        bounds: SandboxSetupError), the session goes on; anything else has ended it."""
+    def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError, why: str) -> Result:
+        """The answer to a hibernate, fork or transfer that failed: refused (RequestError, or the worker's
+        image bounds: SandboxSetupError), the session goes on; anything else has ended it."""
         ended = not isinstance(error, RequestError | SandboxSetupError)
         if ended:
-            self.close_in_background(session, "it could not hibernate")
+            self.close_in_background(session, why)
         return error_result(
             request_id, error, runtime=self._setup.runtime, session=session.name, session_ended=ended
         )
 
-    def _send(self, answer: HibernatedEvent | ForkedEvent | Result | None) -> None:
+    async def _transferred(self, session: NamedSession, request: Transfer) -> TransferEvent | Result:
+        if session.ended or session.handle is None or session.job is None:
+            why = RequestError(f"session {session.name!r} ended before its files could move", "session")
+            return error_result(request.id, why, runtime=self._setup.runtime, session=session.name, session_ended=True)
+        try:
+            async with self._tasks.slots:  # one chunk's worth
+                return await move(session.handle, request, session.job)
+        except ReadieError as exc:
+            return self._failed(request.id, session, exc, "its files could not move")
+
+    def _send(self, answer: _Answer | None) -> None:
         if isinstance(answer, Result):
             self._tasks.finish(answer)
         elif answer is not None:
@@ -258,6 +294,8 @@ class SessionDriver:
                     timeout_ms=request.timeout_ms,
                     max_output=request.max_output,
                     report_files=request.report_files,
+                    files=request.files,
+                    collect=request.collect,
                 )
                 job = session.job.step(step)  # what the step runs, and what its result reports
         except ReadieError as exc:  # refused before anything ran

@@ -9,8 +9,8 @@
   results unread and watch backpressure.
 * :class:`FakeBackend`, :class:`MemorySource` and :class:`MemorySink` run a
   :class:`~readie_pool._engine.PoolEngine` in memory, without gVisor, with
-  jobs (and session steps, :class:`FakeSession`) that finish when the test
-  says so. :func:`serve_stdio` runs the same engine over a process's stdin
+  jobs (and session steps, :class:`FakeSession`, and their files) that
+  finish when the test says so (``_fakes``). :func:`serve_stdio` runs the same engine over a process's stdin
   and stdout with any backend: a ``readie pool`` without sandboxes, for a
   client's tests.
 """
@@ -18,39 +18,23 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import json
 import os
 import select
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
-from readie_protocol.cancel import NEVER, Cancellation
-from readie_worker.jobs import (
-    CANCELLED_MESSAGE,
-    CodeJob,
-    HostCall,
-    HostFunction,
-    HostReply,
-    JobOutcome,
-    OutputChunk,
-    OutputSink,
-    Step,
-)
-from readie_worker.sessions import StepOutcome
 from readie_rpc.testing import start_cluster
 from readie_policy.logs import configure_logging
 from readie_worker.testing import readie_command
 
 from ._events import RuntimeInfo
+from ._fakes import FakeBackend, FakeSession, ok_outcome
 from ._engine import PoolEngine
 from ._setup import PoolSetup
 from ._stdio import FdReader, FdWriter
@@ -261,138 +245,6 @@ class PoolProcess:
 
 
 # --------------------------------------------------------------------------- in memory
-
-
-def ok_outcome(
-    stdout: str = "", *, exit: int | None = 0, error: Any = None, duration_us: int = 1000
-) -> JobOutcome:
-    """A worker outcome for FakeBackend answers; by default a clean exit printing ``stdout``."""
-    return JobOutcome(
-        exit=exit,
-        stdout=stdout,
-        stderr="",
-        stdout_truncated=False,
-        stderr_truncated=False,
-        error=error,
-        duration_us=duration_us,
-        python="3.11.2",
-        preloaded_modules=(),
-        sandbox_id="fake",
-        backend="fake",
-    )
-
-
-@dataclass
-class FakeBackend:
-    """Runs no code: ``answer(job)`` gives each outcome (or raises), gates hold jobs back.
-
-    A job whose ``code`` is a key of ``gates`` waits until that event is set.
-    Session steps go through the same ``answer`` and gates; a step ends its
-    session when ``session_ends(job)`` says so or it timed out.
-    With a ``host``,
-    a job first makes the calls ``host_calls(job)`` lists, one at a time on a
-    thread (as the worker does, with the job's deadline set), then waits for
-    its gate; ``replies`` keeps what each job id got back.
-    """
-
-    answer: Callable[[CodeJob], JobOutcome] = lambda job: ok_outcome(job.code)
-    gates: dict[str, asyncio.Event] = field(default_factory=dict)
-    started: list[CodeJob] = field(default_factory=list)
-    running: int = 0
-    most_running: int = 0
-    closed: int = 0
-    session_ends: Callable[[CodeJob], bool] = lambda job: job.code.startswith("exit")
-    sessions: list[FakeSession] = field(default_factory=list)
-    host_calls: Callable[[CodeJob], list[HostCall]] = lambda job: []
-    replies: dict[str | None, list[HostReply]] = field(default_factory=dict)
-
-    async def open_session(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
-        cancel: Cancellation = NEVER,
-    ) -> tuple[FakeSession, StepOutcome]:
-        session = FakeSession(self, job)
-        self.sessions.append(session)
-        return session, await session.step(job, job_id, host, output, cancel)
-
-    async def run(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
-        output: OutputSink | None = None,
-    ) -> JobOutcome:
-        if self.closed:
-            raise PoolWorkerError("the pool is shutting down; the job did not run")
-        self.started.append(job)
-        self.running += 1
-        self.most_running = max(self.most_running, self.running)
-        try:
-            if host is not None:
-                deadline = time.monotonic() + job.timeout_ms / 1000
-                for call in self.host_calls(job):
-                    call = dataclasses.replace(call, deadline=deadline)
-                    reply = await asyncio.to_thread(host, call)
-                    self.replies.setdefault(job_id, []).append(reply)
-            gate = self.gates.get(job.code)
-            if gate is not None:
-                while not gate.is_set():  # as a worker does: a cancel stops the job at once
-                    if cancel.cancelled:
-                        return JobOutcome.failure(ErrorType.POOL_WORKER, CANCELLED_MESSAGE, 0, "fake")
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(gate.wait(), 0.01)
-            outcome = self.answer(job)
-            if output is not None:  # as a worker streams: what the result holds, ahead of it
-                for stream, data in (("stdout", outcome.stdout), ("stderr", outcome.stderr)):
-                    if data:
-                        await asyncio.to_thread(output, OutputChunk(stream, data))
-            return outcome
-        finally:
-            self.running -= 1
-
-    async def close(self) -> None:
-        self.closed += 1
-        for gate in self.gates.values():
-            gate.set()
-
-
-@dataclass(eq=False)
-class FakeSession:
-    """A :class:`FakeBackend` session: each step is one of the backend's jobs, numbered."""
-
-    backend: FakeBackend
-    job: CodeJob
-    steps: int = 0
-    ended: bool = False
-    closes: int = 0
-
-    async def run_step(
-        self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
-        cancel: Cancellation = NEVER,
-    ) -> StepOutcome:
-        return await self.step(self.job.step(step), job_id, host, output, cancel)
-
-    async def step(
-        self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
-        cancel: Cancellation = NEVER,
-    ) -> StepOutcome:
-        if self.ended:
-            raise RequestError("the session has ended", "session")
-        outcome = await self.backend.run(job, job_id, host, cancel, output)
-        self.steps += 1
-        # As the worker's sessions: a step that did not end on its own (timeout, cancel) ends the session.
-        timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == ErrorType.TIMEOUT
-        self.ended = self.backend.session_ends(job) or timed_out or outcome.exit is None
-        return StepOutcome(outcome, self.steps, self.ended)
-
-    async def close(self) -> None:
-        self.closes += 1
-        self.ended = True
-
-    # A fake has no sandbox to checkpoint: hibernation is the real worker's (test_pool_hibernate).
-    hibernated = False
-
-    async def hibernate(self) -> float:
-        raise RequestError("a FakeBackend session cannot hibernate", "session")
-
-    async def fork(self) -> tuple[FakeSession, float]:
-        raise RequestError("a FakeBackend session cannot fork", "session")
 
 
 class MemorySource:

@@ -28,6 +28,7 @@ __all__ = [
     "INVALID_ERROR_TYPE",
     "SandboxAnswer",
     "JobResultInvalid",
+    "load_json",
     "max_result_bytes",
     "parse_job_result",
 ]
@@ -106,18 +107,20 @@ def parse_job_result(raw: bytes, max_output: int) -> SandboxAnswer:
         )
     if not raw:
         raise JobResultInvalid("result is empty")
-    document = _load_json(bytes(raw))
+    document = load_json(bytes(raw))
     if not isinstance(document, dict):
         raise JobResultInvalid(f"result must be a JSON object, got {_json_type(document)}")
     return _Fields(document, "").result(max_output)
 
 
-def _load_json(raw: bytes) -> Any:
+def load_json(raw: bytes, what: str = "result") -> Any:
+    """``raw`` as strict JSON (UTF-8, no NaN, no duplicate keys, bounded integers), which a
+    sandbox wrote; :class:`JobResultInvalid` says what is wrong with ``what`` it is."""
     try:
         # Decoded here, strictly: json.loads would guess UTF-16 or UTF-32 from bytes.
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise JobResultInvalid(f"result is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        raise JobResultInvalid(f"{what} is not UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
         return json.loads(
             text,
@@ -126,32 +129,32 @@ def _load_json(raw: bytes) -> Any:
             parse_float=_finite_float,
             object_pairs_hook=_object_without_duplicates,
         )
-    except JobResultInvalid:
-        raise
+    except JobResultInvalid as exc:
+        raise JobResultInvalid(f"{what} {exc}") from None
     except json.JSONDecodeError as exc:
         raise JobResultInvalid(
-            f"result is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
     except RecursionError:
-        raise JobResultInvalid("result is nested too deeply") from None
+        raise JobResultInvalid(f"{what} is nested too deeply") from None
     except ValueError as exc:  # e.g. a float literal Python cannot convert
-        raise JobResultInvalid(f"result is not valid JSON: {_short(str(exc))}") from None
+        raise JobResultInvalid(f"{what} is not valid JSON: {_short(str(exc))}") from None
 
 
 def _refuse_constant(name: str) -> Any:
-    raise JobResultInvalid(f"result contains {name}, which JSON does not allow")
+    raise JobResultInvalid(f"contains {name}, which JSON does not allow")
 
 
 def _bounded_int(literal: str) -> int:
     if len(literal.lstrip("-")) > MAX_INT_DIGITS:
-        raise JobResultInvalid(f"result contains an integer of {len(literal)} digits")
+        raise JobResultInvalid(f"contains an integer of {len(literal)} digits")
     return int(literal)
 
 
 def _finite_float(literal: str) -> float:
     value = float(literal)
     if value in (float("inf"), float("-inf")):  # 1e999: Infinity by another name
-        raise JobResultInvalid(f"result contains a number out of range: {_short(literal)}")
+        raise JobResultInvalid(f"contains a number out of range: {_short(literal)}")
     return value
 
 
@@ -160,7 +163,7 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     for key, value in pairs:
         if key in document:
             # Two parsers could pick different values; refuse rather than pick.
-            raise JobResultInvalid(f"result repeats the key {_short(key)!r}")
+            raise JobResultInvalid(f"repeats the key {_short(key)!r}")
         document[key] = value
     return document
 

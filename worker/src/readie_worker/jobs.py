@@ -47,10 +47,13 @@ from ._output_frames import (
 )
 
 from ._grant_fs import ListedGrants
+from ._workspace import collect, spec_files
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError
 from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, Step, ask_host
+from readie_protocol.events import ErrorInfo
+from readie_protocol.workspace import Collected
 from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
 from .written import written_since
 
@@ -98,6 +101,8 @@ def runner_call(
     """The pickled call: a reference to the trusted runner, and the job's spec (plain data,
     :meth:`CodeJob.spec`)."""
     spec = job.spec(links, session=session, stream=stream)
+    if job.files:  # written into the workspace before the code runs (decision 31)
+        spec["files"] = spec_files(job)
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
 
@@ -123,6 +128,11 @@ def run_in_sandbox(
     under the worker, and the sandbox is not trusted again).
     ``job.report_files``: the outcome lists what the job wrote to the write
     grants the sandbox has mounted (``sandbox.write_grants``; ``written.py``).
+    ``job.files`` are written into its workspace before its code runs, and
+    ``job.collect``'s matches are read after it answered (``_workspace.py``):
+    the outcome's ``collected``, empty when there was no answer to read them
+    after (a timeout, a crash: the sandbox is gone). A sandbox that answers
+    the collect out of bounds fails the job with a worker error.
 
     The caller destroys the sandbox afterwards: a timed-out or crashed one is
     never reused, and by default neither is a healthy one.
@@ -184,9 +194,23 @@ def _run(
             if result.timed_out:  # the deadline kills the sandbox, whatever else the job left running
                 sandbox.destroy()
             outcome = _from_result(result, elapsed, backend, sandbox.id)
+            if job.collect and not sandbox.destroyed:
+                outcome = _collected(sandbox, job, outcome, cancel)
     if relay is not None:
         relay.finish()  # what it held back is output too, and goes out ahead of the result
+    if job.collect and outcome.collected is None:  # no answer to collect after: nothing came back
+        outcome = dataclasses.replace(outcome, collected=Collected())
     return dataclasses.replace(outcome, host=conversation.stats)
+
+
+def _collected(sandbox: Sandbox, job: CodeJob, outcome: JobOutcome, cancel: Cancellation) -> JobOutcome:
+    """``outcome`` with what ``job.collect`` matched; a broken or lying answer fails the job (and,
+    with no exit status, ends its session: the sandbox is not trusted again)."""
+    try:
+        return dataclasses.replace(outcome, collected=collect(sandbox, job, cancel))
+    except PoolWorkerError as exc:
+        error = ErrorInfo(ErrorType.POOL_WORKER, f"the job ran, but its files could not be collected: {exc}", None, None)
+        return dataclasses.replace(outcome, exit=None, error=error, collected=Collected())
 
 
 def _broken_exchange(exc: PoolWorkerError, sandbox: Sandbox, job: CodeJob, backend: str, duration_us: int) -> JobOutcome:

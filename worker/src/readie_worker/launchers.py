@@ -60,6 +60,9 @@ class Launcher(Protocol):
     def memory_usage(self, sandbox: SandboxDir) -> int | None:
         """Bytes the sandbox's memory cgroup holds now; None where there is none."""
 
+    def memory_left(self, sandbox: SandboxDir) -> int | None:
+        """Bytes the sandbox may still take before its memory cgroup's limit; None where none is known."""
+
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
         """Save the sandbox, its executor hibernating, to ``image_dir``; the container ends."""
 
@@ -103,6 +106,10 @@ class _RunscLauncher:
 
     def memory_usage(self, sandbox: SandboxDir) -> int | None:
         return self.runsc.memory_usage(sandbox.id)
+
+    def memory_left(self, sandbox: SandboxDir) -> int | None:
+        limit, usage = self.runsc.memory_limit(sandbox.id), self.runsc.memory_usage(sandbox.id)
+        return None if limit is None or usage is None else max(0, limit - usage)
 
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
         self.runsc.checkpoint(sandbox.id, image_dir)
@@ -177,6 +184,9 @@ class LocalProcess:
         return None  # a host process: RLIMIT_AS inside is all there is
 
     def memory_usage(self, sandbox: SandboxDir) -> int | None:
+        return None
+
+    def memory_left(self, sandbox: SandboxDir) -> int | None:
         return None
 
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:

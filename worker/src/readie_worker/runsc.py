@@ -298,6 +298,17 @@ class Runsc:
                 continue
         return None
 
+    def memory_limit(self, container_id: str) -> int | None:
+        """The container's memory cgroup limit in bytes, or None without one (or without a limit)."""
+        for path in (CGROUP_V1_MEMORY / container_id / "memory.limit_in_bytes", CGROUP_V2 / container_id / "memory.max"):
+            try:
+                return int(path.read_text())
+            except OSError:
+                continue
+            except ValueError:  # v2's "max": no limit
+                return None
+        return None
+
     def limit_memory(self, container_id: str, limit_bytes: int) -> None:
         """Lower a running container's memory cgroup limit (and its swap, so it cannot page out
         past it). The kernel reclaims down to it or refuses; refused is a SandboxSetupError."""

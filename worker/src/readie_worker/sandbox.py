@@ -245,6 +245,11 @@ class Sandbox:
         holds now plus ``job_bytes`` (a job's ``memory``) and the sentry's share of those."""
         self.memory_limit_bytes = self.launcher.limit_memory(self.dir, job_bytes)
 
+    def memory_left(self) -> int | None:
+        """Bytes the sandbox may still take, files in its memory-backed filesystems included,
+        before its memory cgroup's limit; None where no limit is known (unisolated)."""
+        return self.launcher.memory_left(self.dir)
+
     def alive(self) -> bool:
         """The liveness probe: run before a sandbox that waited warm is trusted with a job."""
         try:

@@ -56,8 +56,10 @@ from readie_executor.jobs import EXIT_NOT_STARTED
 from readie_protocol.cancel import NEVER, Cancellation
 from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids, for_client
 from .hibernation import SessionImages
+from . import _workspace as workspace
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, run_in_sandbox
 from readie_policy.jobs import StepOutcome
+from readie_protocol.workspace import FileChunk, FileListing
 from .runsc import RunscError
 from .sandbox import Sandbox
 
@@ -302,6 +304,61 @@ class SandboxSession:
         seconds = time.monotonic() - started
         self._observe_image("fork", seconds)
         return copy, seconds * 1000
+
+    # Files in the session's workspace (decision 31): each call holds the session as a step does.
+
+    @_logged_under_its_id
+    def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel: Cancellation = NEVER) -> int:
+        """Write ``data`` at ``offset`` of the ``size``-byte upload of ``path``; the bytes it holds now
+        (``_workspace.upload_chunk``: what is refused, and why)."""
+        return self._with_workspace(lambda sandbox: workspace.upload_chunk(sandbox, self.job, path, offset, data, size, cancel), cancel)
+
+    @_logged_under_its_id
+    def download_chunk(self, path: str, offset: int, length: int, *, cancel: Cancellation = NEVER) -> FileChunk:
+        """At most ``length`` bytes of ``path`` from ``offset`` (``_workspace.download_chunk``)."""
+        return self._with_workspace(lambda sandbox: workspace.download_chunk(sandbox, self.job, path, offset, length, cancel), cancel)
+
+    @_logged_under_its_id
+    def list_files(self, path: str, *, cancel: Cancellation = NEVER) -> FileListing:
+        """The entries of directory ``path`` of the workspace (``_workspace.list_files``)."""
+        return self._with_workspace(lambda sandbox: workspace.list_files(sandbox, self.job, path, cancel), cancel)
+
+    def _with_workspace(self, operation: Callable[[Sandbox], _R], cancel: Cancellation) -> _R:
+        """``operation`` on the session's sandbox, held as a step holds it (refused while a step
+        runs; a hibernated session resumed first, in a worker slot). No slot otherwise: moving a
+        chunk is not a job, and must not wait behind other sessions' steps.
+
+        A RequestError leaves the session as it was; anything else (the sandbox broke or answered
+        out of bounds, a resume failed) ends it: the sandbox is not trusted again.
+        """
+        with self._lock:
+            self._start_running()
+        try:
+            if self._sandbox is None:
+                with self._slot(cancel):
+                    resumed = self._resume()
+                if isinstance(resumed, JobOutcome):  # it could not, and the session has ended
+                    raise SandboxSetupError(resumed.error.message if resumed.error else "the session could not resume")
+            assert self._sandbox is not None
+            result = operation(self._sandbox)
+        except RequestError:
+            self._idle_again()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._idle_again()
+        return result
+
+    def _idle_again(self) -> None:
+        with self._lock:
+            if self.state is not SessionState.RUNNING:  # closed meanwhile
+                return
+            if self._sandbox is None:
+                self._move(SessionState.HIBERNATED)
+            else:
+                self._sandbox.move(SandboxState.READY)
+                self._move(SessionState.IDLE)
 
     def close(self) -> None:
         """End the session and destroy its sandbox (or remove its image); a step still running ends

@@ -170,6 +170,9 @@ class FaultyLauncher:
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         return self.inner.limit_memory(sandbox, job_bytes)
 
+    def memory_left(self, sandbox: SandboxDir) -> int | None:
+        return self.inner.memory_left(sandbox)
+
 
 def scrape(port: int, timeout: float = 5.0) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """The samples ``/metrics`` on 127.0.0.1:``port`` serves, keyed by name and labels."""

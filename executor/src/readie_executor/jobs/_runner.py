@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import itertools
 import json
 import linecache
 import os
@@ -41,6 +42,7 @@ from ._result import ErrorReport, describe_exception, encode_result, safe_str
 from ._seccomp import install_job_filter, job_filter_installed
 from ._spec import JobSpec, JobSpecError, Link, parse_job
 from ._value import compile_cell, show_value
+from ._workspace import WorkspaceError, write_files
 
 # Python's exit status for "could not start": ``python3 missing.py`` exits 2.
 EXIT_NOT_STARTED = 2
@@ -142,6 +144,12 @@ def _run(spec: JobSpec) -> bytes:
         return _not_started(
             ErrorReport("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
         )
+    try:
+        write_files(spec.cwd or os.getcwd(), spec.files)
+    except WorkspaceError as exc:
+        # The request's files cannot go where it says (a link or a directory in the way): the
+        # request's fault, not the sandbox's, so a session goes on (decision 31).
+        return _not_started(ErrorReport("RequestError", f"files: {exc}"), spec.limits.max_output, preloaded=preloaded)
     notes += _apply_subprocess_policy(spec.limits.subprocesses)
     channel = _channel.current() if spec.stream else None
     capture = OutputCapture(spec.limits.max_output, channel.send if channel is not None else None)
@@ -169,9 +177,11 @@ def _run(spec: JobSpec) -> bytes:
 
 def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
     module = _main_module(spec)
+    # The workspace is the job's to write in (decision 31: what it saves there can be collected).
+    workspace = spec.cwd or os.getcwd()
     guard = JobGuard(
         writable_roots=writable_roots(
-            path for link in spec.writable_links for path in (link.path, link.target)
+            itertools.chain([workspace], (path for link in spec.writable_links for path in (link.path, link.target)))
         ),
         subprocesses=spec.limits.subprocesses,
     )

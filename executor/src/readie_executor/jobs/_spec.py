@@ -20,7 +20,7 @@ from ._bounds import MAX_OUTPUT_LIMIT
 DEFAULT_INLINE_NAME = "<string>"
 _KNOWN_FIELDS = frozenset(
     {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions",
-     "stream"}
+     "stream", "files"}
 )
 _LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses", "timeout_ms"})
 _LINK_FIELDS = frozenset({"path", "target", "writable"})
@@ -68,6 +68,9 @@ class JobSpec:
     functions: tuple[str, ...] = ()
     # Send output frames while the job runs (decision 16).
     stream: bool = False
+    # Written into the workspace (the working directory) before the code runs (decision 31):
+    # workspace paths the worker checked, and their bytes.
+    files: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def writable_links(self) -> tuple[Link, ...]:
@@ -98,7 +101,17 @@ def parse_job(job: object) -> JobSpec:
         session=_bool(job.get("session", False), "session"),
         functions=_functions(job.get("functions", [])),
         stream=_bool(job.get("stream", False), "stream"),
+        files=_files(job.get("files", [])),
     )
+
+
+def _files(raw: object) -> tuple[tuple[str, bytes], ...]:
+    files = []
+    for entry in _list(raw, "files"):
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], bytes)):
+            raise JobSpecError("files must be a list of [path, bytes] pairs")
+        files.append((entry[0], entry[1]))
+    return tuple(files)
 
 
 def _functions(raw: object) -> tuple[str, ...]:
