@@ -98,6 +98,8 @@ FIELD_VALUES = {
     "session": mostly(["nb"], ["", "s" * 257]),
     "packages": st.lists(mostly(["pandas==2.2"], ["-e x", ""]), max_size=2),
     "profile": mostly(["fetch"], [""]),
+    "files": mostly([{"data/a.csv": "YSxiCg=="}, {}], [{"../a": ""}, {"a": "!"}, {"a": 1}, ["a"]]),
+    "collect": st.lists(mostly(["out/*.png", "**/*.csv"], ["", "/abs", "a/../.."]), max_size=3),
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from readie_protocol.workspace import DOWNLOAD_CHUNK_BYTES, UPLOAD_CHUNK_BYTES, LeftOut
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.errors import ErrorType, RequestError
+from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
 from readie_worker.jobs import CodeJob, Step
 
 pytestmark = pytest.mark.runsc
@@ -163,4 +163,20 @@ def test_a_sandbox_that_lies_about_its_files_fails_its_step_and_ends_the_session
     assert step.outcome.error.type == ErrorType.POOL_WORKER and "no pattern asked for 'etc/passwd'" in step.outcome.error.message
     assert step.outcome.collected.files == {}
     assert session.ended and step.outcome.sandbox_id not in worker.runsc.list_ids()
+    assert worker.run_job(job("print('served')")).stdout == "served\n"
+
+
+def test_a_download_chunk_longer_than_asked_ends_the_session_not_the_worker(worker):
+    liar = (
+        "import json\nimport readie_executor.jobs._transfers as t\n"
+        "def download_chunk(cwd, path, offset, length):\n"
+        "    header = json.dumps({'offset': offset, 'size': 10 * length, 'modified_ns': 1}).encode()\n"
+        "    return len(header).to_bytes(4, 'big') + header + b'x' * (length + 1)\n"
+        "download_chunk.__readie_raw_response__ = True\n"
+        "t.download_chunk = download_chunk\n"
+    )
+    session, _ = worker.open_session(job(liar))
+    with pytest.raises(PoolWorkerError, match="out of bounds"):
+        session.download_chunk("any.bin", 0, 1000)
+    assert session.ended and session.sandbox_id not in worker.runsc.list_ids()
     assert worker.run_job(job("print('served')")).stdout == "served\n"

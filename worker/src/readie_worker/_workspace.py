@@ -44,7 +44,7 @@ from ._workspace_answers import (
     parse_uploaded,
     upload_budget,
 )
-from .errors import RequestError
+from .errors import RequestError, shown
 from .sandbox import Sandbox
 
 __all__ = ["FILES_CALL_TIMEOUT_S", "collect", "download_chunk", "list_files", "spec_files", "upload_chunk"]
@@ -130,4 +130,4 @@ def _checked(check: Any, path: Any, field: str) -> str:
     try:
         return check(path)
     except ValueError as exc:  # readie_protocol's Invalid
-        raise RequestError(f"{path!r:.80}: {exc}", field=field) from None
+        raise RequestError(f"{shown(str(path))}: {exc}", field=field) from None

@@ -31,7 +31,7 @@ from readie_protocol.workspace import (
 )
 
 from ._job_result import JobResultInvalid, load_json
-from .errors import PoolWorkerError, RequestError
+from .errors import PoolWorkerError, RequestError, shown
 
 __all__ = [
     "MAX_SMALL_HEADER_BYTES",
@@ -260,5 +260,4 @@ def _checked(value: str) -> str | None:
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shown(value if isinstance(value, str) else str(value))
