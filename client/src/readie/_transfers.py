@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, TypeAlias
@@ -62,7 +62,7 @@ class FileList(list[FileEntry]):
     directory listed, normalised.
     """
 
-    def __init__(self, entries: tuple[FileEntry, ...], *, path: str, truncated: bool) -> None:
+    def __init__(self, entries: Iterable[FileEntry] = (), *, path: str = ".", truncated: bool = False) -> None:
         super().__init__(entries)
         self.path = path
         self.truncated = truncated
