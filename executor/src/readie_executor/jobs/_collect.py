@@ -150,7 +150,10 @@ class _Collector:
         if self._budget[0] <= 0:
             self._cut = True
             return []
-        entries, cut = entry_names(fd, self._budget)
+        try:
+            entries, cut = entry_names(fd, self._budget)
+        except OSError:  # out of descriptors, or the directory went away: nothing matched here
+            return []
         self._cut = self._cut or cut
         return [entry for entry in entries if len((prefix + entry.name).encode("utf-8")) <= self._max_path_bytes]
 

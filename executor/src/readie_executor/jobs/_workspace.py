@@ -215,7 +215,12 @@ def create_file(parent: int, name: str, shown: str) -> int:
             raise WorkspaceError(f"{shown} is a symbolic link: files are never written through one")
         if stat.S_ISDIR(mode):
             raise WorkspaceError(f"{shown} is a directory")
-        os.unlink(name, dir_fd=parent)
+        try:
+            os.unlink(name, dir_fd=parent)
+        except FileNotFoundError:
+            pass  # removed meanwhile: the create below makes it
+        except OSError as exc:
+            raise WorkspaceError(f"{shown}: cannot replace the file: {exc.strerror}") from None
     try:
         return os.open(name, _CREATE_FLAGS, _NEW_FILE_MODE, dir_fd=parent)
     except OSError as exc:
