@@ -21,7 +21,9 @@ worker's own gRPC service, so ``Placement``, ``PlacedSession``,
   hangs cost one close wait in all, not one each (CLOSE_WAIT_S, 10 s, is
   cut to 1 s there through ``InteractStream.close``'s default);
 * a session's step waits for a free slot on its worker instead of
-  oversubscribing it.
+  oversubscribing it; its file requests are relayed without one (a transfer
+  waits behind nobody's steps), unless it is hibernated: its worker resumes
+  it first, on a slot.
 
 * when the only worker that keeps sessions refuses one and the others
   keep none, open_session refuses at once.
@@ -48,6 +50,7 @@ from readie_rpc.grpc_service import WorkerServer, serve
 from readie_worker.jobs import CodeJob, JobOutcome, Step
 from readie_rpc.remote_session import InteractStream, SessionLost
 from readie_worker.sessions import StepOutcome
+from rpc.tests._interact_fakes import MemoryWorkspace
 
 WAIT_S = 5.0  # the most any bounded wait below takes when things go right
 
@@ -59,11 +62,13 @@ def _ok(text: str) -> JobOutcome:
     return JobOutcome(0, text, "", False, False, None, 1, "", (), None, "fake")
 
 
-class FakeSession:
+class FakeSession(MemoryWorkspace):
     """Steps by code: ``block`` waits for the worker's release, ``exit`` ends the session,
-    ``fail`` is the worker failing (PoolWorkerError); anything else returns at once."""
+    ``fail`` is the worker failing (PoolWorkerError); anything else returns at once. Its
+    workspace is a dict; a hibernation only says it took 1 ms."""
 
     def __init__(self, worker: FakeWorker, number: int) -> None:
+        super().__init__()
         self._worker = worker
         self.id = f"{worker.name}-s{number}"
         self.steps: list[str] = []
@@ -80,6 +85,9 @@ class FakeSession:
                 raise PoolWorkerError("the fake worker failed under the step")
             self.ended = code == "exit"
             return StepOutcome(_ok(code), len(self.steps) + 1, self.ended)
+
+    def hibernate(self, cancel=None) -> float:
+        return 1.0
 
     def close(self) -> None:
         if self._worker.hang_close:
@@ -451,3 +459,35 @@ def test_a_step_waits_for_a_free_slot_on_its_worker_instead_of_oversubscribing_i
     step.join(WAIT_S)
     assert job_outcome[0].stdout == "after" and step_outcome[0].outcome.stdout == "block"
     assert worker.max_running == 1
+
+
+# --------------------------------------------------------------------------- files: relayed, on a slot only to resume
+
+
+def test_file_requests_are_relayed_without_a_slot_unless_the_session_must_resume(cluster):
+    c = cluster(workers=1, slots=1)
+    worker = c.workers[0]
+    session, _ = c.placement.open_session(JOB)
+    job, job_outcome = in_thread(lambda: c.placement.run_job(CodeJob("base", "block", timeout_ms=5000)))
+    assert wait_until(lambda: worker.running == 1)  # the worker's one slot is taken
+    assert session.upload_chunk("out/a.txt", 0, b"abc", 3) == 3
+    assert session.download_chunk("out/a.txt", 1, 8).data == b"bc"
+    assert [entry.name for entry in session.list_files("out").entries] == ["a.txt"]
+    with pytest.raises(RequestError) as refused:
+        session.download_chunk("../a.txt", 0, 1)
+    assert refused.value.field == "download.path" and not session.ended
+    assert c.counts() == [(1, 1)]
+
+    worker.release.set()
+    job.join(WAIT_S)
+    worker.release.clear()
+    session.hibernate()
+    job, job_outcome = in_thread(lambda: c.placement.run_job(CodeJob("base", "block", timeout_ms=5000)))
+    assert wait_until(lambda: worker.running == 1)
+    listed, listing = in_thread(lambda: session.list_files("."))
+    time.sleep(0.2)  # long enough to have reached the worker, had it not waited for the slot
+    assert listing == [] and c.counts() == [(1, 1)]  # waiting for the slot
+    worker.release.set()
+    listed.join(WAIT_S)
+    assert [entry.name for entry in listing[0].entries] == ["out"]
+    assert not session.hibernated and c.counts() == [(0, 1)]

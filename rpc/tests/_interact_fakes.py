@@ -10,6 +10,7 @@ Each test module imports the fixtures it uses.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -18,13 +19,17 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from readie_executor.jobs import bounds
+
 from readie_worker.testing import wait_until as wait_for
 from readie_rpc._interact import Interaction
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_rpc._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_rpc.client import WorkerClient
 from readie_policy.jobs import Capacity
-from readie_worker.errors import PoolWorkerError
+from readie_worker.errors import PoolWorkerError, RequestError
+from readie_protocol.events import Value
+from readie_protocol.workspace import Collected, FileChunk, FileEntry, FileListing
 from readie_rpc.grpc_service import WorkerServer, serve
 from readie_worker.jobs import CodeJob, HostCall, HostReply, JobOutcome
 from readie_worker.sessions import StepOutcome
@@ -39,11 +44,61 @@ def _ok(text: str) -> JobOutcome:
     return JobOutcome(0, text, "", False, False, None, 1, "", (), None, "fake")
 
 
-class FakeSession:
+class MemoryWorkspace:
+    """A session's workspace as a dict of path to bytes, with ``SessionHandle``'s file methods
+    (runner.py) and the refusals a worker makes; ``gate``, when set, holds every file request
+    until it is set (a transfer that takes long)."""
+
+    def __init__(self, transfer_bytes: int = 64 * 1024 * 1024) -> None:
+        self.files: dict[str, bytearray] = {}
+        self.transfer_bytes = transfer_bytes
+        self.gate: threading.Event | None = None
+        self.waiting = threading.Event()  # a file request waits at the gate
+        self.failure: Exception | None = None  # what every file request raises, when set
+
+    def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel=None) -> int:
+        self._wait()
+        if size > self.transfer_bytes:
+            raise RequestError(f"{size} bytes; at most {self.transfer_bytes} move", field="upload.size")
+        if offset == 0:
+            self.files[path] = bytearray()
+        held = self.files.get(path, bytearray())
+        if offset != len(held):
+            raise RequestError(f"{offset} is not where {path!r} ends ({len(held)})", field="upload.offset")
+        held += data
+        return len(held)
+
+    def download_chunk(self, path: str, offset: int, length: int, *, cancel=None) -> FileChunk:
+        self._wait()
+        if path not in self.files:
+            raise RequestError(f"no file {path!r} in the workspace", field="download.path")
+        data = self.files[path]
+        return FileChunk(path, offset, len(data), 1_000, bytes(data[offset : offset + length]))
+
+    def list_files(self, path: str, *, cancel=None) -> FileListing:
+        self._wait()
+        prefix = "" if path == "." else path + "/"
+        names = {name[len(prefix):].split("/")[0] for name in self.files if name.startswith(prefix)}
+        entries = tuple(
+            FileEntry(name, len(self.files.get(prefix + name, b"")), "file" if prefix + name in self.files else "dir")
+            for name in sorted(names)
+        )
+        return FileListing(path, entries)
+
+    def _wait(self) -> None:
+        if self.gate is not None:
+            self.waiting.set()
+            self.gate.wait(30)
+        if self.failure is not None:
+            raise self.failure
+
+
+class FakeSession(MemoryWorkspace):
     """Steps by code: ``block`` waits for the runner's release, ``exit`` ends the session,
     ``call N`` makes N host calls (5 s deadline each); anything else returns at once."""
 
     def __init__(self, runner: FakeRunner, number: int) -> None:
+        super().__init__()
         self._runner = runner
         self.id = f"fs-{number}"
         self.steps: list[str] = []  # codes, recorded as each step starts
@@ -72,7 +127,8 @@ class FakeRunner:
     """The runner shape (runner.JobRunner) plus capacity/drain/close; jobs and openings by code.
 
     ``block`` waits for ``release``; ``raise`` is a bug; ``fail`` a PoolWorkerError;
-    ``call N DEADLINE_S [ARG_BYTES]`` makes N host calls sharing one deadline.
+    ``call N DEADLINE_S [ARG_BYTES]`` makes N host calls sharing one deadline. A job that asks
+    to collect gets its own ``files`` back (``big N``: and one of N bytes).
     """
 
     def __init__(self) -> None:
@@ -106,6 +162,14 @@ class FakeRunner:
                     reply = host(HostCall(call_id, "f", (payload,) if payload else (), {}, deadline))
                     self.replies.append((reply, time.monotonic() - started))
                 self.job_done.set()
+            if job.collect:  # the job's own files come back, and ``big N`` adds one of N bytes
+                files = dict(job.files)
+                if word == "big":  # and as much output as a sandbox writes
+                    files["big.bin"] = b"\xa5" * int(rest[0])
+                    out = "o" * bounds.MAX_OUTPUT_LIMIT
+                    value = Value("v" * bounds.MAX_VALUE_TEXT, False, {"text/html": "h" * bounds.MAX_DISPLAY_BYTES}, ())
+                    return dataclasses.replace(_ok(out), stderr=out, value=value, collected=Collected(files))
+                return dataclasses.replace(_ok(job.code), collected=Collected(files))
             return _ok(job.code)
         finally:
             with self.lock:

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from readie_rpc import _convert
+from readie_rpc import _client_wire, _convert
 from readie_rpc._convert import ANSWER_MARGIN_MS, call_payload, capacity_response, code_job, run_job_response, timeout_ms
 from readie_protocol.events import ErrorInfo
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
@@ -224,9 +224,9 @@ def test_a_job_error_keeps_file_line_and_hint():
 def test_a_worker_answer_past_what_a_sandbox_writes_is_a_worker_error(answer):
     """A broken or hostile worker behind a router: nothing past the sandbox's bounds is passed on."""
     with pytest.raises(PoolWorkerError, match="the worker answered"):
-        _convert.job_outcome(pb.RunJobResponse(exit=0, **answer))
+        _client_wire.job_outcome(pb.RunJobResponse(exit=0, **answer), CodeJob("base", "x"))
     honest = {key: value[:1] if isinstance(value, (str, list)) else pb.JobError(type="E", message="m") for key, value in answer.items()}
-    assert _convert.job_outcome(pb.RunJobResponse(exit=0, **honest)).exit == 0
+    assert _client_wire.job_outcome(pb.RunJobResponse(exit=0, **honest), CodeJob("base", "x")).exit == 0
 
 
 def test_capacity_becomes_a_response_with_pools_and_protocol():

@@ -20,7 +20,8 @@ import pytest
 from readie_executor.hostwire import MAX_ARGUMENT_BYTES, MAX_CALL_ID, MAX_RESULT_BYTES
 from readie_executor.jobs import bounds
 from readie_protocol.requests import MAX_NAME_CHARS, MAX_TIMEOUT_MS
-from readie_rpc._convert import session_step, session_step_message
+from readie_rpc._client_wire import session_step_message
+from readie_rpc._convert import session_step
 from readie_worker.jobs import Step
 from readie_rpc._host_wire import call_from_message, call_message, reply_from_message, reply_message
 from readie_rpc._interact import CLOSED, Mailbox

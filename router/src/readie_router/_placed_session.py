@@ -1,4 +1,4 @@
-"""A session on the worker ``Placement`` chose for it: steps, hibernation and forks there.
+"""A session on the worker ``Placement`` chose for it: steps, hibernation, forks and files there.
 
 :class:`OpenSessions` is the set of them the router has open, each holding a
 session place on its worker in the :class:`~._roster.Roster` until it ends;
@@ -7,18 +7,23 @@ the router closes what is left of them when it shuts down.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from readie_rpc.remote_session import RemoteSession, SessionLost
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.errors import PoolWorkerError
 from readie_worker.jobs import HostFunction, OutputSink, Step
 from readie_worker.sessions import StepOutcome
+from readie_protocol.workspace import FileChunk, FileListing
 
 from ._members import Member
 from ._roster import Roster
 
 __all__ = ["OpenSessions", "PlacedSession"]
+
+_T = TypeVar("_T")
 
 
 class OpenSessions:
@@ -121,6 +126,36 @@ class PlacedSession:
             raise
         finally:
             self._roster.release(self.member)
+            if self._remote.ended:
+                self._forget()
+
+    # Files in the session's workspace (decision 31), relayed to its worker. A chunk takes no
+    # slot there (it runs no code, and a transfer must not wait behind other sessions' steps),
+    # unless the session is hibernated: its worker resumes it first, which costs a slot's CPU.
+
+    def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel: Cancellation = NEVER) -> int:
+        return self._relay(lambda: self._remote.upload_chunk(path, offset, data, size, cancel=cancel))
+
+    def download_chunk(self, path: str, offset: int, length: int, *, cancel: Cancellation = NEVER) -> FileChunk:
+        return self._relay(lambda: self._remote.download_chunk(path, offset, length, cancel=cancel))
+
+    def list_files(self, path: str, *, cancel: Cancellation = NEVER) -> FileListing:
+        return self._relay(lambda: self._remote.list_files(path, cancel=cancel))
+
+    def _relay(self, request: Callable[[], _T]) -> _T:
+        if self.ended_by is not None:
+            raise PoolWorkerError(f"the session has ended: {self.ended_by}")
+        slot = self._remote.hibernated
+        if slot:
+            self._roster.take_slot(self.member)
+        try:
+            return request()
+        except SessionLost:
+            self._roster.mark_failed(self.member)  # as for a step lost with its worker
+            raise
+        finally:
+            if slot:
+                self._roster.release(self.member)
             if self._remote.ended:
                 self._forget()
 

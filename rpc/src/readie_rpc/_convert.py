@@ -1,4 +1,4 @@
-"""Proto messages to readie values and back: validation without I/O.
+"""Proto messages to readie values and back, on the serving side: validation without I/O.
 
 A request from the wire becomes a :class:`~readie_policy.jobs.CodeJob` only
 through :func:`code_job`, which refuses what no job needs with a
@@ -6,7 +6,8 @@ through :func:`code_job`, which refuses what no job needs with a
 absurd numbers, NUL characters (no path, argument or variable can hold one,
 and ``compile`` refuses them in source), oversized strings and lists. Checks
 that need the worker's state (the checkpoint exists, a grant fits a mount slot,
-a path is an existing directory) stay with the worker.
+a path is an existing directory) stay with the worker. The calling side (a
+job as its request, a worker's answer as its outcome) is :mod:`._client_wire`.
 """
 
 from __future__ import annotations
@@ -19,19 +20,17 @@ from typing import NamedTuple
 
 from google.protobuf.message import Message
 
-from readie_executor.jobs import bounds
-
+from ._files_wire import collect_patterns, collected_message, workspace_files
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
-from readie_protocol.errors import PoolWorkerError, RequestError
-from ._session_wire import milliseconds
-from readie_protocol.events import ErrorInfo, FileInfo, Value
+from readie_protocol.errors import RequestError
 
 from readie_policy.jobs import (
     DEFAULT_INLINE_NAME, Capacity, CodeJob, HostStats, JobOutcome, Step, StepOutcome, check_functions, validate_requirements,
 )
 from readie_policy.policy import NO_LIMITS, Limits, Profile, call_timeout, check_step, resolve_policy
-from readie_protocol.requests import MAX_LISTED_FILES, MAX_NAME_CHARS, MAX_OUTPUT_BYTES, MAX_PATH_CHARS, MAX_TIMEOUT_MS
+from readie_protocol.requests import MAX_NAME_CHARS, MAX_OUTPUT_BYTES, MAX_PATH_CHARS, MAX_TIMEOUT_MS
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES
 
 # Profile names in a config file are at most this long (config.py).
 MAX_PROFILE_NAME = 64
@@ -102,7 +101,7 @@ def code_job(
     name = _text("name", request.name, MAX_NAME_CHARS) or DEFAULT_INLINE_NAME
     cwd = _absolute("cwd", request.cwd) if request.HasField("cwd") else DEFAULT_CWD
     timeout_ms = cut_to_deadline(policy.timeout_ms, time_remaining_s)
-    return CodeJob.under(
+    job = CodeJob.under(
         dataclasses.replace(policy, timeout_ms=timeout_ms),
         checkpoint=checkpoint,
         code=code,
@@ -112,6 +111,15 @@ def code_job(
         packages=asked.packages or (),
         functions=_functions(tuple(request.functions)),
         report_files=request.report_files,
+    )
+    # What the caller lets come back, never more than the job allows already (decision 31).
+    return dataclasses.replace(
+        job,
+        files=workspace_files("files", request.files),
+        collect=collect_patterns("collect", request.collect),
+        collect_bytes=_lowered(request, "collect_bytes", job.collect_bytes, MAX_COLLECTED_BYTES),
+        collect_files=_lowered(request, "collect_files", job.collect_files, MAX_COLLECTED_FILES),
+        transfer_bytes=_lowered(request, "transfer_bytes", job.transfer_bytes, MAX_TRANSFER_BYTES),
     )
 
 
@@ -152,6 +160,8 @@ def session_step(message: pb.SessionStep, limits: Limits = NO_LIMITS) -> Step:
             timeout_ms=_optional_int(message, "timeout_ms", 1, MAX_TIMEOUT_MS),
             max_output=_optional_int(message, "max_output", 0, MAX_OUTPUT_BYTES),
             report_files=message.report_files,
+            files=workspace_files("files", message.files),
+            collect=collect_patterns("collect", message.collect),
         )
         check_step(step.timeout_ms, step.max_output, limits)
     except RequestError as exc:  # named as the step's field, not the session's
@@ -238,6 +248,8 @@ def run_job_response(
         response.value.CopyFrom(
             pb.JobValue(text=value.text, truncated=value.truncated, data=dict(value.data), omitted=value.omitted)
         )
+    if outcome.collected is not None:
+        response.collected.CopyFrom(collected_message(outcome.collected))
     return response
 
 
@@ -317,6 +329,12 @@ def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...] | None:
     return tuple(_absolute(field, path) for path in paths) or None
 
 
+def _lowered(message: Message, field: str, allowed: int, most: int) -> int:
+    """What ``allowed`` becomes when the request asks for less; a limit past ``most`` is refused."""
+    asked = _optional_int(message, field, 0, most)
+    return allowed if asked is None else min(allowed, asked)
+
+
 def _optional_int(message: Message, field: str, low: int, high: int) -> int | None:
     if not message.HasField(field):
         return None
@@ -324,148 +342,3 @@ def _optional_int(message: Message, field: str, low: int, high: int) -> int | No
     if not low <= value <= high:
         raise RequestError(f"must be between {low} and {high}, got {value}", field=field)
     return value
-
-
-# The other direction: what a router (or any client of a worker) sends and reads.
-
-
-def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRequest:
-    request = pb.RunJobRequest(
-        stream_output=stream_output,
-        report_files=job.report_files,
-        checkpoint=job.checkpoint,
-        code=job.code,
-        name=job.name,
-        args=job.args,
-        env=dict(job.env),
-        cwd=job.cwd,
-        allow_read=job.allow_read,
-        allow_write=job.allow_write,
-        package_dirs=job.package_dirs,
-        network=job.network,
-        timeout_ms=job.timeout_ms,
-        max_output=job.max_output,
-        packages=job.packages,
-        functions=job.functions,
-    )
-    if job.memory_bytes is not None:
-        request.memory_bytes = job.memory_bytes
-    if job.max_file_size is not None:
-        request.max_file_size = job.max_file_size
-    return request
-
-
-def session_step_message(step: Step) -> pb.SessionStep:
-    message = pb.SessionStep(code=step.code, name=step.name, args=step.args, report_files=step.report_files)
-    if step.timeout_ms is not None:
-        message.timeout_ms = step.timeout_ms
-    if step.max_output is not None:
-        message.max_output = step.max_output
-    return message
-
-
-def step_outcome(response: pb.RunJobResponse) -> StepOutcome:
-    """A session step's outcome from its response: the outcome, its number, whether it ended the session."""
-    resumed_ms = milliseconds(response.resumed_ms, "resumed_ms") if response.HasField("resumed_ms") else None
-    return StepOutcome(job_outcome(response), response.step, response.session_ended, resumed_ms)
-
-
-def job_outcome(response: pb.RunJobResponse) -> JobOutcome:
-    """A worker's answer as an outcome; PoolWorkerError for one past what a sandbox can write.
-
-    An honest worker's answer keeps the sandbox's own bounds (the runner
-    caps each field by its encoded size, so by characters too); a router or
-    a pool must not pass on more than that, whatever a broken or hostile
-    worker sends, since everything after (a result line, a client's reader)
-    is sized by them.
-    """
-    _check_bounds(response)
-    error = None
-    if response.HasField("error"):
-        e = response.error
-        error = ErrorInfo(
-            type=e.type,
-            message=e.message,
-            file=e.file if e.HasField("file") else None,
-            line=e.line if e.HasField("line") else None,
-            hint=e.hint if e.HasField("hint") else None,
-        )
-    return JobOutcome(
-        exit=response.exit if response.HasField("exit") else None,
-        stdout=response.stdout,
-        stderr=response.stderr,
-        stdout_truncated=response.stdout_truncated,
-        stderr_truncated=response.stderr_truncated,
-        error=error,
-        duration_us=response.duration_us,
-        python=response.python,
-        preloaded_modules=tuple(response.preloaded_modules),
-        sandbox_id=response.sandbox_id if response.HasField("sandbox_id") else None,
-        backend=response.backend,
-        system_exit=response.system_exit,
-        host=_stats(response.host) if response.HasField("host") else None,
-        value=_value(response.value) if response.HasField("value") else None,
-        files=_written(response.files) if response.HasField("files") else None,
-        files_truncated=response.files.truncated,
-    )
-
-
-# The text fields of an answer and the most characters an honest sandbox writes in each.
-_ANSWER_BOUNDS = (
-    ("stdout", bounds.MAX_OUTPUT_LIMIT),
-    ("stderr", bounds.MAX_OUTPUT_LIMIT),
-    ("python", bounds.MAX_PYTHON_VERSION),
-)
-_ERROR_BOUNDS = (
-    ("type", bounds.MAX_ERROR_TYPE),
-    ("message", bounds.MAX_ERROR_MESSAGE),
-    ("file", bounds.MAX_FILE_NAME),
-    ("hint", bounds.MAX_HINT),
-)
-
-
-def _check_bounds(response: pb.RunJobResponse) -> None:
-    fields = [(name, getattr(response, name), limit) for name, limit in _ANSWER_BOUNDS]
-    fields += [(f"error.{name}", getattr(response.error, name), limit) for name, limit in _ERROR_BOUNDS]
-    for name, value, limit in fields:
-        if len(value) > limit:
-            raise PoolWorkerError(f"the worker answered a {name} of {len(value)} characters, over the sandbox's {limit}")
-    if len(response.preloaded_modules) > bounds.MAX_PRELOADED_MODULES or any(
-        len(module) > bounds.MAX_MODULE_NAME for module in response.preloaded_modules
-    ):
-        raise PoolWorkerError("the worker answered more preloaded modules than a sandbox reports")
-
-
-def _value(message: pb.JobValue) -> Value:
-    """A worker's value, held to the sandbox's own caps (a worker is a network peer)."""
-    omitted = tuple(message.omitted)
-    if (
-        len(message.text) > bounds.MAX_VALUE_TEXT
-        or not set(message.data) <= bounds.DISPLAY_TYPES
-        or sum(map(len, message.data.values())) > bounds.MAX_DISPLAY_BYTES
-        or len(omitted) > len(bounds.DISPLAY_TYPES)
-        or not set(omitted) <= bounds.DISPLAY_TYPES
-    ):
-        raise PoolWorkerError("the worker answered a value a sandbox does not write")
-    data = {mime: message.data[mime] for mime in sorted(message.data)}
-    return Value(message.text, message.truncated, data, omitted)
-
-
-def _written(message: pb.WrittenFiles) -> tuple[FileInfo, ...]:
-    """A worker's list of written files, held to the worker's own bounds (a worker is a network peer)."""
-    if len(message.files) > MAX_LISTED_FILES or any(
-        len(file.path) > MAX_PATH_CHARS or not file.path.startswith("/") or file.size < 0 for file in message.files
-    ):
-        raise PoolWorkerError("the worker answered a list of written files no worker writes")
-    return tuple(FileInfo(file.path, file.size) for file in message.files)
-
-
-def _stats(message: pb.HostStats) -> HostStats:
-    return HostStats(
-        calls=message.calls,
-        replies=message.replies,
-        junk=message.junk,
-        forged=message.forged,
-        host_errors=message.host_errors,
-        wait_us=max(0, message.wait_us),
-    )

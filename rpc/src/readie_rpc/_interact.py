@@ -15,7 +15,10 @@ One stream, three threads, each blocking on one thing:
 Between steps an open session may also be asked to ``hibernate`` or to
 ``fork`` (decision 0022); a fork waits in the server's table (``_forks``)
 for a second stream whose first message is ``attach`` with the token the
-answer carried, and that stream is then the fork's life.
+answer carried, and that stream is then the fork's life. Between steps, too,
+its workspace's files move a chunk at a time (``upload``, ``download``,
+``list_files``, decision 31), each answered before the next request is
+read; a long transfer holds only its own stream's threads, never another's.
 
 The stream is the session's life. When the client's side ends, whether it
 closed it or cancelled or went away, steps not yet started are dropped (the
@@ -47,6 +50,7 @@ from typing import Generic, TypeVar
 import grpc
 
 from ._convert import Ceiling, code_job, run_job_response, session_step
+from ._files_wire import FILE_EVENTS, answer_file_request
 from ._forks import WaitingForks
 from ._session_wire import forked_message, hibernated_message
 from ._host_wire import call_message, output_message, reply_from_message
@@ -260,7 +264,7 @@ class Interaction:
             if request is None:  # the client closed its side: the session ends with the stream
                 return
             kind = request.WhichOneof("kind")
-            if kind in ("hibernate", "fork") and session.ended:  # as for a step: not the client's doing
+            if (kind in ("hibernate", "fork") or kind in FILE_EVENTS) and session.ended:  # as for a step: not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
             if kind == "hibernate":
                 answer = pb.InteractEvent(hibernated=_hibernate(session, self._cancel))
@@ -268,8 +272,14 @@ class Interaction:
             if kind == "fork":
                 answer = pb.InteractEvent(forked=self._fork(session))
                 continue
+            if kind in FILE_EVENTS:
+                answer = answer_file_request(session, request, self._cancel)
+                continue
             if kind != "step":
-                raise RequestError("an open session takes steps, replies, hibernate and fork only", field=kind or "kind")
+                raise RequestError(
+                    "an open session takes steps, replies, hibernate, fork, upload, download and list_files only",
+                    field=kind or "kind",
+                )
             try:
                 asked = session_step(request.step, self._ceiling.limits)
             except RequestError as refused:  # as in the pool protocol: the step is refused, the session goes on

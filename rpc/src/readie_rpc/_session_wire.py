@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._proto.readie.v1 import worker_pb2 as pb
+from ._status import on_the_wire
 from readie_protocol.errors import ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, error_type
 
-__all__ = ["MAX_REFUSAL_CHARS", "MAX_SESSION_IMAGE_MS", "forked_message", "hibernated_message", "milliseconds", "refusal"]
+__all__ = ["MAX_REFUSAL_CHARS", "MAX_SESSION_IMAGE_MS", "forked_message", "hibernated_message", "milliseconds", "refusal", "refusal_fields"]
 
 #: A hibernation, resume or fork a worker reports as taking longer is not believed: the
 #: worker's own bounds (slot wait, runsc's command timeout, the socket wait) end it sooner.
@@ -15,29 +18,40 @@ MAX_SESSION_IMAGE_MS = 3_600_000.0
 MAX_REFUSAL_CHARS = 4096
 
 
-
 def hibernated_message(hibernate_ms: float = 0.0, refused: RequestError | SandboxSetupError | None = None) -> pb.SessionHibernated:
     """The answer to ``hibernate``: how long it took, or why the worker refused (the session goes on)."""
     if refused is None:
         return pb.SessionHibernated(hibernate_ms=hibernate_ms)
-    return pb.SessionHibernated(error_type=error_type(refused), error_message=str(refused))
+    return pb.SessionHibernated(**refusal_fields(refused))
 
 
 def forked_message(fork_ms: float = 0.0, token: str = "", refused: RequestError | SandboxSetupError | None = None) -> pb.SessionForked:
     """The answer to ``fork``: its time and the token to attach to it, or why the worker refused."""
     if refused is None:
         return pb.SessionForked(fork_ms=fork_ms, token=token)
-    return pb.SessionForked(error_type=error_type(refused), error_message=str(refused))
+    return pb.SessionForked(**refusal_fields(refused))
 
 
-def refusal(answer: pb.SessionHibernated | pb.SessionForked) -> ReadieError | None:
-    """The refusal an answer to ``hibernate`` or ``fork`` carries, as the error the worker raised;
-    None if it did what was asked. A type the worker should not refuse with is a PoolWorkerError."""
+def refusal_fields(refused: RequestError | SandboxSetupError, *, with_field: bool = False) -> dict[str, str]:
+    """An answer's ``error_type`` and ``error_message`` for a refusal, and its ``error_field``
+    (the answers to file requests carry one) named as the proto names it."""
+    if isinstance(refused, RequestError):
+        refused = on_the_wire(refused)
+    fields = {"error_type": str(error_type(refused)), "error_message": str(refused)}
+    if with_field:
+        fields["error_field"] = getattr(refused, "field", None) or ""
+    return fields
+
+
+def refusal(answer: Any, field: str | None = "session") -> ReadieError | None:
+    """The refusal an answer to ``hibernate``, ``fork`` or a file request carries, as the error
+    the worker raised, a RequestError naming ``field``; None if it did what was asked. A type
+    the worker should not refuse with is a PoolWorkerError."""
     if not answer.error_type:
         return None
     message = answer.error_message[:MAX_REFUSAL_CHARS]
     if answer.error_type == ErrorType.REQUEST:
-        return RequestError(message.removeprefix("session: "), field="session")
+        return RequestError(message.removeprefix(f"{field}: ") if field else message, field=field)
     if answer.error_type == ErrorType.SANDBOX_SETUP:
         return SandboxSetupError(message)
     return PoolWorkerError(f"the worker refused with {answer.error_type[:40]!r}: {message}")

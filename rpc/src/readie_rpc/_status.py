@@ -89,7 +89,7 @@ class Status:
 
 
 # Fields the pool protocol (and so the policy module) names otherwise than the proto does.
-_WIRE_NAMES = {"allow_network": "network", "timeout": "timeout_ms", "memory": "memory_bytes"}
+_WIRE_NAMES = {"allow_network": "network", "timeout": "timeout_ms", "memory": "memory_bytes", "list": "list_files"}
 
 
 def on_the_wire(error: RequestError) -> RequestError:

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from ._convert import job_outcome, run_job_request, step_outcome
+from ._client_wire import job_outcome, run_job_request, step_outcome
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._status import readie_errors
@@ -68,11 +68,11 @@ class WorkerClient:
             with cancel.stopping(stream.cancel):
                 response = stream.result(host, job.timeout_ms / 1000, output=output, max_output=job.max_output)
             stream.close()
-            return job_outcome(response)
+            return job_outcome(response, job)
         call = self._stub.RunJob.future(run_job_request(job), timeout=timeout_s, metadata=_request_id(job_id))
         with cancel.stopping(call.cancel):
             response = _answer(call)
-        return job_outcome(response)
+        return job_outcome(response, job)
 
     def open_session(
         self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
@@ -89,8 +89,12 @@ class WorkerClient:
         if not response.HasField("session_id") or response.step != 1:
             stream.cancel()
             raise PoolWorkerError("the worker answered a session's opening without a session id or as another step")
+        try:
+            first = step_outcome(response, job)
+        except PoolWorkerError:  # an answer out of bounds: the session is not trusted with more
+            stream.cancel()
+            raise
         session = RemoteSession(stream, job, response.session_id, self.address)
-        first = step_outcome(response)
         if first.session_ended:
             session.close()
         return session, first

@@ -41,6 +41,10 @@ from ._convert import (
     run_job_response,
     timeout_ms,
 )
+from readie_executor.jobs import bounds
+from readie_protocol.requests import MAX_LISTED_FILES, MAX_PATH_CHARS
+from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_LEFT_OUT
+
 from ._forks import WaitingForks
 from ._interact import Interaction
 from ._proto.readie.v1 import worker_pb2 as pb
@@ -57,7 +61,10 @@ log = structlog.get_logger("readie.grpc")
 # Additions to readie.v1 this worker understands (CapacityResponse.protocol).
 # Bump when a field or RPC is added; a new package (readie.v2) for anything else.
 # 2: Interact (host functions, sessions), RunJobRequest.functions, sessions in Capacity.
-WORKER_PROTOCOL = 2
+# 3: RunJobRequest.profile, CapacityResponse.problem.
+# 4: files in the workspace: a job's and a step's files and collect, a response's
+#    collected; upload, download and list_files on Interact (decision 31).
+WORKER_PROTOCOL = 4
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # A call's answer may be as large as its question: a data frame in, one out.
@@ -65,11 +72,21 @@ MAX_ENVELOPE_BYTES = MAX_CALL_PAYLOAD_BYTES
 # Room for everything in a message besides the payload or envelope: the other
 # fields and protobuf's tags and lengths, a few hundred bytes in practice.
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
-# The largest message either way: an Execute payload or envelope. Job messages
-# are far smaller (the request's fields are capped in _convert; a response is
-# at most twice max_output, 16 MiB each, plus 64 KiB), but grpc has one limit
+# A path in an answer (written, collected or left out) with its tags and size.
+_PATH_ENTRY_BYTES = 4 * MAX_PATH_CHARS + 32  # UTF-8: at most 4 bytes a character
+# The largest RunJobResponse: a result at the sandbox's own budget for the
+# largest max_output (stdout and stderr 16 MiB each, a value, the rest), the
+# files it collected (32 MiB) and every path it names (decision 31).
+MAX_JOB_RESPONSE_BYTES = (
+    bounds.result_budget(bounds.MAX_OUTPUT_LIMIT)
+    + MAX_COLLECTED_BYTES
+    + (MAX_COLLECTED_FILES + MAX_LEFT_OUT + MAX_LISTED_FILES) * _PATH_ENTRY_BYTES
+)
+# The largest message either way: an Execute payload or envelope, or a job's
+# response. The rest are far smaller (a request's fields are capped in _convert,
+# its files at 768 KiB; a file chunk is 1 MiB at most), but grpc has one limit
 # per server, not per method, so this is the hard bound and the fields do the rest.
-MAX_MESSAGE_BYTES = MAX_ENVELOPE_BYTES + MESSAGE_OVERHEAD_BYTES
+MAX_MESSAGE_BYTES = max(MAX_ENVELOPE_BYTES, MAX_JOB_RESPONSE_BYTES) + MESSAGE_OVERHEAD_BYTES
 # Threads beyond the job slots, so Capacity and health checks answer while
 # every slot is busy and a few jobs wait for one. Calls beyond that wait in
 # grpc's own queue; a router that respects Capacity never sends them.

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
 from readie_executor.hostwire import MAX_CALLS_PER_TASK, OUTPUT_STREAMS
 from readie_executor.jobs import bounds
 
-from ._convert import session_step, session_step_message, step_outcome
+from ._client_wire import session_step_message, step_outcome
+from ._convert import session_step
+from ._files_wire import (
+    FILE_EVENTS, chunk_from_answer, download_message, file_refusal, list_message, listing_from_answer, received_from_answer, upload_message,
+)
 from ._session_wire import milliseconds, refusal
 from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
@@ -34,6 +38,7 @@ from ._status import readie_errors
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_protocol.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_policy.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, StepOutcome, ask_host, max_output_events
+from readie_protocol.workspace import FileChunk, FileListing
 
 __all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
 
@@ -43,6 +48,7 @@ DEADLINE_MARGIN_S = 30.0
 # How long closing a session waits for the worker to confirm its sandbox is gone.
 CLOSE_WAIT_S = 10.0
 _END = None
+_T = TypeVar("_T")
 
 
 class StreamBroken(PoolWorkerError):
@@ -197,6 +203,9 @@ class InteractStream:
 # on the session's worker (PLACEMENT_WAIT_S), the worker 20 s for its own (sessions.py), the
 # checkpoint under a second. Past this the worker is taken for wedged, and the session ends.
 SESSION_IMAGE_WAIT_S = 120.0
+# How long the answer to a file request may take: a chunk is quick, but a hibernated session is
+# resumed first, which may take as long as a hibernation.
+FILE_ANSWER_WAIT_S = SESSION_IMAGE_WAIT_S
 
 
 class RemoteSession:
@@ -260,7 +269,11 @@ class RemoteSession:
         finally:
             with self._lock:
                 self._running = False
-        outcome = step_outcome(response)
+        try:
+            outcome = step_outcome(response, job)
+        except PoolWorkerError:  # an answer out of bounds: the session is not trusted with more
+            self._end()
+            raise
         self.hibernated = False
         if outcome.session_ended:
             self._end()
@@ -295,10 +308,40 @@ class RemoteSession:
         fork.hibernated = True
         return fork, fork_ms
 
-    def _ask(self, request: pb.InteractRequest, kind: str, cancel: Cancellation) -> Any:
-        """Send a hibernate or fork between steps and return its answer; a refusal raised as the
-        worker's, after which the session goes on; anything else ends the session (SessionLost
-        when the stream broke)."""
+    # Files in the session's workspace (decision 31): between steps, one request and its answer
+    # at a time, like hibernate; a refusal leaves the session as it was. A hibernated session is
+    # resumed by the worker first.
+
+    def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel: Cancellation = NEVER) -> int:
+        """Write ``data`` at ``offset`` of the ``size``-byte workspace file ``path``; the bytes it holds now."""
+        answer = self._ask(upload_message(path, offset, data, size), "uploaded", cancel, FILE_ANSWER_WAIT_S)
+        self.hibernated = False
+        return self._checked(received_from_answer, answer, offset, data)
+
+    def download_chunk(self, path: str, offset: int, length: int, *, cancel: Cancellation = NEVER) -> FileChunk:
+        """At most ``length`` bytes of ``path`` from ``offset``, with the file's size and mtime."""
+        answer = self._ask(download_message(path, offset, length), "downloaded", cancel, FILE_ANSWER_WAIT_S)
+        self.hibernated = False
+        return self._checked(chunk_from_answer, answer, path, offset, length)
+
+    def list_files(self, path: str, *, cancel: Cancellation = NEVER) -> FileListing:
+        """The entries of directory ``path`` (``"."``: the workspace), sorted, bounded."""
+        answer = self._ask(list_message(path), "listed", cancel, FILE_ANSWER_WAIT_S)
+        self.hibernated = False
+        return self._checked(listing_from_answer, answer, path)
+
+    def _checked(self, read: Callable[..., _T], *args: Any) -> _T:
+        """An answer read by ``read``; one out of bounds ends the session (not trusted with more)."""
+        try:
+            return read(*args)
+        except PoolWorkerError:
+            self._end()
+            raise
+
+    def _ask(self, request: pb.InteractRequest, kind: str, cancel: Cancellation, within_s: float = SESSION_IMAGE_WAIT_S) -> Any:
+        """Send a hibernate, fork or file request between steps and return its answer; a refusal
+        raised as the worker's, after which the session goes on; anything else ends the session
+        (SessionLost when the stream broke)."""
         with self._lock:
             if self.ended:
                 raise RequestError(f"session {self.id} has ended", field="session")
@@ -309,7 +352,7 @@ class RemoteSession:
         try:
             self._stream.send(request)
             with cancel.stopping(self.close):
-                answer = self._stream.answer(kind, SESSION_IMAGE_WAIT_S)
+                answer = self._stream.answer(kind, within_s)
         except ReadieError as exc:
             self._end()
             if isinstance(exc, StreamBroken):
@@ -318,7 +361,7 @@ class RemoteSession:
         finally:
             with self._lock:
                 self._running = False
-        refused = refusal(answer)
+        refused = file_refusal(answer) if kind in FILE_EVENTS.values() else refusal(answer)
         if isinstance(refused, RequestError | SandboxSetupError):
             raise refused
         if refused is not None:  # a refusal no worker makes: not trusted with more

@@ -7,17 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILE_KIND_UNSPECIFIED: _ClassVar[FileKind]
+    FILE_KIND_FILE: _ClassVar[FileKind]
+    FILE_KIND_DIR: _ClassVar[FileKind]
+    FILE_KIND_LINK: _ClassVar[FileKind]
+    FILE_KIND_OTHER: _ClassVar[FileKind]
+
 class OutputStream(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTPUT_STREAM_UNSPECIFIED: _ClassVar[OutputStream]
     OUTPUT_STREAM_STDOUT: _ClassVar[OutputStream]
     OUTPUT_STREAM_STDERR: _ClassVar[OutputStream]
+FILE_KIND_UNSPECIFIED: FileKind
+FILE_KIND_FILE: FileKind
+FILE_KIND_DIR: FileKind
+FILE_KIND_LINK: FileKind
+FILE_KIND_OTHER: FileKind
 OUTPUT_STREAM_UNSPECIFIED: OutputStream
 OUTPUT_STREAM_STDOUT: OutputStream
 OUTPUT_STREAM_STDERR: OutputStream
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output", "report_files")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output", "report_files", "files", "collect", "collect_bytes", "collect_files", "transfer_bytes")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +57,11 @@ class RunJobRequest(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     STREAM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     REPORT_FILES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_FILES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -63,7 +81,40 @@ class RunJobRequest(_message.Message):
     profile: str
     stream_output: bool
     report_files: bool
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[WorkspaceFile]
+    collect: _containers.RepeatedScalarFieldContainer[str]
+    collect_bytes: int
+    collect_files: int
+    transfer_bytes: int
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[WorkspaceFile, _Mapping]]] = ..., collect: _Optional[_Iterable[str]] = ..., collect_bytes: _Optional[int] = ..., collect_files: _Optional[int] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+
+class WorkspaceFile(_message.Message):
+    __slots__ = ("path", "data")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    data: bytes
+    def __init__(self, path: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CollectedFiles(_message.Message):
+    __slots__ = ("files", "left_out", "left_out_more")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_MORE_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[WorkspaceFile]
+    left_out: _containers.RepeatedCompositeFieldContainer[LeftOut]
+    left_out_more: int
+    def __init__(self, files: _Optional[_Iterable[_Union[WorkspaceFile, _Mapping]]] = ..., left_out: _Optional[_Iterable[_Union[LeftOut, _Mapping]]] = ..., left_out_more: _Optional[int] = ...) -> None: ...
+
+class LeftOut(_message.Message):
+    __slots__ = ("path", "reason", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    reason: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., reason: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("type", "message", "file", "line", "hint")
@@ -80,7 +131,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files", "collected")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +151,7 @@ class RunJobResponse(_message.Message):
     RESUMED_MS_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTED_FIELD_NUMBER: _ClassVar[int]
     exit: int
     stdout: str
     stderr: str
@@ -119,7 +171,8 @@ class RunJobResponse(_message.Message):
     resumed_ms: float
     value: JobValue
     files: WrittenFiles
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ...) -> None: ...
+    collected: CollectedFiles
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ..., collected: _Optional[_Union[CollectedFiles, _Mapping]] = ...) -> None: ...
 
 class WrittenFiles(_message.Message):
     __slots__ = ("files", "truncated")
@@ -173,7 +226,7 @@ class HostStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., replies: _Optional[int] = ..., junk: _Optional[int] = ..., forged: _Optional[int] = ..., host_errors: _Optional[int] = ..., wait_us: _Optional[int] = ...) -> None: ...
 
 class SessionStep(_message.Message):
-    __slots__ = ("code", "name", "args", "timeout_ms", "max_output", "stream_output", "report_files")
+    __slots__ = ("code", "name", "args", "timeout_ms", "max_output", "stream_output", "report_files", "files", "collect")
     CODE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +234,8 @@ class SessionStep(_message.Message):
     MAX_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STREAM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     REPORT_FILES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_FIELD_NUMBER: _ClassVar[int]
     code: str
     name: str
     args: _containers.RepeatedScalarFieldContainer[str]
@@ -188,7 +243,9 @@ class SessionStep(_message.Message):
     max_output: int
     stream_output: bool
     report_files: bool
-    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[WorkspaceFile]
+    collect: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ..., max_output: _Optional[int] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[WorkspaceFile, _Mapping]]] = ..., collect: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HostCall(_message.Message):
     __slots__ = ("call_id", "function", "args_json", "kwargs_json", "deadline_ms")
@@ -215,7 +272,7 @@ class HostReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., result_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class InteractRequest(_message.Message):
-    __slots__ = ("job", "open_session", "step", "reply", "hibernate", "fork", "attach")
+    __slots__ = ("job", "open_session", "step", "reply", "hibernate", "fork", "attach", "upload", "download", "list_files")
     JOB_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +280,9 @@ class InteractRequest(_message.Message):
     HIBERNATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    LIST_FILES_FIELD_NUMBER: _ClassVar[int]
     job: RunJobRequest
     open_session: RunJobRequest
     step: SessionStep
@@ -230,23 +290,116 @@ class InteractRequest(_message.Message):
     hibernate: HibernateSession
     fork: ForkSession
     attach: AttachSession
-    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ..., fork: _Optional[_Union[ForkSession, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ...) -> None: ...
+    upload: UploadChunk
+    download: DownloadChunk
+    list_files: ListFiles
+    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ..., fork: _Optional[_Union[ForkSession, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ..., upload: _Optional[_Union[UploadChunk, _Mapping]] = ..., download: _Optional[_Union[DownloadChunk, _Mapping]] = ..., list_files: _Optional[_Union[ListFiles, _Mapping]] = ...) -> None: ...
 
 class InteractEvent(_message.Message):
-    __slots__ = ("call", "result", "output", "hibernated", "forked", "attached")
+    __slots__ = ("call", "result", "output", "hibernated", "forked", "attached", "uploaded", "downloaded", "listed")
     CALL_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     HIBERNATED_FIELD_NUMBER: _ClassVar[int]
     FORKED_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
+    LISTED_FIELD_NUMBER: _ClassVar[int]
     call: HostCall
     result: RunJobResponse
     output: OutputChunk
     hibernated: SessionHibernated
     forked: SessionForked
     attached: SessionAttached
-    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ..., forked: _Optional[_Union[SessionForked, _Mapping]] = ..., attached: _Optional[_Union[SessionAttached, _Mapping]] = ...) -> None: ...
+    uploaded: ChunkUploaded
+    downloaded: ChunkDownloaded
+    listed: FilesListed
+    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ..., forked: _Optional[_Union[SessionForked, _Mapping]] = ..., attached: _Optional[_Union[SessionAttached, _Mapping]] = ..., uploaded: _Optional[_Union[ChunkUploaded, _Mapping]] = ..., downloaded: _Optional[_Union[ChunkDownloaded, _Mapping]] = ..., listed: _Optional[_Union[FilesListed, _Mapping]] = ...) -> None: ...
+
+class UploadChunk(_message.Message):
+    __slots__ = ("path", "offset", "size", "data")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    size: int
+    data: bytes
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DownloadChunk(_message.Message):
+    __slots__ = ("path", "offset", "length")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ListFiles(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ChunkUploaded(_message.Message):
+    __slots__ = ("received", "error_type", "error_message", "error_field")
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
+    received: int
+    error_type: str
+    error_message: str
+    error_field: str
+    def __init__(self, received: _Optional[int] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_field: _Optional[str] = ...) -> None: ...
+
+class ChunkDownloaded(_message.Message):
+    __slots__ = ("path", "offset", "size", "modified_ns", "data", "error_type", "error_message", "error_field")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODIFIED_NS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    size: int
+    modified_ns: int
+    data: bytes
+    error_type: str
+    error_message: str
+    error_field: str
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., modified_ns: _Optional[int] = ..., data: _Optional[bytes] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_field: _Optional[str] = ...) -> None: ...
+
+class FilesListed(_message.Message):
+    __slots__ = ("entries", "truncated", "error_type", "error_message", "error_field")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FileEntry]
+    truncated: bool
+    error_type: str
+    error_message: str
+    error_field: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., truncated: _Optional[bool] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_field: _Optional[str] = ...) -> None: ...
+
+class FileEntry(_message.Message):
+    __slots__ = ("name", "size", "kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    kind: FileKind
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ...) -> None: ...
 
 class ForkSession(_message.Message):
     __slots__ = ()

@@ -88,7 +88,8 @@ class WorkerServicer:
 
     def Interact(self, request_iterator, context):
         """Jobs that call their client's host functions, and sessions (one sandbox
-        kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+        kept across steps): a bidirectional stream (WORKER_PROTOCOL 2; files in
+        a session's workspace: upload, download, list_files, protocol 4).
 
         The first request is `job` (one job; the stream ends after its result) or
         `open_session` (a session's setup and first step; each later `step` runs in

@@ -5,15 +5,15 @@ readie's worker service: what a router (or any gRPC client) asks of one worker.
 
 Wire version: the package is the major version (readie.v1). Within v1,
 fields are only ever added, never renumbered or retyped; WORKER_PROTOCOL in
-readie_worker.grpc_service counts such additions, and CapacityResponse
+readie_rpc.grpc_service counts such additions, and CapacityResponse
 reports it so a router can refuse a worker older than it needs, naming both
 numbers.
 
-The Python code under worker/src/readie_worker/_proto/ is generated from
+The Python code under rpc/src/readie_rpc/_proto/ is generated from
 this file by proto/generate.py; a test fails if it drifts.
 
 Errors are gRPC status codes, mapped in exactly one place
-(readie_worker._status). Every failed call also carries trailing metadata
+(readie_rpc._status). Every failed call also carries trailing metadata
 "readie-error" (the readie error type) and, for a refused request,
 "readie-field" (the request field at fault).
 """
@@ -62,7 +62,8 @@ class WorkerStub:
     """Slots, pools and drain state, for placement."""
     Interact: _grpc.StreamStreamMultiCallable[_worker_pb2.InteractRequest, _worker_pb2.InteractEvent]
     """Jobs that call their client's host functions, and sessions (one sandbox
-    kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+    kept across steps): a bidirectional stream (WORKER_PROTOCOL 2; files in
+    a session's workspace: upload, download, list_files, protocol 4).
 
     The first request is `job` (one job; the stream ends after its result) or
     `open_session` (a session's setup and first step; each later `step` runs in
@@ -95,7 +96,8 @@ class WorkerAsyncStub(WorkerStub):
     """Slots, pools and drain state, for placement."""
     Interact: _aio.StreamStreamMultiCallable[_worker_pb2.InteractRequest, _worker_pb2.InteractEvent]  # type: ignore[assignment]
     """Jobs that call their client's host functions, and sessions (one sandbox
-    kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+    kept across steps): a bidirectional stream (WORKER_PROTOCOL 2; files in
+    a session's workspace: upload, download, list_files, protocol 4).
 
     The first request is `job` (one job; the stream ends after its result) or
     `open_session` (a session's setup and first step; each later `step` runs in
@@ -149,7 +151,8 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.InteractEvent], _abc.AsyncIterator[_worker_pb2.InteractEvent]]:
         """Jobs that call their client's host functions, and sessions (one sandbox
-        kept across steps): a bidirectional stream (WORKER_PROTOCOL 2).
+        kept across steps): a bidirectional stream (WORKER_PROTOCOL 2; files in
+        a session's workspace: upload, download, list_files, protocol 4).
 
         The first request is `job` (one job; the stream ends after its result) or
         `open_session` (a session's setup and first step; each later `step` runs in
