@@ -84,3 +84,16 @@ def test_a_session_moves_files_in_chunks_byte_exact(pool, tmp_path):
         with pytest.raises(readie.RequestError):
             nb.files("out.bin")  # a file, not a directory
         assert nb.run("print(len(open('out.bin', 'rb').read()))").stdout == f"{len(written)}\n"
+
+
+def test_a_sessions_files_outlive_its_hibernation_and_go_into_its_forks(pool):
+    with pool.session() as nb:
+        nb.upload("a/kept.txt", b"kept")
+        assert nb.hibernate() > 0
+        assert nb.download("a/kept.txt") == b"kept"  # resumes it first
+        fork = nb.fork()
+        try:
+            fork.upload("a/kept.txt", b"the fork's")
+            assert (fork.download("a/kept.txt"), nb.download("a/kept.txt")) == (b"the fork's", b"kept")
+        finally:
+            fork.close()
