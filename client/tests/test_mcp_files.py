@@ -37,6 +37,8 @@ def test_a_models_files_are_text_or_base64():
     with pytest.raises(readie.RequestError, match="'x.bin': is not valid base64") as bad:
         model_files({"x.bin": Base64File(base64="not base64!")})
     assert bad.value.field == "files"
+    with pytest.raises(readie.RequestError, match="lone surrogate"):
+        model_files({"x.txt": "\ud800"})
 
 
 def test_images_and_text_come_back_as_contents_and_the_rest_is_named():

@@ -100,14 +100,14 @@ CollectArgument = Annotated[
 
 
 def model_files(files: Mapping[str, str | Base64File] | None) -> dict[str, bytes]:
-    """The model's ``files`` as bytes; :class:`~readie.RequestError` names a bad base64 value."""
+    """The model's ``files`` as bytes; :class:`~readie.RequestError` names a value that is neither
+    UTF-8 text nor base64."""
     out: dict[str, bytes] = {}
     for path, content in (files or {}).items():
-        if isinstance(content, str):
-            out[path] = content.encode("utf-8", "surrogatepass")
-            continue
         try:
-            out[path] = decode_bytes(content.base64)
+            out[path] = content.encode("utf-8") if isinstance(content, str) else decode_bytes(content.base64)
+        except UnicodeEncodeError:
+            raise RequestError(f"{path!r}: holds a lone surrogate, which UTF-8 cannot carry", "files") from None
         except ValueError as exc:  # the protocol's Invalid
             raise RequestError(f"{path!r}: {exc}", "files") from None
     return out
