@@ -9,22 +9,34 @@ worker count only. A job's code is a script of verbs, one per line:
 * ``raise``: end with an uncaught ValueError (a job failure, exit 1);
 * ``call NAME ARGS KWARGS``: call host function NAME (ARGS and KWARGS JSON)
   and print the reply's answer, ``{"result": ...}`` or ``{"error": ...}``;
-* ``exit``: in a session, end it.
+* ``exit``: in a session, end it;
+* ``cat PATH``: print the text of a file the request sent (``files``);
+* ``write PATH TEXT``, ``png PATH``: save TEXT, or a small PNG, in the workspace;
+* ``show``: end with a value that renders as that PNG (``_repr_png_``).
+
+A request's ``collect`` brings back what it sent and what the script saved, by ``fnmatch`` (the
+real matching is the worker's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import fnmatch
 import json
 import sys
 import time
 
 from readie_pool.testing import FakeBackend, ok_outcome, serve_stdio
-from readie_protocol.events import ErrorInfo
+from readie_protocol.events import ErrorInfo, Value
+from readie_protocol.workspace import Collected
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.errors import ErrorType
 from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, JobOutcome, OutputChunk, OutputSink
+
+#: What ``png`` saves: a PNG's signature and a little more, enough for a client to tell it by.
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(24)
 
 
 class ScriptedBackend(FakeBackend):
@@ -33,6 +45,7 @@ class ScriptedBackend(FakeBackend):
         output: OutputSink | None = None,
     ) -> JobOutcome:
         out, err, error, status = [], [], None, 0
+        sent, saved, value = dict(job.files), {}, None
         for line in job.code.splitlines():
             verb, _, arg = line.partition(" ")
             if verb in ("say", "warn"):
@@ -46,6 +59,15 @@ class ScriptedBackend(FakeBackend):
                     if cancel.cancelled:
                         return JobOutcome.failure(ErrorType.POOL_WORKER, CANCELLED_MESSAGE, 0, "fake")
                     await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+            elif verb == "cat":
+                out.append(sent[arg].decode())
+            elif verb == "write":
+                path, _, text = arg.partition(" ")
+                saved[path] = text.encode()
+            elif verb == "png":
+                saved[arg] = PNG
+            elif verb == "show":
+                value = Value("<image>", data={"image/png": base64.b64encode(PNG).decode()})
             elif verb == "raise":
                 error, status = ErrorInfo("ValueError", "boom", job.name, 1, None), 1
             elif verb == "call" and host is not None:
@@ -55,7 +77,14 @@ class ScriptedBackend(FakeBackend):
                 answer = {"result": reply.result} if reply.error is None else {"error": reply.error}
                 out.append(json.dumps(answer, sort_keys=True))
         outcome = ok_outcome("".join(f"{text}\n" for text in out), exit=status, error=error)
-        return dataclasses.replace(outcome, stderr="".join(f"{text}\n" for text in err))
+        workspace = {**sent, **saved}
+        collected = Collected({
+            path: data for path, data in workspace.items()
+            if any(fnmatch.fnmatchcase(path, pattern.removeprefix("**/")) for pattern in job.collect)
+        }) if job.collect else None
+        return dataclasses.replace(
+            outcome, stderr="".join(f"{text}\n" for text in err), value=value, collected=collected,
+        )
 
 
 def main() -> int:

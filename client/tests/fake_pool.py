@@ -32,7 +32,7 @@ def write(obj):
         sys.stdout.flush()
 
 
-STEP_FIELDS = {"id", "session", "code", "name", "args", "timeout", "max_output"}
+STEP_FIELDS = {"id", "session", "code", "name", "args", "timeout", "max_output", "files", "collect"}
 sessions = {}
 
 

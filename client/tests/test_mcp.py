@@ -5,6 +5,7 @@ own client. What a real sandbox does behind the tools is test_mcp_runsc.py's.
 
 from __future__ import annotations
 
+import base64
 import re
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from readie._mcp import main
 from readie._mcp_tools import CLOSE_TOOL_NAME, SessionLimits, build_server
+
+from client.tests.engine_pool import PNG
 
 HERE = Path(__file__).parent
 ENGINE = [sys.executable, str(HERE / "engine_pool.py")]
@@ -63,7 +66,7 @@ def test_tools_list_and_what_the_model_reads(pool):
             assert set(tools) == {"run_python", CLOSE_TOOL_NAME}
             run = tools["run_python"]
             assert run.input_schema["required"] == ["code"]
-            assert set(run.input_schema["properties"]) == {"code", "session", "timeout"}
+            assert set(run.input_schema["properties"]) == {"code", "session", "timeout", "files", "collect"}
             assert "At most 3 sessions may be open; one unused for 2 min is closed." in run.description
             assert "Each call may run for 5 seconds." in run.description
             assert "Every call starts from a clean interpreter: variables" not in run.description
@@ -76,6 +79,35 @@ def test_tools_list_and_what_the_model_reads(pool):
             assert not shorter.is_error and text(shorter) == "quick"
             longer = await client.call_tool("run_python", {"code": "say slow", "timeout": 1e9})
             assert longer.is_error and text(longer) == "Refused: timeout must be more than 0 and at most 5 seconds here"
+
+    anyio.run(go)
+
+
+def test_files_go_in_and_what_the_code_saved_or_showed_comes_back(pool):
+    async def go():
+        client, _ = in_memory(pool)
+        async with client:
+            files = {"in.csv": "a,b\n1,2", "raw.bin": {"base64": base64.b64encode(b"\x00\x01").decode()}}
+            called = await client.call_tool("run_python", {
+                "code": "cat in.csv\npng out/chart.png\nwrite notes.txt total 12\nwrite table.xlsx PK\nshow",
+                "files": files,
+            })
+            assert not called.is_error
+            first, *rest = called.content
+            assert first.text.startswith("a,b\n1,2\n<image>\nFiles:\n")
+            assert "- notes.txt (8 bytes): shown as text" in first.text and "xlsx" not in first.text  # not collected
+            assert [(c.type, getattr(c, "mime_type", None)) for c in rest] == [
+                ("image", "image/png"), ("image", "image/png"), ("text", None)]
+            assert base64.b64decode(rest[1].data) == PNG and rest[2].text == "--- notes.txt ---\ntotal 12"
+            # collect names its own; [] brings nothing back, and a bad base64 is refused before the pool.
+            asked = await client.call_tool("run_python", {"code": "png table.xlsx", "collect": ["*.xlsx"]})
+            assert text(asked) == f"(no output)\nFiles:\n- table.xlsx ({len(PNG)} bytes): not text, not shown"
+            nothing = await client.call_tool("run_python", {"code": "png a.png", "collect": []})
+            assert text(nothing) == "(no output)"
+            bad = await client.call_tool("run_python", {"code": "say x", "files": {"a": {"base64": "%"}}})
+            assert bad.is_error and text(bad) == "Refused: files: 'a': is not valid base64"
+            outside = await client.call_tool("run_python", {"code": "say x", "files": {"../a": "x"}})
+            assert outside.is_error and text(outside).startswith("Refused: files: '../a': must not contain '..'")
 
     anyio.run(go)
 

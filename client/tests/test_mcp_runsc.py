@@ -7,6 +7,7 @@ One server (one pool, one worker) serves the whole module; each test is one or a
 
 from __future__ import annotations
 
+import base64
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -138,6 +139,37 @@ def test_refusals_outside_the_ceiling_are_tool_errors(server):
     # The server and its pool carry on.
     after = server.call("run_python", code="print(2)")
     assert (after.is_error, text(after)) == (False, "2")
+
+
+def test_a_png_the_code_wrote_or_displayed_comes_back_as_an_image(server):
+    # The checkpoints preload no plotting library: the code writes a PNG by hand, from a CSV it was sent.
+    code = (
+        "import struct, zlib\n"
+        "def chunk(kind, data):\n"
+        "    return struct.pack('>I', len(data)) + kind + data + struct.pack('>I', zlib.crc32(kind + data))\n"
+        "rows = open('in/pixels.csv').read().split()\n"
+        "raw = b''.join(b'\\x00' + bytes.fromhex(row) for row in rows)\n"
+        "header = struct.pack('>IIBBBBB', 2, len(rows), 8, 2, 0, 0, 0)\n"
+        "png = b'\\x89PNG\\r\\n\\x1a\\n' + chunk(b'IHDR', header) + chunk(b'IDAT', zlib.compress(raw)) + chunk(b'IEND', b'')\n"
+        "open('chart.png', 'wb').write(png)\n"
+        "print(len(png))\n"
+        "class Chart:\n"
+        "    def __repr__(self):\n"
+        "        return 'chart'\n"
+        "    def _repr_png_(self):\n"
+        "        return png\n"
+        "Chart()\n"  # displayed, as a notebook shows a value
+    )
+    result = server.call("run_python", code=code, files={"in/pixels.csv": "ff0000ff0000\n00ff0000ff00\n"})
+    assert not result.is_error, result.content
+    words, displayed, saved = result.content
+    size = int(words.text.split()[0])
+    assert words.text == (f"{size}\nchart\nFiles:\n- the value's image/png: shown as an image\n"
+                          f"- chart.png ({size} bytes): shown as an image")
+    for image in (displayed, saved):
+        assert image.type == "image" and image.mime_type == "image/png"
+        png = base64.b64decode(image.data)
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) == size
 
 
 def test_a_timeout_is_the_jobs_failure(server):

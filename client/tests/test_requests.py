@@ -17,6 +17,9 @@ from readie._requests import (
     step_request,
 )
 from readie._session_images import fork_request, hibernate_request
+from readie._transfers import download_request, list_request
+from readie_protocol.transfers import UploadChunk
+from readie_protocol.workspace import MAX_REQUEST_FILES_BYTES, UPLOAD_CHUNK_BYTES
 from readie_protocol.connection import PoolConnection, Role
 from readie_pool.sans_io import MAX_LINE_BYTES as POOL_MAX_LINE_BYTES
 from readie_pool.sans_io import Line, LineSplitter, OversizeLine
@@ -211,3 +214,45 @@ def test_text_utf8_cannot_carry_is_refused_naming_the_field():
     assert refused.value.field == "code"
     # The pool would refuse it too, had it been sent with an escape.
     assert isinstance(parse_request(b'{"id":1,"code":"\\ud800"}'), Refused)
+
+
+def test_files_go_as_base64_and_collect_as_a_list_and_the_pool_reads_them_back():
+    request = job_request(1, "pass", files={"data//orders.csv": b"a,b\n", "raw": bytearray(b"\x00\xff")},
+                          collect=("out/*.png", "report.xlsx"))
+    written = json.loads(line(request))
+    assert written["files"] == {"data/orders.csv": "YSxiCg==", "raw": "AP8="}
+    assert written["collect"] == ["out/*.png", "report.xlsx"]
+    assert request.files == (("data/orders.csv", b"a,b\n"), ("raw", b"\x00\xff")) and list(request.collect) == written["collect"]
+    assert parse_request(line(request).rstrip(b"\n")) == request
+    step = step_request(2, "nb", "pass", files={"a": b""}, collect=["**/*.csv"])  # a later step may carry both
+    assert parse_request(line(step).rstrip(b"\n")) == step and step.files == (("a", b""),)
+    assert "files" not in job_request(3, "pass", files={}).fields
+
+
+@pytest.mark.parametrize(("kwargs", "field", "message"), [
+    ({"files": {"../x": b""}}, "files", "'..'"),
+    ({"files": {"a": b"", "./a": b""}}, "files", "which another entry names too"),
+    ({"files": {"big": bytes(MAX_REQUEST_FILES_BYTES + 1)}}, "files", "send larger files into a session"),
+    ({"collect": ["/etc/*"]}, "collect", "absolute"),
+])
+def test_bad_files_and_collect_are_refused_naming_the_field(kwargs, field, message):
+    with pytest.raises(RequestError, match=message) as refused:
+        job_request(1, "pass", **kwargs)
+    assert refused.value.field == field
+
+
+def test_a_files_value_must_be_bytes_and_collect_a_list():
+    with pytest.raises(TypeError, match=r"files\['a'\]: expected bytes, got str; encode text first"):
+        job_request(1, "pass", files={"a": "text"})
+    with pytest.raises(TypeError, match="collect: expected a list"):
+        job_request(1, "pass", collect="*.png")
+
+
+def test_a_sessions_transfer_lines_read_back_as_the_requests_they_are():
+    for request in (
+        download_request(4, "nb", "out//a.bin", 1024), list_request(5, "nb", "."),
+        UploadChunk(6, "nb", "in.bin", UPLOAD_CHUNK_BYTES, UPLOAD_CHUNK_BYTES + 3, b"xyz"),
+        UploadChunk(7, "nb", "in.bin", 0, UPLOAD_CHUNK_BYTES, bytes(UPLOAD_CHUNK_BYTES)),
+    ):
+        written = line(request)
+        assert len(written) <= MAX_LINE_BYTES and parse_request(written.rstrip(b"\n")) == request

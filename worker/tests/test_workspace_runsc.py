@@ -129,6 +129,8 @@ def test_an_upload_past_the_memory_left_is_refused_and_the_session_goes_on(worke
             session.upload_chunk("huge.bin", 0, b"x" * UPLOAD_CHUNK_BYTES, 200 * MIB)
         assert refused.value.field == "upload"
         assert session.run_step(Step("import os\nprint(x, os.path.exists('huge.bin'))")).outcome.stdout == "1 False\n"
+        upload(session, "fits.bin", b"y" * 8 * MIB)  # what is left is measured, not taken as nothing
+        assert session.run_step(Step("print(os.path.getsize('fits.bin'))")).outcome.stdout == f"{8 * MIB}\n"
     finally:
         session.close()
 

@@ -16,6 +16,7 @@ See client/README.md for the decisions behind the API.
 """
 
 from readie_protocol.events import ErrorInfo, FileInfo, OutputEvent, PolicyInfo, ReadyEvent, Result, RuntimeInfo, Value
+from readie_protocol.workspace import FileEntry, LeftOut
 
 from ._async_pool import AsyncPool
 from ._async_session import AsyncSession
@@ -23,6 +24,7 @@ from ._envelope import SANDBOX_PYTHON, RemoteResult
 from ._errors import (
     CallTimeout,
     EnvelopeError,
+    FileChanged,
     JobError,
     PoolError,
     PoolWorkerError,
@@ -37,6 +39,7 @@ from ._pool import MAX_EVENT_LINE_BYTES, Pool
 from ._remote import Client, RemoteFunction, remote
 from ._requests import MAX_LINE_BYTES
 from ._session import Session
+from ._transfers import FileList
 from ._tool import Tool, describe_functions, format_result, tool
 
 __all__ = [
@@ -49,8 +52,12 @@ __all__ = [
     "Client",
     "EnvelopeError",
     "ErrorInfo",
+    "FileChanged",
+    "FileEntry",
     "FileInfo",
+    "FileList",
     "JobError",
+    "LeftOut",
     "OutputEvent",
     "PolicyInfo",
     "Pool",

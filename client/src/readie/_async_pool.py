@@ -51,6 +51,7 @@ from ._async_session import AsyncSession
 from ._requests import (
     AnsweredRequest,
     Duration,
+    Files,
     PathArg,
     RequestId,
     Size,
@@ -212,6 +213,8 @@ class AsyncPool:
         on_stderr: OutputCallback | None = None,
         wait_timeout: float | None = None,
         report_files: bool = False,
+        files: Files | None = None,
+        collect: Iterable[str] = (),
     ) -> Result:
         """Run one job and await its result (see :meth:`Pool.run`); ``functions`` and the output
         callbacks may be coroutine functions. Cancelling the wait, or its ``wait_timeout``
@@ -223,7 +226,7 @@ class AsyncPool:
             allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
             profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
-            report_files=report_files,
+            report_files=report_files, files=files, collect=collect,
         )
         try:
             async with asyncio.timeout(wait_timeout) as waiting:

@@ -30,6 +30,7 @@ from readie_protocol.results import JobError
 __all__ = [
     "CallTimeout",
     "EnvelopeError",
+    "FileChanged",
     "JobError",
     "PoolError",
     "PoolWorkerError",
@@ -63,6 +64,13 @@ class RemoteError(ReadieError):
 
 class EnvelopeError(ReadieError):
     """A remote call's answer could not be decoded here (not an envelope, or its value cannot be loaded)."""
+
+
+class FileChanged(ReadieError):
+    """A file changed while it was moved: a download whose chunks disagree on the file's size or
+    modification time, or a local file that grew or shrank while it was uploaded. Nothing of the
+    two versions is joined: a download to a local file leaves no file behind, an upload leaves the
+    session's copy partly written (upload it again)."""
 
 
 class WaitTimeout(ReadieError, TimeoutError):

@@ -3,8 +3,8 @@
 Transport-free: :func:`build_server` returns an :class:`mcp.server.MCPServer`
 whose tools drive a pool the caller started (``_mcp.py`` adds the command
 line, stdio and streamable HTTP). A job's outcome, whatever it is, is a tool
-result the model reads (:func:`~readie.format_result`), with ``isError`` set
-when the code failed; a refusal (:class:`~readie.RequestError`) and a pool
+result the model reads (:func:`~readie.format_result`, then the images and
+text files the code saved, ``_mcp_files``), with ``isError`` set when the code failed; a refusal (:class:`~readie.RequestError`) and a pool
 that died are tool errors too, with the pool's own words. Nothing here
 raises into the MCP server: a broken pool must not take the server down, and
 every answer comes from the pool or from a failure already recorded, so no
@@ -22,7 +22,7 @@ import importlib.metadata
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import anyio
@@ -37,6 +37,16 @@ from readie_protocol.units import parse_duration_ms
 from readie_policy.policy import DEFAULT_TIMEOUT_MS
 
 from ._errors import PoolError, ReadieError, RequestError
+from ._mcp_files import (
+    DEFAULT_COLLECT,
+    Base64File,
+    CollectArgument,
+    FilesArgument,
+    Shown,
+    describe_files,
+    file_contents,
+    model_files,
+)
 from ._pool import Pool
 from ._requests import session_setup
 from ._session import Session
@@ -102,6 +112,7 @@ class _Entry:
     session: Session
     last_used: float
     busy: int = 0
+    shown: Shown = field(default_factory=Shown)  # what the model has seen of its workspace
 
 
 class Sessions:
@@ -155,6 +166,10 @@ class Sessions:
         if not session.open and entry.busy == 0:
             del self._open[key]  # ended, or refused before it opened: the next call starts afresh
 
+    def shown(self, connection: str, name: str) -> Shown:
+        """What the model has seen of the workspace of the session of that name (acquired)."""
+        return self._open[(connection, name)].shown
+
     def pop(self, connection: str, name: str) -> Session | None:
         entry = self._open.pop((connection, name), None)
         return None if entry is None else entry.session
@@ -185,33 +200,57 @@ class ReadieTools:
         self.max_timeout_s = (DEFAULT_TIMEOUT_MS if given is None else parse_duration_ms(given)) / 1000
         self.failure: str | None = None  # set once the pool is gone: every later call says so at once
 
-    async def run_python(self, code: str, session: str | None, timeout: float | None, connection: str) -> CallToolResult:
+    async def run_python(
+        self,
+        code: str,
+        session: str | None,
+        timeout: float | None,
+        connection: str,
+        files: Mapping[str, str | Base64File] | None = None,
+        collect: list[str] | None = None,
+    ) -> CallToolResult:
         if self.failure is not None:
             return _error(self.failure)
         if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= self.max_timeout_s):
             return _error(f"Refused: timeout must be more than 0 and at most {self.max_timeout_s:g} seconds here")
-        step_timeout = {"timeout": timeout} if timeout is not None else {}
+        try:
+            sent = model_files(files)
+        except RequestError as exc:
+            return _error(f"Refused: {exc}")
+        step = {
+            **({"timeout": timeout} if timeout is not None else {}),
+            "files": sent,
+            "collect": DEFAULT_COLLECT if collect is None else collect,
+        }
         if session is None:
-            fields = {**self.grants, **step_timeout}
+            fields = {**self.grants, **step}
+            shown = Shown()  # a fresh sandbox: nothing was seen of it
             result, restarted = await self._call(lambda: self.pool.run(code, name=CODE_NAME, **fields)), False
         else:
             try:
                 the_session = self.sessions.acquire(connection, session)
             except RequestError as exc:
                 return _error(f"Refused: {exc}")
+            shown = self.sessions.shown(connection, session)
             was_open = the_session.open
             try:
-                result = await self._call(lambda: the_session.run(code, name=CODE_NAME, **step_timeout))
+                result = await self._call(lambda: the_session.run(code, name=CODE_NAME, **step))
             finally:
                 self.sessions.release(connection, session, the_session)
             # Step 1 of a session that was open: the pool closed it (idle) and began anew.
             restarted = isinstance(result, Result) and was_open and result.step == 1
+            if isinstance(result, Result) and result.step == 1:
+                shown.digests.clear()  # a new sandbox: a new workspace, nothing of it seen
         if isinstance(result, CallToolResult):
             return result
         log.info("run_python", session=session, exit=result.exit, error=result.error.type if result.error else None,
-                 duration_ms=result.duration_ms, step=result.step)
+                 duration_ms=result.duration_ms, step=result.step, collected=len(result.collected or {}))
+        shown.sent(sent)  # what the model sent it knows: shown back only once changed
+        contents, notes = file_contents(result, shown)
         text = format_result(result, restarted=restarted)
-        return CallToolResult(content=[TextContent(type="text", text=text)], is_error=not result.ok)
+        if notes:
+            text = f"{text}\n{describe_files(notes)}"
+        return CallToolResult(content=[TextContent(type="text", text=text), *contents], is_error=not result.ok)
 
     async def close_session(self, session: str, connection: str) -> CallToolResult:
         the_session = self.sessions.pop(connection, session)
@@ -293,8 +332,10 @@ def build_server(pool: Pool, grants: Mapping[str, Any] | None = None, limits: Se
             float | None,
             Field(description="Seconds this call may run, at most the operator's limit.", gt=0),
         ] = None,
+        files: FilesArgument = None,
+        collect: CollectArgument = None,
     ) -> CallToolResult:
-        return await tools.run_python(code, session, timeout, _connection(ctx))
+        return await tools.run_python(code, session, timeout, _connection(ctx), files, collect)
 
     async def close_session(
         session: Annotated[str, Field(description="The session name given to run_python.", max_length=MAX_SESSION_NAME_CHARS)],
@@ -335,7 +376,12 @@ def _description(setup: Mapping[str, Any], limits: SessionLimits, idle: str) -> 
         )
     else:
         sessions = "Every call starts from a clean interpreter: sessions are disabled on this server."
-    return "\n".join([shared[0], sessions, *shared[1:]])
+    files = (
+        "`files` puts files in the working directory before the code runs; the PNG and JPEG images "
+        "and text files the code saves there come back to you (`collect` says which), and so does a "
+        "last bare expression's image."
+    )
+    return "\n".join([shared[0], sessions, files, *shared[1:]])
 
 
 def _connection(ctx: Context) -> str:

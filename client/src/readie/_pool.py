@@ -43,6 +43,7 @@ from ._output import OutputCallback, OutputCallbacks, Waiter
 from ._requests import (
     AnsweredRequest,
     Duration,
+    Files,
     PathArg,
     RequestId,
     Size,
@@ -179,6 +180,8 @@ class Pool:
         on_stderr: OutputCallback | None = None,
         wait_timeout: float | None = None,
         report_files: bool = False,
+        files: Files | None = None,
+        collect: Iterable[str] = (),
     ) -> Result:
         """Run one job and wait for its result. Exactly one of ``code`` and ``script``.
 
@@ -190,7 +193,13 @@ class Pool:
         ``wait_timeout`` (seconds) bounds the wait on this side: past it the
         job is cancelled and :class:`~readie.WaitTimeout` raised.
         ``report_files``: ``result.files`` lists what it created or changed in
-        ``allow_write`` (host path and size).
+        ``allow_write`` (host path and size). ``files`` (workspace path to
+        bytes: at most 64 files, 768 KiB together) are written into the job's
+        workspace, its working directory in the sandbox, before its code runs;
+        ``collect`` (paths, or globs: ``*``, ``?``, ``[...]``, ``**``) names
+        the files that come back afterwards, whether the code failed or not:
+        ``result.collected`` maps each path to its bytes, ``result.left_out``
+        says what matched and was left out, and why (size, count, link, ...).
 
         Returns the result whatever the job did; raises :class:`~readie.RequestError`
         when the request is refused (by this client, before it sends anything: a
@@ -205,7 +214,7 @@ class Pool:
             allow_write=allow_write, package_dirs=package_dirs, env=env, allow_network=allow_network,
             timeout=timeout, memory=memory, max_output=max_output, max_file_size=max_file_size,
             profile=profile, packages=packages, functions=declared, stream=callbacks is not None,
-            report_files=report_files,
+            report_files=report_files, files=files, collect=collect,
         )
         result = self._exchange(request, declared, callbacks, wait_timeout)
         assert isinstance(result, Result)

@@ -29,6 +29,9 @@ from datetime import timedelta
 from typing import Any, TypeAlias
 
 from readie_protocol import MAX_LINE_BYTES, RequestId
+from readie_protocol.errors import RequestError
+from readie_protocol.transfers import DownloadChunk, ListFiles, UploadChunk
+from readie_protocol.workspace import check_files, encode_bytes
 from readie_protocol.requests import (
     CancelJob,
     CloseSession,
@@ -43,6 +46,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "AnsweredRequest",
     "Duration",
+    "Files",
     "PathArg",
     "RequestId",
     "Size",
@@ -60,8 +64,13 @@ PathArg: TypeAlias = str | os.PathLike[str]
 Duration: TypeAlias = int | float | timedelta | str
 #: int: bytes; str is read as the pool reads it ("512m", "64k").
 Size: TypeAlias = int | str
+#: Files a job or a step writes into its workspace before its code runs: workspace path to bytes.
+Files: TypeAlias = Mapping[str, bytes | bytearray | memoryview]
 #: A request the pool answers by its id (a host function's reply is answered by nothing).
-AnsweredRequest: TypeAlias = JobRequest | StatsRequest | CancelJob | CloseSession | HibernateSession | ForkSession
+AnsweredRequest: TypeAlias = (
+    JobRequest | StatsRequest | CancelJob | CloseSession | HibernateSession | ForkSession
+    | UploadChunk | DownloadChunk | ListFiles
+)
 
 
 def job_request(id: RequestId, code: str | None = None, **fields: Any) -> JobRequest:
@@ -91,6 +100,8 @@ def _job_fields(
     functions: Iterable[str] = (),
     stream: bool = False,
     report_files: bool = False,
+    files: Files | None = None,
+    collect: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The fields a job's line carries beside its id, as JSON values: only those the caller set."""
     request: dict[str, Any] = {}
@@ -126,6 +137,9 @@ def _job_fields(
         raise TypeError(f"report_files: expected True or False, got {type(report_files).__name__}")
     if report_files:
         request["report_files"] = True
+    if files:
+        request["files"] = _files(files)
+    _put_list(request, "collect", collect, lambda item: _text(item, "collect"))
     return request
 
 
@@ -171,9 +185,13 @@ def step_request(
     setup: Mapping[str, Any] | None = None,
     stream: bool = False,
     report_files: bool = False,
+    files: Files | None = None,
+    collect: Iterable[str] = (),
 ) -> JobRequest:
     """One step of ``session``; the first carries ``setup`` (from :func:`session_setup`), later ones must not."""
-    fields = _job_fields(code, name=name, args=args, stream=stream, report_files=report_files)
+    fields = _job_fields(
+        code, name=name, args=args, stream=stream, report_files=report_files, files=files, collect=collect,
+    )
     fields["session"] = _text(session, "session")
     fields.update(setup or {})
     # The step's own timeout and max_output go over the session's.
@@ -222,6 +240,24 @@ def _path(value: Any, key: str) -> str:
         if isinstance(path, str):
             return path
     raise TypeError(f"{key}: expected a str or a path, got {type(value).__name__}")
+
+
+def _files(files: Any) -> dict[str, str]:
+    """``files`` as the line carries them: each path (checked and normalised by the protocol, before
+    anything is encoded) to its bytes in base64."""
+    if not isinstance(files, Mapping):
+        raise TypeError(f"files: expected a mapping of workspace paths to bytes, got {type(files).__name__}")
+    pairs = []
+    for path, data in files.items():
+        if not isinstance(data, bytes | bytearray | memoryview):
+            hint = "; encode text first (text.encode())" if isinstance(data, str) else ""
+            raise TypeError(f"files[{path!r}]: expected bytes, got {type(data).__name__}{hint}")
+        pairs.append((path, bytes(data)))
+    try:
+        checked = check_files(tuple(pairs))
+    except ValueError as exc:  # the protocol's Invalid: what is wrong, without the field
+        raise RequestError(str(exc), "files") from None
+    return {path: encode_bytes(data) for path, data in checked}
 
 
 def _duration(value: Any, key: str) -> int | str:

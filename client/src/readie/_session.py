@@ -13,6 +13,14 @@ next step then runs in a new process *without* the grants (the client
 cannot tell in advance), which ``result.step == 1`` and the grant's
 PermissionError make visible.
 
+:meth:`Session.upload`, :meth:`Session.download` and
+:meth:`Session.files` move one file of the session's workspace (its
+working directory in the sandbox, kept as long as the session, through
+hibernation and into forks) a chunk at a time, each chunk one request and
+one answer (``_transfers``), so no line holds a whole file; a local file is
+read and written a chunk at a time too (on the awaiting task: a chunk is at
+most 1 MiB of disk I/O).
+
 :meth:`Session.hibernate` checkpoints the session to disk and frees its
 sandbox; the session stays open, and its next step restores it first (that
 result's ``resumed_ms``). :meth:`Session.fork` makes a second session, open
@@ -25,14 +33,30 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, overload
 
 from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
+from readie_protocol.requests import JobRequest
+from readie_protocol.transfers import ChunkEvent, ListingEvent, UploadChunk, UploadedEvent
+from readie_protocol.workspace import FileChunk
 
 from ._errors import ReadieError, RequestError
 from ._output import OutputCallback, OutputCallbacks
-from ._requests import AnsweredRequest, Duration, Size, close_request, step_request
+from ._requests import AnsweredRequest, Duration, Files, PathArg, Size, close_request, step_request
+from ._transfers import (
+    FileList,
+    UploadData,
+    check_chunk,
+    check_listing,
+    check_uploaded,
+    download_request,
+    download_sink,
+    list_request,
+    upload_chunks,
+    upload_path,
+)
 from ._session_images import (
     Answer,
     answered,
@@ -106,36 +130,119 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         report_files: bool = False,
+        files: Files | None = None,
+        collect: Iterable[str] = (),
     ) -> Result:
         """Run ``code`` as the session's next step and return its result.
 
         ``on_stdout`` and ``on_stderr`` take the step's output as it is
-        written, as in :meth:`Pool.run`. Returns whatever the code did (its
-        exception, a timeout: see ``result.session_ended``); raises
-        :class:`~readie.RequestError` when the pool refuses the step and
-        :class:`~readie.PoolError` when the pool fails.
+        written, as in :meth:`Pool.run`; ``files`` and ``collect`` too:
+        files written into the workspace before the code runs, and the paths
+        or patterns whose files come back in ``result.collected``. Returns
+        whatever the code did (its exception, a timeout: see
+        ``result.session_ended``); raises :class:`~readie.RequestError` when
+        the pool refuses the step and :class:`~readie.PoolError` when the pool
+        fails.
         """
         callbacks = OutputCallbacks.of(on_stdout, on_stderr)
         with self._lock:
             request = step_request(
                 self.pool._next_id(), self.name, code, name=name, args=args, timeout=timeout, max_output=max_output,
                 setup=None if self._open else self.setup, stream=callbacks is not None, report_files=report_files,
+                files=files, collect=collect,
             )
-            try:
-                result = self.pool._exchange(request, self.functions, callbacks)
-            except ReadieError:
-                raise
-            except BaseException:
-                # Cancelled, interrupted, a callback raised: the pool cancelled the step, which ends the
-                # session, and the close lets the next run open a new one under the same name.
-                self._open = False
-                self.pool._send_and_forget(close_request(self.pool._next_id(), self.name))
-                raise
-            assert isinstance(result, Result)
-            raise_if_refused(result)
-            self._open = not result.session_ended
-            self.last_step = result.step or 0
-            return result
+            return self._step(request, callbacks)
+
+    def _step(self, request: JobRequest, callbacks: OutputCallbacks | None = None) -> Result:
+        """Send one step (the lock held) and keep what its result says of the session."""
+        try:
+            result = self.pool._exchange(request, self.functions, callbacks)
+        except ReadieError:
+            raise
+        except BaseException:
+            # Cancelled, interrupted, a callback raised: the pool cancelled the step, which ends the
+            # session, and the close lets the next run open a new one under the same name.
+            self._open = False
+            self.pool._send_and_forget(close_request(self.pool._next_id(), self.name))
+            raise
+        assert isinstance(result, Result)
+        raise_if_refused(result)
+        self._open = not result.session_ended
+        self.last_step = result.step or 0
+        return result
+
+    # ------------------------------------------------------------------ files
+
+    def upload(self, path: str, data_or_local_path: UploadData) -> int:
+        """Write one file of the session's workspace: ``data_or_local_path`` is its bytes, or the
+        path of a local file, read a chunk at a time; return its size.
+
+        ``path`` is relative to the workspace (directories are made; a file
+        there is replaced). The file may hold up to 256 MiB (less when the
+        operator's ``transfer_bytes`` says so) and counts against the
+        session's memory. A session not open yet is opened first, by an
+        empty step (its ``step`` 1), with the session's grants. Raises
+        :class:`~readie.RequestError` for a bad path or a file too large (the
+        session goes on), :class:`~readie.FileChanged` when a local file grows
+        or shrinks while it is read (the session's copy is then partial).
+        """
+        with self._lock:
+            with upload_chunks(data_or_local_path) as source:
+                checked = upload_path(self.name, path, source.size)
+                if not self._open:
+                    opened = self._step(step_request(self.pool._next_id(), self.name, "", setup=self.setup))
+                    opened.raise_for_error()
+                offset = 0
+                for data in source.chunks:
+                    request = UploadChunk(self.pool._next_id(), self.name, checked, offset, source.size, data)
+                    answer = self.pool._exchange(request)
+                    check_uploaded(answered(self, answer, UploadedEvent), request)
+                    offset += len(data)
+            return source.size
+
+    @overload
+    def download(self, path: str, to: None = None) -> bytes: ...
+
+    @overload
+    def download(self, path: str, to: PathArg) -> Path: ...
+
+    def download(self, path: str, to: PathArg | None = None) -> bytes | Path:
+        """One file of the session's workspace: its bytes, or (``to``: a local path) written there a
+        chunk at a time as it comes, and that path.
+
+        A local file is written beside ``to`` and renamed over it once whole
+        (with mode 0600, as a temporary file is made): a download that fails
+        leaves ``to`` as it was. Raises :class:`~readie.FileChanged` when the
+        file changed between two chunks (nothing of the two versions is
+        kept), :class:`~readie.RequestError` for a bad path, a file that is
+        missing, not a regular file or too large, and when the session is not
+        open (no step has run: there is nothing to read).
+        """
+        with self._lock:
+            require_open(self, "download")
+            request = download_request(self.pool._next_id(), self.name, path)
+            first: FileChunk | None = None
+            with download_sink(to) as sink:
+                while True:
+                    answer = self.pool._exchange(request)
+                    chunk = check_chunk(answered(self, answer, ChunkEvent), request, first)
+                    if first is None:
+                        first = chunk
+                    sink.write(chunk.data)
+                    if chunk.last:
+                        return sink.finish()
+                    request = download_request(self.pool._next_id(), self.name, request.path, chunk.end)
+
+    def files(self, path: str = ".") -> FileList:
+        """The entries of directory ``path`` of the workspace (``"."``: the workspace itself): names,
+        sizes and kinds, sorted by name, at most 1000 (the list's ``truncated`` says when there
+        were more). Links are listed as links, never followed. Raises
+        :class:`~readie.RequestError` as :meth:`download` does."""
+        with self._lock:
+            require_open(self, "list")
+            request = list_request(self.pool._next_id(), self.name, path)
+            answer = self.pool._exchange(request)
+            return check_listing(answered(self, answer, ListingEvent), request)
 
     def hibernate(self) -> int:
         """Checkpoint the session to disk and free its sandbox; return how long it took (ms).

@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 
 from readie_protocol.errors import ErrorType
 from readie_protocol.requests import ForkSession, HibernateSession
+from readie_protocol.transfers import ChunkEvent, ListingEvent, UploadedEvent
 from readie_protocol.events import (
     CancelledEvent,
     ClosedEvent,
@@ -36,11 +37,15 @@ __all__ = [
 ]
 
 #: What answers a request: its result, or the event it asked for.
-Answer = Result | StatsEvent | ClosedEvent | CancelledEvent | HibernatedEvent | ForkedEvent
+Answer = (
+    Result | StatsEvent | ClosedEvent | CancelledEvent | HibernatedEvent | ForkedEvent
+    | UploadedEvent | ChunkEvent | ListingEvent
+)
 
-Event = TypeVar("Event", HibernatedEvent, ForkedEvent)
+Event = TypeVar("Event", HibernatedEvent, ForkedEvent, UploadedEvent, ChunkEvent, ListingEvent)
 
-_ASKED = {HibernatedEvent: "hibernate", ForkedEvent: "fork"}
+_ASKED = {HibernatedEvent: "hibernate", ForkedEvent: "fork", UploadedEvent: "upload", ChunkEvent: "download",
+          ListingEvent: "list"}
 
 
 class _Tracked(Protocol):
@@ -77,22 +82,24 @@ def raise_if_refused(result: Result) -> None:
 
 
 def require_open(session: _Tracked, what: str) -> None:
-    """A fork copies the state the pool holds: with no step run yet (or after one that ended
-    the session) there is none, and a fork of nothing is a mistake worth hearing about."""
+    """A fork, a download and a listing read the state the pool holds: with no step run yet (or
+    after one that ended the session) there is none, and reading nothing is a mistake worth
+    hearing about."""
     if not session._open:
         raise RequestError(f"session {session.name!r} is not open (no step has run since it began or ended): "
                            f"nothing to {what}", "session")
 
 
 def answered(session: _Tracked, answer: Answer, kind: type[Event]) -> Event:
-    """The event ``kind`` that answers a hibernate or fork of ``session``; a refusal (a result)
-    raises its error: RequestError and SandboxSetupError leave the session as it was,
-    anything else (PoolWorkerError, with ``session_ended``) has ended it."""
+    """The event ``kind`` that answers a request about ``session`` (a hibernate, a fork, a file's
+    chunk or listing); a refusal (a result) raises its error: RequestError and SandboxSetupError
+    leave the session as it was, anything else (PoolWorkerError, with ``session_ended``) has
+    ended it."""
     if isinstance(answer, Result):
         if answer.session_ended:
             session._open = False
         answer.raise_for_error()
-        # An ok result is no answer to a hibernate or fork: a pool that wrote one is broken.
+        # An ok result is no answer to these requests: a pool that wrote one is broken.
         raise PoolError(f"readie pool answered {_ASKED[kind]} request {answer.id!r} with an ok result")
     if not isinstance(answer, kind):
         raise PoolError(f"readie pool answered {_ASKED[kind]} request {answer.id!r} with {type(answer).__name__}")
