@@ -29,7 +29,7 @@ ARMS = ("local", "routed")
 SIZES_MIB = (1, 16, 128)
 SMOKE_SIZES_MIB = (1,)
 # The 128 MiB file lives in the sandbox's memory, twice while the upload replaces it.
-SESSION_MEMORY = "512MiB"
+SESSION_MEMORY = "512m"
 
 
 def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
