@@ -96,3 +96,29 @@ def short_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def new_session_store(base: Path) -> tuple[Path, Path]:
+    """A session store's directory (not made yet: a worker makes it) and its key file under
+    ``base``, as an operator gives both to every worker sharing it (decision 32): a 0600 file of
+    32 random bytes, made 0600 before a byte of the key is in it."""
+    store, key = base / "store", base / "store.key"
+    key.touch(mode=0o600)
+    key.write_bytes(os.urandom(32))
+    return store, key
+
+
+def two_workers_of_one_store(start_one, start_two, store: Path) -> Iterator[tuple]:
+    """Two started workers sharing ``store`` for a test module (each restore costs a second):
+    closed after it, with no container left and, every session closed, no entry in the store."""
+    one = start_one()
+    try:
+        two = start_two()
+    except BaseException:
+        one.close()
+        raise
+    yield one, two
+    for worker in (one, two):
+        worker.close()
+        assert worker.runsc.list_ids() == []
+    assert [name for name in os.listdir(store) if not name.startswith(".")] == [], "every session closed: no entry left"

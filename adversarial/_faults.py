@@ -1,20 +1,27 @@
-"""The fault suite's machinery: a mixed load through ``readie pool --router`` that accounts
-for every request, and the processes a fault is aimed at (docs/faults.md).
+"""The fault suite's load: a mixed load through ``readie pool --router`` that accounts for
+every request and every session (docs/faults.md; the processes it aims at are
+``_fault_processes``).
 
 The load keeps a few requests in flight at a time, of four kinds: plain jobs,
 session steps (three steps then a close), host-function jobs (the client
 answers the call) and streaming jobs. Every job and step makes one side effect
 in the pool's write grant, a file named after its request id, so a request
 that ran twice shows two files whatever its answers said.
+
+Sessions are durable (decision 32): a session ends only when the client closes
+it; one that ends otherwise is counted as a session lost. A session step prints
+a counter kept in the session's own ``__main__``, so the load checks at each
+answer that the state went on: one more than the last answer's, more still by
+the steps answered as lost in between (they may have run), or one more than
+the step the result says it resumed from (``resumed_from_step``); never a
+silent step back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import random
-import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -42,6 +49,9 @@ LOSS_TYPES = {"PoolWorkerError", "SandboxSetupError", "TimeoutError"}
 QUIESCE_S = 60.0
 # What a job writes to its side-effect file as its last act.
 DONE = "done"
+# Words of an error that says the request was refused before it started (a draining router or
+# worker): such a request must have been retried on another connection, never answered lost.
+REFUSED_WORDS = ("draining", "takes no new work", "never started", "not started")
 
 
 @dataclass
@@ -55,14 +65,23 @@ class Request:
     answers: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
     sent_at: float = 0.0
+    answered_at: float = 0.0
+    # A step's verdict on its session's counter, made when it was answered (the order matters):
+    # the stdout it had to print, or why the state it printed cannot be the session's.
+    expected: str | None = None
+    state_problem: str | None = None
 
 
 @dataclass
 class SessionState:
     name: str
-    steps: int = 0
+    steps: int = 0  # steps answered, lost ones included
     busy: bool = False
-    ended: bool = False
+    ended: bool = False  # closed by the client, or lost
+    key: str | None = None  # its first result's session_key: a new pool attaches with it
+    counter: int = 0  # the counter the last step answered normally printed
+    maybe_ran: int = 0  # steps answered as lost since: each may or may not be in the state
+    irregular: bool = False  # a step was lost or resumed from an older state: step numbers may skip
 
 
 class Load:
@@ -75,6 +94,8 @@ class Load:
         self.requests: dict[str, Request] = {}
         self.strays: list[dict[str, Any]] = []  # answers naming no request in flight (late replies)
         self.problems: list[str] = []
+        # Sessions that ended without the client closing them, by the phase that ended them.
+        self.sessions_lost: Counter[str] = Counter()
         self.phase = "start"
         self._lock = threading.Lock()
         self._write = threading.Lock()
@@ -90,16 +111,31 @@ class Load:
 
     # -- the pool
 
-    def attach(self, pool: PoolProcess) -> None:
-        with self._lock:  # sessions end with their pool: a new pool knows none of them
-            for session in self._sessions.values():
-                session.ended = True
+    def attach(self, pool: PoolProcess) -> list[Request]:
+        """Drive ``pool`` from now on. The open sessions of the last pool are attached to it by
+        their keys (decision 32: a new connection continues a session); the attach requests are
+        returned, sent before any other."""
         self._pool = pool
         self._reader = threading.Thread(target=self._read, args=(pool,), daemon=True)
         self._reader.start()
+        attaches = []
+        with self._lock:
+            for session in self._sessions.values():
+                if session.ended:
+                    continue
+                if session.key is None:  # its opening was lost: nobody was told its key
+                    self._session_gone(session, self.phase)
+                    continue
+                rid = self._next_id("attach")
+                session.busy = True
+                line = {"id": rid, "session": session.name, "attach": session.key}
+                attaches.append(Request(rid, "attach", self.phase, line, session.name))
+        for request in attaches:
+            self.send(request)
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, daemon=True)
             self._sender.start()
+        return attaches
 
     def detach(self, timeout: float = QUIESCE_S) -> None:
         """Wait for the current pool's reader to see EOF (after a close_stdin or its death)."""
@@ -158,7 +194,10 @@ class Load:
             idle = [self._sessions.setdefault(name, SessionState(name))]
         if not idle:
             return None
-        session = self.rng.choice(idle)
+        return self._next_of(self.rng.choice(idle), sleep)
+
+    def _next_of(self, session: SessionState, sleep: float) -> Request:
+        """The session's next request (under the lock): a step, or its close after its last."""
         session.busy = True
         if session.steps >= SESSION_STEPS:
             rid = self._next_id("close")
@@ -199,6 +238,28 @@ class Load:
     def in_flight(self) -> list[Request]:
         with self._lock:
             return [r for r in self.requests.values() if not r.answers]
+
+    def step_sessions(self) -> list[Request]:
+        """Every open session's next request, sent now (the load has stopped): a session whose
+        sandbox a fault killed between its steps finds out here, in that fault's phase."""
+        with self._lock:
+            nexts = [self._next_of(s, 0.0) for s in self._sessions.values() if not s.ended and not s.busy]
+        for request in nexts:
+            self.send(request)
+        return nexts
+
+    def close_sessions(self) -> list[Request]:
+        """Close every session still open (the load has stopped): the client's own end of them."""
+        closes = []
+        with self._lock:
+            for session in self._sessions.values():
+                if not session.ended and not session.busy:
+                    session.busy = session.ended = True
+                    rid = self._next_id("close")
+                    closes.append(Request(rid, "close", self.phase, {"id": rid, "session": session.name, "close": True}, session.name))
+        for request in closes:
+            self.send(request)
+        return closes
 
     def _send_loop(self) -> None:
         while not self._stop.is_set():
@@ -260,16 +321,74 @@ class Load:
                 request.outputs.append(message)
                 return
             request.answers.append(message)
-            if request.session is not None:
-                session = self._sessions[request.session]
-                session.busy = False
-                if request.kind == "step" and len(request.answers) == 1:
-                    session.steps += 1
-                    if message.get("session_ended") or message.get("error"):
-                        session.ended = True
+            request.answered_at = request.answered_at or time.monotonic()
+            if request.session is not None and len(request.answers) == 1:
+                self._session_answered(self._sessions[request.session], request, message)
             self._answered.notify_all()
 
+    def _session_answered(self, session: SessionState, request: Request, message: dict[str, Any]) -> None:
+        """Follow a session's life through its answers, in their order (under the lock)."""
+        session.busy = False
+        error = message.get("error")
+        if request.kind == "attach":
+            if error is not None or not message.get("attached"):
+                self._session_gone(session, request.phase)
+            return
+        if request.kind != "step":
+            return
+        session.steps += 1
+        session.key = session.key or message.get("session_key")
+        if error is not None:
+            if message.get("session_ended"):
+                self._session_gone(session, request.phase)
+            else:  # lost (or refused): the session goes on, with or without this step's effect
+                session.maybe_ran += 1
+                session.irregular = True
+            return
+        resumed = message.get("resumed_from_step")
+        try:
+            printed = int(str(message.get("stdout", "")).strip())
+        except ValueError:
+            request.state_problem = "its stdout is not the session's counter"
+            return
+        if resumed is None:
+            fits = session.counter + 1 <= printed <= session.counter + 1 + session.maybe_ran
+            why = f"the session's counter was {session.counter} (+{session.maybe_ran} lost steps)"
+        else:  # resumed from an older image: its counter is that step's, and the result says so
+            fits = isinstance(resumed, int) and 0 <= resumed <= session.counter + session.maybe_ran and printed == resumed + 1
+            why = f"it resumed from step {resumed}; the counter was {session.counter} (+{session.maybe_ran} lost steps)"
+        # A resumed step is numbered from the state it resumed from, which can be older than
+        # the last step answered (a worker killed before an idle session's checkpoint was written).
+        if fits and not session.irregular and resumed is None and message.get("step") != request.step:
+            request.state_problem = f"step {message.get('step')} where {request.step} was due"
+        elif fits:
+            request.expected = f"{printed}\n"
+        else:
+            request.state_problem = f"printed {printed}, but {why} (a silent restart or step back?)"
+        session.counter, session.maybe_ran = printed, 0
+        session.irregular = session.irregular or resumed is not None
+
+    def _session_gone(self, session: SessionState, phase: str) -> None:
+        """A session ended that the client did not close: lost, if the client had been told of
+        its state (a step answered); one whose opening failed is only that request lost."""
+        if not session.ended and session.counter > 0:
+            self.sessions_lost[phase] += 1
+        session.ended = True
+
     # -- accounting
+
+    def history(self, entry: str) -> str:
+        """What the client did with the session whose store entry is ``entry`` (named by the SHA-256
+        of its key): its name and requests, for a report of what the store kept."""
+        named = [s.name for s in self._sessions.values() if s.key and hashlib.sha256(s.key.encode()).hexdigest() == entry]
+        if not named:
+            return f"{entry[:12]}: no session of this client"
+        requests = sorted((r for r in self.requests.values() if r.session == named[0]), key=lambda r: r.sent_at)
+        return f"{entry[:12]} is {named[0]}: " + "; ".join(
+            f"{r.id} ({r.phase}) sent {r.sent_at:.2f} answered {r.answered_at:.2f}: "
+            + ("closed" if (r.answers or [{}])[0].get("closed") else str({k: v for k, v in (r.answers or [{}])[0].items() if k in ("error", "stdout", "lost", "resumed_from_step")}))
+            for r in requests
+        )
 
     def effects(self) -> Counter[str]:
         """How many times each request id ran (files it created)."""
@@ -291,26 +410,32 @@ class Load:
             return f"ran {ran} times: {answer}"
         if request.kind == "close":
             return "answered" if answer.get("closed") else _lost_or(answer, "close refused")
+        if request.kind == "attach":
+            if answer.get("attached"):
+                return "answered"
+            return "lost" if (answer.get("error") or {}).get("type") in LOSS_TYPES | {"RequestError"} else f"attach refused: {answer}"
         error = answer.get("error")
         if error is not None:
-            if request.kind == "step" and error["type"] in LOSS_TYPES and not answer.get("session_ended"):
-                return f"a lost step without session_ended: {answer}"
+            if request.kind == "step" and error["type"] in LOSS_TYPES:
+                if answer.get("session_ended") or answer.get("lost") or refused(answer):
+                    return "lost"
+                return f"a failed step that neither ended its session nor said it was lost: {answer}"
             if request.kind == "host" and error["type"] == "HostError" and "no reply can come" in error["message"]:
                 return "lost"  # the client closed stdin: the call could not be answered, and the job was told
             return _lost_or(answer, "an error no fault explains")
         if request.kind != "probe" and (ran != 1 or request.id not in finished):
             return f"succeeded but ran {ran} times (finished: {request.id in finished}): {answer}"
+        if request.state_problem is not None:
+            return f"{request.state_problem}: {answer}"
         expected = {
             "job": f"{request.id}\n",
             "host": f"{request.id}!\n",
             "stream": "0\n1\n2\n",
-            "step": f"{request.step}\n",
+            "step": request.expected,
             "probe": "serving\n",
         }[request.kind]
         if (answer.get("exit"), answer.get("stdout")) != (0, expected):
             return f"wrong result (a silent restart?), wanted {expected!r}: {answer}"
-        if request.kind == "step" and answer.get("step") != request.step:
-            return f"step {answer.get('step')} where {request.step} was due: {answer}"
         if request.kind == "stream":
             streamed = "".join(o["data"] for o in request.outputs if o.get("stream") == "stdout")
             if not expected.startswith(streamed):
@@ -323,88 +448,17 @@ def _lost_or(answer: dict[str, Any], why: str) -> str:
     return "lost" if error.get("type") in LOSS_TYPES else f"{why}: {answer}"
 
 
-# -------------------------------------------------------------------------- processes
-
-
-def processes() -> list[tuple[int, list[str]]]:
-    """Every process's pid and argv (those that vanish while read are left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                argv = [part.decode(errors="replace") for part in cmdline.read().split(b"\0") if part]
-        except OSError:
-            continue
-        if argv:
-            found.append((int(entry), argv))
-    return found
-
-
-def runsc_processes(container_id: str, program: str | None = None) -> list[int]:
-    """The pids of the runsc processes naming ``container_id`` (``program``: only argv[0] that)."""
-    return [
-        pid
-        for pid, argv in processes()
-        if argv[0].startswith("runsc") and container_id in " ".join(argv) and (program is None or argv[0] == program)
-    ]
-
-
-def containers(runsc_root: Path) -> list[str]:
-    listed = subprocess.run(["runsc", f"--root={runsc_root}", "list", "--quiet"], capture_output=True, text=True, timeout=30)
-    return listed.stdout.split()
-
-
-def kill_all(pids: list[int], signum: int = signal.SIGKILL) -> int:
-    sent = 0
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-            sent += 1
-        except ProcessLookupError:
-            pass
-    return sent
-
-
-def argv_of(process: subprocess.Popen[bytes]) -> list[str]:
-    """A running process's command line, to start it again the same way (same port, same dirs)."""
-    with open(f"/proc/{process.pid}/cmdline", "rb") as cmdline:
-        return [part.decode() for part in cmdline.read().split(b"\0") if part]
-
-
-def relaunch(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start ``argv`` again (as a supervisor would), appending to its log."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+def refused(answer: dict[str, Any]) -> bool:
+    """Whether an error answer says its request was refused before it started."""
+    message = str((answer.get("error") or {}).get("message", "")).lower()
+    return any(words in message for words in REFUSED_WORDS)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The suite's report: one row per fault kind."""
-    columns = ["fault", "injected", "accepted", "answered", "lost-with-error", "duplicated", "problems", "recovery max s"]
+    columns = ["fault", "injected", "accepted", "answered", "lost-with-error", "sessions lost", "unstarted lost",
+               "duplicated", "problems", "recovery max s"]
     lines = [columns] + [[str(row[c]) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
     rendered = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
     return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:]])
-
-
-def serves_beneath(container_id: str, directory: Path) -> bool:
-    """Whether the container's gofer holds ``directory`` open: it serves a job's grant there (a
-    warm spare, restored before any job, mounts no grant). Compared by device and inode, since
-    the gofer sees the grant through a bind mount at a path of the worker's own."""
-    wanted = os.stat(directory)
-    for pid, argv in processes():
-        if argv[0] == "runsc-gofer" and container_id in " ".join(argv):
-            try:
-                fds = os.listdir(f"/proc/{pid}/fd")
-            except OSError:
-                return False
-            for fd in fds:
-                try:
-                    held = os.stat(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if (held.st_dev, held.st_ino) == (wanted.st_dev, wanted.st_ino):
-                    return True
-            return False
-    return False

@@ -1,8 +1,12 @@
-"""Faults under load: while a mixed load runs through ``readie pool --router`` in front of a
-``readie router`` and two ``readie worker`` processes, a seeded schedule kills or stops each
-part of the system at a random point. Every accepted request must get exactly one answer (its
-result, or a typed error saying it was lost, ``session_ended`` for a session), nothing may run
-twice, and after each fault a probe job must succeed within the bound docs/faults.md names.
+"""Faults under load: while a mixed load runs through ``readie pool --router`` in front of two
+``readie router``s and two ``readie worker``s (sharing a session store, checkpointing each
+session after every step: decision 32), a seeded schedule kills or stops each part of the
+system at a random point, and once restarts every router and worker in turn. Every accepted
+request must get exactly one answer (its result, or a typed error saying it was lost), nothing
+may run twice, a session's state never steps back silently, and after each fault a probe job
+must succeed within the bound docs/faults.md names. Through a worker's drain or crash, a
+router's restart and the rolling restart, no session may end that the client did not close, and
+no request that had not started may be lost.
 
 The seed is printed; ``READIE_FAULT_SEED=N`` replays a schedule.
 """
@@ -13,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -23,25 +28,33 @@ from pathlib import Path
 
 import pytest
 from readie_pool.testing import PoolProcess
-from readie_rpc.testing import SERVING, Cluster, WorkerProcess, not_a_subreaper, start_cluster
+from readie_rpc.testing import EXIT_TIMEOUT_S, SERVING, Cluster, WorkerProcess, not_a_subreaper, start_cluster
 from readie_worker.runsc import Runsc
 from readie_worker.testing import wait_until
 
-from adversarial._faults import (
-    Load,
+from adversarial._fault_processes import (
+    ROUTER_START_S,
+    Router,
     argv_of,
-    serves_beneath,
     containers,
     kill_all,
+    peer_ports,
     relaunch,
     runsc_processes,
-    table,
+    second_router,
+    serves_beneath,
+    store_entries,
 )
-from conftest import CHECKPOINTS
+from adversarial._faults import QUIESCE_S, Load, Request, refused, table
+from conftest import CHECKPOINTS, new_session_store
 
 pytestmark = [pytest.mark.runsc, pytest.mark.timeout(600)]
 
 SEED_VARIABLE = "READIE_FAULT_SEED"
+# Set: the run's directories (every process's log, the session store) are kept for a post-mortem.
+KEEP_VARIABLE = "READIE_FAULT_KEEP"
+# Each worker's job slots.
+WORKER_SLOTS = 2
 # The pool's job slots over the router: 8 permits, twice the load's requests in flight.
 POOL_WORKERS = 4
 # The router's probe interval (start_cluster's --probe-interval=0.2). The router evicts a
@@ -64,30 +77,45 @@ RECOVERY_BOUND_S = 30.0
 PROBE_WAIT_S = 10.0
 # The whole suite's budget (issue 17: under five minutes in make test).
 SUITE_BUDGET_S = 290.0
+# How long the client waits, having stopped writing, before it signals the pool: the pool reads
+# a line within milliseconds, and after the signal it reads no more (docs/pool.md "Lifecycle").
+POOL_READS_S = 0.2
 
 
 @dataclass
 class Rig:
     base: Path
     cluster: Cluster
+    routers: list[Router]
     load: Load
     rng: random.Random
+    store: Path
     pool: PoolProcess | None = None
     pools: int = 0
     recoveries: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     injected: Counter[str] = field(default_factory=Counter)
+    # When the process a fault aimed at was gone (reaped), by phase: a request sent after that
+    # cannot have been running in it, so if it is lost without having run it was lost unstarted.
+    gone_at: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what each fault hit, printed with the table
     argv: dict[int, list[str]] = field(default_factory=dict)  # a relaunched worker's command line, by id()
 
-    def start_pool(self) -> None:
+    def start_pool(self) -> list[Request]:
+        """A new ``readie pool`` given both routers; the open sessions of the last one are attached to it."""
         self.pools += 1
+        routers = [arg for router in self.routers for arg in ("--router", router.address)]
         self.pool = PoolProcess(
-            ["--router", self.cluster.address, f"--workers={POOL_WORKERS}", "--checkpoints", str(CHECKPOINTS)],
+            [*routers, f"--workers={POOL_WORKERS}", "--checkpoints", str(CHECKPOINTS)],
             cwd=self.base / "project",
             stderr_path=self.base / f"pool-{self.pools}.err",
         )
         self.pool.ready()
-        self.load.attach(self.pool)
+        return self.load.attach(self.pool)
+
+    def gone(self, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+        """Wait for a faulted process to exit, and note when: the first such time of the phase."""
+        process.wait(timeout)
+        self.gone_at.setdefault(self.load.phase, time.monotonic())
 
     def probe_until_serving(self, since: float) -> float:
         """Send probes until one succeeds; the seconds from ``since`` until it did."""
@@ -108,8 +136,8 @@ Restore = Callable[[], None] | None  # what a supervisor does after the fault, r
 
 
 def _busy_container(rig: Rig) -> tuple[WorkerProcess, str, bool] | None:
-    """A container on a live worker whose job is running (its bundle mounts the load's write
-    grant; a warm spare mounts nothing), else any container."""
+    """A container on a live worker whose job is running (it holds the load's write grant open;
+    a warm spare has none), else any container."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         found = [(w, c) for w in rig.cluster.workers if w.process.poll() is None for c in containers(w.runsc_root)]
@@ -146,8 +174,8 @@ def _worker_fault(signum: int) -> Callable[[Rig], tuple[float, Restore]]:
         at = time.monotonic()
         worker.process.send_signal(signum)
 
-        def restart() -> None:  # a SIGTERMed worker drains first: up to its --drain-grace
-            worker.process.wait(60)
+        def restart() -> None:  # a SIGTERMed worker drains first (hands its sessions on): up to its --drain-grace
+            rig.gone(worker.process)
             worker.process = relaunch(argv, worker.log_path)
             rig.argv[id(worker)] = argv
 
@@ -168,34 +196,68 @@ def worker_sigstop(rig: Rig) -> tuple[float, Restore]:
     return at, resume
 
 
-def _router_fault(signum: int) -> Callable[[Rig], tuple[float, Restore]]:
-    def inject(rig: Rig) -> tuple[float, Restore]:
-        router = rig.cluster.router
-        argv = argv_of(router)
-        at = time.monotonic()
-        router.send_signal(signum)
-
-        def restart() -> None:
-            router.wait(60)
-            rig.cluster.router = relaunch(argv, rig.cluster.log_path)
-
-        return at, restart
-
-    return inject
+def _restart_router(rig: Rig, router: Router, argv: list[str]) -> None:
+    """Wait for a signalled router to exit and start it again on its port (as a supervisor would)."""
+    rig.gone(router.process)
+    router.process = relaunch(argv, router.log_path)
+    if router is rig.routers[0]:  # the cluster's own router, which Cluster.stop stops
+        rig.cluster.router = router.process
 
 
-def stdin_closed(rig: Rig) -> tuple[float, Restore]:
-    """EOF mid-stream: the pool drains what it accepted, answers it and exits 0; a new one starts."""
+def router_sigkill(rig: Rig) -> tuple[float, Restore]:
+    """SIGKILL the router the pool uses and restart it; the pool goes on through the other router
+    and re-attaches its sessions there, sending again what the lost router had not started."""
     assert rig.pool is not None
+    in_use = peer_ports(rig.pool.process.pid) & {r.port for r in rig.routers}
+    router = rig.rng.choice([r for r in rig.routers if r.port in in_use] or rig.routers)
+    argv = argv_of(router.process)
     at = time.monotonic()
+    router.process.send_signal(signal.SIGKILL)
+    rig.notes.append(f"SIGKILL {router.name} (the pool was connected to ports {sorted(in_use)})")
+    return at, lambda: _restart_router(rig, router, argv)
+
+
+def rolling_restart(rig: Rig) -> tuple[float, Restore]:
+    """Every router, then every worker, drained with SIGTERM and started again, one at a time
+    and each serving before the next goes, under the load: a deploy."""
+    at = time.monotonic()
+
+    def roll() -> None:
+        for router in rig.routers:
+            argv = argv_of(router.process)
+            router.process.send_signal(signal.SIGTERM)
+            _restart_router(rig, router, argv)
+            assert wait_until(router.serving, ROUTER_START_S, 0.1), f"{router.name} not serving again"
+        for worker in rig.cluster.workers:
+            argv = argv_of(worker.process)
+            worker.process.send_signal(signal.SIGTERM)
+            rig.gone(worker.process)
+            worker.process = relaunch(argv, worker.log_path)
+            rig.argv[id(worker)] = argv
+            _wait_worker_serving(rig, worker)
+        rig.notes.append(f"rolling restart: {len(rig.routers)} routers and {len(rig.cluster.workers)} workers "
+                         f"in {time.monotonic() - at:.1f} s")
+
+    return at, roll
+
+
+def pool_sigterm(rig: Rig) -> tuple[float, Restore]:
+    """SIGTERM mid-stream: the pool reads no more lines, answers what it accepted, detaches its
+    sessions into the store and exits 0; a new pool starts and attaches each by its key."""
+    assert rig.pool is not None
     rig.load.sending.clear()
-    with rig.load._write:  # noqa: SLF001 - no request half written when the pipe closes
-        rig.pool.close_stdin()
+    with rig.load._write:  # noqa: SLF001 - no request half written when the pool stops reading
+        time.sleep(POOL_READS_S)  # what was written is read: a line the pool never read has no answer
+        at = time.monotonic()
+        rig.pool.process.send_signal(signal.SIGTERM)
     rig.load.detach()
     status = rig.pool.finish(60)
     if status != 0:
-        rig.load.problems.append(f"pool stdin closed: the pool exited {status}: {rig.pool.stderr_text()[-2000:]}")
-    rig.start_pool()
+        rig.load.problems.append(f"pool SIGTERM: the pool exited {status}: {rig.pool.stderr_text()[-2000:]}")
+    attaches = rig.start_pool()
+    wait_until(lambda: all(a.answers for a in attaches), PROBE_WAIT_S, 0.05)
+    rig.notes.append(f"pool SIGTERM: {sum(bool(a.answers and a.answers[0].get('attached')) for a in attaches)} "
+                     f"of {len(attaches)} sessions attached to the new pool")
     rig.load.sending.set()
     return at, None
 
@@ -210,20 +272,34 @@ def stdout_stalled(rig: Rig) -> tuple[float, Restore]:
 FAULTS: dict[str, Callable[[Rig], tuple[float, Restore]]] = {
     "sandbox SIGKILL": _sandbox_fault(None),
     "gofer SIGKILL": _sandbox_fault("runsc-gofer"),
-    "worker SIGKILL": _worker_fault(signal.SIGKILL),
-    "worker SIGTERM": _worker_fault(signal.SIGTERM),
+    "crash resume (worker SIGKILL)": _worker_fault(signal.SIGKILL),
+    "drain hand-over (worker SIGTERM)": _worker_fault(signal.SIGTERM),
     "worker SIGSTOP/SIGCONT": worker_sigstop,
-    "router SIGKILL": _router_fault(signal.SIGKILL),
-    "router SIGTERM": _router_fault(signal.SIGTERM),
-    "pool stdin closed": stdin_closed,
+    "router SIGKILL, reconnect": router_sigkill,
+    # A router's SIGTERM (a drain: new work refused as not started, sessions let go into the
+    # store) is the rolling restart's first two steps, under the same load: no row of its own.
+    "rolling restart": rolling_restart,
+    "pool SIGTERM, re-attach": pool_sigterm,
     "pool stdout stalled": stdout_stalled,
 }
-# The cheap, local faults run twice: more random points in a job's life for the same time.
-REPEATS = {"sandbox SIGKILL": 2, "gofer SIGKILL": 2}
+# The faults that may kill an idle session's sandbox (its gofer serves the grant between steps
+# too): every open session takes a step before the phase ends, so its loss is counted here.
+SANDBOX_FAULTS = {"sandbox SIGKILL", "gofer SIGKILL"}
+# The faults a session and an unstarted request must survive (decision 32; issue 30's must-show):
+# their rows must count 0 sessions lost and 0 unstarted requests lost.
+DURABLE = {
+    "crash resume (worker SIGKILL)",
+    "drain hand-over (worker SIGTERM)",
+    "router SIGKILL, reconnect",
+    "rolling restart",
+    "pool SIGTERM, re-attach",
+}
 
 
 def schedule(rng: random.Random) -> list[str]:
-    faults = [name for name in FAULTS for _ in range(REPEATS.get(name, 1))]
+    """Every fault once, in a seeded order (the rolling restart took the time the cheap faults'
+    second runs had)."""
+    faults = list(FAULTS)
     rng.shuffle(faults)
     return faults
 
@@ -242,10 +318,21 @@ def _rig() -> Iterator[Rig]:
     print(f"\nfault schedule seed {seed} (replay: {SEED_VARIABLE}={seed})")
     base = Path(tempfile.mkdtemp(prefix="rfault-", dir="/tmp"))
     (base / "project" / "out").mkdir(parents=True)
-    cluster = start_cluster(base, CHECKPOINTS / "manifest.json", warm="base=2", slots=2)
+    # The store and its key live outside /tmp, where the test ceiling grants jobs their files:
+    # no job may be granted the store. Each session is checkpointed into it after every step
+    # (decision 32), so a worker's crash costs at most the step in flight.
+    private = Path(tempfile.mkdtemp(prefix="rfault-", dir="/dev/shm"))
+    store, key = new_session_store(private)
+    store.mkdir(mode=0o700)
+    cluster = start_cluster(
+        base, CHECKPOINTS / "manifest.json", warm="base=2", slots=WORKER_SLOTS,
+        worker_args=[f"--session-store={store}", f"--session-store-key={key}", "--session-checkpoint=step"],
+    )
+    routers = [Router("router-a", cluster.router, cluster.port, cluster.log_path)]
     rng = random.Random(seed)
-    made = Rig(base, cluster, Load(base / "project" / "out", rng), rng)
+    made = Rig(base, cluster, routers, Load(base / "project" / "out", rng), rng, store)
     try:
+        routers.append(second_router(base, cluster))
         made.start_pool()
         yield made
     finally:
@@ -256,28 +343,47 @@ def _rig() -> Iterator[Rig]:
             if worker.process.poll() is None:
                 worker.process.send_signal(signal.SIGCONT)
         try:
+            for router in routers[1:]:
+                router.process.terminate()
+                status = router.process.wait(EXIT_TIMEOUT_S)
+                assert status == 0, f"{router.name} exited {status}:\n{router.log_path.read_text()[-3000:]}"
             cluster.stop()
         finally:
+            for router in routers:
+                if router.process.poll() is None:
+                    router.process.kill()
             for worker in cluster.workers:
                 Runsc(root=worker.runsc_root).sweep()
-            shutil.rmtree(base, ignore_errors=True)
+            if os.environ.get(KEEP_VARIABLE):
+                print(f"kept {base} and {private} (logs, the store)")
+            else:
+                shutil.rmtree(base, ignore_errors=True)
+                shutil.rmtree(private, ignore_errors=True)
 
 
 def _wait_cluster_whole(rig: Rig) -> None:
-    """Both workers serving again and the router seeing them, before the next fault.
-
-    A relaunched worker that exits at start is relaunched again, as a supervisor's restart
-    policy would (Compose's unless-stopped, a DaemonSet's Always), and noted in the report.
-    """
+    """Both workers serving again and both routers placing on them, before the next fault: each
+    phase starts from the whole cluster, so what it counts is its own fault's."""
     for worker in rig.cluster.workers:
+        _wait_worker_serving(rig, worker)
+    slots = WORKER_SLOTS * len(rig.cluster.workers)
+    for router in rig.routers:
+        assert wait_until(lambda r=router: r.placing_on() == slots, ROUTER_START_S, 0.2), (
+            f"{router.name} does not place on every worker:\n{router.log_path.read_text()[-3000:]}"
+        )
 
-        def serving(w: WorkerProcess = worker) -> bool:
-            if w.process.poll() is not None and id(w) in rig.argv:
-                rig.notes.append(f"{w.log_path.parent.name} exited {w.process.returncode} at start; relaunched")
-                w.process = relaunch(rig.argv[id(w)], w.log_path)
-            return _serving(w)
 
-        assert wait_until(serving, 60, 0.5), f"{worker.log_path} not serving again:\n{worker.log_path.read_text()[-3000:]}"
+def _wait_worker_serving(rig: Rig, worker: WorkerProcess) -> None:
+    """A relaunched worker that exits at start is relaunched again, as a supervisor's restart
+    policy would (Compose's unless-stopped, a DaemonSet's Always), and noted in the report."""
+
+    def serving() -> bool:
+        if worker.process.poll() is not None and id(worker) in rig.argv:
+            rig.notes.append(f"{worker.log_path.parent.name} exited {worker.process.returncode} at start; relaunched")
+            worker.process = relaunch(rig.argv[id(worker)], worker.log_path)
+        return _serving(worker)
+
+    assert wait_until(serving, 60, 0.5), f"{worker.log_path} not serving again:\n{worker.log_path.read_text()[-3000:]}"
 
 
 def _serving(worker: WorkerProcess) -> bool:
@@ -305,11 +411,19 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
         supervisor.join(90)
         time.sleep(LOAD_AFTER_S)
         unanswered = load.quiesce()
+        if fault in SANDBOX_FAULTS:  # a session's sandbox killed between its steps shows in this row
+            load.step_sessions()
+            unanswered = load.quiesce()
         for request in unanswered:
             load.problems.append(f"{fault}: {request.id} ({request.kind}) never answered: {request.line.get('session')}")
         _wait_cluster_whole(rig)
         load.requests = {r: q for r, q in load.requests.items() if q.answers}  # the ledger keeps what it judged
     load.stop()
+    load.phase = "end"
+    closes = load.close_sessions()  # the client ends what is left: nothing of it may stay in the store
+    assert wait_until(lambda: all(c.answers for c in closes), QUIESCE_S, 0.1), "closes unanswered"
+    unclosed = [c.answers for c in closes if not c.answers[0].get("closed")]
+    leftovers = [] if wait_until(lambda: not store_entries(rig.store), 30, 0.2) else store_entries(rig.store)
     effects, finished = load.effects(), load.finished()
     by_fault: dict[str, Counter[str]] = defaultdict(Counter)
     seen: dict[str, Counter[str]] = defaultdict(Counter)  # what the client was told, by fault
@@ -319,7 +433,17 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
         counts = by_fault[request.phase]
         counts["accepted"] += 1
         counts["duplicated"] += len(request.answers) > 1
+        if verdict == "lost" and not effects.get(request.id) and request.kind != "attach" and (
+            refused(request.answers[0]) or request.sent_at >= rig.gone_at.get(request.phase, float("inf"))
+        ):  # refused before it started, or sent once its target was gone, and never ran: lost unstarted
+            counts["unstarted lost"] += 1
+            if request.phase in DURABLE:
+                load.problems.append(f"{request.phase}: {request.id} ({request.kind}) lost before it started: "
+                                     f"{request.answers[0]['error']['message'][:200]}")
         for answer in request.answers:
+            for resumed in ("resumed_ms", "resumed_from_step"):  # how sessions went on: shown with the errors
+                seen[request.phase][resumed] += answer.get(resumed) is not None
+            seen[request.phase]["lost: true"] += bool(answer.get("lost"))
             error = answer.get("error")
             if error is not None:
                 told = error["type"] + ("+session_ended" if answer.get("session_ended") else "")
@@ -329,7 +453,7 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
             counts[verdict] += 1
         else:
             counts["problems"] += 1
-            load.problems.append(f"{request.phase}: {request.id} ({request.kind}): {verdict}")
+            load.problems.append(f"{request.phase}: {request.id} ({request.kind}): {verdict[:600]}")
     for fault in FAULTS:
         counts = by_fault[fault]
         rows.append({
@@ -338,6 +462,8 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
             "accepted": counts["accepted"],
             "answered": counts["answered"],
             "lost-with-error": counts["lost"],
+            "sessions lost": load.sessions_lost[fault],
+            "unstarted lost": counts["unstarted lost"],
             "duplicated": counts["duplicated"],
             "problems": counts["problems"],
             "recovery max s": f"{max(rig.recoveries[fault], default=0):.2f}",
@@ -346,11 +472,15 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
     record_property("fault_table", report)
     with capsys.disabled():
         print("\n" + "\n".join(rig.notes))
-        print("\n" + "\n".join(f"{fault}: {dict(types)}" for fault, types in seen.items()))
+        print("\n" + "\n".join(f"{fault}: {dict(+types)}" for fault, types in seen.items()))
         print("\n".join(f"  {told}: {message}" for told, message in samples.items()))
         print(f"\n{report}\n(order: {', '.join(order)}; {time.monotonic() - started:.0f} s; "
               f"{len(load.strays)} answers to no request: {[s.get('error') for s in load.strays][:5]})")
     assert not load.problems, "\n".join(load.problems[:40])
     assert all(row["duplicated"] == 0 for row in rows)
+    lost = {row["fault"]: (row["sessions lost"], row["unstarted lost"]) for row in rows if row["fault"] in DURABLE}
+    assert all(counts == (0, 0) for counts in lost.values()), f"sessions and unstarted requests lost: {lost}"
+    assert not unclosed, f"sessions the client could not close at the end: {unclosed[:5]}"
+    assert not leftovers, "closed sessions left images in the store:\n" + "\n".join(load.history(e) for e in leftovers)
     worst = {fault: max(times) for fault, times in rig.recoveries.items()}
     assert all(seconds <= RECOVERY_BOUND_S for seconds in worst.values()), worst

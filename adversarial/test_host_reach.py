@@ -108,7 +108,8 @@ def test_no_inherited_descriptor_leads_to_a_host_file(target):
 
 @pytest.mark.parametrize(
     "path",
-    ["/readie/grants/write-3/planted", "/readie/grants/read-2/planted", "/readie/grants/write-0/planted"],
+    ["/readie/grants/write-3/planted", "/readie/grants/read-2/planted", "/readie/grants/write-0/planted",
+     "/readie/grants/write-1/grant/planted"],  # an unfilled slot's grant point (decision 34)
 )
 def test_no_host_directory_is_writable_but_the_grants(target, path):
     """The finding: /readie/run and the unused write slots were writable host directories."""
@@ -154,9 +155,12 @@ def test_no_setuid_or_setgid_file_is_left_in_a_write_grant(target, code):
 
 
 def test_a_write_grant_is_the_only_writable_host_directory(target):
-    code = LIBC + "print(create('/readie/grants/write-0/through-the-slot'), create('out/by-name'))\n"
+    code = LIBC + (
+        "print(create('/readie/grants/write-0/grant/through-the-slot'), create('out/by-name'))\n"
+        "print(create('/readie/grants/write-0/beside-the-grant'))\n"  # the slot around it (decision 34)
+    )
     result = target.attack(code, allow_write=["out"])
-    assert result["stdout"] == "written written\n", result
+    assert result["stdout"] == "written written\nRead-only file system\n", result
     assert sorted(os.listdir(target.out)) == ["by-name", "through-the-slot"]
 
 

@@ -79,6 +79,12 @@ class Settings:
     # checkpoint writes a round, ~15 s for both under a load average of 13 here (less when
     # quiet). Eight rounds put p95 between the 7th and 8th for ~2 min of make bench's ten.
     hibernate_rounds: int = 8
+    # Scenario 16: rounds of a worker draining `handover_sessions` idle pandas sessions into the
+    # store, then each one's first step on the other worker beside a live step. A round is a
+    # worker start, four warm restores, four hibernations and four restores: ~10 s here, so
+    # three rounds (12 samples a figure, p95 between the 11th and 12th) take ~30 s.
+    handover_rounds: int = 3
+    handover_sessions: int = 4
     # Job slots of the pools and the worker; two cores run about two jobs at once.
     slots: int = 2
     settle_timeout_s: float = 5.0
@@ -100,11 +106,13 @@ SMOKE = Settings(
     memory_cold=False,
     session_steps=1,
     host_calls=3,
-    soak_jobs=20,
+    soak_jobs=8,  # enough to see the pool take jobs and give every sandbox back
     soak_sessions=2,
     soak_session_rounds=1,
     hibernate_rounds=1,
-    settle_timeout_s=2.0,
+    handover_rounds=1,
+    handover_sessions=1,
+    settle_timeout_s=0.0,  # a smoke run's figures are not compared: nothing waits for quiet
     smoke_scope=True,
 )
 
@@ -228,6 +236,16 @@ class Bench:
             return PoolPath(self.pools[name])
         assert self.warm_worker is not None
         return WorkerPath(self.warm_worker, name)
+
+    def grant_path(self, name: str) -> PoolPath | WorkerPath:
+        """The warm path with a read grant of an empty directory: what a job with the user's
+        files pays beyond one without (a warm sandbox takes the grant, decision 0034)."""
+        granted = self.scratch / "granted"
+        granted.mkdir(exist_ok=True)
+        if name in self.pools:
+            return PoolPath(self.pools[name], allow_read=(str(granted),))
+        assert self.warm_worker is not None
+        return WorkerPath(self.warm_worker, name, allow_read=(str(granted),))
 
     def empty_path(self, name: str) -> WorkerPath:
         assert self.worker is not None

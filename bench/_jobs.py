@@ -71,13 +71,16 @@ class PoolPath:
 
     via = "readie pool (JSONL, request line -> result line)"
 
-    def __init__(self, client: PoolClient, want_backend: str = "gvisor:runsc-restore") -> None:
+    def __init__(self, client: PoolClient, want_backend: str = "gvisor:runsc-restore", allow_read: tuple[str, ...] = ()) -> None:
         self.client = client
         self.want_backend = want_backend
+        self.fields = {"allow_read": list(allow_read)} if allow_read else {}
 
     def run(self, kind: JobKind) -> Sample:
         try:
-            result, elapsed_s = self.client.request(lambda rid: build_job(rid, {"code": kind.code}), timeout=JOB_TIMEOUT_S)
+            result, elapsed_s = self.client.request(
+                lambda rid: build_job(rid, {"code": kind.code, **self.fields}), timeout=JOB_TIMEOUT_S
+            )
         except PoolError as exc:
             return Sample(0.0, f"pool: {exc}")
         error = result.get("error")
@@ -94,14 +97,17 @@ class WorkerPath:
 
     via = "Worker.run_job (in process)"
 
-    def __init__(self, worker: Worker, checkpoint: str, want_backend: str = "gvisor:runsc-restore") -> None:
+    def __init__(
+        self, worker: Worker, checkpoint: str, want_backend: str = "gvisor:runsc-restore", allow_read: tuple[str, ...] = ()
+    ) -> None:
         self.worker = worker
         self.checkpoint = checkpoint
         self.want_backend = want_backend
+        self.allow_read = allow_read
 
     def run(self, kind: JobKind) -> Sample:
         started = time.monotonic()
-        outcome = self.worker.run_job(CodeJob(checkpoint=self.checkpoint, code=kind.code))
+        outcome = self.worker.run_job(CodeJob(checkpoint=self.checkpoint, code=kind.code, allow_read=self.allow_read))
         elapsed_ms = (time.monotonic() - started) * 1000
         if outcome.error is not None:
             return Sample(elapsed_ms, f"{outcome.error.type}: {outcome.error.message}")

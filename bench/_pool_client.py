@@ -97,6 +97,11 @@ class PoolClient:
             *([f"--router={router}"] if router else []),
             *args,
         ]
+        return cls.spawn(command, log_path)
+
+    @classmethod
+    def spawn(cls, command: Sequence[str], log_path: Path) -> PoolClient:
+        """Any command that speaks the pool protocol on its stdin and stdout (``bench._host_pool``)."""
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         connection = PoolConnection(Role.CLIENT, max_line_bytes=MAX_EVENT_LINE_BYTES)

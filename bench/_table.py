@@ -26,13 +26,15 @@ def render(result: dict[str, Any]) -> str:
         ("6. memory per idle sandbox, MB", "memory", _memory),
         ("7. scaling: print(1) through the warm pool, ms p50 (p95)", "scaling", _scaling),
         ("8. router hop: readie pool local vs --router, ms p50 (p95)", "router_hop", _router_hop),
-        ("9. a warm-pool job's phases, ms p50 (p95), in process", "phases", _phases),
+        ("9. a warm-pool job's and a session step's phases, ms p50 (p95), in process", "phases", _phases),
         ("10. Debian 12's runsc beside the default one", "old_runsc", _old_runsc),
         ("11. streamed output, ms p50 (p95)", "stream", _stream),
         ("12. soak: what the pool holds as jobs and sessions go by", "soak", _soak),
         ("13. session hibernation: hibernate, resume, fork, ms p50 (p95); image and memory, MB p50", "hibernate",
          _hibernate),
         ("14. files into and out of a session, MB/s (and of cp on the host)", "transfers", _transfers),
+        ("16. drain hand-over: a worker's SIGTERM until its sessions are in the store, and the step after, "
+         "ms p50 (p95)", "handover", _handover),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -71,12 +73,13 @@ def _job(entry: dict[str, Any]) -> list[str]:
     for name, kinds in entry["checkpoints"].items():
         for kind, e in kinds.items():
             r = e["ratios"]
-            rows.append([name, kind, _ms(e["warm_pool"]), _ms(e["empty_pool"]), _ms(e["cold"]), _ms(e["host"]),
-                         _x(r["cold_over_warm"]), _x(r["empty_over_warm"]), _x(r["warm_over_host"])])
+            rows.append([name, kind, _ms(e["warm_pool"]), _ms(e["read_grant"]), _ms(e["empty_pool"]), _ms(e["cold"]),
+                         _ms(e["host"]), _x(r["read_grant_over_warm"]), _x(r["cold_over_warm"]), _x(r["empty_over_warm"]),
+                         _x(r["warm_over_host"])])
     via = entry["via"]
     warm_via = sorted(set(via["warm_pool"].values()))
-    lines = _grid(["checkpoint", "job", "warm pool", "empty pool", "cold runsc", "host python",
-                   "cold/warm", "empty/warm", "warm/host"], rows)
+    lines = _grid(["checkpoint", "job", "warm pool", "read grant", "empty pool", "cold runsc", "host python",
+                   "grant/warm", "cold/warm", "empty/warm", "warm/host"], rows)
     lines.append(f"  warm pool via {', '.join(warm_via)}; empty pool via {via['empty_pool']}")
     return lines
 
@@ -113,8 +116,16 @@ def _sessions(entry: dict[str, Any]) -> list[str]:
 
 def _host_function(entry: dict[str, Any]) -> list[str]:
     figure = entry["round_trip_ms"]
-    return [f"  {entry['what']} ({entry['checkpoint']}): p50 {figure.get('p50')} ms, "
-            f"p95 {figure.get('p95')} ms, n {figure.get('n')}"]
+    lines = [f"  {entry['what']} ({entry['checkpoint']}): p50 {figure.get('p50')} ms, "
+             f"p95 {figure.get('p95')} ms, n {figure.get('n')}"]
+    split = entry.get("breakdown_us", {})
+    if "in_sandbox_p50" in split:
+        parts = ", ".join(f"{part} {us}" for part, us in split["in_sandbox_p50"].items())
+        lines.append(f"  in the sandbox, µs p50: {parts}; pool and client alone (no sandbox): "
+                     f"p50 {split['pool_and_client'].get('p50')} µs")
+    elif split:
+        lines.append(f"  breakdown: {split.get('reason')}")
+    return lines
 
 
 def _stream(entry: dict[str, Any]) -> list[str]:
@@ -155,6 +166,19 @@ def _hibernate(entry: dict[str, Any]) -> list[str]:
         *_grid(["checkpoint", "fork", "fork of hibernated", "fork's 1st step", "image MB", "on disk",
                 "session PSS", "PSS freed"], forks),
         f"  {entry['what']}; containers left: {entry['containers_left']}{note}",
+    ]
+
+
+def _handover(entry: dict[str, Any]) -> list[str]:
+    row = [entry["sessions_per_drain"], _ms(entry["drain_to_stored_ms"]), _ms(entry["drain_to_exit_ms"]),
+           _ms(entry["attach_ms"]), _ms(entry["first_step_ms"]), _ms(entry["resumed_ms"]), _ms(entry["live_step_ms"]),
+           _x(entry["first_over_live"]), _x(entry["first_over_live_paired"])]
+    note = f"; errors (first: {entry['errors'][0]})" if entry["errors"] else ""
+    return [
+        *_grid(["sessions", "SIGTERM to stored", "to exit", "attach", "1st step after", "of it restore", "live step",
+                "1st/live", "paired"], [row]),
+        f"  {entry['what']}; store entries left: {entry['store_entries_left']}, workers left: "
+        f"{entry['workers_left']}{note}",
     ]
 
 
@@ -217,9 +241,18 @@ def _phases(entry: dict[str, Any]) -> list[str]:
         [arm, _ms(e.get("total_ms"), 1), *(_ms(e.get(part), 2) for part in parts)]
         for arm, e in entry["arms"].items()
     ]
+    # The runner's own phases and the worker's around the exchange, p50 ms, an arm a line.
+    finer = [
+        f"  {arm}: " + "; ".join(
+            f"{group} " + ", ".join(f"{phase} {ms}" for phase, ms in e.get(f"{group}_phases_p50_ms", {}).items())
+            for group in ("runner", "worker")
+        )
+        for arm, e in entry["arms"].items()
+    ]
     return [
         *_grid(["arm", "total", "acquire", "runner", "code", "worker"], rows),
         f"  {entry['checkpoint']}: not warmed up / warmed up {_x(entry.get('not_warmed_over_warmed'))}",
+        *finer,
     ]
 
 

@@ -117,6 +117,8 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
 
     job = f"job/checkpoints/{name}/print"
     figures[f"{name}: warm-pool print(1) p50 ms"] = pick(f"{job}/warm_pool/p50")
+    figures[f"{name}: job with a read grant p50 ms"] = pick(f"{job}/read_grant/p50")
+    figures[f"{name}: job with a read grant / warm-pool job"] = pick(f"{job}/ratios/read_grant_over_warm")
     figures[f"{name}: cold runsc + import, print(1) p50 ms"] = pick(f"{job}/cold/p50")
     figures[f"{name}: cold job / warm-pool job"] = pick(f"{job}/ratios/cold_over_warm")
     figures[f"{name}: warm-pool job / host python -c"] = pick(f"{job}/ratios/warm_over_host")
@@ -135,6 +137,14 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     figures[f"{name}: step after hibernation / fresh session's first step"] = pick(f"{hibernate}/resume_over_fresh")
     figures[f"{name}: fork of a live session p50 ms"] = pick(f"{hibernate}/fork_ms/p50")
     figures[f"{name}: MB on disk per hibernated session"] = pick(f"{hibernate}/image_mb/p50")
+    figures[f"{name}: session step with per-step checkpoints / without, p50"] = pick("step_checkpoint/step_over_off")
+    figures[f"{name}: CPU-s per session checkpoint"] = pick("step_checkpoint/checkpoint_cpu_s")
+    if pick("handover/checkpoint") == name:  # a smoke run's drains the smallest checkpoint's sessions
+        figures[f"{name}: worker SIGTERM until its last idle session is in the store, p50 ms"] = pick(
+            "handover/drain_to_stored_ms/p50")
+        figures[f"{name}: first step after a hand-over p50 ms"] = pick("handover/first_step_ms/p50")
+        figures[f"{name}: step on a live session p50 ms (beside it)"] = pick("handover/live_step_ms/p50")
+        figures[f"{name}: first step after a hand-over / live step"] = pick("handover/first_over_live")
     for arm in ("local", "routed"):
         for way in ("upload", "download"):
             figures[f"128 MiB {way} MB/s, {arm}"] = pick(f"transfers/sizes/128MiB/{arm}/{way}_mb_s")

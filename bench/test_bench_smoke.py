@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHECKPOINTS, REPO
+from readie_executor.jobs import bounds
 
 pytestmark = pytest.mark.runsc
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.runsc
 SMOKE_BUDGET_S = 60.0
 SCENARIOS = (
     "start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop", "phases",
-    "old_runsc", "stream", "soak", "hibernate", "transfers",
+    "old_runsc", "stream", "soak", "hibernate", "transfers", "step_checkpoint", "handover",
 )
 
 
@@ -52,7 +53,7 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
         assert start["restore_ms"]["n"] == 1 and start["cold_ms"]["n"] >= 1
         assert start["cold_over_restore"] > 0
         for kind, job in scenarios["job"]["checkpoints"][name].items():
-            for arm in ("warm_pool", "empty_pool", "cold", "host"):
+            for arm in ("warm_pool", "read_grant", "empty_pool", "cold", "host"):
                 assert job[arm]["n"] == 1, (name, kind, arm, job["errors"])
     assert "groupby" in scenarios["job"]["checkpoints"][names[-1]]  # the largest preloads pandas
     assert len(scenarios["scaling"]["restore_vs_image_size"]["points"]) == len(names)
@@ -70,11 +71,14 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
     for figure in ("session_step_ms", "host_round_trip_ms"):
         assert hop[figure]["local"]["n"] >= 1 and hop[figure]["routed"]["n"] >= 1, (figure, hop["errors"])
         assert hop[figure]["routed_over_local"]["p50"] > 0, figure
-    # A warm job's phases, warmed up and not (the before/after pair of that change).
-    for arm in ("warmed", "not_warmed"):
+    # A warm job's phases, warmed up and not (the before/after pair of that change), and a session
+    # step's, each down to the runner's own phases.
+    for arm in ("warmed", "not_warmed", "session_step"):
         phases = scenarios["phases"]["arms"][arm]
         assert phases["total_ms"]["n"] >= 1, (arm, scenarios["phases"]["errors"])
         assert {"acquire_ms", "runner_ms", "code_ms", "worker_ms"} <= phases.keys()
+        assert list(phases["runner_phases_p50_ms"]) == [*bounds.RUNNER_PHASES, "wire"], arm
+        assert list(phases["worker_phases_p50_ms"]) == ["request", "exchange", "validate"], arm
     # Debian 12's runsc beside the default one, each arm naming its version and platform.
     old = scenarios["old_runsc"]
     assert old["arms"]["old"]["platform"] == "ptrace" and old["arms"]["new"]["platform"] == "systrap", old["errors"]
@@ -84,5 +88,10 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
     assert transfer["cp_mb_s"] > 0
     for arm in ("local", "routed"):
         assert transfer[arm]["upload_mb_s"] > 0 and transfer[arm]["download_mb_s"] > 0, arm
+    # A worker's SIGTERM hands its session to the store; its first step on the other worker beside a live one.
+    handover = scenarios["handover"]
+    assert handover["drain_to_stored_ms"]["n"] == 1 and handover["first_step_ms"]["n"] == 1, handover["errors"]
+    assert handover["live_step_ms"]["n"] == 1 and handover["resumed_ms"]["p50"] >= 0
+    assert handover["store_entries_left"] == 0 and handover["workers_left"] == 0
     # The table renders from the JSON alone.
     assert "key figures" in done.stdout

@@ -32,6 +32,8 @@ need make make
 need debootstrap debootstrap
 # The worker's netns network backend runs ip(8).
 need ip iproute2
+# Egress enforcement for networked sandboxes (docs/decisions/0036-egress-enforcement.md).
+need nft nftables
 # The compose file's check (client/tests/test_compose.py).
 need docker-compose docker-compose
 # The test suite's non-Python gRPC client (rpc/tests/node).

@@ -157,7 +157,7 @@ def _round(bench: Bench, worker: Worker, kept: _Kept, samples: _Samples, round_i
     if capacity.hibernated == 1:
         samples.image_bytes.append(capacity.hibernated_bytes)
         assert worker.images is not None
-        samples.image_disk_bytes.append(_allocated_bytes(worker.images.root))
+        samples.image_disk_bytes.append(_allocated_bytes(worker.images.store.root))  # its only entry
     else:
         samples.errors.append(f"{capacity.hibernated} images on disk, expected 1: bytes not sampled")
     if _wait_gone(sandbox_id):

@@ -3,7 +3,7 @@
 They share rounds because they share samples: a cold runsc start is both
 scenario 1's cold arm (until the socket answers) and the first part of
 scenario 2's cold arm (then the job runs in it). Each round takes, per
-checkpoint, one bare restore and then, per job kind, the four job arms in a
+checkpoint, one bare restore and then, per job kind, the five job arms in a
 shuffled order, with the machine settled before each arm. Checkpoint order
 rotates from round to round. So every arm of a ratio is sampled across the
 whole run, next to the others, and slow drift hits all of them alike.
@@ -27,7 +27,7 @@ from .._stats import paired_ratio, ratio, summary
 
 # Fixed, so two runs shuffle their arms the same way.
 RANDOM_SEED = 20221219
-ARMS = ("warm_pool", "empty_pool", "cold", "host")
+ARMS = ("warm_pool", "read_grant", "empty_pool", "cold", "host")
 MB = 1024 * 1024
 
 
@@ -116,7 +116,12 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
     }
     jobs: dict[tuple[str, str], dict[str, _Arm]] = {}
     paths = {
-        name: {"warm_pool": bench.warm_path(name), "empty_pool": bench.empty_path(name), "host": bench.host_path(name)}
+        name: {
+            "warm_pool": bench.warm_path(name),
+            "read_grant": bench.grant_path(name),
+            "empty_pool": bench.empty_path(name),
+            "host": bench.host_path(name),
+        }
         for name in bench.names
     }
     for round_index in range(bench.settings.rounds):
@@ -157,6 +162,7 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
             "the worker destroys before it answers)",
             "via": {
                 "warm_pool": {name: paths[name]["warm_pool"].via for name in names},
+                "read_grant": "as warm_pool, the job granted an empty directory to read (allow_read)",
                 "empty_pool": paths[names[0]]["empty_pool"].via + ", pool target 0: each job restores its own",
                 "cold": "launch(RunscCold) + run_in_sandbox + destroy: a cold runsc start per job",
                 "host": paths[names[0]]["host"].via,
@@ -212,12 +218,14 @@ def _job_entry(arms: dict[str, _Arm]) -> dict[str, Any]:
     entry["ratios"] = {
         "cold_over_warm": ratio(entry["cold"], entry["warm_pool"]),
         "empty_over_warm": ratio(entry["empty_pool"], entry["warm_pool"]),
+        "read_grant_over_warm": ratio(entry["read_grant"], entry["warm_pool"]),
         "warm_over_host": ratio(entry["warm_pool"], entry["host"]),
         "cold_over_host": ratio(entry["cold"], entry["host"]),
     }
     entry["paired_ratios"] = {
         "cold_over_warm": paired("cold", "warm_pool"),
         "empty_over_warm": paired("empty_pool", "warm_pool"),
+        "read_grant_over_warm": paired("read_grant", "warm_pool"),
         "warm_over_host": paired("warm_pool", "host"),
     }
     entry["errors"] = {arm: arms[arm].errors[:3] for arm in ARMS if arms[arm].errors}

@@ -12,6 +12,7 @@ Session steps take turns with fresh warm-pool jobs (settled before each), so
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from readie_protocol.requests import Refused as LineRefused
@@ -33,6 +34,32 @@ for i in range({calls}):
     assert echo(i) == i
     times.append((time.perf_counter() - t) * 1000)
 print(json.dumps(times))
+"""
+
+# The same calls with the sandbox's own steps timed (issue 31's breakdown): the honest
+# client's parts, wrapped from the job itself (the channel is the running call's), in µs.
+HOST_SPLIT_CODE = """\
+import json, time
+from readie_executor import _channel, hostwire
+from readie_executor.jobs import _host
+parts = {{}}
+def timed(owner, name, part):
+    inner = getattr(owner, name)
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter_ns()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            parts.setdefault(part, []).append((time.perf_counter_ns() - started) / 1000)
+    setattr(owner, name, wrapper)
+timed(hostwire, "encode_call", "encode_call")
+timed(_channel.Channel, "send", "send")
+timed(_channel.Channel, "receive", "wait_for_reply")
+timed(_host, "_decode_reply", "decode_reply")
+from readie_host import echo
+for i in range({calls}):
+    assert echo(i) == i
+print(json.dumps(parts))
 """
 
 
@@ -144,7 +171,46 @@ def _host_function(bench: Bench) -> dict[str, Any]:
         "what": "one host-function call and its JSON reply, timed inside the sandbox",
         "checkpoint": name,
         "round_trip_ms": summary(times, digits=3),
+        "breakdown_us": _host_breakdown(bench, pool),
     }
+
+
+def _host_breakdown(bench: Bench, pool: PoolClient) -> dict[str, Any]:
+    """Where a round trip goes: the sandbox's own parts (p50 of each, timed in another task), and
+    the pool and client's share, measured by a pool without sandboxes (``bench._host_pool``);
+    what is left is the sandbox's socket, gVisor and the worker's frame checks."""
+    calls = bench.settings.host_calls
+    body = {"functions": ["echo"], "code": HOST_SPLIT_CODE.format(calls=calls)}
+    bench.settle()
+    try:
+        result, _ = pool_request(pool, body, on_call=_echo)
+        parts = json.loads(result["stdout"])
+    except (Refused, ValueError, TypeError, KeyError) as exc:
+        return {"available": False, "reason": f"the timed task failed: {exc}"}
+    in_sandbox = {part: summary(times, digits=1)["p50"] for part, times in parts.items()}
+    try:
+        fake = PoolClient.spawn([sys.executable, "-m", "bench._host_pool"], bench.scratch / "host-pool.log")
+    except PoolError as exc:
+        return {"available": False, "reason": f"the pool without sandboxes did not start: {exc}"}
+    try:
+        bench.settle()
+        result, _ = pool_request(fake, {"functions": ["echo"], "code": str(calls)}, on_call=_echo)
+        pool_and_client = summary([float(t) for t in json.loads(result["stdout"])], digits=1)
+    except (Refused, ValueError, TypeError, KeyError) as exc:
+        return {"available": False, "reason": f"the pool without sandboxes failed: {exc}"}
+    finally:
+        fake.close()
+    return {
+        "in_sandbox_p50": in_sandbox,
+        "pool_and_client": pool_and_client,
+        "what": "in_sandbox_p50: the honest client's steps inside the sandbox (wait_for_reply holds "
+        "everything outside it); pool_and_client: a round trip from the worker's host callback to "
+        "this client and back, in readie pool without sandboxes",
+    }
+
+
+def _echo(event: dict[str, Any]) -> dict[str, Any]:
+    return {"result": (event.get("args") or [None])[0]}
 
 
 # ---------------------------------------------------------------- 11. streamed output
@@ -183,11 +249,8 @@ def _stream(bench: Bench) -> dict[str, Any]:
 def host_call_times(pool: PoolClient, calls: int) -> list[float]:
     """One task calling ``echo`` ``calls`` times; each round trip in ms, timed inside the sandbox."""
 
-    def echo(event: dict[str, Any]) -> dict[str, Any]:
-        return {"result": (event.get("args") or [None])[0]}
-
     body = {"functions": ["echo"], "code": HOST_FUNCTION_CODE.format(calls=calls)}
-    result, _ = pool_request(pool, body, on_call=echo)
+    result, _ = pool_request(pool, body, on_call=_echo)
     if result.get("exit") != 0:
         raise Refused(f"the pool accepted the task but it failed: {result.get('error')}")
     try:

@@ -12,7 +12,11 @@ worker count only. A job's code is a script of verbs, one per line:
 * ``exit``: in a session, end it;
 * ``cat PATH``: print the text of a file the request sent (``files``);
 * ``write PATH TEXT``, ``png PATH``: save TEXT, or a small PNG, in the workspace;
-* ``show``: end with a value that renders as that PNG (``_repr_png_``).
+* ``show``: end with a value that renders as that PNG (``_repr_png_``);
+* ``lose``: in a session, the step's worker is lost (StepLost; the session goes on).
+
+Sessions have keys (decision 32), and the store holds one detached session of four steps under
+:data:`STORED_KEY`, for an attach to find.
 
 A request's ``collect`` brings back what it sent and what the script saved, by ``fnmatch`` (the
 real matching is the worker's).
@@ -28,12 +32,15 @@ import json
 import sys
 import time
 
-from readie_pool.testing import FakeBackend, ok_outcome, serve_stdio
+from readie_pool.testing import FakeBackend, FakeSession, ok_outcome, serve_stdio
 from readie_protocol.events import ErrorInfo, Value
 from readie_protocol.workspace import Collected
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.errors import ErrorType
 from readie_worker.jobs import CANCELLED_MESSAGE, CodeJob, HostCall, HostFunction, JobOutcome, OutputChunk, OutputSink
+
+#: The key of the session the fake store holds from the start (not a real key: a fake's).
+STORED_KEY = "stored-session-key-of-the-engine-pool"
 
 #: What ``png`` saves: a PNG's signature and a little more, enough for a client to tell it by.
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(24)
@@ -89,7 +96,9 @@ class ScriptedBackend(FakeBackend):
 
 def main() -> int:
     workers = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--workers=")), 2)
-    return serve_stdio(ScriptedBackend(), workers=workers)
+    backend = ScriptedBackend(keys=True, lose=lambda job: job.code == "lose")
+    backend.store[STORED_KEY] = FakeSession(backend, CodeJob(checkpoint="fake", code=""), steps=4, key=STORED_KEY)
+    return serve_stdio(backend, workers=workers)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ derived from the parsed file or the Dockerfile (client/tests/_compose_model.py):
 
 - The documented overrides, as an operator sets them: ``READIE_CHECKPOINTS_DIR`` (the checkpoints
   the other gVisor tests use), ``READIE_ROOTFS_DIR`` (the manifest's ``"rootfs"`` without its last
-  two components, as docs/deploy.md says), ``READIE_TOKEN_FILE`` (a token file the test writes) and
-  ``READIE_ROUTER_PORT`` (a free port).
+  two components, as docs/deploy.md says), ``READIE_TOKEN_FILE`` (a token file the test writes),
+  ``READIE_SESSION_KEY_FILE`` (a session-store key the test writes) and ``READIE_ROUTER_PORT`` (a free
+  port).
 - ``volumes:``: a path under a bind mount's container path is the same path under its host source
   (the checkpoints dir; the rootfs, mounted at its own path, is unchanged); a named volume
-  (``packages``) is a fresh directory of the test's, shared by every service that mounts it.
+  (``packages``, ``sessions``) is a fresh directory of the test's, shared by every service that mounts it.
   ``:ro`` is not enforced (the processes run as root on the host's filesystem).
 - ``secrets:``: ``/run/secrets/<target>`` is the secret's ``file:``.
 - The network: each service name (``worker-1``, ``worker-2``) is a loopback address 127.0.0.x of its
@@ -91,9 +92,13 @@ def overrides(base: Path, checkpoints: Path = CHECKPOINTS) -> dict[str, str]:
     token = base / "readie-token"
     token.write_text(token_bytes.token_urlsafe(32) + "\n")
     token.chmod(0o600)
+    session_key = base / "readie-session-key"
+    session_key.write_bytes(os.urandom(32))
+    session_key.chmod(0o600)
     chosen = {
         "READIE_CHECKPOINTS_DIR": str(checkpoints),
         "READIE_TOKEN_FILE": str(token),
+        "READIE_SESSION_KEY_FILE": str(session_key),
         "READIE_ROUTER_PORT": str(free_port()),
     }
     manifest = checkpoints / "manifest.json"

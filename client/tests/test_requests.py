@@ -42,6 +42,16 @@ def test_only_what_was_given_goes_on_the_wire_and_the_id_comes_first():
     assert list(json.loads(line(job_request(7, "pass", allow_network=False, args=(), env=None)))) == ["id", "code"]
 
 
+def test_allow_network_takes_true_or_destinations():
+    assert json.loads(line(job_request(1, "pass", allow_network=True)))["allow_network"] is True
+    listed = job_request(1, "pass", allow_network=("api.example.com:443", "*.pypi.org"))
+    assert listed.allow_network == ("api.example.com:443", "*.pypi.org")
+    assert json.loads(line(listed))["allow_network"] == ["api.example.com:443", "*.pypi.org"]
+    assert "allow_network" not in json.loads(line(job_request(1, "pass", allow_network=[])))
+    with pytest.raises(RequestError, match="at most 64"):
+        job_request(1, "pass", allow_network=[f"h{i}.example.com" for i in range(65)])
+
+
 def test_every_field_as_the_pool_parses_it(tmp_path):
     request = job_request(
         "task-2", script=Path("app.py"), name="app.py", args=("one",), allow_read=[tmp_path / "data"],
@@ -166,7 +176,9 @@ def test_every_line_the_client_writes_reads_as_the_line_it_wrote_before():
         ({"timeout": True}, "got a bool"),
         ({"memory": 1.5}, "memory: expected bytes"),
         ({"allow_write": [b"out"]}, "allow_write: expected a str or a path, got bytes"),
-        ({"allow_network": 1}, "allow_network: expected True or False"),
+        ({"allow_network": 1}, "allow_network: expected True, False or a list of destinations, got int"),
+        ({"allow_network": "api.example.com"}, r"allow_network: expected a list, got a single str"),
+        ({"allow_network": [443]}, "allow_network: expected a str, got int"),
     ],
 )
 def test_python_type_mistakes_are_type_errors(kwargs, message):

@@ -124,6 +124,8 @@ def test_the_resources_are_the_ones_docs_deploy_names_all_in_one_namespace():
         ("Deployment", "readie-router"),
         ("Namespace", NAMESPACE),
         ("NetworkPolicy", "readie-worker"),
+        ("PersistentVolumeClaim", "readie-sessions"),
+        ("Secret", "readie-session-key"),
         ("Secret", "readie-token"),
         ("Service", "readie-router"),
         ("Service", "readie-workers"),
@@ -133,8 +135,8 @@ def test_the_resources_are_the_ones_docs_deploy_names_all_in_one_namespace():
             assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
     # Pod Security Admission lets the privileged workers in.
     assert resource("Namespace", NAMESPACE)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
-    # `kubectl apply -f deploy/kubernetes/` never applies the Secret template over a real token.
-    assert [path.parent.name for path, doc in documents() if doc["kind"] == "Secret"] == ["secret"]
+    # `kubectl apply -f deploy/kubernetes/` never applies a Secret template over a real token or key.
+    assert [path.parent.name for path, doc in documents() if doc["kind"] == "Secret"] == ["secret", "secret"]
 
 
 # --------------------------------------------------------------------------- commands
@@ -186,6 +188,24 @@ def test_every_container_command_is_accepted_by_its_cli_and_names_what_is_mounte
     assert len(token_paths) == 1
     router = parse(container(pod_spec("Deployment", "readie-router"), "router")["args"])
     assert router.worker_token_file == router.token_file  # the router presents the token to the workers
+
+
+def test_the_workers_share_one_readwritemany_session_store_and_its_key_from_a_secret():
+    """Decision 32: a session a worker hibernated resumes on any other, so every worker mounts the
+    same ReadWriteMany claim at its --session-store and the MAC key from its own Secret; the router,
+    which never reads images, mounts neither."""
+    claim = resource("PersistentVolumeClaim", "readie-sessions")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    spec = pod_spec("DaemonSet", "readie-worker")
+    args = parse(container(spec, "worker")["args"])
+    mounted = mounts(spec, container(spec, "worker"))
+    assert mounted[str(args.session_store)]["persistentVolumeClaim"]["claimName"] == "readie-sessions"
+    key = Path(args.session_store_key)
+    assert mounted[str(key.parent)]["secret"]["secretName"] == "readie-session-key"
+    assert {item["path"] for item in mounted[str(key.parent)]["secret"]["items"]} == {key.name}
+    assert mounted[str(key.parent)]["secret"]["defaultMode"] == 0o400
+    router = pod_spec("Deployment", "readie-router")
+    assert not [v for v in router["volumes"] if "persistentVolumeClaim" in v or v.get("secret", {}).get("secretName") == "readie-session-key"]
 
 
 def test_the_init_container_imports_then_verifies_into_the_cache_the_worker_reads():

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from typing import Any
 
+from readie_executor.jobs._bounds import RUNNER_PHASES
+
 CHILD_TIMEOUT_SECONDS = 30
 RESULT_KEYS = {
     "exit",
@@ -77,7 +79,10 @@ def run_in_child(*jobs: dict[str, Any], env: dict[str, str] | None = None) -> li
     assert len(lines) == len(jobs), done.stdout
     results = [json.loads(line) for line in lines]
     for result in results:
-        assert set(result) == RESULT_KEYS
+        # "phases" is optional: a job that did not start has none.
+        assert set(result) - {"phases"} == RESULT_KEYS
+        phases = result.get("phases", {})
+        assert set(phases) <= set(RUNNER_PHASES) and all(type(us) is int and us >= 0 for us in phases.values())
     return results
 
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from executor.tests._jobs_child import CHILD, CHILD_TIMEOUT_SECONDS, job, run_in_child, run_one
 from readie_executor.jobs import bounds
 from readie_executor.jobs._result import fit_text
+from readie_executor.jobs._bounds import RUNNER_PHASES
 
 
 def test_print_goes_to_stdout() -> None:
@@ -36,6 +37,8 @@ def test_print_goes_to_stdout() -> None:
     assert result["policy_notes"] == []
     assert result["system_exit"] is False
     assert isinstance(result["duration_us"], int) and result["duration_us"] >= 0
+    # Every phase of a job that ran is in its account of where the runner's time went.
+    assert list(result["phases"]) == list(RUNNER_PHASES)
 
 
 def test_exception_points_at_the_job_file_and_line() -> None:
@@ -178,3 +181,12 @@ def test_fit_text_respects_the_encoded_budget(text: str, budget: int) -> None:
     clean = text.encode("utf-8", "replace").decode("utf-8")
     assert clean.startswith(fitted)
     assert cut == (fitted != clean)
+
+
+def test_a_job_after_a_longer_one_gets_only_its_own_output() -> None:
+    # The capture's buffers are kept for the next job of the same max_output (and remade for
+    # another): what an earlier, longer output left in them never shows.
+    first, second, third = run_in_child(
+        job("print('a long first output')"), job("print('x')"), job("print('y')", limits={"max_output": 10})
+    )
+    assert (first["stdout"], second["stdout"], third["stdout"]) == ("a long first output\n", "x\n", "y\n")

@@ -236,16 +236,50 @@ def test_the_warm_up_leaves_the_process_as_it_found_it() -> None:
     }
 
 
-def test_jobs_in_one_process_share_one_drain_thread_and_a_kept_copy_of_stdout_holds_up_only_its_own_job() -> None:
-    # The drain thread is kept between jobs; a job that leaves a copy of fd 1 open (a
-    # background writer) delays only its own result (by the drain grace), and the next
-    # job's output is its own.
-    keeper = "import os, threading\nfd = os.dup(1)\nprint('first', flush=True)\n"
+def test_jobs_in_one_process_share_one_drain_thread_and_each_gets_only_its_own_output() -> None:
+    # The drain thread and the pipes are kept between jobs (decision 33), whatever a job did to
+    # its descriptors: closed them, put another file over fd 1, kept a copy (what a later step
+    # writes through it is that step's), shrank its pipe, or replaced sys.stdout. A thread left
+    # writing through a copy retires its job's pipes: its later write fails (EPIPE, the
+    # traceback lands on the stderr of the job then running) and never reaches another result.
     census = "import threading\nprint(sorted(t.name for t in threading.enumerate()))\n"
-    first, second, third = run_in_child(job(keeper), job(census), job("print('third')"))
-    assert first["stdout"] == "first\n"
-    assert second["stdout"] == "['MainThread', 'readie-capture']\n"
-    assert third["stdout"] == "third\n"
+    late_writer = (  # writes once the next job lets it (builtins outlive a job's __main__)
+        "import builtins, os, threading\nfd = os.dup(1)\nbuiltins.go = threading.Event()\n"
+        "threading.Thread(target=lambda: (builtins.go.wait(), os.write(fd, b'late'))).start()\nprint('g')"
+    )
+    results = run_in_child(
+        job("import os\nos.close(1); os.close(2)\n"),
+        job("print('a')"),
+        job("import os\nos.dup2(os.open('/dev/null', os.O_WRONLY), 1)\nprint('lost')"),
+        job("import os\nkept = os.dup(1)\nprint('b')", session=True),
+        job("import os\nos.write(kept, b'through the copy\\n'); print('c')", session=True),
+        job("import fcntl\nfcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 4096)\nprint('q' * 7000)"),
+        job("import io, sys\nsys.stdout = io.TextIOWrapper(open(1, 'wb', 1 << 20, closefd=False))\nprint('z' * 99999)"),
+        job(late_writer),
+        job("import builtins, time\nbuiltins.go.set(); time.sleep(0.2); print('h')"),
+        job(census),
+    )
+    assert [result["stdout"] for result in results] == [
+        "", "a\n", "", "b\n", "through the copy\nc\n", "q" * 7000 + "\n", "z" * 65536, "g\n", "h\n",
+        "['MainThread', 'readie-capture']\n",
+    ]
+    assert "late" not in "".join(result["stdout"] + result["stderr"] for result in results[8:])
+
+
+def test_output_of_a_process_a_job_left_running_reaches_only_that_job() -> None:
+    # A job allowed processes retires its pipes: the next job's are new, and a child still
+    # writing to the old ones gets EPIPE once the grace for its job's output is over.
+    allowed = {"subprocesses": True, "max_output": 100}
+    late, flood, after, more = run_in_child(
+        job("import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 0.2; echo late'])\nprint('e')", limits=allowed),
+        job("import subprocess\nsubprocess.Popen(['yes'])\nprint('y')", limits=allowed),
+        job("import os; os.system('echo child'); print('after', flush=True)", limits=allowed),
+        job("print('m' * 200_000)", limits=allowed),  # more than a pipe holds: the new pipes are drained
+    )
+    assert late["stdout"] == "e\nlate\n"
+    assert flood["stdout"].startswith("y\n") and flood["stdout_truncated"]
+    assert after["stdout"] == "child\nafter\n"
+    assert more["stdout"] == "m" * 100 and more["stdout_truncated"]
 
 
 def test_a_warm_up_for_jobs_that_may_start_processes_installs_no_filter() -> None:

@@ -310,7 +310,8 @@ BAD_CONFIGS: list[tuple[str | bytes, str | None, str]] = [
     ("[pool]\nlimits = 1\n", "pool.limits", "expected a table"),
     ("[pool.limits]\nnetwork = false\n", "pool.limits.network", "unknown key"),
     ('[pool.limits]\nallow_read = "/srv"\n', "pool.limits.allow_read", "expected an array"),
-    ('[pool.limits]\nallow_network = "no"\n', "pool.limits.allow_network", "expected true or false"),
+    ('[pool.limits]\nallow_network = "no"\n', "pool.limits.allow_network",
+     "expected true, false or an array of destinations, got a string"),
     ('[pool.limits]\ntimeout = "30"\nmemory = "1.5g"\n', "pool.limits.memory", "whole numbers"),
     ('[pool.limits]\nmemory = "0"\n', "pool.limits.memory", "greater than zero"),
     ('[pool.limits]\nmax_output = -1\n', "pool.limits.max_output", "negative"),
@@ -421,3 +422,31 @@ def test_cli_refusals(overrides: CliOverrides, key: str, reason: str) -> None:
         apply_cli(PoolSettings(), overrides, cwd="/")
     assert (info.value.path, info.value.key) == (CLI_SOURCE, key)
     assert reason in info.value.reason
+
+
+# --------------------------------------------------------------------------- the session store (decision 32)
+
+
+def test_the_session_store_and_its_key_resolve_beside_the_file_and_flags_beside_the_cwd() -> None:
+    pool = parse("[pool]\nsession_store = 'store'\nsession_store_key = 'keys/store.key'\nsession_checkpoint = 'step'\n").pool
+    assert (pool.session_store, pool.session_store_key, pool.session_checkpoint) == (
+        Path("/etc/readie/store"), Path("/etc/readie/keys/store.key"), "step")
+    merged = apply_cli(pool, CliOverrides(session_store="s", session_store_key="k", session_checkpoint="off"),
+                       cwd="/home/me", resolve=lexical)
+    assert (merged.session_store, merged.session_store_key, merged.session_checkpoint) == (
+        Path("/home/me/s"), Path("/home/me/k"), "off")
+    assert PoolSettings().session_store is None and PoolSettings().session_checkpoint == "off"
+
+
+@pytest.mark.parametrize(
+    "text, key, message",
+    [
+        ("session_store = 'store'", "pool.session_store_key", "required with session_store"),
+        ("session_checkpoint = 'always'", "pool.session_checkpoint", "expected one of off, step, got 'always'"),
+        ("session_store = ''", "pool.session_store", "must not be empty"),
+        ("session_store_key = 7", "pool.session_store_key", "expected a string, got an integer"),
+    ],
+)
+def test_a_bad_session_store_setting_is_refused_naming_the_key(text: str, key: str, message: str) -> None:
+    error = refusal(f"[pool]\n{text}\n")
+    assert error.key == key and message in str(error)

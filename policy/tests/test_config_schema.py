@@ -245,5 +245,7 @@ def test_the_loader_and_the_schema_agree_on_any_value(index: int, value: Any) ->
     except ConfigError as exc:
         if "too large" in exc.reason:  # a size past 2**63 once converted: no regex says so
             return
+        if "is not a destination" in exc.reason:  # the destination grammar (strict CIDRs, DNS labels):
+            return                                # the schema says its shape, the loader the rest
         loads = False
     assert VALIDATOR.is_valid(documents(section, {key.name: value})) == loads

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from readie_worker.errors import RequestError
+from readie_policy.egress import Egress, parse_destinations
 from readie_policy.jobs import CodeJob, Step
 from readie_policy.policy import (
     DEFAULT_MAX_FILE_SIZE,
@@ -16,6 +17,7 @@ from readie_policy.policy import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_TIMEOUT_MS,
     NO_LIMITS,
+    NOTHING_GRANTED,
     Limits,
     Policy,
     Profile,
@@ -186,7 +188,7 @@ def test_the_root_ceiling_allows_every_path() -> None:
 def test_no_ceiling_allows_everything() -> None:
     result = policy('{"id": 1, "code": "x", "allow_write": ["/"], "allow_network": true, "timeout": "1h"}')
     assert (result.allow_write, result.network, result.timeout_ms) == ((Path("/"),), True, 3_600_000)
-    assert NO_LIMITS.allow_network is True
+    assert result.egress == Egress(public=True) and NO_LIMITS.allow_network is None
 
 
 def test_package_dirs_may_lie_beneath_the_pool_package_dirs() -> None:
@@ -275,6 +277,23 @@ def test_spec_profile_fetch_is_stopped_by_the_spec_ceiling() -> None:
     )
     assert result.network is False
     assert policy('{"id": 1, "code": "x", "profile": "fetch"}', profiles=SPEC_PROFILES).network is True
+
+
+def test_a_request_list_lies_within_the_ceiling_and_a_profile_list_says_where_it_came_from() -> None:
+    ceiling = Limits(allow_network=parse_destinations(["*.example.com:443", "10.1.0.0/16"]))
+    profiles = {"api": Profile(name="api", allow_network=parse_destinations(["api.example.com"]))}
+    result = policy('{"id": 1, "code": "x", "allow_network": ["API.example.com:443", "10.1.2.3"]}', limits=ceiling)
+    assert result.network and result.egress is not None
+    assert [str(d) for d in result.egress.destinations] == ["api.example.com:443", "10.1.2.3"]
+    assert str(refused('{"id": 1, "code": "x", "profile": "api"}', limits=ceiling, profiles=profiles)) == (
+        "allow_network: 'api.example.com' is not within the pool's [pool.limits] allow_network (from profile 'api')")
+    assert str(refused('{"id": 1, "code": "x", "allow_network": ["a b"]}', limits=ceiling)).startswith(
+        "allow_network: 'a b' is not a destination")
+    assert refused('{"id": 1, "code": "x", "allow_network": ["api.example.com"]}', limits=SPEC_LIMITS).field == "allow_network"
+    true = policy('{"id": 1, "code": "x", "allow_network": true}', limits=ceiling).egress
+    assert true is not None and true.destinations == ceiling.allow_network
+    assert policy('{"id": 1, "code": "x", "allow_network": []}', limits=ceiling).egress is None
+    assert refused('{"id": 1, "code": "x", "allow_network": true}', limits=NOTHING_GRANTED).field == "allow_network"
 
 
 def test_request_fields_go_on_top_of_the_profile() -> None:

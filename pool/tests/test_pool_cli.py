@@ -169,3 +169,18 @@ def test_a_deeply_nested_config_is_a_config_error_in_a_real_process(tmp_path):
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines() == [f"readie pool: {nested}: nested too deeply: arrays or inline tables "
                                         "within each other, deeper than a TOML reader follows"]
+
+
+def test_session_store_flags_are_checked_like_the_config(capsys, manifest):
+    code, err = pool(capsys, "--session-store", "store", "--checkpoints", str(manifest))
+    assert code == 2 and "pool.session_store_key: required with session_store" in err
+    with pytest.raises(SystemExit):
+        pool(capsys, "--session-checkpoint", "always", "--checkpoints", str(manifest))
+
+
+def test_several_routers_are_given_by_repeating_the_flag_or_by_a_list():
+    from readie_pool.cli import _routers, build_parser
+
+    args = build_parser().parse_args(["--router", "a:1,b:2", "--router", " c:3 ", "--router", "a:1"])
+    assert _routers(args.router) == ("a:1", "b:2", "c:3")
+    assert _routers(None) == ()

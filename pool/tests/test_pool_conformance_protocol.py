@@ -212,7 +212,7 @@ REFUSED_LINES = [
     (
         b'{"id": "r7", "code": "x", "allow_network": "no"}',
         "r7",
-        "allow_network: expected true or false, got a string",
+        "allow_network: expected true, false or an array of destinations, got a string",
     ),
     (
         b'{"id": "r8", "code": "x", "env": {"A": 1}}',

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from readie_pool.testing import pool_placement
-from readie_worker.state_dir import IMAGES
+from readie_worker.state_dir import STORE
 
 from conftest import CHECKPOINTS
 from pool.tests.test_pool_sessions import Pool
@@ -40,7 +40,8 @@ def step(pool: Pool, rid: str, session: str, code: str, **fields: Any) -> dict[s
 
 
 def hibernated_images(pool: Pool) -> list[Path]:
-    return sorted((pool.state / IMAGES).iterdir())
+    """The stored images in the pool's own session store: each entry's generations."""
+    return sorted((pool.state / STORE).glob("*/g*"))
 
 
 def test_a_session_hibernates_on_request_and_resumes_at_its_next_step(pool):
@@ -70,9 +71,10 @@ def test_a_session_hibernates_on_request_and_resumes_at_its_next_step(pool):
 
 
 def test_a_fork_copies_the_state_and_both_go_on_alone(pool):
-    step(pool, "f1", "a", "state = ['a']")
+    key_a = step(pool, "f1", "a", "state = ['a']")["session_key"]
     forked = pool.process.run({"id": "f2", "session": "a", "fork": "b"})
-    assert list(forked) == ["id", "session", "forked", "fork_ms"], forked
+    assert list(forked) == ["id", "session", "forked", "fork_ms", "session_key"], forked
+    assert len(forked["session_key"]) >= 43 and forked["session_key"] != key_a  # the fork's own (decision 32)
     assert (forked["session"], forked["forked"]) == ("a", "b") and forked["fork_ms"] > 0
     # The fork's first step is its own step 1; its permissions are a's, so none may be given.
     in_b = step(pool, "f3", "b", "state.append('b')\nprint(state)")

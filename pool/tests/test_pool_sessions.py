@@ -112,7 +112,13 @@ def policy(read=(), timeout_ms=30000) -> dict[str, Any]:
 
 
 def check_result(result: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Every field: ``expected`` holds all but the three timings, which are checked for shape."""
+    """Every field: ``expected`` holds all but the three timings and a session's key, which are
+    checked for shape (decision 32: a session's first result carries its key, a secret)."""
+    key = result.pop("session_key", None)
+    if result.get("step") == 1 and not result.get("session_ended"):
+        assert isinstance(key, str) and len(key) >= 43, result
+    else:
+        assert key is None, result
     assert list(result) == RESULT_KEYS, result
     timings = {k: result.pop(k) for k in ("duration_ms", "duration_us", "queue_us")}
     assert all(type(v) is int and v >= 0 for v in timings.values()), timings

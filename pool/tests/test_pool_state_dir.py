@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from readie_pool.testing import PoolProcess
-from readie_worker.state_dir import IMAGES, RUN, RUNSC, RUNTIME_ROOT
+from readie_worker.state_dir import IMAGES, RUN, RUNSC, RUNTIME_ROOT, STORE
 from readie_worker.testing import readie_command, runsc_in
 
 from conftest import CHECKPOINTS
@@ -119,7 +119,7 @@ def test_a_planted_images_sibling_is_never_used(base: Path, checkpoints):
         assert opened["exit"] == 0, opened
         hibernated = running.run({"id": "h1", "session": "a", "hibernate": True})
         assert hibernated.get("hibernated") is True, hibernated
-        assert len(os.listdir(state / IMAGES)) == 1  # its image, beneath the state dir
+        assert len([name for name in os.listdir(state / STORE) if not name.startswith(".")]) == 1  # its image, beneath the state dir
         resumed = running.run({"id": "s2", "session": "a", "code": "print(x + 1)"})
         assert resumed["stdout"] == "42\n", resumed
         assert running.close() == 0, running.stderr_text()[-3000:]
@@ -137,7 +137,7 @@ def test_the_default_state_dir_is_per_user_0700_and_gone_at_exit(base: Path, che
         running.ready()
         state = Path(next(line for line in _log_lines(running) if line["event"] == "pool ready")["state_dir"])
         assert state.parent == Path(os.path.realpath(RUNTIME_ROOT)), state
-        assert sorted(os.listdir(state)) == sorted([IMAGES, RUN, RUNSC])
+        assert sorted(os.listdir(state)) == sorted([IMAGES, RUN, RUNSC, STORE])
         assert all(stat.S_IMODE(path.stat().st_mode) == 0o700 for path in (state.parent, state, *state.iterdir()))
         assert running.run({"id": "j1", "code": "print(1)"})["stdout"] == "1\n"
         assert running.close() == 0, running.stderr_text()[-3000:]

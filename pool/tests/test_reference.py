@@ -45,8 +45,8 @@ def test_the_json_examples_are_lines_the_pool_accepts_or_writes() -> None:
     assert len(lines) >= 9
     for line in lines:
         obj = json.loads(line)
-        if "event" in obj or "exit" in obj:
-            schema = schemas[obj.get("event", "result")]
+        if "event" in obj or "exit" in obj or "attached" in obj:
+            schema = schemas["attached" if "attached" in obj else obj.get("event", "result")]
             if "exit" in obj:  # shown in part: the fields the section is about
                 schema = {**schema, "required": [name for name in schema["required"] if name in obj]}
             assert jsonschema.Draft202012Validator({"$schema": SCHEMA_DIALECT, **schema}).is_valid(obj), line

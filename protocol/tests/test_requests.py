@@ -209,7 +209,7 @@ REFUSALS: list[tuple[str | bytes, object, str | None, str]] = [
     ('{"id": 1, "code": "x", "env": {"A=B": "1"}}', 1, "env", "not a variable name"),
     ('{"id": 1, "code": "x", "env": {"": "1"}}', 1, "env", "not a variable name"),
     ('{"id": 1, "code": "x", "env": {"A": "\\u0000"}}', 1, "env", "NUL"),
-    ('{"id": 1, "code": "x", "allow_network": 1}', 1, "allow_network", "expected true or false, got a number"),
+    ('{"id": 1, "code": "x", "allow_network": 1}', 1, "allow_network", "expected true, false or an array of destinations, got a number"),
     ('{"id": 1, "code": "x", "allow_network": "false"}', 1, "allow_network", "got a string"),
     ('{"id": 1, "code": "x", "timeout": "1.5s"}', 1, "timeout", "whole numbers"),
     ('{"id": 1, "code": "x", "timeout": "0s"}', 1, "timeout", "greater than zero"),

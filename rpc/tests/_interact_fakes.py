@@ -28,6 +28,7 @@ from readie_rpc._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from readie_rpc.client import WorkerClient
 from readie_policy.jobs import Capacity
 from readie_worker.errors import PoolWorkerError, RequestError
+from readie_protocol.errors import StepLost
 from readie_protocol.events import Value
 from readie_protocol.workspace import Collected, FileChunk, FileEntry, FileListing
 from readie_rpc.grpc_service import WorkerServer, serve
@@ -131,6 +132,8 @@ class FakeRunner:
     to collect gets its own ``files`` back (``big N``: and one of N bytes).
     """
 
+    hands_sessions_over = False  # sessions of its own: they end with its drain
+
     def __init__(self) -> None:
         self.release = threading.Event()
         self.lock = threading.Lock()
@@ -180,6 +183,7 @@ class FakeRunner:
         with self.lock:
             session = FakeSession(self, len(self.sessions) + 1)
             self.sessions.append(session)
+        session.job = job  # the opening, as a worker keeps it
         if job.code == "block":
             self.release.wait(30)
         return session, StepOutcome(_ok(job.code), 1, job.code == "exit")
@@ -189,6 +193,78 @@ class FakeRunner:
 
     def close(self) -> None:
         pass
+
+
+# --------------------------------------------------------------------------- durable sessions (decision 32)
+
+
+class FakeStore:
+    """Detached sessions by key, shared by the fake runners that stand for workers sharing a store."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.detached: dict[str, DurableSession] = {}
+        self.attaches: list[tuple[str, bool]] = []  # (runner name, take_over), in order
+
+
+class DurableSession(FakeSession):
+    """A FakeSession with a key: ``detach`` puts it in the store, and an attach (on any runner
+    sharing the store) continues it, its steps (its "state") and all. ``lose`` raises StepLost."""
+
+    def __init__(self, runner: DurableRunner, number: int) -> None:
+        super().__init__(runner, number)
+        self.key = f"k{number}-" + "x" * 40
+        self.detaches = 0
+        self.taken_over_at: int | None = None  # the stored step a take-over resumed it from
+
+    def run_step(self, step, *, job_id=None, host=None, cancel=None, output=None):
+        if step.code == "lose":
+            raise StepLost("the worker running the step was lost")
+        outcome = super().run_step(step, job_id=job_id, host=host, cancel=cancel, output=output)
+        resumed_from, self.taken_over_at = self.taken_over_at, None
+        return dataclasses.replace(outcome, resumed_from_step=resumed_from)
+
+    def detach(self, cancel=None) -> None:
+        store = self._runner.store
+        with store.lock:
+            self.detaches += 1
+            self.ended = True
+            store.detached[self.key] = self
+        self.closed.set()
+
+    def close(self) -> None:
+        with self._runner.store.lock:
+            self._runner.store.detached.pop(self.key, None)
+        super().close()
+
+
+class DurableRunner(FakeRunner):
+    """A FakeRunner whose sessions have keys and live on in ``store`` when detached."""
+
+    def __init__(self, store: FakeStore | None = None, name: str = "fake") -> None:
+        super().__init__()
+        self.store = store or FakeStore()
+        self.name = name
+        self.hands_sessions_over = True  # as a worker with a shared store: each stream detaches its own
+
+    def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None, output=None):
+        with self.lock:
+            session = DurableSession(self, len(self.sessions) + 1)
+            self.sessions.append(session)
+        session.job = job  # the opening, as a worker keeps it (a pool reports its policy from it)
+        return session, StepOutcome(_ok(job.code), 1, job.code == "exit")
+
+    def attach_session(self, key: str, *, take_over: bool = False, cancel=None):
+        with self.store.lock:
+            session = self.store.detached.pop(key, None)
+            self.store.attaches.append((self.name, take_over))
+        if session is None:
+            raise RequestError("no session is stored under this key", field="attach")
+        session._runner = self  # held here now
+        session.ended = False
+        session.closed.clear()
+        session.taken_over_at = len(session.steps) + 1 if take_over else None  # a worker says it on every take-over
+        return session, len(session.steps) + 1
 
 
 # --------------------------------------------------------------------------- helpers

@@ -42,6 +42,9 @@ def open_steps(stub: pb_grpc.WorkerStub):
 
 
 def test_a_cancelled_run_job_stops_and_frees_its_sandbox(worker):
+    # Until the warm sandbox is ready the job would restore one of its own and the one being
+    # warmed would stay: wait for it, so the job takes the sandbox listed here.
+    assert wait_until(lambda: worker.stub.Capacity(pb.CapacityRequest(), timeout=5).pools["base"].ready == 1, 30)
     warm = set(worker.containers())
     call = worker.stub.RunJob.future(pb.RunJobRequest(checkpoint="base", code=SLEEP, timeout_ms=40_000), timeout=60)
     assert wait_until(lambda: busy(worker.stub) == 1, 10)

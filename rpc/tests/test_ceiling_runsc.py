@@ -49,6 +49,8 @@ def open_worker(checkpoints, checkpoint_dir, tmp_path_factory):
         ({"allow_write": ["/tmp"]}, "allow_write"),
         ({"package_dirs": ["/usr/lib/python3/dist-packages"]}, "package_dirs"),
         ({"network": True}, "network"),
+        ({"network": True, "network_destinations": ["api.example.com:443"]}, "network"),
+        ({"network_destinations": ["api.example.com:443"]}, "network_destinations"),
         ({"packages": ["six==1.16.0"]}, "packages"),
         ({"profile": "analysis"}, "profile"),
         ({"max_output": 2 * 1024 * 1024}, "max_output"),  # answers must fit a client's default 4 MiB
@@ -89,7 +91,7 @@ CEILING = """
 [pool.limits]
 allow_read = ["data"]
 allow_write = ["out"]
-allow_network = false
+allow_network = ["api.example.com:443"]
 timeout = "10s"
 memory = "1g"
 max_output = 65536
@@ -120,7 +122,9 @@ def cases(root: Path) -> list[tuple[dict[str, object], str]]:
         ({"timeout_ms": 11_000}, "timeout_ms"),
         ({"memory_bytes": 2 * GIB}, "memory_bytes"),
         ({"max_output": 65537}, "max_output"),
-        ({"network": True}, "network"),
+        ({"network": True}, "network"),  # the ceiling's list: no worker enforces one yet (decision 35)
+        ({"network": True, "network_destinations": ["API.example.com:443"]}, "network"),  # within it: likewise
+        ({"network": True, "network_destinations": ["api.example.com"]}, "network"),  # every port: beyond it
         ({"profile": "admin"}, "profile"),
         ({"package_dirs": ["/usr/lib"]}, "package_dirs"),
         ({"packages": ["six==1.16.0"]}, "packages"),
@@ -144,11 +148,13 @@ def ceiled(request, checkpoints, checkpoint_dir, tmp_path_factory, project):
     cluster.stop()
 
 
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(13))
 def test_with_a_ceiling_the_pool_s_rules_hold_over_the_network(ceiled, project, index):
     fields, field = cases(project)[index]
     named, message = refusal(ceiled, job(**fields))
     assert named == field and message.startswith(f"{field}: "), message
+    if field == "network":
+        assert ("not within" if "'api.example.com'" in message else "needs the egress backend") in message, message
     assert str(project / "secret") not in message or fields.get("allow_read") == [str(project / "secret")]
 
 

@@ -13,6 +13,7 @@ from readie_protocol.events import ErrorInfo
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_rpc._status import DeadlineExpired, ResponseTooLarge, grpc_errors, readie_errors, status_for
 from readie_worker.core import Worker, WorkerConfig
+from readie_policy.egress import Egress, parse_destinations
 from readie_policy.jobs import Capacity
 from readie_worker.errors import CheckpointUnusable, ManifestError, PoolWorkerError, ReadieError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, JobOutcome
@@ -55,11 +56,46 @@ def test_every_field_of_a_request_reaches_the_job():
         package_dirs=("/opt/pkgs",),
         packages=("six==1.16.0",),
         network=True,
+        egress=Egress(public=True),
         timeout_ms=5000,
         memory_bytes=256 * MiB,
         max_output=4096,
         max_file_size=MiB,
     )
+
+
+def test_network_destinations_reach_the_job_and_go_back_on_the_wire():
+    request = pb.RunJobRequest(checkpoint="base", code="pass", network=True,
+                               network_destinations=["API.example.com:443", "[2001:db8::1]:443"])
+    job = code_job(request, None)
+    assert job.network and job.egress is not None and not job.egress.public
+    sent = _client_wire.run_job_request(job)
+    assert (sent.network, list(sent.network_destinations)) == (True, ["api.example.com:443", "[2001:db8::1]:443"])
+    assert code_job(sent, None) == job
+    older = code_job(pb.RunJobRequest(checkpoint="base", code="pass", network=True), None)
+    assert older.egress == Egress(public=True) and list(_client_wire.run_job_request(older).network_destinations) == []
+
+
+@pytest.mark.parametrize(("fields", "field", "message"), [
+    ({"network_destinations": ["api.example.com"]}, "network_destinations", "destinations without network = true"),
+    ({"network": True, "network_destinations": ["10.0.0.1/8"]}, "allow_network", "has host bits set"),
+    ({"network": True, "network_destinations": ["a.example.com"] * 65}, "allow_network", "at most 64"),
+])
+def test_bad_network_destinations_are_refused(fields, field, message):
+    with pytest.raises(RequestError, match=message) as refused:
+        code_job(pb.RunJobRequest(checkpoint="base", code="pass", **fields), None)
+    assert refused.value.field == field
+
+
+def test_a_worker_ceiling_list_bounds_the_destinations():
+    limits = Limits(allow_network=parse_destinations(["*.example.com:443"]))
+    ok = pb.RunJobRequest(checkpoint="base", code="pass", network=True, network_destinations=["a.example.com:443"])
+    assert code_job(ok, None, limits).egress is not None
+    older = code_job(pb.RunJobRequest(checkpoint="base", code="pass", network=True), None, limits)
+    assert older.egress is not None and older.egress.destinations == limits.allow_network
+    wide = pb.RunJobRequest(checkpoint="base", code="pass", network=True, network_destinations=["a.example.com"])
+    with pytest.raises(RequestError, match="not within"):
+        code_job(wide, None, limits)
 
 
 def test_unset_fields_take_the_job_defaults():
@@ -273,6 +309,15 @@ def test_a_field_named_by_the_request_s_own_text_reaches_the_metadata_as_printab
     field = dict(status.metadata)["readie-field"]
     assert field == "env['%C2%A1%7F%25']" and all(" " <= char <= "~" for char in field)
     assert status.details == "env['¡\x7f%']: contains a NUL character"  # details are not metadata
+
+
+def test_only_a_call_refused_before_it_started_carries_the_unstarted_mark():
+    from readie_rpc._status import NotStarted
+
+    status = status_for(NotStarted("the router is draining"))
+    assert status.code == grpc.StatusCode.UNAVAILABLE
+    assert ("readie-unstarted", "1") in status.metadata
+    assert not any(key == "readie-unstarted" for key, _ in status_for(SandboxSetupError("no sandbox")).metadata)
 
 
 def test_an_unexpected_error_is_internal_and_does_not_leak_its_message():

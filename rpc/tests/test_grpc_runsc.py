@@ -46,7 +46,16 @@ def start_worker(base: Path, name: str, warm: str = "base=1") -> WorkerProcess:
     return _start_worker(base, name, CHECKPOINTS / "manifest.json", warm, args=[f"--config={CEILING}"])
 
 
-CEILING = ceiling_file()
+CEILING = Path("/nonexistent")  # the module fixture's file while the module runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ceiling():
+    """Made when the module runs (not when it is collected), and removed after it."""
+    global CEILING
+    CEILING = ceiling_file()
+    yield
+    shutil.rmtree(CEILING.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

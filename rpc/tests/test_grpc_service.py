@@ -38,6 +38,7 @@ class FakeWorker:
     closed: int = 0
     release: threading.Event = field(default_factory=threading.Event)
     hold: bool = False
+    hands_sessions_over: bool = False  # no store: its sessions end with its drain
 
     def run_job(self, job: CodeJob, job_id: str | None = None, cancel=None, output=None) -> JobOutcome:
         if self.draining:

@@ -4,7 +4,7 @@ Covered: host calls and replies as proto messages and back (``_host_wire``:
 lossless big integers, undeclared functions, oversized or malformed arguments,
 unencodable results turned into error replies, replies without an outcome or
 with bad JSON), a session step's bounds (``_convert.session_step``, each
-refusal naming its field under ``step.``), and the ``_interact.Mailbox`` that
+refusal naming its field under ``step.``), and the ``_mailbox.Mailbox`` that
 joins the stream's threads (bounded puts, close, drain, timeouts), and an
 error text with a lone surrogate still becoming an error reply.
 """
@@ -24,7 +24,7 @@ from readie_rpc._client_wire import session_step_message
 from readie_rpc._convert import session_step
 from readie_worker.jobs import Step
 from readie_rpc._host_wire import call_from_message, call_message, reply_from_message, reply_message
-from readie_rpc._interact import CLOSED, Mailbox
+from readie_rpc._mailbox import CLOSED, Mailbox
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_worker.errors import PoolWorkerError, RequestError
 from readie_worker.jobs import HostCall, HostReply
@@ -276,3 +276,18 @@ def test_a_put_wakes_a_get_waiting_with_a_timeout():
     box.put(7)
     getter.join(5)
     assert got == [7]
+
+
+def test_a_relayed_call_and_reply_keep_the_bytes_they_arrived_in():
+    # A router parses what it relays (to check it) but never encodes it again:
+    # the spacing, which an encoder would drop, crosses both hops as it came.
+    arrived = pb.HostCall(call_id=3, function="search", args_json=b'[1, {"a": 2}]', kwargs_json=b'{"k": [ ]}', deadline_ms=5000)
+    call = call_from_message(arrived, {"search"})
+    assert (call.args, call.kwargs) == ((1, {"a": 2}), {"k": []})
+    relayed = call_message(call)
+    assert (relayed.args_json, relayed.kwargs_json) == (arrived.args_json, arrived.kwargs_json)
+    call_id, reply = reply_from_message(pb.HostReply(call_id=3, result_json=b'{"hits": [1, 2]}'))
+    assert reply.result == {"hits": [1, 2]}
+    assert reply_message(call_id, reply).result_json == b'{"hits": [1, 2]}'
+    # A value made here (no bytes it arrived in) is encoded, compact, as before.
+    assert reply_message(3, HostReply(result={"hits": [1, 2]})).result_json == b'{"hits":[1,2]}'

@@ -79,10 +79,12 @@ def test_worker_metrics_count_exactly_what_ran(checkpoints):
         assert sample(after, "readie_worker_session_steps_total", checkpoint="base", outcome="ok") == 2
         # Every sandbox that served is destroyed after its answer: the three jobs' and the session's.
         assert wait_until(lambda: sample(scrape(port), "readie_worker_sandbox_destroy_duration_seconds_count") == 4, 10)
-        # A job with a grant gets a sandbox of its own, not a warm one: counted as made too.
+        # A job with a grant takes a warm sandbox too (decision 0034), and the one restored in its
+        # place is counted as made.
         grant = base / "granted"
         grant.mkdir()
         worker.stub.RunJob(pb.RunJobRequest(checkpoint="base", code="print(1)", allow_read=[str(grant)]), timeout=30)
+        assert wait_until(lambda: sample(scrape(port), "readie_worker_warm_sandboxes_ready", checkpoint="base") == WARM, 30)
         made = sample(scrape(port), "readie_worker_sandbox_start_duration_seconds_count", checkpoint="base", launcher="runsc-restore")
         assert made == restores + 1
         assert sample(scrape(port), "readie_worker_runsc_command_failures_total", command="restore") == 0

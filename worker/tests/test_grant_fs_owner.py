@@ -60,6 +60,7 @@ _CHECKPOINTS = (
     "(no grant may write them: template dirs are read-only to grants)"
 )
 _OPERATOR = "the operator's paths (config file, flags), trusted and resolved once (decision 10)"
+_STORE = "the session store beneath its root's descriptor: private to the workers (no grant may reach it), each path opened O_NOFOLLOW by dir_fd"
 _OWN = "a directory of the worker's own (run dir, sandbox dir tmpfs, images, scratch): private, no grant may reach it"
 
 #: Module -> function (``Class.method``; ``<module>`` for module level) -> why its paths are never a grant's.
@@ -67,27 +68,53 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
     "_mounts.py": {
         "<module>": "libc's mount(2)/umount2(2): sources are descriptors (/proc/self/fd/N) or the worker's own dirs",
         "enter_mount_namespace": _PROC,
-        "_mounts_beneath": f"{_PROC}; realpath of the sandbox dir, the worker's own (mount points are reported resolved)",
+        "mounts_beneath": f"{_PROC}; realpath of the sandbox dir, the worker's own (mount points are reported resolved)",
     },
     "_reaper.py": {
         "become_subreaper": "libc's prctl(2): no path",
         "_is_child": _PROC,
         "_zombie_children": _PROC,
+        "_children": _PROC,
     },
     "_sandbox_dir.py": {
         "SandboxDir.create": _OWN,
         "_plain": _OWN,
         "_populate": f"{_OWN}; grants are mounted from descriptors, never opened here",
+        "_attach": f"{_OWN}: a slot's grant point in the sandbox dir tmpfs",
+        "_mount_grant": f"{_OWN}; grants are mounted from descriptors, never opened here",
     },
+    # Egress (decision 36): the kernel's network namespace files and sysctls, and the host's resolv.conf.
+    "_netns.py": {
+        "<module>": "libc's setns(2): takes a descriptor, no path",
+        "enter": "a network namespace's file: ip's in /var/run/netns (root's) or this process's in /proc",
+        "write_sysctls.write": "/proc/sys/net as the namespace readie made sees it: the kernel's, not a file anyone names",
+        "present": "ip's namespace files in /var/run/netns (root's)",
+        "names": "ip's namespace files in /var/run/netns (root's)",
+    },
+    "egress_net.py": {"host_nameservers": "the host's /etc/resolv.conf: the operator's, read for the default egress_dns"},
     "bundle.py": {"SandboxSpec.write": "the OCI bundle in the sandbox's own dir"},
+    "launchers.py": {"_RunscLauncher.hold_mounts": f"{_RUNSC}; {_PROC}"},
     "cli.py": {"_manifest": f"whether --checkpoints names a directory: {_OPERATOR}"},
     "core.py": {
         "Worker._hold_grants": "realpath of the package cache dir ensure_packages made: the worker's own",
     },
-    "hibernation.py": {
-        "SessionImages.reserve": _OWN,
-        "SessionImages.share": f"{_OWN}: runsc's image files, linked into a fork's image",
-        "_size_of": f"{_OWN}: runsc's image files, measured",
+    "hibernation.py": {"SessionImages._private": f"{_OWN}: a fresh dir for an image on its way into or out of the store"},
+    # The session store (decision 32): the operator's dir, private to the worker (no grant may
+    # reach it), hostile within (shared with other workers' volumes): every path beneath its
+    # root is opened by descriptor, O_NOFOLLOW, and checked (_store_files).
+    "_store_files.py": {
+        "opened_dir": _STORE, "make_dir": _STORE, "copy_hashing": _STORE, "write_new": _STORE,
+        "regular_sizes": _STORE, "_open_regular": _STORE,
+    },
+    "_store_leases.py": {"lease_state": _STORE, "write_lease": _STORE, "LeaseKeeper._touch": _STORE},
+    "_store_meta.py": {"read_store_key": f"{_OPERATOR}: --session-store-key, opened O_NOFOLLOW and checked (regular, 0600)"},
+    "session_store.py": {
+        "SessionStore.share": _STORE, "SessionStore._publish": _STORE, "SessionStore.let_go": _STORE,
+        "SessionStore._locked": _STORE,
+    },
+    "_store_layout.py": {
+        "open_root": f"{_OPERATOR}: --session-store, opened O_NOFOLLOW and checked",
+        "entry_names": _STORE, "generation_numbers": _STORE, "entry_bytes": _STORE, "last_touched": _STORE,
     },
     "manifest.py": {
         "_parse": _CHECKPOINTS,

@@ -277,3 +277,9 @@ def test_any_mutation_of_a_call_gives_that_call_or_a_refusal(args, replaced, dro
     else:
         assert closed and not dropped and not extra
         assert result == HostCall(call["call_id"], call["function"], tuple(call["args"]), call["kwargs"])
+
+
+def test_a_reply_that_arrived_as_json_goes_into_the_sandbox_as_it_came():
+    reply = HostReply(result=[1, 2], encoded=b"[1, 2]")
+    assert encode_reply(4, reply) == b'{"reply":{"call_id":4,"result":[1, 2]}}'
+    assert loads(encode_reply(4, reply)) == {"reply": {"call_id": 4, "result": [1, 2]}}

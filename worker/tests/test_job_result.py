@@ -84,6 +84,12 @@ def test_valid_result_is_rebuilt() -> None:
     assert parse_job_result(VALID, MAX_OUTPUT) == EXPECTED
 
 
+def test_runner_phases_are_optional_and_kept_in_their_order() -> None:
+    assert parse_job_result(VALID, MAX_OUTPUT).phases is None
+    phases = parse_job_result(with_fields(phases={"encode": 3, "code": 2, "request": 1}), MAX_OUTPUT).phases
+    assert list(phases.items()) == [("request", 1), ("code", 2), ("encode", 3)]
+
+
 def test_success_without_error() -> None:
     result = parse_job_result(with_fields(exit=0, error=None), MAX_OUTPUT)
     assert result.error is None and result.exit == 0
@@ -154,6 +160,12 @@ def test_missing_error_field_is_named(field: str) -> None:
         (with_error_fields(file=False), "error.file"),
         (with_error_fields(line="2"), "error.line"),
         (with_error_fields(hint=["/srv"]), "error.hint"),
+        (with_fields(phases=[1, 2]), "phases"),
+        (with_fields(phases={"code": 1, "os.system": 2}), "phases"),
+        (with_fields(phases={"code": -1}), "phases"),
+        (with_fields(phases={"code": 1.5}), "phases"),
+        (with_fields(phases={"code": 10**19}), "phases"),
+        (with_fields(phases={"code": True}), "phases"),
     ],
 )
 def test_wrong_types_are_refused_naming_the_field(raw: bytes, field: str) -> None:

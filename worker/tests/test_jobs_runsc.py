@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from readie_policy.egress import parse_destinations, resolve_egress
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import RequestError
+from readie_worker.grants import hold_grants
 from readie_worker.jobs import CodeJob
 from readie_worker.testing import wait_until
 
@@ -86,9 +88,58 @@ with open({str(out / 'result.txt')!r}, 'w') as f:
     f.write('written in gvisor')
 print(os.path.exists({str(secret / 'key.txt')!r}))
 """
+    assert worker.warm["base"].wait_until_full(60)
+    hits = worker.warm["base"].hits
     outcome = worker.run_job(job(code, allow_read=(str(data),), allow_write=(str(out),)))
     assert (outcome.exit, outcome.stdout, outcome.error) == (0, "2\nFalse\n", None), outcome
     assert (out / "result.txt").read_text() == "written in gvisor"
+    assert worker.warm["base"].hits == hits + 1  # a warm sandbox took the grants (decision 0034)
+    # Once the used sandbox is retired, nothing of the grants stays mounted in the worker.
+    assert wait_until(lambda: not _mounted_from(data, out, where=Path("/proc/self/mountinfo")), timeout=30)
+
+
+def test_a_warm_sandbox_s_gofer_holds_a_read_grant_read_only_at_the_host(worker, grants):
+    """The grant reaches runsc's gofer (its own mount namespace) after restore, and with the
+    read-only flag it had before anything could see it: the host refuses writes, not gVisor alone."""
+    data, out, _ = grants
+    sandbox = worker.warm["base"].take()
+    try:
+        with hold_grants(worker._mount_plan(), allow_read=(str(data),), allow_write=(str(out),)) as held:
+            sandbox.attach(held)
+        [gofer] = [pid for pid in _pids() if _cmdline(pid).startswith("runsc-gofer ") and f" --bundle={sandbox.dir.path} " in _cmdline(pid)]
+        mounts = {line.split()[4]: line.split()[5].split(",")[0] for line in _mounted_from(data, out, where=Path(f"/proc/{gofer}/mountinfo"))}
+        assert mounts == {"/readie/grants/read-0/grant": "ro", "/readie/grants/write-0/grant": "rw"}
+        # The worker holds that namespace, so a gofer that dies takes no grant from under a job.
+        assert os.readlink(f"/proc/self/fd/{sandbox.mounts_held}") == os.readlink(f"/proc/{gofer}/ns/mnt")
+        # No other gofer holds it: neither one started before the attach nor the spare the take
+        # set restoring after it (their mount namespaces are copies of the worker's, and runsc's
+        # pivot into the rootfs is what leaves the worker's slots behind: decision 0034).
+        assert worker.warm["base"].wait_until_full(60)
+        ours = f" --bundle={sandbox.dir.path.parent}/"
+        others = [pid for pid in _pids() if _cmdline(pid).startswith("runsc-gofer ") and ours in _cmdline(pid) and pid != gofer]
+        assert others, "the refilled spare's gofer"
+        assert {pid: _mounted_from(data, out, where=Path(f"/proc/{pid}/mountinfo")) for pid in others} == dict.fromkeys(others, [])
+    finally:
+        sandbox.destroy()
+    assert not sandbox.dir.path.exists()
+    assert not _mounted_from(data, out, where=Path("/proc/self/mountinfo"))
+
+
+def _mounted_from(*sources: Path, where: Path) -> list[str]:
+    """The mountinfo lines in ``where`` of a mount whose root is one of ``sources`` (on the host's root fs)."""
+    roots = {str(source) for source in sources}
+    return [line for line in where.read_text().splitlines() if line.split()[3] in roots]
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_writing_to_a_read_grant_is_a_permission_error_with_a_hint(worker, grants):
@@ -331,6 +382,11 @@ except OSError as exc:
     try:
         outcome = networked.run_job(job(code, network=True))
         plain = networked.run_job(job("print('no network asked')"))
+        # A list of destinations is refused, not widened to the namespace's network, until enforcement lands.
+        listed = resolve_egress(parse_destinations(["api.example.com:443"]), None)
+        with pytest.raises(RequestError, match="needs the egress backend") as refused:
+            networked.run_job(job("print(1)", network=True, egress=listed))
+        assert refused.value.field == "allow_network"
     finally:
         networked.close()
         host_service.close()

@@ -94,7 +94,7 @@ def test_the_worker_collector_reads_the_pools_at_scrape_time():
     pool = SimpleNamespace(hits=3, misses=1)
     capacity = SimpleNamespace(warm={"base": {"ready": 1, "target": 2}}, slots=4, busy=1, sessions=2, max_sessions=16,
                                hibernated=1, hibernated_bytes=50_000_000)
-    worker = SimpleNamespace(capacity=lambda: capacity, warm={"base": pool})
+    worker = SimpleNamespace(capacity=lambda: capacity, warm={"base": pool}, session_store_usage=lambda: (3, 150_000_000))
     metrics = Metrics()
     metrics.watch_worker(worker)  # type: ignore[arg-type]
     got = _samples(metrics)
@@ -104,6 +104,8 @@ def test_the_worker_collector_reads_the_pools_at_scrape_time():
     assert sample(got, "readie_worker_sessions_active") == 2
     assert sample(got, "readie_worker_sessions_hibernated") == 1
     assert sample(got, "readie_worker_hibernated_bytes") == 50_000_000
+    assert sample(got, "readie_worker_session_store_entries") == 3
+    assert sample(got, "readie_worker_session_store_bytes") == 150_000_000
     capacity.warm["base"]["ready"] = 2
     assert sample(_samples(metrics), "readie_worker_warm_sandboxes_ready", checkpoint="base") == 2
 

@@ -14,8 +14,8 @@ import pytest
 
 from readie_worker import _grant_fs, _mounts
 from readie_worker._sandbox_dir import SandboxDir
-from readie_worker.bundle import MountPlan
-from readie_worker.errors import RequestError
+from readie_worker.bundle import GRANT_POINT, MountPlan
+from readie_worker.errors import RequestError, SandboxSetupError
 from readie_worker.grants import hold_grants
 from readie_worker.paths import PathKind, PathRefused, check_normal, open_no_follow, read_no_follow, remove_tree
 
@@ -150,9 +150,9 @@ def test_grants_fill_slots_and_refuse_what_they_must(tree: Path) -> None:
             (PurePosixPath("/readie/grants/write-0"), False, True),
         ]
         assert [link["target"] for link in held.links] == [
-            "/readie/grants/read-0",
-            "/readie/grants/read-1/loose.txt",
-            "/readie/grants/write-0",
+            "/readie/grants/read-0/grant",
+            "/readie/grants/read-1/grant/loose.txt",
+            "/readie/grants/write-0/grant",
         ]
     cases = [
         (dict(allow_read=[str(tree / "dir")] * 3), "allow_read", "3 paths asked for, but sandboxes have 2 such slots"),
@@ -187,25 +187,31 @@ def test_a_refused_grant_leaves_no_descriptor_open(tree: Path) -> None:
 
 def test_a_sandbox_dir_mounts_what_was_held_and_nothing_else_is_writable(tree: Path, short_tmp: Path) -> None:
     plan = MountPlan(read_slots=2, write_slots=2, package_slots=0)
-    with hold_grants(
-        plan, allow_read=[str(tree / "dir"), str(tree / "loose.txt")], allow_write=[str(tree / "outside")]
-    ) as held:
-        sandbox = SandboxDir.create(short_tmp, held.grants, private=True)
+    with hold_grants(plan, allow_read=[str(tree / "dir"), str(tree / "loose.txt")]) as held:
+        sandbox = SandboxDir.create(short_tmp, held.grants, private=True, grant_slots=plan.grant_slots())
     try:
+        # A write grant arrives later, as it does in a warm sandbox (decision 0034).
+        with hold_grants(plan, allow_write=[str(tree / "outside")]) as later:
+            sandbox.attach(later.grants)
+            with pytest.raises(SandboxSetupError, match="already holds a grant"):
+                sandbox.attach(later.grants)
         # The paths change after the open; the mounts do not.
         os.rename(tree / "dir", tree / "moved")
         (tree / "dir").symlink_to(tree / "outside")
-        read_dir = sandbox.sources[plan.read_slot(0)]
+        read_dir = sandbox.sources[plan.read_slot(0)] / GRANT_POINT
         assert sorted(os.listdir(read_dir)) == ["file-link", "file.txt", "link", "sub"]
         with pytest.raises(OSError, match="Read-only file system"):
             (read_dir / "new").write_text("x")
-        assert (sandbox.sources[plan.read_slot(1)] / "loose.txt").read_text() == "loose"
+        read_file_dir = sandbox.sources[plan.read_slot(1)] / GRANT_POINT
+        assert (read_file_dir / "loose.txt").read_text() == "loose"
         with pytest.raises(OSError, match="Read-only file system"):
-            (sandbox.sources[plan.read_slot(1)] / "other").write_text("x")  # the file's own dir
-        (sandbox.sources[plan.write_slot(0)] / "written").write_text("ok")
+            (read_file_dir / "other").write_text("x")  # the file's own dir
+        (sandbox.sources[plan.write_slot(0)] / GRANT_POINT / "written").write_text("ok")
         assert (tree / "outside" / "written").read_text() == "ok"
-        with pytest.raises(OSError, match="Read-only file system"):
-            (sandbox.unused_slots / "x").write_text("x")
+        # An unfilled write slot, and every slot beside its grant point, is read-only at the host.
+        for unwritable in (sandbox.sources[plan.write_slot(1)] / GRANT_POINT, sandbox.sources[plan.write_slot(0)], sandbox.unused_slots):
+            with pytest.raises(OSError, match="Read-only file system"):
+                (unwritable / "x").write_text("x")
         (sandbox.executor_dir / "executor.sock").write_text("the executor's to write")
     finally:
         assert sandbox.remove()
@@ -213,7 +219,33 @@ def test_a_sandbox_dir_mounts_what_was_held_and_nothing_else_is_writable(tree: P
     # Removal unmounted the grants and never touched their contents.
     assert sorted(os.listdir(tree / "moved")) == ["file-link", "file.txt", "link", "sub"]
     assert (tree / "outside" / "secret").read_text() == "s3cr3t"
-    assert not [m for m in _mounts._mounts_beneath(short_tmp)]
+    assert not [m for m in _mounts.mounts_beneath(short_tmp)]
+
+
+def test_a_mount_that_arrives_beneath_a_grant_before_it_is_sealed_is_refused(
+    tree: Path, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host mount made under a granted directory in the instant between the bind and the cut
+    # from the host's peer groups would come into the sandbox with the grant, writable.
+    from readie_worker import _sandbox_dir
+
+    cut = _sandbox_dir.make_private
+
+    def mount_arrives_first(staged: Path) -> None:
+        _mounts.mount_tmpfs(staged / "sub", size_bytes=4096, inodes=16)
+        cut(staged)
+
+    monkeypatch.setattr(_sandbox_dir, "make_private", mount_arrives_first)
+    plan = MountPlan(read_slots=1, write_slots=1)
+    sandbox = SandboxDir.create(short_tmp, private=True, grant_slots=plan.grant_slots())
+    try:
+        with hold_grants(plan, allow_read=[str(tree / "dir")]) as held:
+            with pytest.raises(SandboxSetupError, match="a mount appeared beneath grant"):
+                sandbox.attach(held.grants)
+    finally:
+        assert sandbox.remove()
+        _mounts.unmount_beneath(tree)  # the copy the host's peer group got
+    assert sorted(os.listdir(tree / "dir")) == ["file-link", "file.txt", "link", "sub"]
 
 
 def test_the_sandbox_dir_is_bounded_in_bytes_and_inodes(short_tmp: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from readie_worker.errors import ConfigError
 from readie_worker.paths import remove_tree
-from readie_worker.state_dir import IMAGES, RUN, RUNSC, RUNTIME_ROOT, StateDir, StateDirRefused
+from readie_worker.state_dir import IMAGES, RUN, RUNSC, RUNTIME_ROOT, STORE, StateDir, StateDirRefused
 
 # Not this process's uid (root in these tests): stands for another local user.
 OTHER_UID = 4242
@@ -39,8 +39,8 @@ def test_a_missing_state_dir_is_made_0700_with_its_layout_and_removed_at_close(s
     assert state.made and state.path == short_tmp / "a" / "state"
     assert stat.S_IMODE(state.path.stat().st_mode) == 0o700
     state.prepare()
-    assert sorted(os.listdir(state.path)) == sorted([IMAGES, RUN, RUNSC])
-    assert all(stat.S_IMODE((state.path / name).stat().st_mode) == 0o700 for name in (IMAGES, RUN, RUNSC))
+    assert sorted(os.listdir(state.path)) == sorted([IMAGES, RUN, RUNSC, STORE])
+    assert all(stat.S_IMODE((state.path / name).stat().st_mode) == 0o700 for name in (IMAGES, RUN, RUNSC, STORE))
     state.close()
     assert not state.path.exists()
     state.close()  # again: nothing to do
@@ -53,7 +53,7 @@ def test_an_existing_state_dir_is_emptied_at_start_and_at_close_but_kept(short_t
     state = StateDir.claim(named)
     assert not state.made and (named / "left-by-an-earlier-run").exists()  # claiming touches nothing
     state.prepare()
-    assert sorted(os.listdir(named)) == sorted([IMAGES, RUN, RUNSC])
+    assert sorted(os.listdir(named)) == sorted([IMAGES, RUN, RUNSC, STORE])
     (named / RUN / "rd-4567").mkdir()
     state.close()
     assert named.is_dir() and os.listdir(named) == []

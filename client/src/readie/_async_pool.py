@@ -47,7 +47,7 @@ from ._host import HostFunctions, check_functions, failed_reply, missing_reply, 
 from ._output import OutputCallback, OutputCallbacks, delivering
 from ._pool import MAX_EVENT_LINE_BYTES, READ_BYTES, START_TIMEOUT_S
 from ._process import CLOSE_KILL_GRACE_S, EXIT_WAIT_S, PoolStderrTail, pool_argv
-from ._async_session import AsyncSession
+from ._async_session import AsyncSession, attach_session
 from ._requests import (
     AnsweredRequest,
     Duration,
@@ -201,7 +201,7 @@ class AsyncPool:
         allow_write: Iterable[PathArg] = (),
         package_dirs: Iterable[PathArg] = (),
         env: Mapping[str, str] | None = None,
-        allow_network: bool = False,
+        allow_network: bool | Iterable[str] = False,
         timeout: Duration | None = None,
         memory: Size | None = None,
         max_output: Size | None = None,
@@ -248,6 +248,14 @@ class AsyncPool:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
         return AsyncSession(self, name or new_session_name(), setup, declared)
+
+    async def attach(self, name: str, key: str, *, functions: HostFunctions | None = None) -> AsyncSession:
+        """Continue a stored session (decision 32) as this pool's session ``name``: the
+        :attr:`AsyncSession.key` of a session whose pool let it go into the session store this
+        pool shares (``readie pool --session-store``; a SIGTERM, a broken stream). ``functions``
+        answer its host calls. Raises :class:`~readie.RequestError` for a wrong or unknown key (the
+        same refusal) and for a name open here already."""
+        return await attach_session(self, name, key, check_functions(functions))
 
     async def stats(self) -> dict[str, Any]:
         """The pool's counters, as the pool wrote them."""

@@ -27,6 +27,14 @@ result's ``resumed_ms``). :meth:`AsyncSession.fork` makes a second session, open
 at once, whose ``__main__`` is a copy of this one's: same grants, same host
 functions (answered by this client for the fork's steps too), its own
 sandbox; from then on neither sees the other's changes.
+
+A session outlives its pool (decision 32) when the pool keeps a session
+store: :attr:`AsyncSession.key` is its key (from its first result, or its
+fork's answer), a secret to keep where only you read it; once its pool has
+let it go into the store (a SIGTERM, a broken stream), :func:`attach_session`
+(``AsyncPool.attach``) continues it from another pool, under a name of that
+pool's. A step whose worker was lost comes back with ``result.lost``: it may
+have run in part, and the session goes on.
 """
 
 from __future__ import annotations
@@ -37,14 +45,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, overload
 
-from readie_protocol.events import ForkedEvent, HibernatedEvent, Result
+from readie_protocol.events import AttachedEvent, ForkedEvent, HibernatedEvent, Result
 from readie_protocol.requests import JobRequest
 from readie_protocol.transfers import ChunkEvent, ListingEvent, UploadChunk, UploadedEvent
 from readie_protocol.workspace import FileChunk
 
-from ._errors import ReadieError, RequestError
+from ._errors import PoolError, ReadieError, RequestError
 from ._output import OutputCallback, OutputCallbacks
-from ._requests import AnsweredRequest, Duration, Files, PathArg, Size, close_request, step_request
+from ._requests import AnsweredRequest, Duration, Files, PathArg, Size, attach_request, close_request, step_request
 from ._transfers import (
     FileList,
     UploadData,
@@ -67,7 +75,7 @@ from ._session_images import (
     require_open,
 )
 
-__all__ = ["AsyncSession", "AsyncSessionPool"]
+__all__ = ["AsyncSession", "AsyncSessionPool", "attach_session"]
 
 
 class AsyncSessionPool(Protocol):
@@ -112,12 +120,20 @@ class AsyncSession:
         self.functions = dict(functions or {})  # what answers the steps' host calls
         self._lock = asyncio.Lock()
         self._open = False  # the pool has a process for this session
+        self._key: str | None = None  # never in the repr, never logged
         self.last_step = 0
 
     @property
     def open(self) -> bool:
         """Whether the pool holds a process for this session (as far as this client knows)."""
         return self._open
+
+    @property
+    def key(self) -> str | None:
+        """The session's key (decision 32): with it, :func:`attach_session` continues the session from
+        another pool once this one has let it go into its session store. None before the first
+        step, after a step that ended the session, and when the pool's sessions cannot outlive it."""
+        return self._key
 
     async def run(
         self,
@@ -168,7 +184,12 @@ class AsyncSession:
         assert isinstance(result, Result)
         raise_if_refused(result)
         self._open = not result.session_ended
-        self.last_step = result.step or 0
+        if result.session_key is not None:  # a session's first result: a new session, a new key
+            self._key = result.session_key
+        if result.session_ended:
+            self._key = None
+        if not result.lost:  # a lost step has no number: the session's last is still the one before
+            self.last_step = result.step or 0
         return result
 
     # ------------------------------------------------------------------ files
@@ -291,9 +312,10 @@ class AsyncSession:
                 if name is None:
                     self.pool._send_and_forget(close_request(self.pool._next_id(), new_name))
                 raise
-            answered(self, answer, ForkedEvent)
+            forked = answered(self, answer, ForkedEvent)
         fork = AsyncSession(self.pool, new_name, self.setup, self.functions)
         fork._open = True  # the pool holds it: its steps must carry no setup (its next opening will)
+        fork._key = forked.session_key
         return fork
 
     async def close(self) -> None:
@@ -317,3 +339,22 @@ class AsyncSession:
 
     def __repr__(self) -> str:
         return f"<readie.AsyncSession {self.name!r} {'open' if self._open else 'not open'}>"
+
+
+async def attach_session(
+    pool: AsyncSessionPool, name: str, key: str, functions: Mapping[str, Callable[..., Any]] | None = None
+) -> AsyncSession:
+    """The stored session ``key``, held by ``pool`` now as its session ``name``, open: its next
+    :meth:`~AsyncSession.run` continues the same ``__main__`` (its result's ``resumed_ms`` says how
+    long the resume took). ``functions`` answer its host calls (the functions it declared when it
+    opened). Its grants and limits are the stored session's; should a step end it, the next run
+    opens a new session without any. Raises :class:`~readie.RequestError` for a wrong or unknown
+    key (one refusal for both) and for a name the pool has open already."""
+    answer = await pool._exchange(attach_request(pool._next_id(), name, key))
+    if isinstance(answer, Result):
+        answer.raise_for_error()
+    if not isinstance(answer, AttachedEvent):
+        raise PoolError(f"readie pool answered an attach with {type(answer).__name__}")
+    session = AsyncSession(pool, name, {}, functions)
+    session._open, session._key, session.last_step = True, key, answer.step
+    return session

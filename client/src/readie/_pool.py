@@ -52,7 +52,7 @@ from ._requests import (
     session_setup,
     stats_request,
 )
-from ._session import Session
+from ._session import Session, attach_session
 from ._session_images import Answer, new_session_name, raise_if_refused
 
 __all__ = ["MAX_EVENT_LINE_BYTES", "READ_BYTES", "START_TIMEOUT_S", "Pool"]
@@ -168,7 +168,7 @@ class Pool:
         allow_write: Iterable[PathArg] = (),
         package_dirs: Iterable[PathArg] = (),
         env: Mapping[str, str] | None = None,
-        allow_network: bool = False,
+        allow_network: bool | Iterable[str] = False,
         timeout: Duration | None = None,
         memory: Size | None = None,
         max_output: Size | None = None,
@@ -229,7 +229,7 @@ class Pool:
         allow_write: Iterable[PathArg] = (),
         package_dirs: Iterable[PathArg] = (),
         env: Mapping[str, str] | None = None,
-        allow_network: bool = False,
+        allow_network: bool | Iterable[str] = False,
         timeout: Duration | None = None,
         memory: Size | None = None,
         max_output: Size | None = None,
@@ -256,6 +256,14 @@ class Pool:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
         return Session(self, name or new_session_name(), setup, declared)
+
+    def attach(self, name: str, key: str, *, functions: HostFunctions | None = None) -> Session:
+        """Continue a stored session (decision 32) as this pool's session ``name``: the
+        :attr:`Session.key` of a session whose pool let it go into the session store this
+        pool shares (``readie pool --session-store``; a SIGTERM, a broken stream). ``functions``
+        answer its host calls. Raises :class:`~readie.RequestError` for a wrong or unknown key (the
+        same refusal) and for a name open here already."""
+        return attach_session(self, name, key, check_functions(functions))
 
     def stats(self) -> dict[str, Any]:
         """The pool's counters: the spec's stats event, as the pool wrote it."""

@@ -33,6 +33,7 @@ from readie_protocol.errors import RequestError
 from readie_protocol.transfers import DownloadChunk, ListFiles, UploadChunk
 from readie_protocol.workspace import check_files, encode_bytes
 from readie_protocol.requests import (
+    AttachSession,
     CancelJob,
     CloseSession,
     ForkSession,
@@ -90,7 +91,7 @@ def _job_fields(
     allow_write: Iterable[PathArg] = (),
     package_dirs: Iterable[PathArg] = (),
     env: Mapping[str, str] | None = None,
-    allow_network: bool = False,
+    allow_network: bool | Iterable[str] = False,
     timeout: Duration | None = None,
     memory: Size | None = None,
     max_output: Size | None = None,
@@ -119,10 +120,13 @@ def _job_fields(
         if not isinstance(env, Mapping):
             raise TypeError(f"env: expected a mapping of strings, got {type(env).__name__}")
         request["env"] = dict(env)
-    if not isinstance(allow_network, bool):
-        raise TypeError(f"allow_network: expected True or False, got {type(allow_network).__name__}")
-    if allow_network:
-        request["allow_network"] = True
+    if isinstance(allow_network, bool):
+        if allow_network:
+            request["allow_network"] = True
+    elif not isinstance(allow_network, Iterable):
+        raise TypeError(f"allow_network: expected True, False or a list of destinations, got {type(allow_network).__name__}")
+    else:  # destinations (decision 35); an empty list is False: nothing sent
+        _put_list(request, "allow_network", allow_network, lambda item: _text(item, "allow_network"))
     _put(request, "timeout", timeout, _duration)
     _put(request, "memory", memory, _size)
     _put(request, "max_output", max_output, _size)
@@ -153,7 +157,7 @@ def session_setup(
     allow_write: Iterable[PathArg] = (),
     package_dirs: Iterable[PathArg] = (),
     env: Mapping[str, str] | None = None,
-    allow_network: bool = False,
+    allow_network: bool | Iterable[str] = False,
     timeout: Duration | None = None,
     memory: Size | None = None,
     max_output: Size | None = None,
@@ -207,6 +211,11 @@ def cancel_request(id: RequestId, target: RequestId) -> CancelJob:
 
 def close_request(id: RequestId, session: str) -> CloseSession:
     return CloseSession(id, _text(session, "session"))
+
+
+def attach_request(id: RequestId, session: str, key: str) -> AttachSession:
+    """Continue the stored session ``key`` as ``session`` (decision 32); the pool checks the key."""
+    return AttachSession(id, _text(session, "name"), _text(key, "key"))
 
 
 # --------------------------------------------------------------------------- conversions

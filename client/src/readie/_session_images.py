@@ -14,6 +14,7 @@ from readie_protocol.errors import ErrorType
 from readie_protocol.requests import ForkSession, HibernateSession
 from readie_protocol.transfers import ChunkEvent, ListingEvent, UploadedEvent
 from readie_protocol.events import (
+    AttachedEvent,
     CancelledEvent,
     ClosedEvent,
     ForkedEvent,
@@ -38,14 +39,14 @@ __all__ = [
 
 #: What answers a request: its result, or the event it asked for.
 Answer = (
-    Result | StatsEvent | ClosedEvent | CancelledEvent | HibernatedEvent | ForkedEvent
+    Result | StatsEvent | ClosedEvent | CancelledEvent | HibernatedEvent | ForkedEvent | AttachedEvent
     | UploadedEvent | ChunkEvent | ListingEvent
 )
 
-Event = TypeVar("Event", HibernatedEvent, ForkedEvent, UploadedEvent, ChunkEvent, ListingEvent)
+Event = TypeVar("Event", HibernatedEvent, ForkedEvent, AttachedEvent, UploadedEvent, ChunkEvent, ListingEvent)
 
-_ASKED = {HibernatedEvent: "hibernate", ForkedEvent: "fork", UploadedEvent: "upload", ChunkEvent: "download",
-          ListingEvent: "list"}
+_ASKED = {HibernatedEvent: "hibernate", ForkedEvent: "fork", AttachedEvent: "attach", UploadedEvent: "upload",
+          ChunkEvent: "download", ListingEvent: "list"}
 
 
 class _Tracked(Protocol):

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "pool": Subcommand("readie_pool.cli", "serve the pool protocol (JSON Lines) on stdin and stdout"),
     "rootfs": Subcommand("readie_pipeline.cli", "build (or reuse) the sandbox rootfs"),
     "router": Subcommand("readie_router.cli", "place jobs on readie workers, over gRPC"),
+    "sessions": Subcommand("readie_worker.sessions_cli", "list or remove the sessions in a session store"),
     "worker": Subcommand("readie_worker.cli", "serve one worker's gVisor sandboxes over gRPC"),
 }
 DISTRIBUTION = "readie"

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import pickle
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,8 +33,27 @@ class InvalidRequest(Exception):
     pass
 
 
+# When the running call began, before its request was unpickled: where a code job's phase
+# clock starts (jobs/_phases.py). None outside a call.
+_call_started_ns: int | None = None
+
+
+def call_started_ns() -> int | None:
+    """``time.perf_counter_ns()`` when the running call began; None outside one."""
+    return _call_started_ns
+
+
 def run_call(request: bytes) -> bytes | bytearray:
     """Decode, run and answer one request. Never raises."""
+    global _call_started_ns
+    _call_started_ns = time.perf_counter_ns()
+    try:
+        return _run_call(request)
+    finally:
+        _call_started_ns = None
+
+
+def _run_call(request: bytes) -> bytes | bytearray:
     output = CapturedOutput(MAX_CAPTURED_OUTPUT)
     try:
         func, args, kwargs = decode_request(request)

@@ -22,6 +22,7 @@ Standard library only: this runs in the sandbox's own python3.
 
 from __future__ import annotations
 
+import json
 import keyword
 import math
 import re
@@ -304,7 +305,34 @@ def loads(data: bytes | str) -> Any:
         text = data
     else:
         raise TypeError(f"loads() takes bytes or str, got {type(data).__name__}")
-    return _Parser(text).document()
+    try:
+        return _STRICT_JSON.decode(text)
+    except (ValueError, RecursionError):
+        # Nested deeper than json recurses, or refused: the iterative parser
+        # decides, and names the fault the same way whichever parser met it.
+        return _Parser(text).document()
+
+
+# The fast path of loads: the standard library's C scanner, its hooks refusing
+# what this wire refuses, so what it accepts _Parser accepts, with the same value.
+# Every frame and reply crosses a parser on each hop; this one is several times faster.
+
+
+def _refuse(why: str) -> Any:
+    raise WireError(why)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    entries = dict(pairs)
+    return entries if len(entries) == len(pairs) else _refuse("duplicate key")
+
+
+_STRICT_JSON = json.JSONDecoder(
+    object_pairs_hook=_unique_keys,
+    parse_constant=lambda name: _refuse(f"{name} is not JSON"),
+    parse_float=lambda text: _refuse("out of range") if math.isinf(value := float(text)) else value,
+    parse_int=lambda text: int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _refuse("too many digits"),
+)
 
 
 class _OpenObject:

@@ -1,7 +1,9 @@
 """readie's configuration and policy: what the operator fixed, read the same by every command.
 
 Public modules: ``policy`` (a job's resolved limits and grants under the
-operator's ceiling), ``config`` (``readie.toml``) and ``config_keys`` (its
+operator's ceiling), ``egress`` (where a job's network may go: the
+``allow_network`` destinations, their containment and the enforcement's
+queries), ``config`` (``readie.toml``) and ``config_keys`` (its
 one key table, from which the loader, the schema and docs/config.md come),
 ``cli_flags`` (flag values every command reads alike), ``locations`` (where
 every command finds the checkpoints), ``logs`` (the one log schema),

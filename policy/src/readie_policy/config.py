@@ -100,6 +100,10 @@ class PoolSettings:
     max_sessions: int = DEFAULT_MAX_SESSIONS
     session_idle_ms: int = DEFAULT_SESSION_IDLE_MS
     session_hibernate_ms: int | None = None  # off
+    # Decision 32: where sessions outlive the pool, the key that signs them, and when they are written.
+    session_store: Path | None = None
+    session_store_key: Path | None = None
+    session_checkpoint: str = "off"
     log: str = "none"
 
 
@@ -152,6 +156,9 @@ class CliOverrides:
     max_sessions: int | None = None
     session_idle: str | int | None = None
     session_hibernate: str | int | None = None
+    session_store: str | None = None
+    session_store_key: str | None = None
+    session_checkpoint: str | None = None
 
 
 # --------------------------------------------------------------------------- loading
@@ -245,7 +252,15 @@ def apply_cli(
         value = getattr(overrides, key.name, None)
         if key.flag is not None and value is not None:
             changes[key.attr] = key.read(at, key.flag, list(value) if isinstance(value, tuple) else value)
-    return _check_timers(at, replace(pool, **changes))
+    return _check_store(at, _check_timers(at, replace(pool, **changes)))
+
+
+def _check_store(at: Reading, pool: PoolSettings) -> PoolSettings:
+    """A shared store needs its key: a key made at start would sign images no later pool could read."""
+    if pool.session_store is not None and pool.session_store_key is None:
+        raise at.fail("pool.session_store_key", "required with session_store: the file of the key that signs "
+                      "its images, shared by every pool and worker using the store")
+    return pool
 
 
 def _check_timers(at: Reading, pool: PoolSettings) -> PoolSettings:
@@ -267,7 +282,7 @@ def _document(at: Reading, doc: dict[str, Any]) -> Config:
     pool_table = _table(at, doc, "pool")
     for name in ("profiles", "permissions"):  # [permissions] is the one-shot CLI's: ignored
         _table(at, doc, name)
-    pool = _check_timers(at, PoolSettings(**POOL.read(at, "pool", pool_table)))
+    pool = _check_store(at, _check_timers(at, PoolSettings(**POOL.read(at, "pool", pool_table))))
     limits = NO_LIMITS
     if "limits" in pool_table:
         # A ceiling starts from nothing granted: a key it leaves out grants nothing of its kind.

@@ -27,7 +27,8 @@ from readie_protocol.schema import SCHEMA_DIALECT
 from readie_protocol.units import format_duration_ms, format_size, parse_duration_ms
 
 from .config_values import (
-    BOOLEAN,
+    PATH,
+    one_of,
     CEILING_COLLECT_BYTES,
     CEILING_COLLECT_FILES,
     CEILING_MEMORY,
@@ -35,6 +36,7 @@ from .config_values import (
     CEILING_TIMEOUT,
     CEILING_TRANSFER_BYTES,
     COLLECT_BYTES_BOUND,
+    EGRESS,
     COLLECT_FILES_BOUND,
     ENV,
     JOB_MEMORY,
@@ -110,6 +112,8 @@ NETWORK_MAX_OUTPUT = 1024 * 1024
 #: own timeout replaces it (up to readie_protocol's MAX_TIMEOUT_MS, the bound of
 #: every timeout).
 NETWORK_MAX_TIMEOUT_MS = 3600 * 1000
+#: ``[pool] session_checkpoint``: never after a step (the default), or after each one (decision 32).
+SESSION_CHECKPOINTS = frozenset({"off", "step"})
 #: Profile names are echoed in the ready event and named in requests.
 MAX_PROFILE_NAME = 64
 
@@ -233,6 +237,17 @@ POOL = Section(
         ConfigKey("session_hibernate", "session_hibernate_ms", POSITIVE_DURATION, "off",
                   "A session idle this long is checkpointed to disk and its sandbox freed; its next step "
                   "resumes it first (about a restore's time). Shorter than session_idle.", "2m", "--session-hibernate"),
+        ConfigKey("session_store", "session_store", PATH, "none (the pool's own state dir: a restart forgets)",
+                  "A directory of session images shared with later pools and workers (decision 32): on SIGTERM "
+                  "the pool's sessions are detached into it, and a new pool attaches to them by key. Give "
+                  "session_store_key with it.", "/var/lib/readie/sessions", "--session-store"),
+        ConfigKey("session_store_key", "session_store_key", PATH, "none (a key made at start)",
+                  "A file holding the key that signs the store's images; every pool and worker sharing the "
+                  "store reads the same one. Keep it 0600.", "/etc/readie/session-store.key", "--session-store-key"),
+        ConfigKey("session_checkpoint", "session_checkpoint", one_of(SESSION_CHECKPOINTS), '`"off"`',
+                  "step: write each session into the store after each step, in the background, so a crash "
+                  "costs at most the step in flight; off: only when it is detached.", "step",
+                  "--session-checkpoint"),
         ConfigKey("log", "log", LOG, '`"none"`',
                   "json: JSON logs and one line per finished job on stderr; console (none is its first "
                   "name): readable logs, no job lines.", "json", "--log"),
@@ -251,9 +266,14 @@ LIMITS = Section(
                   "Directories requests may write: a request's allow_write must lie beneath one. The "
                   "file itself may not lie beneath one, since a job could then rewrite its ceiling.",
                   ["out"]),
-        ConfigKey("allow_network", "allow_network", BOOLEAN, "false",
-                  "Whether a request may ask for the network (the pool starts no network backend yet, "
-                  "so the worker still refuses it).", False),
+        ConfigKey("allow_network", "allow_network", EGRESS, "false",
+                  "Where requests' jobs may connect: false (nowhere), true (the public internet), or a list of "
+                  "destinations (api.example.com, *.example.com, 203.0.113.0/24, [2001:db8::1]:443; each "
+                  "optionally with :port) a request's list must lie within; a request's true gets this list. "
+                  "Private, loopback, link-local (169.254.169.254) and the worker's own addresses are denied "
+                  "even under true, unless an address or network listed here names them (decision 35). The "
+                  "pool starts no network backend yet, and a worker refuses a list until the egress "
+                  "enforcement lands.", ["api.example.com:443", "*.pypi.org"]),
         ConfigKey("timeout", "timeout_ms", CEILING_TIMEOUT,
                   f"no bound (over the network: {format_duration_ms(NETWORK_MAX_TIMEOUT_MS)})",
                   f"The longest timeout a request may set; {_unset('timeout')}.", "30s"),
@@ -291,8 +311,9 @@ PROFILE = Section(
                   ["site-packages"]),
         ConfigKey("env", "env", ENV, "none", "Environment variables of the job; the request's env updates them.",
                   {"MODE": "analysis"}),
-        ConfigKey("allow_network", "allow_network", BOOLEAN, "none",
-                  "Whether the job gets a network, unless the request says.", False),
+        ConfigKey("allow_network", "allow_network", EGRESS, "none",
+                  "The job's network, unless the request says: false, true (what the ceiling allows) or a "
+                  "list of destinations within the ceiling's.", False),
         ConfigKey("timeout", "timeout_ms", JOB_TIMEOUT, "none", "The job's timeout, unless the request sets one.",
                   "10s"),
         ConfigKey("memory", "memory_bytes", JOB_MEMORY, "none",

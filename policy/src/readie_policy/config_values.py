@@ -9,13 +9,14 @@ A ceiling's ``timeout``, ``memory``, ``max_output``, ``collect_bytes``, ``collec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
-from readie_protocol.errors import ConfigError, UnitError
+from readie_protocol.errors import ConfigError, RequestError, UnitError
+from readie_protocol.job_requests import ALLOW_NETWORK_SCHEMA
 from readie_protocol.requests import MAX_OUTPUT_BYTES, MAX_TIMEOUT_MS
 from readie_protocol.units import (
     DURATION_SCHEMA,
@@ -30,10 +31,12 @@ from readie_protocol.units import (
 )
 from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES
 
+from .egress import Destination, parse_destinations
 from .policy import Resolver, resolve_path
 from .sandbox_memory import MAX_JOB_MEMORY
 
 __all__ = [
+    "one_of",
     "BOOLEAN",
     "CEILING_COLLECT_BYTES",
     "CEILING_COLLECT_FILES",
@@ -41,6 +44,7 @@ __all__ = [
     "CEILING_OUTPUT",
     "CEILING_TIMEOUT",
     "CEILING_TRANSFER_BYTES",
+    "EGRESS",
     "COLLECT_BYTES_BOUND",
     "COLLECT_FILES_BOUND",
     "COUNT",
@@ -53,6 +57,7 @@ __all__ = [
     "MEMORY_BOUND",
     "MODULES",
     "OUTPUT_BOUND",
+    "PATH",
     "PATHS",
     "POSITIVE_DURATION",
     "POSITIVE_SIZE",
@@ -173,11 +178,25 @@ def _env(at: Reading, key: str, value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _log(at: Reading, key: str, value: Any) -> str:
+def one_of(names: Iterable[str]) -> ValueKind:
+    """A string that is one of ``names``."""
+    choices = sorted(names)
+
+    def read(at: Reading, key: str, value: Any) -> str:
+        text = _string(at, key, value)
+        if text not in choices:
+            raise at.fail(key, f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return ValueKind(read, {"type": "string", "enum": choices}, " or ".join(f'`"{name}"`' for name in choices))
+
+
+def _path(at: Reading, key: str, value: Any) -> Path:
     text = _string(at, key, value)
-    if text not in LOG_FORMATS:
-        raise at.fail(key, f"expected one of {', '.join(sorted(LOG_FORMATS))}, got {text!r}")
-    return text
+    try:
+        return resolve_path(text, at.base, at.resolve)
+    except (OSError, ValueError) as exc:
+        raise at.fail(key, f"cannot resolve {text!r}: {exc}") from None
 
 
 def _unit(parse: Callable[[Any], int], schema: dict[str, Any], shown: str, *, allow_zero: bool) -> ValueKind:
@@ -221,7 +240,20 @@ def _at_most(base: ValueKind, bound: _Bound, *, lower: bool) -> ValueKind:
     return ValueKind(read, schema, f"{base.shown}, at most {bound.written} (more is {'lowered' if lower else 'refused'})")
 
 
+def _egress(at: Reading, key: str, value: Any) -> bool | tuple[Destination, ...]:
+    """``allow_network``: true, false or destinations (``egress``); an empty list is false."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, list):
+        raise at.fail(key, f"expected true, false or an array of destinations, got {toml_type(value)}")
+    try:
+        return parse_destinations(value) or False
+    except RequestError as exc:
+        raise at.fail(key, exc.reason) from None
+
+
 BOOLEAN = ValueKind(_boolean, {"type": "boolean"}, "boolean")
+EGRESS = ValueKind(_egress, dict(ALLOW_NETWORK_SCHEMA), "boolean or array of destinations")
 PATHS = ValueKind(_paths, {"type": "array", "items": _STRING_SCHEMA}, "array of paths")
 MODULES = ValueKind(
     _modules,
@@ -237,7 +269,8 @@ ENV = ValueKind(
     },
     "table of strings",
 )
-LOG = ValueKind(_log, {"type": "string", "enum": sorted(LOG_FORMATS)}, " or ".join(f'`"{f}"`' for f in sorted(LOG_FORMATS)))
+LOG = one_of(LOG_FORMATS)
+PATH = ValueKind(_path, dict(_STRING_SCHEMA), "path")
 SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
 POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
 POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)

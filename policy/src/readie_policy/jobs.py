@@ -28,6 +28,7 @@ from readie_protocol.events import ErrorInfo, FileInfo, Value
 from readie_protocol.requests import MAX_REQUIREMENT_CHARS
 from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES, Collected
 
+from .egress import Egress
 from .policy import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT_MS, Policy
 
 __all__ = [
@@ -92,6 +93,9 @@ class CodeJob:
     package_dirs: tuple[str, ...] = ()
     packages: tuple[str, ...] = ()  # requirements, installed on the worker host and mounted
     network: bool = False
+    # Where its network may go (decision 35); None with ``network``: the public internet, as a
+    # job without destinations always had. A worker refuses a list until the enforcement lands.
+    egress: Egress | None = None
     timeout_ms: int = DEFAULT_TIMEOUT_MS
     memory_bytes: int | None = None
     max_output: int = DEFAULT_MAX_OUTPUT
@@ -150,6 +154,7 @@ class CodeJob:
             package_dirs=tuple(str(path) for path in package_dirs),
             packages=packages,
             network=policy.network,
+            egress=policy.egress,
             timeout_ms=policy.timeout_ms,
             memory_bytes=policy.memory_bytes,
             max_output=policy.max_output,
@@ -209,8 +214,9 @@ class CodeJob:
 
     @property
     def needs_own_mounts(self) -> bool:
-        """Grants and packages are mount sources, fixed at restore: no warm sandbox has them."""
-        return bool(self.allow_read or self.allow_write or self.package_dirs or self.packages)
+        """Package dirs fill their slots themselves (on sys.path), fixed at restore: no warm
+        sandbox has them. Read and write grants reach a warm sandbox (decision 0034)."""
+        return bool(self.package_dirs or self.packages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +266,11 @@ class JobOutcome:
     # clock, and the job's own claim of how long its code ran (untrusted).
     acquire_us: int | None = None
     code_us: int | None = None
+    # Finer, for the bench (None where not measured): the runner's claim of its phases
+    # (readie_executor.jobs.bounds.RUNNER_PHASES) and the worker's own around the exchange
+    # ("request": pickling it, "exchange": the round trip, "validate": reading the answer), in µs.
+    runner_us: Mapping[str, int] | None = None
+    worker_us: Mapping[str, int] | None = None
     # The code's last bare expression, shown (None: no such expression, or its value was None).
     value: Value | None = None
     # What it wrote to its write grants, when the job asked (report_files); None otherwise.
@@ -298,6 +309,9 @@ class HostCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     deadline: float | None = field(default=None, compare=False)
+    # args and kwargs as the JSON they arrived in, already parsed and checked: a
+    # hop that only relays the call (a router) sends these bytes on, unencoded.
+    encoded: tuple[bytes, bytes] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +320,8 @@ class HostReply:
 
     result: Any = None
     error: str | None = None
+    # result as the JSON it arrived in, already parsed and checked: relayed as it is.
+    encoded: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +396,10 @@ class StepOutcome:
     session_ended: bool
     # Milliseconds the step spent restoring its hibernated session first; None when it did not.
     resumed_ms: float | None = None
+    # Set when the step resumed its session by taking it over from a holder that was lost (a
+    # crash: decision 32): the number of the step its state is from, which a client compares
+    # with the last step it was answered; never left out when the state may be older.
+    resumed_from_step: int | None = None
 
 
 @dataclass

@@ -13,8 +13,9 @@ fields on top, then the ``[pool.limits]`` ceiling. "On top" means:
 Then the ceiling: every path must lie beneath a ceiling path (``allow_read``
 beneath a ceiling read *or* write path, since writing implies reading;
 ``allow_write`` beneath a ceiling write path; ``package_dirs`` beneath either,
-or beneath one of the pool's own package dirs), ``allow_network`` needs the
-ceiling's, and the four numbers may not exceed it. What a result may bring
+or beneath one of the pool's own package dirs), ``allow_network``'s destinations
+must lie within the ceiling's (``egress``: ``true`` asks for what the ceiling
+allows), and the four numbers may not exceed it. What a result may bring
 back with ``collect`` and the largest file a session moves are the
 ceiling's alone (``collect_bytes``, ``collect_files``, ``transfer_bytes``),
 at most decision 31's hard maxima. A value left unset takes
@@ -63,6 +64,7 @@ from ._grant_paths import merge as _merge
 from ._grant_paths import named as _named
 from ._grant_paths import not_over as _not_over
 from ._grant_paths import refuse_symlinks, request_path, resolve_path
+from .egress import Ceiling, Destination, Egress, parse_destinations, resolve_egress
 
 __all__ = [
     "scalar_defaults",
@@ -122,7 +124,7 @@ class PolicyRequest(Protocol):
     @property
     def env(self) -> tuple[tuple[str, str], ...] | None: ...
     @property
-    def allow_network(self) -> bool | None: ...
+    def allow_network(self) -> bool | tuple[str, ...] | None: ...
     @property
     def timeout_ms(self) -> int | None: ...
     @property
@@ -145,12 +147,14 @@ class Limits:
     client that starts the pool is trusted to grant what it likes. With the
     table, ``config`` fills absent path lists with ``()`` and an absent
     ``allow_network`` with False: a ceiling that forgot a key grants nothing
-    of that kind.
+    of that kind. ``allow_network``: True (the public internet), False, or
+    destinations (``egress``); None, no ceiling: a request's ``true`` is the
+    public internet and its list is taken as written.
     """
 
     allow_read: tuple[Path, ...] | None = None
     allow_write: tuple[Path, ...] | None = None
-    allow_network: bool = True
+    allow_network: Ceiling = None
     timeout_ms: int | None = None
     memory_bytes: int | None = None
     max_output: int | None = None
@@ -179,7 +183,7 @@ class Profile:
     allow_write: tuple[Path, ...] | None = None
     package_dirs: tuple[Path, ...] | None = None
     env: tuple[tuple[str, str], ...] | None = None
-    allow_network: bool | None = None
+    allow_network: bool | tuple[Destination, ...] | None = None
     timeout_ms: int | None = None
     memory_bytes: int | None = None
     max_output: int | None = None
@@ -194,7 +198,8 @@ class Policy:
     allow_write: tuple[Path, ...] = ()
     package_dirs: tuple[Path, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    network: bool = False
+    network: bool = False  # whether it has a network at all: ``egress`` is not None
+    egress: Egress | None = None
     timeout_ms: int = DEFAULT_TIMEOUT_MS
     memory_bytes: int | None = DEFAULT_MEMORY_BYTES
     max_output: int = DEFAULT_MAX_OUTPUT
@@ -250,11 +255,9 @@ def resolve_policy(
     # A path granted both ways is a write grant (writing implies reading).
     merged["allow_read"] = tuple(p for p in merged["allow_read"] if p not in merged["allow_write"])
 
-    network, origin = _pick(request.allow_network, profile.allow_network, note)
-    if network and not limits.allow_network:
-        raise RequestError(
-            "the pool's [pool.limits] do not allow the network" + origin, "allow_network"
-        )
+    mine = request.allow_network
+    asked, origin = _pick(parse_destinations(mine) if isinstance(mine, tuple) else mine, profile.allow_network, note)
+    egress = resolve_egress(asked, limits.allow_network, origin)
 
     env = dict(profile.env or ())
     env.update(request.env or ())
@@ -263,7 +266,8 @@ def resolve_policy(
         allow_write=merged["allow_write"],
         package_dirs=merged["package_dirs"],
         env=tuple(env.items()),
-        network=bool(network),
+        network=egress is not None,
+        egress=egress,
         **_workspace_bounds(limits),
         **{
             attribute: _limited(field, _pick(getattr(request, attribute), getattr(profile, attribute), note),

@@ -29,6 +29,14 @@ class SessionHandle(Protocol):
     """
 
     id: str
+    # The job that opened the session: its grants, limits and host functions, fixed for its life.
+    # An attached session's comes from the store's entry (the pool reports its policy and answers
+    # its host functions from it).
+    job: CodeJob
+    # The session's key (decision 32): opaque, at least 128 random bits, made by the worker that
+    # opened it; with it another connection attaches to the session (``JobRunner.attach_session``).
+    # None where the session cannot outlive its holder (networked, unisolated, an older worker).
+    key: str | None
 
     @property
     def ended(self) -> bool: ...
@@ -43,7 +51,16 @@ class SessionHandle(Protocol):
         output: OutputSink | None = ...,
     ) -> StepOutcome: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """End the session for good: its sandbox destroyed, its image removed from the store."""
+        ...
+
+    def detach(self, cancel: Cancellation = ...) -> None:
+        """Let go of the session without ending it (decision 32): hibernated into the session
+        store (if it is not already), its lease given up, this handle ended; a later
+        ``attach_session`` with its key continues it, on any worker sharing the store. A session
+        without a key is closed instead. Raises as :meth:`hibernate`; what it raises has ended it."""
+        ...
 
     @property
     def hibernated(self) -> bool: ...
@@ -104,6 +121,16 @@ class JobRunner(Protocol):
         output: OutputSink | None = ...,
     ) -> tuple[SessionHandle, StepOutcome]: ...
 
+    def attach_session(self, key: str, *, take_over: bool = False, cancel: Cancellation = ...) -> tuple[SessionHandle, int]:
+        """The session stored under ``key`` (decision 32), held here now, and the number of its last
+        step; its next step resumes it (``StepOutcome.resumed_ms``). A session another holder
+        still has live is waited for until that holder lets go (a bounded wait), or taken from it
+        at once with ``take_over`` (its holder was lost: the session goes on from its last
+        checkpoint, ``StepOutcome.resumed_from_step``). An unknown key and a wrong one are the
+        same RequestError (field ``attach``); an image that fails verification is a
+        SandboxSetupError, logged, and nothing of it is restored."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -117,6 +144,11 @@ class ServedRunner(JobRunner, Protocol):
     ) -> bytes: ...
 
     def capacity(self) -> Capacity: ...
+
+    # Whether a drain hands sessions with a key over (decision 32): each is detached into a store
+    # another server reaches, and its stream ends with ``handed_over``. A router's always (its
+    # workers' stores hold them); a worker's only with a shared store (one of its own goes with it).
+    hands_sessions_over: bool
 
     def drain(self, grace_s: float) -> None: ...
 

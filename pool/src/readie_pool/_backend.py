@@ -95,7 +95,17 @@ WARM_TIMEOUT_S = 60.0
 TRANSFER_THREADS = 4
 
 class BackendSession(Protocol):
-    """An open session: one sandbox, steps in it one at a time."""
+    """An open session: one sandbox, steps in it one at a time.
+
+    ``job`` is the job that opened it (its grants, limits and host functions, fixed for its life):
+    an attached session's comes from its holder, not from a request of this pool's. ``key`` is
+    its key (None: it cannot outlive this holder)."""
+
+    @property
+    def job(self) -> CodeJob: ...
+
+    @property
+    def key(self) -> str | None: ...
 
     async def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
@@ -106,6 +116,11 @@ class BackendSession(Protocol):
 
     async def close(self) -> None:
         """Destroy the session's sandbox; does nothing once it has ended."""
+        ...
+
+    async def detach(self) -> None:
+        """Let go of the session without ending it: into the session store for a later
+        ``attach_session`` (a session without a key is closed instead); ends this handle."""
         ...
 
     @property
@@ -147,6 +162,10 @@ class JobBackend(Protocol):
         cancel: Cancellation = NEVER,
     ) -> tuple[BackendSession, StepOutcome]: ...
 
+    async def attach_session(self, key: str) -> tuple[BackendSession, int]:
+        """The session stored under ``key``, held here now, and the number of its last step."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -179,6 +198,12 @@ class ThreadedBackend:
         session, first = await self._on_thread(opening)
         return _ThreadedSession(self, session), first
 
+    async def attach_session(self, key: str) -> tuple[BackendSession, int]:
+        # On a job thread (the caller holds a slot): the runner may wait, bounded, for the
+        # session's last holder to let go of it.
+        session, step = await self._on_thread(functools.partial(self.runner.attach_session, key))
+        return _ThreadedSession(self, session), step
+
     async def _on_thread(self, call: functools.partial[_T], *, transfer: bool = False) -> _T:
         if self._closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
@@ -199,6 +224,17 @@ class _ThreadedSession:
         self._backend = backend
         self.session = session
 
+    @property
+    def job(self) -> CodeJob:
+        return self.session.job
+
+    @property
+    def key(self) -> str | None:
+        return self.session.key
+
+    def __repr__(self) -> str:  # never the key
+        return f"<session {self.session.id}>"
+
     async def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER,
@@ -209,6 +245,10 @@ class _ThreadedSession:
     async def close(self) -> None:
         # Off the job threads: a close must not wait behind running steps.
         await asyncio.to_thread(self.session.close)
+
+    async def detach(self) -> None:
+        # Off the job threads too: a drain detaches every session at once, none waits for another.
+        await asyncio.to_thread(self.session.detach)
 
     @property
     def hibernated(self) -> bool:

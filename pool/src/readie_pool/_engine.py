@@ -33,7 +33,8 @@ Lifecycle, one direction only::
 
 Draining stops intake (lines not yet read are never answered), lets every
 accepted job finish and writes its result, then closes every open session
-(sessions end with the pool). Aborting closes the backend at once, so
+(sessions end with the pool), or, after :meth:`PoolEngine.detach_sessions`,
+detaches each into the session store for a later attach (decision 32). Aborting closes the backend at once, so
 running jobs end with a worker error; their results are still written if
 stdout takes them within :data:`ABORT_WRITE_GRACE_S`.
 
@@ -61,8 +62,8 @@ from ._backend import JobBackend
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
 from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job
 from readie_protocol.requests import (
-    CancelJob, CloseSession, DownloadChunk, ForkSession, HibernateSession, JobRequest, ListFiles, Refused,
-    ReplyRequest, Request, StatsRequest, UploadChunk,
+    AttachSession, CancelJob, CloseSession, DownloadChunk, ForkSession, HibernateSession, JobRequest, ListFiles,
+    Refused, ReplyRequest, Request, StatsRequest, UploadChunk,
 )
 from readie_protocol.results import Result
 from ._results import error_result, job_result, refused_result
@@ -147,6 +148,7 @@ class PoolEngine:
         self._intake_task: asyncio.Task[None] | None = None
         self._aborted = asyncio.Event()
         self._drain_calls = 0
+        self._detach_at_end = False  # detach_sessions(): sessions outlive the pool
         self._output_lost = False
         self.accepted = 0  # lines that took a permit so far (tests and logs); replies take none
         self._session_driver = SessionDriver(self._tasks, lambda: self.serving)
@@ -167,6 +169,15 @@ class PoolEngine:
             self._move(PoolState.ABORTING)
             self._aborted.set()
             log.warning("aborting: stopping running jobs", accepted_jobs=len(self._jobs))
+
+    def detach_sessions(self) -> None:
+        """End the pool keeping its sessions: it drains as :meth:`drain` does (and counts as its
+        call: a later one aborts), but then detaches every open session (decision 32: hibernated
+        into the session store, where an attach with its key continues it, here or in another
+        pool) instead of closing it; a session without a key is closed. For a SIGTERM of a pool
+        with a session store, and a served stream that broke (nobody asked to close its sessions)."""
+        self._detach_at_end = True
+        self.drain()
 
     def _stop_intake(self, why: str) -> None:
         # State first, log last: a log that cannot be written must not stop the drain.
@@ -198,6 +209,8 @@ class PoolEngine:
         except OSError as exc:
             log.error("cannot write the ready event", error=str(exc))
             return 1
+        # A call line may go out from its job's thread when the sink can write from any (FdWriter).
+        self._tasks.write_now = getattr(sink, "write_now", None)
         writer = asyncio.create_task(self._write_out(sink), name="readie-pool-writer")
         self._intake_task = asyncio.create_task(self._intake(source), name="readie-pool-intake")
         if self.state is not PoolState.SERVING:  # drained before serving began
@@ -231,7 +244,10 @@ class PoolEngine:
     async def _finish_all(self, writer: asyncio.Task[None]) -> None:
         while self._jobs:
             await asyncio.wait(set(self._jobs))
-        # Sessions end with the pool: every step was answered, nobody waits on a close.
+        # Sessions end with the pool (or, asked, outlive it in the store): every step was answered,
+        # nobody waits on a close.
+        if self._detach_at_end:
+            self._session_driver.detach_all()
         for session in self._session_driver.table.sessions():
             self._session_driver.close_in_background(session, "the pool is draining")
         while self._jobs:
@@ -242,7 +258,8 @@ class PoolEngine:
     # ------------------------------------------------------------------ intake
 
     async def _intake(self, source: ByteSource) -> None:
-        """Read lines: replies go to their calls at once, others wait in ``parked`` for a permit.
+        """Read lines: replies go to their calls at once, others take a permit, here when one is free
+        and no line waits before them, else in ``parked``.
 
         A line is read when nothing waits for a permit and one is free (so with
         the permits gone, stdin is not read), or, while a host call waits for
@@ -262,6 +279,12 @@ class PoolEngine:
                 parsed_at = self._now_ns()
                 if isinstance(request, ReplyRequest):
                     await self._accept_reply(request)
+                    continue
+                if not parked.lines and not self._permits.locked():
+                    # Nothing waits before it and a permit is free: taken here (acquire cannot wait),
+                    # without the hop through the admitting task.
+                    await self._permits.acquire()
+                    self._admit_one(request, parsed_at)
                     continue
                 parked.push(request, parsed_at, size)
                 self._changed.set()
@@ -285,13 +308,17 @@ class PoolEngine:
                 return
             await self._permits.acquire()
             request, parsed_at = parked.pop()
-            self._changed.set()
-            self.accepted += 1
-            try:
-                self._accept(request, parsed_at)
-            except Exception as exc:  # a bug must cost one line, never the pool
-                log.exception("internal error handling a line")
-                self._tasks.finish(error_result(None, internal_error(exc)))
+            self._admit_one(request, parsed_at)
+
+    def _admit_one(self, request: Request | Refused, parsed_at: int) -> None:
+        """Answer (or start the task that answers) a line that has just taken its permit."""
+        self._changed.set()
+        self.accepted += 1
+        try:
+            self._accept(request, parsed_at)
+        except Exception as exc:  # a bug must cost one line, never the pool
+            log.exception("internal error handling a line")
+            self._tasks.finish(error_result(None, internal_error(exc)))
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()``; it is checked again whenever ``_changed`` is set."""
@@ -314,6 +341,8 @@ class PoolEngine:
             self._session_driver.accept_hibernate(request)
         elif isinstance(request, ForkSession):
             self._session_driver.accept_fork(request)
+        elif isinstance(request, AttachSession):
+            self._session_driver.accept_attach(request)
         elif isinstance(request, UploadChunk | DownloadChunk | ListFiles):
             self._session_driver.accept_transfer(request)
         elif isinstance(request, JobRequest) and request.session is not None:
@@ -382,6 +411,7 @@ class PoolEngine:
                 log.error("stdout failed; results are dropped and the pool drains", error=str(exc))
                 self._stop_intake("stdout failed: draining")
             finally:
+                self._tasks.unwritten -= 1
                 if budget is not None:
                     budget.release()
                     self._changed.set()

@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import dataclasses
 import fnmatch
+import hmac
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Any
 
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.errors import ErrorType, PoolWorkerError, RequestError
+from readie_protocol.errors import StepLost
 from readie_worker.jobs import (
     CANCELLED_MESSAGE,
     CodeJob,
@@ -81,6 +84,12 @@ class FakeBackend:
     the session's), and its ``collect`` brings back what matches there, within
     the job's ``collect_files`` and ``collect_bytes``. A session's transfer of
     a path that is a key of ``gates`` waits for it too.
+
+    Durable sessions (decision 32): with ``keys``, each session gets a key;
+    ``detach`` puts it in ``store`` by its key, and ``attach_session`` takes
+    it out (an unknown key and a wrong one: the same RequestError). A step
+    for which ``lose(job)`` is true raises StepLost, as a lost worker's
+    does; the session's next step then says ``resumed_from_step``.
     """
 
     answer: Callable[[CodeJob], JobOutcome] = lambda job: ok_outcome(job.code)
@@ -94,12 +103,28 @@ class FakeBackend:
     host_calls: Callable[[CodeJob], list[HostCall]] = lambda job: []
     replies: dict[str | None, list[HostReply]] = field(default_factory=dict)
     transfers: list[str] = field(default_factory=list)  # the path of each session transfer, in order
+    keys: bool = False
+    store: dict[str, FakeSession] = field(default_factory=dict)  # detached sessions by key
+    lose: Callable[[CodeJob], bool] = lambda job: False
+    attached: int = 0
+
+    async def attach_session(self, key: str) -> tuple[FakeSession, int]:
+        if self.closed:
+            raise PoolWorkerError("the pool is shutting down")
+        found = next((held for stored, held in self.store.items() if hmac.compare_digest(stored, key)), None)
+        if found is None:
+            raise RequestError("no stored session has this key", "attach")
+        del self.store[found.key]  # type: ignore[arg-type]
+        session = dataclasses.replace(found, ended=False, closes=0, detaches=0)
+        self.sessions.append(session)
+        self.attached += 1
+        return session, session.steps
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER,
     ) -> tuple[FakeSession, StepOutcome]:
-        session = FakeSession(self, job)
+        session = FakeSession(self, job, key=secrets.token_urlsafe(32) if self.keys else None)
         self.sessions.append(session)
         return session, await session.step(job, job_id, host, output, cancel)
 
@@ -158,6 +183,9 @@ class FakeSession:
     ended: bool = False
     closes: int = 0
     workspace: dict[str, bytes] = field(default_factory=dict)
+    key: str | None = field(default=None, repr=False)
+    detaches: int = 0
+    lost_after: int | None = None  # the step whose state a step lost since left the session at
 
     async def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
@@ -171,6 +199,10 @@ class FakeSession:
     ) -> StepOutcome:
         if self.ended:
             raise RequestError("the session has ended", "session")
+        if self.backend.lose(job):
+            self.lost_after = self.steps
+            raise StepLost("the worker running this step was lost; the step may have run in part")
+        resumed_from, self.lost_after = self.lost_after, None
         self.workspace.update(job.files)
         outcome = await self.backend.run(job, job_id, host, cancel, output)  # a subclass's run, if it has one
         if job.collect:  # from the session's workspace, whatever run made of the job's own files
@@ -179,11 +211,19 @@ class FakeSession:
         # As the worker's sessions: a step that did not end on its own (timeout, cancel) ends the session.
         timed_out = outcome.error is not None and getattr(outcome.error, "type", None) == ErrorType.TIMEOUT
         self.ended = self.backend.session_ends(job) or timed_out or outcome.exit is None
-        return StepOutcome(outcome, self.steps, self.ended)
+        return StepOutcome(outcome, self.steps, self.ended, resumed_from_step=resumed_from)
 
     async def close(self) -> None:
         self.closes += 1
         self.ended = True
+
+    async def detach(self) -> None:
+        self.detaches += 1
+        if self.key is None:
+            await self.close()
+            return
+        self.ended = True
+        self.backend.store[self.key] = self
 
     # A fake has no sandbox to checkpoint: hibernation is the real worker's (test_pool_hibernate).
     hibernated = False

@@ -3,8 +3,11 @@
 A job (or session step) that declared ``functions`` runs with a host
 callback (:data:`readie_worker.jobs.HostFunction`), which the worker calls on
 the job's thread for each call the sandbox made that passed its hostile-frame
-checks (decision 8). :func:`host_function` makes that callback: it hands the
-call to the event loop, which numbers it and writes a ``call`` event, and
+checks (decision 8). :func:`host_function` makes that callback: it numbers
+the call and writes its ``call`` event itself, on the job's thread, when the
+line can go out at once (:meth:`HostCalls.post` is thread-safe; ``write_now``
+writes a line that cannot block nor split another), else hands the line to
+the event loop's writer; either way it tells the loop a call waits, and
 blocks the job's thread on a future until one of:
 
 * the client's reply line arrives (:meth:`HostCalls.deliver`): its result or
@@ -25,8 +28,11 @@ alone; the event's ``id`` says which request made the call. A reply whose
 call id no call waits for (answered already, given up at its deadline, its
 task ended, or never made) is answered by the engine with a RequestError.
 
-Nothing here writes: :meth:`HostCalls.post` returns the event's line and
-the engine puts it on stdout. Args can nest as deep as the worker's
+:meth:`HostCalls.post` returns the event's line; the callback writes it or
+hands it to the engine, which puts it on stdout. A task that streams its
+output hands every call line to the engine: its output events go through the
+engine's queue, and a call must not overtake the output written before it.
+Args can nest as deep as the worker's
 parser allows (a 1 MB frame can nest 500,000 deep), so the line is encoded
 with :func:`readie_executor.hostwire.dumps`, which is iterative.
 """
@@ -34,7 +40,7 @@ with :func:`readie_executor.hostwire.dumps`, which is iterative.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -69,10 +75,14 @@ def settle(waiting: WaitingCall, reply: HostReply) -> bool:
 
 
 class HostCalls:
-    """The calls waiting for a reply, by the pool's call id. Used on the event loop only."""
+    """The calls waiting for a reply, by the pool's call id: posted on the job threads, answered,
+    forgotten and closed on the event loop; one lock keeps the numbering and the table whole."""
 
     def __init__(self, encode: Callable[[CallEvent], bytes]) -> None:
-        self._encode = encode  # the pool connection's: hostwire writes the values as the sandbox sent them
+        # The pool connection's (it reads no state of its own for a call event, so any thread may):
+        # hostwire writes the values as the sandbox sent them.
+        self._encode = encode
+        self._lock = threading.Lock()
         self._waiting: dict[int, WaitingCall] = {}
         self._last_id = 0
         self.closed: str | None = None  # why no reply can come any more, once that is so
@@ -82,67 +92,78 @@ class HostCalls:
 
     def post(self, waiting: WaitingCall) -> bytes | None:
         """Number ``waiting`` and return its call event line, or None when it is answered at once."""
-        if waiting.reply.done():  # its thread gave up before the loop got to it
-            return None
-        if self.closed is not None:
-            settle(waiting, HostReply(error=f"{waiting.call.function}: {self.closed}"))
-            return None
-        self._last_id += 1
+        call = waiting.call
+        with self._lock:
+            if waiting.reply.done():  # its thread gave up already
+                return None
+            if self.closed is not None:
+                settle(waiting, HostReply(error=f"{call.function}: {self.closed}"))
+                return None
+            self._last_id += 1
+            call_id = self._last_id
+            waiting.call_id = call_id
+            self._waiting[call_id] = waiting
         try:
-            call = waiting.call
-            line = self._encode(CallEvent(waiting.request_id, self._last_id, call.function, list(call.args), dict(call.kwargs)))
+            return self._encode(CallEvent(waiting.request_id, call_id, call.function, list(call.args), dict(call.kwargs)))
         except (TypeError, ValueError) as exc:  # cannot happen for what hostwire parsed; never hang on it
-            settle(waiting, HostReply(error=f"{waiting.call.function}: the call cannot be sent: {exc}"))
+            self.forget(waiting)
+            settle(waiting, HostReply(error=f"{call.function}: the call cannot be sent: {exc}"))
             return None
-        waiting.call_id = self._last_id
-        self._waiting[self._last_id] = waiting
-        return line
 
     def deliver(self, reply: ReplyRequest) -> bool:
         """Hand ``reply`` to the call it names; False when no call waits for it."""
-        waiting = self._waiting.pop(reply.call_id, None)
+        with self._lock:
+            waiting = self._waiting.pop(reply.call_id, None)
         return waiting is not None and settle(waiting, HostReply(result=reply.result, error=reply.error))
 
     def forget(self, waiting: WaitingCall) -> None:
         """``waiting``'s thread stopped waiting (its deadline): a reply to it is now a late one."""
-        if waiting.call_id is not None and self._waiting.get(waiting.call_id) is waiting:
-            del self._waiting[waiting.call_id]
+        with self._lock:
+            if waiting.call_id is not None and self._waiting.get(waiting.call_id) is waiting:
+                del self._waiting[waiting.call_id]
 
     def close(self, why: str) -> None:
         """No reply can come any more: answer every waiting call, and every later one, with ``why``."""
-        if self.closed is None:
-            self.closed = why
-        waiting, self._waiting = list(self._waiting.values()), {}
+        with self._lock:
+            if self.closed is None:
+                self.closed = why
+            waiting, self._waiting = list(self._waiting.values()), {}
         for call in waiting:
             settle(call, HostReply(error=f"{call.call.function}: {self.closed}"))
 
 
 def host_function(
     loop: asyncio.AbstractEventLoop,
-    post: Callable[[WaitingCall], None],
-    forget: Callable[[WaitingCall], None],
+    calls: HostCalls,
+    write_now: Callable[[bytes], bool] | None,
+    posted: Callable[[bytes | None], None],
     request_id: RequestId,
 ) -> HostFunction:
     """The worker's host callback for the request ``request_id``: runs on a job thread.
 
-    ``post`` and ``forget`` run on ``loop``: the first writes the call
-    event (or answers at once), the second drops a call whose thread gave up.
+    Each call is numbered in ``calls`` and its line written by ``write_now``
+    (None: never here) if it can go out at once; ``posted`` then runs on
+    ``loop`` with None (the loop counts the call and lets intake read ahead
+    for its reply), or with the line, which the loop writes instead.
     """
 
     def host(call: HostCall) -> HostReply:
         waiting = WaitingCall(request_id, call)
-        try:
-            loop.call_soon_threadsafe(post, waiting)
-        except RuntimeError:  # the loop is closed: the pool is gone
-            return HostReply(error=f"{call.function}: the pool is shutting down")
+        line = calls.post(waiting)
+        if line is not None:
+            written = write_now is not None and write_now(line)
+            try:
+                loop.call_soon_threadsafe(posted, None if written else line)
+            except RuntimeError:  # the loop is closed: the pool is gone
+                calls.forget(waiting)
+                return HostReply(error=f"{call.function}: the pool is shutting down")
         timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
         try:
             return waiting.reply.result(timeout)
         except TimeoutError:
             if not waiting.reply.cancel():  # a reply came in the meantime
                 return waiting.reply.result()
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(forget, waiting)
+            calls.forget(waiting)
             return HostReply(error=f"{call.function}: no reply from the client within the task's timeout")
 
     return host

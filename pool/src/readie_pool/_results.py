@@ -53,6 +53,7 @@ from readie_executor.jobs import EXIT_NOT_STARTED
 from readie_worker.jobs import JobOutcome
 
 from readie_worker.errors import ErrorType, ReadieError, error_type
+from readie_protocol.errors import StepLost
 from readie_protocol.requests import Refused
 from readie_protocol.results import EXIT_NOT_RUN, EXIT_TIMEOUT, ErrorInfo, Result, RuntimeInfo
 from ._events import DEFAULT_BACKEND, policy_info, signal_exit
@@ -80,8 +81,11 @@ def job_result(
     step: int | None = None,
     session_ended: bool = False,
     resumed_ms: float | None = None,
+    resumed_from_step: int | None = None,
+    session_key: str | None = None,
 ) -> Result:
-    """The result line for a job (or a session's step) the backend ran, or tried to."""
+    """The result line for a job (or a session's step) the backend ran, or tried to; ``session_key``
+    is given for a session's first step only (decision 32)."""
     exit_code, error = _classify(outcome)
     duration_us = max(0, outcome.duration_us)
     collected = outcome.collected
@@ -108,6 +112,8 @@ def job_result(
         collected=None if collected is None else collected.files,
         left_out=() if collected is None else collected.left_out,
         left_out_more=0 if collected is None else collected.left_out_more,
+        session_key=session_key,
+        resumed_from_step=resumed_from_step,
     )
 
 
@@ -127,11 +133,16 @@ def error_result(
     ``job`` is what the line reports as its policy, unless ``error`` refuses the
     request: a refused job was granted nothing. In a session, a worker error ends
     it unless ``session_ended`` says otherwise (a hibernation refused for the
-    worker's image bounds leaves it as it was).
+    worker's image bounds leaves it as it was). A :class:`StepLost` (decision 32: the step's
+    worker was lost while it ran) is a PoolWorkerError marked ``lost``, and ends nothing: the
+    session goes on from its last stored state.
     """
     kind = error_type(error)
     granted = None if kind is ErrorType.REQUEST else job
-    if session_ended is None:  # a worker failure takes the session's process with it
+    lost = isinstance(error, StepLost)
+    if lost:
+        session_ended = False
+    elif session_ended is None:  # a worker failure takes the session's process with it
         session_ended = session is not None and kind is not ErrorType.REQUEST
     return Result(
         id=id,
@@ -143,6 +154,7 @@ def error_result(
         session=session,
         step=step,
         session_ended=session_ended,
+        lost=lost,
     )
 
 

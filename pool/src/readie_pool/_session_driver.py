@@ -19,6 +19,14 @@ new name is in the table at once (OPENING), so its first steps wait for the
 fork. A session idle for ``session_hibernate`` is hibernated by a timer, as
 the pool's own queued request: its close timer keeps running meanwhile.
 
+Durable sessions (decision 32): a session's first result carries its
+``session_key``; ``{"attach": key}`` holds a stored session under a name of
+this pool's (reserved at once, as a fork's, so its first steps wait for the
+attach; the attach holds a slot, since its holder may make it wait); a step
+whose worker was lost (``StepLost``) is answered ``lost`` and leaves the
+session open; :meth:`SessionDriver.detach_all` lets every session go into the
+store instead of closing it. Keys are never logged.
+
 The driver runs on the same :class:`~readie_pool._tasks.PoolTasks` as the
 engine's jobs (slots, stats, answers, the task set), and knows of the engine
 only whether it is still serving.
@@ -40,10 +48,10 @@ from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostFunction, Outpu
 
 from ._backend import BackendSession
 from readie_protocol.connection import PoolEvent
-from readie_protocol.events import ClosedEvent, ForkedEvent, HibernatedEvent
+from readie_protocol.events import AttachedEvent, ClosedEvent, ForkedEvent, HibernatedEvent
 
 from ._job_building import code_job
-from readie_protocol.requests import CloseSession, ForkSession, HibernateSession, JobRequest
+from readie_protocol.requests import AttachSession, CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
 from ._results import error_result, job_result
@@ -126,6 +134,18 @@ class SessionDriver:
         previous, done = source.enqueue()
         _, target_done = target.enqueue()  # the fork's own steps wait for it
         self._tasks.spawn(self._session_fork(source, target, request, previous, (done, target_done)))
+
+    def accept_attach(self, request: AttachSession) -> None:
+        """Hold the session stored under ``request.key`` as ``request.session``; refused at once when
+        that name is open here or ``max_sessions`` are."""
+        try:
+            target = self.table.reserve(request.session, field="session")
+        except RequestError as exc:
+            self._refuse(request.id, request.session, exc)
+            return
+        self._tasks.stats.session_started()
+        _, done = target.enqueue()  # its steps wait for the attach
+        self._tasks.spawn(self._session_attach(target, request, done))
 
     def sessions_hibernated(self) -> int:
         return sum(1 for session in self.table.sessions() if session.handle is not None and session.handle.hibernated)
@@ -214,7 +234,35 @@ class SessionDriver:
             target.move(SessionPhase.OPEN)
         elif target.ended:  # the pool is ending: nobody will close it otherwise
             self._tasks.spawn(handle.close())
-        return ForkedEvent(request_id, source.name, target.name, round(fork_ms))
+        return ForkedEvent(request_id, source.name, target.name, round(fork_ms), session_key=handle.key)
+
+    async def _session_attach(self, session: NamedSession, request: AttachSession, done: asyncio.Event) -> None:
+        answer: AttachedEvent | Result | None = None
+        try:
+            answer = await self._attached(session, request)
+        except Exception as exc:  # a bug must cost this attach, never the pool
+            log.exception("internal error attaching a session", session=session.name)
+            answer = error_result(request.id, internal_error(exc), runtime=self._setup.runtime,
+                                  session=session.name, session_ended=True)
+        finally:
+            if session.handle is None:
+                self._end_session(session)
+            session.answered()
+            done.set()
+            self._send(answer)
+            self._arm_idle_timer(session)
+
+    async def _attached(self, session: NamedSession, request: AttachSession) -> AttachedEvent | Result:
+        try:
+            async with self._tasks.slots:
+                handle, step = await self._tasks.backend.attach_session(request.key)
+        except ReadieError as exc:  # no session of that name here: say so (session_ended)
+            return error_result(request.id, exc, runtime=self._setup.runtime, session=session.name, session_ended=True)
+        session.handle, session.job, session.functions = handle, handle.job, handle.job.functions
+        if session.phase is SessionPhase.OPENING:  # not CLOSING already: its close follows
+            session.move(SessionPhase.OPEN)
+        log.info("attached a session", session=session.name, step=step)
+        return AttachedEvent(request.id, session.name, step)
 
     def _failed(self, request_id: RequestId | None, session: NamedSession, error: ReadieError, why: str) -> Result:
         """The answer to a hibernate, fork or transfer that failed: refused (RequestError, or the worker's
@@ -305,8 +353,11 @@ class SessionDriver:
         reached = await self._tasks.on_backend(
             request, job, parsed_at, cancel, self._reach(session, job, None if first else step, request, cancel), what="step", session=name
         )
-        if isinstance(reached, Result):  # a refusal of the first step leaves no session; any other failure ends it
-            if first or reached.error is None or reached.error.type != ErrorType.REQUEST:
+        if isinstance(reached, Result):
+            # A refusal of the first step leaves no session; a lost step (decision 32) leaves it open
+            # (its next step resumes from the store); any other failure ends it.
+            ends = reached.error is None or reached.error.type != ErrorType.REQUEST
+            if first or (ends and not reached.lost):
                 self.close_in_background(session, "its backend failed")
             return reached
         outcome, queue_us = reached
@@ -315,7 +366,8 @@ class SessionDriver:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._tasks.stats.session_image("resumes", outcome.resumed_ms)
-        return self._step_line(request, outcome, job, queue_us, name)
+        key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
+        return self._step_line(request, outcome, job, queue_us, name, key)
 
     def _reach(
         self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation
@@ -335,7 +387,7 @@ class SessionDriver:
         return reach
 
     def _step_line(
-        self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str
+        self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str, key: str | None
     ) -> Result:
         return job_result(
             request.id,
@@ -347,6 +399,8 @@ class SessionDriver:
             step=outcome.step,
             session_ended=outcome.session_ended,
             resumed_ms=outcome.resumed_ms,
+            resumed_from_step=outcome.resumed_from_step,
+            session_key=key,
         )
 
     async def _session_close(
@@ -375,6 +429,15 @@ class SessionDriver:
         if self.table.end(session):
             self._tasks.stats.session_ended()
         return session.handle
+
+    def detach_all(self) -> None:
+        """Let every session in the table go without ending it (decision 32): each is detached into
+        the session store, where a later attach with its key finds it; one without a key closes."""
+        for session in self.table.sessions():
+            handle = self._end_session(session)
+            if handle is not None:
+                log.info("detaching a session", session=session.name)
+                self._tasks.spawn(_detach(handle, session.name))
 
     def close_in_background(self, session: NamedSession, why: str) -> None:
         handle = self._end_session(session)
@@ -422,6 +485,14 @@ class SessionDriver:
                 loop = asyncio.get_running_loop()
                 left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()
                 session.idle = loop.call_later(max(0.0, left), self._idle_expired, session)
+
+
+async def _detach(handle: BackendSession, name: str) -> None:
+    try:
+        await handle.detach()
+    except Exception as exc:  # what detach raises has ended the session: logged, nobody to answer
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("a session could not be detached and has ended", session=name, error=error)
 
 
 def _not_open(name: str) -> RequestError:

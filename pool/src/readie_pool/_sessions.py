@@ -170,13 +170,15 @@ class SessionTable:
             session.move(SessionPhase.ENDED)
         return self._leave(session)
 
-    def reserve(self, name: str) -> NamedSession:
-        """An entry for a fork named ``name``, OPENING until the fork is made; RequestError if refused."""
+    def reserve(self, name: str, *, field: str = "fork") -> NamedSession:
+        """An entry named ``name`` for a fork (``field`` "fork") or an attached session ("session"),
+        OPENING until it is made; RequestError naming ``field`` if refused."""
+        what = "a fork" if field == "fork" else "an attached session"
         if name in self._open:
-            raise RequestError(f"session {name!r} is open already; a fork needs a name of its own", "fork")
+            raise RequestError(f"session {name!r} is open already; {what} needs a name of its own", field)
         if len(self._open) >= self.max_sessions:
             raise RequestError(
-                f"{len(self._open)} sessions are open, the pool's max_sessions; a fork is a session too", "fork"
+                f"{len(self._open)} sessions are open, the pool's max_sessions; {what} is a session too", field
             )
         session = NamedSession(name)
         self._open[name] = session

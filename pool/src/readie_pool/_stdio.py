@@ -9,14 +9,22 @@ bytes are written, so a slow stdout reader holds the engine's permits.
 
 The threads are daemons: a read blocked on a terminal or a write blocked on
 a reader that went away must not keep the process alive once the engine is
-done with them.
+done with them. A pipe needs no thread (decision 0033): the event loop says
+when it is readable, and then one read cannot block; or writable, and then a
+write of at most ``PIPE_BUF`` bytes cannot either (the kernel has a free
+page for it). That saves every line two thread hand-offs, in and out.
+:meth:`FdWriter.write_now` writes such a line from any thread (a host call's, from its job's
+thread), never inside a line :meth:`FdWriter.write` is writing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
+import select
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -70,16 +78,55 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 class FdReader:
-    """``await read()`` returns the next bytes of ``fd``, ``b""`` at its end."""
+    """``await read()`` returns the next bytes of ``fd``, ``b""`` at its end.
+
+    A pipe stays in the loop's selector from one read to the next (the engine
+    asks again at once, most of the time), and leaves it the first time it is
+    readable while no read waits: a pipe nobody asks to read is not watched,
+    so backpressure holds and the loop does not spin on it.
+    """
 
     def __init__(self, fd: int, chunk: int = READ_CHUNK_BYTES) -> None:
         self._fd = fd
         self._chunk = chunk
-        self._thread = _FdThread(f"readie-read-{fd}")
+        self._thread = None if _is_pipe(fd) else _FdThread(f"readie-read-{fd}")
+        self._watched: asyncio.AbstractEventLoop | None = None  # the loop whose selector holds fd
+        self._ready: asyncio.Future[None] | None = None  # the read waiting for fd to be readable
+        self._data = select.poll()  # whether a read would block (POLLHUP at the end counts: it reads b"")
+        self._data.register(fd, select.POLLIN)
 
     async def read(self) -> bytes:
-        data: bytes = await self._thread.call(lambda: os.read(self._fd, self._chunk))
-        return data
+        if self._thread is not None:
+            data: bytes = await self._thread.call(lambda: os.read(self._fd, self._chunk))
+            return data
+        loop = asyncio.get_running_loop()
+        # Asked again: a readiness the selector reported before the last read may reach this wait
+        # (its callback was queued behind the read), so the pipe itself says whether a read can block.
+        while not self._data.poll(0):
+            self._ready = loop.create_future()
+            if self._watched is not loop:
+                loop.add_reader(self._fd, self._readable)
+                self._watched = loop
+            try:
+                await self._ready
+            except BaseException:
+                self._unwatch()
+                raise
+            finally:
+                self._ready = None
+        return os.read(self._fd, self._chunk)
+
+    def _readable(self) -> None:
+        if self._ready is None:  # nobody asks: stop watching until someone does
+            self._unwatch()
+        elif not self._ready.done():  # done: its read is about to happen
+            self._ready.set_result(None)
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed already
+                self._watched.remove_reader(self._fd)
+            self._watched = None
 
 
 class FdWriter:
@@ -87,10 +134,60 @@ class FdWriter:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._thread = _FdThread(f"readie-write-{fd}")
+        self._thread = None if _is_pipe(fd) else _FdThread(f"readie-write-{fd}")
+        self._room = select.poll()  # poll, not select: any descriptor number
+        self._room.register(fd, select.POLLOUT)
+        # write_now's, apart: one poll object must not be polled by two threads at once.
+        self._room_now = select.poll()
+        self._room_now.register(fd, select.POLLOUT)
+        self._lock = threading.Lock()  # a line is written whole: by write (the loop's) or write_now
+        self._busy = False  # write has begun a line it has not finished
 
     async def write(self, data: bytes) -> None:
-        await self._thread.call(lambda: _write_all(self._fd, data))
+        if self._thread is not None:
+            await self._thread.call(lambda: _write_all(self._fd, data))
+            return
+        loop = asyncio.get_running_loop()
+        view = memoryview(data)
+        with self._lock:
+            self._busy = True
+        try:
+            while view:
+                if not self._room.poll(0):  # the reader is behind: wait for room
+                    await _when_ready(loop.add_writer, loop.remove_writer, self._fd)
+                view = view[os.write(self._fd, view[: select.PIPE_BUF]) :]
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def write_now(self, data: bytes) -> bool:
+        """From any thread: write ``data`` whole at once if that cannot block nor split a line
+        :meth:`write` is writing (a pipe with room, at most ``PIPE_BUF`` bytes: the kernel writes
+        those whole); False, and nothing written, otherwise or when the write fails."""
+        if self._thread is not None or len(data) > select.PIPE_BUF:
+            return False
+        with self._lock:
+            if self._busy or not self._room_now.poll(0):
+                return False
+            try:
+                os.write(self._fd, data)  # all of it: a pipe with room takes PIPE_BUF bytes whole
+            except OSError:  # the loop's write meets it too, and says so
+                return False
+        return True
+
+
+def _is_pipe(fd: int) -> bool:
+    return stat.S_ISFIFO(os.fstat(fd).st_mode)
+
+
+async def _when_ready(add: Callable[..., None], remove: Callable[[int], object], fd: int) -> None:
+    """Until the loop's selector says ``fd`` is ready (``add``: the loop's add_reader or add_writer)."""
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    add(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        remove(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -28,7 +28,7 @@ from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, OutputChunk, O
 
 from ._backend import JobBackend
 from ._events import Stats, job_log_line
-from ._host import HostCalls, WaitingCall, host_function
+from ._host import HostCalls, host_function
 from ._results import error_result
 from ._setup import PoolSetup
 
@@ -68,6 +68,13 @@ class PoolTasks:
         self._changed = changed  # intake's conditions may have changed (a call waits)
         self._log_job = log_job  # a structlog method: the job line is in the one log schema
         self._wall_ms = wall_ms
+        # stdout's write from any thread, for a call line that can go out at once (the engine's
+        # sink's ``write_now``, set once it serves; None: every line goes through the outbox).
+        self.write_now: Callable[[bytes], bool] | None = None
+        # Lines put in the outbox and not yet written (the engine's writer counts them out): a job
+        # thread writes its call line itself only when none is, so it never overtakes a line
+        # finished before it (a session's previous result, say).
+        self.unwritten = 0
         # The jobs a client may still cancel (queued or running), by request id.
         self._cancels: dict[RequestId, Cancellation] = {}
 
@@ -121,7 +128,7 @@ class PoolTasks:
             try:
                 if cancel.cancelled:
                     raise Cancelled(f"the {what} was cancelled by the client before it ran")
-                answer = await call(self.host_for(request.id, job.functions), self.output_for(request))
+                answer = await call(self.host_for(request, job.functions), self.output_for(request))
             except ReadieError as exc:
                 return error_result(
                     request.id, exc, runtime=self.setup.runtime, job=job, queue_us=queue_us, session=session
@@ -130,11 +137,17 @@ class PoolTasks:
 
     # ------------------------------------------------------------------ host functions and output
 
-    def host_for(self, request_id: RequestId, functions: tuple[str, ...]) -> HostFunction | None:
-        """The host callback for a task of ``request_id`` (None when it declared no functions)."""
+    def host_for(self, request: JobRequest, functions: tuple[str, ...]) -> HostFunction | None:
+        """The host callback for a task of ``request`` (None when it declared no functions). A task
+        that streams hands its call lines to the outbox, behind its output events."""
         if not functions:
             return None
-        return host_function(asyncio.get_running_loop(), self._post_call, self.host_calls.forget, request_id)
+        write_now = None if request.stream or self.write_now is None else self._write_call_now
+        return host_function(asyncio.get_running_loop(), self.host_calls, write_now, self._posted_call, request.id)
+
+    def _write_call_now(self, line: bytes) -> bool:
+        # On a job thread: ``unwritten`` is read once, and a line put after that is not before this call.
+        return self.unwritten == 0 and self.write_now is not None and self.write_now(line)
 
     def output_for(self, request: JobRequest) -> OutputSink | None:
         """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
@@ -150,7 +163,7 @@ class PoolTasks:
 
         def post(chunk: OutputChunk) -> None:
             event = OutputEvent(request.id, chunk.stream, chunk.data, next(numbers))
-            self.outbox.put_nowait((self._connection.send(event), None))
+            self._put(self._connection.send(event), None)
 
         def output(chunk: OutputChunk) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the pool is gone
@@ -158,12 +171,12 @@ class PoolTasks:
 
         return output
 
-    def _post_call(self, waiting: WaitingCall) -> None:
-        line = self.host_calls.post(waiting)
+    def _posted_call(self, line: bytes | None) -> None:
+        """A job thread posted a call: written already (``line`` None), or to write."""
+        self.stats.host_calls += 1
         if line is not None:
-            self.stats.host_calls += 1
-            self.outbox.put_nowait((line, None))  # no permit: its task holds one, and waits
-            self._changed.set()  # a call waits: intake may read ahead for its reply
+            self._put(line, None)  # no permit: its task holds one, and waits
+        self._changed.set()  # a call waits: intake may read ahead for its reply
 
     def count_host(self, outcome: JobOutcome) -> None:
         if outcome.host is not None:
@@ -178,7 +191,11 @@ class PoolTasks:
             line = job_log_line(result, self._wall_ms())
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_job(line.pop("event"), **line)
-        self.outbox.put_nowait((self._connection.send(result), budget or self._permits))
+        self._put(self._connection.send(result), budget or self._permits)
 
     def answer(self, event: PoolEvent) -> None:
-        self.outbox.put_nowait((self._connection.send(event), self._permits))
+        self._put(self._connection.send(event), self._permits)
+
+    def _put(self, line: bytes, budget: asyncio.BoundedSemaphore | None) -> None:
+        self.unwritten += 1
+        self.outbox.put_nowait((line, budget))

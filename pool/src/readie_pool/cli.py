@@ -2,13 +2,17 @@
 
     readie pool --workers=2 [--preload=pandas,numpy] [--package-dir=DIR] [--config=readie.toml]
                 [--log=json] [--checkpoints=DIR] [--state-dir=DIR]
-                [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT]
+                [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT ...]
+                [--session-store=DIR --session-store-key=FILE] [--session-checkpoint=off|step]
                 [--metrics-listen=HOST:PORT]   # Prometheus /metrics, off by default (docs/operations.md)
 
 The first stdout line is the ready event; then one result per request, in
 completion order. EOF on stdin, SIGTERM or SIGINT drain the pool: accepted
 jobs finish, their results are written, every sandbox is destroyed and the
-process exits 0. A second signal stops running jobs. See docs/pool.md.
+process exits 0. A second signal stops running jobs. With a session store
+(or through a router) a signal detaches the open sessions into the store
+instead of closing them, so a later pool attaches to them by key (decision
+32); EOF still closes them. See docs/pool.md.
 
 Start-up failures (a bad flag or config, no checkpoint for the preload set,
 no runsc) are reported on stderr before any ready event: exit 2 for usage
@@ -28,7 +32,7 @@ from typing import Any
 
 import structlog
 from readie_worker import enter_mount_namespace
-from readie_rpc.client import WorkerClient
+from readie_rpc.client import ROUTER_RETRY_S, WorkerClient
 from readie_worker.core import WorkerConfig
 from readie_worker.errors import ReadieError, SandboxSetupError
 from readie_policy.logs import configure_logging
@@ -37,6 +41,7 @@ from readie_rpc.security import ClientSecurity, add_client_arguments, client_sec
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint
 from readie_policy.config import CliOverrides, Config, apply_cli, load_config
+from readie_policy.config_keys import SESSION_CHECKPOINTS
 from readie_worker.errors import ConfigError
 from readie_policy.locations import CHECKPOINTS_VARIABLE, locate_checkpoints
 from ._events import RuntimeInfo
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             max_sessions=args.max_sessions,
             session_idle=args.session_idle,
             session_hibernate=args.session_hibernate,
+            session_store=args.session_store,
+            session_store_key=args.session_store_key,
+            session_checkpoint=args.session_checkpoint,
         )
         settings = apply_cli(config.pool, overrides, cwd=cwd)
     except ConfigError as exc:
@@ -121,14 +129,28 @@ def main(argv: list[str] | None = None) -> int:
         # as many again being closed: a name leaves the table when its close is read, its sandbox
         # a moment later.
         max_sessions=2 * settings.max_sessions,
+        # Decision 32: where its sessions outlive the pool, and when each is written there.
+        session_store=settings.session_store,
+        session_store_key=settings.session_store_key,
+        session_checkpoint=settings.session_checkpoint,
     )
     # The protocol owns descriptors 0 and 1; anything else that writes to
     # stdout (a library's print, a child process) goes to stderr instead,
     # and nothing but the pool reads stdin.
     protocol_in, protocol_out = _claim_stdio()
+    routers = _routers(args.router)
+    # Sessions outlive a signal where something can keep them: a session store, or a router's workers.
+    keep_sessions = settings.session_store is not None or bool(routers)
     return asyncio.run(
-        _serve(setup, worker_config, protocol_in, protocol_out, args.router, router_security, args.metrics_listen)
+        _serve(setup, worker_config, protocol_in, protocol_out, routers, router_security, args.metrics_listen,
+               keep_sessions=keep_sessions)
     )
+
+
+def _routers(given: list[str] | None) -> tuple[str, ...]:
+    """Every ``--router`` address, in order, once: repeated flags and comma-separated lists alike."""
+    addresses = (address.strip() for flag in given or () for address in flag.split(","))
+    return tuple(dict.fromkeys(address for address in addresses if address))
 
 
 async def _serve(
@@ -136,11 +158,13 @@ async def _serve(
     worker_config: WorkerConfig,
     fd_in: int,
     fd_out: int,
-    router: str | None = None,
+    routers: tuple[str, ...] = (),
     router_security: ClientSecurity = ClientSecurity(),
     metrics_listen: str | None = None,
+    *,
+    keep_sessions: bool = False,
 ) -> int:
-    signals = _Signals()
+    signals = _Signals(keep_sessions)
     metrics = Metrics()
     engines: list[PoolEngine] = []  # the engine starts after the worker; a scrape before sees zeros
     metrics.watch_pool(lambda: engines[0].stats if engines else None)
@@ -153,14 +177,16 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, signals.received, signum)
     try:
-        if router is not None:
+        if routers:
             # The router's workers restore the same checkpoints (the manifest read here names them).
-            client = WorkerClient(router, router_security)
+            # Several routers: the client moves to the next when one goes away, and its sessions
+            # re-attach there by key (decision 32).
+            client = WorkerClient(routers[0] if len(routers) == 1 else routers, router_security, retry_s=ROUTER_RETRY_S)
             try:
                 await asyncio.to_thread(client.capacity, ROUTER_PROBE_TIMEOUT_S)
             except ReadieError as exc:
                 client.close()
-                raise SandboxSetupError(f"cannot reach the router at {router}: {exc}") from None
+                raise SandboxSetupError(f"cannot reach the router at {', '.join(routers)}: {exc}") from None
             backend: JobBackend = ThreadedBackend(client, setup.workers)
         else:
             local = await asyncio.to_thread(LocalWorkerBackend.start, worker_config, setup.checkpoint, metrics=metrics)
@@ -184,7 +210,7 @@ async def _serve(
             "pool ready",
             workers=setup.workers,
             checkpoint=setup.checkpoint,
-            state_dir=None if router is not None else str(worker_config.state_dir),
+            state_dir=None if routers else str(worker_config.state_dir),
         )
         return await engine.serve(FdReader(fd_in), FdWriter(fd_out))
     finally:
@@ -193,17 +219,23 @@ async def _serve(
 
 
 class _Signals:
-    """SIGTERM and SIGINT: each one moves the engine a step further (drain, then abort)."""
+    """SIGTERM and SIGINT: each one moves the engine a step further (drain, then abort). With
+    ``keep_sessions`` the first detaches the open sessions at the end of the drain instead of
+    closing them (decision 32)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_sessions: bool = False) -> None:
         self.count = 0
         self.engine: PoolEngine | None = None
+        self._keep_sessions = keep_sessions
 
     def received(self, signum: int) -> None:
         self.count += 1
         log.info("signal received", signal=signal.Signals(signum).name)
         if self.engine is not None:
-            self.engine.drain()
+            if self.count == 1 and self._keep_sessions:
+                self.engine.detach_sessions()
+            else:
+                self.engine.drain()
 
 
 def _claim_stdio() -> tuple[int, int]:
@@ -307,9 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--router",
-        metavar="HOST:PORT",
-        help="run jobs through a `readie router` instead of a worker in this process "
-        "(each session stays on the worker that opened it)",
+        action="append",
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="run jobs through a `readie router` instead of a worker in this process; repeat it (or "
+        "give a comma-separated list) for several routers in front of the same workers: when one goes "
+        "away the pool goes on through the next, and sessions with a key follow (docs/pool.md)",
+    )
+    store = parser.add_argument_group("sessions that outlive the pool (decision 32)")
+    store.add_argument(
+        "--session-store", metavar="DIR",
+        help="a directory of session images shared with later pools (and workers): a signal detaches the "
+        "open sessions into it, and a new pool attaches to them by key (default: [pool] session_store, "
+        "else none: sessions end with the pool)",
+    )
+    store.add_argument(
+        "--session-store-key", metavar="FILE",
+        help="the file of the key that signs the store's images (0600), the same for every pool and worker "
+        "of the store; required with --session-store (default: [pool] session_store_key)",
+    )
+    store.add_argument(
+        "--session-checkpoint", choices=sorted(SESSION_CHECKPOINTS),
+        help="step: write each session into the store after each step, in the background, so a crash "
+        "costs at most the step in flight (default: [pool] session_checkpoint, else off)",
     )
     parser.add_argument(
         "--checkpoints",

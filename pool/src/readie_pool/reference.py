@@ -20,9 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from readie_protocol.events import ErrorInfo, Result
+from readie_protocol.events import AttachedEvent, ErrorInfo, Result
 from readie_protocol.lines import MAX_LINE_BYTES
-from readie_protocol.requests import JOB_FIELDS, SESSION_SETUP_FIELDS, SESSION_STEP_FIELDS
+from readie_protocol.request_lines import request_json
+from readie_protocol.requests import (
+    JOB_FIELDS, MAX_SESSION_KEY_CHARS, SESSION_SETUP_FIELDS, SESSION_STEP_FIELDS, AttachSession,
+)
 from readie_protocol.schema import protocol_schema
 from readie_protocol.transfers import ChunkEvent, DownloadChunk, ListFiles, ListingEvent, UploadChunk, UploadedEvent
 from readie_protocol.units import DURATION_SCHEMA, SIZE_SCHEMA, format_size
@@ -131,12 +134,14 @@ def field_reference() -> str:
     lines += [
         "",
         "Other lines: `{\"id\", \"stats\": true}` asks for the counters; `{\"id\", \"session\", \"close\": true}`",
-        "ends a session; `{\"id\", \"cancel\": JOB_ID}` stops a queued or running job and frees its sandbox",
+        "ends a session; `{\"id\", \"session\", \"attach\": KEY}` continues a stored one (below);",
+        "`{\"id\", \"cancel\": JOB_ID}` stops a queued or running job and frees its sandbox",
         "(answered by a `cancelled` event, and the job by its own result);",
         "`{\"reply\": {\"call_id\", \"result\" | \"error\"}}` answers a host-function call",
         "(at most 1,000,000 bytes of JSON). See [pool.md](pool.md) for what the pool writes back.",
         "",
         *_workspace_reference(),
+        *_durable_reference(),
     ]
     return "\n".join(lines)
 
@@ -221,6 +226,48 @@ def _workspace_reference() -> list[str]:
         "A refusal:",
         "",
         *_json_block({key: refused[key] for key in ("id", "exit", "error", "session", "session_ended")}),
+        "",
+    ]
+
+
+# An example key: what a worker makes (32 random bytes, URL-safe base64), never a real one.
+_KEY = "Zm9yIGV4YW1wbGUgb25seSwgbm90IGEgcmVhbCBrZXkh"
+
+
+def _durable_reference() -> list[str]:
+    """The section of docs/requests.md on sessions that outlive their pool (decision 32)."""
+    first = Result(id=1, exit=0, session="nb", step=1, session_key=_KEY).to_json()
+    lost = Result(id=9, exit=-1, error=ErrorInfo("PoolWorkerError", "the worker running this step was lost"),
+                  session="nb", lost=True).to_json()
+    resumed = Result(id=10, exit=0, session="nb", step=4, resumed_ms=412, resumed_from_step=3).to_json()
+    shown = ("id", "exit", "error", "session", "step", "session_ended", "session_key", "lost", "resumed_ms",
+             "resumed_from_step")
+    return [
+        "## Sessions that outlive their pool",
+        "",
+        "A session's first result carries its `session_key` (a fork's answer carries the fork's): a secret",
+        f"of at most {MAX_SESSION_KEY_CHARS} characters of URL-safe base64 that the pool never logs. Keep it "
+        "where only you read it.",
+        "",
+        *_json_block({key: first[key] for key in shown if key in first}),
+        "",
+        "With it, another connection (a restarted `readie pool` sharing the session store, another",
+        "`readie pool --router`) continues the session under a name of its own, once the session is in",
+        "the store: its pool drained on SIGTERM, its stream broke, or its worker was lost. The answer names",
+        "the session's last step; its next step runs in the same `__main__` and says how long the resume",
+        "took (`resumed_ms`). A wrong key and an unknown one get the same `RequestError` (field `attach`);",
+        "a name open here already, or `max_sessions` open, is refused too (field `session`).",
+        "",
+        *_json_block(request_json(AttachSession(2, "nb", _KEY)),
+                     AttachedEvent(2, "nb", 4).to_json()),
+        "",
+        "A step whose worker was lost while it ran is answered `lost`: it may have run in part and is",
+        "never run again; the session is not ended. The next step resumes from the last state the store",
+        "holds, and says which step that state is from when it is older than the last step answered;",
+        "steps are numbered from that state on (here the state of step 3, so this is step 4 again):",
+        "",
+        *_json_block({key: lost[key] for key in shown if key in lost},
+                     {key: resumed[key] for key in shown if key in resumed}),
         "",
     ]
 

@@ -33,6 +33,7 @@ from .errors import (
     VersionMismatch,
 )
 from .events import (
+    AttachedEvent,
     CallEvent,
     CancelledEvent,
     ClosedEvent,
@@ -50,6 +51,7 @@ from .events import (
 )
 from .lines import MAX_LINE_BYTES, Line, LineEvent, LineSplitter, OversizeLine, recover_id
 from .requests import (
+    AttachSession,
     CancelJob,
     CloseSession,
     ForkSession,
@@ -92,6 +94,8 @@ __all__ = [
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "CallEvent",
+    "AttachSession",
+    "AttachedEvent",
     "CancelJob",
     "CancelledEvent",
     "ChunkEvent",

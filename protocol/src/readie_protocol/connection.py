@@ -40,6 +40,7 @@ from readie_executor import hostwire
 
 from .errors import PoolError, ReadieError
 from .events import (
+    AttachedEvent,
     CallEvent,
     CancelledEvent,
     ClosedEvent,
@@ -49,6 +50,7 @@ from .events import (
     ReadyEvent,
     Result,
     StatsEvent,
+    parse_attached,
     parse_call,
     parse_cancelled,
     parse_closed,
@@ -73,6 +75,7 @@ from .transfers import (
     parse_uploaded,
 )
 from .requests import (
+    AttachSession,
     CancelJob,
     CloseSession,
     ForkSession,
@@ -126,12 +129,14 @@ class Stray:
         self.line = line
 
     def __repr__(self) -> str:
-        return f"Stray({self.line[:200]!r})"
+        # Clients log strays: a session's first result holds its key, a secret shown to nobody.
+        shown = self.line[:200].split(b'"session_key"', 1)[0]
+        return f"Stray({shown!r})"
 
 
 PoolEvent = (
-    ReadyEvent | Result | StatsEvent | ClosedEvent | HibernatedEvent | ForkedEvent | CancelledEvent | CallEvent | OutputEvent
-    | UploadedEvent | ChunkEvent | ListingEvent
+    ReadyEvent | Result | StatsEvent | ClosedEvent | HibernatedEvent | ForkedEvent | AttachedEvent | CancelledEvent
+    | CallEvent | OutputEvent | UploadedEvent | ChunkEvent | ListingEvent
 )
 ClientEvent = PoolEvent | Stray
 
@@ -144,6 +149,7 @@ class _Answer(enum.Enum):
     CLOSE = "close"  # the closed event, or a result when the close is refused
     HIBERNATE = "hibernate"  # the hibernated event, or a result when it is refused
     FORK = "fork"  # the forked event, or a result when it is refused
+    ATTACH = "attach"  # the attached event, or a result when it is refused
     CANCEL = "cancel"  # the cancelled event, or a result when the cancel is refused
     UPLOAD = "upload"  # the uploaded event, or a result when the chunk is refused
     DOWNLOAD = "download"  # the file_chunk event, or a result when it is refused
@@ -267,6 +273,8 @@ class PoolConnection:
             return parse_hibernated(obj)
         if answer is _Answer.FORK and obj.get("forked") is not None:
             return parse_forked(obj)
+        if answer is _Answer.ATTACH and obj.get("attached") is not None:
+            return parse_attached(obj)
         if (parse := _TRANSFER_EVENTS.get((answer, obj.get("event")))) is not None:
             return parse(obj)
         return parse_result(obj)
@@ -279,6 +287,7 @@ _ANSWERS: Final = {
     CancelJob: _Answer.CANCEL,
     HibernateSession: _Answer.HIBERNATE,
     ForkSession: _Answer.FORK,
+    AttachSession: _Answer.ATTACH,
     UploadChunk: _Answer.UPLOAD,
     DownloadChunk: _Answer.DOWNLOAD,
     ListFiles: _Answer.LIST,

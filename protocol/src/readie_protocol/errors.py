@@ -34,11 +34,13 @@ __all__ = [
     "ErrorMap",
     "ErrorType",
     "ExecutorTimeout",
+    "NotStarted",
     "PoolError",
     "PoolWorkerError",
     "ReadieError",
     "RequestError",
     "SandboxSetupError",
+    "StepLost",
     "UnitError",
     "VersionMismatch",
     "error_type",
@@ -83,6 +85,18 @@ class PoolWorkerError(ReadieError):
 
 class ExecutorTimeout(PoolWorkerError):
     """The executor did not answer within the call's deadline."""
+
+
+class NotStarted(SandboxSetupError):
+    """Refused before any of the work ran (decision 32): a draining server or worker. Unlike a
+    failure that may have run, it can be sent again as it is (``WorkerClient`` does, to its next
+    address), and a session step refused so leaves its session as it was."""
+
+
+class StepLost(PoolWorkerError):
+    """The worker running a session's step was lost while it ran (decision 32): the step may have
+    run in part, so it is never run again; the session is not ended, and its next step resumes
+    from the last state the store holds. On the wire: PoolWorkerError with ``"lost": true``."""
 
 
 class Cancelled(PoolWorkerError):

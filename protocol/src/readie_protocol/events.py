@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from readie_executor import hostwire
@@ -28,6 +28,7 @@ from .wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
     "RUNTIME_NAME",
+    "AttachedEvent",
     "CallEvent",
     "CancelledEvent",
     "ClosedEvent",
@@ -42,6 +43,7 @@ __all__ = [
     "RuntimeInfo",
     "StatsEvent",
     "Value",
+    "parse_attached",
     "parse_call",
     "parse_cancelled",
     "parse_closed",
@@ -141,9 +143,28 @@ class ForkedEvent:
     session: str
     forked: str
     fork_ms: int
+    # The fork's own key (decision 32), as a session's first result carries its; a secret, so out
+    # of the repr. None when its worker keeps no keys.
+    session_key: str | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "session": self.session, "forked": self.forked, "fork_ms": self.fork_ms}
+        out: dict[str, Any] = {"id": self.id, "session": self.session, "forked": self.forked, "fork_ms": self.fork_ms}
+        if self.session_key is not None:
+            out["session_key"] = self.session_key
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class AttachedEvent:
+    """The answer to ``{"id", "session", "attach": key}``: the stored session is this pool's session
+    ``session`` now, ``step`` the number of its last step (decision 32); a refusal is a result."""
+
+    id: RequestId
+    session: str
+    step: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "session": self.session, "attached": True, "step": self.step}
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +286,17 @@ def parse_forked(obj: Any) -> ForkedEvent:
     return ForkedEvent(
         id=fields.get("id", (str, int)), session=fields.get("session", str),
         forked=fields.get("forked", str), fork_ms=fields.get("fork_ms", int),
+        session_key=fields.optional("session_key", str),
+    )
+
+
+def parse_attached(obj: Any) -> AttachedEvent:
+    """The answer to an attach: ``{"id", "session", "attached": true, "step"}``."""
+    fields = Fields(obj, "the answer to an attach")
+    if fields.optional("attached", bool) is not True:
+        broken(f"expected an attached event, got {short(obj)}")
+    return AttachedEvent(
+        id=fields.get("id", (str, int)), session=fields.get("session", str), step=fields.get("step", int)
     )
 
 

@@ -44,12 +44,15 @@ from .units import (
     parse_size,
     positive_schema,
 )
-from .wire import MAX_SESSION_CHARS, RequestId, id_problem
+from .wire import MAX_SESSION_CHARS, RequestId, id_problem, json_type
 from .workspace import MAX_COLLECTED_BYTES, MAX_REQUEST_FILES, MAX_REQUEST_FILES_BYTES, collect_value, files_value
 
 __all__ = [
+    "ALLOW_NETWORK_SCHEMA",
     "KIND_KEYS",
     "JOB_FIELDS",
+    "MAX_DESTINATIONS",
+    "MAX_DESTINATION_CHARS",
     "MAX_LISTED_FILES",
     "MAX_NAME_CHARS",
     "MAX_OUTPUT_BYTES",
@@ -60,6 +63,7 @@ __all__ = [
     "SESSION_STEP_FIELDS",
     "JobField",
     "JobRequest",
+    "allow_network_value",
     "build_job",
     "checked_field",
     "only_fields",
@@ -89,6 +93,13 @@ MAX_TIMEOUT_MS = 24 * 3600 * 1000
 #: runner captures at most. Held at every parse (this one, the gRPC wire's,
 #: the config's), so a policy never holds more.
 MAX_OUTPUT_BYTES = bounds.MAX_OUTPUT_LIMIT
+
+#: The most destinations one ``allow_network`` list holds (a request's, a profile's, a ceiling's):
+#: an agent's job talks to a few APIs; the enforcement makes a firewall rule or set element per
+#: entry for every networked sandbox, so the list stays a short, reviewed allow-list.
+MAX_DESTINATIONS = 64
+#: The longest destination: a 253-character name, its final dot and ``:65535``.
+MAX_DESTINATION_CHARS = 253 + 1 + 6
 
 #: Fields only a session's first request may carry: they fix the session's
 #: permissions, limits, environment and host functions for its whole life.
@@ -131,7 +142,8 @@ class JobRequest:
     allow_write: tuple[str, ...] | None = None
     package_dirs: tuple[str, ...] | None = None
     env: tuple[tuple[str, str], ...] | None = None
-    allow_network: bool | None = None
+    # False or True, or the destinations as written (readie_policy.egress parses them).
+    allow_network: bool | tuple[str, ...] | None = None
     timeout_ms: int | None = None
     memory_bytes: int | None = None
     max_output: int | None = None
@@ -185,6 +197,25 @@ def build_job(id: RequestId, fields: Mapping[str, Any]) -> JobRequest:
 
 
 _path = bounded_text(MAX_PATH_CHARS)
+_destination = bounded_text(MAX_DESTINATION_CHARS)
+
+
+def allow_network_value(value: Any) -> bool | tuple[str, ...]:
+    """``false``, ``true`` or a list of at most :data:`MAX_DESTINATIONS` destination strings; their
+    grammar is the policy's (``readie_policy.egress``), checked against the ceiling."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, list):
+        raise Invalid(f"expected true, false or an array of destinations, got {json_type(value)}")
+    if len(value) > MAX_DESTINATIONS:
+        raise Invalid(f"{len(value)} destinations; at most {MAX_DESTINATIONS} are allowed")
+    return _destinations(value)
+
+
+_destinations = list_of(_destination)
+#: What ``allow_network`` holds in a request, a profile and a ceiling alike.
+ALLOW_NETWORK_SCHEMA = {"anyOf": [{"type": "boolean"}, {**schema_of(_destinations), "maxItems": MAX_DESTINATIONS}]}
+with_schema(allow_network_value, ALLOW_NETWORK_SCHEMA)
 _session = bounded_text(MAX_SESSION_CHARS)
 _timeout = with_schema(
     at_most(positive(parse_duration_ms), MAX_TIMEOUT_MS, format_duration_ms(MAX_TIMEOUT_MS)),
@@ -233,8 +264,12 @@ JOB_FIELDS = (
     JobField("package_dirs", "package_dirs", list_of(_path),
              "Extra site-packages directories put on sys.path, read-only; beneath the ceiling's read grants."),
     JobField("env", "env", env_value, "Environment variables of the program."),
-    JobField("allow_network", "allow_network", bool_value,
-             "Whether the job gets a network; refused unless the ceiling has allow_network = true."),
+    JobField("allow_network", "allow_network", allow_network_value,
+             "The job's network: false (none), true (what the ceiling allows), or a list of destinations "
+             "(api.example.com, *.example.com, 203.0.113.0/24, [2001:db8::1]:443; each optionally with "
+             ":port), each within the ceiling's allow_network. Private, loopback and link-local addresses "
+             "are denied unless the ceiling names them. Until the egress enforcement lands, a worker "
+             "refuses a list."),
     JobField("timeout", "timeout_ms", _timeout,
              f"Wall-clock limit of the job (a session step: of the step); at most the ceiling's, and at most "
              f"{format_duration_ms(MAX_TIMEOUT_MS)}. Past it the job ends with TimeoutError and exit 124."),
@@ -284,7 +319,7 @@ _JOB_KEYS = frozenset(_JOB_FIELDS) | {"id"}
 
 #: Keys that select another kind of request: in a line of one kind, the keys of another are
 #: "not allowed" there rather than "unknown".
-KIND_KEYS = frozenset({"id", "stats", "close", "hibernate", "fork", "cancel", "reply", *TRANSFER_KINDS})
+KIND_KEYS = frozenset({"id", "stats", "close", "hibernate", "fork", "attach", "cancel", "reply", *TRANSFER_KINDS})
 
 
 def only_fields(obj: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:

@@ -25,6 +25,7 @@ from .encoding import encode_request
 from .replies import MAX_REPLY_BYTES, ReplyRequest
 from .requests import (
     JOB_FIELDS,
+    AttachSession,
     CancelJob,
     CloseSession,
     ForkSession,
@@ -70,6 +71,8 @@ def request_json(request: Request) -> dict[str, Any]:
         return {"id": request.id, "session": request.session, "hibernate": True}
     if isinstance(request, ForkSession):
         return {"id": request.id, "session": request.session, "fork": request.fork}
+    if isinstance(request, AttachSession):
+        return {"id": request.id, "session": request.session, "attach": request.key}
     if isinstance(request, UploadChunk | DownloadChunk | ListFiles):
         return request.to_json()
     raise TypeError(f"not a request: {type(request).__name__}")

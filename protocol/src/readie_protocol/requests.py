@@ -7,6 +7,8 @@ Kinds of line, told apart by their keys:
 * ``{"id": ..., "session": ..., "close": true}`` ends a session (:class:`CloseSession`);
 * ``{"id": ..., "session": ..., "hibernate": true}`` checkpoints it to disk (:class:`HibernateSession`);
 * ``{"id": ..., "session": ..., "fork": name}`` copies it to a new session (:class:`ForkSession`);
+* ``{"id": ..., "session": ..., "attach": key}`` continues a stored session under that name
+  (:class:`AttachSession`, decision 32);
 * ``{"id": ..., "session": ..., "upload" | "download" | "list": path, ...}`` moves a session's
   files (:mod:`readie_protocol.transfers`: :class:`UploadChunk`, :class:`DownloadChunk`, :class:`ListFiles`);
 * anything else is a job or a session step (:class:`JobRequest`).
@@ -27,12 +29,15 @@ session manager's (see :attr:`JobRequest.setup_fields`). A job's fields and thei
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from readie_executor.hostwire import MAX_FUNCTIONS
 
-from ._values import MAX_REQUIREMENT_CHARS, Invalid, bool_value, bounded_text, load_strict, schema_of
+from ._values import (
+    MAX_REQUIREMENT_CHARS, Invalid, bool_value, bounded_text, load_strict, schema_of, text_value, with_schema,
+)
 from .encoding import encode_request
 from .errors import RequestError
 from .job_requests import (
@@ -69,12 +74,15 @@ __all__ = [
     "MAX_TIMEOUT_MS",
     "SESSION_SETUP_FIELDS",
     "SESSION_STEP_FIELDS",
+    "ATTACH_FIELDS",
     "CLOSE_FIELDS",
     "FORK_FIELDS",
     "HIBERNATE_FIELDS",
     "JOB_FIELDS",
     "REQUEST_ID_SCHEMA",
+    "MAX_SESSION_KEY_CHARS",
     "JobField",
+    "AttachSession",
     "CloseSession",
     "ForkSession",
     "HibernateSession",
@@ -135,9 +143,20 @@ class ForkSession:
     fork: str
 
 
+@dataclass(frozen=True, slots=True)
+class AttachSession:
+    """Continue the session stored under ``key`` (its first result's ``session_key``) as this pool's
+    session ``session`` (decision 32); its next step runs in the same ``__main__``. The key is a
+    secret: it is left out of the repr, and no message or log line carries it."""
+
+    id: RequestId
+    session: str
+    key: str = field(repr=False)
+
+
 Request = (
-    JobRequest | StatsRequest | CloseSession | HibernateSession | ForkSession | CancelJob | ReplyRequest
-    | UploadChunk | DownloadChunk | ListFiles
+    JobRequest | StatsRequest | CloseSession | HibernateSession | ForkSession | AttachSession | CancelJob
+    | ReplyRequest | UploadChunk | DownloadChunk | ListFiles
 )
 
 
@@ -200,6 +219,7 @@ _CLOSE_FIELDS = frozenset({"id", "session", "close"})
 _CANCEL_FIELDS = frozenset({"id", "cancel"})
 _HIBERNATE_FIELDS = frozenset({"id", "session", "hibernate"})
 _FORK_FIELDS = frozenset({"id", "session", "fork"})
+_ATTACH_FIELDS = frozenset({"id", "session", "attach"})
 _REPLY_FIELDS = frozenset({"reply"})
 
 
@@ -229,6 +249,9 @@ def _build(obj: dict[str, Any], rid: RequestId | None) -> Request:
         if fork == session:
             raise RequestError("a fork needs a name of its own, not its session's", "fork")
         return ForkSession(_required_id(rid), session, fork)
+    if "attach" in obj:
+        only_fields(obj, _ATTACH_FIELDS, "an attach request")
+        return AttachSession(_required_id(rid), _session_named(obj), checked_field(obj, "attach", _session_key))
     if any(kind in obj for kind in TRANSFER_KINDS):
         return build_transfer(_required_id(rid), obj)
     if "close" in obj:
@@ -260,6 +283,26 @@ def _required_id(rid: RequestId | None) -> RequestId:
 
 _session = bounded_text(MAX_SESSION_CHARS)
 
+#: A session key is made by a worker: 32 random bytes as URL-safe base64, 43 characters (decision
+#: 32). The bound leaves room for a longer key of a later worker, and keeps a line from carrying
+#: a megabyte to compare; the alphabet keeps anything but a key out of the worker's lookup.
+MAX_SESSION_KEY_CHARS = 128
+_KEY_ALPHABET = re.compile(r"[A-Za-z0-9_=-]+")
+
+
+def _key_check(value: Any) -> str:
+    # Never echoes the value: a refusal is a result line, and result lines are logged.
+    text = text_value(value)
+    if not 0 < len(text) <= MAX_SESSION_KEY_CHARS or not _KEY_ALPHABET.fullmatch(text):
+        raise Invalid(f"not a session key (1 to {MAX_SESSION_KEY_CHARS} characters of URL-safe base64)")
+    return text
+
+
+_session_key = with_schema(
+    _key_check,
+    {"type": "string", "minLength": 1, "maxLength": MAX_SESSION_KEY_CHARS, "pattern": "^[A-Za-z0-9_=-]+$"},
+)
+
 #: The fields of a close request beside its id, as a JSON Schema (``readie_protocol.schema``).
 CLOSE_FIELDS = {
     "session": {**schema_of(_session), "description": "The session to end; its sandbox is destroyed."},
@@ -274,6 +317,13 @@ HIBERNATE_FIELDS = {
 FORK_FIELDS = {
     "session": {**schema_of(_session), "description": "The open session to copy."},
     "fork": {**schema_of(_session), "description": "The new session's name: its state is the session's now, its sandbox its own."},
+}
+#: The fields of an attach request beside its id.
+ATTACH_FIELDS = {
+    "session": {**schema_of(_session), "description": "The name the stored session goes by in this pool; "
+                "no session of that name may be open here."},
+    "attach": {**schema_of(_session_key), "description": "The session's key: the session_key of its first "
+               "result (or of its fork's answer). A wrong key and an unknown one are the same refusal."},
 }
 #: A request id as a JSON Schema: what :func:`~readie_protocol.wire.id_problem` accepts.
 REQUEST_ID_SCHEMA = {

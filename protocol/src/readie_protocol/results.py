@@ -177,6 +177,10 @@ class Result:
     timeout, 128 + n after signal n, -1 when it never ran.
     ``session``, ``step`` and ``session_ended`` are set for session steps only, and
     ``resumed_ms`` only for a step that restored its hibernated session first;
+    ``session_key`` only on a session's first result (decision 32: with it another connection
+    attaches to the session); ``lost`` for a step whose worker was lost while it ran (it may have
+    run in part; the session goes on); ``resumed_from_step`` for a step whose session resumed from
+    the state after that earlier step (a crash lost the steps since);
     ``value`` only when the code ended with a bare expression whose value is not None;
     ``files`` and ``files_truncated`` only when the request asked for ``report_files``.
     """
@@ -206,6 +210,10 @@ class Result:
     collected: Mapping[str, bytes] | None = None
     left_out: tuple[LeftOut, ...] = ()
     left_out_more: int = 0
+    # Decision 32. The key is a secret: out of the repr (and of the job log line, _events).
+    session_key: str | None = field(default=None, repr=False)
+    lost: bool = False
+    resumed_from_step: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -267,8 +275,14 @@ class Result:
             out["session"] = self.session
             out["step"] = self.step
             out["session_ended"] = self.session_ended
+        if self.session_key is not None:
+            out["session_key"] = self.session_key
+        if self.lost:
+            out["lost"] = True
         if self.resumed_ms is not None:
             out["resumed_ms"] = self.resumed_ms
+        if self.resumed_from_step is not None:
+            out["resumed_from_step"] = self.resumed_from_step
         if self.value is not None:
             out["value"] = self.value.to_json()
         if self.files is not None:
@@ -321,6 +335,9 @@ def parse_result(obj: Any) -> Result:
         collected=_collected(obj["collected"]) if obj.get("collected") is not None else None,
         left_out=_left_out(obj.get("left_out") or []),
         left_out_more=fields.optional("left_out_more", int) or 0,
+        session_key=fields.optional("session_key", str),
+        lost=fields.optional("lost", bool) or False,
+        resumed_from_step=fields.optional("resumed_from_step", int),
     )
 
 

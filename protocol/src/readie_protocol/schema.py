@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .events import (
+    AttachedEvent,
     CallEvent,
     CancelledEvent,
     ClosedEvent,
@@ -35,7 +36,9 @@ from .events import (
     Value,
 )
 from .lines import MAX_LINE_BYTES
-from .requests import CLOSE_FIELDS, FORK_FIELDS, HIBERNATE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA
+from .requests import (
+    ATTACH_FIELDS, CLOSE_FIELDS, FORK_FIELDS, HIBERNATE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA,
+)
 from .transfers import DOWNLOAD_FIELDS, LIST_FIELDS, UPLOAD_FIELDS, ChunkEvent, ListingEvent, UploadedEvent
 from .units import MAX_VALUE
 from .wire import PROTOCOL_VERSION
@@ -48,7 +51,7 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 def request_schema() -> dict[str, Any]:
     """A request line: a job (or session step), a stats request, a session's close, hibernate, fork,
-    upload, download or list, a cancel, or a host-call reply."""
+    attach, upload, download or list, a cancel, or a host-call reply."""
     job = {
         "title": "job or session step",
         "type": "object",
@@ -89,6 +92,13 @@ def request_schema() -> dict[str, Any]:
         "type": "object",
         "properties": {"id": REQUEST_ID_SCHEMA, **FORK_FIELDS},
         "required": ["id", "session", "fork"],
+        "additionalProperties": False,
+    }
+    attach = {
+        "title": "attach a stored session",
+        "type": "object",
+        "properties": {"id": REQUEST_ID_SCHEMA, **ATTACH_FIELDS},
+        "required": ["id", "session", "attach"],
         "additionalProperties": False,
     }
     transfers = [
@@ -140,7 +150,7 @@ def request_schema() -> dict[str, Any]:
         "title": "readie pool request line",
         "description": f"One JSON object per line, at most {MAX_LINE_BYTES} bytes; unknown fields are refused. "
         "Integers are JSON integers: 1.0 is refused where an integer is expected, though JSON Schema allows it.",
-        "oneOf": [job, stats, close, hibernate, fork, *transfers, cancel, reply],
+        "oneOf": [job, stats, close, hibernate, fork, attach, *transfers, cancel, reply],
     }
 
 
@@ -149,7 +159,8 @@ def event_schemas() -> dict[str, dict[str, Any]]:
     return {
         "ready": _event(ReadyEvent, "ready", required_extra=()),
         "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated", "resumed_ms",
-                                            "collected", "left_out", "left_out_more"}),
+                                            "collected", "left_out", "left_out_more", "session_key", "lost",
+                                            "resumed_from_step"}),
         "stats": {
             **_object(StatsEvent, skip={"counters"}),
             "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
@@ -163,7 +174,10 @@ def event_schemas() -> dict[str, dict[str, Any]]:
         "hibernated": {**_object(HibernatedEvent),
                        "properties": {**_object(HibernatedEvent)["properties"], "hibernated": {"const": True}},
                        "required": ["id", "session", "hibernated", "hibernate_ms"]},
-        "forked": _object(ForkedEvent),
+        "forked": _object(ForkedEvent, optional={"session_key"}),
+        "attached": {**_object(AttachedEvent),
+                     "properties": {**_object(AttachedEvent)["properties"], "attached": {"const": True}},
+                     "required": ["id", "session", "attached", "step"]},
         "cancelled": _event(CancelledEvent, "cancelled", required_extra=()),
         "call": _event(CallEvent, "call", required_extra=()),
         "output": _event(OutputEvent, "output", required_extra=()),

@@ -2,7 +2,14 @@
 
 :class:`OpenSessions` is the set of them the router has open, each holding a
 session place on its worker in the :class:`~._roster.Roster` until it ends;
-the router closes what is left of them when it shuts down.
+when the router shuts down it lets go of what is left of them (a session with
+a key is detached into the store, one without is closed).
+
+A session with a key (decision 32) is not bound to its worker: when that
+worker hands it over (a drain) or its stream breaks, its next request
+re-places it (``Placement``'s attach, ``take_over`` after a break, the lost
+worker evicted) and runs there; a step in flight when the stream broke is
+lost (StepLost), and the session goes on.
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ from typing import TypeVar
 
 from readie_rpc.remote_session import RemoteSession, SessionLost
 from readie_protocol.cancel import NEVER, Cancellation
+from readie_protocol.errors import StepLost
 from readie_worker.errors import PoolWorkerError
-from readie_worker.jobs import HostFunction, OutputSink, Step
+from readie_worker.jobs import CodeJob, HostFunction, OutputSink, Step
 from readie_worker.sessions import StepOutcome
 from readie_protocol.workspace import FileChunk, FileListing
 
@@ -25,12 +33,17 @@ __all__ = ["OpenSessions", "PlacedSession"]
 
 _T = TypeVar("_T")
 
+#: How a session is placed anew by its key (``Placement._attach``): ``(key, take_over, job)`` to
+#: the member chosen (its session place taken), the session attached there and its last step.
+Attach = Callable[[str, bool, CodeJob], tuple[Member, RemoteSession, int]]
+
 
 class OpenSessions:
     """The sessions this router placed and has not seen end (under the roster's lock)."""
 
-    def __init__(self, roster: Roster) -> None:
+    def __init__(self, roster: Roster, attach: Attach) -> None:
         self.roster = roster
+        self.attach = attach
         self._sessions: set[PlacedSession] = set()
 
     def __len__(self) -> int:
@@ -43,6 +56,17 @@ class OpenSessions:
         with self.roster.lock:
             self._sessions.add(placed)
         return placed
+
+    def moved(self, session: PlacedSession, old: Member) -> None:
+        """``session`` holds a place on its new member (taken by the attach): give back ``old``'s."""
+        with self.roster.lock:
+            if session not in self._sessions:
+                return
+            old.sessions -= 1
+            self.roster.lock.notify_all()
+            dropped = self.roster.drop_if_done(old)
+        if dropped:
+            old.client.close()
 
     def ended(self, session: PlacedSession) -> None:
         """Give back ``session``'s place on its worker (once; later calls do nothing)."""
@@ -57,16 +81,17 @@ class OpenSessions:
         if dropped:
             member.client.close()
 
-    def close_all(self, reason: str) -> None:
-        """Close every open session, their sandboxes on their workers, all at once (each waits
-        for its worker); the next step of each says ``reason``."""
+    def let_go_all(self, reason: str) -> None:
+        """Let go of every open session, all at once (each waits for its worker): one with a key
+        is detached into the store (another router attaches it by its key), one without is closed,
+        its sandbox destroyed; the next step of each here says ``reason``."""
         with self.roster.lock:
             sessions = list(self._sessions)
         if sessions:
             for session in sessions:
                 session.ended_by = reason
             with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix="close-session") as closing:
-                list(closing.map(PlacedSession.close, sessions))
+                list(closing.map(PlacedSession.detach, sessions))
 
 
 class PlacedSession:
@@ -77,6 +102,7 @@ class PlacedSession:
         self._roster = open_sessions.roster
         self.member = member
         self._remote = remote
+        remote.reconnect = self._placed_anew  # re-placed by the router, not re-attached to the same worker
         self.id = remote.id
         # Why the router ended it under its client, if it did: the next step is then the
         # router's failure (PoolWorkerError, the session gone), not the client's mistake.
@@ -85,6 +111,25 @@ class PlacedSession:
     @property
     def ended(self) -> bool:
         return self._remote.ended
+
+    @property
+    def key(self) -> str | None:
+        return self._remote.key
+
+    @property
+    def job(self) -> CodeJob:
+        return self._remote.job
+
+    def _placed_anew(self, key: str, take_over: bool) -> tuple[RemoteSession, int]:
+        """The session's ``reconnect``: its worker handed it over, or its stream broke (then that
+        worker is evicted, as for a job lost with it); placed where ``Placement`` chooses now."""
+        old = self.member
+        if take_over:
+            self._roster.mark_failed(old)
+        member, remote, stored = self._open.attach(key, take_over, self._remote.job)
+        self.member = member
+        self._open.moved(self, old)
+        return remote, stored
 
     def run_step(
         self,
@@ -98,14 +143,15 @@ class PlacedSession:
         """``RemoteSession.run_step`` once the session's worker has a free slot, counted as in flight there."""
         if self.ended_by is not None:
             raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        self._roster.take_slot(self.member)
+        member = self.member  # re-placed meanwhile, maybe: the slot is the one taken here
+        self._roster.take_slot(member)
         try:
             return self._remote.run_step(step, job_id=job_id, host=host, cancel=cancel, output=output)
-        except SessionLost:
+        except (SessionLost, StepLost):
             self._roster.mark_failed(self.member)  # as for a job lost with its worker
             raise
         finally:
-            self._roster.release(self.member)
+            self._roster.release(member)
             if self._remote.ended:
                 self._forget()
 
@@ -118,14 +164,15 @@ class PlacedSession:
         The session stays pinned to that worker, whose disk holds its image (decision 0022)."""
         if self.ended_by is not None:
             raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        self._roster.take_slot(self.member)
+        member = self.member
+        self._roster.take_slot(member)
         try:
             return self._remote.hibernate(cancel)
-        except SessionLost:
+        except (SessionLost, StepLost):
             self._roster.mark_failed(self.member)  # as for a step lost with its worker
             raise
         finally:
-            self._roster.release(self.member)
+            self._roster.release(member)
             if self._remote.ended:
                 self._forget()
 
@@ -145,17 +192,17 @@ class PlacedSession:
     def _relay(self, request: Callable[[], _T]) -> _T:
         if self.ended_by is not None:
             raise PoolWorkerError(f"the session has ended: {self.ended_by}")
-        slot = self._remote.hibernated
+        member, slot = self.member, self._remote.hibernated
         if slot:
-            self._roster.take_slot(self.member)
+            self._roster.take_slot(member)
         try:
             return request()
-        except SessionLost:
+        except (SessionLost, StepLost):
             self._roster.mark_failed(self.member)  # as for a step lost with its worker
             raise
         finally:
             if slot:
-                self._roster.release(self.member)
+                self._roster.release(member)
             if self._remote.ended:
                 self._forget()
 
@@ -182,6 +229,14 @@ class PlacedSession:
     def close(self) -> None:
         try:
             self._remote.close()
+        finally:
+            self._forget()
+
+    def detach(self, cancel: Cancellation = NEVER) -> None:
+        """Let go without ending it (decision 32): its worker detaches it into the store; one
+        without a key is closed."""
+        try:
+            self._remote.detach(cancel)
         finally:
             self._forget()
 

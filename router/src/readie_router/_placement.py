@@ -18,13 +18,15 @@ left the answer is *retired*: it gets no new jobs or sessions, the calls
 running on it finish, the sessions on it keep it until they end, and then
 it is dropped. An address that comes back before then is simply un-retired.
 
-A session is placed once, on the healthy worker with the fewest sessions
-(among those with a free slot and room for one more), and stays there: its
-steps go down the session's own Interact stream to that worker
-(:class:`~readie_rpc.remote_session.RemoteSession`). If the worker is
-lost, the session has ended; the next step says so and nothing starts a
-fresh one elsewhere. Jobs with host functions are placed like any job; their
-calls come back on the job's stream.
+A session is placed on the healthy worker with the fewest sessions (among
+those with a free slot and room for one more), and stays there: its steps go
+down the session's own Interact stream to that worker
+(:class:`~readie_rpc.remote_session.RemoteSession`). A session without a key
+ends with its worker: the next step says so and nothing starts a fresh one
+elsewhere. One with a key (decision 32) is placed anew by it when its
+worker hands it over or is lost (:meth:`Placement.attach_session`, which a
+client's ``attach`` uses too). Jobs with host functions are placed like any
+job; their calls come back on the job's stream.
 
 :class:`Placement` has the in-process :class:`~readie_worker.core.Worker`'s
 shape (``run_job``, ``execute_call``, ``capacity``, ``drain``, ``close``), so
@@ -45,9 +47,10 @@ from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.metrics import Metrics
 from readie_rpc.client import WorkerClient
 from readie_policy.jobs import Capacity
-from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, SandboxSetupError
+from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
-from readie_rpc.remote_session import StreamBroken
+from readie_rpc.client import NotStarted
+from readie_rpc.remote_session import RemoteSession, StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
 
@@ -88,12 +91,14 @@ class Placement:
     _prober: threading.Thread | None = field(init=False, default=None)
     _discoverer: threading.Thread | None = field(init=False, default=None)
     _draining: bool = field(init=False, default=False)
+    # A router's drain hands its clients' sessions over: its workers' stores hold them (decision 32).
+    hands_sessions_over: bool = field(init=False, default=True)
     _sessions: OpenSessions = field(init=False)
 
     def __post_init__(self) -> None:
         members = [Member(WorkerClient(address, self.security)) for address in self.addresses]
         self._roster = Roster(self.wait_s, self.max_sessions, self.metrics, members)
-        self._sessions = OpenSessions(self._roster)
+        self._sessions = OpenSessions(self._roster, self._attach)
 
     def start(self) -> Placement:
         self.probe_all()
@@ -145,6 +150,62 @@ class Placement:
             log.info("session placed", session=remote.id, worker=member.name)
             return placed, first
 
+    def attach_session(self, key: str, *, take_over: bool = False, cancel: Cancellation = NEVER) -> tuple[PlacedSession, int]:
+        """The session stored under ``key``, attached on the worker chosen as for a new session,
+        and the number of its last step (``JobRunner.attach_session``'s shape, decision 32)."""
+        member, remote, step = self._attach(key, take_over, None, cancel)
+        log.info("session attached", session=remote.id, worker=member.name, take_over=take_over)
+        return self._sessions.add(member, remote), step
+
+    def _attach(
+        self, key: str, take_over: bool, job: CodeJob | None, cancel: Cancellation = NEVER
+    ) -> tuple[Member, RemoteSession, int]:
+        """Attach by ``key`` on a worker with room for a session (its place taken, its slot given
+        back); a worker that refuses before anything ran is passed over for the next, and so is
+        one that holds no session under the key (workers with stores of their own hold only
+        theirs). A key no worker knows, the session's own failure or a lost worker are raised,
+        the place given back."""
+        refused: set[int] = set()
+        unknown: RequestError | None = None
+        # A worker that refused the stored image (failed verification: it removed the entry) said
+        # what became of the session; the workers asked after it can only say they know no such key.
+        setup_failed: SandboxSetupError | None = None
+        while True:
+            try:
+                member = self._choose(refused, session=True)
+            except SandboxSetupError:
+                if setup_failed is not None:
+                    raise setup_failed from None
+                if unknown is not None:  # every worker that could was asked
+                    raise unknown from None
+                raise
+            try:
+                remote, step = member.client.attach_session(key, take_over=take_over, cancel=cancel, job=job)
+            except (SandboxSetupError, RequestError) as exc:
+                if isinstance(exc, RequestError) and exc.field != "attach":
+                    self._roster.release(member, session=True)
+                    raise
+                if isinstance(exc, RequestError):
+                    unknown = exc
+                else:
+                    setup_failed = exc
+                log.info("worker did not attach a session; trying another", worker=member.name, error=str(exc))
+                refused.add(id(member))
+                self._roster.release(member, session=True)
+                continue
+            except StreamBroken as exc:  # that worker is lost: the next takes the session from it
+                log.info("worker lost while attaching a session; trying another", worker=member.name, error=str(exc))
+                refused.add(id(member))
+                self._roster.release(member, session=True)
+                self._roster.mark_failed(member)
+                take_over = True
+                continue
+            except BaseException:
+                self._roster.release(member, session=True)
+                raise
+            self._roster.release(member)
+            return member, remote, step
+
     def execute_call(
         self,
         checkpoint: str,
@@ -193,7 +254,7 @@ class Placement:
         for thread in (self._prober, self._discoverer):
             if thread is not None and thread is not threading.current_thread():
                 thread.join()
-        self._sessions.close_all("the router is shutting down")
+        self._sessions.let_go_all("the router is shutting down")
         with self._roster.lock:
             members = list(self._roster.members)
         for member in members:
@@ -231,7 +292,7 @@ class Placement:
         with self._roster.lock:
             while True:
                 if self._draining:
-                    raise SandboxSetupError("the router is draining and takes no new work")
+                    raise NotStarted("the router is draining and takes no new work")
                 if session and sum(m.sessions for m in self._roster.members) >= self.max_sessions:
                     raise SandboxSetupError(f"this router keeps at most {self.max_sessions} sessions, and all are open")
                 candidates = [m for m in self._roster.members if not m.retired and room(m) > 0 and id(m) not in refused]
@@ -241,9 +302,11 @@ class Placement:
                     chosen.sessions += session
                     return chosen
                 if not any(m.could_take(session) and id(m) not in refused for m in self._roster.members):
-                    # Waiting cannot help: nobody left who would ever say yes.
+                    # Waiting cannot help: nobody left who would ever say yes. Nothing ran, so a
+                    # client with another router (or time to wait for a restarted worker) may send
+                    # it again: a rolling restart leaves a router with no worker for a moment.
                     what = "session (a worker with --max-sessions 0, or too old, keeps none)" if session else "job"
-                    raise SandboxSetupError(f"no healthy worker can take the {what}")
+                    raise NotStarted(f"no healthy worker can take the {what}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SandboxSetupError(f"no worker had a free slot within {self.wait_s:.0f} s")

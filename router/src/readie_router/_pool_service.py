@@ -7,6 +7,11 @@ Jobs go to the router's placement, shared by every session; a session's end
 here is one stream. The pool protocol's own sessions, ``"session": NAME``,
 are pinned by the placement to one worker each, and host functions'
 calls come back from the worker on the job's own Interact stream.)
+
+A stream that ends by the client's half-close closes its pool sessions, as
+a pool's stdin ending does; one that breaks (cancelled, the client gone)
+detaches them instead (decision 32): each stays in the session store, and
+a new stream attaches it by its key.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ POOL_SERVICE = pb.DESCRIPTOR.services_by_name["Pool"].full_name
 # the engine's writer waits, which holds its permits and so stops its intake:
 # the stream's own backpressure, like a full stdout pipe.
 MAX_UNREAD_LINES = 64
+# grpc may end a cancelled call's request stream a moment before its termination callback
+# runs; a stream's end waits this long for that callback before it counts as a half-close.
+# Short: a client that half-closes waits this much longer for its stream to end.
+BREAK_NOTICE_S = 0.2
 _END = None
 
 
@@ -58,23 +67,40 @@ class _Shared:
     ) -> tuple[SessionHandle, StepOutcome]:
         return self._runner.open_session(job, job_id, host, cancel=cancel, output=output)
 
+    def attach_session(self, key: str, *, take_over: bool = False, cancel: Cancellation = NEVER) -> tuple[SessionHandle, int]:
+        return self._runner.attach_session(key, take_over=take_over, cancel=cancel)
+
     def close(self) -> None:
         pass
 
 
 class _RequestSource:
-    """The request stream as the engine's ByteSource; each read pulls one message on a thread."""
+    """The request stream as the engine's ByteSource; each read pulls one message on a thread.
 
-    def __init__(self, requests: Iterator[pb.PoolInput]) -> None:
+    At its end it tells a half-close (the pool's sessions close, as at stdin's end) from a
+    break: the RPC terminated (``broken`` set by its callback) by then, or within
+    :data:`BREAK_NOTICE_S`; after a break the engine detaches its sessions instead.
+    """
+
+    def __init__(self, requests: Iterator[pb.PoolInput], broken: threading.Event, engine: PoolEngine) -> None:
         self._requests = requests
+        self._broken = broken
+        self._engine = engine
 
     async def read(self) -> bytes:
-        return await asyncio.to_thread(self._next)
+        data = await asyncio.to_thread(self._next)
+        if not data and await asyncio.to_thread(self._broken.wait, BREAK_NOTICE_S):
+            log.info("the client's stream broke; its sessions are detached, not closed")
+            self._engine.detach_sessions()
+        return data
 
     def _next(self) -> bytes:
-        for message in self._requests:
-            if message.data:
-                return bytes(message.data)
+        try:
+            for message in self._requests:
+                if message.data:
+                    return bytes(message.data)
+        except grpc.RpcError:  # cancelled under the read: a break
+            self._broken.set()
         return b""
 
 
@@ -95,10 +121,15 @@ class PoolServicer(pb_grpc.PoolServicer):
     def Session(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext) -> Iterator[pb.PoolOutput]:
         lines: queue.Queue[bytes | None] = queue.Queue(MAX_UNREAD_LINES)
 
+        broken = threading.Event()  # the RPC terminated before the engine was done: a break, not a close
+        if not context.add_callback(broken.set):
+            broken.set()
+
         def serve() -> None:
             backend = ThreadedBackend(_Shared(self._runner), self._setup.workers)
             try:
-                asyncio.run(PoolEngine(self._setup, backend).serve(_RequestSource(request_iterator), _ResponseSink(lines)))
+                engine = PoolEngine(self._setup, backend)
+                asyncio.run(engine.serve(_RequestSource(request_iterator, broken, engine), _ResponseSink(lines)))
             except Exception:
                 log.exception("pool session failed")
             finally:

@@ -10,7 +10,10 @@ so workers behind a Kubernetes headless Service come and go (``_discovery``).
 It serves the same ``readie.v1.Worker`` API as a worker (so a client needs
 to know only one), plus health and reflection, and places each call on the
 least loaded healthy worker (see ``_placement``). SIGTERM or SIGINT drains:
-health turns NOT_SERVING, running calls finish, the process exits 0.
+health turns NOT_SERVING, new calls are refused as not started (a client
+sends them to its next router), running calls finish, sessions with a key
+are handed over (their clients re-attach elsewhere, decision 32), the
+process exits 0.
 
 Only ``Pool.Session`` needs the checkpoints' manifest (the ready event names
 the checkpoint and its Python); it is found as every readie command finds it

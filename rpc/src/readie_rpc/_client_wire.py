@@ -9,17 +9,20 @@ asked for) before anyone reads it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from readie_executor.jobs import bounds
 
+from ._convert import code_job
 from ._files_wire import collected_from_message, file_messages
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._session_wire import milliseconds
 from readie_policy.jobs import CodeJob, HostStats, JobOutcome, Step, StepOutcome
-from readie_protocol.errors import PoolWorkerError
+from readie_protocol.errors import PoolWorkerError, RequestError
 from readie_protocol.events import ErrorInfo, FileInfo, Value
 from readie_protocol.requests import MAX_LISTED_FILES, MAX_PATH_CHARS
 
-__all__ = ["job_outcome", "run_job_request", "session_step_message", "step_outcome"]
+__all__ = ["attached_setup", "job_outcome", "run_job_request", "session_step_message", "setup_message", "step_outcome"]
 
 
 def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRequest:
@@ -36,6 +39,7 @@ def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRe
         allow_write=job.allow_write,
         package_dirs=job.package_dirs,
         network=job.network,
+        network_destinations=[str(d) for d in job.egress.destinations] if job.egress is not None else [],
         timeout_ms=job.timeout_ms,
         max_output=job.max_output,
         packages=job.packages,
@@ -51,6 +55,23 @@ def run_job_request(job: CodeJob, *, stream_output: bool = False) -> pb.RunJobRe
     if job.max_file_size is not None:
         request.max_file_size = job.max_file_size
     return request
+
+
+def setup_message(job: CodeJob) -> pb.RunJobRequest:
+    """A session's setup for ``SessionAttached.setup``: its job without the first step's code
+    and files (what an attaching side needs of it is its limits, grants and host functions)."""
+    return run_job_request(dataclasses.replace(job, code="", files=()))
+
+
+def attached_setup(attached: pb.SessionAttached) -> CodeJob:
+    """The job of a session attached by key, as its worker holds it (``SessionAttached.setup``),
+    checked as a request is: PoolWorkerError for none, or for one no worker holds."""
+    if not attached.HasField("setup"):
+        raise PoolWorkerError("the worker attached a session without saying its setup")
+    try:
+        return code_job(attached.setup, None)
+    except RequestError as exc:
+        raise PoolWorkerError(f"the worker attached a session with a setup no worker holds ({exc})") from None
 
 
 def session_step_message(step: Step) -> pb.SessionStep:
@@ -73,7 +94,10 @@ def step_outcome(response: pb.RunJobResponse, job: CodeJob) -> StepOutcome:
     """A session step's outcome from its response (``job``: the step as its session runs it):
     the outcome, its number, whether it ended the session."""
     resumed_ms = milliseconds(response.resumed_ms, "resumed_ms") if response.HasField("resumed_ms") else None
-    return StepOutcome(job_outcome(response, job), response.step, response.session_ended, resumed_ms)
+    resumed_from = response.resumed_from_step if response.HasField("resumed_from_step") else None
+    if resumed_from is not None and resumed_from >= response.step:
+        raise PoolWorkerError(f"the worker said step {response.step} resumed from step {resumed_from}, not an earlier one")
+    return StepOutcome(job_outcome(response, job), response.step, response.session_ended, resumed_ms, resumed_from)
 
 
 def job_outcome(response: pb.RunJobResponse, job: CodeJob) -> JobOutcome:

@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from ._files_wire import collect_patterns, collected_message, workspace_files
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
-from readie_protocol.errors import RequestError
+from readie_protocol.errors import ErrorType, RequestError, StepLost
 
 from readie_policy.jobs import (
     DEFAULT_INLINE_NAME, Capacity, CodeJob, HostStats, JobOutcome, Step, StepOutcome, check_functions, validate_requirements,
@@ -87,7 +87,7 @@ def code_job(
         allow_write=_paths("allow_write", request.allow_write),
         package_dirs=_paths("package_dirs", request.package_dirs),
         env=tuple(env.items()) or None,
-        allow_network=True if request.network else None,
+        allow_network=_network(request),
         timeout_ms=_optional_int(request, "timeout_ms", 1, MAX_TIMEOUT_MS),
         memory_bytes=_optional_int(request, "memory_bytes", 1, MAX_LIMIT_BYTES),
         max_output=_optional_int(request, "max_output", 0, MAX_OUTPUT_BYTES),
@@ -140,7 +140,7 @@ class _AskedPolicy:
     allow_write: tuple[str, ...] | None
     package_dirs: tuple[str, ...] | None
     env: tuple[tuple[str, str], ...] | None
-    allow_network: bool | None
+    allow_network: bool | tuple[str, ...] | None
     timeout_ms: int | None
     memory_bytes: int | None
     max_output: int | None
@@ -203,9 +203,10 @@ def cut_to_deadline(timeout: int, time_remaining_s: float | None) -> int:
 
 
 def run_job_response(
-    outcome: JobOutcome, step: StepOutcome | None = None, session_id: str | None = None
+    outcome: JobOutcome, step: StepOutcome | None = None, session_id: str | None = None, *, session_key: str | None = None
 ) -> pb.RunJobResponse:
-    """The response for a job, or for a session's step (``step`` and ``session_id`` set)."""
+    """The response for a job, or for a session's step (``step`` and ``session_id`` set;
+    ``session_key`` on its first result, decision 32)."""
     response = pb.RunJobResponse(
         stdout=outcome.stdout,
         stderr=outcome.stderr,
@@ -224,8 +225,12 @@ def run_job_response(
         response.session_ended = step.session_ended
         if step.resumed_ms is not None:
             response.resumed_ms = step.resumed_ms
+        if step.resumed_from_step is not None:
+            response.resumed_from_step = step.resumed_from_step
     if session_id is not None:
         response.session_id = session_id
+    if session_key:
+        response.session_key = session_key
     if outcome.exit is not None:
         response.exit = outcome.exit
     if outcome.sandbox_id is not None:
@@ -250,6 +255,15 @@ def run_job_response(
         )
     if outcome.collected is not None:
         response.collected.CopyFrom(collected_message(outcome.collected))
+    return response
+
+
+def lost_step_response(lost: StepLost, step: int, session_id: str) -> pb.RunJobResponse:
+    """The result of step number ``step``, lost with the worker running it (decision 32): a
+    PoolWorkerError marked ``lost``; the session is not ended, and the step is never run again."""
+    outcome = JobOutcome.failure(ErrorType.POOL_WORKER, str(lost), 0, "")
+    response = run_job_response(outcome, StepOutcome(outcome, step, False), session_id)
+    response.lost = True
     return response
 
 
@@ -327,6 +341,17 @@ def _paths(field: str, paths: Iterable[str]) -> tuple[str, ...] | None:
     if len(paths) > MAX_GRANTS:
         raise RequestError(f"{len(paths)} paths; at most {MAX_GRANTS} are allowed", field=field)
     return tuple(_absolute(field, path) for path in paths) or None
+
+
+def _network(request: pb.RunJobRequest) -> bool | tuple[str, ...] | None:
+    """``network`` and its destinations as a request's ``allow_network``: True without any (what the
+    ceiling allows, as for a client older than the destinations); the policy parses and bounds them."""
+    destinations = tuple(request.network_destinations)
+    if not request.network:
+        if destinations:
+            raise RequestError("destinations without network = true", field="network_destinations")
+        return None
+    return destinations or True
 
 
 def _lowered(message: Message, field: str, allowed: int, most: int) -> int:

@@ -43,11 +43,12 @@ _STREAM_NAMES = {number: name for name, number in _STREAMS.items()}
 def call_message(call: HostCall) -> pb.HostCall:
     """The event for a call that passed the worker's frame checks (so it encodes within its budget)."""
     remaining_ms = 0 if call.deadline is None else max(0, int((call.deadline - time.monotonic()) * 1000))
+    args_json, kwargs_json = call.encoded or (hostwire.dumps(list(call.args)), hostwire.dumps(call.kwargs))
     return pb.HostCall(
         call_id=call.call_id,
         function=call.function,
-        args_json=hostwire.dumps(list(call.args)),
-        kwargs_json=hostwire.dumps(call.kwargs),
+        args_json=args_json,
+        kwargs_json=kwargs_json,
         deadline_ms=remaining_ms,
     )
 
@@ -73,7 +74,8 @@ def call_from_message(message: pb.HostCall, functions: Collection[str], max_wait
     wait_s = max(0, message.deadline_ms) / 1000
     if max_wait_s is not None:
         wait_s = min(wait_s, max_wait_s)
-    return HostCall(message.call_id, message.function, tuple(args), kwargs, time.monotonic() + wait_s)
+    encoded = (message.args_json, message.kwargs_json)
+    return HostCall(message.call_id, message.function, tuple(args), kwargs, time.monotonic() + wait_s, encoded)
 
 
 def output_message(chunk: OutputChunk) -> pb.OutputChunk:
@@ -94,6 +96,8 @@ def output_from_message(message: pb.OutputChunk) -> OutputChunk:
 
 def reply_message(call_id: int, reply: HostReply) -> pb.HostReply:
     """The message answering ``call_id``; a result that cannot be sent becomes an error reply."""
+    if reply.error is None and reply.encoded is not None:  # relayed: checked where it was parsed
+        return pb.HostReply(call_id=call_id, result_json=reply.encoded)
     if reply.error is None:
         try:
             return pb.HostReply(call_id=call_id, result_json=hostwire.dumps(reply.result, MAX_RESULT_BYTES, what="result"))
@@ -120,4 +124,4 @@ def reply_from_message(message: pb.HostReply) -> tuple[int, HostReply]:
         result: Any = hostwire.loads(message.result_json)
     except hostwire.WireError as exc:
         raise RequestError(f"not valid JSON: {exc}", field="reply.result_json") from None
-    return message.call_id, HostReply(result=result)
+    return message.call_id, HostReply(result=result, encoded=message.result_json)

@@ -20,23 +20,26 @@ its workspace's files move a chunk at a time (``upload``, ``download``,
 ``list_files``, decision 31), each answered before the next request is
 read; a long transfer holds only its own stream's threads, never another's.
 
-The stream is the session's life. When the client's side ends, whether it
-closed it or cancelled or went away, steps not yet started are dropped (the
-two look alike to the reader for a moment: grpc ends the request iterator
-cleanly on a cancel too, before its termination callback runs), a waiting
-host call is answered with an error, and the driver closes the session (its
-sandbox is destroyed). A step running then finishes after a clean close;
-after a cancel (the RPC terminated: cancelled, deadline, connection lost) it
-is stopped at once. The first message of
-a stream is always served. The server's stream place is given back only
-when the driver is done, so work a cancelled stream left running still
-counts. A client that breaks the protocol (a first message
-that is neither ``job``, ``open_session`` nor ``attach``, or none within
-:data:`FIRST_MESSAGE_S`; a job message mid-session; a reply that is not
-JSON) gets INVALID_ARGUMENT naming the field, and its session ends. Steps
-sent before the previous one's result are not a break: they wait (a few at
-most, :data:`INBOX_MESSAGES`) and run in order, even while a host call
-waits, as long as the client's side stays open.
+A session without a key lives as long as its stream. When the client's side
+ends, whether it closed it or cancelled or went away, steps not yet started are
+dropped (the two look alike to the reader for a moment: grpc ends the request
+iterator cleanly on a cancel too, before its termination callback runs), a
+waiting host call is answered with an error, and the driver closes the session
+(its sandbox is destroyed). A session with a key (decision 32) outlives it: the
+driver detaches it into the store instead, and only ``close`` ends it;
+``attach`` with its key continues it on a new stream. When the server drains,
+:meth:`Interaction.hand_over` has the driver detach such a session after its
+running step and end the stream with ``handed_over``. A step running then
+finishes after a clean close; after a cancel (the RPC terminated: cancelled,
+deadline, connection lost) it is stopped at once. The first message of a stream
+is always served. The server's stream place is given back only when the driver
+is done, so work a cancelled stream left running still counts. A client that
+breaks the protocol (a first message that is neither ``job``, ``open_session``
+nor ``attach``, or none within :data:`FIRST_MESSAGE_S`; a job message
+mid-session; a reply that is not JSON) gets INVALID_ARGUMENT naming the field, and
+its session ends. Steps sent before the previous one's result are not a break:
+they wait (a few at most, :data:`INBOX_MESSAGES`) and run in order, even while
+a host call waits, as long as the client's side stays open.
 """
 
 from __future__ import annotations
@@ -45,24 +48,28 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
 
 import grpc
+import structlog
 
-from ._convert import Ceiling, code_job, run_job_response, session_step
+from ._client_wire import setup_message
+from ._convert import Ceiling, code_job, lost_step_response, run_job_response, session_step
 from ._files_wire import FILE_EVENTS, answer_file_request
 from ._forks import WaitingForks
-from ._session_wire import forked_message, hibernated_message
+from ._session_wire import attach_names, forked_message, hibernated_message
 from ._host_wire import call_message, output_message, reply_from_message
+from ._mailbox import Mailbox, Closed
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
-from readie_protocol.cancel import Cancellation
-from readie_protocol.errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
+from readie_protocol.cancel import NEVER, Cancellation
+from readie_protocol.errors import ErrorType, NotStarted, PoolWorkerError, RequestError, SandboxSetupError, StepLost
 from readie_policy.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink, StepOutcome
 from readie_policy.policy import NO_LIMITS
 from readie_policy.runner import JobRunner, SessionHandle
 
-__all__ = ["Interaction", "Mailbox"]
+__all__ = ["Interaction", "Mailbox", "key_of"]
+
+log = structlog.get_logger("readie.grpc")
 
 # A client that keeps to the protocol has one message in flight (a step, or
 # the reply to the one waiting call); a few more absorb a late reply racing
@@ -86,55 +93,6 @@ OUTPUT_SEND_S = 5.0
 # A stream holds a server thread from its start: one that does not say what
 # it wants within this long is refused, and its thread freed.
 FIRST_MESSAGE_S = 30.0
-
-_T = TypeVar("_T")
-
-
-class _Closed:
-    """What a closed, empty mailbox gives instead of an item."""
-
-
-CLOSED = _Closed()
-
-
-class Mailbox(Generic[_T]):
-    """A bounded queue one side can close: puts then fail, gets drain what is left, then CLOSED."""
-
-    def __init__(self, bound: int) -> None:
-        self._items: deque[_T] = deque()
-        self._bound = bound
-        self._closed = False
-        self._changed = threading.Condition()
-
-    def put(self, item: _T, timeout: float | None = None) -> bool:
-        """Wait for room; False (and the item dropped) once the mailbox is closed or ``timeout`` passes."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._closed or len(self._items) < self._bound, timeout)
-            if self._closed or len(self._items) >= self._bound:
-                return False
-            self._items.append(item)
-            self._changed.notify_all()
-            return True
-
-    def get(self, timeout: float | None = None) -> _T | _Closed | None:
-        """The next item; CLOSED once closed and drained; None when ``timeout`` passes first."""
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._closed or self._items, timeout):
-                return None
-            if not self._items:
-                return CLOSED
-            item = self._items.popleft()
-            self._changed.notify_all()
-            return item
-
-    def close(self, discard: bool = False) -> None:
-        """Refuse further puts; with ``discard``, drop what is waiting too."""
-        with self._changed:
-            self._closed = True
-            if discard:
-                self._items.clear()
-            self._changed.notify_all()
-
 
 class Interaction:
     """One Interact stream: :meth:`start` it, then :meth:`events` is the handler's response iterator."""
@@ -166,6 +124,13 @@ class Interaction:
         self._stale_replies = 0
         self._output_wait_s = OUTPUT_SEND_S  # what the running task's events may still wait; 0: not streaming
         self._client_done = False  # the request stream ended: no further step starts
+        self._handing_over = threading.Event()  # the server drains (hand_over)
+        self._detach_on_drain = False  # and its runner hands sessions over: each stream detaches its own
+        self._ended = False  # a result ended the session
+        self._released = False  # the session was closed by the client's word, or handed over
+        # A drain waits for this stream: it opens or serves a session that may outlive it, and
+        # the driver is not done yet (hands_over).
+        self._hand_over_due = False
         # Set when the RPC ends (cancelled, deadline, client gone): the running job or step stops.
         self._cancel = Cancellation()
 
@@ -182,11 +147,27 @@ class Interaction:
 
     def events(self) -> Iterator[pb.InteractEvent]:
         """Events for the client, in order; raises what ended the stream badly (mapped by the caller)."""
-        while not isinstance(event := self._outbox.get(), _Closed):
+        while not isinstance(event := self._outbox.get(), Closed):
             assert event is not None  # no timeout given
             yield event
         if self._error is not None:
             raise self._error
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether a drain still waits for this stream: a session's, handed over once its running
+        step ends; a job's, or a keyless session's, is the runner's drain to wait for."""
+        return self._hand_over_due and self._detach_on_drain
+
+    def hand_over(self, detach: bool) -> None:
+        """The server drains (decision 32): a stream that has not said what it wants is refused as
+        not started. With ``detach`` (its runner hands sessions over), a session with a key is
+        detached into the store once its running step (if any) is answered, and its stream ends
+        with ``handed_over``; without, the runner's own drain lets go of it. Jobs, and sessions
+        without a key, run on as before."""
+        self._detach_on_drain = detach
+        self._handing_over.set()
+        self._inbox.wake()
 
     def _hang_up(self) -> None:
         self._inbox.close(discard=True)
@@ -209,12 +190,15 @@ class Interaction:
     def _drive(self) -> None:
         session: SessionHandle | None = None
         try:
-            first = self._inbox.get(FIRST_MESSAGE_S)
+            first = self._inbox.get(FIRST_MESSAGE_S, stop=self._handing_over.is_set)
             if first is None:
+                if self._handing_over.is_set():
+                    raise NotStarted("the server is draining; nothing of this stream ran")
                 raise RequestError(f"no job or open_session within {FIRST_MESSAGE_S:.0f} s", field="kind")
-            if isinstance(first, _Closed):
+            if isinstance(first, Closed):
                 return  # the client left before asking anything
             kind = first.WhichOneof("kind")
+            self._hand_over_due = kind in ("open_session", "attach")
             if kind == "job":
                 job = code_job(first.job, self._context.time_remaining(), *self._ceiling)
                 self._bind(kind="job", checkpoint=job.checkpoint, functions=len(job.functions))
@@ -231,12 +215,12 @@ class Interaction:
                     job, self._job_id, host=self._relay, cancel=self._cancel, output=output
                 )
                 self._bind(session=session.id)
-                self._serve_session(session, pb.InteractEvent(result=run_job_response(step.outcome, step, session.id)), step.step)
+                opened = run_job_response(step.outcome, step, session.id, session_key=key_of(session))
+                self._serve_session(session, pb.InteractEvent(result=opened), step.step)
             elif kind == "attach":
-                session = self._forks.claim(first.attach.token)
-                self._bind(kind="session", session=session.id)
-                attached = pb.InteractEvent(attached=pb.SessionAttached(session_id=session.id))
-                self._serve_session(session, attached, 0)
+                session, attached = self._attach(first.attach)
+                self._bind(kind="session", session=session.id, attached=True)
+                self._serve_session(session, pb.InteractEvent(attached=attached), attached.step)
             else:
                 raise RequestError("the first message must be a job, open_session or attach", field=kind or "kind")
         except BaseException as exc:  # noqa: BLE001 - reported to the client by events()
@@ -244,26 +228,72 @@ class Interaction:
         finally:
             try:
                 if session is not None:
-                    session.close()
+                    self._let_go(session)
             finally:
+                self._hand_over_due = False
                 self._outbox.close()
                 self._done()
 
+    def _attach(self, attach: pb.AttachSession) -> tuple[SessionHandle, pb.SessionAttached]:
+        """The session an ``attach`` names, and the answer: its last step, its setup, a fork's key."""
+        kind, name = attach_names(attach)
+        if kind == "token":
+            session, steps = self._forks.claim(name), 0
+        else:
+            session, steps = self._runner.attach_session(name, take_over=attach.take_over, cancel=self._cancel)
+        fork_key = key_of(session) if kind == "token" else None
+        setup = setup_message(session.job)
+        return session, pb.SessionAttached(session_id=session.id, step=steps, key=fork_key or "", setup=setup)
+
+    def _let_go(self, session: SessionHandle) -> None:
+        """The stream is over: a session with a key outlives it (detached into the store), unless
+        the client closed it, a result ended it, it was handed over already or the client broke
+        the protocol; any other session is closed, as the stream was its life."""
+        if self._released:
+            return
+        if key_of(session) is None or self._ended or isinstance(self._error, RequestError):
+            session.close()
+            return
+        if session.ended:  # the runner let go of it already (its drain, a take-over elsewhere)
+            return
+        try:
+            session.detach(NEVER)  # the call's own cancellation has fired: this must still finish
+        except Exception as exc:  # noqa: BLE001 - the session has ended: nobody is left to tell
+            log.warning("detaching a session failed; it has ended", session=session.id, error=str(exc))
+
     def _serve_session(self, session: SessionHandle, answer: pb.InteractEvent, steps: int) -> None:
-        """Send ``answer`` (the opening step's result, or an attached fork's ``attached``), then
+        """Send ``answer`` (the opening step's result, or an attached session's ``attached``), then
         answer the session's requests until it ends; ``steps`` is the number of its last step."""
-        ended = answer.WhichOneof("kind") == "result" and answer.result.session_ended
+        self._ended = answer.WhichOneof("kind") == "result" and answer.result.session_ended
+        # A session with a key is handed over when the server drains; one without runs on, as ever.
+        keeps = key_of(session) is not None
+        self._hand_over_due = keeps
+
+        def hand_over() -> bool:
+            return keeps and self._detach_on_drain and self._handing_over.is_set()
+
         while True:
             self._check_protocol()
             if not self._send(answer, RESULT_SEND_S):
                 return  # the client is gone or stopped reading: the session ends
             self._bind(steps=steps)
-            if ended:
+            if self._ended:
                 return
-            request = self._next_request()
-            if request is None:  # the client closed its side: the session ends with the stream
+            request = self._next_request(hand_over)
+            if request is None and hand_over():
+                self._hand_over(session, steps)
+                return
+            if request is None:  # the client's side ended: the session outlives it or ends with it (_let_go)
                 return
             kind = request.WhichOneof("kind")
+            if kind == "close":
+                self._released = True
+                session.close()
+                return
+            if session.ended and keeps and self._handing_over.is_set():  # the runner's drain let go of it
+                self._released = True
+                self._send(pb.InteractEvent(handed_over=pb.SessionHandedOver(step=steps)), RESULT_SEND_S)
+                return
             if (kind in ("hibernate", "fork") or kind in FILE_EVENTS) and session.ended:  # as for a step: not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
             if kind == "hibernate":
@@ -277,7 +307,7 @@ class Interaction:
                 continue
             if kind != "step":
                 raise RequestError(
-                    "an open session takes steps, replies, hibernate, fork, upload, download and list_files only",
+                    "an open session takes steps, replies, hibernate, fork, upload, download, list_files and close only",
                     field=kind or "kind",
                 )
             try:
@@ -288,15 +318,33 @@ class Interaction:
                 continue
             if session.ended:  # the worker closed it between steps (a drain): not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
-            step = session.run_step(
-                asked,
-                job_id=self._job_id,
-                host=self._relay,
-                cancel=self._cancel,
-                output=self._output(request.step.stream_output),
-            )
-            steps, ended = step.step, step.session_ended
+            try:
+                step = session.run_step(
+                    asked,
+                    job_id=self._job_id,
+                    host=self._relay,
+                    # Stopped at once when the call ends (cancelled, deadline, client gone); a keyed
+                    # session then goes on from its last stored state (the step is lost, decision 32).
+                    cancel=self._cancel,
+                    output=self._output(request.step.stream_output),
+                )
+            except StepLost as lost:  # a router's session whose worker was lost under the step: it goes on
+                answer = pb.InteractEvent(result=lost_step_response(lost, steps + 1, session.id))
+                continue
+            except NotStarted:  # a draining worker refused the step before it ran: the session is as it was
+                if not keeps:
+                    raise
+                self._hand_over(session, steps)  # the client sends the step again where the session goes
+                return
+            steps, self._ended = step.step, step.session_ended
             answer = pb.InteractEvent(result=run_job_response(step.outcome, step, session.id))
+
+    def _hand_over(self, session: SessionHandle, steps: int) -> None:
+        """The server drains: the session goes into the store, and the client hears where it is."""
+        self._released = True
+        session.detach(NEVER)  # what it raises has ended the session: the stream ends with its status
+        self._bind(handed_over=True)
+        self._send(pb.InteractEvent(handed_over=pb.SessionHandedOver(step=steps)), RESULT_SEND_S)
 
     def _fork(self, session: SessionHandle) -> pb.SessionForked:
         """Fork between steps: the fork waits in the server's table for the stream that attaches
@@ -307,15 +355,16 @@ class Interaction:
         except (RequestError, SandboxSetupError) as refused:
             return forked_message(refused=refused)
 
-    def _next_request(self) -> pb.InteractRequest | None:
-        """The client's next step, skipping stale replies; None once its side ended."""
-        if self._client_done:
+    def _next_request(self, stop: Callable[[], bool]) -> pb.InteractRequest | None:
+        """The client's next step, skipping stale replies; None once its side ended, or once
+        ``stop()`` holds (a hand-over: what the client sent and is not started stays unrun)."""
+        if self._client_done or stop():
             return None
         if self._held:
             return self._held.popleft()
         while True:
-            message = self._inbox.get()
-            if isinstance(message, _Closed) or message is None:
+            message = self._inbox.get(stop=stop)
+            if isinstance(message, Closed) or message is None:
                 return None
             if message.WhichOneof("kind") != "reply":
                 return message
@@ -336,7 +385,7 @@ class Interaction:
             message = self._inbox.get(_left(deadline))
             if message is None:
                 return HostReply(error=f"{call.function}: no reply from the client before the task's deadline")
-            if isinstance(message, _Closed):
+            if isinstance(message, Closed):
                 return HostReply(error=f"{call.function}: the client closed the stream")
             try:
                 if self._hold(message):
@@ -391,6 +440,12 @@ def _hibernate(session: SessionHandle, cancel: Cancellation) -> pb.SessionHibern
         return hibernated_message(session.hibernate(cancel))
     except (RequestError, SandboxSetupError) as refused:
         return hibernated_message(refused=refused)
+
+
+def key_of(session: SessionHandle) -> str | None:
+    """The session's key (decision 32); None for one that cannot outlive its holder, or from a
+    runner older than keys (it has no ``key``: such a session is closed with its stream, as ever)."""
+    return getattr(session, "key", None)
 
 
 def _left(deadline: float) -> float:

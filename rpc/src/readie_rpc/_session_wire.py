@@ -8,7 +8,10 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
 from readie_protocol.errors import ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, error_type
 
-__all__ = ["MAX_REFUSAL_CHARS", "MAX_SESSION_IMAGE_MS", "forked_message", "hibernated_message", "milliseconds", "refusal", "refusal_fields"]
+__all__ = [
+    "MAX_KEY_CHARS", "MAX_REFUSAL_CHARS", "MAX_SESSION_IMAGE_MS", "attach_names", "forked_message", "hibernated_message",
+    "milliseconds", "refusal", "refusal_fields", "session_key",
+]
 
 #: A hibernation, resume or fork a worker reports as taking longer is not believed: the
 #: worker's own bounds (slot wait, runsc's command timeout, the socket wait) end it sooner.
@@ -16,6 +19,35 @@ MAX_SESSION_IMAGE_MS = 3_600_000.0
 
 # A refusal's message is a sentence; a worker's megabyte of it is cut, not relayed.
 MAX_REFUSAL_CHARS = 4096
+
+#: A session key (decision 32) or a fork's token is 32 random bytes in URL-safe base64, 43
+#: characters; room for a longer key some day, and nothing like a megabyte reaches a runner.
+MAX_KEY_CHARS = 128
+_KEY_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def attach_names(message: Any) -> tuple[str, str]:
+    """What an ``attach`` names: ``("token", fork token)`` or ``("key", session key)``, each a
+    short URL-safe base64 text; a RequestError (field ``attach``) for neither, both, or a text
+    no worker makes (refused as an unknown one is, so its shape tells nothing more)."""
+    named = [(kind, getattr(message, kind)) for kind in ("token", "key") if getattr(message, kind)]
+    if len(named) != 1:
+        raise RequestError("name a fork's token or a session's key, one of them", field="attach")
+    kind, value = named[0]
+    if len(value) > MAX_KEY_CHARS or not set(value) <= _KEY_ALPHABET:
+        raise RequestError(f"no {'fork waits' if kind == 'token' else 'session is stored'} under this {kind}", field="attach")
+    return kind, value
+
+
+def session_key(answer: Any, field: str) -> str | None:
+    """A worker's ``session_key`` (or a fork's ``key``) checked as :func:`attach_names` checks
+    one coming in: None when unset; PoolWorkerError for a text no worker makes."""
+    key: str = getattr(answer, field)
+    if not key:
+        return None
+    if len(key) > MAX_KEY_CHARS or not set(key) <= _KEY_ALPHABET:
+        raise PoolWorkerError(f"the worker answered a {field} no worker makes")
+    return key
 
 
 def hibernated_message(hibernate_ms: float = 0.0, refused: RequestError | SandboxSetupError | None = None) -> pb.SessionHibernated:

@@ -17,6 +17,11 @@ RequestError                INVALID_ARGUMENT     the request is wrong; retrying 
                                                  details and in ``readie-field``.
 DeadlineExpired,            DEADLINE_EXCEEDED    the caller's time ran out.
 ExecutorTimeout
+NotStarted                  UNAVAILABLE,         the server drains and refused the call
+                            ``readie-unstarted``  before any of it ran: the one refusal a
+                                                 client may send again as it is, here
+                                                 later or to the next address, since it
+                                                 provably did nothing (decision 32).
 SandboxSetupError           UNAVAILABLE          no sandbox to be had here (draining,
 (draining, restore failed,                       restore failed): the same request may
 manifest, checkpoint)                            well succeed on another worker or later,
@@ -51,13 +56,15 @@ import structlog
 from readie_protocol.errors import (
     Cancelled, ErrorType, PoolWorkerError, ReadieError, RequestError, SandboxSetupError, internal_error,
 )
-from readie_protocol.errors import ExecutorTimeout, mapped_errors
+from readie_protocol.errors import ExecutorTimeout, NotStarted, mapped_errors
 
 log = structlog.get_logger("readie.grpc")
 
 # Trailing metadata on every failed call, so clients branch on a name, not on prose.
 ERROR_METADATA_KEY = "readie-error"
 FIELD_METADATA_KEY = "readie-field"
+# On a call refused before any of it ran (NotStarted): a client may send it again as it is.
+UNSTARTED_METADATA_KEY = "readie-unstarted"
 _PRINTABLE_BUT_PERCENT = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
@@ -111,6 +118,8 @@ def status_for(error: BaseException) -> Status:
     metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
     if isinstance(error, RequestError) and error.field:
         metadata += ((FIELD_METADATA_KEY, _metadata_text(error.field)),)
+    if isinstance(error, NotStarted):
+        metadata += ((UNSTARTED_METADATA_KEY, "1"),)
     # A RequestError's message already starts with its field.
     return Status(code, str(error), metadata)
 
@@ -174,6 +183,8 @@ def error_from_status(error: grpc.RpcError, unanswered: Callable[[grpc.RpcError]
         field = None if field is None else urllib.parse.unquote(field)
         prefix = f"{field}: "
         return RequestError(details.removeprefix(prefix) if field else details, field=field)
+    if kind is not None and code == grpc.StatusCode.UNAVAILABLE and metadata.get(UNSTARTED_METADATA_KEY) == "1":
+        return NotStarted(details)
     if kind is not None and code == grpc.StatusCode.UNAVAILABLE:
         return SandboxSetupError(details)  # refused before anything ran: another worker may take it
     if code == grpc.StatusCode.UNIMPLEMENTED:  # an older worker: the method never ran

@@ -49,7 +49,7 @@ from ._forks import WaitingForks
 from ._interact import Interaction
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, ResponseTooLarge, grpc_errors, status_for
+from ._status import ERROR_METADATA_KEY, FIELD_METADATA_KEY, NotStarted, ResponseTooLarge, grpc_errors, status_for
 from readie_protocol.cancel import Cancellation
 from readie_policy.config import Config
 from readie_policy.runner import CallCounter, ServedRunner
@@ -64,7 +64,9 @@ log = structlog.get_logger("readie.grpc")
 # 3: RunJobRequest.profile, CapacityResponse.problem.
 # 4: files in the workspace: a job's and a step's files and collect, a response's
 #    collected; upload, download and list_files on Interact (decision 31).
-WORKER_PROTOCOL = 4
+# 5: durable sessions (decision 32): attach by key (take_over), close, handed_over;
+#    a result's session_key, resumed_from_step and lost.
+WORKER_PROTOCOL = 5
 # The first protocol with files in the workspace: an older worker drops a request's files and
 # collect unread, and ends a session's stream at an upload, so its clients do not send them.
 FILES_PROTOCOL = 4
@@ -98,6 +100,9 @@ RPC_HEADROOM_THREADS = 8
 # interval of a balancer's or an orchestrator's readiness probe, so that it
 # moves its traffic before connections are refused.
 DRAIN_NOTICE_S = 2.0
+# A drain's wait for sessions to be handed over looks again this often: a stream that turns
+# out to serve a session without a key (which runs on) stops counting without a notice.
+HAND_OVER_POLL_S = 0.05
 # Health follows Capacity's problem within this long (a Capacity call is answered from memory).
 HEALTH_POLL_S = 1.0
 # After the worker drained, running calls have returned; this only lets
@@ -191,9 +196,43 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._stream_places = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
         self.forks = WaitingForks()  # forks of sessions, until their streams attach (_forks)
+        # Set by a drain: every new call is refused as not started (NotStarted).
+        self._draining = False
+        self._streams: set[Interaction] = set()  # open Interact streams, for a drain's hand-over
+        self._streams_changed = threading.Condition()
+
+    @property
+    def hands_sessions_over(self) -> bool:
+        return self.worker.hands_sessions_over
+
+    def refuse_if_draining(self) -> None:
+        if self._draining:
+            raise NotStarted(f"{self.name} is draining and takes no new work; nothing of this call ran")
+
+    def hand_over(self, grace_s: float) -> None:
+        """A drain's first half (decision 32): refuse every new call as not started, ask each
+        open Interact stream to hand its session over (after its running step), and wait up to
+        ``grace_s`` for them to end; jobs, and sessions without a key, run on meanwhile, and
+        the runner's own drain takes them after this."""
+        deadline = time.monotonic() + grace_s
+        with self._streams_changed:
+            self._draining = True
+            streams = list(self._streams)
+        for stream in streams:
+            stream.hand_over(self.hands_sessions_over)
+        with self._streams_changed:
+            while any(stream.hands_over for stream in self._streams) and (left := deadline - time.monotonic()) > 0:
+                self._streams_changed.wait(min(left, HAND_OVER_POLL_S))
+
+    def _stream_done(self, interaction: Interaction) -> None:
+        with self._streams_changed:
+            self._streams.discard(interaction)
+            self._streams_changed.notify_all()
+        self._stream_places.release()
 
     @_rpc()
     def RunJob(self, request: pb.RunJobRequest, context: grpc.ServicerContext, call: CallLog) -> pb.RunJobResponse:
+        self.refuse_if_draining()
         job = code_job(request, context.time_remaining(), *self.ceiling)
         if job.functions:
             raise RequestError("host functions need the Interact stream: RunJob carries no calls back", field="functions")
@@ -205,6 +244,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @_rpc()
     def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext, call: CallLog) -> pb.ExecuteResponse:
+        self.refuse_if_draining()
         checkpoint = checkpoint_name(request.checkpoint)
         payload = call_payload(request)
         timeout = timeout_ms(request, context.time_remaining(), self.ceiling.limits)
@@ -222,14 +262,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Interact(self, requests: Iterator[pb.InteractRequest], context: grpc.ServicerContext) -> Iterator[pb.InteractEvent]:
         # A generator: the error mapping and the log line wrap its whole life, not its creation.
         with grpc_errors(context), CallLog("Interact", context, metrics=self.metrics) as call:
+            self.refuse_if_draining()
             if not self._stream_places.acquire(blocking=False):
                 raise SandboxSetupError(f"this server has its {self._max_streams} Interact streams open")
             try:
                 # The place is given back when the stream's work is done, not when the client leaves.
                 interaction = Interaction(
-                    self.worker, requests, context, call.request_id, self.ceiling, call.bind, self._stream_places.release,
-                    forks=self.forks,
+                    self.worker, requests, context, call.request_id, self.ceiling, call.bind,
+                    lambda: self._stream_done(interaction), forks=self.forks,
                 )
+                with self._streams_changed:
+                    self._streams.add(interaction)
+                    if self._draining:  # a drain began since the check above: this one is handed over too
+                        interaction.hand_over(self.hands_sessions_over)
                 interaction.start()
             except BaseException:
                 self._stream_places.release()
@@ -295,19 +340,25 @@ class WorkerServer:
     address: str
     port: int
     watch: _Health
+    servicer: WorkerServicer
 
     def drain(self, grace_s: float, notice_s: float = DRAIN_NOTICE_S) -> None:
-        """Stop taking work, let running jobs finish (up to ``grace_s``), destroy sandboxes, stop.
+        """Stop taking work, let running jobs finish (up to ``grace_s``), hand sessions over,
+        destroy sandboxes, stop.
 
         Health turns NOT_SERVING first, and the port stays open for at least
         ``notice_s``, so balancers polling health stop routing here before
         connections are refused, while the jobs already running complete.
+        New calls are refused as not started (a client sends them again
+        elsewhere); each session with a key is detached into the store after
+        its running step and its stream ends with ``handed_over`` (decision 32).
         """
         started = time.monotonic()
         log.info("draining", grace_s=grace_s, busy=self.worker.capacity().busy)
         self.watch.stop()
         self.health.enter_graceful_shutdown()
-        self.worker.drain(grace_s)  # new calls get UNAVAILABLE from here on
+        self.servicer.hand_over(grace_s)  # new calls get UNAVAILABLE, marked not started, from here on
+        self.worker.drain(max(0.0, grace_s - (time.monotonic() - started)))
         time.sleep(max(0.0, notice_s - (time.monotonic() - started)))
         self.server.stop(STOP_GRACE_S).wait()
         # Once more now that no handler runs: a job cut off at the grace could
@@ -359,7 +410,8 @@ def serve(
     port = security.add_port(server, address)  # raises RuntimeError when it cannot bind
     bound = f"{address.rsplit(':', 1)[0]}:{port}"
     name = name or f"{socket.gethostname()}:{port}"
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, name, max_streams, config, metrics), server)
+    servicer = WorkerServicer(worker, name, max_streams, config, metrics)
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for _, register in extra_services:  # e.g. the router's Pool service
@@ -371,7 +423,7 @@ def serve(
     log.info(
         "serving", address=bound, name=name, protocol=WORKER_PROTOCOL, max_message_bytes=max_message_bytes, **security.describe()
     )
-    return WorkerServer(server, health_servicer, worker, bound, port, watch)
+    return WorkerServer(server, health_servicer, worker, bound, port, watch, servicer)
 
 
 def _serve_reflection(services: Sequence[str], server: grpc.Server) -> None:

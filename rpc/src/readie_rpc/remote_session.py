@@ -1,202 +1,58 @@
 """The calling side of the ``Interact`` stream: host calls answered here, sessions on another worker.
 
-:class:`InteractStream` is one stream from :class:`~readie_rpc.client.WorkerClient`:
-it writes requests, reads events until a result, and answers each ``call``
-event with the caller's host function on the caller's own thread.
-:class:`RemoteSession` is a session that lives in a sandbox on the worker at
+:class:`InteractStream` (:mod:`._interact_stream`) is one stream from
+:class:`~readie_rpc.client.WorkerClient`. :class:`RemoteSession` is a session that lives in a sandbox on the worker at
 the other end, with the shape of the worker's own
 :class:`~readie_worker.sessions.SandboxSession`, so a router serves both alike.
 
-A session is the stream: it cannot move to another worker, and when the
-stream breaks (the worker died, drained, or was restarted at the same
-address) the session has ended. The step that finds out fails with a
-PoolWorkerError saying so; nothing ever starts a fresh session in its place.
+A session without a key is the stream: it cannot move to another worker,
+and when the stream breaks (the worker died, drained, or was restarted at
+the same address) the session has ended. The step that finds out fails with
+a PoolWorkerError saying so; nothing ever starts a fresh session in its place.
+
+A session with a key (decision 32) outlives its stream. When the worker
+hands it over (a drain: ``handed_over``, in place of an answer to a request
+it did not start) or its stream broke between requests, the next request
+first re-attaches through the ``reconnect`` its owner gave (the key, and
+``take_over`` after a break: its holder was lost), then runs there. When the
+stream breaks while a request runs, that request is lost (:class:`StepLost`:
+it may have run in part, so it is never sent again) and the session goes on
+at its next request.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-import grpc
-
-from readie_executor.hostwire import MAX_CALLS_PER_TASK, OUTPUT_STREAMS
-from readie_executor.jobs import bounds
+import structlog
 
 from ._client_wire import session_step_message, step_outcome
 from ._convert import session_step
 from ._files_wire import (
     FILE_EVENTS, chunk_from_answer, download_message, file_refusal, list_message, listing_from_answer, received_from_answer, upload_message,
 )
-from ._session_wire import milliseconds, refusal
-from ._host_wire import call_from_message, output_from_message, reply_message
+from ._interact_stream import (
+    CLOSE_WAIT_S, DEADLINE_MARGIN_S, HandedOver, InteractStream, SessionLost, StreamBroken,
+)
+from ._session_wire import milliseconds, refusal, session_key
 from ._proto.readie.v1 import worker_pb2 as pb
-from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import readie_errors
 from readie_protocol.cancel import NEVER, Cancellation
-from readie_protocol.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError
-from readie_policy.jobs import CodeJob, HostFunction, HostReply, OutputSink, Step, StepOutcome, ask_host, max_output_events
+from readie_protocol.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError, StepLost
+from readie_policy.jobs import CodeJob, HostFunction, OutputSink, Step, StepOutcome
 from readie_protocol.workspace import FileChunk, FileListing
 
-__all__ = ["InteractStream", "RemoteSession", "SessionLost", "StreamBroken"]
+__all__ = [
+    "CLOSE_WAIT_S", "DEADLINE_MARGIN_S", "InteractStream", "Reconnect", "RemoteSession", "SessionLost", "StreamBroken",
+]
 
-# Beyond a job's (or step's) own timeout: the worker enforces the timeout; this
-# only keeps a worker that stopped answering from holding the caller forever.
-DEADLINE_MARGIN_S = 30.0
-# How long closing a session waits for the worker to confirm its sandbox is gone.
-CLOSE_WAIT_S = 10.0
-_END = None
 _T = TypeVar("_T")
+log = structlog.get_logger("readie.grpc")
 
-
-class StreamBroken(PoolWorkerError):
-    """The stream ended without the worker's word: the connection or the worker process went away."""
-
-
-class SessionLost(StreamBroken):
-    """A session's stream broke: its worker died, drained or restarted, and the session with it."""
-
-
-class InteractStream:
-    """One Interact call: the first request sent at once, then events read in order."""
-
-    def __init__(
-        self,
-        stub: pb_grpc.WorkerStub,
-        first: pb.InteractRequest,
-        functions: Collection[str],
-        *,
-        timeout_s: float | None,
-        metadata: Sequence[tuple[str, str]] = (),
-    ) -> None:
-        self._functions = frozenset(functions)
-        self._stub, self._metadata = stub, tuple(metadata)  # for a fork's stream (sibling)
-        # This side writes a message only after reading an event, and a task
-        # makes at most MAX_CALLS_PER_TASK calls (counted in result()), so
-        # the queue holds at most that many replies even if the worker stops reading.
-        self._requests: queue.SimpleQueue[pb.InteractRequest | None] = queue.SimpleQueue()
-        self._requests.put(first)
-        # grpc reads this iterator on a thread of its own until it yields _END.
-        self._call = stub.Interact(iter(self._requests.get, _END), timeout=timeout_s, metadata=metadata)
-        self._overdue = threading.Event()
-
-    def send(self, request: pb.InteractRequest) -> None:
-        self._requests.put(request)
-
-    def result(
-        self,
-        host: HostFunction | None,
-        task_s: float,
-        within_s: float | None = None,
-        *,
-        output: OutputSink | None = None,
-        max_output: int = 0,
-    ) -> pb.RunJobResponse:
-        """Read events until the job's (or step's) result, answering its host calls with ``host``
-        and handing its output events to ``output`` (asked for with ``stream_output``).
-
-        ``task_s`` is the task's own timeout: no call waits on the host longer,
-        whatever deadline the worker names. ``within_s`` bounds the whole
-        wait when the stream has no deadline of its own (a session's). Raises
-        the worker's error (``readie_errors``), StreamBroken when the
-        stream broke without one, or PoolWorkerError for events no honest
-        worker sends (output not asked for, empty, past the task's ``max_output``
-        or more events than a worker forwards); in every case the stream is over.
-        """
-        watchdog = None
-        if within_s is not None:
-            watchdog = threading.Timer(within_s, self._give_up)
-            watchdog.daemon = True
-            watchdog.start()
-        calls = 0
-        # Per stream: what the worker may still send, as a worker bounds it (the text, and the events).
-        room = dict.fromkeys(OUTPUT_STREAMS, max_output)
-        events_left = dict.fromkeys(OUTPUT_STREAMS, max_output_events(task_s, max_output))
-        try:
-            while True:
-                event = self._next_event(within_s)
-                kind = event.WhichOneof("kind")
-                if kind == "result":
-                    return event.result
-                if kind == "output" and output is not None:
-                    chunk = output_from_message(event.output)
-                    room[chunk.stream] -= bounds.encoded_size(chunk.data)
-                    events_left[chunk.stream] -= 1
-                    if not chunk.data or room[chunk.stream] < 0 or events_left[chunk.stream] < 0:
-                        raise PoolWorkerError(f"the worker sent {chunk.stream} output no worker forwards")
-                    output(chunk)
-                    continue
-                if kind != "call":
-                    raise PoolWorkerError("the worker sent an event that is neither a call nor a result")
-                calls += 1
-                if calls > MAX_CALLS_PER_TASK:
-                    raise PoolWorkerError(f"the worker relayed more than {MAX_CALLS_PER_TASK} calls for one task")
-                call = call_from_message(event.call, self._functions, task_s)
-                reply = ask_host(host, call) if host is not None else HostReply(error=f"{call.function}: no host here")
-                self.send(pb.InteractRequest(reply=reply_message(call.call_id, reply)))
-        except BaseException:
-            self.cancel()
-            raise
-        finally:
-            if watchdog is not None:
-                watchdog.cancel()
-
-    def answer(self, kind: str, within_s: float) -> Any:
-        """The next event, which must be a ``kind`` (``hibernated``, ``forked``, ``attached``): its
-        message; PoolWorkerError (and the stream over) for any other, or none within ``within_s``."""
-        watchdog = threading.Timer(within_s, self._give_up)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            event = self._next_event(within_s)
-            if event.WhichOneof("kind") != kind:
-                raise PoolWorkerError(f"the worker answered with {event.WhichOneof('kind')!r} where {kind!r} was due")
-            return getattr(event, kind)
-        except BaseException:
-            self.cancel()
-            raise
-        finally:
-            watchdog.cancel()
-
-    def sibling(self, first: pb.InteractRequest) -> InteractStream:
-        """A new stream to the same server, as this one's caller: a fork's."""
-        return InteractStream(self._stub, first, self._functions, timeout_s=None, metadata=self._metadata)
-
-    def _next_event(self, within_s: float | None) -> pb.InteractEvent:
-        def unanswered(error: grpc.RpcError) -> PoolWorkerError:
-            if self._overdue.is_set():  # the watchdog cancelled the call
-                return PoolWorkerError(f"the worker sent no result within {within_s:.0f} s")
-            return StreamBroken(f"the stream to the worker broke ({error.code().name}: {error.details()})")  # type: ignore[attr-defined]
-
-        with readie_errors(unanswered):
-            try:
-                return next(self._call)
-            except StopIteration:
-                raise PoolWorkerError("the worker ended the stream without a result") from None
-
-    def _give_up(self) -> None:
-        self._overdue.set()
-        self.cancel()
-
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Close this side and wait (up to ``wait_s``) for the worker to end the stream."""
-        self._requests.put(_END)
-        timer = threading.Timer(wait_s, self._call.cancel)
-        timer.daemon = True
-        timer.start()
-        try:
-            for _ in self._call:  # an honest worker sends nothing more
-                pass
-        except grpc.RpcError:
-            pass  # it ended badly or was cancelled: either way it is over
-        finally:
-            timer.cancel()
-
-    def cancel(self) -> None:
-        self._requests.put(_END)  # else grpc's request thread waits on the queue forever
-        self._call.cancel()
+# A session re-attached after a hand-over may meet a worker that drains too (a rolling restart):
+# each re-attach moves it on, but this many hand-overs for one request means none keeps it.
+MAX_HAND_OVERS_PER_REQUEST = 3
 
 
 # How long a hibernate's (or fork's) answer may take: a router waits up to a minute for a slot
@@ -208,19 +64,35 @@ SESSION_IMAGE_WAIT_S = 120.0
 FILE_ANSWER_WAIT_S = SESSION_IMAGE_WAIT_S
 
 
+#: What a session's owner gives it to continue on a new stream (decision 32): ``reconnect(key,
+#: take_over)`` attaches to the session stored under ``key`` (wherever its owner chooses) and
+#: returns it there, with the number of the step its stored state is from; the session adopts
+#: that stream. Raises as ``attach_session`` does.
+Reconnect = Callable[[str, bool], "tuple[RemoteSession, int]"]
+
+
 class RemoteSession:
     """A session in a sandbox on another worker; see the module docstring."""
 
-    def __init__(self, stream: InteractStream, job: CodeJob, session_id: str, address: str, *, files: bool = True) -> None:
+    def __init__(
+        self, stream: InteractStream, job: CodeJob, session_id: str, address: str, *, files: bool = True,
+        key: str | None = None, reconnect: Reconnect | None = None, step: int = 0,
+    ) -> None:
         self.id = session_id
-        self.job = job  # the setup, as opened
+        self.job = job  # the setup, as opened (or, attached by key, as its worker holds it)
         self.address = address
+        self.key = key  # decision 32: with it, the session outlives its stream
+        self.reconnect = reconnect  # its owner's: a router replaces it with its own placement
         self._files = files  # its worker takes files (WorkerClient.files)
         self._stream = stream
         self._lock = threading.Lock()  # one step at a time
         self._running = False
+        self._take_over: bool | None = None  # set when the stream ended: re-attach first (taking over after a break)
         self.ended = False
         self.hibernated = False  # as the worker answered; its next step resumes it
+        # The number of the last step answered (or, attached, the stored one): a re-attach to older
+        # state than this, other than a take-over after a crash, is a rollback and is refused.
+        self.step = step
 
     def run_step(
         self,
@@ -234,49 +106,34 @@ class RemoteSession:
         """Run one step on the session's worker.
 
         RequestError for a step the worker would refuse (the session goes on);
-        SessionLost when the stream broke under it; PoolWorkerError when the
-        worker ended the session otherwise. After either, the session has ended.
-        ``cancel`` ends the stream, which stops the step and ends the session.
+        StepLost when the stream broke under the step of a session with a key
+        (the session goes on, from its last stored state); SessionLost when the
+        stream of one without broke under it; PoolWorkerError when the worker
+        ended the session otherwise. After either of the last two, the session
+        has ended. ``cancel`` ends the stream, which stops the step (and ends a
+        session without a key).
         """
         self._check_files(step.files or step.collect)
         message = session_step_message(step)
         message.stream_output = output is not None
         session_step(message)  # the worker's own checks, here, so a refusal does not cost the session
-        with self._lock:
-            if self.ended:
-                raise RequestError(f"session {self.id} has ended", field="session")
-            if self._running:
-                raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
-            self._running = True
         job = self.job.step(step)
         task_s = job.timeout_ms / 1000
-        try:
-            self._stream.send(pb.InteractRequest(step=message))
-            with cancel.stopping(self.close):
-                response = self._stream.result(
-                    host, task_s, task_s + DEADLINE_MARGIN_S,
-                    output=output, max_output=job.max_output,
-                )
-        except ReadieError as exc:  # the stream is over, whatever ended it, and the session with it
-            closed = self.ended  # close() cancelled the stream under the step
-            self._end()
-            if closed:
-                raise PoolWorkerError("the session was closed while its step ran") from None
-            if isinstance(exc, StreamBroken):
-                raise SessionLost(
-                    f"the session ended: its worker at {self.address} was lost ({exc}); "
-                    "its state is gone, and only a new session can go on"
-                ) from None
-            raise PoolWorkerError(f"the session ended: {exc}") from None
-        finally:
-            with self._lock:
-                self._running = False
+        response = self._exchange(
+            pb.InteractRequest(step=message), "step",
+            lambda stream: stream.result(host, task_s, task_s + DEADLINE_MARGIN_S, output=output, max_output=job.max_output),
+            cancel,
+        )
         try:
             outcome = step_outcome(response, job)
         except PoolWorkerError:  # an answer out of bounds: the session is not trusted with more
             self._end()
             raise
+        if response.lost and not outcome.session_ended:  # a router lost the worker under the step: it goes on
+            error = outcome.outcome.error
+            raise StepLost(error.message if error is not None else "the step was lost with its worker")
         self.hibernated = False
+        self.step = outcome.step
         if outcome.session_ended:
             self._end()
         return outcome
@@ -304,9 +161,14 @@ class RemoteSession:
         stream = self._stream.sibling(pb.InteractRequest(attach=pb.AttachSession(token=answer.token)))
         try:
             attached = stream.answer("attached", SESSION_IMAGE_WAIT_S)
+            key = session_key(attached, "key")
         except ReadieError as exc:
+            stream.cancel()
             raise PoolWorkerError(f"the fork was made but could not be reached: {exc}") from None
-        fork = RemoteSession(stream, self.job, attached.session_id, self.address, files=self._files)
+        fork = RemoteSession(
+            stream, self.job, attached.session_id, self.address, files=self._files, key=key, reconnect=self.reconnect,
+            step=attached.step,  # a fork numbers its steps afresh
+        )
         fork.hibernated = True
         return fork, fork_ms
 
@@ -351,27 +213,8 @@ class RemoteSession:
 
     def _ask(self, request: pb.InteractRequest, kind: str, cancel: Cancellation, within_s: float = SESSION_IMAGE_WAIT_S) -> Any:
         """Send a hibernate, fork or file request between steps and return its answer; a refusal
-        raised as the worker's, after which the session goes on; anything else ends the session
-        (SessionLost when the stream broke)."""
-        with self._lock:
-            if self.ended:
-                raise RequestError(f"session {self.id} has ended", field="session")
-            if self._running:
-                raise RequestError(f"a step of session {self.id} is running; it can {request.WhichOneof('kind')} "
-                                   "between steps", field="session")
-            self._running = True
-        try:
-            self._stream.send(request)
-            with cancel.stopping(self.close):
-                answer = self._stream.answer(kind, within_s)
-        except ReadieError as exc:
-            self._end()
-            if isinstance(exc, StreamBroken):
-                raise SessionLost(f"the session ended: its worker at {self.address} was lost ({exc})") from None
-            raise PoolWorkerError(f"the session ended: {exc}") from None
-        finally:
-            with self._lock:
-                self._running = False
+        raised as the worker's, after which the session goes on; anything else as for a step."""
+        answer = self._exchange(request, request.WhichOneof("kind"), lambda stream: stream.answer(kind, within_s), cancel)
         refused = file_refusal(answer) if kind in FILE_EVENTS.values() else refusal(answer)
         if isinstance(refused, RequestError | SandboxSetupError):
             raise refused
@@ -380,17 +223,152 @@ class RemoteSession:
             raise refused
         return answer
 
-    def close(self) -> None:
-        """End the session; its sandbox is destroyed by the time this returns (or the worker is gone)."""
+    def _exchange(self, request: pb.InteractRequest, what: str, read: Callable[[InteractStream], _T], cancel: Cancellation) -> _T:
+        """Send ``request`` and ``read`` its answer, one at a time: re-attached first when the
+        stream ended since the last (a session with a key), and sent again, once re-attached,
+        when the worker hands the session over instead of starting it."""
+        with self._lock:
+            if self.ended:
+                raise RequestError(f"session {self.id} has ended", field="session")
+            if self._running:
+                raise RequestError(f"a step of session {self.id} is running; it can {what} between steps", field="session")
+            self._running = True
+        try:
+            for _ in range(MAX_HAND_OVERS_PER_REQUEST):
+                self._reattach_if_ended(cancel)
+                self._stream.send(request)
+                try:
+                    with cancel.stopping(self._stop):
+                        return read(self._stream)
+                except HandedOver:
+                    self._take_over = False  # its holder let go in good order: nothing to take from it
+                except ReadieError as exc:
+                    raise self._failed(exc, what) from None
+            self._end()
+            raise PoolWorkerError(f"the session was handed over {MAX_HAND_OVERS_PER_REQUEST} times before its {what} could start")
+        finally:
+            with self._lock:
+                self._running = False
+
+    def _failed(self, exc: ReadieError, what: str) -> ReadieError:
+        """What a request whose stream ended under it raises; the session ends, unless it has a key
+        and its stream broke: then the request is lost, and the session goes on elsewhere."""
+        stopped = self.ended  # _stop cancelled the stream under the request
+        if isinstance(exc, StreamBroken) and self.key is not None and not stopped:
+            self._stream.cancel()
+            self._take_over = True
+            return StepLost(
+                f"the {what} was lost with the stream to {self.address} ({exc}); it may have run in part "
+                "and is not run again; the session goes on at its next request"
+            )
+        self._end()
+        if stopped:
+            return PoolWorkerError(f"the session was closed while its {what} ran")
+        if isinstance(exc, StreamBroken):
+            return SessionLost(
+                f"the session ended: its worker at {self.address} was lost ({exc}); "
+                "its state is gone, and only a new session can go on"
+            )
+        return PoolWorkerError(f"the session ended: {exc}")
+
+    def _reattach_if_ended(self, cancel: Cancellation) -> None:
+        """Before a request: if the stream ended since the last (a hand-over, a break), attach to
+        the session anew through ``reconnect``. A session without a key, or without a way to
+        reconnect, has ended with its stream; a refusal of the key (the session expired or was
+        closed) ends it too; anything else leaves it to be tried again at the next request."""
+        if self._take_over is None and self._stream.ended():
+            self._take_over = not self._stream.handed_over()
+        if self._take_over is None:
+            return
+        if self.key is None or self.reconnect is None:
+            self._end()
+            raise SessionLost(
+                f"the session ended: its worker at {self.address} was lost (its stream ended between requests); "
+                "its state is gone, and only a new session can go on"
+            ) from None
+        self._stream.cancel()
+        try:
+            with cancel.stopping(self._stream.cancel):
+                fresh, stored = self.reconnect(self.key, self._take_over)
+        except RequestError as refused:  # not stored (expired, closed, a store of its worker's own)
+            self._end()
+            raise SessionLost(f"the session ended: it cannot be continued ({refused})") from None
+        except StreamBroken as exc:  # nobody answers where it was: a worker of its own is gone with it
+            self._end()
+            raise SessionLost(
+                f"the session ended: its worker at {self.address} was lost and it could not be attached again ({exc})"
+            ) from None
+        if stored < self.step and not self._take_over:
+            fresh._end()  # its worker keeps the stored entry; nothing runs on it from here
+            self._end()
+            raise PoolWorkerError(
+                f"the session ended: its stored state is from step {stored}, older than its last answered "
+                f"step {self.step} (a rollback); it is not run on older state"
+            )
+        self._stream, self.address, self._files, self.id = fresh._stream, fresh.address, fresh._files, fresh.id
+        self._take_over = None
+        self.hibernated = True  # the store holds it: its next step resumes it
+
+    def detach(self, cancel: Cancellation = NEVER) -> None:  # noqa: ARG002 - bounded by SESSION_IMAGE_WAIT_S
+        """Let go of the session without ending it (decision 32): the stream ends without a
+        ``close``, so its worker detaches it into the store. A session without a key is closed."""
+        if self.key is None:
+            self.close()
+            return
         with self._lock:
             if self.ended:
                 return
             self.ended = True
+        self._stream.close(SESSION_IMAGE_WAIT_S)
+
+    def close(self) -> None:
+        """End the session for good (``close``: its sandbox destroyed, its image gone from the
+        store) by the time this returns, or the worker is gone. One whose stream ended meanwhile
+        is attached again first, where its owner can, so that its stored image goes too; so is
+        one a drain handed over before it read the ``close``."""
+        for _ in range(MAX_HAND_OVERS_PER_REQUEST):
+            if not self._close_once():
+                return
+        log.info("a session handed over under its close each time; the store's TTL ends it", session=self.id)
+
+    def _close_once(self) -> bool:
+        """:meth:`close`, once; True when a drain handed the session over before the ``close``
+        reached it (it is stored still: close it where it went)."""
+        with self._lock:
+            if self.ended:
+                return False
             running = self._running
         if running:
-            self._stream.cancel()  # the step's own read ends with it; the worker destroys the sandbox
-        else:
+            self._stop()
+            return False
+        if self.key is not None and self._take_over is None and self._stream.ended():
+            self._take_over = not self._stream.handed_over()
+        if self._take_over is not None and self.key is not None and self.reconnect is not None:
+            try:
+                self._reattach_if_ended(NEVER)
+            except ReadieError as exc:  # nothing to close there, or nobody to ask: the store's TTL ends it
+                log.info("a session whose stream ended could not be closed", session=self.id, error=str(exc))
+        with self._lock:
+            if self.ended:
+                return False
+            self.ended = True
+        if self.key is None:  # its stream was its life: ending it is enough (and older workers know no close)
             self._stream.close()
+            return False
+        self._stream.send(pb.InteractRequest(close=pb.CloseSession()))
+        if not self._stream.close() or self.reconnect is None:
+            return False
+        with self._lock:  # handed over under the close: attach where it went, and close it there
+            self.ended = False
+        self._take_over = False
+        return True
+
+    def _stop(self) -> None:
+        """Cancel the stream under a running request (its caller gave up): the worker stops it and
+        ends the session, or, one with a key, detaches it; this handle has ended either way."""
+        with self._lock:
+            self.ended = True
+        self._stream.cancel()
 
     def _end(self) -> None:
         with self._lock:

@@ -260,10 +260,15 @@ def start_cluster(
     worker_args, router_args = list(worker_args), list(router_args)
     worker_args += [] if any(a.startswith("--config") for a in worker_args) else [f"--config={ceiling}"]
     router_args += [] if any(a.startswith("--config") for a in router_args) else [f"--config={ceiling}"]
-    started = [
-        start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots, args=worker_args)
-        for i in range(workers)
-    ]
+    started: list[WorkerProcess] = []
+    try:
+        for i in range(workers):
+            started.append(start_worker(base / f"worker-{i}", f"worker-{i}", manifest, warm=warm, slots=slots, args=worker_args))
+    except BaseException:
+        for worker in started:
+            stop_worker(worker)
+        shutil.rmtree(ceiling.parent, ignore_errors=True)
+        raise
     port = free_port()
     log_path = base / "router.log"
     with open(log_path, "wb") as log:

@@ -8,9 +8,10 @@ parsing, the parser refuses what JSON does not define (NaN, Infinity) and what
 it leaves ambiguous (duplicate keys), and the result is rebuilt field by field
 into frozen dataclasses, so nothing forged rides along.
 
-A valid result is still only the job's own account. Its ``duration_us`` and
-``preloaded_modules`` are claims; the worker's clock and the manifest are the
-truth for timing and preloads.
+A valid result is still only the job's own account. Its ``duration_us``,
+``phases`` (where the runner's time went; optional) and ``preloaded_modules``
+are claims; the worker's clock and the manifest are the truth for timing and
+preloads.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ _RESULT_FIELDS = (
     "value",
 )
 _VALUE_FIELDS = frozenset({"text", "truncated", "data", "omitted"})
+# The runner's phases: optional (an executor older than its phase clock sends none).
+_RUNNER_PHASES = frozenset(bounds.RUNNER_PHASES)
 
 
 class JobResultInvalid(Exception):
@@ -82,6 +85,8 @@ class SandboxAnswer:
     python: str
     policy_notes: tuple[str, ...]
     value: Value | None = None  # the last bare expression's, shown
+    # The runner's microseconds per phase (readie_executor.jobs.bounds.RUNNER_PHASES): a claim.
+    phases: dict[str, int] | None = None
 
 
 def max_result_bytes(max_output: int) -> int:
@@ -201,7 +206,23 @@ class _Fields:
                 "policy_notes", bounds.MAX_POLICY_NOTES, bounds.MAX_POLICY_NOTE
             ),
             value=self.value("value", max_output),
+            phases=self.phases("phases"),
         )
+
+    def phases(self, field: str) -> dict[str, int] | None:
+        value = self._get_optional(field)
+        if value is None:
+            return None
+        # One pass, no per-field helper: this rides on every result (decision 33).
+        if (
+            not isinstance(value, dict)
+            or not value.keys() <= _RUNNER_PHASES
+            or not all(type(us) is int and 0 <= us <= MAX_DURATION_US for us in value.values())
+        ):
+            raise JobResultInvalid(
+                f"{self._name(field)} must map the runner's phases to microseconds (0 to {MAX_DURATION_US})"
+            )
+        return {phase: value[phase] for phase in bounds.RUNNER_PHASES if phase in value}
 
     def value(self, field: str, max_output: int) -> Value | None:
         value = self._get(field)

@@ -22,6 +22,7 @@ import ctypes
 import errno
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
@@ -32,6 +33,9 @@ __all__ = [
     "bind_descriptor",
     "bind_self",
     "enter_mount_namespace",
+    "make_private",
+    "make_shared",
+    "move_mount",
     "in_mount_namespace",
     "mount_tmpfs",
     "unmount_beneath",
@@ -46,8 +50,11 @@ MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
+MS_MOVE = 0x2000
 MS_REC = 0x4000
+MS_PRIVATE = 0x40000
 MS_SLAVE = 0x80000
+MS_SHARED = 0x100000
 MNT_DETACH = 0x2
 CLONE_NEWNS = 0x00020000
 # Flags every mount we make carries: nothing on them is a device or setuid.
@@ -115,20 +122,52 @@ def bind_self(path: Path, *, writable: bool) -> None:
     _remount(path, writable=writable)
 
 
+def make_shared(path: Path) -> None:
+    """Make the mount at ``path`` a peer group's first member: a mount placed beneath it later
+    reaches every copy made of it since (runsc's gofer's, as slaves), and none comes back."""
+    _mount(None, path, None, MS_SHARED)
+
+
+def make_private(path: Path) -> None:
+    """Cut the mount at ``path`` and those beneath it from every peer group and master: no
+    mount made elsewhere (the host's, under a granted directory) reaches them after this."""
+    _mount(None, path, None, MS_REC | MS_PRIVATE)
+
+
+def move_mount(source: Path, target: Path) -> None:
+    """Move the mount at ``source`` (whose parent must not be shared) to ``target``, flags and all:
+    if ``target`` lies on a shared mount, the copies it propagates are made of the mount as it is."""
+    _mount(source, target, None, MS_MOVE)
+
+
 def unmount_beneath(path: Path) -> bool:
-    """Detach every mount at or beneath ``path``, deepest first; whether none is left. Never raises."""
-    for mount_point in _mounts_beneath(path):
-        if _libc.umount2(os.fsencode(mount_point), MNT_DETACH) != 0:
-            code = ctypes.get_errno()
-            if code not in (errno.EINVAL, errno.ENOENT):  # not (or no longer) a mount point
-                log.error("cannot unmount", path=str(mount_point), error=os.strerror(code))
-    left = _mounts_beneath(path)
+    """Detach every mount at or beneath ``path``; whether none is left. Never raises.
+
+    A lazy unmount takes every mount beneath the one it detaches along with it,
+    so only the topmost are unmounted: each unmount waits for the kernel's
+    grace period (~1 ms here), and a sandbox dir holds a mount per slot.
+    Whatever is left then (a mount that arrived meanwhile) is tried deepest first.
+    """
+    found = [str(point) for point in mounts_beneath(path)]
+    _detach(Path(point) for point in found if not any(point.startswith(other + "/") for other in found))
+    left = mounts_beneath(path)
+    if left:
+        _detach(left)
+        left = mounts_beneath(path)
     if left:
         log.error("mounts left beneath a directory being removed", path=str(path), mounts=[str(m) for m in left])
     return not left
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _detach(mount_points: Iterable[Path]) -> None:
+    for mount_point in mount_points:
+        if _libc.umount2(os.fsencode(mount_point), MNT_DETACH) != 0:
+            code = ctypes.get_errno()
+            if code not in (errno.EINVAL, errno.ENOENT):  # not (or no longer) a mount point
+                log.error("cannot unmount", path=str(mount_point), error=os.strerror(code))
 
 
 def _mount(source: str | Path | None, target: str | Path, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -149,8 +188,8 @@ def _strerror() -> str:
     return os.strerror(ctypes.get_errno())
 
 
-def _mounts_beneath(path: Path) -> list[Path]:
-    """Mount points at or beneath ``path`` in this namespace, deepest first."""
+def mounts_beneath(path: Path) -> list[Path]:
+    """Mount points at or beneath ``path`` in this namespace (resolved, as the kernel reports them), deepest first."""
     top = os.fsencode(os.path.realpath(path))  # the kernel reports mount points resolved
     found = []
     with open("/proc/self/mountinfo", "rb") as mountinfo:

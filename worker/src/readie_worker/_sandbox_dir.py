@@ -9,10 +9,19 @@ inodes, holding:
   (Remounting it read-only once the socket answers would not help: runsc's
   gofer works in a mount namespace copied at start, which a remount in ours
   does not reach.)
-* ``unused/``, an empty read-only directory: the source of every slot the
-  job was granted nothing for (a write slot included: writes there fail
-  with EROFS at the host, whatever the sandbox's own mount table says);
-* ``grants/<slot>``, a bind mount of each held grant (``grants.HeldGrant``).
+* ``unused/``, an empty read-only directory: the source of every package
+  slot the job was granted nothing for;
+* ``slots/<slot>``, the source of each read and write slot: a read-only
+  mount of an empty ``grant`` directory, made shared before runsc starts, so
+  that the copies runsc's gofer makes of it (slaves, in its own mount
+  namespace) receive what is later mounted on ``grant``. That is how a
+  grant reaches a sandbox restored before its job came (:meth:`SandboxDir.attach`,
+  decision 0034). An unfilled write slot stays read-only at the host (EROFS);
+* ``grants/<slot>``, where each held grant is mounted first (``grants.HeldGrant``):
+  read-only if it is, and cut from every peer group, before it is moved onto
+  its slot's ``grant`` point, since the copies a move propagates are made of the
+  mount as it is then (a later remount would not reach them). A package dir
+  stays here, as its slot's source.
 
 Removal unmounts the lot, which frees whatever was written without walking
 it. An unisolated (development) sandbox gets a plain directory instead: its
@@ -31,7 +40,9 @@ import structlog
 
 from readie_executor.sockets import SOCKET_NAME
 
-from ._mounts import bind_descriptor, bind_self, mount_tmpfs
+from ._mounts import bind_descriptor, bind_self, make_private, make_shared, mount_tmpfs, mounts_beneath, move_mount
+from .bundle import GRANT_POINT
+from .errors import SandboxSetupError
 from .grants import HeldGrant
 from .paths import remove_tree
 
@@ -44,9 +55,10 @@ SANDBOX_ID_BYTES = 6
 # The bundle's config.json (a few KB) is the only file with contents; the
 # socket, the directories and the mount points are inodes with no data.
 SANDBOX_DIR_BYTES = 256 * 1024
-# The root, run/, unused/, grants/, a mount point per slot (10 planned) and a
-# file placeholder per file grant, the socket and config.json: under 30.
-SANDBOX_DIR_INODES = 64
+# The root, run/, unused/, slots/, grants/, two per read or write slot and one
+# per package slot (at most 3 x 16, bundle.MAX_SLOTS), a file placeholder per
+# file grant (up to 32), the socket, the pid file and config.json: under 128.
+SANDBOX_DIR_INODES = 128
 
 
 @dataclass(frozen=True)
@@ -82,17 +94,32 @@ class SandboxDir:
         return self.path / "sandbox.pid"
 
     @classmethod
-    def create(cls, run_dir: Path, grants: Sequence[HeldGrant] = (), *, private: bool) -> SandboxDir:
-        """A new directory under ``run_dir``; with ``private``, its tmpfs and the mounts of ``grants``."""
+    def create(
+        cls, run_dir: Path, grants: Sequence[HeldGrant] = (), *, private: bool, grant_slots: Sequence[PurePosixPath] = ()
+    ) -> SandboxDir:
+        """A new directory under ``run_dir``; with ``private``, its tmpfs, a source for each of
+        ``grant_slots`` (a grant may be attached there later) and the mounts of ``grants``."""
         sandbox_id = "rd-" + secrets.token_hex(SANDBOX_ID_BYTES)
         path = run_dir / sandbox_id
         path.mkdir(mode=0o700)
         try:
-            sources = _populate(path, grants) if private else _plain(path)
+            sources = _populate(path, grants, grant_slots) if private else _plain(path)
         except BaseException:
             remove_tree(path)
             raise
         return cls(sandbox_id, path, private, sources)
+
+    def attach(self, grants: Sequence[HeldGrant]) -> None:
+        """Mount each grant at its slot's ``grant`` point, whether runsc runs yet or not.
+
+        SandboxSetupError for a slot this directory has no source for (a package
+        slot, one not planned) or one already filled; what was attached before
+        stays, for :meth:`remove` to unmount.
+        """
+        if not self.private:
+            raise SandboxSetupError(f"sandbox {self.id}: an unisolated sandbox mounts no grants")
+        for grant in grants:
+            _attach(self.path, grant)
 
     def remove(self) -> bool:
         """Unmount and remove everything; whether it is gone (a failure is logged). Never raises."""
@@ -108,23 +135,68 @@ def _plain(path: Path) -> dict[PurePosixPath, Path]:
     return {}
 
 
-def _populate(path: Path, grants: Sequence[HeldGrant]) -> dict[PurePosixPath, Path]:
+def _populate(path: Path, grants: Sequence[HeldGrant], grant_slots: Sequence[PurePosixPath]) -> dict[PurePosixPath, Path]:
     mount_tmpfs(path, size_bytes=SANDBOX_DIR_BYTES, inodes=SANDBOX_DIR_INODES)
-    for directory in ("run", "unused", "grants"):
+    for directory in ("run", "unused", "grants", "slots"):
         (path / directory).mkdir(mode=0o700)
-    # Before runsc starts: its gofer sees our mounts as they are then.
+    # Before runsc starts: its gofer sees our mounts as they are then, and only
+    # what lands on a shared mount's grant point reaches it after.
     bind_self(path / "unused", writable=False)
     sources: dict[PurePosixPath, Path] = {}
+    for slot in grant_slots:
+        source = path / "slots" / _slot_name(slot)
+        source.mkdir(mode=0o700)
+        (source / GRANT_POINT).mkdir(mode=0o700)
+        bind_self(source, writable=False)
+        make_shared(source)
+        sources[slot] = source
     for grant in grants:
-        mount_point = path / "grants" / f"{grant.slot.parent.name}-{grant.slot.name}"
-        mount_point.mkdir(mode=0o700)
-        if grant.is_file:
-            # A file cannot fill a directory slot: it goes in a read-only directory of its own.
-            placeholder = mount_point / grant.name
-            os.close(os.open(placeholder, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600))
-            bind_self(mount_point, writable=False)
-            bind_descriptor(grant.opened.fd, placeholder, writable=grant.writable)
+        if grant.is_package:
+            sources[grant.slot] = _sealed(_mount_grant(path, grant), grant)
         else:
-            bind_descriptor(grant.opened.fd, mount_point, writable=grant.writable)
-        sources[grant.slot] = mount_point
+            _attach(path, grant)
     return sources
+
+
+def _attach(path: Path, grant: HeldGrant) -> None:
+    point = path / "slots" / _slot_name(grant.slot) / GRANT_POINT
+    if grant.is_package or not point.is_dir():
+        raise SandboxSetupError(f"sandbox {path.name}: no slot {grant.slot} to attach a grant to")
+    if (path / "grants" / _slot_name(grant.slot)).exists():  # where each grant is made, once
+        raise SandboxSetupError(f"sandbox {path.name}: slot {grant.slot} already holds a grant")
+    # Moved whole once sealed: its flags travel with it.
+    move_mount(_sealed(_mount_grant(path, grant), grant), point)
+
+
+def _sealed(staged: Path, grant: HeldGrant) -> Path:
+    """``staged``, cut from the host's peer groups, so that a mount made later beneath the
+    granted directory is no part of the grant; refused if one arrived before the cut (in the
+    instant between bind and cut the grant still received them), which could be writable."""
+    make_private(staged)
+    points = mounts_beneath(staged)  # deepest first, as the kernel names them: the last is ``staged``
+    top = points[-1] if points else staged
+    arrived = set(points) - ({top, top / grant.name} if grant.is_file else {top})
+    if arrived or not points:
+        raise SandboxSetupError(
+            f"sandbox {staged.parent.parent.name}: a mount appeared beneath grant {grant.slot} while it was made"
+        )
+    return staged
+
+
+def _mount_grant(path: Path, grant: HeldGrant) -> Path:
+    """Mount ``grant`` at a place of its own under ``grants/`` (not yet seen by any sandbox)."""
+    mount_point = path / "grants" / _slot_name(grant.slot)
+    mount_point.mkdir(mode=0o700)
+    if grant.is_file:
+        # A file cannot fill a directory: it goes in a read-only directory of its own.
+        placeholder = mount_point / grant.name
+        os.close(os.open(placeholder, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+        bind_self(mount_point, writable=False)
+        bind_descriptor(grant.opened.fd, placeholder, writable=grant.writable)
+    else:
+        bind_descriptor(grant.opened.fd, mount_point, writable=grant.writable)
+    return mount_point
+
+
+def _slot_name(slot: PurePosixPath) -> str:
+    return f"{slot.parent.name}-{slot.name}"

@@ -10,6 +10,7 @@ import threading
 import time
 
 from readie_protocol.cancel import NEVER, Cancellation
+from readie_protocol.errors import NotStarted
 from .errors import Cancelled, SandboxSetupError
 
 __all__ = ["SLOT_WAIT_POLL_S", "Slots"]
@@ -29,9 +30,10 @@ class Slots:
         self._busy = 0
         self._draining = False
 
-    def taken(self, cancel: Cancellation = NEVER, wait_s: float | None = None) -> _SlotGuard:
-        """A slot for the work under it; with ``wait_s``, SandboxSetupError when none frees up that soon."""
-        return _SlotGuard(self, cancel, wait_s)
+    def taken(self, cancel: Cancellation = NEVER, wait_s: float | None = None, *, draining: bool = False) -> _SlotGuard:
+        """A slot for the work under it; with ``wait_s``, SandboxSetupError when none frees up that soon.
+        ``draining``: the drain's own work (handing sessions over), which a drain does not refuse."""
+        return _SlotGuard(self, cancel, wait_s, draining)
 
     def state(self) -> tuple[int, bool]:
         """How many are busy, and whether they drain, read together."""
@@ -48,16 +50,19 @@ class Slots:
 
 
 class _SlotGuard:
-    def __init__(self, slots: Slots, cancel: Cancellation, wait_s: float | None = None) -> None:
+    def __init__(self, slots: Slots, cancel: Cancellation, wait_s: float | None = None, draining: bool = False) -> None:
         self._slots = slots
+        self._draining = draining
         self._cancel = cancel
         self._deadline = None if wait_s is None else time.monotonic() + wait_s
 
     def __enter__(self) -> None:
         slots = self._slots
         with slots._lock:
-            if slots._draining:
-                raise SandboxSetupError("the worker is draining and takes no new work")
+            if slots._draining and not self._draining:
+                # Before anything ran: the caller may send it elsewhere, and a session's step leaves
+                # its session as it was (a drain hands it over).
+                raise NotStarted("the worker is draining and takes no new work")
         while not slots._free.acquire(timeout=SLOT_WAIT_POLL_S):
             if self._cancel.cancelled:
                 raise Cancelled("the call was cancelled while it waited for a slot")

@@ -4,7 +4,9 @@ gVisor takes a restored sandbox's mount tree from the checkpoint image: at
 restore only the *source* of an existing mount may change. So every mount a
 later sandbox could need (its executor dir, read and write grants, package
 dirs) is a slot planned at capture time, pointed at an empty placeholder then
-and at the real host path when a sandbox is restored.
+and at a source of the sandbox's own when it is restored: a package dir
+itself, or, for a read or write slot, a directory on whose ``grant`` point the
+grant is mounted whenever a job takes the sandbox (``_sandbox_dir``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ EXECUTOR_DIR = PurePosixPath("/readie/run")
 SITE_DIR = PurePosixPath("/opt/readie/site")
 GRANT_SLOT_DIR = PurePosixPath("/readie/grants")
 PACKAGE_SLOT_DIR = PurePosixPath("/readie/packages")
+#: Where a read or write slot holds its grant: the slot is mounted when a sandbox is restored,
+#: its grant beneath it whenever a job takes the sandbox (decision 0034), so a warm sandbox
+#: can serve a job with grants.
+GRANT_POINT = "grant"
 SANDBOX_PYTHON = "/usr/bin/python3"
 EXECUTOR_ARGV = (SANDBOX_PYTHON, "-u", "-m", "readie_executor")
 
@@ -92,6 +98,10 @@ class MountPlan:
     def package_slot(self, index: int) -> PurePosixPath:
         return PACKAGE_SLOT_DIR / str(index)
 
+    def grant_slots(self) -> list[PurePosixPath]:
+        """The read and write slots: those a grant reaches after restore, beneath the slot."""
+        return [self.read_slot(i) for i in range(self.read_slots)] + [self.write_slot(i) for i in range(self.write_slots)]
+
     def slots(self) -> list[tuple[PurePosixPath, bool]]:
         """(destination, writable) for every slot, in a fixed order."""
         return (
@@ -130,6 +140,8 @@ class SandboxSpec:
     # shared between sandboxes, even when nothing was granted.
     unused_slot_source: Path | None = None
     memory_limit_bytes: int | None = None
+    # A network namespace of readie's to join (egress_net.SandboxNetwork), else a new empty one.
+    network_namespace: Path | None = None
 
     def oci_config(self) -> dict[str, object]:
         placeholder = self.unused_slot_source or self.executor_dir.parent / "unused"
@@ -143,7 +155,10 @@ class SandboxSpec:
         for destination, writable in self.plan.slots():
             mounts.append(_bind(destination, self.sources.get(destination, placeholder), writable))
         linux: dict[str, object] = {
-            "namespaces": [{"type": kind} for kind in ("pid", "network", "ipc", "uts", "mount")],
+            "namespaces": [
+                {"type": kind, "path": str(self.network_namespace)} if kind == "network" and self.network_namespace else {"type": kind}
+                for kind in ("pid", "network", "ipc", "uts", "mount")
+            ],
         }
         if self.memory_limit_bytes is not None:
             linux["resources"] = {"memory": {"limit": self.memory_limit_bytes}}

@@ -17,10 +17,14 @@ from pathlib import Path
 
 import structlog
 
-from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, Worker, WorkerConfig
+from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, SESSION_CHECKPOINTS, Worker, WorkerConfig
 from readie_worker import enter_mount_namespace
-from readie_policy.cli_flags import LOG_CHOICES, duration_seconds, non_negative_int, positive_int
+from readie_policy.cli_flags import LOG_CHOICES, duration_seconds, non_negative_int, positive_duration, positive_int
+from readie_protocol.errors import UnitError
+from readie_protocol.units import format_size, parse_size
 from readie_worker.errors import ConfigError, ReadieError
+from readie_worker.session_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES, DEFAULT_STORE_TTL_S
+from readie_worker.sessions_cli import add_session_store_arguments
 from readie_policy.locations import CheckpointsNotFound, default_checkpoints, locate_checkpoints
 from readie_worker.manifest import MANIFEST_NAME
 from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
@@ -57,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=args.max_sessions,
         allow_unisolated=args.allow_unisolated,
         runsc=args.runsc,
+        session_store=args.session_store,
+        session_store_key=args.session_store_key,
+        session_store_ttl_s=args.session_store_ttl,
+        session_store_bytes=args.session_store_bytes,
+        session_store_entries=args.session_store_entries,
+        session_checkpoint=args.session_checkpoint,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
     return _serve(config, args, stop=StopSignal())
@@ -75,7 +85,7 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> 
     metrics = Metrics()
     try:
         worker = Worker(config, metrics=metrics).start()
-    except ConfigError as exc:  # the state dir refused
+    except ConfigError as exc:  # the state dir, the session store or its key refused
         log.error("worker did not start", error=str(exc))
         return EXIT_USAGE
     except ReadieError as exc:
@@ -112,6 +122,13 @@ def _warm_spec(text: str) -> tuple[str, int]:
     return name, int(count)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except UnitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="readie worker", description="serve a readie worker over gRPC")
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="address to serve on (default %(default)s)")
@@ -136,6 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-unisolated", action="store_true", help="DEVELOPMENT ONLY: without runsc, run jobs as plain host processes")
     parser.add_argument(
         "--config", type=Path, metavar="TOML", help="[pool.limits] and profiles for every job (without: nothing is granted)"
+    )
+    add_session_store_arguments(parser)
+    parser.add_argument(
+        "--session-store-ttl", type=positive_duration, default=DEFAULT_STORE_TTL_S, metavar="DURATION",
+        help="a stored session nobody attaches for this long is removed, e.g. 24h (default %(default)s seconds)",
+    )
+    parser.add_argument(
+        "--session-store-bytes", type=_size, default=DEFAULT_STORE_BYTES, metavar="SIZE",
+        help=f"the store's images, every worker's, at most this big, e.g. 20g (default {format_size(DEFAULT_STORE_BYTES)})",
+    )
+    parser.add_argument(
+        "--session-store-entries", type=positive_int, default=DEFAULT_STORE_ENTRIES, metavar="N",
+        help="sessions the store keeps at most, every worker's (default %(default)s)",
+    )
+    parser.add_argument(
+        "--session-checkpoint", choices=SESSION_CHECKPOINTS, default="off",
+        help="step: write each session into the store after each step, in the background, so a crash loses "
+        "at most the step in flight (~0.15 s of CPU a step; decision 32) (default %(default)s)",
     )
     add_server_arguments(parser)
     add_metrics_argument(parser)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,12 +26,13 @@ from .bundle import MountPlan, serve_env
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_policy.jobs import Capacity
 from readie_policy.config import DEFAULT_MAX_SESSIONS
-from .errors import ErrorType, RequestError, SandboxSetupError, bound_ids
+from .errors import ConfigError, ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
 from .paths import canonical_dirs, code_dirs
 from .packages import ensure_packages, package_cache
-from .grants import HeldGrants, hold_grants
-from .hibernation import DEFAULT_MAX_HIBERNATED, DEFAULT_MAX_HIBERNATED_BYTES, SessionImages
+from .grants import NO_GRANTS, HeldGrants, hold_grants
+from .hibernation import SessionImages
+from .session_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES, DEFAULT_STORE_TTL_S, SessionStore, read_store_key
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, run_in_sandbox
 from .metrics import Metrics
 from .network import BACKENDS, NetworkNamespace
@@ -56,6 +59,10 @@ UNISOLATED_PLAN = MountPlan()
 DEFAULT_SANDBOX_MEMORY = SANDBOX_MEMORY_BACKSTOP
 # How long a drain lets running jobs finish before it destroys their sandboxes.
 DEFAULT_DRAIN_GRACE_S = 30.0
+# What WorkerConfig.session_checkpoint may be: no checkpoints between steps, or one after each.
+SESSION_CHECKPOINTS = ("off", "step")
+# A store of the worker's own gets a key of HMAC-SHA256's own size, made at start.
+STORE_KEY_BYTES = 32
 # A restore answers in 0.2-1 s here, a few on a loaded host: the resume's bound on its socket.
 RESUME_SOCKET_WAIT_S = 15.0
 
@@ -88,8 +95,16 @@ class WorkerConfig:
     network_setup: str | None = None
     # The runsc binary; its flags follow from what it supports (runsc.RunscFeatures).
     runsc: str = "runsc"
-    max_hibernated: int = DEFAULT_MAX_HIBERNATED
-    max_hibernated_bytes: int = DEFAULT_MAX_HIBERNATED_BYTES
+    # The session store (decision 32): a directory several workers share, and the file holding
+    # its MAC key. None: a store in the worker's own state dir with a key made at start, which a
+    # restart forgets (and a drain does not hand sessions over to).
+    session_store: Path | None = None
+    session_store_key: Path | None = None
+    session_store_ttl_s: float = DEFAULT_STORE_TTL_S
+    session_store_bytes: int = DEFAULT_STORE_BYTES
+    session_store_entries: int = DEFAULT_STORE_ENTRIES
+    # "off", or "step": write each session into the store after each step (issue 30, item 3).
+    session_checkpoint: str = "off"
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
@@ -131,6 +146,8 @@ class Worker:
             raise
 
     def _start(self) -> Worker:
+        store_key = self._store_key()  # a refused key file or store setting: nothing touched yet
+        self.sessions.checkpoint_steps = self.config.session_checkpoint == "step"
         state = self.state = StateDir.claim(self.config.state_dir)  # StateDirRefused: nothing touched
         # Its path as the kernel names it: mount points are compared with what the kernel reports.
         self.config = dataclasses.replace(self.config, state_dir=state.path)
@@ -146,10 +163,11 @@ class Worker:
         self.checkpoints = self._load_checkpoints()
         if self.checkpoints.manifest is None:
             return self._start_unisolated(self.checkpoints.problems["*"])
-        self.images = self.sessions.images = SessionImages(
-            state.images_dir, self.config.max_hibernated, self.config.max_hibernated_bytes
-        )
-        self._private_dirs = canonical_dirs(RUNTIME_ROOT, state.path)
+        self.images = self.sessions.images = self._open_store(state, store_key)
+        # A shared store and its key are the worker's too: a grant reaching either would read other
+        # sessions' memory, or forge images.
+        store_paths = [path for path in (self.config.session_store, self.config.session_store_key) if path is not None]
+        self._private_dirs = canonical_dirs(RUNTIME_ROOT, state.path, *store_paths)
         self._template_dirs = canonical_dirs(
             self.checkpoints.manifest.rootfs, self.config.manifest.parent, package_cache(), *code_dirs(self.runsc.binary)
         )
@@ -178,6 +196,30 @@ class Worker:
             network=self.config.network_backend,
         )
         return self
+
+    def _store_key(self) -> bytes:
+        """The session store's MAC key, read once: the named file's, else a new one (a store of
+        the worker's own). ConfigError for a shared store without a key, or a key file refused."""
+        config = self.config
+        if config.session_checkpoint not in SESSION_CHECKPOINTS:
+            raise ConfigError("session_checkpoint", None, f"{config.session_checkpoint!r} is not one of {', '.join(SESSION_CHECKPOINTS)}")
+        if config.session_store_key is not None:
+            return read_store_key(config.session_store_key)
+        if config.session_store is not None:
+            raise ConfigError(str(config.session_store), None, "a shared session store needs --session-store-key (the MAC key every worker of it shares)")
+        return secrets.token_bytes(STORE_KEY_BYTES)
+
+    def _open_store(self, state: StateDir, key: bytes) -> SessionImages:
+        """The session store: the configured shared one, else one of the worker's own."""
+        config = self.config
+        shared = config.session_store is not None
+        store = SessionStore(
+            config.session_store if config.session_store is not None else state.store_dir, key,
+            worker=f"{socket.gethostname()}:{os.getpid()}", ttl_s=config.session_store_ttl_s,
+            max_bytes=config.session_store_bytes, max_entries=config.session_store_entries,
+        )
+        store.sweep()
+        return SessionImages(store, state.images_dir, shared=shared)
 
     def _start_network(self) -> None:
         assert self.checkpoints is not None and self.checkpoints.manifest is not None
@@ -246,14 +288,23 @@ class Worker:
         finally:
             self._retirer.retire(sandbox)
 
-    def _check_job(self, job: CodeJob) -> None:
+    def _check_job(self, job: CodeJob, memory_limit: int | None = None) -> None:
+        """RequestError for a job this worker cannot take; ``memory_limit``: the cgroup limit a
+        stored session (``attach_session``) restores under, bounded by this worker's backstop."""
         if job.checkpoint not in self.warm:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.warm))})", field="checkpoint")
+        if job.network and job.egress is not None and not job.egress.public:
+            # Nothing here enforces a list yet (issue 32): refused, never widened to the namespace's network.
+            raise RequestError("a list of destinations (or true under a ceiling's list) needs the egress "
+                               "backend, which this worker does not have yet (issue 32)", field="allow_network")
         if job.network and not self.networked:
             raise RequestError("this worker has no network backend configured", field="allow_network")
         ceiling = self.memory_ceiling(job.checkpoint)
         if job.memory_bytes is not None and job.memory_bytes > ceiling:
             raise RequestError(f"{job.memory_bytes} bytes is above this worker's ceiling of {ceiling}", field="memory")
+        if memory_limit is not None and not 0 < memory_limit <= self.config.sandbox_memory_bytes:
+            raise RequestError(f"a sandbox limit of {memory_limit} bytes is outside this worker's backstop of "
+                               f"{self.config.sandbox_memory_bytes}", field="memory")
 
     def memory_ceiling(self, checkpoint: str) -> int:
         """The most a job may ask for as ``memory``: the backstop less the sandbox's own share."""
@@ -264,17 +315,28 @@ class Worker:
         return self.config.sandbox_memory_bytes - overhead
 
     def _acquire(self, job: CodeJob) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
-        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs mounts
-        or the network. Grants are opened here, when the job has its slot, and held until its
-        sandbox has them mounted (``grants.py``)."""
+        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs the
+        network or packages (mount sources fixed at restore). Grants are opened here, when the
+        job has its slot, and held until its sandbox has them mounted (``grants.py``): a warm
+        sandbox's grant points take them after restore (decision 0034)."""
         warm = self.warm[job.checkpoint]
         if job.network or job.needs_own_mounts:
             with self._hold_grants(job) as grants:
                 sandbox = warm.made_for_a_job(grants, self.networked[job.checkpoint] if job.network else None)
-            # Unisolated, the job sees the host itself: links would be made on the host.
-            links = grants.links if self.isolated else ()
+        elif job.allow_read or job.allow_write:
+            # Opened first: a refused grant costs no warm sandbox.
+            with self._hold_grants(job) as grants:
+                sandbox = warm.take()
+                try:
+                    if self.isolated:
+                        sandbox.attach(grants)
+                except BaseException:
+                    self._retirer.retire(sandbox)
+                    raise
         else:
-            sandbox, links = warm.take(), ()
+            sandbox, grants = warm.take(), NO_GRANTS
+        # Unisolated, the job sees the host itself: links would be made on the host.
+        links = grants.links if self.isolated else ()
         if job.memory_bytes is not None:
             try:
                 sandbox.limit_memory(job.memory_bytes)
@@ -331,6 +393,22 @@ class Worker:
         """A new session with ``session``'s state now (:meth:`WorkerSessions.fork_session`)."""
         return self.sessions.fork_session(session, cancel)
 
+    def attach_session(self, key: str, *, take_over: bool = False, cancel: Cancellation = NEVER) -> tuple[SandboxSession, int]:
+        """The session stored under ``key``, held here now (:meth:`WorkerSessions.attach_session`)."""
+        return self.sessions.attach_session(key, take_over=take_over, cancel=cancel)
+
+    @property
+    def hands_sessions_over(self) -> bool:
+        """Whether a drain hands keyed sessions over (``ServedRunner``'s, decision 32): with a shared
+        store only. Then each session's stream detaches its own and ends with ``handed_over`` as
+        soon as it is stored, instead of lingering until the server stops."""
+        return self.images is not None and self.images.shared
+
+    def hand_over_sessions(self) -> list[SandboxSession]:
+        """Detach every session into the shared store (a drain's, once running steps finished);
+        those handed over. Without a shared store every session is closed."""
+        return self.sessions.hand_over(self.config.slots)
+
     def execute_call(
         self,
         checkpoint: str,
@@ -363,10 +441,14 @@ class Worker:
             isolated=self.isolated,
             sessions=sessions,
             max_sessions=self.config.max_sessions,
-            hibernated=self.images.count if self.images is not None else 0,
-            hibernated_bytes=self.images.bytes if self.images is not None else 0,
+            hibernated=self.sessions.hibernated,
+            hibernated_bytes=self.images.store.usage[1] if self.images is not None else 0,
             problem=self._problem(),
         )
+
+    def session_store_usage(self) -> tuple[int, int]:
+        """(entries, bytes) of the session store, every worker's, as last counted."""
+        return self.images.store.usage if self.images is not None else (0, 0)
 
     def _problem(self) -> str | None:
         if self.warm:
@@ -377,14 +459,16 @@ class Worker:
         return f"no usable checkpoint: {reasons}"
 
     def drain(self, grace_s: float = DEFAULT_DRAIN_GRACE_S) -> None:
-        """Stop taking work, let running jobs finish (up to ``grace_s``), destroy everything."""
+        """Stop taking work, let running jobs finish (up to ``grace_s``), hand every session over
+        to a shared store (:meth:`hand_over_sessions`), destroy everything else."""
         self._slots.drain(grace_s)
+        self.hand_over_sessions()
         self.close()
 
     def close(self) -> None:
         self.sessions.close()  # their sandboxes; a step still running ends with a worker error
         if self.images is not None:
-            self.images.close()  # a restart forgets hibernated sessions, as it forgets open ones
+            self.images.store.close()  # a store of its own goes with the state dir: a restart forgets it
         self._retirer.close()
         for warm in self.warm.values():
             warm.close()

@@ -19,8 +19,11 @@ is what a client may read of any exception.
 
 from __future__ import annotations
 
+import functools
 import subprocess
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import ParamSpec, TypeVar
 
 import structlog
 from readie_protocol.errors import (
@@ -63,6 +66,7 @@ __all__ = [
     "host_failure",
     "internal_error",
     "log_host_facts",
+    "logged_under_its_id",
     "mapped_errors",
     "shown",
 ]
@@ -72,6 +76,23 @@ log = structlog.get_logger("readie.worker")
 
 # Keys of the log context that name what a client asked for, and how its error names them.
 _CLIENT_IDS = (("session", "session"), ("job_id", "job"))
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def logged_under_its_id(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``method`` of a session (anything with an ``id``), run with the session's id (and a step's
+    ``job_id``) in the log context: what fails under it is logged next to them, and a client's
+    error names them."""
+
+    @functools.wraps(method)
+    def bound(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        session_id = getattr(args[0], "id")
+        job_id = kwargs.get("job_id")
+        with bound_ids(session=session_id, job_id=job_id if isinstance(job_id, str) else None):
+            return method(*args, **kwargs)
+
+    return bound
 
 
 def bound_ids(*, session: str | None = None, job_id: str | None = None) -> AbstractContextManager[object]:

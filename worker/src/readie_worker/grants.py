@@ -12,9 +12,11 @@ The sandbox keeps what each write grant was (:attr:`HeldGrants.write_grants`),
 so that listing what a job wrote there can tell a grant swapped since.
 
 A grant may name a directory or a single file (``package_dirs`` only
-directories). Each takes one slot planned at capture; a file is mounted
-inside a read-only directory of its own in that slot, and the job's link
-points at the file.
+directories). Each takes one slot planned at capture, and is mounted at the
+slot's ``grant`` point (a package dir: at the slot itself), which lets it
+reach a sandbox restored before the job came (``_sandbox_dir``, decision
+0034); a file is mounted inside a read-only directory of its own there, and
+the job's link points at the file.
 
 The worker's own paths are guarded: its sandboxes' and runsc's directories
 can be granted neither way, and what every sandbox is made from (the rootfs,
@@ -31,7 +33,7 @@ from pathlib import Path, PurePosixPath
 from types import TracebackType
 
 from ._grant_fs import OpenedPath, PathIdentity, PathKind, PathRefused, open_no_follow
-from .bundle import MountPlan
+from .bundle import GRANT_POINT, PACKAGE_SLOT_DIR, MountPlan
 from .errors import RequestError
 
 __all__ = ["HeldGrant", "HeldGrants", "hold_grants"]
@@ -55,9 +57,19 @@ class HeldGrant:
         return PurePosixPath(self.opened.path).name
 
     @property
+    def is_package(self) -> bool:
+        """A package dir fills its slot itself (the slot is on sys.path); a grant lies beneath its slot."""
+        return self.slot.parent == PACKAGE_SLOT_DIR
+
+    @property
+    def mount_point(self) -> PurePosixPath:
+        """Where this grant's mount appears inside the sandbox."""
+        return self.slot if self.is_package else self.slot / GRANT_POINT
+
+    @property
     def target(self) -> PurePosixPath:
         """Where the job's link to this grant points inside the sandbox."""
-        return self.slot / self.name if self.is_file else self.slot
+        return self.mount_point / self.name if self.is_file else self.mount_point
 
 
 class HeldGrants:

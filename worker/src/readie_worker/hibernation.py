@@ -1,130 +1,121 @@
-"""Hibernated sessions' images: a directory of the worker's own, bounded in number and bytes.
+"""Hibernated sessions' images, between a worker's sandboxes and its session store (decision 22, 32).
 
-A session that hibernates (``sessions.py``) is checkpointed into an image
-here and its sandbox ends; its next step restores it. A fork is a hibernate
-whose image two sessions then share: each holds its own hard links, so
-either may end and remove its copy without touching the other's.
+A session that hibernates (``sessions.py``) is checkpointed by runsc into a
+fresh directory of the worker's own (``images/`` in its state dir: 0700, a
+private dir no grant may reach, never the shared store: runsc runs as root
+and must not be pointed at a path others can swap), and its sandbox ends;
+the image is then copied into the session store (``session_store.py``) and
+the private copy removed. A resume reads it back the other way: verified,
+copied into a fresh private dir while hashed, restored from there, removed.
+A fork is a second store entry sharing the image's files (hard links).
 
-The directory is the worker's alone (``images/`` in its state dir, mode
-0700, in its private dirs: no grant may reach it), made empty at start
-and removed at close with the state dir (``state_dir.py``): a worker
-restart forgets hibernated sessions, as it forgets open ones. The image files are
-runsc's, written by the sentry from its own state; the only reader is
-``runsc restore``.
-
-Bounds, checked before each checkpoint: at most ``max_images`` images, and
-at most ``max_bytes`` in all. An image's size is known only once it is
-written, so a hibernation books the sandbox's memory (what the image holds,
-give or take the sentry's own share) when it starts, and the real size
-replaces it when it is written: hibernations under way at once are counted
-too. A refusal is a SandboxSetupError: the worker is full, not the request
-wrong. The files hold the session's memory in clear, so they are the
-worker's alone (0600 in a 0700 dir).
+Bounds are the store's (bytes and entries, across every worker writing it);
+a hibernation checks them against the sandbox's memory (about what the image
+holds) before it checkpoints, so a session that would not fit goes on
+instead of ending. A refusal is a SandboxSetupError: the store is full, not
+the request wrong.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import secrets
-import stat
-import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-from .errors import SandboxSetupError
+from .errors import RequestError, SandboxSetupError
+from .jobs import CodeJob
 from .paths import remove_tree
+from .sandbox import Sandbox
+from .session_store import LeaseLost, SessionStore, StoredSession
 
-__all__ = ["DEFAULT_MAX_HIBERNATED", "DEFAULT_MAX_HIBERNATED_BYTES", "SessionImages"]
+__all__ = ["SessionImages"]
 
-#: Images kept at once: each is a session that left memory for disk, and a
-#: worker keeps at most ``max_sessions`` sessions (default 16) anyway; forks
-#: of one session are sessions too.
-DEFAULT_MAX_HIBERNATED = 64
-#: All images together. An idle pandas session's image is ~50 MB uncompressed
-#: (``--compression=none``, measured), so this holds about eighty.
-DEFAULT_MAX_HIBERNATED_BYTES = 4 * 1024**3
-# Image directory names: unguessable is not needed (nothing else writes here), unique is.
+_T = TypeVar("_T")
+# Private image directory names: unguessable is not needed (nothing else writes here), unique is.
 _NAME_BYTES = 8
 
 
 class SessionImages:
-    """The images of one worker's hibernated sessions, each a directory under ``root`` (an
-    empty directory of the worker's own, made by its state dir)."""
+    """One worker's way into its session store: ``store``, with ``scratch`` (an empty dir of the
+    worker's own) for the images on their way in and out. ``shared``: the store outlives the
+    worker (``--session-store``), so a drain hands its sessions over instead of ending them."""
 
-    def __init__(self, root: Path, max_images: int = DEFAULT_MAX_HIBERNATED, max_bytes: int = DEFAULT_MAX_HIBERNATED_BYTES) -> None:
-        self.root = root
-        self.max_images = max_images
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._sizes: dict[Path, int] = {}  # reserved or written images, and their bytes
+    def __init__(self, store: SessionStore, scratch: Path, *, shared: bool) -> None:
+        self.store = store
+        self.scratch = scratch
+        self.shared = shared
 
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return len(self._sizes)
+    def check_room(self, estimate: int, *, new_entry: bool = True) -> None:
+        self.store.check_room(estimate, new_entry=new_entry)
 
-    @property
-    def bytes(self) -> int:
-        with self._lock:
-            return sum(self._sizes.values())
-
-    def reserve(self, estimate: int = 0) -> Path:
-        """An empty directory for a new image of about ``estimate`` bytes, booked until it is
-        written; SandboxSetupError when the bounds would be passed."""
-        with self._lock:
-            self._check_room(estimate)
-            image = self.root / secrets.token_hex(_NAME_BYTES)
-            image.mkdir(mode=0o700)
-            self._sizes[image] = estimate
-            return image
-
-    def written(self, image: Path) -> int:
-        """Record the size of the image runsc wrote into ``image`` (and keep its files to the worker)."""
-        size = _size_of(image)
-        with self._lock:
-            if image in self._sizes:
-                self._sizes[image] = size
-        return size
-
-    def share(self, image: Path) -> Path:
-        """A second image of the same bytes (hard links), for a fork; bounded like a new one."""
-        copy = self.reserve()
+    def write(
+        self, key: str, sandbox: Sandbox, *, job: CodeJob, memory_limit: int | None, step: int, lease: str | None,
+        save: Callable[[Sandbox, Path], None] = Sandbox.checkpoint,
+    ) -> int:
+        """Checkpoint ``sandbox`` (it ends, unless ``save`` keeps it running) and store its image under
+        ``key`` as the holder of ``lease``; the image's bytes. Raises what the checkpoint raises, and
+        SandboxSetupError when the store refuses it (LeaseLost: the entry is another holder's now)."""
+        private = self._private()
         try:
-            for entry in os.scandir(image):
-                os.link(entry.path, copy / entry.name, follow_symlinks=False)
-        except OSError as exc:
-            self.remove(copy)
-            raise SandboxSetupError(f"cannot share a session image: {exc.strerror}") from None
-        self.written(copy)
-        return copy
+            save(sandbox, private)
+            return self.store.save(key, private, job=job, memory_limit=memory_limit, step=step, lease=lease)
+        finally:
+            remove_tree(private)
 
-    def remove(self, image: Path) -> None:
-        with self._lock:
-            self._sizes.pop(image, None)
-        remove_tree(image)
+    def restore(self, key: str, prepared: Path | None, restore: Callable[[Path], _T]) -> _T:
+        """``restore(image)`` from ``prepared`` (an image :meth:`prepare` copied at attach), else
+        from the image stored under ``key``, prepared now; the private copy removed after.
+        Raises as ``SessionStore.load``."""
+        if prepared is None:
+            _, prepared = self.prepare(key)
+        try:
+            return restore(prepared)
+        finally:
+            remove_tree(prepared)
 
-    def close(self) -> None:
-        with self._lock:
-            images, self._sizes = list(self._sizes), {}
-        for image in images:
-            remove_tree(image)
+    def prepare(self, key: str, check: Callable[[StoredSession], None] = lambda stored: None) -> tuple[StoredSession, Path]:
+        """The session stored under ``key`` and a private dir holding its image, verified as it
+        was copied there (the newest generation's, even if one was published meanwhile): the
+        caller restores from it and removes it. ``check`` (raising) refuses the stored session."""
+        private = self._private()
+        try:
+            stored = self.store.load_image(key, private)
+            check(stored)
+        except BaseException:
+            remove_tree(private)
+            raise
+        return stored, private
 
-    def _check_room(self, estimate: int) -> None:
-        if len(self._sizes) >= self.max_images:
-            raise SandboxSetupError(f"this worker keeps at most {self.max_images} hibernated session images, and has as many")
-        total = sum(self._sizes.values())
-        if total + estimate > self.max_bytes:
-            raise SandboxSetupError(
-                f"this worker's hibernated session images take {total} bytes and this one about {estimate}; "
-                f"its limit is {self.max_bytes}"
-            )
+    def fork(self, key: str, fork_key: str, step: int) -> StoredSession:
+        """A new entry under ``fork_key`` sharing the image stored under ``key``."""
+        stored = self.store.load(key)
+        self.store.share(stored, fork_key, step)
+        return stored
 
+    def let_go(self, key: str, lease: str | None, *, keep: bool) -> None:
+        """Let go of ``key``'s entry as the holder of ``lease``: ``keep`` its last good generation
+        for a later attach (a detach, and a failed write: only the lease is released; an entry
+        holding none is removed, there is nothing to continue), or remove it (a close). Nothing
+        once the lease is another's (LeaseLost): the entry is the new holder's."""
+        if lease is None:
+            return
+        with contextlib.suppress(LeaseLost):
+            if keep and self._stored(key):
+                self.store.let_go(key)
+            else:
+                self.store.remove(key, lease=lease)
 
-def _size_of(image: Path) -> int:
-    """Bytes of the regular files directly in ``image`` (runsc writes no others)."""
-    total = 0
-    for entry in os.scandir(image):
-        info = entry.stat(follow_symlinks=False)
-        if stat.S_ISREG(info.st_mode):
-            os.chmod(entry.path, 0o600, follow_symlinks=False)
-            total += info.st_size
-    return total
+    def _stored(self, key: str) -> bool:
+        """Whether the store holds a generation of ``key`` that verifies."""
+        try:
+            self.store.load(key)
+        except (RequestError, SandboxSetupError):
+            return False
+        return True
+
+    def _private(self) -> Path:
+        path = self.scratch / secrets.token_hex(_NAME_BYTES)
+        path.mkdir(mode=0o700)
+        return path

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import cloudpickle
 import structlog
 
-from readie_executor.jobs import DEFAULT_INLINE_NAME, run_job
+from readie_executor.jobs import DEFAULT_INLINE_NAME, EXIT_NOT_STARTED, run_job
 
 from ._host_frames import (
     MAX_CALL_FRAME_BYTES,
@@ -168,6 +168,7 @@ def _run(
     output: OutputSink | None,
 ) -> JobOutcome:
     backend = f"gvisor:{sandbox.launcher.name}" if sandbox.launcher.isolated else sandbox.launcher.name
+    preparing = time.monotonic()
     request = runner_call(job, links, session=session, stream=output is not None)
     # Even without functions: a frame the job writes by hand is refused, not taken for its result.
     conversation = HostConversation(job.functions)
@@ -184,6 +185,7 @@ def _run(
     except PoolWorkerError as exc:
         outcome = _broken_exchange(exc, sandbox, job, backend, _since(started))
     else:
+        answered = time.monotonic()
         elapsed = _since(started)
         try:
             result = parse_job_result(raw, job.max_output)
@@ -194,6 +196,8 @@ def _run(
             if result.timed_out:  # the deadline kills the sandbox, whatever else the job left running
                 sandbox.destroy()
             outcome = _from_result(result, elapsed, backend, sandbox.id)
+            worker_us = {"request": started - preparing, "exchange": answered - started, "validate": time.monotonic() - answered}
+            outcome = dataclasses.replace(outcome, worker_us={key: int(s * 1_000_000) for key, s in worker_us.items()})
             if job.collect and not sandbox.destroyed:
                 outcome = _collected(sandbox, job, outcome, cancel)
     if relay is not None:
@@ -297,9 +301,35 @@ def _from_result(result: SandboxAnswer, duration_us: int, backend: str, sandbox_
         backend=backend,
         system_exit=result.system_exit,
         code_us=result.duration_us,
+        runner_us=result.phases,
         value=result.value,
     )
 
 
 def _since(started: float) -> int:
     return int((time.monotonic() - started) * 1_000_000)
+
+
+def call_step(
+    sandbox: Sandbox,
+    job: CodeJob,
+    links: tuple[Mapping[str, object], ...],
+    host: HostFunction | None = None,
+    cancel: Cancellation = NEVER,
+    output: OutputSink | None = None,
+) -> tuple[JobOutcome, bool]:
+    """Run one session step in ``sandbox``: its outcome, and whether it ends the session.
+
+    A step ends the session when it did not end on its own (timeout, crash,
+    an invalid answer: no exit status), when its code raised SystemExit, or
+    when the runner could not set it up. The sandbox is destroyed by the
+    session's end, not here (``run_in_sandbox`` destroys it at a timeout).
+    """
+    outcome = run_in_sandbox(sandbox, job, links, host, session=True, cancel=cancel, output=output)
+    setup_failed = (
+        outcome.exit == EXIT_NOT_STARTED
+        and outcome.error is not None
+        and outcome.error.type == ErrorType.SANDBOX_SETUP
+    )
+    return outcome, outcome.exit is None or outcome.system_exit or setup_failed
+

@@ -12,6 +12,7 @@ sits at its capture point and tears down what it started:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,12 +42,17 @@ class Launcher(Protocol):
 
     name: str
     isolated: bool
+    plan: MountPlan  # the slots every sandbox it starts has
 
     def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         """Start an executor at its capture point; its stdin and stdout are pipes."""
 
     def executor_dir(self, sandbox: SandboxDir) -> str:
         """EXECUTOR_DIR as the executor inside sees it."""
+
+    def hold_mounts(self, sandbox: SandboxDir) -> int | None:
+        """A descriptor that keeps the started sandbox's view of its grants whole until closed
+        (``Runsc.gofer_namespace``); None where there is nothing to hold."""
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         """Tear down whatever ``start`` left, ``process`` or not (a start that failed part-way)."""
@@ -63,8 +69,9 @@ class Launcher(Protocol):
     def memory_left(self, sandbox: SandboxDir) -> int | None:
         """Bytes the sandbox may still take before its memory cgroup's limit; None where none is known."""
 
-    def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
-        """Save the sandbox, its executor hibernating, to ``image_dir``; the container ends."""
+    def checkpoint(self, sandbox: SandboxDir, image_dir: Path, *, leave_running: bool = False) -> None:
+        """Save the sandbox, its executor hibernating, to ``image_dir``; the container ends unless
+        ``leave_running``."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +83,25 @@ class _RunscLauncher:
     # The cgroup backstop of every sandbox, under the per-job RLIMIT_AS: it kills the whole sandbox.
     memory_limit_bytes: int | None = None
     isolated: bool = True
+    # The network namespace the sandbox joins (runsc from egress_net.with_sandbox_network); None: none.
+    network_namespace: Path | None = None
 
     def executor_dir(self, sandbox: SandboxDir) -> str:
         return str(EXECUTOR_DIR)
+
+    def hold_mounts(self, sandbox: SandboxDir) -> int | None:
+        """The gofer's mount namespace, held: without it a gofer that dies takes its mounts along,
+        and a grant beneath its slot (decision 34) would turn, under a running job, into the slot's
+        empty read-only directory instead of failing the sandbox as a dead gofer does."""
+        state_file = self.runsc.root / f"{sandbox.id}_sandbox:{sandbox.id}.state"  # runsc's own record
+        try:
+            gofer = json.loads(state_file.read_text())["goferPid"]
+            if isinstance(gofer, bool) or not isinstance(gofer, int) or gofer <= 0:
+                raise ValueError(f"goferPid {gofer!r}")
+            return os.open(f"/proc/{gofer}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, ValueError, KeyError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else exc  # no host path in a client's error
+            raise SandboxSetupError(f"sandbox {sandbox.id}: cannot hold its gofer's mount namespace: {reason}") from None
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return self.runsc.oom_killed(sandbox.id)
@@ -102,6 +125,7 @@ class _RunscLauncher:
             sources=sandbox.sources,
             unused_slot_source=sandbox.unused_slots,
             memory_limit_bytes=self.memory_limit_bytes,
+            network_namespace=self.network_namespace,
         )
 
     def memory_usage(self, sandbox: SandboxDir) -> int | None:
@@ -111,8 +135,8 @@ class _RunscLauncher:
         limit, usage = self.runsc.memory_limit(sandbox.id), self.runsc.memory_usage(sandbox.id)
         return None if limit is None or usage is None else max(0, limit - usage)
 
-    def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
-        self.runsc.checkpoint(sandbox.id, image_dir)
+    def checkpoint(self, sandbox: SandboxDir, image_dir: Path, *, leave_running: bool = False) -> None:
+        self.runsc.checkpoint(sandbox.id, image_dir, leave_running=leave_running)
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         try:
@@ -158,9 +182,13 @@ class LocalProcess:
     python: str = sys.executable  # the worker's own environment has readie_executor
     name: str = "local-unisolated"
     isolated: bool = False
+    plan: MountPlan = MountPlan(0, 0, 0)  # grants are never mounted: the executor sees the host
 
     def executor_dir(self, sandbox: SandboxDir) -> str:
         return str(sandbox.executor_dir)
+
+    def hold_mounts(self, sandbox: SandboxDir) -> int | None:
+        return None  # a host process: no mounts of its own
 
     def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         capture_env = {
@@ -189,5 +217,5 @@ class LocalProcess:
     def memory_left(self, sandbox: SandboxDir) -> int | None:
         return None
 
-    def checkpoint(self, sandbox: SandboxDir, image_dir: Path) -> None:
+    def checkpoint(self, sandbox: SandboxDir, image_dir: Path, *, leave_running: bool = False) -> None:
         raise RequestError("an unisolated worker cannot hibernate or fork a session: it has no gVisor to checkpoint", "session")

@@ -120,6 +120,23 @@ class Metrics:
             "Hibernations of sessions to disk, their resumes and their forks, by operation (hibernate, resume, fork).",
             ["operation"], buckets=SANDBOX_START_BUCKETS_S, registry=r,
         )
+        self.session_checkpoints = Histogram(
+            "readie_worker_session_checkpoint_duration_seconds",
+            "Per-step checkpoints of sessions (session_checkpoint = step), by result (ok, failed).",
+            ["result"], buckets=SANDBOX_START_BUCKETS_S, registry=r,
+        )
+        # The session store (decision 32): sessions this worker handed on at a drain, took from
+        # the store, and refused to take (unknown: no such session, or a wrong key; held: its live
+        # holder did not let go in time; invalid: its entry failed verification).
+        self.session_hand_overs = Counter(
+            "readie_worker_session_hand_overs", "Sessions a drain hibernated into the shared store for another worker.", registry=r,
+        )
+        self.session_attaches = Counter(
+            "readie_worker_session_attaches", "Sessions taken from the session store by key.", registry=r,
+        )
+        self.session_attach_refusals = Counter(
+            "readie_worker_session_attach_refusals", "Attaches refused, by reason (unknown, held, invalid).", ["reason"], registry=r,
+        )
         self.sandbox_destroy = Histogram(
             "readie_worker_sandbox_destroy_duration_seconds", "Time to kill and delete a sandbox (runsc).",
             buckets=SANDBOX_DESTROY_BUCKETS_S, registry=r,
@@ -162,6 +179,19 @@ class Metrics:
 
     def session_image(self, operation: str, seconds: float) -> None:
         self.session_images.labels(_closed(operation, ("hibernate", "resume", "fork"))).observe(seconds)
+
+    def session_checkpointed(self, result: str, seconds: float) -> None:
+        """A step's checkpoint ended (its count, failures and seconds are the histogram's)."""
+        self.session_checkpoints.labels(_closed(result, ("ok", "failed"))).observe(seconds)
+
+    def session_handed_over(self) -> None:
+        self.session_hand_overs.inc()
+
+    def session_attached(self) -> None:
+        self.session_attaches.inc()
+
+    def attach_refused(self, reason: str) -> None:
+        self.session_attach_refusals.labels(_closed(reason, ("unknown", "held", "invalid"))).inc()
 
     def sandbox_destroyed(self, seconds: float) -> None:
         self.sandbox_destroy.observe(seconds)
@@ -247,6 +277,8 @@ class WatchedWorker(Protocol):
 
     def capacity(self) -> Capacity: ...
 
+    def session_store_usage(self) -> tuple[int, int]: ...
+
 
 class _WorkerCollector(Collector):
     def __init__(self, worker: WatchedWorker) -> None:
@@ -273,6 +305,9 @@ class _WorkerCollector(Collector):
         yield _gauge("readie_worker_sessions_max", "Sessions the worker keeps open at most.", capacity.max_sessions)
         yield _gauge("readie_worker_sessions_hibernated", "Sessions hibernated to disk (counted in sessions_active too).", capacity.hibernated)
         yield _gauge("readie_worker_hibernated_bytes", "Bytes of the hibernated sessions' images on disk.", capacity.hibernated_bytes)
+        entries, stored = self._worker.session_store_usage()  # as last counted: no scan at a scrape
+        yield _gauge("readie_worker_session_store_entries", "Sessions stored in the session store (every worker's).", entries)
+        yield _gauge("readie_worker_session_store_bytes", "Bytes of the session store's images (every worker's).", stored)
 
 
 class _RouterCollector(Collector):

@@ -184,9 +184,11 @@ class Runsc:
         """Every flag an image depends on: a systrap image restored under ptrace segfaults, unrefused."""
         return (*self.flags, *(self.checkpoint_flags or ()))
 
-    def checkpoint(self, container_id: str, image_dir: Path) -> None:
-        """Checkpoint ``container_id`` into ``image_dir`` (which ends the container)."""
-        self.run("checkpoint", *(self.checkpoint_flags or ()), f"--image-path={image_dir}", container_id)
+    def checkpoint(self, container_id: str, image_dir: Path, *, leave_running: bool = False) -> None:
+        """Checkpoint ``container_id`` into ``image_dir``, which ends the container unless
+        ``leave_running`` (the sentry pauses, saves and goes on: ~0.15 s of CPU for a pandas session)."""
+        resume = ("--leave-running",) if leave_running else ()
+        self.run("checkpoint", *resume, *(self.checkpoint_flags or ()), f"--image-path={image_dir}", container_id)
 
     def command(self, *args: str) -> list[str]:
         return [*self.prefix, self.binary, f"--root={self.root}", *self.flags, *args]

@@ -42,6 +42,7 @@ from readie_executor.framing import (
 from readie_executor.sockets import RECV_SIZE
 
 from readie_policy.jobs import JOB_SUBPROCESSES  # what a job's spec sends, and a warm-up prepares for
+from readie_policy.policy import DEFAULT_MAX_OUTPUT  # what most jobs ask, and a warm-up prepares for
 
 from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
@@ -84,7 +85,7 @@ MAX_WARM_UP_ANSWER = 4096
 # without an answer means it is wedged, and it is not checkpointed.
 HIBERNATE_ANSWER_S = 5.0
 _WARM_UP_REQUEST = cloudpickle.dumps(
-    {"func": executor_jobs.warm_up, "args": (), "kwargs": {"subprocesses": JOB_SUBPROCESSES}}
+    {"func": executor_jobs.warm_up, "args": (), "kwargs": {"subprocesses": JOB_SUBPROCESSES, "max_output": DEFAULT_MAX_OUTPUT}}
 )
 
 
@@ -155,6 +156,8 @@ class Sandbox:
     memory_limit_bytes: int | None = None
     # What each write grant mounted in it was when opened: what report_files lists (jobs.py).
     write_grants: tuple[PathIdentity, ...] = ()
+    # Keeps the gofer's mount namespace, where its grants are mounted, whole until destroy.
+    mounts_held: int | None = None
     _connection: socket.socket | None = field(default=None, repr=False)
     # interrupt() may come from another thread at any moment of an exchange.
     _interrupted: bool = field(default=False, repr=False)
@@ -170,6 +173,12 @@ class Sandbox:
 
     def move(self, target: SandboxState) -> None:
         self.state = check_transition(self.state, target)
+
+    def attach(self, grants: HeldGrants) -> None:
+        """Mount a job's grants in this (running) sandbox's slots (``SandboxDir.attach``)."""
+        with host_failure(SandboxSetupError, f"sandbox {self.id}: cannot mount its grants"):  # not the request's doing
+            self.dir.attach(grants.grants)
+        self.write_grants = grants.write_grants
 
     def call(self, payload: bytes, timeout: float | None = None, max_response: int | None = None) -> bytes:
         """Send one framed request and return the framed response's payload, unopened.
@@ -250,10 +259,10 @@ class Sandbox:
         before its memory cgroup's limit; None where no limit is known (unisolated)."""
         return self.launcher.memory_left(self.dir)
 
-    def alive(self) -> bool:
+    def alive(self, timeout: float = PROBE_TIMEOUT_S) -> bool:
         """The liveness probe: run before a sandbox that waited warm is trusted with a job."""
         try:
-            return self.call(_PING_REQUEST, timeout=PROBE_TIMEOUT_S, max_response=len(probe.PONG)) == probe.PONG
+            return self.call(_PING_REQUEST, timeout=timeout, max_response=len(probe.PONG)) == probe.PONG
         except PoolWorkerError:
             return False
 
@@ -277,7 +286,8 @@ class Sandbox:
     def warm_up(self) -> str | None:
         """Pay a restored sandbox's first-touch costs now, not in its first job; why not, if it failed.
 
-        Before hand-out only: the sandbox has run nothing but the template.
+        Before hand-out, and after a session's per-step checkpoint (``_step_checkpoint``):
+        the job asks for nothing the process keeps (no session ``__main__``, links or limits).
         """
         try:
             answer = self.call(_WARM_UP_REQUEST, timeout=WARM_UP_TIMEOUT_S, max_response=MAX_WARM_UP_ANSWER)
@@ -295,6 +305,12 @@ class Sandbox:
         when the executor does not hibernate, RunscError when the checkpoint
         fails.
         """
+        self.quiesce()
+        self.launcher.checkpoint(self.dir, image_dir)
+
+    def quiesce(self) -> None:
+        """Ask the executor to hibernate and wait until its connection ends (both its sockets closed):
+        the sandbox may be checkpointed now. Raises PoolWorkerError when it does not."""
         deadline = time.monotonic() + HIBERNATE_ANSWER_S
         answer = self.exchange(HIBERNATE, timeout=HIBERNATE_ANSWER_S, max_response=len(HIBERNATING))
         connection = self._connect()
@@ -307,7 +323,6 @@ class Sandbox:
                     raise PoolWorkerError(f"sandbox {self.id}: wrote after it said it was hibernating")
         finally:
             self._drop_connection()
-        self.launcher.checkpoint(self.dir, image_dir)
 
     def destroy(self) -> None:
         if self.destroyed:
@@ -319,6 +334,8 @@ class Sandbox:
         finally:
             self.launched.close()
             self.dir.remove()
+            if self.mounts_held is not None:
+                os.close(self.mounts_held)
 
     def _connect(self) -> socket.socket:
         with self._connecting:
@@ -354,7 +371,7 @@ def launch(
     started = time.monotonic()
     # The host's /tmp full, out of descriptors: not the request's doing.
     with host_failure(SandboxSetupError, "cannot make a sandbox directory"):
-        sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated)
+        sandbox_dir = SandboxDir.create(run_dir, grants.grants, private=launcher.isolated, grant_slots=launcher.plan.grant_slots())
     launched: Launched | None = None
     try:
         full_env = {**env, "EXECUTOR_DIR": launcher.executor_dir(sandbox_dir), "EXECUTOR_MODE": "sandbox"}
@@ -362,6 +379,7 @@ def launch(
             launched = launcher.start(sandbox_dir, full_env)
         hand_over(launched.process, full_env)
         _wait_for_socket(sandbox_dir, launched, socket_wait_s)
+        mounts_held = launcher.hold_mounts(sandbox_dir)
     except BaseException:
         # Also without a process: a runsc that timed out may have left a container behind.
         launcher.destroy(sandbox_dir, None if launched is None else launched.process)
@@ -371,7 +389,7 @@ def launch(
         raise
     ready_ms = (time.monotonic() - started) * 1000
     log.debug("sandbox ready", sandbox=sandbox_dir.id, launcher=launcher.name, ready_ms=round(ready_ms, 1))
-    return Sandbox(sandbox_dir, launcher, launched, ready_ms, write_grants=grants.write_grants)
+    return Sandbox(sandbox_dir, launcher, launched, ready_ms, write_grants=grants.write_grants, mounts_held=mounts_held)
 
 
 def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:

@@ -2,9 +2,9 @@
 
 A session is opened with a :class:`~readie_worker.jobs.CodeJob` that is both
 its setup and its first step: grants, package dirs, network, environment and
-limits are fixed then, like any job's (mount sources are fixed at restore, so
-a session with grants restores its own sandbox; one without takes a warm
-one). Each step is ``runner_call(step, links, session=True)``, which the
+limits are fixed then, like any job's (a session takes a warm sandbox, its
+grants mounted once it is taken, unless it needs packages or the network:
+``Worker._acquire``). Each step is ``runner_call(step, links, session=True)``, which the
 in-sandbox runner executes in the sandbox's persistent ``__main__``.
 
 What a step's end means for the session:
@@ -27,26 +27,30 @@ every session's sandbox when it closes or drains.
 Steps run one at a time: a step asked for while another runs is a
 RequestError, not a queue (the pool engine queues steps in order).
 
-Hibernation (``hibernation.py``, decision 0022): an idle session may be
-checkpointed to an image on disk and its sandbox ended, which frees its
-memory; its next step restores it first (the outcome's ``resumed_ms``),
-with its grants opened again under the rules of a new job. A fork is a
-hibernation whose image a second session shares: both resume from it on
-their next steps, and go on independently. Both take a worker slot while
-they run, as a step does.
+Hibernation (``hibernation.py``, decision 0022): an idle session is
+checkpointed to disk and its sandbox ended, freeing its memory; its next
+step restores it (``resumed_ms``), its grants opened again under a new
+job's rules. A fork is a hibernation whose image a second session shares.
+Both take a worker slot, as a step does.
+
+The session store (decision 32): a session that can hibernate has a ``key``
+and a store entry, leased by this worker while it holds it. ``detach``
+hibernates it and lets go, for ``Worker.attach_session`` (a failed write
+keeps what the store held); ``close`` removes the entry; a holder whose
+lease another took ends its copy. With ``checkpoint_steps`` each step's
+state is written there after its outcome is returned (``_step_checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TypeVar
 
 import structlog
 
@@ -54,13 +58,15 @@ from ._states import SandboxState, SessionState, check_transition
 from readie_executor.jobs import EXIT_NOT_STARTED
 
 from readie_protocol.cancel import NEVER, Cancellation
-from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids, for_client
+from readie_protocol.errors import NotStarted
+from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, for_client, logged_under_its_id
 from .hibernation import SessionImages
-from . import _workspace as workspace
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, run_in_sandbox
+from ._step_checkpoint import StepCheckpoints
+from ._session_files import SessionFiles
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, _since, call_step
 from readie_policy.jobs import StepOutcome
-from readie_protocol.workspace import FileChunk, FileListing
 from .runsc import RunscError
+from .paths import remove_tree
 from .sandbox import Sandbox
 
 __all__ = ["EXIT_NOT_STARTED", "SandboxSession", "StepOutcome"]
@@ -74,31 +80,14 @@ HIBERNATE_SLOT_WAIT_S = 20.0
 SESSION_ID_BYTES = 6
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _logged_under_its_id(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``method`` of a session, run with the session's id (and a step's ``job_id``) in the log
-    context: what fails under it is logged next to them, and a client's error names them."""
-
-    @functools.wraps(method)
-    def bound(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        session = args[0]
-        assert isinstance(session, SandboxSession)
-        job_id = kwargs.get("job_id")
-        with bound_ids(session=session.id, job_id=job_id if isinstance(job_id, str) else None):
-            return method(*args, **kwargs)
-
-    return bound
-
-
 #: Restores a hibernated session's image under the memory limit it had (None: the backstop):
 #: its sandbox, and the links its re-opened grants need.
 Restorer = Callable[[CodeJob, Path, "int | None"], "tuple[Sandbox, tuple[Mapping[str, object], ...]]"]
 
+_R = TypeVar("_R")
 
-class SandboxSession:
+
+class SandboxSession(SessionFiles):
     """A worker session: see the module docstring. Made by ``Worker.open_session``."""
 
     def __init__(
@@ -113,9 +102,14 @@ class SandboxSession:
         images: SessionImages | None = None,
         restore: Restorer | None = None,
         observe_image: Callable[[str, float], None] = lambda operation, seconds: None,
-        image: Path | None = None,
+        key: str | None = None,
+        stored: bool = False,
+        prepared: Path | None = None,
         fork: Callable[[SandboxSession, Cancellation], tuple[SandboxSession, float]] | None = None,
         memory_limit: int | None = None,
+        steps: int = 0,
+        checkpoint_steps: bool = False,
+        observe_checkpoint: Callable[[str, float], None] = lambda result, seconds: None,
     ) -> None:
         self.id = "ws-" + secrets.token_hex(SESSION_ID_BYTES)
         self.job = job  # the setup; its code was the first step's
@@ -128,17 +122,27 @@ class SandboxSession:
         self._images = images
         self._restore = restore
         self._observe_image = observe_image  # (hibernate|resume|fork, seconds): the worker's metrics
-        self._image = image  # while HIBERNATED
+        # Its name in the session store (None: it cannot hibernate); while HIBERNATED the store
+        # holds its image. ``prepared``: an attached session's image, verified and copied into
+        # the worker's own dir at attach, which its first resume restores from.
+        self.key = key if images is not None else None
+        self._prepared = prepared
         self._fork = fork  # the worker's fork_session: a fork is a session of the worker's
         # The cgroup limit its job's 'memory' set at open, re-applied as it is at every resume:
         # measured again from a restored sandbox's usage, it would grow by 'memory' each time.
         self.memory_limit = sandbox.memory_limit_bytes if sandbox is not None else memory_limit
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
-        if image is not None:
-            self.state = SessionState.HIBERNATED  # a fork: it resumes at its first step
+        if stored:
+            self.state = SessionState.HIBERNATED  # a fork or an attached session: it resumes at its first step
         else:
             self.state = SessionState.OPENING if sandbox is not None else SessionState.ENDED
-        self.steps = 0
+        self.steps = steps
+        self.detached = False  # ended by detach: its state waits in the store (a drain's handed_over)
+        self._lease_lost = False  # another holder has the entry now: this copy leaves it alone
+        self.lease: str | None = None  # the store lease's token (set by its keeper): what it writes and removes by
+        # Set by a take-over attach: the step the stored state is from, which the next resume reports.
+        self.resumed_from_step: int | None = None
+        self._checkpoints = StepCheckpoints(self.id, observe_checkpoint) if checkpoint_steps and self.key else None
         if sandbox is not None and sandbox.state is SandboxState.READY:
             sandbox.move(SandboxState.BUSY)  # a restored sandbox; a warm one comes BUSY from its warm set
 
@@ -154,7 +158,7 @@ class SandboxSession:
     def hibernated(self) -> bool:
         return self.state is SessionState.HIBERNATED
 
-    @_logged_under_its_id
+    @logged_under_its_id
     def run_step(
         self,
         step: Step,
@@ -172,6 +176,7 @@ class SandboxSession:
         (declared functions and no ``host``) ends the session.
         """
         job = self.job.step(step)
+        self.wait_for_checkpoint()
         with self._lock:
             if self.state is SessionState.ENDED:
                 raise RequestError(f"session {self.id} has ended", field="session")
@@ -186,14 +191,19 @@ class SandboxSession:
                 step_outcome = self.run_in_slot(
                     job, job_id=job_id, queue_us=queue_us, host=host, cancel=cancel, output=output
                 )
-                return dataclasses.replace(step_outcome, resumed_ms=resumed_ms)
+                taken_from, self.resumed_from_step = self.resumed_from_step, None
+                return dataclasses.replace(step_outcome, resumed_ms=resumed_ms, resumed_from_step=taken_from)
+        except NotStarted:
+            # Refused before anything ran (a draining worker): the session is as it was, for its
+            # stream to hand over (decision 32), never ended by a refusal.
+            self._idle_again()
+            raise
         except BaseException:
-            # The slot was refused (a draining worker) or a bug: nothing is known
-            # about the sandbox's state, so it is not trusted with another step.
+            # A bug: nothing is known about the sandbox's state, so it is not trusted with another step.
             self.close()
             raise
 
-    @_logged_under_its_id
+    @logged_under_its_id
     def run_in_slot(
         self,
         step: CodeJob,
@@ -225,27 +235,30 @@ class SandboxSession:
             elif ends:
                 self._move(SessionState.ENDED)
                 doomed = sandbox
-            else:
+            elif self._checkpoints is None:
                 sandbox.move(SandboxState.READY)
                 self._move(SessionState.IDLE)
+            else:  # busy (RUNNING, the sandbox BUSY) until its checkpoint is written
+                assert self._images is not None and self.key is not None
+                self._checkpoints.start(self._images, self.key, self.lease, self.job, self.memory_limit, sandbox,
+                                        number, self._idle_again)
         if doomed is not None:
-            doomed.destroy()
-            self._forget(self)
+            try:
+                doomed.destroy()
+            finally:  # stopped as its caller went away (a router killed): a keyed session keeps its last state
+                self._let_go(remove=not (cancel.cancelled and self.key is not None))
+                self._forget(self)
         # One line per step, as per job: identifiers, outcome and timing, never output.
-        log.info(
-            "job",
-            job_id=job_id,
-            session=self.id,
-            step=number,
-            session_ended=ends,
-            checkpoint=step.checkpoint,
-            **outcome.log_fields(),
-            queue_us=queue_us,
-        )
+        log.info("job", job_id=job_id, session=self.id, step=number, session_ended=ends,
+                 checkpoint=step.checkpoint, **outcome.log_fields(), queue_us=queue_us)
         return StepOutcome(outcome, number, ends)
 
-    @_logged_under_its_id
-    def hibernate(self, cancel: Cancellation = NEVER) -> float:
+    def wait_for_checkpoint(self) -> bool:
+        """Until the last step's checkpoint is written (bounded; busy till then); whether none runs now."""
+        return self._checkpoints is None or self._checkpoints.wait()
+
+    @logged_under_its_id
+    def hibernate(self, cancel: Cancellation = NEVER, *, draining: bool = False) -> float:
         """Checkpoint the idle session to disk and end its sandbox; the milliseconds it took (0 if it was).
 
         Raises RequestError when the session has ended, a step runs, or it
@@ -253,6 +266,7 @@ class SandboxSession:
         worker's image bounds are reached (the session stays as it was);
         PoolWorkerError when its sandbox would not hibernate (which ends it).
         """
+        self.wait_for_checkpoint()
         with self._lock:
             if self.state is SessionState.HIBERNATED:
                 return 0.0
@@ -261,15 +275,16 @@ class SandboxSession:
             sandbox = self._sandbox
             assert sandbox is not None and self._images is not None
         started = time.monotonic()
-        image = None
+        touched = False
         try:
             # Bounded: a hibernation the pool's idle timer asked for must not wait behind an
             # hour-long job and then be given up by its caller, which would end the session.
-            with self._slot(cancel, HIBERNATE_SLOT_WAIT_S):
-                image = self._images.reserve(sandbox.launcher.memory_usage(sandbox.dir) or 0)
-                size = self._save(sandbox, image)
+            with self._slot(cancel, HIBERNATE_SLOT_WAIT_S, draining=draining):
+                self._images.check_room(sandbox.launcher.memory_usage(sandbox.dir) or 0)
+                touched = True
+                size = self._save(sandbox)
         except BaseException:
-            if image is None:  # refused before the sandbox was touched: the session goes on as it was
+            if not touched:  # refused before the sandbox was touched: the session goes on as it was
                 with self._lock:
                     if self.state is SessionState.RUNNING:
                         sandbox.move(SandboxState.READY)
@@ -288,40 +303,47 @@ class SandboxSession:
         assert self._fork is not None
         return self._fork(self, cancel)
 
-    @_logged_under_its_id
-    def fork_image(self, cancel: Cancellation = NEVER) -> tuple[Path, float]:
-        """Hibernate (if not already) and give a second image of this session's state, for a fork.
-
-        Raises as :meth:`hibernate`; the caller makes the fork's session with it.
-        """
+    @logged_under_its_id
+    def fork_into(self, fork_key: str, cancel: Cancellation = NEVER) -> float:
+        """Hibernate (if not already) and store this state again under ``fork_key`` (files shared),
+        for the fork's session; the milliseconds it took. Raises as :meth:`hibernate`."""
         started = time.monotonic()
         self.hibernate(cancel)
-        assert self._images is not None
+        assert self._images is not None and self.key is not None
         with self._lock:
-            if self.state is not SessionState.HIBERNATED or self._image is None:
+            if self.state is not SessionState.HIBERNATED:
                 raise RequestError(f"session {self.id} has ended or runs a step; it cannot fork now", field="session")
-            copy = self._images.share(self._image)
+            self._images.fork(self.key, fork_key, 0)  # a fork numbers its own steps from 0
         seconds = time.monotonic() - started
         self._observe_image("fork", seconds)
-        return copy, seconds * 1000
+        return seconds * 1000
 
-    # Files in the session's workspace (decision 31): each call holds the session as a step does.
+    @logged_under_its_id
+    def detach(self, cancel: Cancellation = NEVER, *, draining: bool = False) -> None:
+        """Hibernate into the store, let go of the lease and end this handle (``detached``), for
+        ``Worker.attach_session`` (decision 32); a session without a key is closed. Raises as
+        :meth:`hibernate`, and what it raises has ended this handle (the entry kept as it was,
+        :meth:`release`). ``draining``: a drain's."""
+        if self.key is None:
+            self.close()
+            return
+        try:
+            self.hibernate(cancel, draining=draining)
+        except BaseException:
+            # A failed write never costs what the store holds (a per-step checkpoint): an attach continues it.
+            self.release()
+            raise
+        self.detached = True
+        self._end(remove=False)
 
-    @_logged_under_its_id
-    def upload_chunk(self, path: str, offset: int, data: bytes, size: int, *, cancel: Cancellation = NEVER) -> int:
-        """Write ``data`` at ``offset`` of the ``size``-byte upload of ``path``; the bytes it holds now
-        (``_workspace.upload_chunk``: what is refused, and why)."""
-        return self._with_workspace(lambda sandbox: workspace.upload_chunk(sandbox, self.job, path, offset, data, size, cancel), cancel)
+    def release(self) -> None:
+        """End this handle and let go of the lease, the store entry's last good generation kept."""
+        self._end(remove=False)
 
-    @_logged_under_its_id
-    def download_chunk(self, path: str, offset: int, length: int, *, cancel: Cancellation = NEVER) -> FileChunk:
-        """At most ``length`` bytes of ``path`` from ``offset`` (``_workspace.download_chunk``)."""
-        return self._with_workspace(lambda sandbox: workspace.download_chunk(sandbox, self.job, path, offset, length, cancel), cancel)
-
-    @_logged_under_its_id
-    def list_files(self, path: str, *, cancel: Cancellation = NEVER) -> FileListing:
-        """The entries of directory ``path`` of the workspace (``_workspace.list_files``)."""
-        return self._with_workspace(lambda sandbox: workspace.list_files(sandbox, self.job, path, cancel), cancel)
+    def lease_taken(self) -> None:
+        """Another holder took this session's lease: end this copy without touching the store."""
+        self._lease_lost = True
+        self._end(remove=False)
 
     def _with_workspace(self, operation: Callable[[Sandbox], _R], cancel: Cancellation) -> _R:
         """``operation`` on the session's sandbox, held as a step holds it (refused while a step
@@ -331,6 +353,7 @@ class SandboxSession:
         A RequestError leaves the session as it was; anything else (the sandbox broke or answered
         out of bounds, a resume failed) ends it: the sandbox is not trusted again.
         """
+        self.wait_for_checkpoint()
         with self._lock:
             self._start_running()
         try:
@@ -361,40 +384,58 @@ class SandboxSession:
                 self._move(SessionState.IDLE)
 
     def close(self) -> None:
-        """End the session and destroy its sandbox (or remove its image); a step still running ends
-        with a worker error. Calling it again does nothing."""
+        """End the session for good: its sandbox destroyed, its store entry removed; a step still
+        running ends with a worker error. Calling it again does nothing."""
+        self._end(remove=True)
+
+    def _end(self, *, remove: bool) -> None:
+        """End this handle; ``remove``: the session too, else its entry waits for another holder. A
+        per-step checkpoint that outlives the wait tears the session down when it ends: its runsc
+        commands and this destroy never race, nor a removal its publish."""
+        self.wait_for_checkpoint()
         with self._lock:
             if self.state is SessionState.ENDED:
                 return
             self._move(SessionState.ENDED)
-            sandbox, image, self._image = self._sandbox, self._image, None
-        try:
-            if sandbox is not None:
-                sandbox.destroy()
-        finally:
-            if image is not None and self._images is not None:
-                self._images.remove(image)
-            self._forget(self)
+            sandbox, prepared, self._prepared = self._sandbox, self._prepared, None
 
-    def _save(self, sandbox: Sandbox, image: Path) -> int:
-        """Checkpoint ``sandbox`` into ``image`` and end it; the image's bytes. Ends the session on failure."""
-        assert self._images is not None
+        def tear_down() -> None:
+            try:
+                if sandbox is not None:
+                    sandbox.destroy()
+            finally:
+                if prepared is not None:
+                    remove_tree(prepared)
+                self._let_go(remove=remove)
+                self._forget(self)
+
+        if self._checkpoints is None:
+            tear_down()
+        else:
+            self._checkpoints.then(tear_down)
+
+    def _let_go(self, *, remove: bool) -> None:
+        """Remove the store entry (a close), or keep its last good generation (``SessionImages.let_go``)."""
+        if self._images is not None and self.key is not None and not self._lease_lost:
+            self._images.let_go(self.key, self.lease, keep=not remove)
+
+    def _save(self, sandbox: Sandbox) -> int:
+        """Checkpoint ``sandbox`` into the store and end it; the image's bytes. Ends the session on failure."""
+        assert self._images is not None and self.key is not None
         try:
-            sandbox.checkpoint(image)
-            size = self._images.written(image)
-        except (PoolWorkerError, RunscError, OSError) as exc:
-            self._images.remove(image)
-            self.close()  # a sandbox asked to hibernate is not trusted with another step
+            size = self._images.write(self.key, sandbox, job=self.job, memory_limit=self.memory_limit, step=self.steps, lease=self.lease)
+        except (PoolWorkerError, RunscError, SandboxSetupError, OSError) as exc:
+            # Not trusted with another step; what the store held before (a per-step checkpoint) is kept.
+            self.release()
             raise PoolWorkerError(f"session {self.id} could not hibernate and has ended: {for_client(exc)}") from None
         finally:
             sandbox.destroy()
         with self._lock:
             ended = self.state is SessionState.ENDED  # closed while it hibernated
             if not ended:
-                self._sandbox, self._links, self._image = None, (), image
+                self._sandbox, self._links = None, ()
                 self._move(SessionState.HIBERNATED)
-        if ended:
-            self._images.remove(image)
+        if ended:  # closed while it hibernated: the write published before close removed the entry, or not at all
             raise PoolWorkerError(f"session {self.id} was closed while it hibernated")
         return size
 
@@ -421,23 +462,26 @@ class SandboxSession:
 
     def _resume(self) -> float | JobOutcome:
         """Restore the hibernated session (the caller holds a slot): milliseconds, or why not."""
-        assert self._image is not None and self._restore is not None and self._images is not None
+        assert self.key is not None and self._restore is not None and self._images is not None
         started = time.monotonic()
         try:
-            sandbox, links = self._restore(self.job, self._image, self.memory_limit)
-        except (RequestError, SandboxSetupError) as exc:  # a grant gone, a restore failed
+            prepared, self._prepared = self._prepared, None  # the image an attach copied here, else read now
+            sandbox, links = self._images.restore(self.key, prepared, lambda image: self._restore(self.job, image, self.memory_limit))
+        except (RequestError, SandboxSetupError) as exc:  # a grant gone, a restore failed, the image refused
             self.close()
             return JobOutcome.failure(ErrorType.SANDBOX_SETUP, f"the hibernated session could not resume: {exc}", _since(started), "gvisor")
         with self._lock:
             ended = self.state is SessionState.ENDED
             if not ended:
-                image, self._image = self._image, None
                 self._sandbox, self._links = sandbox, links
                 sandbox.move(SandboxState.BUSY)
         if ended:  # closed while it resumed
             sandbox.destroy()
             raise PoolWorkerError(f"session {self.id} was closed while it resumed")
-        self._images.remove(image)
+        # Live again: the stored state is older than the next step's, and is not kept as if it were;
+        # unless each step is checkpointed: then it is what a crash in this step falls back to.
+        if self._checkpoints is None:
+            self._images.store.drop_image(self.key, lease=self.lease)
         seconds = time.monotonic() - started
         self._observe_image("resume", seconds)
         return seconds * 1000
@@ -454,30 +498,3 @@ class SandboxSession:
     def _move(self, target: SessionState) -> None:
         self.state = check_transition(self.state, target)
 
-
-def call_step(
-    sandbox: Sandbox,
-    job: CodeJob,
-    links: tuple[Mapping[str, object], ...],
-    host: HostFunction | None = None,
-    cancel: Cancellation = NEVER,
-    output: OutputSink | None = None,
-) -> tuple[JobOutcome, bool]:
-    """Run one session step in ``sandbox``: its outcome, and whether it ends the session.
-
-    A step ends the session when it did not end on its own (timeout, crash,
-    an invalid answer: no exit status), when its code raised SystemExit, or
-    when the runner could not set it up. The sandbox is destroyed by the
-    session's end, not here (``run_in_sandbox`` destroys it at a timeout).
-    """
-    outcome = run_in_sandbox(sandbox, job, links, host, session=True, cancel=cancel, output=output)
-    setup_failed = (
-        outcome.exit == EXIT_NOT_STARTED
-        and outcome.error is not None
-        and outcome.error.type == ErrorType.SANDBOX_SETUP
-    )
-    return outcome, outcome.exit is None or outcome.system_exit or setup_failed
-
-
-def _since(started: float) -> int:
-    return int((time.monotonic() - started) * 1_000_000)

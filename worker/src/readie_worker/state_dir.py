@@ -6,7 +6,8 @@ and at close (decision 0025)::
 
     runsc/    runsc's --root: container state and each sandbox's control socket
     run/      one directory per sandbox: its bundle, its executor socket, its grants' mounts
-    images/   hibernated sessions' images (hibernation.py)
+    images/   images on their way into and out of the session store (hibernation.py)
+    store/    the session store, unless the worker shares one (session_store.py)
 
 Nothing is kept beside it or named after it. Other local users are the
 attackers here: a state dir in a shared place (``/tmp``) could be planted
@@ -53,6 +54,7 @@ __all__ = [
     "RUNSC",
     "RUNTIME_DIR_VARIABLE",
     "RUNTIME_ROOT",
+    "STORE",
     "StateDir",
     "StateDirRefused",
     "runtime_root",
@@ -65,7 +67,8 @@ log = structlog.get_logger("readie.worker")
 RUNSC = "runsc"
 RUN = "run"
 IMAGES = "images"
-_LAYOUT = (RUNSC, RUN, IMAGES)
+STORE = "store"
+_LAYOUT = (RUNSC, RUN, IMAGES, STORE)
 
 RUNTIME_DIR_VARIABLE = "READIE_RUNTIME_DIR"
 ROOT_RUNTIME_PARENT = "/run"
@@ -124,6 +127,10 @@ class StateDir:
     @property
     def images_dir(self) -> Path:
         return self.path / IMAGES
+
+    @property
+    def store_dir(self) -> Path:
+        return self.path / STORE
 
     @classmethod
     def claim(cls, named: Path | None) -> StateDir:

@@ -19,6 +19,7 @@ from readie_policy.testing import free_port, readie_command  # noqa: F401  (name
 
 from ._host_frames import HostCall, HostReply
 from ._sandbox_dir import SandboxDir
+from .bundle import MountPlan
 from .errors import SandboxSetupError
 from .launchers import Launcher, LocalProcess
 from .runsc import Launched, Runsc
@@ -150,6 +151,10 @@ class FaultyLauncher:
     def isolated(self) -> bool:
         return self.inner.isolated
 
+    @property
+    def plan(self) -> MountPlan:
+        return self.inner.plan
+
     def start(self, sandbox: SandboxDir, env: Mapping[str, str]) -> Launched:
         self.starts += 1
         if self.fail_starts > 0:
@@ -159,6 +164,9 @@ class FaultyLauncher:
 
     def executor_dir(self, sandbox: SandboxDir) -> str:
         return self.inner.executor_dir(sandbox)
+
+    def hold_mounts(self, sandbox: SandboxDir) -> int | None:
+        return self.inner.hold_mounts(sandbox)
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         self.destroys += 1

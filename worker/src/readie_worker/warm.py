@@ -136,19 +136,6 @@ class WarmSandboxes:
         sandbox.move(SandboxState.BUSY)
         return sandbox
 
-    def give_back(self, sandbox: Sandbox) -> None:
-        """Return a sandbox that may serve again; anything doubtful is destroyed instead."""
-        if sandbox.destroyed or not sandbox.alive():
-            sandbox.destroy()
-            return
-        sandbox.move(SandboxState.READY)
-        with self._changed:
-            if self._closed:
-                sandbox.destroy()
-                return
-            self._ready.append(_Ready(sandbox, time.monotonic()))
-            self._changed.notify_all()
-
     def reap_idle(self) -> int:
         """Destroy surplus sandboxes (beyond target) idle longer than the TTL."""
         doomed = []

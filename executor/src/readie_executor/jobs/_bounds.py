@@ -63,6 +63,15 @@ BINARY_DISPLAY_TYPES = frozenset({"image/png", "image/jpeg"})
 # Longer than any MIME type above: what a checker lets an entry of "omitted" be.
 MAX_DISPLAY_TYPE = 32
 
+# Where the runner's time went (jobs/_phases.py), in the order they happen: unpickling the
+# request and the call's own set-up; the spec; links, files and the seccomp filter; the output
+# capture's set-up; the process state the job sees; compiling; the rlimits; the code with its
+# deadline and guard; the process state put back; the capture's end and drain; the result's JSON.
+RUNNER_PHASES = (
+    "request", "spec", "setup", "capture", "state", "compile", "limits", "code", "restore", "drain",
+    "encode",
+)
+
 # Exception types whose result error carries a hint (what was granted, the limit).
 HINTED_ERROR_TYPES = frozenset({"PermissionError", "MemoryError"})
 

@@ -17,42 +17,46 @@ each stream's bytes and sends them at most every OUTPUT_INTERVAL_S, or
 sooner once MAX_OUTPUT_CHUNK_BYTES are gathered; only the bytes the result
 keeps are sent, so the frames never carry more than the result would.
 
-The drain thread is started once and kept (:class:`_Drainer`): a thread
-started per job cost a clone and a join under gVisor on every job and
-session step. The first capture starts it, which in a warm sandbox is the
-warm-up, after the checkpoint (a template has no thread but its main one).
+The drain thread is started once and kept, the pipes are kept for the next
+job when nothing of this one can write on, and the main thread reads what a
+job leaves in them itself (:mod:`._drain`): a thread started per job, pipes
+made per job and waiting for the thread at the job's end cost a clone, a
+dozen system calls and thread hand-offs under gVisor on every job and
+session step. The first capture starts the thread, which in a warm sandbox
+is the warm-up, after the checkpoint (a template has no thread but its main
+one).
 """
 
 from __future__ import annotations
 
+import _thread
 import codecs
 import contextlib
 import ctypes
 import io
+import mmap
 import os
-import select
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..hostwire import MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S, OUTPUT_STREAMS, encode_output
+from ._drain import DRAIN_GRACE_SECONDS, STDERR_FD, STDOUT_FD, CapturePipes, keep_pipes, take_pipes
 
-# A read this size empties a full pipe (64 KiB on Linux) in one call; so does one output frame.
-READ_SIZE = MAX_OUTPUT_CHUNK_BYTES
 # Bytes kept beyond max_output: enough to finish a multi-byte character cut at
 # the boundary and to know that more followed.
 EXTRA_BYTES_KEPT = 8
-# How often the drain thread looks at its stop flag when nothing arrives.
-POLL_INTERVAL_MS = 50
-# After the job, wait this long for the pipes to report end of file. Longer
-# means a descriptor the job duplicated (or gave a background thread) is still
-# open; the output written so far is kept and the rest is dropped.
-DRAIN_GRACE_SECONDS = 1.0
-STDOUT_FD = 1
-STDERR_FD = 2
+# A capture's two buffers are kept for the next capture of the same size (a session's next
+# step; a warm sandbox's job after its warm-up): mapping and unmapping them cost more under
+# gVisor than the rest of a capture. Only up to this size (the default max_output fits): a
+# sandbox keeps at most two such mappings, and of them only the pages output reached.
+MAX_KEPT_BUFFER_BYTES = 2 * 1024 * 1024
 STDIN_FD = 0
+# The buffer of the job's sys.stdout and sys.stderr: the most either holds unwritten, which
+# the job's end writes into a pipe only the main thread reads then (_final_flush_fits).
+# What python3 gives a pipe (io.DEFAULT_BUFFER_SIZE).
+JOB_STREAM_BUFFER_BYTES = io.DEFAULT_BUFFER_SIZE
 STREAM_NAMES = dict(zip((STDOUT_FD, STDERR_FD), OUTPUT_STREAMS, strict=True))
 
 
@@ -69,23 +73,63 @@ class _BoundedSink:
     limit, or a job that prints after a MemoryError would block on a full
     pipe; so each read goes into buffers that already exist, and only small
     objects (a memoryview slice) are made per read.
+
+    The buffer is an anonymous mapping, not a bytearray: its address space is
+    taken before the job (so the memory limit, measured after, counts it as
+    the baseline's), but a page is touched only when output reaches it. A
+    bytearray of the default 1 MiB is zero-filled at once, and under gVisor
+    first-touching its 256 pages twice per job cost more than all the rest of
+    the runner's set-up; the mapping itself is kept for the next capture
+    (:data:`MAX_KEPT_BUFFER_BYTES`, decision 33).
     """
 
     def __init__(self, keep: int) -> None:
-        self._buffer = bytearray(keep)
+        self._buffer = _kept_buffers.take(keep)
+        self._keep = keep
         self._length = 0
         self._total = 0
 
     def take(self, chunk: memoryview) -> memoryview:
         """Keep what fits of ``chunk``; return the part kept."""
-        piece = chunk[: len(self._buffer) - self._length]
+        piece = chunk[: self._keep - self._length]
         self._buffer[self._length : self._length + len(piece)] = piece
         self._length += len(piece)
         self._total += len(chunk)
         return piece
 
     def result(self) -> CapturedBytes:
-        return CapturedBytes(bytes(self._buffer[: self._length]), self._total)
+        """What was kept, as bytes; the buffer goes back for the next capture, and nothing may
+        be taken after."""
+        kept = CapturedBytes(self._buffer[: self._length], self._total)
+        _kept_buffers.give_back(self._buffer)
+        return kept
+
+
+class _KeptBuffers:
+    """The buffers of the last capture, for the next one (on the main thread only: a capture's
+    sinks are made before its drain and read after it)."""
+
+    def __init__(self) -> None:
+        self._spare: list[mmap.mmap] = []
+
+    def take(self, keep: int) -> mmap.mmap:
+        size = max(keep, 1)  # a mapping cannot be empty
+        for index, buffer in enumerate(self._spare):
+            if len(buffer) == size:
+                return self._spare.pop(index)
+        for buffer in self._spare:  # another size: the next captures will not want these either
+            buffer.close()
+        self._spare.clear()
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+
+    def give_back(self, buffer: mmap.mmap) -> None:
+        if len(buffer) <= MAX_KEPT_BUFFER_BYTES and len(self._spare) < len(STREAM_NAMES):
+            self._spare.append(buffer)
+        else:
+            buffer.close()
+
+
+_kept_buffers = _KeptBuffers()
 
 
 class _Streamer:
@@ -137,39 +181,48 @@ class OutputCapture:
     """Redirects fds 0, 1 and 2 (and sys.stdin/stdout/stderr) while active.
 
     ``send``: stream the output as frames too (see the module's docstring).
+    ``subprocesses``: the job may start processes, which may outlive it and write on.
     """
 
-    def __init__(self, max_output: int, send: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self, max_output: int, send: Callable[[bytes], None] | None = None, *, subprocesses: bool = True
+    ) -> None:
+        self._subprocesses = subprocesses
         keep = max_output + EXTRA_BYTES_KEPT
         self._sinks = {STDOUT_FD: _BoundedSink(keep), STDERR_FD: _BoundedSink(keep)}
         self._streamers = {
             fd: _Streamer(name, max_output, send) for fd, name in STREAM_NAMES.items()
         } if send is not None else {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._drained = threading.Event()
         self.stdout = CapturedBytes(b"", 0)
         self.stderr = CapturedBytes(b"", 0)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        pipes = {fd: os.pipe() for fd in (STDOUT_FD, STDERR_FD)}
-        readers = {read_end: fd for fd, (read_end, _) in pipes.items()}
-        _drainer().submit(self, readers)
+        pipes = take_pipes()
+        pipes.start(self)
         saved_streams = (sys.stdin, sys.stdout, sys.stderr)
         _flush_python_streams(saved_streams)
         saved_fds = {fd: os.dup(fd) for fd in (STDIN_FD, STDOUT_FD, STDERR_FD)}
         job_streams: tuple[io.TextIOWrapper, ...] = ()
         try:
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, STDIN_FD)
-            os.close(devnull)
-            for fd, (_, write_end) in pipes.items():
+            os.dup2(_devnull(), STDIN_FD)
+            for fd, write_end in pipes.writers.items():
                 os.dup2(write_end, fd)
             job_streams = _job_streams()
             sys.stdin, sys.stdout, sys.stderr = job_streams
             yield
         finally:
+            # Nothing the job started may write on after it: then the pipes are kept for the next job.
+            # (The drain thread is the one thread of the runner's own: _drain.Drainer.)
+            alone = not self._subprocesses and _thread._count() == 1
+            # The last output sits in the streams' buffers. If it fits in the pipes, the main thread
+            # takes the pipes from the drain thread first and flushes it where only it reads: the
+            # thread is not woken for it. Else the thread reads while it is flushed.
+            quiet = alone and _final_flush_fits(pipes, job_streams)
+            if quiet:
+                with pipes.lock:
+                    pipes.stop_watching()
+                    pipes.read_available()
             _flush_python_streams((sys.stdout, sys.stderr))
             # Closed now (closefd=False leaves the descriptors alone) so that a
             # buffer that would not flush is dropped instead of reaching the
@@ -178,68 +231,55 @@ class OutputCapture:
                 with contextlib.suppress(Exception):
                     stream.close()
             _flush_c_stdio()
+            if not quiet:
+                with pipes.lock:
+                    pipes.stop_watching()
             sys.stdin, sys.stdout, sys.stderr = saved_streams
             for fd, saved in saved_fds.items():
                 os.dup2(saved, fd)
                 os.close(saved)
-            # With fds 1 and 2 restored, these were the last write ends we hold:
-            # the drain thread sees end of file unless the job kept a copy.
-            for _, write_end in pipes.values():
-                os.close(write_end)
-            self._drained.wait(DRAIN_GRACE_SECONDS)
-            self._stop.set()
-            self._drained.wait()
-            for read_end in readers:
-                os.close(read_end)
-            with self._lock:
-                self.stdout = self._sinks[STDOUT_FD].result()
-                self.stderr = self._sinks[STDERR_FD].result()
+            self._finish(pipes, keep=alone)
 
-    def drain(self, readers: dict[int, int]) -> None:
-        """Read ``readers`` until each ends or the capture stops (on the drain thread)."""
-        try:
-            self._drain(readers)
-        finally:
-            # Before the capture ends, so every frame goes out ahead of the result.
+    def _finish(self, pipes: CapturePipes, keep: bool) -> None:
+        if keep:
+            with pipes.lock:
+                pipes.read_available()  # the last flush's bytes
+        if not keep or pipes.broken:
+            # A process or thread of the job may still hold a copy of a write end: read until none
+            # does, for at most the grace; one still writing after that gets EPIPE.
+            pipes.retire(DRAIN_GRACE_SECONDS)
+        keep = keep and not pipes.broken
+        with pipes.lock:
+            pipes.receiver = None
+            # After the drain thread's last frame, so every frame goes out ahead of the result.
             for streamer in self._streamers.values():
                 streamer.flush(final=True)
-            self._drained.set()
+            self.stdout = self._sinks[STDOUT_FD].result()
+            self.stderr = self._sinks[STDERR_FD].result()
+            if keep:
+                pipes.rest()
+        if keep:
+            keep_pipes(pipes)
+        else:
+            pipes.close()
 
-    def _drain(self, readers: dict[int, int]) -> None:
-        poller = select.poll()
-        for read_end in readers:
-            poller.register(read_end, select.POLLIN)
-        open_ends = set(readers)
-        chunk = bytearray(READ_SIZE)
-        view = memoryview(chunk)
-        while open_ends and not self._stop.is_set():
-            try:
-                for read_end, _ in poller.poll(self._poll_timeout_ms()):
-                    try:
-                        count = os.readv(read_end, [chunk])
-                    except OSError:
-                        count = 0
-                    if count == 0:
-                        poller.unregister(read_end)
-                        open_ends.discard(read_end)
-                        continue
-                    fd = readers[read_end]
-                    with self._lock:
-                        kept = self._sinks[fd].take(view[:count])
-                    if self._streamers:
-                        self._streamers[fd].gather(kept, time.monotonic())
-                self._send_due()
-            except MemoryError:
-                continue  # the job holds all its memory; the next round may find some freed
+    def take(self, fd: int, chunk: memoryview) -> None:
+        """Keep what fits of ``chunk``, read from the pipe of ``fd`` (with the pipes' lock held)."""
+        kept = self._sinks[fd].take(chunk)
+        if self._streamers:
+            self._streamers[fd].gather(kept, time.monotonic())
 
-    def _poll_timeout_ms(self) -> int:
+    def poll_timeout_ms(self) -> int | None:
+        """How long the drain may wait for output before a streamed frame is due; None: no limit."""
         waiting = [s.since for s in self._streamers.values() if s.since is not None]
         if not waiting:
-            return POLL_INTERVAL_MS
+            return None
         left = min(waiting) + OUTPUT_INTERVAL_S - time.monotonic()
-        return max(0, min(POLL_INTERVAL_MS, int(left * 1000) + 1))
+        return max(0, int(left * 1000) + 1)
 
-    def _send_due(self) -> None:
+    def send_due(self) -> None:
+        if not self._streamers:
+            return
         now = time.monotonic()
         due = [s.since for s in self._streamers.values() if s.due(now) and s.since is not None]
         if not due:
@@ -252,56 +292,60 @@ class OutputCapture:
             streamer.flush()
 
 
-class _Drainer:
-    """The process's one drain thread: it drains one capture at a time, then waits for the next."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._next: tuple[OutputCapture, dict[int, int]] | None = None
-        self.thread = threading.Thread(target=self._run, name="readie-capture", daemon=True)
-        self.thread.start()
-
-    def submit(self, capture: OutputCapture, readers: dict[int, int]) -> None:
-        with self._ready:
-            self._next = (capture, readers)
-            self._ready.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while self._next is None:
-                    self._ready.wait()
-                capture, readers = self._next
-                self._next = None
-            capture.drain(readers)
-            # Not kept while waiting: the capture's buffers (up to 2 x max_output) would stay allocated.
-            del capture, readers
-
-
-_the_drainer: _Drainer | None = None
-_drainer_lock = threading.Lock()
-
-
-def _drainer() -> _Drainer:
-    global _the_drainer
-    with _drainer_lock:
-        if _the_drainer is None or not _the_drainer.thread.is_alive():
-            _the_drainer = _Drainer()
-        return _the_drainer
-
-
 def _job_streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]:
     # What python3 gives a script whose output is not a terminal: stdout
     # block-buffered and strict, stderr line-buffered with backslashreplace.
+    # The text goes straight to a buffer of known size (write_through), so that
+    # what a flush still writes at the job's end is known (_final_flush_fits).
     stdin = io.TextIOWrapper(open(STDIN_FD, "rb", closefd=False), encoding="utf-8")  # noqa: SIM115
-    stdout = io.TextIOWrapper(open(STDOUT_FD, "wb", closefd=False), encoding="utf-8")  # noqa: SIM115
+    stdout = io.TextIOWrapper(
+        open(STDOUT_FD, "wb", buffering=JOB_STREAM_BUFFER_BYTES, closefd=False),  # noqa: SIM115
+        encoding="utf-8",
+        write_through=True,
+    )
     stderr = io.TextIOWrapper(
-        open(STDERR_FD, "wb", closefd=False),  # noqa: SIM115
+        open(STDERR_FD, "wb", buffering=JOB_STREAM_BUFFER_BYTES, closefd=False),  # noqa: SIM115
         encoding="utf-8",
         errors="backslashreplace",
         line_buffering=True,
+        write_through=True,
     )
     return stdin, stdout, stderr
+
+
+def _final_flush_fits(pipes: CapturePipes, job_streams: tuple[io.TextIOWrapper, ...]) -> bool:
+    """Can the job's last buffered output go into its emptied pipes without a reader, never blocking?
+
+    Only if sys.stdout and sys.stderr are still the streams the capture made (at most
+    JOB_STREAM_BUFFER_BYTES unwritten each) and C's stdio holds little: a job may have replaced
+    them with anything, or given C a buffer of megabytes. (That no thread or process of the
+    job is left, which could fill an emptied pipe while the main thread flushes, the caller
+    checks: ``alone`` in :meth:`OutputCapture.active`.)
+    """
+    if len(job_streams) != 3 or sys.stdout is not job_streams[1] or sys.stderr is not job_streams[2]:
+        return False
+    if not all(getattr(stream, "write_through", False) for stream in job_streams[1:]):
+        return False  # reconfigured: the text layer may hold more than the buffer
+    c_pending = _c_stdio_pending()
+    if c_pending is None:
+        return False
+    return pipes.capacity() >= JOB_STREAM_BUFFER_BYTES + c_pending
+
+
+_kept_devnull: tuple[int, int] | None = None  # a descriptor of /dev/null and its inode
+
+
+def _devnull() -> int:
+    """/dev/null, open for reading: the job's stdin. Kept (checked: a job may close any descriptor)."""
+    global _kept_devnull
+    if _kept_devnull is not None:
+        fd, inode = _kept_devnull
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == inode:
+                return fd
+    fd = os.open(os.devnull, os.O_RDONLY)
+    _kept_devnull = (fd, os.fstat(fd).st_ino)
+    return fd
 
 
 def _flush_python_streams(streams: tuple[object, ...]) -> None:
@@ -311,7 +355,38 @@ def _flush_python_streams(streams: tuple[object, ...]) -> None:
             stream.flush()  # type: ignore[attr-defined]
 
 
+_libc: ctypes.CDLL | None = None
+# Where glibc's FILE keeps the start and the end of what it holds unwritten (_IO_write_base,
+# _IO_write_ptr: fields of its public, stable struct _IO_FILE, on a 64-bit target).
+GLIBC_FILE_WRITE_BASE_OFFSET = 32
+
+
+def _load_libc() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:  # loaded once: a CDLL per job was a dlopen and a dozen objects each time
+        _libc = ctypes.CDLL(None)
+    return _libc
+
+
 def _flush_c_stdio() -> None:
     """Flush C-level stdio buffers, so a C extension's printf is captured too."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None).fflush(None)
+        _load_libc().fflush(None)
+
+
+def _c_stdio_pending() -> int | None:
+    """The most bytes C's stdout or stderr holds unwritten; None where that cannot be read (not glibc)."""
+    try:
+        libc = _load_libc()
+        if ctypes.sizeof(ctypes.c_void_p) != 8 or not hasattr(libc, "gnu_get_libc_version"):
+            return None
+        pending = 0
+        for name in ("stdout", "stderr"):
+            file = ctypes.c_void_p.in_dll(libc, name).value
+            if not file:
+                return None
+            base, end = (ctypes.c_void_p * 2).from_address(file + GLIBC_FILE_WRITE_BASE_OFFSET)
+            pending = max(pending, (end or 0) - (base or 0))
+        return pending
+    except Exception:  # noqa: BLE001 - no libc, no symbol: not known
+        return None

@@ -34,6 +34,7 @@ from ._bounds import (
     result_budget,
 )
 from ._capture import CapturedBytes
+from ._phases import PhaseClock
 from ._spec import JobSpec
 
 # clean_text, encoded_size and fit_text are the bounds' measure, used here and re-exported.
@@ -162,6 +163,7 @@ def encode_result(
     system_exit: bool = False,
     timed_out: bool = False,
     value: dict[str, Any] | None = None,
+    phases: PhaseClock | None = None,
 ) -> bytes:
     stdout_text, stdout_truncated = fit_stream(stdout, max_output)
     stderr_text, stderr_truncated = fit_stream(stderr, max_output)
@@ -186,6 +188,11 @@ def encode_result(
         ],
         "value": value,  # shown by _value.show_value, which keeps it within its caps
     }
+    if phases is not None:
+        # Optional (a result without it is as valid): the JSON encoding below is the one part of
+        # the runner's work no phase holds; the worker's clock has it, with the socket hops.
+        phases.lap("encode")
+        result["phases"] = phases.microseconds()
     encoded = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     budget = result_budget(max_output)
     if len(encoded) > budget:  # cannot happen if the bounds add up; never send more than promised

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _channel
-from .._calls import RAW_RESPONSE_ATTRIBUTE
+from .._calls import RAW_RESPONSE_ATTRIBUTE, call_started_ns
 from .._settings import parse_preimport
 from ._bounds import MAX_OUTPUT_LIMIT
 from ._capture import CapturedBytes, OutputCapture
 from ._guards import JobGuard, guarded, writable_roots
 from ._host import declared
+from ._phases import PhaseClock
 from ._limits import (
     JobTimedOut,
     apply_file_size_limit,
@@ -75,10 +76,12 @@ class _Outcome:
 def run_job(job: dict[str, object]) -> bytes:
     """Run one code job in this process and return its result as UTF-8 JSON. Never raises."""
     max_output = _declared_max_output(job)
+    clock = PhaseClock(call_started_ns())
+    clock.lap("request")
     try:
         spec = parse_job(job)
         max_output = spec.limits.max_output
-        return _run(spec)
+        return _run(spec, clock)
     except JobSpecError as exc:
         return _not_started(ErrorReport("RequestError", str(exc)), max_output)
     except BaseException as exc:  # a bug here must still answer, not break the executor's reply
@@ -92,9 +95,10 @@ setattr(run_job, RAW_RESPONSE_ATTRIBUTE, True)
 
 WARMED_UP = b"warm"
 WARM_UP_NAME = "<readie warm-up>"
+WARM_UP_CODE = 'print(end="")\nNone'
 
 
-def warm_up(subprocesses: bool = False) -> bytes:
+def warm_up(subprocesses: bool = False, max_output: int = 64) -> bytes:
     """Run a job that does nothing, so that the first real job does not pay first-touch costs.
 
     A restored sandbox pays on its first call for what the template never
@@ -105,12 +109,16 @@ def warm_up(subprocesses: bool = False) -> bytes:
     nothing else run_job keeps for the process (no links, rlimits or session
     ``__main__``). ``subprocesses`` must be what every later job gets: with
     False (the worker's only setting) the filter each job would install
-    first is installed now, and the job finds it in place.
+    first is installed now, and the job finds it in place. ``max_output``:
+    what most jobs ask (the worker's default), so that they find the output
+    capture's buffers already mapped (``_capture.MAX_KEPT_BUFFER_BYTES``).
     """
     job = {
-        "code": "pass",
+        # What a first job does on paths the template never took: a print (that writes
+        # nothing) and a last bare expression, so that their pages are touched here.
+        "code": WARM_UP_CODE,
         "name": WARM_UP_NAME,
-        "limits": {"subprocesses": subprocesses, "max_output": 64, "timeout_ms": 10_000},
+        "limits": {"subprocesses": subprocesses, "max_output": max_output, "timeout_ms": 10_000},
     }
     result = json.loads(run_job(job))
     linecache.cache.pop(WARM_UP_NAME, None)
@@ -123,7 +131,7 @@ def warm_up(subprocesses: bool = False) -> bytes:
 setattr(warm_up, RAW_RESPONSE_ATTRIBUTE, True)
 
 
-def _run(spec: JobSpec) -> bytes:
+def _run(spec: JobSpec, clock: PhaseClock) -> bytes:
     preloaded = preloaded_modules()
     # Package slots were empty directories when the template froze its import
     # caches; after a restore they may hold a job's packages.
@@ -138,6 +146,7 @@ def _run(spec: JobSpec) -> bytes:
         )
         error = ErrorReport(type(exc).__name__, safe_str(exc), spec.script_path, None)
         return _not_started(error, spec.limits.max_output, stderr=stderr, preloaded=preloaded)
+    clock.lap("spec")
     try:
         create_links(spec.links)
     except SetupError as exc:
@@ -152,14 +161,18 @@ def _run(spec: JobSpec) -> bytes:
         return _not_started(ErrorReport("RequestError", f"files: {exc}"), spec.limits.max_output, preloaded=preloaded)
     notes += _apply_subprocess_policy(spec.limits.subprocesses)
     channel = _channel.current() if spec.stream else None
-    capture = OutputCapture(spec.limits.max_output, channel.send if channel is not None else None)
+    clock.lap("setup")
+    capture = OutputCapture(
+        spec.limits.max_output, channel.send if channel is not None else None, subprocesses=spec.limits.subprocesses
+    )
     try:
         with capture.active():
-            outcome = _execute(spec, source, notes)
+            outcome = _execute(spec, source, notes, clock)
     except SetupError as exc:
         return _not_started(
             ErrorReport("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
         )
+    clock.lap("drain")
     return encode_result(
         exit_status=outcome.exit_status,
         stdout=capture.stdout,
@@ -172,10 +185,19 @@ def _run(spec: JobSpec) -> bytes:
         system_exit=outcome.system_exit,
         timed_out=outcome.timed_out,
         value=outcome.value,
+        phases=clock,
     )
 
 
-def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
+def _execute(spec: JobSpec, source: str | bytes, notes: list[str], clock: PhaseClock) -> _Outcome:
+    clock.lap("capture")
+    try:
+        return _execute_in_state(spec, source, notes, clock)
+    finally:
+        clock.lap("restore")
+
+
+def _execute_in_state(spec: JobSpec, source: str | bytes, notes: list[str], clock: PhaseClock) -> _Outcome:
     module = _main_module(spec)
     # The workspace is the job's to write in (decision 31: what it saves there can be collected).
     workspace = spec.cwd or os.getcwd()
@@ -186,6 +208,7 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
         subprocesses=spec.limits.subprocesses,
     )
     with _job_process_state(spec, module), declared(spec.functions):
+        clock.lap("state")
         try:
             # Code runs as a notebook cell: its last bare expression is shown. (The pool sends a
             # script's text as code too; only a script the sandbox reads itself is left as python3 runs it.)
@@ -196,8 +219,10 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
         except BaseException as exc:  # SyntaxError, or ValueError for a NUL in the source
             return _failure(exc, spec, duration_us=0)
         _register_source(spec.name, source)
+        clock.lap("compile")
         notes += apply_file_size_limit(spec.limits.max_file_size)
         notes += apply_memory_limit(spec.limits.memory_bytes, spec.limits.max_output)
+        clock.lap("limits")
         started = time.perf_counter_ns()
         try:
             try:
@@ -208,6 +233,7 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str]) -> _Outcome:
             finally:
                 relax_memory_limit()
                 duration_us = (time.perf_counter_ns() - started) // 1000
+                clock.lap("code")
         except JobTimedOut:
             message = f"job exceeded its timeout of {spec.limits.timeout_ms} ms"
             return _Outcome(EXIT_TIMED_OUT, ErrorReport("TimeoutError", message), duration_us, timed_out=True)

@@ -30,7 +30,7 @@ OUTPUT_STREAM_STDOUT: OutputStream
 OUTPUT_STREAM_STDERR: OutputStream
 
 class RunJobRequest(_message.Message):
-    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output", "report_files", "files", "collect", "collect_bytes", "collect_files", "transfer_bytes")
+    __slots__ = ("checkpoint", "code", "name", "args", "env", "cwd", "allow_read", "allow_write", "package_dirs", "network", "timeout_ms", "memory_bytes", "max_output", "max_file_size", "packages", "functions", "profile", "stream_output", "report_files", "files", "collect", "collect_bytes", "collect_files", "transfer_bytes", "network_destinations")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class RunJobRequest(_message.Message):
     COLLECT_BYTES_FIELD_NUMBER: _ClassVar[int]
     COLLECT_FILES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     code: str
     name: str
@@ -86,7 +87,8 @@ class RunJobRequest(_message.Message):
     collect_bytes: int
     collect_files: int
     transfer_bytes: int
-    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[WorkspaceFile, _Mapping]]] = ..., collect: _Optional[_Iterable[str]] = ..., collect_bytes: _Optional[int] = ..., collect_files: _Optional[int] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    network_destinations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoint: _Optional[str] = ..., code: _Optional[str] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., allow_read: _Optional[_Iterable[str]] = ..., allow_write: _Optional[_Iterable[str]] = ..., package_dirs: _Optional[_Iterable[str]] = ..., network: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_output: _Optional[int] = ..., max_file_size: _Optional[int] = ..., packages: _Optional[_Iterable[str]] = ..., functions: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., stream_output: _Optional[bool] = ..., report_files: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[WorkspaceFile, _Mapping]]] = ..., collect: _Optional[_Iterable[str]] = ..., collect_bytes: _Optional[int] = ..., collect_files: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., network_destinations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkspaceFile(_message.Message):
     __slots__ = ("path", "data")
@@ -131,7 +133,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files", "collected")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files", "collected", "session_key", "resumed_from_step", "lost")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +154,9 @@ class RunJobResponse(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     COLLECTED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     exit: int
     stdout: str
     stderr: str
@@ -172,7 +177,10 @@ class RunJobResponse(_message.Message):
     value: JobValue
     files: WrittenFiles
     collected: CollectedFiles
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ..., collected: _Optional[_Union[CollectedFiles, _Mapping]] = ...) -> None: ...
+    session_key: str
+    resumed_from_step: int
+    lost: bool
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ..., collected: _Optional[_Union[CollectedFiles, _Mapping]] = ..., session_key: _Optional[str] = ..., resumed_from_step: _Optional[int] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class WrittenFiles(_message.Message):
     __slots__ = ("files", "truncated")
@@ -272,7 +280,7 @@ class HostReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., result_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class InteractRequest(_message.Message):
-    __slots__ = ("job", "open_session", "step", "reply", "hibernate", "fork", "attach", "upload", "download", "list_files")
+    __slots__ = ("job", "open_session", "step", "reply", "hibernate", "fork", "attach", "upload", "download", "list_files", "close")
     JOB_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +291,7 @@ class InteractRequest(_message.Message):
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
     LIST_FILES_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     job: RunJobRequest
     open_session: RunJobRequest
     step: SessionStep
@@ -293,10 +302,11 @@ class InteractRequest(_message.Message):
     upload: UploadChunk
     download: DownloadChunk
     list_files: ListFiles
-    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ..., fork: _Optional[_Union[ForkSession, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ..., upload: _Optional[_Union[UploadChunk, _Mapping]] = ..., download: _Optional[_Union[DownloadChunk, _Mapping]] = ..., list_files: _Optional[_Union[ListFiles, _Mapping]] = ...) -> None: ...
+    close: CloseSession
+    def __init__(self, job: _Optional[_Union[RunJobRequest, _Mapping]] = ..., open_session: _Optional[_Union[RunJobRequest, _Mapping]] = ..., step: _Optional[_Union[SessionStep, _Mapping]] = ..., reply: _Optional[_Union[HostReply, _Mapping]] = ..., hibernate: _Optional[_Union[HibernateSession, _Mapping]] = ..., fork: _Optional[_Union[ForkSession, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ..., upload: _Optional[_Union[UploadChunk, _Mapping]] = ..., download: _Optional[_Union[DownloadChunk, _Mapping]] = ..., list_files: _Optional[_Union[ListFiles, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
 
 class InteractEvent(_message.Message):
-    __slots__ = ("call", "result", "output", "hibernated", "forked", "attached", "uploaded", "downloaded", "listed")
+    __slots__ = ("call", "result", "output", "hibernated", "forked", "attached", "uploaded", "downloaded", "listed", "handed_over")
     CALL_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +316,7 @@ class InteractEvent(_message.Message):
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
     DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
     LISTED_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     call: HostCall
     result: RunJobResponse
     output: OutputChunk
@@ -315,7 +326,18 @@ class InteractEvent(_message.Message):
     uploaded: ChunkUploaded
     downloaded: ChunkDownloaded
     listed: FilesListed
-    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ..., forked: _Optional[_Union[SessionForked, _Mapping]] = ..., attached: _Optional[_Union[SessionAttached, _Mapping]] = ..., uploaded: _Optional[_Union[ChunkUploaded, _Mapping]] = ..., downloaded: _Optional[_Union[ChunkDownloaded, _Mapping]] = ..., listed: _Optional[_Union[FilesListed, _Mapping]] = ...) -> None: ...
+    handed_over: SessionHandedOver
+    def __init__(self, call: _Optional[_Union[HostCall, _Mapping]] = ..., result: _Optional[_Union[RunJobResponse, _Mapping]] = ..., output: _Optional[_Union[OutputChunk, _Mapping]] = ..., hibernated: _Optional[_Union[SessionHibernated, _Mapping]] = ..., forked: _Optional[_Union[SessionForked, _Mapping]] = ..., attached: _Optional[_Union[SessionAttached, _Mapping]] = ..., uploaded: _Optional[_Union[ChunkUploaded, _Mapping]] = ..., downloaded: _Optional[_Union[ChunkDownloaded, _Mapping]] = ..., listed: _Optional[_Union[FilesListed, _Mapping]] = ..., handed_over: _Optional[_Union[SessionHandedOver, _Mapping]] = ...) -> None: ...
+
+class CloseSession(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionHandedOver(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("path", "offset", "size", "data")
@@ -418,16 +440,26 @@ class SessionForked(_message.Message):
     def __init__(self, fork_ms: _Optional[float] = ..., token: _Optional[str] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class AttachSession(_message.Message):
-    __slots__ = ("token",)
+    __slots__ = ("token", "key", "take_over")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     token: str
-    def __init__(self, token: _Optional[str] = ...) -> None: ...
+    key: str
+    take_over: bool
+    def __init__(self, token: _Optional[str] = ..., key: _Optional[str] = ..., take_over: _Optional[bool] = ...) -> None: ...
 
 class SessionAttached(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "step", "key", "setup")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    step: int
+    key: str
+    setup: RunJobRequest
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[str] = ..., setup: _Optional[_Union[RunJobRequest, _Mapping]] = ...) -> None: ...
 
 class HibernateSession(_message.Message):
     __slots__ = ()

@@ -101,6 +101,13 @@ class WorkerServicer:
         destroyed. The session lives exactly as long as the stream, so a session is
         pinned to its worker by construction, and a lost worker is a broken stream,
         never a fresh session.
+
+        Protocol 5 (decision 32): a session with a key outlives its stream. Only
+        `close` ends it; a stream that ends without one (half-closed, cancelled,
+        the client gone) detaches it into the session store, and a draining
+        server ends each session's stream with `handed_over`. A new stream whose
+        first message is `attach` with the key continues it, on any worker that
+        shares the store.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -75,6 +75,13 @@ class WorkerStub:
     destroyed. The session lives exactly as long as the stream, so a session is
     pinned to its worker by construction, and a lost worker is a broken stream,
     never a fresh session.
+
+    Protocol 5 (decision 32): a session with a key outlives its stream. Only
+    `close` ends it; a stream that ends without one (half-closed, cancelled,
+    the client gone) detaches it into the session store, and a draining
+    server ends each session's stream with `handed_over`. A new stream whose
+    first message is `attach` with the key continues it, on any worker that
+    shares the store.
     """
 
 @_typing.type_check_only
@@ -109,6 +116,13 @@ class WorkerAsyncStub(WorkerStub):
     destroyed. The session lives exactly as long as the stream, so a session is
     pinned to its worker by construction, and a lost worker is a broken stream,
     never a fresh session.
+
+    Protocol 5 (decision 32): a session with a key outlives its stream. Only
+    `close` ends it; a stream that ends without one (half-closed, cancelled,
+    the client gone) detaches it into the session store, and a draining
+    server ends each session's stream with `handed_over`. A new stream whose
+    first message is `attach` with the key continues it, on any worker that
+    shares the store.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -164,6 +178,13 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         destroyed. The session lives exactly as long as the stream, so a session is
         pinned to its worker by construction, and a lost worker is a broken stream,
         never a fresh session.
+
+        Protocol 5 (decision 32): a session with a key outlives its stream. Only
+        `close` ends it; a stream that ends without one (half-closed, cancelled,
+        the client gone) detaches it into the session store, and a draining
+        server ends each session's stream with `handed_over`. A new stream whose
+        first message is `attach` with the key continues it, on any worker that
+        shares the store.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

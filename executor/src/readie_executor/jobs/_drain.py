@@ -1,0 +1,266 @@
+"""The pipes a capture hands the job as fds 1 and 2, and the one thread that reads them.
+
+A job that writes more than a pipe holds blocks until someone reads, so a
+thread reads while the job runs (:class:`Drainer`). Under gVisor a system
+call costs tens of microseconds and a hand-off of the GIL between two
+threads and back hundreds, so a capture makes as few of either as it can
+(decision 33):
+
+* **Pipes kept.** The pipes outlive the capture: the next job gets the same
+  ones, checked first (``os.fstat`` of our write ends: a job may close or
+  replace any descriptor). They are retired instead (our write ends closed,
+  the rest read until end of file or DRAIN_GRACE_SECONDS, the read ends
+  closed, so that a writer still holding them gets EPIPE) when a job could
+  have left a writer behind: it was allowed to start processes, or a thread
+  it started is still alive. Otherwise nothing of the job runs between two
+  captures, and what still reaches the pipes then is read and dropped when
+  the next capture starts: a job's result holds only what was written while
+  it ran.
+* **The main thread reads last.** The drain thread watches the read ends
+  (an epoll set: adding and removing an end does not wake it) but not while
+  a job ends: the main thread takes them, flushes the job's last buffered
+  output into them and reads what is left itself, non-blocking, under the
+  pipes' lock (which the drain thread reads under too). It never waits for
+  the thread, and the thread, asleep in epoll_wait, is woken only by output
+  while the job runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import stat
+import threading
+import time
+from typing import Protocol
+
+from ..hostwire import MAX_OUTPUT_CHUNK_BYTES
+
+# A read this size empties a full pipe (64 KiB on Linux) in one call; so does one output frame.
+READ_SIZE = MAX_OUTPUT_CHUNK_BYTES
+# After a job whose pipes are retired, wait this long for them to report end of file. Longer
+# means a descriptor the job duplicated (or gave a background process) is still open; the
+# output written so far is kept and the rest is dropped.
+DRAIN_GRACE_SECONDS = 1.0
+STDOUT_FD = 1
+STDERR_FD = 2
+CAPTURED_FDS = (STDOUT_FD, STDERR_FD)
+
+
+class Receiver(Protocol):
+    """What a capture gives its pipes: called with the pipes' lock held."""
+
+    def take(self, fd: int, chunk: memoryview) -> None: ...
+
+    def send_due(self) -> None: ...
+
+    def poll_timeout_ms(self) -> int | None: ...
+
+
+class CapturePipes:
+    """Two pipes, for fds 1 and 2: our write ends, the read ends both threads read (under ``lock``)."""
+
+    def __init__(self, drainer: Drainer) -> None:
+        self.lock = threading.Lock()
+        self.receiver: Receiver | None = None  # the running capture; None between captures
+        self.broken = False  # a read end failed or ended under us: retire these pipes
+        self.writers: dict[int, int] = {}  # fd it stands in for -> write end (ours)
+        self.readers: dict[int, int] = {}  # read end -> fd it stands in for
+        self._inodes: dict[int, int] = {}  # each write end -> the pipe's inode
+        self._drainer = drainer
+        self._chunk = bytearray(READ_SIZE)  # made now: the drain may read while the job holds all memory
+        try:
+            for fd in CAPTURED_FDS:
+                read_end, write_end = os.pipe()
+                self.readers[read_end], self.writers[fd] = fd, write_end
+                os.set_blocking(read_end, False)  # both threads read; neither may block holding the lock
+                self._inodes[write_end] = os.fstat(write_end).st_ino
+        except BaseException:
+            self.close()
+            raise
+        self._open = set(self.readers)  # read ends not at their end yet
+
+    def sound(self) -> bool:
+        """Are our write ends still these pipes, and their reader alive? (A job may close any descriptor.)"""
+        if self.broken or not self._drainer.thread.is_alive():
+            return False
+        return all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
+
+    def start(self, receiver: Receiver) -> None:
+        """Hand the pipes to a capture (watched already, unless they are new)."""
+        with self.lock:
+            self.receiver = receiver
+            self._drainer.watch(self)
+
+    def rest(self) -> None:
+        """Between captures (the lock held): the drain thread watches them, and drops what arrives."""
+        self.receiver = None
+        self._drainer.watch(self)
+
+    def stop_watching(self) -> None:
+        """From now on only the main thread reads (the lock held): the drain thread is not woken again."""
+        self._drainer.unwatch(self)
+
+    def capacity(self) -> int:
+        """The fewest bytes either pipe holds (a job may have shrunk its pipe); 0 if unknown."""
+        try:
+            return min(fcntl.fcntl(end, fcntl.F_GETPIPE_SZ) for end in self.writers.values())
+        except OSError:
+            return 0
+
+    def read_available(self) -> None:
+        """Read what the pipes hold now, without blocking (the lock held); a pipe at its end is broken."""
+        self._read(list(self.readers), at_end_is_broken=True)
+
+    def drain(self, read_end: int) -> None:
+        """Read what ``read_end`` holds (on the drain thread)."""
+        with self.lock:
+            if read_end in self.readers and self._read([read_end], at_end_is_broken=True):
+                self._drainer.unwatch(self)  # at its end: epoll would report it again and again
+
+    def poll_timeout_ms(self) -> int | None:
+        receiver = self.receiver
+        return None if receiver is None else receiver.poll_timeout_ms()
+
+    def send_due(self) -> None:
+        with self.lock:
+            if self.receiver is not None:
+                self.receiver.send_due()
+
+    def retire(self, grace_s: float) -> None:
+        """Close our write ends and read to end of file, for at most ``grace_s`` (the main thread, not watched)."""
+        for write_end in self.writers.values():
+            with contextlib.suppress(OSError):
+                os.close(write_end)
+        self.writers.clear()
+        deadline = time.monotonic() + grace_s
+        open_ends = list(self.readers)
+        while open_ends:
+            with self.lock:
+                if self._read(open_ends, at_end_is_broken=False):
+                    return
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return
+            poller = select.poll()  # only the ends still open: one at its end would answer at once
+            for read_end in open_ends:
+                poller.register(read_end, select.POLLIN)
+            poller.poll(left_ms)
+            open_ends = [end for end in open_ends if end in self._open]
+
+    def close(self) -> None:
+        # A write end the job closed and whose number it reused for a file of its own is not ours to close.
+        ours = [end for end, inode in self._inodes.items() if end in self.writers.values() and _is_pipe(end, inode)]
+        for end in [*ours, *self.readers]:
+            with contextlib.suppress(OSError):
+                os.close(end)
+        self.writers.clear()
+        self.readers.clear()
+
+    def _read(self, read_ends: list[int], *, at_end_is_broken: bool) -> bool:
+        """Read ``read_ends`` until each would block; True if every one of them is at its end."""
+        view = memoryview(self._chunk)
+        ended = 0
+        for read_end in read_ends:
+            while True:
+                try:
+                    count = os.readv(read_end, [self._chunk])
+                except BlockingIOError:
+                    self._open.add(read_end)
+                    break
+                except OSError:  # closed under us (EBADF): as good as its end
+                    count = 0
+                if count == 0:
+                    ended += 1
+                    self._open.discard(read_end)
+                    self.broken = self.broken or at_end_is_broken
+                    break
+                if self.receiver is not None:
+                    self.receiver.take(self.readers[read_end], view[:count])
+                    self.receiver.send_due()  # before the next read: a frame holds at most one read
+        return ended == len(read_ends)
+
+
+def _is_pipe(fd: int, inode: int) -> bool:
+    try:
+        found = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISFIFO(found.st_mode) and found.st_ino == inode
+
+
+class Drainer:
+    """The process's one drain thread, on one epoll set: the read ends of the running capture.
+
+    An epoll set, not poll: the main thread adds the read ends when a job
+    starts and removes them when it ends, and epoll_ctl does not disturb
+    the thread waiting in epoll_wait: it wakes only for output (and a
+    streamed frame coming due).
+    """
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._watched: dict[int, CapturePipes] = {}  # read end -> its pipes
+        self.thread = threading.Thread(target=self._run, name="readie-capture", daemon=True)
+        self.thread.start()
+
+    def watch(self, pipes: CapturePipes) -> None:
+        for read_end in pipes.readers:
+            if self._watched.get(read_end) is not pipes:
+                if read_end in self._watched:  # an end closed while watched, its number reused since
+                    with contextlib.suppress(OSError):
+                        self._epoll.unregister(read_end)
+                self._watched[read_end] = pipes
+                self._epoll.register(read_end, select.EPOLLIN)
+
+    def unwatch(self, pipes: CapturePipes) -> None:
+        for read_end in pipes.readers:
+            if self._watched.get(read_end) is pipes:
+                del self._watched[read_end]
+                with contextlib.suppress(OSError):
+                    self._epoll.unregister(read_end)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                live = set(self._watched.values())
+                timeouts = [t for p in live if (t := p.poll_timeout_ms()) is not None]
+                events = self._epoll.poll(min(timeouts) / 1000 if timeouts else -1)
+                for read_end, _ in events:
+                    # An end unwatched since the wait began is the main thread's to read.
+                    pipes = self._watched.get(read_end)
+                    if pipes is not None:
+                        pipes.drain(read_end)
+                for pipes in set(self._watched.values()):
+                    pipes.send_due()
+            except MemoryError:
+                continue  # the job holds all its memory; the next round may find some freed
+            except (OSError, ValueError):
+                return  # the epoll descriptor was closed under us: the next capture starts another thread
+
+
+_the_drainer: Drainer | None = None
+_kept: CapturePipes | None = None  # the last capture's pipes, for the next
+
+
+def take_pipes() -> CapturePipes:
+    """The pipes for a capture starting now: the last capture's if sound, else new ones."""
+    global _the_drainer, _kept
+    pipes, _kept = _kept, None
+    if pipes is not None and pipes.sound():
+        return pipes
+    if pipes is not None:
+        with pipes.lock:
+            pipes.stop_watching()
+        pipes.close()
+    if _the_drainer is None or not _the_drainer.thread.is_alive():
+        _the_drainer = Drainer()
+    return CapturePipes(_the_drainer)
+
+
+def keep_pipes(pipes: CapturePipes) -> None:
+    """Give ``pipes`` (their capture ended, sound) to the next capture."""
+    global _kept
+    _kept = pipes

@@ -1,0 +1,112 @@
+"""Network namespaces by name: run a function inside one (on a thread of its own), write a
+sysctl there, and run ``ip -batch`` in one. A socket keeps the namespace it was made in, so a
+listener made here serves that namespace from any thread."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from .errors import SandboxSetupError, host_failure, log_host_facts
+from .network import IP_TIMEOUT_S
+from .runsc import NETNS_DIR
+
+_T = TypeVar("_T")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNET = 0x40000000
+
+
+def path(name: str | None) -> str:
+    """The namespace file of ``name`` (None: this process's own)."""
+    return f"/proc/{os.getpid()}/ns/net" if name is None else str(NETNS_DIR / name)
+
+
+def enter(name: str | None) -> None:
+    """Move the calling thread (only it: a network namespace is per thread) into ``name``."""
+    if name is None:
+        return
+    descriptor = os.open(path(name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(descriptor, CLONE_NEWNET) != 0:  # os.setns arrives in Python 3.12
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {name}: {os.strerror(error)}")
+    finally:
+        os.close(descriptor)
+
+
+def call_in(name: str | None, function: Callable[[], _T]) -> _T:
+    """``function()`` run on a short thread inside network namespace ``name``."""
+    if name is None:
+        return function()
+    result: list[_T] = []
+    failure: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            enter(name)
+            result.append(function())
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+
+    thread = threading.Thread(target=body, name=f"netns-{name}", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def write_sysctls(name: str | None, values: dict[str, str]) -> None:
+    """Write ``/proc/sys/net/...`` entries as namespace ``name`` sees them (no sysctl process)."""
+
+    def write() -> None:
+        for key, value in values.items():
+            with open(f"/proc/sys/net/{key}", "w") as entry:
+                entry.write(value)
+
+    with host_failure(SandboxSetupError, f"cannot set {', '.join(values)} in a sandbox's network namespace"):
+        call_in(name, write)
+
+
+def ip_batch(netns: str | None, commands: Sequence[str], *, check: bool = True) -> str:
+    """Run ``commands`` through one ``ip -batch -`` (in ``netns``); its stderr (``check``: raise on failure).
+
+    ``-force`` goes on past a failed line, which removal wants (remove what is there)."""
+    argv = ["ip", *(["-n", netns] if netns else []), *([] if check else ["-force"]), "-batch", "-"]
+    with host_failure(SandboxSetupError, "cannot run ip", caught=(OSError, subprocess.TimeoutExpired)):
+        completed = subprocess.run(argv, input="\n".join(commands) + "\n", capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    if check and completed.returncode != 0:  # its words name namespaces and addresses: the operator's to read
+        where = log_host_facts("ip failed", command=" ".join(argv), exit=completed.returncode, stderr=completed.stderr.strip()[-2000:])
+        raise SandboxSetupError(f"the sandbox's network could not be wired: ip exited {completed.returncode}; {where}")
+    return completed.stderr
+
+
+def present(name: str) -> bool:
+    """Whether namespace ``name`` is there (ip's file for it in /var/run/netns)."""
+    return (NETNS_DIR / name).exists()
+
+
+def names() -> list[str]:
+    """The names of the namespaces ``ip netns`` knows."""
+    try:
+        return sorted(path.name for path in NETNS_DIR.iterdir())
+    except OSError:
+        return []
+
+
+def links(netns: str | None, prefix: str) -> list[str]:
+    """Interfaces of ``netns`` whose name starts with ``prefix`` (read from ``ip -o link show``)."""
+    argv = ["ip", *(["-n", netns] if netns else []), "-o", "link", "show"]
+    with host_failure(SandboxSetupError, "cannot run ip", caught=(OSError, subprocess.TimeoutExpired)):
+        completed = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    names = []
+    for line in completed.stdout.splitlines():  # "7: rdiev1a2b3c4d@if2: <BROADCAST,..."
+        parts = line.split(":", 2)
+        if len(parts) >= 2 and (name := parts[1].strip().split("@", 1)[0]).startswith(prefix):
+            names.append(name)
+    return names

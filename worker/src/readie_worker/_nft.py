@@ -1,0 +1,291 @@
+"""nftables text for egress enforcement (docs/decisions/0036-egress-enforcement.md): pure text
+generation and parsing, plus one runner. Nothing here decides policy; ``egress_net`` hands in
+the networks.
+
+Layout, in the egress network namespace, one ``inet`` table readie owns::
+
+    table inet <table>
+      map sandboxes   ifname -> jump sb_<id>      (the sandbox's veth picks its chain)
+      map refusers    ifname -> goto rf_<id>      (what it sends the egress netns itself)
+      chain forward   replies -> accept; new into a sandbox -> reject; iifname vmap @sandboxes
+      chain input     established -> accept; from a veth: its own gateway port 53 -> accept; rf_<id>
+      chain postrouting  masquerade what leaves from the sandboxes' pool
+      chain sb_<id>   not its own source -> refuse; its own (ct mark) established -> accept; new past
+                      its connection bound -> refuse; new -> mark as its own;
+                      local/broadcast/multicast -> refuse; denied and not opened ->
+                      refuse; allowed net . port -> accept; DNS-answered -> accept; [public -> accept];
+                      refuse
+      chain rf_<id>   count into the refused set; TCP -> reset, the rest -> port unreachable
+      sets {deny,open,allow,dns,dnsport,refused,conns}_<id>
+
+Never ``drop`` a sandbox's packet: a drop leaves the job's connect hanging to its own timeout.
+Never ``icmpx admin-prohibited``: gVisor's netstack ignores it (the same hang); it turns
+port-unreachable into ECONNREFUSED (lab §6).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import SandboxSetupError, host_failure, log_host_facts
+from .runsc import NETNS_DIR
+
+IPv4Net = ipaddress.IPv4Network
+
+# nft answers in milliseconds; this only catches a wedged system.
+NFT_TIMEOUT_S = 10.0
+# The refused set holds this many distinct (address, port) pairs per sandbox; past it new
+# destinations are still refused, just not itemised. A result reports fewer (egress_net).
+REFUSED_SET_SIZE = 256
+# What `nft -j list set` may print for one refused set (256 elements of ~120 bytes, with room).
+MAX_NFT_JSON_BYTES = 1 << 20
+ALL_PORTS = "0-65535"
+# Connections one sandbox may have tracked at once. The egress netns's conntrack table is shared:
+# without a bound one sandbox fills it (30 000 entries in under a second) and every other
+# sandbox's new connections fail. A job needs tens; 256 x MAX_SANDBOXES_WIRED (1024) fits the
+# kernel's default table of 262 144.
+MAX_CONNECTIONS_PER_SANDBOX = 256
+
+
+@dataclass(frozen=True)
+class SandboxRules:
+    """What one sandbox's chain needs, all IPv4 (the sandbox has no IPv6)."""
+
+    key: str  # the sandbox's short id: names its chains and sets
+    veth: str  # its veth's name in the egress netns
+    address: ipaddress.IPv4Address  # the only source its packets may carry
+    deny: tuple[IPv4Net, ...]
+    opened: tuple[IPv4Net, ...]
+    allow: tuple[tuple[IPv4Net, int | None], ...]
+    public: bool
+
+
+def base_batch(table: str, pool: IPv4Net, veth_prefix: str) -> str:
+    """Create readie's table and base chains if missing (``add`` is idempotent)."""
+    return "\n".join(
+        [
+            f"add table inet {table}",
+            f"add map inet {table} sandboxes {{ type ifname : verdict; }}",
+            f"add map inet {table} refusers {{ type ifname : verdict; }}",
+            f"add chain inet {table} forward {{ type filter hook forward priority 0; policy accept; }}",
+            f"add chain inet {table} input {{ type filter hook input priority 0; policy accept; }}",
+            f"add chain inet {table} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}",
+            f"flush chain inet {table} forward",
+            f"flush chain inet {table} input",
+            f"flush chain inet {table} postrouting",
+            # Replies to what a sandbox opened. The sandbox's own direction is checked in its chain:
+            # a conntrack entry of an earlier sandbox with the same /30 must not let a new one through.
+            f"add rule inet {table} forward ct direction reply ct state established,related accept",
+            # Nothing outside opens a connection into a sandbox (it has no listener meant for it).
+            f'add rule inet {table} forward oifname "{veth_prefix}*" reject with icmpx port-unreachable',
+            f"add rule inet {table} forward iifname vmap @sandboxes",
+            # A veth of ours with no chain (being removed): refused, never forwarded.
+            f'add rule inet {table} forward iifname "{veth_prefix}*" reject with icmpx port-unreachable',
+            f"add rule inet {table} input ct state established,related accept",
+            # A source not routed back through the veth it came in on is spoofed (strict RPF).
+            f'add rule inet {table} input iifname "{veth_prefix}*" fib saddr . iif oif missing reject with icmpx port-unreachable',
+            # Input is the egress netns itself, never a sandbox's policy: only the resolver on the
+            # sandbox's own gateway (fib: local on the interface it came in on). Broadcast,
+            # multicast and every other local address would reach its wildcard listeners: refused.
+            f'add rule inet {table} input iifname "{veth_prefix}*" fib daddr . iif type local meta l4proto {{ tcp, udp }} th dport 53 accept',
+            f"add rule inet {table} input iifname vmap @refusers",  # itemised in its refused set
+            f'add rule inet {table} input iifname "{veth_prefix}*" reject with icmpx port-unreachable',
+            f'add rule inet {table} postrouting ip saddr {pool} oifname != "{veth_prefix}*" masquerade',
+        ]
+    ) + "\n"
+
+
+def _elements(items: Iterable[str]) -> str:
+    listed = ", ".join(items)
+    return f" elements = {{ {listed} }}" if listed else ""
+
+
+def _sets(table: str, key: str) -> list[tuple[str, str]]:
+    """(name, definition) of a sandbox's sets; the same text creates and (before delete) re-adds them."""
+    return [
+        (f"deny_{key}", "type ipv4_addr; flags interval;"),
+        (f"open_{key}", "type ipv4_addr; flags interval;"),
+        (f"allow_{key}", "type ipv4_addr . inet_service; flags interval;"),
+        # Addresses the resolver answered for an allowed name, for as long as the answer's TTL.
+        (f"dns_{key}", "type ipv4_addr; flags timeout;"),
+        (f"dnsport_{key}", "type ipv4_addr . inet_service; flags timeout;"),
+        (f"refused_{key}", f"type ipv4_addr . inet_service; size {REFUSED_SET_SIZE}; flags dynamic; counter;"),
+        # Its one source address, counting its tracked connections (ct count).
+        (f"conns_{key}", "type ipv4_addr; size 1; flags dynamic;"),
+    ]
+
+
+def sandbox_batch(table: str, rules: SandboxRules) -> str:
+    """One atomic batch that wires a sandbox: its sets, its two chains, its vmap entry."""
+    key, t = rules.key, table
+    lines = [f"add set inet {t} {name} {{ {definition} }}" for name, definition in _sets(t, key)]
+    lines += [
+        f"add element inet {t} deny_{key} {{ {', '.join(map(str, _merged(rules.deny)))} }}" if rules.deny else "",
+        f"add element inet {t} open_{key} {{ {', '.join(map(str, _merged(rules.opened)))} }}" if rules.opened else "",
+    ]
+    allow = [f"{net} . {port}" for net, port in _allow_elements(rules.allow)]
+    if allow:
+        lines.append(f"add element inet {t} allow_{key} {{ {', '.join(allow)} }}")
+    refuse, chain = f"rf_{key}", f"sb_{key}"
+    lines += [
+        f"add chain inet {t} {refuse}",
+        f"add rule inet {t} {refuse} meta l4proto {{ tcp, udp }} update @refused_{key} {{ ip daddr . th dport }}",
+        f"add rule inet {t} {refuse} meta l4proto tcp reject with tcp reset",
+        f"add rule inet {t} {refuse} reject with icmpx port-unreachable",
+        f"add chain inet {t} {chain}",
+        # Only its own source address: a spoofed one would leave un-masqueraded, or (another
+        # sandbox's) steer the replies into that sandbox past its own chain.
+        f"add rule inet {t} {chain} ip saddr != {rules.address} goto {refuse}",
+        # Its own connections go on; a new one is marked as its own (kept only if accepted below).
+        f"add rule inet {t} {chain} ct state established,related ct mark {_mark(key)} accept",
+        f"add rule inet {t} {chain} ct state new add @conns_{key} {{ ip saddr ct count over {MAX_CONNECTIONS_PER_SANDBOX} }} goto {refuse}",
+        f"add rule inet {t} {chain} ct state new ct mark set {_mark(key)}",
+        # Forwarded only (input never comes here): nothing of the egress netns itself, and never a
+        # broadcast or multicast destination, even for `public` (0/8, 224/3: not unicast hosts).
+        f"add rule inet {t} {chain} fib daddr type {{ local, broadcast, multicast, anycast }} goto {refuse}",
+        f"add rule inet {t} {chain} ip daddr {{ 0.0.0.0/8, 224.0.0.0/3 }} goto {refuse}",
+        # Deny first: neither an allowed CIDR nor a DNS answer opens a default-denied address.
+        f"add rule inet {t} {chain} ip daddr @deny_{key} ip daddr != @open_{key} goto {refuse}",
+        f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @allow_{key} accept",
+        f"add rule inet {t} {chain} ip daddr @dns_{key} accept",
+        f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @dnsport_{key} accept",
+    ]
+    if rules.public:
+        lines.append(f"add rule inet {t} {chain} meta nfproto ipv4 accept")
+    lines += [
+        f"add rule inet {t} {chain} goto {refuse}",
+        f'add element inet {t} refusers {{ "{rules.veth}" : goto {refuse} }}',
+        f'add element inet {t} sandboxes {{ "{rules.veth}" : jump {chain} }}',
+    ]
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def remove_batch(table: str, key: str, veth: str) -> str:
+    """One atomic batch that removes a sandbox's chains, sets and vmap entry, whatever of them
+    exists: each is added first (a no-op when present), so the deletes cannot miss."""
+    t = table
+    refuse, chain = f"rf_{key}", f"sb_{key}"
+    lines = [
+        f"add table inet {t}",
+        f"add map inet {t} sandboxes {{ type ifname : verdict; }}",
+        *(f"add set inet {t} {name} {{ {definition} }}" for name, definition in _sets(t, key)),
+        f"add chain inet {t} {refuse}",
+        f"add chain inet {t} {chain}",
+        f"add map inet {t} refusers {{ type ifname : verdict; }}",
+        f'add element inet {t} sandboxes {{ "{veth}" : jump {chain} }}',
+        f'delete element inet {t} sandboxes {{ "{veth}" }}',
+        f'add element inet {t} refusers {{ "{veth}" : goto {refuse} }}',
+        f'delete element inet {t} refusers {{ "{veth}" }}',
+        f"flush chain inet {t} {chain}",
+        f"flush chain inet {t} {refuse}",
+        f"delete chain inet {t} {chain}",
+        f"delete chain inet {t} {refuse}",
+        *(f"delete set inet {t} {name}" for name, _ in _sets(t, key)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def remove_table_batch(table: str) -> str:
+    """Remove readie's whole table, present or not."""
+    return f"add table inet {table}\ndelete table inet {table}\n"
+
+
+def answered_batch(table: str, key: str, addresses: Sequence[ipaddress.IPv4Address], ports: Sequence[int | None], timeout_s: int) -> str:
+    """Open ``addresses`` (answered for an allowed name) on ``ports`` (None: every port) for ``timeout_s``.
+
+    ``add element`` leaves a present element's timeout as it was, so an address answered again
+    would still close at its first expiry: each is added (a no-op when present), deleted and
+    added anew in this one atomic batch, which restarts its timeout."""
+    lines = []
+    for port in ports:
+        name = f"dns_{key}" if port is None else f"dnsport_{key}"
+        elements = [str(address) if port is None else f"{address} . {port}" for address in addresses]
+        timed = ", ".join(f"{element} timeout {timeout_s}s" for element in elements)
+        lines += [
+            f"add element inet {table} {name} {{ {timed} }}",
+            f"delete element inet {table} {name} {{ {', '.join(elements)} }}",
+            f"add element inet {table} {name} {{ {timed} }}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _mark(key: str) -> str:
+    """The conntrack mark of a sandbox's connections: its key (8 hex digits, never 0)."""
+    return f"0x{key}"
+
+
+def _merged(networks: Iterable[IPv4Net]) -> list[IPv4Net]:
+    """Overlapping intervals are an error in an nft interval set: collapse them first."""
+    return list(ipaddress.collapse_addresses(networks))
+
+
+def _allow_elements(allow: Iterable[tuple[IPv4Net, int | None]]) -> list[tuple[IPv4Net, str]]:
+    """(network, port) pairs as elements that never overlap (nft refuses the whole batch if two
+    do: an operator's ceiling plus a job's own narrower entry would fail the wiring). Networks are
+    collapsed per port, and a port's networks lose what an every-port network already covers."""
+    by_port: dict[int | None, list[IPv4Net]] = {}
+    for net, port in allow:
+        by_port.setdefault(port, []).append(net)
+    every = _merged(by_port.pop(None, []))
+    elements = [(net, ALL_PORTS) for net in every]
+    for port in sorted(by_port):
+        remaining = _merged(by_port[port])
+        for hole in every:
+            remaining = [piece for net in remaining for piece in _without(net, hole)]
+        elements += [(net, str(port)) for net in _merged(remaining)]
+    return elements
+
+
+def _without(net: IPv4Net, hole: IPv4Net) -> list[IPv4Net]:
+    if net.subnet_of(hole):
+        return []
+    return list(net.address_exclude(hole)) if hole.subnet_of(net) else [net]
+
+
+def parse_refused(text: str) -> list[tuple[str, int, int]]:
+    """(address, port, packets) of a refused set as ``nft -j list set`` prints it, most first."""
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise SandboxSetupError(f"nft printed no JSON for a refused set: {exc}") from None
+    found: list[tuple[str, int, int]] = []
+    for item in document.get("nftables", []) if isinstance(document, dict) else []:
+        elements = item.get("set", {}).get("elem", []) if isinstance(item, dict) else []
+        for element in elements if isinstance(elements, list) else []:
+            parsed = _refused_element(element)
+            if parsed is not None:
+                found.append(parsed)
+    return sorted(found, key=lambda item: (-item[2], item[0], item[1]))
+
+
+def _refused_element(element: object) -> tuple[str, int, int] | None:
+    """``{"elem": {"val": {"concat": ["10.0.0.1", 80]}, "counter": {"packets": 1, ...}}}``."""
+    if not isinstance(element, dict) or not isinstance(element.get("elem"), dict):
+        return None
+    body = element["elem"]
+    concat = body.get("val", {}).get("concat") if isinstance(body.get("val"), dict) else None
+    counter = body.get("counter")
+    if not (isinstance(concat, list) and len(concat) == 2 and isinstance(counter, dict)):
+        return None
+    address, port, packets = concat[0], concat[1], counter.get("packets")
+    if not (isinstance(address, str) and isinstance(port, int) and isinstance(packets, int)):
+        return None
+    return address, port, packets
+
+
+def run(batch: str, netns: str | None, *args: str) -> str:
+    """Run ``nft`` (in the named network namespace), ``batch`` on its stdin; its stdout."""
+    prefix = ["nsenter", f"--net={NETNS_DIR / netns}"] if netns else []
+    command = [*prefix, "nft", *(args or ("-f", "-"))]
+    with host_failure(SandboxSetupError, "cannot run nft", caught=(OSError, subprocess.TimeoutExpired)):
+        completed = subprocess.run(command, input=batch, capture_output=True, text=True, timeout=NFT_TIMEOUT_S)
+    if completed.returncode != 0:  # its words name namespaces and addresses: the operator's to read
+        where = log_host_facts("nft failed", command=" ".join(command), exit=completed.returncode, stderr=completed.stderr.strip()[-2000:])
+        raise SandboxSetupError(f"the sandbox's firewall could not be set: nft exited {completed.returncode}; {where}")
+    if len(completed.stdout) > MAX_NFT_JSON_BYTES:
+        raise SandboxSetupError(f"nft printed over {MAX_NFT_JSON_BYTES} bytes")
+    return completed.stdout

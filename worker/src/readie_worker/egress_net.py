@@ -1,0 +1,395 @@
+"""Egress enforcement for networked sandboxes (issue 32; docs/decisions/0036-egress-enforcement.md).
+
+Each networked sandbox gets a network namespace of its own (runsc moves its address and routes
+into netstack for good: one per sandbox), IPv6 off, and a veth into ``egress_netns``, the
+namespace that stands for the outside world. There, readie's nftables table decides every new
+connection by the sandbox's :class:`NetRules` (deny first, reject never drop), the resolver
+readie runs answers only allowed names, and traffic leaves masqueraded. :class:`EgressGateway` is the
+per-worker part (table, resolver, address pool); :class:`SandboxNetwork` one sandbox's wiring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import secrets
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from . import _netns, _nft
+from ._resolver import Resolver
+from .errors import ConfigError, SandboxSetupError
+from .runsc import Runsc
+
+log = structlog.get_logger("readie.egress")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# The sandboxes' /30s come from here unless the operator names another pool. 198.18.0.0/15 is
+# reserved for benchmarking (RFC 2544): no real network routes it, so a /30 of ours never hides
+# a destination in the egress netns; NAT hides these addresses from everything beyond.
+DEFAULT_POOL = ipaddress.IPv4Network("198.18.0.0/16")
+# Sandboxes wired at once per worker: far above a worker's slots plus warm sandboxes, and it
+# bounds the netns, veths and nft chains a runaway caller could make.
+MAX_SANDBOXES_WIRED = 1024
+# Refused destinations a job's result lists (the nft set keeps up to REFUSED_SET_SIZE).
+MAX_REFUSED_REPORTED = 32
+# Names: the sandbox netns is "<prefix>-<key>", its veth in the egress netns "<prefix>v<key>"
+# (an interface name has at most 15 bytes: 4 + 1 + 8 hex).
+DEFAULT_PREFIX = "rdie"
+KEY_HEX = 4
+# runsc 0.0~20240729 refuses --network=sandbox when /proc/sys/net/core/rmem_default exists, its
+# test for "the root network namespace"; on kernel 6.x that file exists in every one. So runsc
+# runs in a mount namespace of its own with an empty read-only tmpfs over /proc/sys/net, which it
+# needs for nothing else (lab §0; docs/decisions/0036). Re-check on a runsc upgrade.
+HIDE_NET_SYSCTLS = (
+    "unshare", "--mount", "--propagation", "private", "sh", "-c",
+    'mount -t tmpfs -o ro,size=4k readie-no-net-sysctls /proc/sys/net && exec "$@"', "sh",
+)
+
+
+def with_sandbox_network(runsc: Runsc) -> Runsc:
+    """``runsc`` with gVisor's own network stack on the interfaces of the namespace the spec names
+    (``SandboxSpec.network_namespace``): an image captured with ``--network=none`` restores so."""
+    flags = tuple("--network=sandbox" if flag.startswith("--network") else flag for flag in runsc.flags)
+    return dataclasses.replace(runsc, flags=flags, prefix=HIDE_NET_SYSCTLS)
+
+
+@dataclass(frozen=True)
+class NetRules:
+    """What enforcement needs of one sandbox's egress policy (built from the policy layer's Egress).
+
+    ``networks`` and ``names`` are allowed, each with an optional port (None: every port); a
+    name is exact or ``*.suffix`` (any name below the suffix). ``public`` allows any address
+    not denied. ``denied`` (private, loopback, link-local...) and ``own`` (the worker's
+    addresses) are refused first, even for an allowed network or a DNS answer, unless
+    ``opened`` names them. IPv6 entries are ignored: the sandbox has no IPv6.
+    """
+
+    networks: tuple[tuple[Network, int | None], ...] = ()
+    names: tuple[tuple[str, int | None], ...] = ()
+    public: bool = False
+    denied: tuple[Network, ...] = ()
+    opened: tuple[Network, ...] = ()
+    own: tuple[Network, ...] = ()
+
+    def __post_init__(self) -> None:
+        # They reach nft batches as text: only values of these types, ports in range.
+        for network, port in self.networks:
+            if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
+                raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
+            _check_port(port)
+        for _, port in self.names:
+            _check_port(port)
+        for network in (*self.denied, *self.opened, *self.own):
+            if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
+                raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
+
+    def name_ports(self, name: str) -> tuple[int | None, ...] | None:
+        """The ports ``name`` may be reached on (None among them: every port), or None: not allowed."""
+        name = name.lower().rstrip(".")
+        ports = {port for pattern, port in self.names if _matches(pattern.lower().rstrip("."), name)}
+        if not ports:
+            return None
+        return (None,) if None in ports else tuple(sorted(port for port in ports if port is not None))
+
+    def refuses(self, address: Address) -> bool:
+        """Whether ``address`` is denied (or the worker's) and not opened: a DNS answer cannot open it."""
+        return any(address in net for net in (*self.denied, *self.own)) and not any(address in net for net in self.opened)
+
+    def sandbox_rules(self, key: str, veth: str, address: ipaddress.IPv4Address) -> _nft.SandboxRules:
+        return _nft.SandboxRules(
+            key=key,
+            veth=veth,
+            address=address,
+            deny=_v4(self.denied) + _v4(self.own),
+            opened=_v4(self.opened),
+            allow=tuple((net, port) for net, port in self.networks if isinstance(net, ipaddress.IPv4Network)),
+            public=self.public,
+        )
+
+
+def _check_port(port: int | None) -> None:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        raise ValueError(f"egress port {port!r:.20} is not 1 to 65535")
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """``*.example.com`` matches any name below example.com (not example.com itself); else exact."""
+    if pattern.startswith("*."):
+        return len(pattern) > 2 and name.endswith(pattern[1:])
+    return name == pattern
+
+
+def _v4(networks: Iterable[Network]) -> tuple[ipaddress.IPv4Network, ...]:
+    return tuple(net for net in networks if isinstance(net, ipaddress.IPv4Network))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Connections a sandbox was refused to one destination."""
+
+    address: str
+    port: int
+    count: int
+
+
+class Subnets:
+    """The /30s of a pool, handed out one per sandbox; safe across threads."""
+
+    def __init__(self, pool: ipaddress.IPv4Network, limit: int = MAX_SANDBOXES_WIRED) -> None:
+        if pool.prefixlen > 30:
+            raise ValueError(f"egress pool {pool} is smaller than one /30")
+        self.pool = pool
+        self._capacity = min(limit, pool.num_addresses // 4)
+        self._used: set[int] = set()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> ipaddress.IPv4Network:
+        """The next free /30 after the last one taken: an address comes back as late as it can,
+        long after the conntrack entries of its last sandbox expired."""
+        with self._lock:
+            order = (self._next + i for i in range(self._capacity))
+            index = next((i % self._capacity for i in order if i % self._capacity not in self._used), None)
+            if index is None:
+                raise SandboxSetupError(f"all {self._capacity} networked sandbox slots of {self.pool} are wired")
+            self._used.add(index)
+            self._next = index + 1
+        return ipaddress.IPv4Network((int(self.pool.network_address) + 4 * index, 30))
+
+    def give_back(self, subnet: ipaddress.IPv4Network) -> None:
+        with self._lock:
+            self._used.discard((int(subnet.network_address) - int(self.pool.network_address)) // 4)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return len(self._used)
+
+
+_NETNS_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NFT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# A prefix leaves room for "v" and the key in a 15-byte interface name.
+_PREFIX = re.compile(r"[a-z][a-z0-9]{0,5}")
+
+
+@dataclass(frozen=True)
+class EgressConfig:
+    """The operator's settings: ``netns`` is ``[pool] egress_netns``, ``upstreams`` ``[pool] egress_dns``.
+
+    ``netns`` is required: never the host's own namespace by default, whose ``ip_forward`` this
+    module turns on (host-wide) and whose firewall reloads (``flush ruleset``) would remove
+    readie's table while the sandboxes' veths stay up (decision 36, review fixes)."""
+
+    netns: str
+    upstreams: tuple[str, ...] = field(default_factory=lambda: host_nameservers())
+    pool: ipaddress.IPv4Network = DEFAULT_POOL
+    table: str = "readie"  # one worker per egress netns and table (decision 36)
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        # Every one of these ends up in a path, an ip(8) line or an nft batch: nothing but a plain name.
+        if self.netns is None:
+            raise ConfigError("egress_netns", None, "required: the network namespace readie forwards sandboxes through, never the host's own")
+        if not isinstance(self.netns, str) or not _NETNS_NAME.fullmatch(self.netns) or self.netns in (".", ".."):
+            raise ConfigError("egress_netns", None, f"{str(self.netns)[:80]!r} is not a network namespace's name (letters, digits, . _ -)")
+        if not _NFT_NAME.fullmatch(self.table) or not _PREFIX.fullmatch(self.prefix):
+            raise ConfigError("egress", None, f"table {self.table[:80]!r} or prefix {self.prefix[:80]!r}: a short lowercase name")
+        if self.pool.prefixlen > 30:
+            raise ConfigError("egress pool", None, f"{self.pool} is smaller than one /30")
+        for upstream in self.upstreams:
+            try:
+                ipaddress.IPv4Address(upstream)
+            except ValueError:
+                raise ConfigError("egress_dns", None, f"{upstream[:80]!r} is not an IPv4 address") from None
+
+
+def host_nameservers(resolv_conf: Path = Path("/etc/resolv.conf")) -> tuple[str, ...]:
+    """The IPv4 ``nameserver`` lines of ``resolv_conf`` (the default ``egress_dns``)."""
+    found = []
+    try:
+        lines = resolv_conf.read_text(errors="replace").splitlines()[:1000]
+    except OSError:
+        return ()
+    for line in lines:
+        words = line.split()
+        if len(words) >= 2 and words[0] == "nameserver":
+            try:
+                found.append(str(ipaddress.IPv4Address(words[1])))
+            except ValueError:
+                continue
+    return tuple(found)
+
+
+class EgressGateway:
+    """One worker's egress wiring: readie's table in ``config.netns``, the resolver, the /30s."""
+
+    def __init__(self, config: EgressConfig) -> None:
+        self.config = config
+        self.subnets = Subnets(config.pool)
+        self._wired: dict[str, SandboxNetwork] = {}
+        self._lock = threading.Lock()
+        self.resolver: Resolver | None = None
+
+    def open(self) -> EgressGateway:
+        """Sweep what an earlier run left, then make the table, forwarding and the resolver."""
+        if not _netns.present(self.config.netns):
+            raise ConfigError("egress_netns", None, f"no network namespace named {self.config.netns!r}")
+        self.sweep()
+        _netns.write_sysctls(self.config.netns, {"ipv4/ip_forward": "1"})
+        _nft.run(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v"), self.config.netns)
+        self.resolver = Resolver(self.config.netns, self.config.upstreams)
+        return self
+
+    def wire(self, rules: NetRules) -> SandboxNetwork:
+        """A fresh network namespace, wired by ``rules``, for one sandbox to restore into."""
+        if self.resolver is None:
+            raise SandboxSetupError("egress is not open")
+        key = secrets.token_hex(KEY_HEX)
+        while int(key, 16) == 0:  # it is the conntrack mark of its connections, and 0 is no mark
+            key = secrets.token_hex(KEY_HEX)
+        network = SandboxNetwork(self, key, self.subnets.take(), rules)
+        with self._lock:
+            self._wired[network.key] = network
+        try:
+            network._create()
+        except BaseException:
+            try:
+                network.remove()
+            except SandboxSetupError as exc:  # the first failure is the one to tell; sweep() gets the rest
+                log.error("sandbox network not removed after a failed wiring", key=network.key, error=str(exc))
+            raise
+        return network
+
+    @property
+    def wired(self) -> int:
+        with self._lock:
+            return len(self._wired)
+
+    def sweep(self) -> None:
+        """Remove every namespace and veth named with readie's prefix, and readie's table."""
+        prefix = self.config.prefix
+        ours = re.compile(rf"{re.escape(prefix)}-[0-9a-f]{{{2 * KEY_HEX}}}")  # never the egress netns itself
+        stale = [name for name in _netns.names() if ours.fullmatch(name) and name != self.config.netns]
+        veths = _netns.links(self.config.netns, prefix + "v")
+        if veths:  # the veths first: `ip netns delete` is asynchronous, a veth delete is not
+            _netns.ip_batch(self.config.netns, [f"link delete {veth}" for veth in veths], check=False)
+        if stale:
+            _netns.ip_batch(None, [f"netns delete {name}" for name in stale], check=False)
+        if stale or veths:
+            log.warning("swept egress wiring an earlier run left", namespaces=len(stale), veths=len(veths))
+        _nft.run(_nft.remove_table_batch(self.config.table), self.config.netns)
+
+    def close(self) -> None:
+        """Remove every sandbox's wiring, the table and the resolver."""
+        with self._lock:
+            wired = list(self._wired.values())
+        for network in wired:
+            try:
+                network.remove()
+            except SandboxSetupError as exc:  # the rest is removed all the same; sweep() gets it next start
+                log.error("sandbox network not removed", key=network.key, error=str(exc))
+        if self.resolver is not None:
+            self.resolver.close()
+            self.resolver = None
+        _nft.run(_nft.remove_table_batch(self.config.table), self.config.netns)
+
+    def _forget(self, network: SandboxNetwork) -> None:
+        with self._lock:
+            self._wired.pop(network.key, None)
+        self.subnets.give_back(network.subnet)
+
+
+class SandboxNetwork:
+    """One sandbox's network: its namespace, veth, /30, nft chain and sets, and resolver listener."""
+
+    def __init__(self, egress: EgressGateway, key: str, subnet: ipaddress.IPv4Network, rules: NetRules) -> None:
+        self.egress = egress
+        self.key = key
+        self.subnet = subnet
+        self.rules = rules
+        prefix = egress.config.prefix
+        self.netns = f"{prefix}-{key}"
+        self.veth = f"{prefix}v{key}"
+        self.gateway, self.address = subnet.network_address + 1, subnet.network_address + 2
+        self._removed = False
+
+    @property
+    def netns_path(self) -> Path:
+        """What the sandbox's OCI spec names as its network namespace."""
+        return _netns.NETNS_DIR / self.netns
+
+    def _create(self) -> None:
+        egress, config = self.egress.config.netns, self.egress.config
+        # Not under `ip -n`: it runs in a mount namespace of its own, where a new netns's bind
+        # mount would stay invisible to everyone else.
+        _netns.ip_batch(None, [
+            f"netns add {self.netns}",
+            f"link add {self.veth} netns {egress} type veth peer name eth0 netns {self.netns}",
+        ])
+        # Before eth0 is up and before runsc copies the netns into netstack: runsc would copy the
+        # link-local IPv6 address too, and a sandbox could reach [::] listeners of the egress netns.
+        _netns.write_sysctls(self.netns, {
+            "ipv6/conf/all/disable_ipv6": "1", "ipv6/conf/default/disable_ipv6": "1", "ipv6/conf/eth0/disable_ipv6": "1",
+        })
+        _netns.ip_batch(egress, [f"addr add {self.gateway}/30 dev {self.veth}", f"link set {self.veth} up"])
+        _netns.ip_batch(self.netns, [
+            "link set lo up",
+            f"addr add {self.address}/30 dev eth0",
+            "link set eth0 up",
+            f"route add default via {self.gateway}",
+        ])
+        _nft.run(_nft.sandbox_batch(config.table, self.rules.sandbox_rules(self.key, self.veth, self.address)), egress)
+        resolver = self.egress.resolver
+        if resolver is None:
+            raise SandboxSetupError("egress was closed while a sandbox network was being wired")
+        resolver.serve(self.key, self.gateway, self.rules.name_ports, self.rules.refuses, self._open_answered)
+        log.debug("sandbox network wired", key=self.key, address=str(self.address))
+
+    def _open_answered(self, addresses: list[ipaddress.IPv4Address], ports: tuple[int | None, ...], ttl: int) -> None:
+        _nft.run(_nft.answered_batch(self.egress.config.table, self.key, addresses, ports, ttl), self.egress.config.netns)
+
+    def refused(self, limit: int = MAX_REFUSED_REPORTED) -> list[Refusal]:
+        """The destinations refused so far, most refused first, at most ``limit``."""
+        text = _nft.run("", self.egress.config.netns, "-j", "list", "set", "inet", self.egress.config.table, f"refused_{self.key}")
+        return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)[:limit]]
+
+    def refused_lookups(self) -> tuple[int, dict[str, int]]:
+        """Lookups refused (name not allowed, or only denied answers): the total, and per name
+        for the first names (the resolver's ``MAX_REFUSED_NAMES``)."""
+        resolver = self.egress.resolver
+        return (0, {}) if resolver is None else resolver.refused(self.key)
+
+    def remove(self) -> None:
+        """Remove everything of this sandbox's network, whatever part of it exists (idempotent)."""
+        if self._removed:
+            return
+        config, failures = self.egress.config, []
+        resolver = self.egress.resolver
+        steps = [
+            lambda: resolver.stop_serving(self.key) if resolver is not None else None,
+            # The veth first: `ip netns delete` is asynchronous, a veth delete is not (lab §0).
+            lambda: _netns.ip_batch(config.netns, [f"link delete {self.veth}"], check=False),
+            lambda: _netns.ip_batch(None, [f"netns delete {self.netns}"], check=False),
+            lambda: _nft.run(_nft.remove_batch(config.table, self.key, self.veth), config.netns),
+        ]
+        for step in steps:  # each step whatever the one before did: leave as little as possible
+            try:
+                step()
+            except SandboxSetupError as exc:
+                failures.append(str(exc))
+        if _netns.present(self.netns):
+            failures.append("its namespace is still there")
+        if self.veth in _netns.links(config.netns, self.veth):
+            failures.append("its veth is still there")
+        if failures:
+            raise SandboxSetupError(f"sandbox network {self.key}: not all removed: {'; '.join(failures)}")
+        self._removed = True
+        self.egress._forget(self)
