@@ -115,6 +115,21 @@ def test_a_step_lost_with_its_worker_is_lost_and_the_next_takes_the_session_over
     assert cluster.counts() == [(0, 0), (0, 1)]
 
 
+def test_work_sent_to_a_worker_gone_before_a_probe_noticed_goes_to_the_other(cluster):
+    """A rolling restart: the worker's port refuses connections before the router's prober has
+    seen it go. gRPC fails those calls at the connect, so nothing of them was sent: they are
+    placed on the other worker, not answered as lost (the fault suite's "rolling restart")."""
+    cluster.servers[0].server.stop(0).wait()
+    assert cluster.placement._roster.members[0].healthy  # no probe yet: the router would choose it
+    for _ in range(2):
+        outcome = cluster.placement.run_job(JOB)
+        assert outcome.error is None and outcome.stdout == "open", outcome
+    session, first = cluster.placement.open_session(JOB)
+    assert first.outcome.error is None and session.member is cluster.placement._roster.members[1]
+    assert [len(w.sessions) for w in cluster.workers] == [0, 1]
+    session.close()
+
+
 def test_attach_by_key_places_the_session_and_an_unknown_key_is_refused(cluster):
     session, _ = cluster.placement.open_session(JOB)
     session.run_step(Step("a"))

@@ -22,6 +22,8 @@ NotStarted                  UNAVAILABLE,         the server drains and refused t
                                                  client may send again as it is, here
                                                  later or to the next address, since it
                                                  provably did nothing (decision 32).
+                                                 A call gRPC failed at the connect
+                                                 (``never_sent``) comes back as this too.
 SandboxSetupError           UNAVAILABLE          no sandbox to be had here (draining,
 (draining, restore failed,                       restore failed): the same request may
 manifest, checkpoint)                            well succeed on another worker or later,
@@ -153,6 +155,21 @@ def answered_by_readie(error: grpc.RpcError) -> bool:
     return any(key == ERROR_METADATA_KEY for key, _ in error.trailing_metadata() or ())  # type: ignore[attr-defined]
 
 
+# What gRPC core says of a call it failed while picking a connection, before any stream was
+# opened (the channel is in TRANSIENT_FAILURE: the worker refused or did not answer the connect).
+# Nothing of such a call left this process, so it is NotStarted, whatever the call was. A call that
+# broke on an open connection says something else ("Socket closed", "Connection reset") and may
+# have run.
+_NEVER_SENT_DETAILS = "failed to connect to all addresses"
+
+
+def never_sent(error: grpc.RpcError) -> bool:
+    """Whether a failed call never left this process: refused at the connect, not by a worker."""
+    code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
+    return (code == grpc.StatusCode.UNAVAILABLE and not answered_by_readie(error)
+            and details.startswith(_NEVER_SENT_DETAILS))
+
+
 def readie_errors(unanswered: Callable[[grpc.RpcError], ReadieError] | None = None) -> AbstractContextManager[None]:
     """Make a call to a worker; raise its failure as readie's error (:func:`error_from_status`).
 
@@ -173,6 +190,8 @@ def error_from_status(error: grpc.RpcError, unanswered: Callable[[grpc.RpcError]
     error when given. Without it, such a call may have run, so it is a
     PoolWorkerError and must not be retried blindly.
     """
+    if never_sent(error):
+        return NotStarted(f"the worker could not be reached: {error.details()}")  # type: ignore[attr-defined]
     if unanswered is not None and not answered_by_readie(error):
         return unanswered(error)
     metadata = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
