@@ -377,6 +377,16 @@ class Load:
 
     # -- accounting
 
+    def known_entries(self) -> set[str]:
+        """The store entries of the sessions whose key the client was told (decision 32: an entry
+        is named by the SHA-256 of its session's key)."""
+        return {hashlib.sha256(s.key.encode()).hexdigest() for s in self._sessions.values() if s.key}
+
+    def keyless_sessions(self) -> int:
+        """Sessions opened whose key never reached the client: the opening's answer was lost or an
+        error. Such a session may still live on a worker, and nobody can name it to close it."""
+        return sum(1 for s in self._sessions.values() if s.key is None and s.steps > 0)
+
     def history(self, entry: str) -> str:
         """What the client did with the session whose store entry is ``entry`` (named by the SHA-256
         of its key): its name and requests, for a report of what the store kept."""

@@ -423,7 +423,15 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
     closes = load.close_sessions()  # the client ends what is left: nothing of it may stay in the store
     assert wait_until(lambda: all(c.answers for c in closes), QUIESCE_S, 0.1), "closes unanswered"
     unclosed = [c.answers for c in closes if not c.answers[0].get("closed")]
-    leftovers = [] if wait_until(lambda: not store_entries(rig.store), 30, 0.2) else store_entries(rig.store)
+    # A closed session leaves nothing in the store. A session whose opening answer never reached
+    # the client cannot be closed by it: it is detached like any other and ages out at the store's
+    # TTL (docs/faults.md, "Known and left"); there can be at most one per such opening.
+    known = load.known_entries()
+    wait_until(lambda: not known.intersection(store_entries(rig.store)), 30, 0.2)
+    leftovers = [entry for entry in store_entries(rig.store) if entry in known]
+    orphans = [entry for entry in store_entries(rig.store) if entry not in known]
+    rig.notes.append(f"store entries of sessions whose key never reached the client: {len(orphans)} "
+                     f"(openings answered without a key: {load.keyless_sessions()})")
     effects, finished = load.effects(), load.finished()
     by_fault: dict[str, Counter[str]] = defaultdict(Counter)
     seen: dict[str, Counter[str]] = defaultdict(Counter)  # what the client was told, by fault
@@ -482,5 +490,6 @@ def test_every_request_is_answered_once_through_a_schedule_of_faults(rig: Rig, c
     assert all(counts == (0, 0) for counts in lost.values()), f"sessions and unstarted requests lost: {lost}"
     assert not unclosed, f"sessions the client could not close at the end: {unclosed[:5]}"
     assert not leftovers, "closed sessions left images in the store:\n" + "\n".join(load.history(e) for e in leftovers)
+    assert len(orphans) <= load.keyless_sessions(), "store entries of no session the client opened: " + str(orphans)
     worst = {fault: max(times) for fault, times in rig.recoveries.items()}
     assert all(seconds <= RECOVERY_BOUND_S for seconds in worst.values()), worst
