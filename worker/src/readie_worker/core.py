@@ -93,6 +93,12 @@ class WorkerConfig:
     network_backend: str = "none"
     # Run once in the new namespace ({netns} is its name), e.g. to add a veth for egress.
     network_setup: str | None = None
+    # Egress (issue 32, decision 36): the network namespace that stands for the outside world,
+    # into which each networked sandbox is wired; None: jobs asking for the network are refused.
+    # ``egress_dns``: the upstream resolvers readie's resolver forwards allowed names to (None:
+    # the IPv4 nameservers of the host's /etc/resolv.conf).
+    egress_netns: str | None = None
+    egress_dns: tuple[str, ...] | None = None
     # The runsc binary; its flags follow from what it supports (runsc.RunscFeatures).
     runsc: str = "runsc"
     # The session store (decision 32): a directory several workers share, and the file holding
