@@ -49,7 +49,7 @@ from readie_rpc.client import WorkerClient
 from readie_policy.jobs import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
-from readie_rpc.client import NotStarted
+from readie_rpc.client import NotStarted, Unreachable
 from readie_rpc.remote_session import RemoteSession, StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
@@ -181,6 +181,13 @@ class Placement:
                 raise
             try:
                 remote, step = member.client.attach_session(key, take_over=take_over, cancel=cancel, job=job)
+            except (StreamBroken, Unreachable) as exc:  # that worker is lost: the next takes the session from it
+                log.info("worker lost while attaching a session; trying another", worker=member.name, error=str(exc))
+                refused.add(id(member))
+                self._roster.release(member, session=True)
+                self._roster.mark_failed(member)
+                take_over = True
+                continue
             except (SandboxSetupError, RequestError) as exc:
                 if isinstance(exc, RequestError) and exc.field != "attach":
                     self._roster.release(member, session=True)
@@ -192,13 +199,6 @@ class Placement:
                 log.info("worker did not attach a session; trying another", worker=member.name, error=str(exc))
                 refused.add(id(member))
                 self._roster.release(member, session=True)
-                continue
-            except StreamBroken as exc:  # that worker is lost: the next takes the session from it
-                log.info("worker lost while attaching a session; trying another", worker=member.name, error=str(exc))
-                refused.add(id(member))
-                self._roster.release(member, session=True)
-                self._roster.mark_failed(member)
-                take_over = True
                 continue
             except BaseException:
                 self._roster.release(member, session=True)

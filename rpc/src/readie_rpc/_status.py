@@ -74,6 +74,11 @@ class DeadlineExpired(ReadieError):
     """The caller's gRPC deadline left no time to run anything."""
 
 
+class Unreachable(NotStarted):
+    """The call never left this process: its connection was refused (``never_sent``). Nothing
+    ran, as for any NotStarted; unlike a draining server's refusal, nobody answered at all."""
+
+
 class ResponseTooLarge(ReadieError):
     """An answer is larger than the service may send."""
 
@@ -191,7 +196,7 @@ def error_from_status(error: grpc.RpcError, unanswered: Callable[[grpc.RpcError]
     PoolWorkerError and must not be retried blindly.
     """
     if never_sent(error):
-        return NotStarted(f"the worker could not be reached: {error.details()}")  # type: ignore[attr-defined]
+        return Unreachable(f"the worker could not be reached: {error.details()}")  # type: ignore[attr-defined]
     if unanswered is not None and not answered_by_readie(error):
         return unanswered(error)
     metadata = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]

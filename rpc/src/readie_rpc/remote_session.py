@@ -37,6 +37,7 @@ from ._interact_stream import (
     CLOSE_WAIT_S, DEADLINE_MARGIN_S, HandedOver, InteractStream, SessionLost, StreamBroken,
 )
 from ._session_wire import milliseconds, refusal, session_key
+from ._status import Unreachable
 from ._proto.readie.v1 import worker_pb2 as pb
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_protocol.errors import PoolWorkerError, ReadieError, RequestError, SandboxSetupError, StepLost
@@ -293,7 +294,9 @@ class RemoteSession:
         except RequestError as refused:  # not stored (expired, closed, a store of its worker's own)
             self._end()
             raise SessionLost(f"the session ended: it cannot be continued ({refused})") from None
-        except StreamBroken as exc:  # nobody answers where it was: a worker of its own is gone with it
+        # Nobody answers where it was (the stream broke, or the connect was refused): a worker
+        # of its own is gone with it.
+        except (StreamBroken, Unreachable) as exc:
             self._end()
             raise SessionLost(
                 f"the session ended: its worker at {self.address} was lost and it could not be attached again ({exc})"
