@@ -34,7 +34,8 @@ UPLINK_EGRESS, UPLINK_WORLD = "10.199.250.1", "10.199.250.2"
 POOL = N("198.19.255.0/24")
 PORT = 8000
 # Every address a test packet may carry: the host routes them nowhere while tests run.
-TEST_PREFIXES = ("10.199.0.0/16", str(POOL), "169.254.169.254/32")
+# (198.18.0.0/16: the pool a worker's sandboxes take their /30s from by default, egress_net.DEFAULT_POOL.)
+TEST_PREFIXES = ("10.199.0.0/16", str(POOL), "198.18.0.0/16", "169.254.169.254/32")
 # What the policy layer would deny by default (private, loopback, link-local), for the tests.
 DEFAULT_DENIED = tuple(N(net) for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16"))
 RULES = NetRules(

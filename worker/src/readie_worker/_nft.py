@@ -123,6 +123,8 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
     """One atomic batch that wires a sandbox: its sets, its two chains, its vmap entry."""
     key, t = rules.key, table
     lines = [f"add set inet {t} {name} {{ {definition} }}" for name, definition in _sets(t, key)]
+    lines.append(f"add counter inet {t} allowed_{key}")  # its new connections let through
+    allowed = f'counter name "allowed_{key}" accept'
     lines += [
         f"add element inet {t} deny_{key} {{ {', '.join(map(str, _merged(rules.deny)))} }}" if rules.deny else "",
         f"add element inet {t} open_{key} {{ {', '.join(map(str, _merged(rules.opened)))} }}" if rules.opened else "",
@@ -150,12 +152,12 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
         f"add rule inet {t} {chain} ip daddr {{ 0.0.0.0/8, 224.0.0.0/3 }} goto {refuse}",
         # Deny first: neither an allowed CIDR nor a DNS answer opens a default-denied address.
         f"add rule inet {t} {chain} ip daddr @deny_{key} ip daddr != @open_{key} goto {refuse}",
-        f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @allow_{key} accept",
-        f"add rule inet {t} {chain} ip daddr @dns_{key} accept",
-        f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @dnsport_{key} accept",
+        f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @allow_{key} {allowed}",
+        f"add rule inet {t} {chain} ip daddr @dns_{key} {allowed}",
+        f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @dnsport_{key} {allowed}",
     ]
     if rules.public:
-        lines.append(f"add rule inet {t} {chain} meta nfproto ipv4 accept")
+        lines.append(f"add rule inet {t} {chain} meta nfproto ipv4 {allowed}")
     lines += [
         f"add rule inet {t} {chain} goto {refuse}",
         f'add element inet {t} refusers {{ "{rules.veth}" : goto {refuse} }}',
@@ -185,6 +187,8 @@ def remove_batch(table: str, key: str, veth: str) -> str:
         f"delete chain inet {t} {chain}",
         f"delete chain inet {t} {refuse}",
         *(f"delete set inet {t} {name}" for name, _ in _sets(t, key)),
+        f"add counter inet {t} allowed_{key}",
+        f"delete counter inet {t} allowed_{key}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -244,6 +248,20 @@ def _without(net: IPv4Net, hole: IPv4Net) -> list[IPv4Net]:
     if net.subnet_of(hole):
         return []
     return list(net.address_exclude(hole)) if hole.subnet_of(net) else [net]
+
+
+def parse_counter(text: str) -> int:
+    """The packets of a named counter as ``nft -j list counter`` prints it (0 if none is shown)."""
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise SandboxSetupError(f"nft printed no JSON for a counter: {exc}") from None
+    for item in document.get("nftables", []) if isinstance(document, dict) else []:
+        counter = item.get("counter") if isinstance(item, dict) else None
+        packets = counter.get("packets") if isinstance(counter, dict) else None
+        if isinstance(packets, int) and not isinstance(packets, bool) and packets >= 0:
+            return packets
+    return 0
 
 
 def parse_refused(text: str) -> list[tuple[str, int, int]]:

@@ -33,6 +33,8 @@ import dns.rdatatype
 import dns.rrset
 import structlog
 
+from readie_protocol.events import MAX_REFUSED_NAMES  # a sandbox's refused names kept one by one (and logged once each)
+
 from . import _netns
 from .errors import SandboxSetupError
 
@@ -44,8 +46,6 @@ MAX_QUERY_BYTES = 1232
 MAX_UPSTREAM_BYTES = 4096
 # Addresses kept of one answer: 16 A records keep the reply under 512 bytes (no TCP needed).
 MAX_ANSWER_ADDRESSES = 16
-# Refused names a sandbox's count keeps one by one (and logs once each); the total counts all.
-MAX_REFUSED_NAMES = 32
 # A DNS name has at most 253 characters: anything longer in a log line is not a name.
 MAX_NAME_CHARS = 253
 # Forwarded queries (and TCP connections) at once, across sandboxes: past this a query gets

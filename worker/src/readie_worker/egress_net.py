@@ -21,6 +21,9 @@ from pathlib import Path
 
 import structlog
 
+from readie_policy.egress import DEFAULT_DENIED, Egress
+from readie_protocol.events import MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection
+
 from . import _netns, _nft
 from ._resolver import Resolver
 from .errors import ConfigError, SandboxSetupError
@@ -38,8 +41,6 @@ DEFAULT_POOL = ipaddress.IPv4Network("198.18.0.0/16")
 # Sandboxes wired at once per worker: far above a worker's slots plus warm sandboxes, and it
 # bounds the netns, veths and nft chains a runaway caller could make.
 MAX_SANDBOXES_WIRED = 1024
-# Refused destinations a job's result lists (the nft set keeps up to REFUSED_SET_SIZE).
-MAX_REFUSED_REPORTED = 32
 # Names: the sandbox netns is "<prefix>-<key>", its veth in the egress netns "<prefix>v<key>"
 # (an interface name has at most 15 bytes: 4 + 1 + 8 hex).
 DEFAULT_PREFIX = "rdie"
@@ -91,6 +92,25 @@ class NetRules:
             if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
                 raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
 
+    @classmethod
+    def of(cls, egress: Egress) -> NetRules:
+        """The enforcement of the policy ``egress`` (made for this worker: ``Egress.for_worker``).
+
+        The policy opens one of the worker's own addresses only by a single-address entry, while
+        ``opened`` here un-denies whole networks: so own addresses not named alone are cut out of
+        the opened networks, and stay refused."""
+        named_alone = {o.network.network_address for o in egress.opened if o.network is not None and o.network.num_addresses == 1}
+        own = [address for address in egress.own if address not in named_alone]
+        opened = tuple(o.network for o in egress.opened if o.network is not None)
+        return cls(
+            networks=tuple((d.network, d.port) for d in egress.destinations if d.network is not None),
+            names=tuple((f"*.{d.name}" if d.wildcard else d.name, d.port) for d in egress.destinations if d.name is not None),
+            public=egress.public,
+            denied=tuple(network for network, _ in DEFAULT_DENIED),
+            opened=_without(opened, own),
+            own=tuple(ipaddress.ip_network(address) for address in own),
+        )
+
     def name_ports(self, name: str) -> tuple[int | None, ...] | None:
         """The ports ``name`` may be reached on (None among them: every port), or None: not allowed."""
         name = name.lower().rstrip(".")
@@ -113,6 +133,22 @@ class NetRules:
             allow=tuple((net, port) for net, port in self.networks if isinstance(net, ipaddress.IPv4Network)),
             public=self.public,
         )
+
+
+def _without(networks: tuple[Network, ...], addresses: Iterable[Address]) -> tuple[Network, ...]:
+    """``networks`` with each of ``addresses`` cut out (each cut splits a network into at most
+    32 or 128 smaller ones; a worker has a handful of addresses)."""
+    result = list(networks)
+    for address in addresses:
+        single = ipaddress.ip_network(address)
+        cut: list[Network] = []
+        for network in result:
+            if network.version == single.version and single.subnet_of(network):  # type: ignore[arg-type]
+                cut.extend(network.address_exclude(single))  # type: ignore[arg-type]
+            else:
+                cut.append(network)
+        result = cut
+    return tuple(result)
 
 
 def _check_port(port: int | None) -> None:
@@ -320,6 +356,8 @@ class SandboxNetwork:
         self.veth = f"{prefix}v{key}"
         self.gateway, self.address = subnet.network_address + 1, subnet.network_address + 2
         self._removed = False
+        # What the last report told: the next one (a session's next step) tells only what is new.
+        self._told: tuple[dict[tuple[str, int], int], int, dict[str, int]] = ({}, 0, {})
 
     @property
     def netns_path(self) -> Path:
@@ -358,8 +396,35 @@ class SandboxNetwork:
 
     def refused(self, limit: int = MAX_REFUSED_REPORTED) -> list[Refusal]:
         """The destinations refused so far, most refused first, at most ``limit``."""
+        return self._refused_all()[:limit]
+
+    def allowed(self) -> int:
+        """New connections (packets opening one) its rules let through so far."""
+        config = self.egress.config
+        return _nft.parse_counter(_nft.run("", config.netns, "-j", "list", "counter", "inet", config.table, f"allowed_{self.key}"))
+
+    def _refused_all(self) -> list[Refusal]:
         text = _nft.run("", self.egress.config.netns, "-j", "list", "set", "inet", self.egress.config.table, f"refused_{self.key}")
-        return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)[:limit]]
+        return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)]
+
+    def report(self) -> NetworkReport:
+        """What was refused since the last report (a job's whole life, or one session step's):
+        connection attempts (packets refused, by destination) and lookups (by name)."""
+        told_connections, told_lookups, told_names = self._told
+        counts = {(r.address, r.port): r.count for r in self._refused_all()}
+        lookups, names = self.refused_lookups()
+        self._told = (counts, lookups, names)
+        new = sorted(
+            ((destination, count - told_connections.get(destination, 0)) for destination, count in counts.items()),
+            key=lambda item: (-item[1], item[0]),
+        )
+        new = [(destination, count) for destination, count in new if count > 0]
+        return NetworkReport(
+            refused_connections=sum(count for _, count in new),
+            refused=tuple(RefusedConnection(address, port, count) for (address, port), count in new[:MAX_REFUSED_REPORTED]),
+            refused_lookups=max(0, lookups - told_lookups),
+            refused_names=tuple(name for name, count in names.items() if count > told_names.get(name, 0))[:MAX_REFUSED_NAMES],
+        )
 
     def refused_lookups(self) -> tuple[int, dict[str, int]]:
         """Lookups refused (name not allowed, or only denied answers): the total, and per name
