@@ -8,6 +8,9 @@ import json
 from typing import Any
 
 import pytest
+from conftest import fuzz_examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from readie_protocol import NetworkReport as ExportedReport
 from readie_protocol.errors import PoolError
 from readie_protocol.events import (
@@ -111,3 +114,24 @@ def test_the_schema_publishes_the_report_and_its_bounds() -> None:
     entry = network["properties"]["refused"]["items"]["properties"]
     assert (entry["port"]["minimum"], entry["port"]["maximum"]) == (1, 65535)
     assert "network" not in event_schemas()["result"]["required"]
+
+
+# JSON values near the report's shape: right keys, any values (names and addresses included).
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2**33) | st.sampled_from(["203.0.113.1", "::1", "a.example", "", "x y"]),
+    lambda inner: st.lists(inner, max_size=40) | st.dictionaries(st.sampled_from(["address", "port", "count"]), inner),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=fuzz_examples(300))
+@given(st.fixed_dictionaries({}, optional={key: _json for key in REPORT_JSON}))
+def test_garbage_for_a_network_report_is_a_report_within_bounds_or_a_pool_error(network: dict[str, Any]) -> None:
+    try:
+        report = parse_result({**_line(), "network": network}).network
+    except PoolError:
+        return
+    assert report is not None
+    assert len(report.refused) <= MAX_REFUSED_REPORTED and len(report.refused_names) <= MAX_REFUSED_NAMES
+    assert sum(entry.count for entry in report.refused) <= report.refused_connections
+    assert all(1 <= entry.port <= 65535 for entry in report.refused)
