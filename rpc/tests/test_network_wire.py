@@ -101,3 +101,9 @@ def test_the_bounds_themselves_are_read() -> None:
     assert outcome.network is not None
     assert (len(outcome.network.refused), len(outcome.network.refused_names)) == (MAX_REFUSED_REPORTED, MAX_REFUSED_NAMES)
     assert outcome.network.refused_names[0] == name
+
+
+def test_a_count_past_what_the_wire_carries_is_sent_as_the_largest() -> None:
+    huge = NetworkReport(2**40, (RefusedConnection("203.0.113.1", 443, 2**40),), 2**33, ())
+    read = job_outcome(run_job_response(dataclasses.replace(OUTCOME, network=huge)), NETWORKED).network
+    assert read == NetworkReport(2**32 - 1, (RefusedConnection("203.0.113.1", 443, 2**32 - 1),), 2**32 - 1, ())

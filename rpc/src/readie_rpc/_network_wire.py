@@ -9,18 +9,24 @@ from __future__ import annotations
 
 from ._proto.readie.v1 import worker_pb2 as pb
 from readie_protocol.errors import PoolWorkerError
-from readie_protocol.network import NetworkReport, network_report
+from readie_protocol.network import MAX_REFUSED_COUNT, NetworkReport, network_report
 
 __all__ = ["network_from_message", "network_message"]
 
 
 def network_message(report: NetworkReport) -> pb.NetworkReport:
+    """The report as the wire carries it; a count past uint32 (a day of a job hammering denied
+    addresses could get there) is sent as the largest, not failed on."""
     return pb.NetworkReport(
-        refused_connections=report.refused_connections,
-        refused=[pb.RefusedConnection(address=item.address, port=item.port, count=item.count) for item in report.refused],
-        refused_lookups=report.refused_lookups,
+        refused_connections=_uint32(report.refused_connections),
+        refused=[pb.RefusedConnection(address=item.address, port=item.port, count=_uint32(item.count)) for item in report.refused],
+        refused_lookups=_uint32(report.refused_lookups),
         refused_names=report.refused_names,
     )
+
+
+def _uint32(count: int) -> int:
+    return min(count, MAX_REFUSED_COUNT)
 
 
 def network_from_message(message: pb.NetworkReport, *, networked: bool) -> NetworkReport:
