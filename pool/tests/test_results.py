@@ -157,6 +157,7 @@ def test_a_networked_job_s_line_says_what_the_egress_policy_refused_and_a_client
                     {"address": "203.0.113.9", "port": 8000, "count": 1}],
         "refused_lookups": 1,
         "refused_names": ["denied.test.example"],
+        "allowed_connections": 0,
     }
     assert parse_result(line) == result and parse_result(line).network == report
 

@@ -24,6 +24,7 @@ REPORT = NetworkReport(
     refused=(RefusedConnection("169.254.169.254", 80, 3), RefusedConnection("2001:db8::1", 443, 1)),
     refused_lookups=2,
     refused_names=("tracker.example.net", "_dmarc.a\\032b.example"),
+    allowed_connections=7,
 )
 # The line the pool writes for REPORT, spelt out: what a client in another language parses.
 REPORT_JSON = {
@@ -31,6 +32,7 @@ REPORT_JSON = {
     "refused": [{"address": "169.254.169.254", "port": 80, "count": 3}, {"address": "2001:db8::1", "port": 443, "count": 1}],
     "refused_lookups": 2,
     "refused_names": ["tracker.example.net", "_dmarc.a\\032b.example"],
+    "allowed_connections": 7,
 }
 
 
@@ -51,7 +53,7 @@ def test_a_result_with_the_network_carries_its_report_and_reads_it_back() -> Non
 
 def test_nothing_refused_is_a_report_of_zeros_and_no_network_is_no_key() -> None:
     quiet = Result(id=1, exit=0, network=NetworkReport())
-    assert quiet.to_json()["network"] == {"refused_connections": 0, "refused": [], "refused_lookups": 0, "refused_names": []}
+    assert quiet.to_json()["network"] == {"refused_connections": 0, "refused": [], "refused_lookups": 0, "refused_names": [], "allowed_connections": 0}
     assert parse_result(quiet.to_json()) == quiet
     offline = Result(id=2, exit=0).to_json()
     assert "network" not in offline and parse_result(offline).network is None

@@ -280,7 +280,7 @@ def _network_reference() -> list[str]:
     refused = Result(id=3, exit=1, network=NetworkReport(
         refused_connections=3,
         refused=(RefusedConnection("169.254.169.254", 80, 2), RefusedConnection("203.0.113.9", 443, 1)),
-        refused_lookups=1, refused_names=("tracker.example.net",),
+        refused_lookups=1, refused_names=("tracker.example.net",), allowed_connections=4,
     )).to_json()
     return [
         "## What the network policy refused",
@@ -291,7 +291,8 @@ def _network_reference() -> list[str]:
         f"refused connection and `refused` lists the destinations, most refused first, at most "
         f"{MAX_REFUSED_REPORTED};",
         "`refused_lookups` counts the name lookups refused (a name not allowed, or one whose addresses all",
-        f"lie in denied space) and `refused_names` names at most {MAX_REFUSED_NAMES} of them. A session step's",
+        f"lie in denied space) and `refused_names` names at most {MAX_REFUSED_NAMES} of them.",
+        "`allowed_connections` counts the new connections the policy let through. A session step's",
         "counts are that step's only. A result without the network has no `network` key.",
         "",
         *_json_block({key: refused[key] for key in ("id", "exit", "network")}),

@@ -77,13 +77,15 @@ class NetworkReport:
     destinations, most refused first, at most :data:`MAX_REFUSED_REPORTED` (their counts add up
     to at most the total). ``refused_lookups`` counts the DNS lookups refused (a name not
     allowed, or one whose answers all lie in denied space); ``refused_names`` names the first
-    :data:`MAX_REFUSED_NAMES` of those names. A job without the network has no report at all.
+    :data:`MAX_REFUSED_NAMES` of those names. ``allowed_connections`` counts the new
+    connections its policy let through. A job without the network has no report at all.
     """
 
     refused_connections: int = 0
     refused: tuple[RefusedConnection, ...] = ()
     refused_lookups: int = 0
     refused_names: tuple[str, ...] = ()
+    allowed_connections: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +93,7 @@ class NetworkReport:
             "refused": [entry.to_json() for entry in self.refused],
             "refused_lookups": self.refused_lookups,
             "refused_names": list(self.refused_names),
+            "allowed_connections": self.allowed_connections,
         }
 
 
@@ -99,6 +102,7 @@ def network_report(
     refused: Sequence[Any],
     refused_lookups: Any,
     refused_names: Sequence[Any],
+    allowed_connections: Any = 0,
     *,
     entry: Callable[[Any], tuple[Any, Any, Any]],
 ) -> NetworkReport:
@@ -123,7 +127,7 @@ def network_report(
         raise Invalid("lists a refused name twice")
     if len(names) > lookups:
         raise Invalid(f"names {len(names)} refused lookups but counts {lookups}")
-    return NetworkReport(total, entries, lookups, names)
+    return NetworkReport(total, entries, lookups, names, _count("allowed_connections", allowed_connections, low=0))
 
 
 def parse_network(fields: Fields) -> NetworkReport:
@@ -133,7 +137,7 @@ def parse_network(fields: Fields) -> NetworkReport:
     try:
         return network_report(
             fields.get("refused_connections", int), refused, fields.get("refused_lookups", int), names,
-            entry=_json_entry,
+            fields.get("allowed_connections", int), entry=_json_entry,
         )
     except Invalid as exc:
         broken(f"a result's network {exc}")

@@ -247,6 +247,7 @@ _BOUNDS: dict[type, dict[str, dict[str, Any]]] = {
         "refused": {"maxItems": MAX_REFUSED_REPORTED},
         "refused_lookups": {"minimum": 0, "maximum": MAX_REFUSED_COUNT},
         "refused_names": {"maxItems": MAX_REFUSED_NAMES, "items": {"type": "string", "minLength": 1, "maxLength": MAX_DNS_NAME_CHARS}},
+        "allowed_connections": {"minimum": 0, "maximum": MAX_REFUSED_COUNT},
     },
     RefusedConnection: {
         "address": {"maxLength": MAX_ADDRESS_CHARS},

@@ -22,6 +22,7 @@ def network_message(report: NetworkReport) -> pb.NetworkReport:
         refused=[pb.RefusedConnection(address=item.address, port=item.port, count=_uint32(item.count)) for item in report.refused],
         refused_lookups=_uint32(report.refused_lookups),
         refused_names=report.refused_names,
+        allowed_connections=_uint32(report.allowed_connections),
     )
 
 
@@ -37,7 +38,7 @@ def network_from_message(message: pb.NetworkReport, *, networked: bool) -> Netwo
     try:
         return network_report(
             message.refused_connections, message.refused, message.refused_lookups, message.refused_names,
-            entry=lambda item: (item.address, item.port, item.count),
+            message.allowed_connections, entry=lambda item: (item.address, item.port, item.count),
         )
     except ValueError as exc:  # the check's Invalid
         raise PoolWorkerError(f"the worker answered a network report that {exc}") from None

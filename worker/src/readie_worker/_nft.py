@@ -13,7 +13,7 @@ Layout, in the egress network namespace, one ``inet`` table readie owns::
       chain sb_<id>   not its own source -> refuse; its own (ct mark) established -> accept; new past
                       its connection bound -> refuse; new -> mark as its own;
                       local/broadcast/multicast -> refuse; denied and not opened ->
-                      refuse; allowed net . port -> accept; DNS-answered -> accept; [public -> accept];
+                      refuse; allowed net . port -> accept; DNS-answered -> accept; public set (0/0 or empty) -> accept;
                       refuse
       chain rf_<id>   count into the refused set; TCP -> reset, the rest -> port unreachable
       sets {deny,open,allow,dns,dnsport,refused,conns}_<id>
@@ -110,6 +110,8 @@ def _sets(table: str, key: str) -> list[tuple[str, str]]:
         (f"deny_{key}", "type ipv4_addr; flags interval;"),
         (f"open_{key}", "type ipv4_addr; flags interval;"),
         (f"allow_{key}", "type ipv4_addr . inet_service; flags interval;"),
+        # 0.0.0.0/0 when the policy is the public internet (what is denied was refused before).
+        (f"public_{key}", "type ipv4_addr; flags interval;"),
         # Addresses the resolver answered for an allowed name, for as long as the answer's TTL.
         (f"dns_{key}", "type ipv4_addr; flags timeout;"),
         (f"dnsport_{key}", "type ipv4_addr . inet_service; flags timeout;"),
@@ -125,13 +127,7 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
     lines = [f"add set inet {t} {name} {{ {definition} }}" for name, definition in _sets(t, key)]
     lines.append(f"add counter inet {t} allowed_{key}")  # its new connections let through
     allowed = f'counter name "allowed_{key}" accept'
-    lines += [
-        f"add element inet {t} deny_{key} {{ {', '.join(map(str, _merged(rules.deny)))} }}" if rules.deny else "",
-        f"add element inet {t} open_{key} {{ {', '.join(map(str, _merged(rules.opened)))} }}" if rules.opened else "",
-    ]
-    allow = [f"{net} . {port}" for net, port in _allow_elements(rules.allow)]
-    if allow:
-        lines.append(f"add element inet {t} allow_{key} {{ {', '.join(allow)} }}")
+    lines += _policy_elements(t, rules)
     refuse, chain = f"rf_{key}", f"sb_{key}"
     lines += [
         f"add chain inet {t} {refuse}",
@@ -155,15 +151,38 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
         f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @allow_{key} {allowed}",
         f"add rule inet {t} {chain} ip daddr @dns_{key} {allowed}",
         f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @dnsport_{key} {allowed}",
+        f"add rule inet {t} {chain} ip daddr @public_{key} {allowed}",
     ]
-    if rules.public:
-        lines.append(f"add rule inet {t} {chain} meta nfproto ipv4 {allowed}")
     lines += [
         f"add rule inet {t} {chain} goto {refuse}",
         f'add element inet {t} refusers {{ "{rules.veth}" : goto {refuse} }}',
         f'add element inet {t} sandboxes {{ "{rules.veth}" : jump {chain} }}',
     ]
     return "\n".join(line for line in lines if line) + "\n"
+
+
+def _policy_elements(t: str, rules: SandboxRules) -> list[str]:
+    """The elements of a sandbox's policy sets: all of its policy (its chain is the same for every one)."""
+    key, allow = rules.key, [f"{net} . {port}" for net, port in _allow_elements(rules.allow)]
+    return [line for line in (
+        f"add element inet {t} deny_{key} {{ {', '.join(map(str, _merged(rules.deny)))} }}" if rules.deny else "",
+        f"add element inet {t} open_{key} {{ {', '.join(map(str, _merged(rules.opened)))} }}" if rules.opened else "",
+        f"add element inet {t} allow_{key} {{ {', '.join(allow)} }}" if allow else "",
+        f"add element inet {t} public_{key} {{ 0.0.0.0/0 }}" if rules.public else "",
+    ) if line]
+
+
+def rerule_batch(table: str, rules: SandboxRules) -> str:
+    """One atomic batch that gives a wired sandbox (a warm one) a new policy: its policy sets
+    emptied and filled anew, and what it was told of before forgotten (answered names, refusals,
+    its allowed count), as if it had been wired so."""
+    key, t = rules.key, table
+    emptied = ("deny", "open", "allow", "public", "dns", "dnsport", "refused")
+    return "\n".join([
+        *(f"flush set inet {t} {name}_{key}" for name in emptied),
+        f"reset counter inet {t} allowed_{key}",
+        *_policy_elements(t, rules),
+    ]) + "\n"
 
 
 def remove_batch(table: str, key: str, veth: str) -> str:

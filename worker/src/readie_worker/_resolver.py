@@ -33,7 +33,8 @@ import dns.rdatatype
 import dns.rrset
 import structlog
 
-from readie_protocol.events import MAX_REFUSED_NAMES  # a sandbox's refused names kept one by one (and logged once each)
+# A sandbox's refused names kept one by one (and logged once each); a name's longest text.
+from readie_protocol.network import MAX_DNS_NAME_CHARS, MAX_REFUSED_NAMES
 
 from . import _netns
 from .errors import SandboxSetupError
@@ -46,8 +47,6 @@ MAX_QUERY_BYTES = 1232
 MAX_UPSTREAM_BYTES = 4096
 # Addresses kept of one answer: 16 A records keep the reply under 512 bytes (no TCP needed).
 MAX_ANSWER_ADDRESSES = 16
-# A DNS name has at most 253 characters: anything longer in a log line is not a name.
-MAX_NAME_CHARS = 253
 # Forwarded queries (and TCP connections) at once, across sandboxes: past this a query gets
 # SERVFAIL (a TCP connection is closed) instead of queuing without end (glibc sends 2 per
 # lookup: A and AAAA, and AAAA is answered at once).
@@ -428,7 +427,7 @@ def _count_refusal(served: _Served, name: str, why: str) -> None:
             return
         served.refused[name] = served.refused.get(name, 0) + 1
     if first:
-        log.info("lookup refused", sandbox=served.key, name=name[:MAX_NAME_CHARS], why=why)
+        log.info("lookup refused", sandbox=served.key, name=name[:MAX_DNS_NAME_CHARS], why=why)
 
 
 def _response(query: dns.message.Message, rcode: int) -> dns.message.Message:

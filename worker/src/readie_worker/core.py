@@ -186,7 +186,8 @@ class Worker:
             target = self.config.warm.get(name, 0)
             self.warm[name] = WarmSandboxes(name, factory, target, budget, warm_up=self.config.warm_up, observer=self.metrics).start()
         if self.config.egress_netns is not None:
-            self.egress = NetworkedSandboxes(self.config.egress_netns, self.config.egress_dns, self.runsc).open()
+            self.egress = NetworkedSandboxes(self.config.egress_netns, self.config.egress_dns, self.runsc).start()
+            self.egress.start_warm(self.factories, self.config.warm, budget, warm_up=self.config.warm_up, observer=self.metrics)
         log.info(
             "worker started",
             checkpoints=sorted(self.factories),
@@ -300,25 +301,23 @@ class Worker:
         return self.config.sandbox_memory_bytes - overhead
 
     def _acquire(self, job: CodeJob) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
-        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs the
-        network (restored into a namespace wired by its policy: ``_networked``) or packages (mount
-        sources fixed at restore). Grants are opened here, when the
+        """A sandbox for ``job`` and the links its grants need: a warm one (a networked one given
+        its rules, if it has the network: ``_networked``) unless it needs packages (mount sources
+        fixed at restore). Grants are opened here, when the
         job has its slot, and held until its sandbox has them mounted (``grants.py``): a warm
         sandbox's grant points take them after restore (decision 0034)."""
         warm = self.warm[job.checkpoint]
-        if job.network or job.needs_own_mounts:
+        networked = self.egress if job.network else None  # _check_job refused a network without egress
+        if job.needs_own_mounts:
             with self._hold_grants(job) as grants:
-                if job.network:
-                    assert self.egress is not None  # _check_job refused it otherwise
-                    factory = self.factories[job.checkpoint]
-                    sandbox = self.egress.sandbox(job, factory.primary, lambda primary: warm.made_for_a_job(
-                        grants, dataclasses.replace(factory, primary=primary, fallback=None)))
+                if networked is not None:
+                    sandbox = networked.made_for(job, warm, self.factories[job.checkpoint], grants)
                 else:
                     sandbox = warm.made_for_a_job(grants)
         elif job.allow_read or job.allow_write:
             # Opened first: a refused grant costs no warm sandbox.
             with self._hold_grants(job) as grants:
-                sandbox = warm.take()
+                sandbox = networked.take(job) if networked is not None else warm.take()
                 try:
                     if self.isolated:
                         sandbox.attach(grants)
@@ -326,7 +325,7 @@ class Worker:
                     self._retirer.retire(sandbox)
                     raise
         else:
-            sandbox, grants = warm.take(), NO_GRANTS
+            sandbox, grants = networked.take(job) if networked is not None else warm.take(), NO_GRANTS
         # Unisolated, the job sees the host itself: links would be made on the host.
         links = grants.links if self.isolated else ()
         if job.memory_bytes is not None:

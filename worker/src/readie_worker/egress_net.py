@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from readie_policy.egress import DEFAULT_DENIED, Egress
-from readie_protocol.events import MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection
+from readie_protocol.network import MAX_DNS_NAME_CHARS, MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection
 
 from . import _netns, _nft
 from ._resolver import Resolver
@@ -176,6 +176,16 @@ class Refusal:
     count: int
 
 
+@dataclass(frozen=True)
+class _Told:
+    """What a sandbox's last report counted: the next one tells only what came since."""
+
+    connections: dict[tuple[str, int], int] = field(default_factory=dict)
+    lookups: int = 0
+    names: dict[str, int] = field(default_factory=dict)
+    allowed: int = 0
+
+
 class Subnets:
     """The /30s of a pool, handed out one per sandbox; safe across threads."""
 
@@ -274,7 +284,7 @@ class EgressGateway:
         self._lock = threading.Lock()
         self.resolver: Resolver | None = None
 
-    def open(self) -> EgressGateway:
+    def start(self) -> EgressGateway:
         """Sweep what an earlier run left, then make the table, forwarding and the resolver."""
         if not _netns.present(self.config.netns):
             raise ConfigError("egress_netns", None, f"no network namespace named {self.config.netns!r}")
@@ -357,7 +367,7 @@ class SandboxNetwork:
         self.gateway, self.address = subnet.network_address + 1, subnet.network_address + 2
         self._removed = False
         # What the last report told: the next one (a session's next step) tells only what is new.
-        self._told: tuple[dict[tuple[str, int], int], int, dict[str, int]] = ({}, 0, {})
+        self._told = _Told()
 
     @property
     def netns_path(self) -> Path:
@@ -388,7 +398,9 @@ class SandboxNetwork:
         resolver = self.egress.resolver
         if resolver is None:
             raise SandboxSetupError("egress was closed while a sandbox network was being wired")
-        resolver.serve(self.key, self.gateway, self.rules.name_ports, self.rules.refuses, self._open_answered)
+        # Through self.rules as it is at each query: a warm sandbox's rules change at hand-out (rerule).
+        resolver.serve(self.key, self.gateway, lambda name: self.rules.name_ports(name),
+                       lambda address: self.rules.refuses(address), self._open_answered)
         log.debug("sandbox network wired", key=self.key, address=str(self.address))
 
     def _open_answered(self, addresses: list[ipaddress.IPv4Address], ports: tuple[int | None, ...], ttl: int) -> None:
@@ -407,23 +419,38 @@ class SandboxNetwork:
         text = _nft.run("", self.egress.config.netns, "-j", "list", "set", "inet", self.egress.config.table, f"refused_{self.key}")
         return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)]
 
+    def rerule(self, rules: NetRules) -> None:
+        """Give this wired sandbox (a warm one, at hand-out) ``rules`` instead of its own, in one
+        atomic nft batch; what it was refused or answered before is forgotten, and its next
+        report starts from here."""
+        config = self.egress.config
+        _nft.run(_nft.rerule_batch(config.table, rules.sandbox_rules(self.key, self.veth, self.address)), config.netns)
+        self.rules = rules
+        lookups, names = self.refused_lookups()  # the resolver's counts go on: from here
+        self._told = _Told(lookups=lookups, names=names)
+
     def report(self) -> NetworkReport:
         """What was refused since the last report (a job's whole life, or one session step's):
         connection attempts (packets refused, by destination) and lookups (by name)."""
-        told_connections, told_lookups, told_names = self._told
+        told = self._told
         counts = {(r.address, r.port): r.count for r in self._refused_all()}
         lookups, names = self.refused_lookups()
-        self._told = (counts, lookups, names)
+        self._told = _Told(counts, lookups, names, self.allowed())
         new = sorted(
-            ((destination, count - told_connections.get(destination, 0)) for destination, count in counts.items()),
+            ((destination, count - told.connections.get(destination, 0)) for destination, count in counts.items()),
             key=lambda item: (-item[1], item[0]),
         )
         new = [(destination, count) for destination, count in new if count > 0]
+        # Port 0 (a datagram to it) is counted, never listed: no destination a result names has it.
+        listed = [((address, port), count) for (address, port), count in new if port > 0]
         return NetworkReport(
             refused_connections=sum(count for _, count in new),
-            refused=tuple(RefusedConnection(address, port, count) for (address, port), count in new[:MAX_REFUSED_REPORTED]),
-            refused_lookups=max(0, lookups - told_lookups),
-            refused_names=tuple(name for name, count in names.items() if count > told_names.get(name, 0))[:MAX_REFUSED_NAMES],
+            refused=tuple(RefusedConnection(address, port, count) for (address, port), count in listed[:MAX_REFUSED_REPORTED]),
+            refused_lookups=max(0, lookups - told.lookups),
+            refused_names=tuple(dict.fromkeys(  # as a result shows a name: its first 253 characters
+                name[:MAX_DNS_NAME_CHARS] or "." for name, count in names.items() if count > told.names.get(name, 0)
+            ))[:MAX_REFUSED_NAMES],
+            allowed_connections=max(0, self._told.allowed - told.allowed),
         )
 
     def refused_lookups(self) -> tuple[int, dict[str, int]]:

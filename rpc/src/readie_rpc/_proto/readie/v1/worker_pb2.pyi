@@ -185,16 +185,18 @@ class RunJobResponse(_message.Message):
     def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ..., collected: _Optional[_Union[CollectedFiles, _Mapping]] = ..., session_key: _Optional[str] = ..., resumed_from_step: _Optional[int] = ..., lost: _Optional[bool] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ...) -> None: ...
 
 class NetworkReport(_message.Message):
-    __slots__ = ("refused_connections", "refused", "refused_lookups", "refused_names")
+    __slots__ = ("refused_connections", "refused", "refused_lookups", "refused_names", "allowed_connections")
     REFUSED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     refused_connections: int
     refused: _containers.RepeatedCompositeFieldContainer[RefusedConnection]
     refused_lookups: int
     refused_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, refused_connections: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedConnection, _Mapping]]] = ..., refused_lookups: _Optional[int] = ..., refused_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    allowed_connections: int
+    def __init__(self, refused_connections: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedConnection, _Mapping]]] = ..., refused_lookups: _Optional[int] = ..., refused_names: _Optional[_Iterable[str]] = ..., allowed_connections: _Optional[int] = ...) -> None: ...
 
 class RefusedConnection(_message.Message):
     __slots__ = ("address", "port", "count")
