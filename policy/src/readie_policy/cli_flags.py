@@ -18,6 +18,7 @@ from readie_protocol.units import parse_duration_ms
 
 from readie_protocol.errors import ConfigError, UnitError
 
+from .config import CLI_SOURCE
 from .config_values import EGRESS_DNS, NETNS_NAME, Reading, ValueKind
 
 __all__ = [
@@ -93,6 +94,6 @@ def egress_dns(text: str) -> tuple[str, ...]:
 def _as_pool_key(kind: ValueKind, flag: str, value: object) -> Any:
     # Neither value is a path: the base and resolver of the reading are never used.
     try:
-        return kind.read(Reading("command line", Path("/"), os.path.realpath), flag, value)
+        return kind.read(Reading(CLI_SOURCE, Path("/"), os.path.realpath), flag, value)
     except ConfigError as exc:  # argparse names the flag; the reason names the value
         raise argparse.ArgumentTypeError(exc.reason) from None
