@@ -51,9 +51,10 @@ def lookup(name):
     except socket.gaierror as exc:
         return [exc.errno, None]
 
+connects = {f"{a}:{p}": connect(a, p) for a, p in TARGETS}  # first: an answered name opens its address
 looked = {name: lookup(name) for name in NAMES}
 print(json.dumps({
-    "connects": {f"{a}:{p}": connect(a, p) for a, p in TARGETS},
+    "connects": connects,
     "lookups": looked,
     "by_name": {name: connect(address, PORT)[0] for name, (_, address) in looked.items() if address},
 }))
@@ -110,6 +111,8 @@ def test_a_job_reaches_its_allowed_network_and_name_and_is_told_what_was_refused
     assert set(report.refused) == {RefusedConnection(w.DENIED, w.PORT, 1), RefusedConnection(w.METADATA, 80, 1),
                                    RefusedConnection(w.ALLOWED, 9000, 1)}
     assert report.refused_lookups == 2 and set(report.refused_names) == {"denied.test", "rebind.test"}
+    assert report.allowed_connections == 2  # ALLOWED:8000, and allowed.test's answer
+    assert worker.egress.warm["base"].hits + worker.egress.warm["base"].misses >= 1  # a networked warm set's
 
 
 def test_true_is_the_public_internet_never_the_metadata_endpoint_or_private_networks(worker):

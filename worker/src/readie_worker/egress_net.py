@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from readie_policy.config_values import NETNS_NAME_PATTERN
 from readie_policy.egress import DEFAULT_DENIED, Egress
 from readie_protocol.network import MAX_DNS_NAME_CHARS, MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection
 
@@ -220,7 +221,7 @@ class Subnets:
             return len(self._used)
 
 
-_NETNS_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NETNS_NAME = re.compile(NETNS_NAME_PATTERN)  # the config's rule, one definition
 _NFT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # A prefix leaves room for "v" and the key in a 15-byte interface name.
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,5}")
@@ -244,7 +245,7 @@ class EgressConfig:
         # Every one of these ends up in a path, an ip(8) line or an nft batch: nothing but a plain name.
         if self.netns is None:
             raise ConfigError("egress_netns", None, "required: the network namespace readie forwards sandboxes through, never the host's own")
-        if not isinstance(self.netns, str) or not _NETNS_NAME.fullmatch(self.netns) or self.netns in (".", ".."):
+        if not isinstance(self.netns, str) or not _NETNS_NAME.fullmatch(self.netns):
             raise ConfigError("egress_netns", None, f"{str(self.netns)[:80]!r} is not a network namespace's name (letters, digits, . _ -)")
         if not _NFT_NAME.fullmatch(self.table) or not _PREFIX.fullmatch(self.prefix):
             raise ConfigError("egress", None, f"table {self.table[:80]!r} or prefix {self.prefix[:80]!r}: a short lowercase name")
