@@ -262,7 +262,7 @@ def test_tcp_lookups_are_answered_and_one_sandboxs_flood_leaves_the_others_serve
 
 def test_a_failed_nft_or_ip_says_where_the_details_are_not_the_hosts_names(world):
     for failing in (
-        lambda: _nft.run("add rule inet readienone nochain accept\n", w.EGRESS),
+        lambda: _nft.Nft(w.EGRESS).run("add rule inet readienone nochain accept\n"),
         lambda: _netns.ip_batch(w.EGRESS, ["link delete rdtnosuchdev"]),
     ):
         with pytest.raises(SandboxSetupError) as failed:

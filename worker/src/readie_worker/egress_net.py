@@ -284,14 +284,16 @@ class EgressGateway:
         self._wired: dict[str, SandboxNetwork] = {}
         self._lock = threading.Lock()
         self.resolver: Resolver | None = None
+        self._nft: _nft.Nft | None = None  # opened in config.netns at start
 
     def start(self) -> EgressGateway:
         """Sweep what an earlier run left, then make the table, forwarding and the resolver."""
         if not _netns.present(self.config.netns):
             raise ConfigError("egress_netns", None, f"no network namespace named {self.config.netns!r}")
+        self._nft = _nft.Nft(self.config.netns)
         self.sweep()
         _netns.write_sysctls(self.config.netns, {"ipv4/ip_forward": "1"})
-        _nft.run(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v"), self.config.netns)
+        self.nft(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v"))
         self.resolver = Resolver(self.config.netns, self.config.upstreams)
         return self
 
@@ -332,7 +334,13 @@ class EgressGateway:
             _netns.ip_batch(None, [f"netns delete {name}" for name in stale], check=False)
         if stale or veths:
             log.warning("swept egress wiring an earlier run left", namespaces=len(stale), veths=len(veths))
-        _nft.run(_nft.remove_table_batch(self.config.table), self.config.netns)
+        self.nft(_nft.remove_table_batch(self.config.table))
+
+    def nft(self, commands: str) -> str:
+        """Run nft ``commands`` in the egress namespace (in process: ``_nft.Nft``); what they printed."""
+        if self._nft is None:
+            raise SandboxSetupError("egress is not started")
+        return self._nft.run(commands)
 
     def close(self) -> None:
         """Remove every sandbox's wiring, the table and the resolver."""
@@ -346,7 +354,10 @@ class EgressGateway:
         if self.resolver is not None:
             self.resolver.close()
             self.resolver = None
-        _nft.run(_nft.remove_table_batch(self.config.table), self.config.netns)
+        if self._nft is not None:
+            self.nft(_nft.remove_table_batch(self.config.table))
+            self._nft.close()
+            self._nft = None
 
     def _forget(self, network: SandboxNetwork) -> None:
         with self._lock:
@@ -395,7 +406,7 @@ class SandboxNetwork:
             "link set eth0 up",
             f"route add default via {self.gateway}",
         ])
-        _nft.run(_nft.sandbox_batch(config.table, self.rules.sandbox_rules(self.key, self.veth, self.address)), egress)
+        self.egress.nft(_nft.sandbox_batch(config.table, self.rules.sandbox_rules(self.key, self.veth, self.address)))
         resolver = self.egress.resolver
         if resolver is None:
             raise SandboxSetupError("egress was closed while a sandbox network was being wired")
@@ -405,7 +416,7 @@ class SandboxNetwork:
         log.debug("sandbox network wired", key=self.key, address=str(self.address))
 
     def _open_answered(self, addresses: list[ipaddress.IPv4Address], ports: tuple[int | None, ...], ttl: int) -> None:
-        _nft.run(_nft.answered_batch(self.egress.config.table, self.key, addresses, ports, ttl), self.egress.config.netns)
+        self.egress.nft(_nft.answered_batch(self.egress.config.table, self.key, addresses, ports, ttl))
 
     def refused(self, limit: int = MAX_REFUSED_REPORTED) -> list[Refusal]:
         """The destinations refused so far, most refused first, at most ``limit``."""
@@ -414,10 +425,10 @@ class SandboxNetwork:
     def allowed(self) -> int:
         """New connections (packets opening one) its rules let through so far."""
         config = self.egress.config
-        return _nft.parse_counter(_nft.run("", config.netns, "-j", "list", "counter", "inet", config.table, f"allowed_{self.key}"))
+        return _nft.parse_counter(self.egress.nft(f"list counter inet {config.table} allowed_{self.key}"))
 
     def _refused_all(self) -> list[Refusal]:
-        text = _nft.run("", self.egress.config.netns, "-j", "list", "set", "inet", self.egress.config.table, f"refused_{self.key}")
+        text = self.egress.nft(f"list set inet {self.egress.config.table} refused_{self.key}")
         return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)]
 
     def rerule(self, rules: NetRules) -> None:
@@ -425,7 +436,7 @@ class SandboxNetwork:
         atomic nft batch; what it was refused or answered before is forgotten, and its next
         report starts from here."""
         config = self.egress.config
-        _nft.run(_nft.rerule_batch(config.table, rules.sandbox_rules(self.key, self.veth, self.address)), config.netns)
+        self.egress.nft(_nft.rerule_batch(config.table, rules.sandbox_rules(self.key, self.veth, self.address)))
         self.rules = rules
         lookups, names = self.refused_lookups()  # the resolver's counts go on: from here
         self._told = _Told(lookups=lookups, names=names)
@@ -471,7 +482,7 @@ class SandboxNetwork:
             # The veth first: `ip netns delete` is asynchronous, a veth delete is not (lab §0).
             lambda: _netns.ip_batch(config.netns, [f"link delete {self.veth}"], check=False),
             lambda: _netns.ip_batch(None, [f"netns delete {self.netns}"], check=False),
-            lambda: _nft.run(_nft.remove_batch(config.table, self.key, self.veth), config.netns),
+            lambda: self.egress.nft(_nft.remove_batch(config.table, self.key, self.veth)),
         ]
         for step in steps:  # each step whatever the one before did: leave as little as possible
             try:
