@@ -131,12 +131,12 @@ def test_a_plain_job_on_the_same_worker_has_no_network_and_no_report(worker):
 
 def test_each_session_step_reports_its_own_refusals(worker):
     worker, _ = worker
-    session, first = worker.open_session(networked(probe([(w.DENIED, w.PORT)]), [f"10.199.1.0/24:{w.PORT}"]))
+    session, first = worker.open_session(networked(probe([(w.DENIED, w.PORT)]), [f"10.199.1.0/24:{w.PORT}", "allowed.test"]))
     try:
         assert first.outcome.network is not None and first.outcome.network.refused_connections == 1, first
-        step = session.run_step(Step(probe([(w.ALLOWED, w.PORT), (w.DENIED, w.PORT), (w.DENIED, w.PORT)])))
-        connects = json.loads(step.outcome.stdout)["connects"]
-        assert connects[f"{w.ALLOWED}:{w.PORT}"][0] == "ok", connects
+        step = session.run_step(Step(probe([(w.ALLOWED, w.PORT), (w.DENIED, w.PORT), (w.DENIED, w.PORT)], ["allowed.test"])))
+        seen = json.loads(step.outcome.stdout)
+        assert seen["connects"][f"{w.ALLOWED}:{w.PORT}"][0] == "ok" and seen["by_name"] == {"allowed.test": "ok"}, seen
         report = step.outcome.network
         assert report is not None and report.refused == (RefusedConnection(w.DENIED, w.PORT, 2),), report  # this step's two
         quiet = session.run_step(Step("print('nothing refused')"))
