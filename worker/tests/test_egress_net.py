@@ -89,7 +89,7 @@ def test_public_opens_the_world_but_never_the_default_denied(egress, world):
         assert [refusal.address for refusal in network.refused()] == sorted([w.DENIED, w.METADATA])
     finally:
         network.remove()
-    opened = egress.wire(NetRules(public=True, denied=w.DEFAULT_DENIED, opened=(w.N(f"{w.METADATA}/32"),)))
+    opened = egress.wire(NetRules(public=True, denied=w.DEFAULT_DENIED, opened=((w.N(f"{w.METADATA}/32"), None),)))
     try:
         assert connect(opened, w.METADATA) == "ok"  # named by the ceiling: open
         assert connect(opened, w.DENIED) == "ECONNREFUSED"
@@ -161,7 +161,7 @@ def test_the_resolver_answers_allowed_names_only_and_opens_what_it_answered(wire
 
 
 def test_a_name_answered_opens_its_address_and_a_rebound_name_opens_nothing_denied(egress, world):
-    network = egress.wire(NetRules(names=(("rebind.test", None),), denied=w.DEFAULT_DENIED, opened=(w.N("10.199.1.0/24"),)))
+    network = egress.wire(NetRules(names=(("rebind.test", None),), denied=w.DEFAULT_DENIED, opened=((w.N("10.199.1.0/24"), None),)))
     try:
         assert connect(network, w.OTHER_ALLOWED) == "ECONNREFUSED"  # not answered yet
         world.upstream.names["rebind.test"] = w.OTHER_ALLOWED

@@ -117,10 +117,15 @@ def test_a_job_reaches_its_allowed_network_and_name_and_is_told_what_was_refused
 
 def test_true_is_the_public_internet_never_the_metadata_endpoint_or_private_networks(worker):
     worker, _ = worker
-    outcome = worker.run_job(networked(probe([(w.METADATA, w.PORT), (w.ALLOWED, w.PORT)]), True, ceiling=True))
-    connects = json.loads(outcome.stdout)["connects"]
+    outcome = worker.run_job(networked(probe([(w.METADATA, w.PORT), (w.ALLOWED, w.PORT)], ["public.test", "allowed.test"]), True, ceiling=True))
+    seen = json.loads(outcome.stdout)
+    connects = seen["connects"]
     assert refused_fast(connects, f"{w.METADATA}:{w.PORT}") and refused_fast(connects, f"{w.ALLOWED}:{w.PORT}"), connects
-    assert outcome.network is not None and outcome.network.refused_connections == 2
+    # Every name resolves under true (an attacker review found none did), to a public address only.
+    assert seen["lookups"]["public.test"] == [0, w.PUBLIC] and seen["by_name"] == {"public.test": "ok"}, seen
+    assert seen["lookups"]["allowed.test"] == [socket.EAI_NONAME, None]  # its one answer is private: dropped
+    report = outcome.network
+    assert report is not None and (report.refused_connections, report.allowed_connections, report.refused_lookups) == (2, 1, 1), report
 
 
 def test_a_plain_job_on_the_same_worker_has_no_network_and_no_report(worker):

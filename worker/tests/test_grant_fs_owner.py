@@ -91,6 +91,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
     "_netns.py": {
         "<module>": "libc's setns(2): takes a descriptor, no path",
         "enter": "a network namespace's file: ip's in /var/run/netns (root's) or this process's in /proc",
+        "identity": "a network namespace's file in /var/run/netns (root's): its inode, nothing read",
         "write_sysctls.write": "/proc/sys/net as the namespace readie made sees it: the kernel's, not a file anyone names",
         "present": "ip's namespace files in /var/run/netns (root's)",
         "names": "ip's namespace files in /var/run/netns (root's)",

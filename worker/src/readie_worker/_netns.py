@@ -94,6 +94,14 @@ def present(name: str) -> bool:
     return (NETNS_DIR / name).exists()
 
 
+def identity(name: str) -> tuple[int, int]:
+    """Which namespace ``name`` is now (its nsfs device and inode): one deleted and made again
+    under the same name is another."""
+    with host_failure(SandboxSetupError, f"cannot find the network namespace {name}"):
+        found = os.stat(NETNS_DIR / name)
+    return found.st_dev, found.st_ino
+
+
 def names() -> list[str]:
     """The names of the namespaces ``ip netns`` knows."""
     try:

@@ -21,8 +21,7 @@ import structlog
 from readie_policy.egress import Egress
 
 from . import _netns
-from .egress_net import EgressConfig, EgressGateway, NetRules, SandboxNetwork, with_sandbox_network
-from .errors import SandboxSetupError
+from .egress_net import EgressConfig, EgressGateway, NetRules, with_sandbox_network
 from .grants import NO_GRANTS, HeldGrants
 from .jobs import CodeJob
 from .launchers import RunscCold, RunscRestore
@@ -71,7 +70,7 @@ class NetworkedSandboxes:
         try:
             sandbox = make(dataclasses.replace(launcher, runsc=self.runsc, network_namespace=network.netns_path))
         except BaseException:
-            remove_quietly(network)
+            network.discard()
             raise
         sandbox.network = network
         return sandbox
@@ -103,9 +102,11 @@ class NetworkedSandboxes:
 
     def close(self) -> None:
         """Every warm networked sandbox (each removes its wiring), then the gateway."""
-        for warm in self.warm.values():
-            warm.close()
-        self.gateway.close()
+        try:
+            for warm in self.warm.values():
+                warm.close()
+        finally:
+            self.gateway.close()
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,3 @@ class WiredFactory:
     def create(self, grants: HeldGrants = NO_GRANTS) -> Sandbox:
         return self.networked.sandbox(CLOSED, self.base.primary, lambda primary: dataclasses.replace(
             self.base, primary=primary, fallback=None).create(grants))
-
-
-def remove_quietly(network: SandboxNetwork) -> None:
-    """Remove ``network`` where a failure is not the caller's to hear (the gateway's sweep and
-    close get what is left); logged."""
-    try:
-        network.remove()
-    except SandboxSetupError as exc:
-        log.error("sandbox network not removed", key=network.key, error=str(exc))
-
-

@@ -58,7 +58,7 @@ class SandboxRules:
     veth: str  # its veth's name in the egress netns
     address: ipaddress.IPv4Address  # the only source its packets may carry
     deny: tuple[IPv4Net, ...]
-    opened: tuple[IPv4Net, ...]
+    opened: tuple[tuple[IPv4Net, int | None], ...]  # (network, port or None: every port)
     allow: tuple[tuple[IPv4Net, int | None], ...]
     public: bool
 
@@ -107,7 +107,7 @@ def _sets(table: str, key: str) -> list[tuple[str, str]]:
     """(name, definition) of a sandbox's sets; the same text creates and (before delete) re-adds them."""
     return [
         (f"deny_{key}", "type ipv4_addr; flags interval;"),
-        (f"open_{key}", "type ipv4_addr; flags interval;"),
+        (f"open_{key}", "type ipv4_addr . inet_service; flags interval;"),
         (f"allow_{key}", "type ipv4_addr . inet_service; flags interval;"),
         # 0.0.0.0/0 when the policy is the public internet (what is denied was refused before).
         (f"public_{key}", "type ipv4_addr; flags interval;"),
@@ -145,8 +145,10 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
         # broadcast or multicast destination, even for `public` (0/8, 224/3: not unicast hosts).
         f"add rule inet {t} {chain} fib daddr type {{ local, broadcast, multicast, anycast }} goto {refuse}",
         f"add rule inet {t} {chain} ip daddr {{ 0.0.0.0/8, 224.0.0.0/3 }} goto {refuse}",
-        # Deny first: neither an allowed CIDR nor a DNS answer opens a default-denied address.
-        f"add rule inet {t} {chain} ip daddr @deny_{key} ip daddr != @open_{key} goto {refuse}",
+        # Deny first: neither an allowed CIDR nor a DNS answer opens a default-denied address; the
+        # ceiling opens one on its ports only, so for TCP and UDP alone.
+        f"add rule inet {t} {chain} ip daddr @deny_{key} meta l4proto != {{ tcp, udp }} goto {refuse}",
+        f"add rule inet {t} {chain} ip daddr @deny_{key} ip daddr . th dport != @open_{key} goto {refuse}",
         f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @allow_{key} {allowed}",
         f"add rule inet {t} {chain} ip daddr @dns_{key} {allowed}",
         f"add rule inet {t} {chain} meta l4proto {{ tcp, udp }} ip daddr . th dport @dnsport_{key} {allowed}",
@@ -162,10 +164,11 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
 
 def _policy_elements(t: str, rules: SandboxRules) -> list[str]:
     """The elements of a sandbox's policy sets: all of its policy (its chain is the same for every one)."""
-    key, allow = rules.key, [f"{net} . {port}" for net, port in _allow_elements(rules.allow)]
+    key, allow = rules.key, [f"{net} . {port}" for net, port in _port_elements(rules.allow)]
+    opened = [f"{net} . {port}" for net, port in _port_elements(rules.opened)]
     return [line for line in (
         f"add element inet {t} deny_{key} {{ {', '.join(map(str, _merged(rules.deny)))} }}" if rules.deny else "",
-        f"add element inet {t} open_{key} {{ {', '.join(map(str, _merged(rules.opened)))} }}" if rules.opened else "",
+        f"add element inet {t} open_{key} {{ {', '.join(opened)} }}" if opened else "",
         f"add element inet {t} allow_{key} {{ {', '.join(allow)} }}" if allow else "",
         f"add element inet {t} public_{key} {{ 0.0.0.0/0 }}" if rules.public else "",
     ) if line]
@@ -245,7 +248,7 @@ def _merged(networks: Iterable[IPv4Net]) -> list[IPv4Net]:
     return list(ipaddress.collapse_addresses(networks))
 
 
-def _allow_elements(allow: Iterable[tuple[IPv4Net, int | None]]) -> list[tuple[IPv4Net, str]]:
+def _port_elements(allow: Iterable[tuple[IPv4Net, int | None]]) -> list[tuple[IPv4Net, str]]:
     """(network, port) pairs as elements that never overlap (nft refuses the whole batch if two
     do: an operator's ceiling plus a job's own narrower entry would fail the wiring). Networks are
     collapsed per port, and a port's networks lose what an every-port network already covers."""

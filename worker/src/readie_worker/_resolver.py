@@ -348,7 +348,8 @@ class Resolver:
         if upstream.rcode() != dns.rcode.NOERROR:
             return _response(query, upstream.rcode())
         addresses, ttl = _addresses(upstream, name)
-        kept = [address for address in addresses if not served.refuses(address)][:MAX_ANSWER_ADDRESSES]
+        # Each once: a CNAME chain can repeat an address, and one batch cannot delete an element twice.
+        kept = list(dict.fromkeys(a for a in addresses if not served.refuses(a)))[:MAX_ANSWER_ADDRESSES]
         if addresses and not kept:
             _count_refusal(served, name.to_text(omit_final_dot=True).lower(), "only denied addresses")
         if not kept:

@@ -15,25 +15,24 @@ import ipaddress
 import re
 import secrets
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
 from readie_policy.config_values import NETNS_NAME_PATTERN
-from readie_policy.egress import DEFAULT_DENIED, Egress
-from readie_protocol.network import MAX_DNS_NAME_CHARS, MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection
+from readie_protocol.network import (
+    MAX_DNS_NAME_CHARS, MAX_REFUSED_COUNT, MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection,
+)
 
 from . import _netns, _nft
+from ._net_rules import NetRules
 from ._resolver import Resolver
 from .errors import ConfigError, SandboxSetupError
 from .runsc import Runsc
 
 log = structlog.get_logger("readie.egress")
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # The sandboxes' /30s come from here unless the operator names another pool. 198.18.0.0/15 is
 # reserved for benchmarking (RFC 2544): no real network routes it, so a /30 of ours never hides
@@ -61,111 +60,6 @@ def with_sandbox_network(runsc: Runsc) -> Runsc:
     (``SandboxSpec.network_namespace``): an image captured with ``--network=none`` restores so."""
     flags = tuple("--network=sandbox" if flag.startswith("--network") else flag for flag in runsc.flags)
     return dataclasses.replace(runsc, flags=flags, prefix=HIDE_NET_SYSCTLS)
-
-
-@dataclass(frozen=True)
-class NetRules:
-    """What enforcement needs of one sandbox's egress policy (built from the policy layer's Egress).
-
-    ``networks`` and ``names`` are allowed, each with an optional port (None: every port); a
-    name is exact or ``*.suffix`` (any name below the suffix). ``public`` allows any address
-    not denied. ``denied`` (private, loopback, link-local...) and ``own`` (the worker's
-    addresses) are refused first, even for an allowed network or a DNS answer, unless
-    ``opened`` names them. IPv6 entries are ignored: the sandbox has no IPv6.
-    """
-
-    networks: tuple[tuple[Network, int | None], ...] = ()
-    names: tuple[tuple[str, int | None], ...] = ()
-    public: bool = False
-    denied: tuple[Network, ...] = ()
-    opened: tuple[Network, ...] = ()
-    own: tuple[Network, ...] = ()
-
-    def __post_init__(self) -> None:
-        # They reach nft batches as text: only values of these types, ports in range.
-        for network, port in self.networks:
-            if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
-                raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
-            _check_port(port)
-        for _, port in self.names:
-            _check_port(port)
-        for network in (*self.denied, *self.opened, *self.own):
-            if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
-                raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
-
-    @classmethod
-    def of(cls, egress: Egress) -> NetRules:
-        """The enforcement of the policy ``egress`` (made for this worker: ``Egress.for_worker``).
-
-        The policy opens one of the worker's own addresses only by a single-address entry, while
-        ``opened`` here un-denies whole networks: so own addresses not named alone are cut out of
-        the opened networks, and stay refused."""
-        named_alone = {o.network.network_address for o in egress.opened if o.network is not None and o.network.num_addresses == 1}
-        own = [address for address in egress.own if address not in named_alone]
-        opened = tuple(o.network for o in egress.opened if o.network is not None)
-        return cls(
-            networks=tuple((d.network, d.port) for d in egress.destinations if d.network is not None),
-            names=tuple((f"*.{d.name}" if d.wildcard else d.name, d.port) for d in egress.destinations if d.name is not None),
-            public=egress.public,
-            denied=tuple(network for network, _ in DEFAULT_DENIED),
-            opened=_without(opened, own),
-            own=tuple(ipaddress.ip_network(address) for address in own),
-        )
-
-    def name_ports(self, name: str) -> tuple[int | None, ...] | None:
-        """The ports ``name`` may be reached on (None among them: every port), or None: not allowed."""
-        name = name.lower().rstrip(".")
-        ports = {port for pattern, port in self.names if _matches(pattern.lower().rstrip("."), name)}
-        if not ports:
-            return None
-        return (None,) if None in ports else tuple(sorted(port for port in ports if port is not None))
-
-    def refuses(self, address: Address) -> bool:
-        """Whether ``address`` is denied (or the worker's) and not opened: a DNS answer cannot open it."""
-        return any(address in net for net in (*self.denied, *self.own)) and not any(address in net for net in self.opened)
-
-    def sandbox_rules(self, key: str, veth: str, address: ipaddress.IPv4Address) -> _nft.SandboxRules:
-        return _nft.SandboxRules(
-            key=key,
-            veth=veth,
-            address=address,
-            deny=_v4(self.denied) + _v4(self.own),
-            opened=_v4(self.opened),
-            allow=tuple((net, port) for net, port in self.networks if isinstance(net, ipaddress.IPv4Network)),
-            public=self.public,
-        )
-
-
-def _without(networks: tuple[Network, ...], addresses: Iterable[Address]) -> tuple[Network, ...]:
-    """``networks`` with each of ``addresses`` cut out (each cut splits a network into at most
-    32 or 128 smaller ones; a worker has a handful of addresses)."""
-    result = list(networks)
-    for address in addresses:
-        single = ipaddress.ip_network(address)
-        cut: list[Network] = []
-        for network in result:
-            if network.version == single.version and single.subnet_of(network):  # type: ignore[arg-type]
-                cut.extend(network.address_exclude(single))  # type: ignore[arg-type]
-            else:
-                cut.append(network)
-        result = cut
-    return tuple(result)
-
-
-def _check_port(port: int | None) -> None:
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
-        raise ValueError(f"egress port {port!r:.20} is not 1 to 65535")
-
-
-def _matches(pattern: str, name: str) -> bool:
-    """``*.example.com`` matches any name below example.com (not example.com itself); else exact."""
-    if pattern.startswith("*."):
-        return len(pattern) > 2 and name.endswith(pattern[1:])
-    return name == pattern
-
-
-def _v4(networks: Iterable[Network]) -> tuple[ipaddress.IPv4Network, ...]:
-    return tuple(net for net in networks if isinstance(net, ipaddress.IPv4Network))
 
 
 @dataclass(frozen=True)
@@ -285,11 +179,15 @@ class EgressGateway:
         self._lock = threading.Lock()
         self.resolver: Resolver | None = None
         self._nft: _nft.Nft | None = None  # opened in config.netns at start
+        self._netns_identity: tuple[int, int] | None = None
 
     def start(self) -> EgressGateway:
         """Sweep what an earlier run left, then make the table, forwarding and the resolver."""
         if not _netns.present(self.config.netns):
             raise ConfigError("egress_netns", None, f"no network namespace named {self.config.netns!r}")
+        # The firewall's context and the resolver's sockets stay in the namespace as it is now; one
+        # made again under the name later would get veths and no rules (wire refuses then).
+        self._netns_identity = _netns.identity(self.config.netns)
         self._nft = _nft.Nft(self.config.netns)
         self.sweep()
         _netns.write_sysctls(self.config.netns, {"ipv4/ip_forward": "1"})
@@ -300,7 +198,10 @@ class EgressGateway:
     def wire(self, rules: NetRules) -> SandboxNetwork:
         """A fresh network namespace, wired by ``rules``, for one sandbox to restore into."""
         if self.resolver is None:
-            raise SandboxSetupError("egress is not open")
+            raise SandboxSetupError("egress is not started")
+        if _netns.identity(self.config.netns) != self._netns_identity:
+            raise SandboxSetupError("the egress namespace was made again since the worker started: "
+                                    "no sandbox is wired into it until the worker restarts")
         key = secrets.token_hex(KEY_HEX)
         while int(key, 16) == 0:  # it is the conntrack mark of its connections, and 0 is no mark
             key = secrets.token_hex(KEY_HEX)
@@ -454,15 +355,21 @@ class SandboxNetwork:
         )
         new = [(destination, count) for destination, count in new if count > 0]
         # Port 0 (a datagram to it) is counted, never listed: no destination a result names has it.
-        listed = [((address, port), count) for (address, port), count in new if port > 0]
+        # Counts stay within what the wire carries, the listed ones within the total (the readers'
+        # checks: a report they refuse would cost the job its whole result).
+        listed = [((address, port), min(count, MAX_REFUSED_COUNT)) for (address, port), count in new if port > 0]
+        listed = listed[:MAX_REFUSED_REPORTED]
+        total = max(min(sum(count for _, count in new), MAX_REFUSED_COUNT), sum(count for _, count in listed))
+        while total > MAX_REFUSED_COUNT:
+            total -= listed.pop()[1]
         return NetworkReport(
-            refused_connections=sum(count for _, count in new),
-            refused=tuple(RefusedConnection(address, port, count) for (address, port), count in listed[:MAX_REFUSED_REPORTED]),
-            refused_lookups=max(0, lookups - told.lookups),
+            refused_connections=total,
+            refused=tuple(RefusedConnection(address, port, count) for (address, port), count in listed),
+            refused_lookups=min(max(0, lookups - told.lookups), MAX_REFUSED_COUNT),
             refused_names=tuple(dict.fromkeys(  # as a result shows a name: its first 253 characters
                 name[:MAX_DNS_NAME_CHARS] or "." for name, count in names.items() if count > told.names.get(name, 0)
             ))[:MAX_REFUSED_NAMES],
-            allowed_connections=max(0, self._told.allowed - told.allowed),
+            allowed_connections=min(max(0, self._told.allowed - told.allowed), MAX_REFUSED_COUNT),
         )
 
     def refused_lookups(self) -> tuple[int, dict[str, int]]:
@@ -470,6 +377,14 @@ class SandboxNetwork:
         for the first names (the resolver's ``MAX_REFUSED_NAMES``)."""
         resolver = self.egress.resolver
         return (0, {}) if resolver is None else resolver.refused(self.key)
+
+    def discard(self) -> None:
+        """:meth:`remove`, a failure logged instead of raised: for a sandbox's destroy, whose
+        callers go on to the next (the gateway's close and sweep take what is left)."""
+        try:
+            self.remove()
+        except SandboxSetupError as exc:
+            log.error("sandbox network not removed", key=self.key, error=str(exc))
 
     def remove(self) -> None:
         """Remove everything of this sandbox's network, whatever part of it exists (idempotent)."""

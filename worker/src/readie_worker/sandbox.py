@@ -335,7 +335,7 @@ class Sandbox:
             if self.mounts_held is not None:
                 os.close(self.mounts_held)
             if self.network is not None:
-                self.network.remove()
+                self.network.discard()
 
     def _connect(self) -> socket.socket:
         with self._connecting:

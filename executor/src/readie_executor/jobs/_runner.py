@@ -272,10 +272,14 @@ RESOLV_CONF = "/etc/resolv.conf"
 
 
 def name_resolver(address: str) -> None:
-    """Point the sandbox's DNS lookups at ``address`` (its resolver outside, readie's)."""
+    """Point the sandbox's DNS lookups at ``address`` (its resolver outside, readie's). Written
+    beside it and renamed over it: a link an earlier step of a session put there is replaced, not
+    written through."""
+    staged = f"{RESOLV_CONF}.readie"
     try:
-        with open(RESOLV_CONF, "w") as conf:
+        with open(staged, "w") as conf:
             conf.write(f"nameserver {address}\n")
+        os.replace(staged, RESOLV_CONF)
     except OSError as exc:
         raise SetupError(f"cannot name the sandbox's resolver in {RESOLV_CONF}: {exc.strerror}") from None
 
