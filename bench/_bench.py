@@ -85,6 +85,9 @@ class Settings:
     # three rounds (12 samples a figure, p95 between the 11th and 12th) take ~30 s.
     handover_rounds: int = 3
     handover_sessions: int = 4
+    # Scenario 17: rounds of a plain and a networked print(1), each after both warm sets refilled
+    # (~0.5 s each): 20 rounds put p95 between the 19th and 20th sample in ~30 s.
+    egress_rounds: int = 20
     # Job slots of the pools and the worker; two cores run about two jobs at once.
     slots: int = 2
     settle_timeout_s: float = 5.0
@@ -112,6 +115,7 @@ SMOKE = Settings(
     hibernate_rounds=1,
     handover_rounds=1,
     handover_sessions=1,
+    egress_rounds=1,
     settle_timeout_s=0.0,  # a smoke run's figures are not compared: nothing waits for quiet
     smoke_scope=True,
 )

@@ -35,6 +35,7 @@ def render(result: dict[str, Any]) -> str:
         ("14. files into and out of a session, MB/s (and of cp on the host)", "transfers", _transfers),
         ("16. drain hand-over: a worker's SIGTERM until its sessions are in the store, and the step after, "
          "ms p50 (p95)", "handover", _handover),
+        ("17. a networked print(1) beside a plain one, both warm, ms p50 (p95)", "egress", _egress),
     ):
         entry = scenarios.get(key)
         out.append("")
@@ -179,6 +180,16 @@ def _handover(entry: dict[str, Any]) -> list[str]:
                 "1st/live", "paired"], [row]),
         f"  {entry['what']}; store entries left: {entry['store_entries_left']}, workers left: "
         f"{entry['workers_left']}{note}",
+    ]
+
+
+def _egress(entry: dict[str, Any]) -> list[str]:
+    row = [entry["checkpoint"], _ms(entry["plain_ms"]), _ms(entry["networked_ms"]), _x(entry["networked_over_plain"]),
+           _x(entry["networked_over_plain_paired"])]
+    note = f"; errors (first: {entry['errors'][0]})" if entry["errors"] else ""
+    return [
+        *_grid(["checkpoint", "plain", "networked", "networked/plain", "paired"], [row]),
+        f"  {entry['what']}; warm hits {entry['warm_hits']}, wiring left: {entry['wiring_left']}{note}",
     ]
 
 

@@ -149,6 +149,9 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
         for way in ("upload", "download"):
             figures[f"128 MiB {way} MB/s, {arm}"] = pick(f"transfers/sizes/128MiB/{arm}/{way}_mb_s")
     figures["128 MiB cp on the host MB/s"] = pick("transfers/sizes/128MiB/cp_mb_s")
+    base = pick("egress/checkpoint")
+    figures[f"{base}: networked print(1) / plain, both warm, p50"] = pick("egress/networked_over_plain")
+    figures[f"{base}: networked print(1) p50 ms"] = pick("egress/networked_ms/p50")
     return {key: value for key, value in figures.items() if value is not None}
 
 

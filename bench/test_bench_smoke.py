@@ -19,7 +19,7 @@ pytestmark = pytest.mark.runsc
 SMOKE_BUDGET_S = 60.0
 SCENARIOS = (
     "start", "job", "throughput", "session_step", "host_function", "memory", "scaling", "router_hop", "phases",
-    "old_runsc", "stream", "soak", "hibernate", "transfers", "step_checkpoint", "handover",
+    "old_runsc", "stream", "soak", "hibernate", "transfers", "step_checkpoint", "handover", "egress",
 )
 
 
@@ -93,5 +93,8 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
     assert handover["drain_to_stored_ms"]["n"] == 1 and handover["first_step_ms"]["n"] == 1, handover["errors"]
     assert handover["live_step_ms"]["n"] == 1 and handover["resumed_ms"]["p50"] >= 0
     assert handover["store_entries_left"] == 0 and handover["workers_left"] == 0
+    egress = scenarios["egress"]
+    assert egress["plain_ms"]["n"] == 1 and egress["networked_ms"]["n"] == 1, egress["errors"]
+    assert egress["wiring_left"] == [] and egress["networked_over_plain"] > 0
     # The table renders from the JSON alone.
     assert "key figures" in done.stdout

@@ -7,7 +7,7 @@ figures that combine two (restore time vs image size uses scenario 1).
 
 from __future__ import annotations
 
-from . import handover, hibernate, later, latency, memory, old_runsc, phases, router, scaling, soak, step_checkpoint, throughput, transfers
+from . import egress, handover, hibernate, later, latency, memory, old_runsc, phases, router, scaling, soak, step_checkpoint, throughput, transfers
 
 # (what --only calls it, module, entries it produces)
 SCENARIOS = (
@@ -24,6 +24,7 @@ SCENARIOS = (
     ("transfers", transfers, ("transfers",)),
     ("step_checkpoint", step_checkpoint, ("step_checkpoint",)),
     ("handover", handover, ("handover",)),
+    ("egress", egress, ("egress",)),
 )
 #: Run only when named (``--only soak``, ``make soak``) or in the smoke run: at the
 #: bench's size the soak takes about an hour, and ``make bench`` has ten minutes.

@@ -132,3 +132,23 @@ def test_unknown_fields_are_ignored_and_wrong_types_break_the_protocol():
         parse_ready(line)
     with pytest.raises(readie.PoolError, match="not a JSON object"):
         parse_result([line])
+
+
+def test_a_client_reads_what_the_network_policy_refused_and_a_model_is_told():
+    report = readie.NetworkReport(
+        refused_connections=3,
+        refused=(readie.RefusedConnection("169.254.169.254", 80, 2), readie.RefusedConnection("2001:db8::1", 443, 1)),
+        refused_lookups=1,
+        refused_names=("denied.test.example",),
+    )
+    line = {**json.loads(SPEC_RESULT), "exit": 1, "error": {"type": "ConnectionRefusedError", "message": "refused",
+                                                             "file": None, "line": None}}
+    result = parse_result({**line, "network": report.to_json()})
+    assert result.network == report
+    assert parse_result(line).network is None
+    told = readie.format_result(result)
+    assert told.endswith("[Network policy: 3 connections refused (169.254.169.254:80, [2001:db8::1]:443); "
+                         "1 name lookup refused (denied.test.example). These destinations are not allowed.]")
+    assert "Network policy" not in readie.format_result(parse_result(line))
+    quiet = parse_result({**line, "network": readie.NetworkReport().to_json()})
+    assert "Network policy" not in readie.format_result(quiet)

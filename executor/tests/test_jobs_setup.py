@@ -120,6 +120,8 @@ def test_preloaded_modules_come_from_the_template() -> None:
         ({"env": {"A": 1}}, "env['A']"),
         ({"links": [{"path": "relative", "target": "/t"}]}, "links[0].path"),
         ({"surprise": True}, "unknown fields: surprise"),
+        ({"nameserver": "resolver.example"}, "nameserver must be an IPv4 address"),
+        ({"nameserver": ["10.0.0.1"]}, "nameserver must be an IPv4 address"),
     ],
 )
 def test_invalid_job_is_a_request_error(fields: dict[str, Any], complaint: str) -> None:
@@ -137,6 +139,26 @@ def test_parse_job_defaults_inline_name() -> None:
     assert spec.name == "<string>" and spec.args == () and not spec.session
     with pytest.raises(JobSpecError, match="must be a dict"):
         parse_job(["code"])
+
+
+def test_a_nameserver_is_named_in_resolv_conf_and_a_conf_that_cannot_be_written_is_a_setup_error(
+    monkeypatch, tmp_path: Path,
+) -> None:
+    """Pure: the file only (a job through run_job would install its seccomp filter in this test
+    process). The runsc egress tests prove a job's lookups reach the resolver named so."""
+    from readie_executor.jobs import _runner
+
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("")
+    monkeypatch.setattr(_runner, "RESOLV_CONF", str(conf))
+    _runner.name_resolver("198.18.0.5")
+    assert conf.read_text() == "nameserver 198.18.0.5\n"
+    conf.unlink()
+    conf.mkdir()
+    with pytest.raises(_runner.SetupError, match="resolv.conf"):
+        _runner.name_resolver("198.18.0.5")
+    assert parse_job({"code": "pass", "limits": {"max_output": 1}, "nameserver": "198.18.0.5"}).nameserver == "198.18.0.5"
+    assert parse_job({"code": "pass", "limits": {"max_output": 1}}).nameserver is None
 
 
 # -- through the real executor -------------------------------------------------------

@@ -184,3 +184,40 @@ def test_several_routers_are_given_by_repeating_the_flag_or_by_a_list():
     args = build_parser().parse_args(["--router", "a:1,b:2", "--router", " c:3 ", "--router", "a:1"])
     assert _routers(args.router) == ("a:1", "b:2", "c:3")
     assert _routers(None) == ()
+
+
+def pool_worker_config(monkeypatch, *args: str):
+    """The WorkerConfig ``readie pool`` would start its worker with; stdio is not claimed, nothing served."""
+    from readie_pool import cli
+
+    seen = []
+
+    async def serve(setup, worker_config, *rest, **options):
+        seen.append(worker_config)
+        return 0
+
+    monkeypatch.setattr(cli, "enter_mount_namespace", lambda: None)
+    monkeypatch.setattr(cli, "_claim_stdio", lambda: (0, 1))
+    monkeypatch.setattr(cli, "_serve", serve)
+    assert main(["pool", *args]) == 0
+    (config,) = seen
+    return config
+
+
+def test_the_egress_settings_reach_the_worker_and_flags_replace_the_files(monkeypatch, tmp_path, manifest):
+    config = tmp_path / "readie.toml"
+    config.write_text('[pool]\negress_netns = "from-file"\negress_dns = ["192.0.2.53"]\n')
+    given = pool_worker_config(monkeypatch, "--checkpoints", str(manifest), "--config", str(config))
+    assert (given.egress_netns, given.egress_dns) == ("from-file", ("192.0.2.53",))
+    flagged = pool_worker_config(monkeypatch, "--checkpoints", str(manifest), "--config", str(config),
+                                 "--egress-netns", "from-flag", "--egress-dns", "198.51.100.1,198.51.100.2")
+    assert (flagged.egress_netns, flagged.egress_dns) == ("from-flag", ("198.51.100.1", "198.51.100.2"))
+    unset = pool_worker_config(monkeypatch, "--checkpoints", str(manifest))
+    assert (unset.egress_netns, unset.egress_dns) == (None, None)
+
+
+def test_egress_flags_are_checked_like_the_config(capsys, manifest):
+    code, err = pool(capsys, "--egress-netns", "../x", "--checkpoints", str(manifest))
+    assert code == 2 and "command line: --egress-netns: '../x' is not a network namespace's name" in err
+    code, err = pool(capsys, "--egress-dns", "192.0.2.53,dns.example", "--checkpoints", str(manifest))
+    assert code == 2 and "command line: --egress-dns[1]: 'dns.example' is not an IPv4 address" in err

@@ -8,6 +8,7 @@ fake backend lets each test decide when jobs finish, so the accounting
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import threading
@@ -23,7 +24,7 @@ from readie_pool._events import RuntimeInfo
 from readie_pool._engine import FALLBACK_CWD, PoolEngine, PoolSetup, PoolState
 from readie_protocol.requests import MAX_NAME_CHARS, MAX_OUTPUT_BYTES
 from readie_pool.testing import FakeBackend, MemorySink, MemorySource, ok_outcome
-from readie_protocol.events import ErrorInfo
+from readie_protocol.events import ErrorInfo, NetworkReport, RefusedConnection, parse_result
 from readie_worker.jobs import CodeJob
 
 RUNTIME = RuntimeInfo.pool("3.11.2")
@@ -432,3 +433,19 @@ def test_a_script_with_a_path_longer_than_a_name_is_named_by_its_end(tmp_path):
     assert result["exit"] == 0
     assert len(job.name) == MAX_NAME_CHARS and job.name.endswith(f"{'s' * 200}/app.py")
     assert job.name.startswith("…")
+
+
+def test_the_engine_writes_what_the_backend_says_the_egress_policy_refused(tmp_path):
+    report = NetworkReport(2, (RefusedConnection("169.254.169.254", 80, 2),), 1, ("denied.test.example",))
+
+    def answer(job: CodeJob):
+        return dataclasses.replace(ok_outcome(), network=report if job.code == "online" else None)
+
+    async def scenario(engine, source, sink, fake):
+        source.feed_lines({"id": 1, "code": "online"}, {"id": 2, "code": "offline"})
+        source.end()
+
+    _, lines, *_ = serve(setup_for(tmp_path), scenario, FakeBackend(answer=answer))
+    by_id = {line["id"]: line for line in lines[1:]}
+    assert by_id[1]["network"] == report.to_json() and parse_result(by_id[1]).network == report
+    assert "network" not in by_id[2]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -15,7 +17,8 @@ from readie_protocol.results import Result
 from readie_policy.jobs import CodeJob
 from readie_pool._results import MEMORY_BACKSTOP_EXIT, job_result
 from readie_pool.testing import ok_outcome
-from readie_protocol.events import ErrorInfo
+from readie_protocol.events import ErrorInfo, NetworkReport, RefusedConnection, parse_result
+from readie_protocol.wire import encode_line
 from readie_worker.jobs import JobOutcome
 
 
@@ -137,3 +140,28 @@ def test_every_field_of_the_line_comes_from_outcome_pool_and_policy():
 def test_runner_refusal_drops_file_and_line():
     result = mapped(ok_outcome(exit=2, error=error("RequestError", "bad", "x.py", 1)))
     assert (result.error.file, result.error.line) == (None, None)
+
+
+def test_a_networked_job_s_line_says_what_the_egress_policy_refused_and_a_client_reads_it():
+    report = NetworkReport(
+        refused_connections=3,
+        refused=(RefusedConnection("169.254.169.254", 80, 2), RefusedConnection("203.0.113.9", 8000, 1)),
+        refused_lookups=1,
+        refused_names=("denied.test.example",),
+    )
+    result = mapped(dataclasses.replace(ok_outcome(exit=1, error=error("ConnectionRefusedError")), network=report))
+    line = json.loads(encode_line(result.to_json()))
+    assert line["network"] == {
+        "refused_connections": 3,
+        "refused": [{"address": "169.254.169.254", "port": 80, "count": 2},
+                    {"address": "203.0.113.9", "port": 8000, "count": 1}],
+        "refused_lookups": 1,
+        "refused_names": ["denied.test.example"],
+        "allowed_connections": 0,
+    }
+    assert parse_result(line) == result and parse_result(line).network == report
+
+
+def test_a_line_without_the_network_has_no_network_key():
+    line = json.loads(encode_line(mapped(ok_outcome()).to_json()))
+    assert "network" not in line and parse_result(line).network is None

@@ -29,21 +29,24 @@ from readie_worker.egress_net import EgressConfig, NetRules
 N = ipaddress.IPv4Network
 EGRESS, WORLD = "rdtest-egress", "rdtest-world"
 ALLOWED, OTHER_ALLOWED, DENIED, METADATA = "10.199.1.1", "10.199.1.3", "10.199.2.1", "169.254.169.254"
+# A public address (TEST-NET-3, documentation space: denied by nothing), for `true`.
+PUBLIC = "203.0.113.80"
 UPSTREAM_DNS = "10.199.5.53"
 UPLINK_EGRESS, UPLINK_WORLD = "10.199.250.1", "10.199.250.2"
 POOL = N("198.19.255.0/24")
 PORT = 8000
 # Every address a test packet may carry: the host routes them nowhere while tests run.
-TEST_PREFIXES = ("10.199.0.0/16", str(POOL), "169.254.169.254/32")
+# (198.18.0.0/16: the pool a worker's sandboxes take their /30s from by default, egress_net.DEFAULT_POOL.)
+TEST_PREFIXES = ("10.199.0.0/16", str(POOL), "198.18.0.0/16", "169.254.169.254/32", f"{PUBLIC}/32")
 # What the policy layer would deny by default (private, loopback, link-local), for the tests.
 DEFAULT_DENIED = tuple(N(net) for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16"))
 RULES = NetRules(
     networks=((N("10.199.1.0/24"), PORT),),
     names=(("allowed.test", None), ("*.api.test", PORT), ("rebind.test", None)),
     denied=DEFAULT_DENIED,
-    opened=(N("10.199.1.0/24"),),  # the ceiling names it: the only private network open
+    opened=((N("10.199.1.0/24"), None),),  # the ceiling names it: the only private network open
 )
-NAMES = {"allowed.test": ALLOWED, "a.api.test": ALLOWED, "rebind.test": ALLOWED, "denied.test": DENIED}
+NAMES = {"allowed.test": ALLOWED, "a.api.test": ALLOWED, "rebind.test": ALLOWED, "denied.test": DENIED, "public.test": PUBLIC}
 
 
 def config(prefix: str = "rdt", table: str = "readietest") -> EgressConfig:
@@ -146,9 +149,9 @@ class World:
         _run("ip", "-n", EGRESS, "route", "add", "default", "via", UPLINK_WORLD)
         _run("ip", "-n", WORLD, "addr", "add", f"{UPLINK_WORLD}/30", "dev", "up0")
         _run("ip", "-n", WORLD, "link", "set", "up0", "up")
-        for address in (ALLOWED, OTHER_ALLOWED, DENIED, METADATA, UPSTREAM_DNS):
+        for address in (ALLOWED, OTHER_ALLOWED, DENIED, METADATA, PUBLIC, UPSTREAM_DNS):
             _run("ip", "-n", WORLD, "addr", "add", f"{address}/32", "dev", "lo")
-        for address in (ALLOWED, OTHER_ALLOWED, DENIED, METADATA):
+        for address in (ALLOWED, OTHER_ALLOWED, DENIED, METADATA, PUBLIC):
             server = _netns.call_in(WORLD, lambda a=address: ThreadingHTTPServer((a, PORT), _Hello))
             self.servers.append(server)
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # quick shutdown

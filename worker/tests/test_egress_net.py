@@ -30,7 +30,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def egress(world):
-    opened = EgressGateway(w.config()).open()
+    opened = EgressGateway(w.config()).start()
     yield opened
     opened.close()
     assert w.leftovers() == []
@@ -89,7 +89,7 @@ def test_public_opens_the_world_but_never_the_default_denied(egress, world):
         assert [refusal.address for refusal in network.refused()] == sorted([w.DENIED, w.METADATA])
     finally:
         network.remove()
-    opened = egress.wire(NetRules(public=True, denied=w.DEFAULT_DENIED, opened=(w.N(f"{w.METADATA}/32"),)))
+    opened = egress.wire(NetRules(public=True, denied=w.DEFAULT_DENIED, opened=((w.N(f"{w.METADATA}/32"), None),)))
     try:
         assert connect(opened, w.METADATA) == "ok"  # named by the ceiling: open
         assert connect(opened, w.DENIED) == "ECONNREFUSED"
@@ -161,7 +161,7 @@ def test_the_resolver_answers_allowed_names_only_and_opens_what_it_answered(wire
 
 
 def test_a_name_answered_opens_its_address_and_a_rebound_name_opens_nothing_denied(egress, world):
-    network = egress.wire(NetRules(names=(("rebind.test", None),), denied=w.DEFAULT_DENIED, opened=(w.N("10.199.1.0/24"),)))
+    network = egress.wire(NetRules(names=(("rebind.test", None),), denied=w.DEFAULT_DENIED, opened=((w.N("10.199.1.0/24"), None),)))
     try:
         assert connect(network, w.OTHER_ALLOWED) == "ECONNREFUSED"  # not answered yet
         world.upstream.names["rebind.test"] = w.OTHER_ALLOWED
@@ -205,7 +205,7 @@ def test_a_wiring_that_fails_part_way_is_removed(egress, monkeypatch):
 
 def test_an_egress_namespace_that_does_not_exist_is_a_clear_error():
     with pytest.raises(ConfigError, match="egress_netns: no network namespace named 'rdtest-none'"):
-        EgressGateway(w.config().__class__(netns="rdtest-none", upstreams=())).open()
+        EgressGateway(w.config().__class__(netns="rdtest-none", upstreams=())).start()
 
 
 def test_garbage_and_floods_at_the_resolver_get_no_answer_or_a_bounded_one_and_it_keeps_serving(wired):
@@ -227,11 +227,11 @@ def test_garbage_and_floods_at_the_resolver_get_no_answer_or_a_bounded_one_and_i
 def test_opening_sweeps_what_an_earlier_run_left(world):
     # A prefix, table and pool of its own: the module's EgressGateway stays untouched (and so is checked).
     settings = dataclasses.replace(w.config(prefix="rds", table="readiesweep"), pool=w.N("198.19.255.128/25"))
-    crashed = EgressGateway(settings).open()
+    crashed = EgressGateway(settings).start()
     left = [crashed.wire(w.RULES) for _ in range(2)]  # never removed: the worker "died"
     assert len(w.leftovers("rds", "readiesweep", table_closed=False)) > 0
     crashed.resolver.close()
-    reopened = EgressGateway(settings).open()
+    reopened = EgressGateway(settings).start()
     try:
         assert w.leftovers("rds", "readiesweep", table_closed=False) == []
         assert all(not _netns.present(network.netns) for network in left)
@@ -262,7 +262,7 @@ def test_tcp_lookups_are_answered_and_one_sandboxs_flood_leaves_the_others_serve
 
 def test_a_failed_nft_or_ip_says_where_the_details_are_not_the_hosts_names(world):
     for failing in (
-        lambda: _nft.run("add rule inet readienone nochain accept\n", w.EGRESS),
+        lambda: _nft.Nft(w.EGRESS).run("add rule inet readienone nochain accept\n"),
         lambda: _netns.ip_batch(w.EGRESS, ["link delete rdtnosuchdev"]),
     ):
         with pytest.raises(SandboxSetupError) as failed:
@@ -273,7 +273,7 @@ def test_a_failed_nft_or_ip_says_where_the_details_are_not_the_hosts_names(world
 def test_a_reused_address_inherits_nothing_of_its_last_sandboxs_connections(world):
     # One /30: the second sandbox gets the first one's address while conntrack still holds its flow.
     settings = dataclasses.replace(w.config(prefix="rdr", table="readiereuse"), pool=w.N("198.19.255.252/30"))
-    egress = EgressGateway(settings).open()
+    egress = EgressGateway(settings).start()
 
     def udp_echo() -> str:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.runsc
 @pytest.fixture(scope="module")
 def egress():
     with w.world() as world:
-        opened = EgressGateway(w.config()).open()
+        opened = EgressGateway(w.config()).start()
         resolver = opened.resolver
         try:
             yield opened, world

@@ -31,7 +31,7 @@ RULES = _nft.SandboxRules(
     veth="rdiev0a1b2c3d",
     address=ipaddress.IPv4Address("198.18.0.2"),
     deny=(N("10.0.0.0/8"), N("10.1.0.0/16"), N("169.254.0.0/16")),
-    opened=(N("10.9.0.0/24"),),
+    opened=((N("10.9.0.0/24"), 443),),
     allow=((N("10.9.0.0/24"), 443), (N("203.0.113.0/24"), None)),
     public=False,
 )
@@ -47,12 +47,16 @@ def test_a_sandbox_chain_refuses_denied_addresses_before_anything_opens_them():
         "ct state new ct mark set 0x0a1b2c3d",
         "fib daddr type { local, broadcast, multicast, anycast } goto rf_0a1b2c3d",
         "ip daddr { 0.0.0.0/8, 224.0.0.0/3 } goto rf_0a1b2c3d",
-        "ip daddr @deny_0a1b2c3d ip daddr != @open_0a1b2c3d goto rf_0a1b2c3d",
-        "meta l4proto { tcp, udp } ip daddr . th dport @allow_0a1b2c3d accept",
-        "ip daddr @dns_0a1b2c3d accept",
-        "meta l4proto { tcp, udp } ip daddr . th dport @dnsport_0a1b2c3d accept",
+        "ip daddr @deny_0a1b2c3d meta l4proto != { tcp, udp } goto rf_0a1b2c3d",  # opened only on ports
+        "ip daddr @deny_0a1b2c3d ip daddr . th dport != @open_0a1b2c3d goto rf_0a1b2c3d",
+        'meta l4proto { tcp, udp } ip daddr . th dport @allow_0a1b2c3d counter name "allowed_0a1b2c3d" accept',
+        'ip daddr @dns_0a1b2c3d counter name "allowed_0a1b2c3d" accept',
+        'meta l4proto { tcp, udp } ip daddr . th dport @dnsport_0a1b2c3d counter name "allowed_0a1b2c3d" accept',
+        'ip daddr @public_0a1b2c3d counter name "allowed_0a1b2c3d" accept',  # empty unless public
         "goto rf_0a1b2c3d",
     ]
+    assert "add counter inet readie allowed_0a1b2c3d" in lines
+    assert not any("public_0a1b2c3d {" in line for line in lines if line.startswith("add element"))
     assert "add element inet readie deny_0a1b2c3d { 10.0.0.0/8, 169.254.0.0/16 }" in lines  # overlaps collapsed
     assert "add element inet readie allow_0a1b2c3d { 203.0.113.0/24 . 0-65535, 10.9.0.0/24 . 443 }" in lines
     assert 'add element inet readie refusers { "rdiev0a1b2c3d" : goto rf_0a1b2c3d }' in lines
@@ -61,8 +65,8 @@ def test_a_sandbox_chain_refuses_denied_addresses_before_anything_opens_them():
 
 def test_public_accepts_what_is_not_denied_and_nothing_ever_drops():
     text = _nft.sandbox_batch("readie", RULES.__class__(**{**RULES.__dict__, "public": True}))
-    rules = [line for line in text.splitlines() if " sb_0a1b2c3d " in line and "add rule" in line]
-    assert rules[-2:] == ["add rule inet readie sb_0a1b2c3d meta nfproto ipv4 accept", "add rule inet readie sb_0a1b2c3d goto rf_0a1b2c3d"]
+    # The chain is the same for every policy: public is an element of its public set.
+    assert "add element inet readie public_0a1b2c3d { 0.0.0.0/0 }" in text.splitlines()
     for batch in (text, _nft.base_batch("readie", N("198.18.0.0/16"), "rdiev")):
         assert " drop" not in batch and "admin-prohibited" not in batch  # a drop hangs the job; gVisor ignores admin-prohibited
     assert "meta l4proto tcp reject with tcp reset" in text and "reject with icmpx port-unreachable" in text
@@ -153,12 +157,35 @@ def test_names_match_exactly_or_below_a_suffix_with_their_ports():
 
 
 def test_denied_and_own_addresses_are_refused_unless_opened():
-    rules = NetRules(denied=(N("10.0.0.0/8"),), own=(N("192.0.2.10/32"),), opened=(N("10.9.0.0/16"),))
+    rules = NetRules(denied=(N("10.0.0.0/8"),), own=(N("192.0.2.10/32"),), opened=((N("10.9.0.0/16"), None),))
     address = ipaddress.IPv4Address
     assert rules.refuses(address("10.1.2.3")) and rules.refuses(address("192.0.2.10"))
     assert not rules.refuses(address("10.9.1.1")) and not rules.refuses(address("203.0.113.5"))
     sandbox = rules.sandbox_rules("k", "v", ipaddress.IPv4Address("198.18.0.2"))
-    assert sandbox.deny == (N("10.0.0.0/8"), N("192.0.2.10/32")) and sandbox.opened == (N("10.9.0.0/16"),)
+    assert sandbox.deny == (N("10.0.0.0/8"), N("192.0.2.10/32")) and sandbox.opened == ((N("10.9.0.0/16"), None),)
+
+
+def test_a_ceiling_opens_a_denied_address_on_its_own_port_only_and_an_own_address_only_alone():
+    """The policy layer's rule, carried over: an attacker review found `0.0.0.0/0` plus
+    `10.0.0.5:3128` in a ceiling opening every port of 10.0.0.5 in the firewall."""
+    from readie_policy.egress import parse_destinations, resolve_egress
+
+    ceiling = parse_destinations(["0.0.0.0/0", "10.0.0.5:3128", "192.0.2.10:443"])
+    egress = resolve_egress(True, ceiling).for_worker([ipaddress.ip_address("192.0.2.10"), ipaddress.ip_address("10.0.0.7")])
+    rules = NetRules.of(egress)
+    assert set(rules.opened) == {(N("10.0.0.5/32"), 3128), (N("192.0.2.10/32"), 443)}
+    elements = _nft.sandbox_batch("readie", rules.sandbox_rules("k", "v", ipaddress.IPv4Address("198.18.0.2")))
+    assert "add element inet readie open_k { 192.0.2.10/32 . 443, 10.0.0.5/32 . 3128 }" in elements.splitlines()
+    assert N("10.0.0.7/32") in rules.own and N("192.0.2.10/32") not in rules.own  # named alone: its port opened
+    for address, port in (("10.0.0.5", 3128), ("10.0.0.5", 22), ("192.0.2.10", 443), ("192.0.2.10", 50061), ("10.0.0.7", 80)):
+        assert egress.allows(ipaddress.ip_address(address), port) == ((address, port) in (("10.0.0.5", 3128), ("192.0.2.10", 443)))
+
+
+def test_the_public_internet_resolves_every_name():
+    from readie_policy.egress import Egress
+
+    assert NetRules.of(Egress(public=True)).name_ports("example.com") == (None,)
+    assert NetRules.of(Egress()).name_ports("example.com") is None
 
 
 def test_the_default_upstreams_are_the_hosts_ipv4_nameservers(tmp_path):

@@ -84,9 +84,14 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "_mount_grant": f"{_OWN}; grants are mounted from descriptors, never opened here",
     },
     # Egress (decision 36): the kernel's network namespace files and sysctls, and the host's resolv.conf.
+    "_nft.py": {
+        "<module>": "the type of the loaded libnftables, named in an annotation: no call",
+        "_libnftables": "libnftables, loaded by its soname: it speaks netlink and is handed no path",
+    },
     "_netns.py": {
         "<module>": "libc's setns(2): takes a descriptor, no path",
         "enter": "a network namespace's file: ip's in /var/run/netns (root's) or this process's in /proc",
+        "identity": "a network namespace's file in /var/run/netns (root's): its inode, nothing read",
         "write_sysctls.write": "/proc/sys/net as the namespace readie made sees it: the kernel's, not a file anyone names",
         "present": "ip's namespace files in /var/run/netns (root's)",
         "names": "ip's namespace files in /var/run/netns (root's)",

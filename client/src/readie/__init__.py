@@ -15,7 +15,9 @@ Two ways in:
 See client/README.md for the decisions behind the API.
 """
 
-from readie_protocol.events import ErrorInfo, FileInfo, OutputEvent, PolicyInfo, ReadyEvent, Result, RuntimeInfo, Value
+from readie_protocol.events import (
+    ErrorInfo, FileInfo, NetworkReport, OutputEvent, PolicyInfo, ReadyEvent, RefusedConnection, Result, RuntimeInfo, Value,
+)
 from readie_protocol.workspace import FileEntry, LeftOut
 
 from ._async_pool import AsyncPool
@@ -58,6 +60,7 @@ __all__ = [
     "FileList",
     "JobError",
     "LeftOut",
+    "NetworkReport",
     "OutputEvent",
     "PolicyInfo",
     "Pool",
@@ -65,6 +68,7 @@ __all__ = [
     "PoolWorkerError",
     "ReadieError",
     "ReadyEvent",
+    "RefusedConnection",
     "RemoteError",
     "RemoteFunction",
     "RemoteResult",

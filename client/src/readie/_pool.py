@@ -200,6 +200,7 @@ class Pool:
         the files that come back afterwards, whether the code failed or not:
         ``result.collected`` maps each path to its bytes, ``result.left_out``
         says what matched and was left out, and why (size, count, link, ...).
+        ``result.network``: what the egress policy refused (None without the network).
 
         Returns the result whatever the job did; raises :class:`~readie.RequestError`
         when the request is refused (by this client, before it sends anything: a

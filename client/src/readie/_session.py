@@ -154,7 +154,9 @@ class Session:
         ``on_stdout`` and ``on_stderr`` take the step's output as it is
         written, as in :meth:`Pool.run`; ``files`` and ``collect`` too:
         files written into the workspace before the code runs, and the paths
-        or patterns whose files come back in ``result.collected``. Returns
+        or patterns whose files come back in ``result.collected``. In a session
+        with the network, ``result.network`` says what the egress policy refused
+        this step (not the steps before). Returns
         whatever the code did (its exception, a timeout: see
         ``result.session_ended``); raises :class:`~readie.RequestError` when
         the pool refuses the step and :class:`~readie.PoolError` when the pool

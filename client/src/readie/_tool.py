@@ -9,7 +9,8 @@ host functions it may call, each one's signature and docstring
 (:func:`describe_functions`).
 
 What the model reads back is :func:`format_result`: output first, then the
-error stated plainly, then what happened to the session if it ended.
+error stated plainly, then what the network policy refused, then what happened to the
+session if it ended.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 from ._envelope import SANDBOX_PYTHON
 from ._host import check_functions
 from ._requests import session_setup
-from readie_protocol.events import Result
+from readie_protocol.events import NetworkReport, Result
 from ._session import Session
 
 if TYPE_CHECKING:
@@ -273,9 +274,35 @@ def format_result(result: Result, *, restarted: bool = False) -> str:
             parts.append(f"Hint: {result.error.hint}")
     elif result.exit != 0:
         parts.append(f"Exited with status {result.exit}")
+    refusals = _network_refusals(result.network)
+    if refusals:
+        parts.append(refusals)
     if result.session_ended:
         parts.append("[The session ended: its variables are gone; the next call starts from a clean interpreter.]")
     return "\n".join(parts) if parts else "(no output)"
+
+
+def _network_refusals(report: NetworkReport | None) -> str | None:
+    """What the egress policy refused, so that a model reads a refused connection as the
+    policy's answer (no retrying, no guessing at an outage); None when it refused nothing."""
+    if report is None or not (report.refused_connections or report.refused_lookups):
+        return None
+    said = []
+    if report.refused_connections:
+        where = ", ".join(f"{_host(item.address)}:{item.port}" for item in report.refused)
+        said.append(_counted(report.refused_connections, "connection") + " refused" + (f" ({where})" if where else ""))
+    if report.refused_lookups:
+        names = ", ".join(report.refused_names)
+        said.append(_counted(report.refused_lookups, "name lookup") + " refused" + (f" ({names})" if names else ""))
+    return "[Network policy: " + "; ".join(said) + ". These destinations are not allowed.]"
+
+
+def _counted(count: int, thing: str) -> str:
+    return f"{count} {thing}" + ("" if count == 1 else "s")
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
 
 
 def _files(readable: Iterable[str], writable: Iterable[str]) -> str:

@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
+from typing import Any
 
 from readie_protocol.units import parse_duration_ms
 
-from readie_protocol.errors import UnitError
+from readie_protocol.errors import ConfigError, UnitError
 
-__all__ = ["LOG_CHOICES", "duration_seconds", "non_negative_int", "positive_duration", "positive_int"]
+from .config import CLI_SOURCE
+from .config_values import EGRESS_DNS, NETNS_NAME, Reading, ValueKind
+
+__all__ = [
+    "LOG_CHOICES",
+    "comma_separated",
+    "duration_seconds",
+    "egress_dns",
+    "egress_netns",
+    "non_negative_int",
+    "positive_duration",
+    "positive_int",
+]
 
 #: ``readie pool`` also takes ``none``, the first name of ``console`` (config.LOG_FORMATS).
 LOG_CHOICES = ("console", "json")
@@ -59,3 +74,26 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return value
+
+
+def comma_separated(text: str) -> tuple[str, ...]:
+    """A list flag written ``A,B``: each item stripped, empty ones dropped (``--egress-dns=`` is an empty list)."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def egress_netns(text: str) -> str:
+    """``--egress-netns NAME``, checked as ``[pool] egress_netns`` is."""
+    return _as_pool_key(NETNS_NAME, "--egress-netns", text)
+
+
+def egress_dns(text: str) -> tuple[str, ...]:
+    """``--egress-dns IP[,IP...]``, checked as ``[pool] egress_dns`` is."""
+    return _as_pool_key(EGRESS_DNS, "--egress-dns", list(comma_separated(text)))
+
+
+def _as_pool_key(kind: ValueKind, flag: str, value: object) -> Any:
+    # Neither value is a path: the base and resolver of the reading are never used.
+    try:
+        return kind.read(Reading(CLI_SOURCE, Path("/"), os.path.realpath), flag, value)
+    except ConfigError as exc:  # argparse names the flag; the reason names the value
+        raise argparse.ArgumentTypeError(exc.reason) from None

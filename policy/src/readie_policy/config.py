@@ -104,6 +104,10 @@ class PoolSettings:
     session_store: Path | None = None
     session_store_key: Path | None = None
     session_checkpoint: str = "off"
+    # Decision 36: the namespace networked sandboxes are wired into (None: the network is refused),
+    # and the upstream resolvers (None: the host's /etc/resolv.conf).
+    egress_netns: str | None = None
+    egress_dns: tuple[str, ...] | None = None
     log: str = "none"
 
 
@@ -159,6 +163,8 @@ class CliOverrides:
     session_store: str | None = None
     session_store_key: str | None = None
     session_checkpoint: str | None = None
+    egress_netns: str | None = None
+    egress_dns: tuple[str, ...] | None = None
 
 
 # --------------------------------------------------------------------------- loading

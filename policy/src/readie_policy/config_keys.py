@@ -37,6 +37,7 @@ from .config_values import (
     CEILING_TRANSFER_BYTES,
     COLLECT_BYTES_BOUND,
     EGRESS,
+    EGRESS_DNS,
     COLLECT_FILES_BOUND,
     ENV,
     JOB_MEMORY,
@@ -44,8 +45,10 @@ from .config_values import (
     JOB_TIMEOUT,
     LOG,
     LOG_FORMATS,
+    MAX_EGRESS_DNS,
     MEMORY_BOUND,
     MODULES,
+    NETNS_NAME,
     OUTPUT_BOUND,
     PATHS,
     POSITIVE_DURATION,
@@ -68,6 +71,7 @@ __all__ = [
     "DOCUMENT",
     "LIMITS",
     "LOG_FORMATS",
+    "MAX_EGRESS_DNS",
     "MAX_PROFILE_NAME",
     "MAX_SESSIONS",
     "MAX_WORKERS",
@@ -248,6 +252,18 @@ POOL = Section(
                   "step: write each session into the store after each step, in the background, so a crash "
                   "costs at most the step in flight; off: only when it is detached.", "step",
                   "--session-checkpoint"),
+        ConfigKey("egress_netns", "egress_netns", NETNS_NAME, "none: jobs asking for the network are refused",
+                  "The network namespace that stands for the outside world, through which every networked "
+                  "sandbox's traffic leaves (decision 36): readie wires each such sandbox into it (a veth, "
+                  "routes, NAT, its firewall rules and a resolver: made and removed by readie). Required for any "
+                  "job with the network. Make it yourself (ip netns add NAME) and give it its way out; never the "
+                  "host's own namespace, since readie turns on ip_forward in it. One worker per namespace.",
+                  "readie-egress", "--egress-netns"),
+        ConfigKey("egress_dns", "egress_dns", EGRESS_DNS, "the IPv4 nameservers of the host's /etc/resolv.conf",
+                  "The upstream resolvers readie's own resolver asks, in order, for the names a job may reach "
+                  "(other names get NXDOMAIN). They are asked from inside egress_netns, so a resolver on the "
+                  "host's loopback (127.0.0.53) is out of reach. The flag takes them comma-separated.",
+                  ["192.0.2.53"], "--egress-dns"),
         ConfigKey("log", "log", LOG, '`"none"`',
                   "json: JSON logs and one line per finished job on stderr; console (none is its first "
                   "name): readable logs, no job lines.", "json", "--log"),

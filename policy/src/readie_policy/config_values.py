@@ -9,6 +9,8 @@ A ceiling's ``timeout``, ``memory``, ``max_output``, ``collect_bytes``, ``collec
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +47,7 @@ __all__ = [
     "CEILING_TIMEOUT",
     "CEILING_TRANSFER_BYTES",
     "EGRESS",
+    "EGRESS_DNS",
     "COLLECT_BYTES_BOUND",
     "COLLECT_FILES_BOUND",
     "COUNT",
@@ -54,7 +57,10 @@ __all__ = [
     "JOB_TIMEOUT",
     "LOG",
     "LOG_FORMATS",
+    "MAX_EGRESS_DNS",
     "MEMORY_BOUND",
+    "NETNS_NAME",
+    "NETNS_NAME_PATTERN",
     "MODULES",
     "OUTPUT_BOUND",
     "PATH",
@@ -75,6 +81,19 @@ log = structlog.get_logger("readie.config")
 #: ``json`` writes JSON logs and one line per finished job to stderr;
 #: ``console`` readable logs and no job lines (``none`` is its first name, kept).
 LOG_FORMATS = frozenset({"console", "json", "none"})
+
+#: ``[pool] egress_dns``: upstream resolvers, at most glibc's MAXNS. readie's resolver asks them in
+#: turn, each for up to 2 s (``readie_worker._resolver.UPSTREAM_TIMEOUT_S``), and the job's own
+#: resolver waits 5 s for an answer: a fourth would be asked only after the job gave up on the query.
+MAX_EGRESS_DNS = 3
+#: ``[pool] egress_netns``: a network namespace's name as ``ip netns`` keeps it (a file in
+#: /run/netns), which readie puts in paths, ip(8) lines and nft batches: nothing but a plain name,
+#: never ``.`` or ``..``. The rule of ``readie_worker.egress_net.EgressConfig``, which checks it
+#: again as the worker opens the namespace (a test holds the two to the same answers).
+NETNS_NAME_PATTERN = r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}"
+# An IPv4 address as ``ipaddress.IPv4Address`` reads one: four decimal octets, no leading zeros.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4_PATTERN = f"^{_OCTET}(\\.{_OCTET}){{3}}$"
 
 _NO_NUL = "^[^\\u0000]*$"
 _MODULE_PART = "[A-Za-z_][A-Za-z0-9_]*"  # an ASCII identifier, what str.isidentifier() accepts in ASCII
@@ -191,6 +210,33 @@ def one_of(names: Iterable[str]) -> ValueKind:
     return ValueKind(read, {"type": "string", "enum": choices}, " or ".join(f'`"{name}"`' for name in choices))
 
 
+_NETNS_NAME = re.compile(NETNS_NAME_PATTERN)
+
+
+def _netns_name(at: Reading, key: str, value: Any) -> str:
+    text = _string(at, key, value)
+    if not _NETNS_NAME.fullmatch(text):
+        raise at.fail(key, f"{text[:80]!r} is not a network namespace's name: 1 to 64 ASCII letters, "
+                      "digits, '.', '_' or '-', not . or ..")
+    return text
+
+
+def _ipv4_addresses(at: Reading, key: str, value: Any) -> tuple[str, ...]:
+    """``egress_dns``: 1 to :data:`MAX_EGRESS_DNS` IPv4 addresses, in the order they are asked."""
+    addresses = _strings(at, key, value)
+    if not addresses:
+        raise at.fail(key, "names no resolver (leave it out for the host's /etc/resolv.conf)")
+    if len(addresses) > MAX_EGRESS_DNS:
+        raise at.fail(key, f"{len(addresses)} resolvers, at most {MAX_EGRESS_DNS}: they are asked in turn, "
+                      "and a job's own lookup gives up before a fourth would be asked")
+    for i, text in enumerate(addresses):
+        try:
+            ipaddress.IPv4Address(text)
+        except ValueError:
+            raise at.fail(f"{key}[{i}]", f"{text[:80]!r} is not an IPv4 address") from None
+    return tuple(dict.fromkeys(addresses))
+
+
 def _path(at: Reading, key: str, value: Any) -> Path:
     text = _string(at, key, value)
     try:
@@ -270,6 +316,12 @@ ENV = ValueKind(
     "table of strings",
 )
 LOG = one_of(LOG_FORMATS)
+NETNS_NAME = ValueKind(_netns_name, {"type": "string", "pattern": f"^{NETNS_NAME_PATTERN}$"}, "network namespace name")
+EGRESS_DNS = ValueKind(
+    _ipv4_addresses,
+    {"type": "array", "minItems": 1, "maxItems": MAX_EGRESS_DNS, "items": {"type": "string", "pattern": _IPV4_PATTERN}},
+    f"array of 1 to {MAX_EGRESS_DNS} IPv4 addresses",
+)
 PATH = ValueKind(_path, dict(_STRING_SCHEMA), "path")
 SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
 POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)

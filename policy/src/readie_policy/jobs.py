@@ -24,7 +24,7 @@ from readie_executor import hostwire
 from readie_executor.hostwire import MAX_FUNCTIONS, MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S
 from readie_executor.jobs import DEFAULT_INLINE_NAME
 from readie_protocol.errors import RequestError
-from readie_protocol.events import ErrorInfo, FileInfo, Value
+from readie_protocol.events import ErrorInfo, FileInfo, NetworkReport, Value
 from readie_protocol.requests import MAX_REQUIREMENT_CHARS
 from readie_protocol.workspace import MAX_COLLECTED_BYTES, MAX_COLLECTED_FILES, MAX_TRANSFER_BYTES, Collected
 
@@ -279,6 +279,9 @@ class JobOutcome:
     # What its ``collect`` brought back, checked by the worker (decision 31); None when it
     # asked for nothing.
     collected: Collected | None = None
+    # What its egress policy refused (decision 35), counted by the worker outside the sandbox;
+    # a session step's covers that step only. None: the job had no network.
+    network: NetworkReport | None = None
 
     def log_fields(self) -> dict[str, object]:
         """What the worker's one log line per job or step says of its outcome: never captured output."""

@@ -32,7 +32,8 @@ says what ``exit`` holds). The rules, in order:
 
 What ``collect`` brought back (decision 31) is the outcome's, checked by the
 worker against the job's limits before it got here: the result carries its
-files, and what matched but was left out.
+files, and what matched but was left out. So is what the egress policy refused a networked
+job (decision 35), checked by whoever read it from the wire: the result carries it as it is.
 
 ``runtime`` and ``policy`` come from the pool (the job it built), not from the outcome: the
 outcome's ``python`` and ``preloaded_modules`` are what the job's process
@@ -114,6 +115,7 @@ def job_result(
         left_out_more=0 if collected is None else collected.left_out_more,
         session_key=session_key,
         resumed_from_step=resumed_from_step,
+        network=outcome.network,
     )
 
 

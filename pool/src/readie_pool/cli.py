@@ -4,6 +4,7 @@
                 [--log=json] [--checkpoints=DIR] [--state-dir=DIR]
                 [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT ...]
                 [--session-store=DIR --session-store-key=FILE] [--session-checkpoint=off|step]
+                [--egress-netns=NAME] [--egress-dns=IP[,IP...]]   # the network's way out (decision 36)
                 [--metrics-listen=HOST:PORT]   # Prometheus /metrics, off by default (docs/operations.md)
 
 The first stdout line is the ready event; then one result per request, in
@@ -40,6 +41,7 @@ from readie_worker.metrics import Metrics, add_metrics_argument, serve_if_asked
 from readie_rpc.security import ClientSecurity, add_client_arguments, client_security
 
 from ._backend import JobBackend, LocalWorkerBackend, ThreadedBackend, choose_checkpoint
+from readie_policy.cli_flags import comma_separated
 from readie_policy.config import CliOverrides, Config, apply_cli, load_config
 from readie_policy.config_keys import SESSION_CHECKPOINTS
 from readie_worker.errors import ConfigError
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             session_store=args.session_store,
             session_store_key=args.session_store_key,
             session_checkpoint=args.session_checkpoint,
+            egress_netns=args.egress_netns,
+            egress_dns=args.egress_dns,
         )
         settings = apply_cli(config.pool, overrides, cwd=cwd)
     except ConfigError as exc:
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         session_store=settings.session_store,
         session_store_key=settings.session_store_key,
         session_checkpoint=settings.session_checkpoint,
+        # Decision 36: where networked sandboxes are wired, and the resolvers behind readie's own.
+        egress_netns=settings.egress_netns,
+        egress_dns=settings.egress_dns,
     )
     # The protocol owns descriptors 0 and 1; anything else that writes to
     # stdout (a library's print, a child process) goes to stderr instead,
@@ -361,6 +368,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-checkpoint", choices=sorted(SESSION_CHECKPOINTS),
         help="step: write each session into the store after each step, in the background, so a crash "
         "costs at most the step in flight (default: [pool] session_checkpoint, else off)",
+    )
+    egress = parser.add_argument_group("the network's way out (decision 36)")
+    egress.add_argument(
+        "--egress-netns", metavar="NAME",
+        help="the network namespace, made by the operator (ip netns add NAME), that stands for the outside "
+        "world: every networked sandbox is wired into it; never the host's own, readie turns on ip_forward "
+        "in it. Required for any job with the network (default: [pool] egress_netns, else none: the "
+        "network is refused)",
+    )
+    egress.add_argument(
+        "--egress-dns", type=comma_separated, metavar="IP[,IP...]",
+        help="the upstream resolvers, IPv4, reached from the egress namespace, that readie's resolver asks "
+        "for the names a job may reach (default: [pool] egress_dns, else the host's /etc/resolv.conf)",
     )
     parser.add_argument(
         "--checkpoints",

@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from readie_protocol.events import AttachedEvent, ErrorInfo, Result
+from readie_protocol.events import (
+    MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, AttachedEvent, ErrorInfo, NetworkReport, RefusedConnection, Result,
+)
 from readie_protocol.lines import MAX_LINE_BYTES
 from readie_protocol.request_lines import request_json
 from readie_protocol.requests import (
@@ -142,6 +144,7 @@ def field_reference() -> str:
         "",
         *_workspace_reference(),
         *_durable_reference(),
+        *_network_reference(),
     ]
     return "\n".join(lines)
 
@@ -268,6 +271,31 @@ def _durable_reference() -> list[str]:
         "",
         *_json_block({key: lost[key] for key in shown if key in lost},
                      {key: resumed[key] for key in shown if key in resumed}),
+        "",
+    ]
+
+
+def _network_reference() -> list[str]:
+    """The section of docs/requests.md on what the egress policy refused a job (decision 35)."""
+    refused = Result(id=3, exit=1, network=NetworkReport(
+        refused_connections=3,
+        refused=(RefusedConnection("169.254.169.254", 80, 2), RefusedConnection("203.0.113.9", 443, 1)),
+        refused_lookups=1, refused_names=("tracker.example.net",), allowed_connections=4,
+    )).to_json()
+    return [
+        "## What the network policy refused",
+        "",
+        "The result of a job or step that had the network (`allow_network`) carries `network`: what its",
+        "egress policy refused, counted by the worker outside the sandbox (a refused connection is an",
+        "immediate connection error in the job, never a hang). `refused_connections` counts every",
+        f"refused connection and `refused` lists the destinations, most refused first, at most "
+        f"{MAX_REFUSED_REPORTED};",
+        "`refused_lookups` counts the name lookups refused (a name not allowed, or one whose addresses all",
+        f"lie in denied space) and `refused_names` names at most {MAX_REFUSED_NAMES} of them.",
+        "`allowed_connections` counts the new connections the policy let through. A session step's",
+        "counts are that step's only. A result without the network has no `network` key.",
+        "",
+        *_json_block({key: refused[key] for key in ("id", "exit", "network")}),
         "",
     ]
 

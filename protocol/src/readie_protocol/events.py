@@ -23,10 +23,13 @@ from readie_executor import hostwire
 
 from ._fields import Fields, broken, short
 from .errors import VersionMismatch
+from .network import MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection
 from .results import RUNTIME_NAME, ErrorInfo, FileInfo, PolicyInfo, Result, RuntimeInfo, Value, parse_result
 from .wire import PROTOCOL_VERSION, RequestId
 
 __all__ = [
+    "MAX_REFUSED_NAMES",
+    "MAX_REFUSED_REPORTED",
     "RUNTIME_NAME",
     "AttachedEvent",
     "CallEvent",
@@ -36,9 +39,11 @@ __all__ = [
     "ForkedEvent",
     "HibernatedEvent",
     "FileInfo",
+    "NetworkReport",
     "OutputEvent",
     "PolicyInfo",
     "ReadyEvent",
+    "RefusedConnection",
     "Result",
     "RuntimeInfo",
     "StatsEvent",

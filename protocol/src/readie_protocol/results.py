@@ -30,6 +30,7 @@ from ._fields import Fields, broken, short
 from .errors import ErrorType, ReadieError, RequestError, family_of
 from .wire import RequestId
 from ._values import Invalid
+from .network import NetworkReport, RefusedConnection, parse_network
 from .workspace import LEFT_OUT_REASONS, LeftOut, decode_bytes, encode_bytes
 
 __all__ = [
@@ -39,8 +40,10 @@ __all__ = [
     "ErrorInfo",
     "FileInfo",
     "JobError",
+    "NetworkReport",
     "Outcome",
     "PolicyInfo",
+    "RefusedConnection",
     "Result",
     "RuntimeInfo",
     "Value",
@@ -182,7 +185,8 @@ class Result:
     run in part; the session goes on); ``resumed_from_step`` for a step whose session resumed from
     the state after that earlier step (a crash lost the steps since);
     ``value`` only when the code ended with a bare expression whose value is not None;
-    ``files`` and ``files_truncated`` only when the request asked for ``report_files``.
+    ``files`` and ``files_truncated`` only when the request asked for ``report_files``;
+    ``network`` only when the job had the network (decision 35: what its egress policy refused).
     """
 
     id: RequestId | None
@@ -214,6 +218,7 @@ class Result:
     session_key: str | None = field(default=None, repr=False)
     lost: bool = False
     resumed_from_step: int | None = None
+    network: NetworkReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -292,6 +297,8 @@ class Result:
             out["collected"] = {path: encode_bytes(data) for path, data in self.collected.items()}
             out["left_out"] = [entry.to_json() for entry in self.left_out]
             out["left_out_more"] = self.left_out_more
+        if self.network is not None:
+            out["network"] = self.network.to_json()
         return out
 
 
@@ -338,6 +345,7 @@ def parse_result(obj: Any) -> Result:
         session_key=fields.optional("session_key", str),
         lost=fields.optional("lost", bool) or False,
         resumed_from_step=fields.optional("resumed_from_step", int),
+        network=fields.nested("network", parse_network) if "network" in obj else None,
     )
 
 

@@ -27,15 +27,18 @@ from .events import (
     HibernatedEvent,
     ErrorInfo,
     FileInfo,
+    NetworkReport,
     OutputEvent,
     PolicyInfo,
     ReadyEvent,
+    RefusedConnection,
     Result,
     RuntimeInfo,
     StatsEvent,
     Value,
 )
 from .lines import MAX_LINE_BYTES
+from .network import MAX_ADDRESS_CHARS, MAX_DNS_NAME_CHARS, MAX_REFUSED_COUNT, MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED
 from .requests import (
     ATTACH_FIELDS, CLOSE_FIELDS, FORK_FIELDS, HIBERNATE_FIELDS, JOB_FIELDS, MAX_REPLY_BYTES, REQUEST_ID_SCHEMA,
 )
@@ -160,7 +163,7 @@ def event_schemas() -> dict[str, dict[str, Any]]:
         "ready": _event(ReadyEvent, "ready", required_extra=()),
         "result": _object(Result, optional={"session", "step", "session_ended", "value", "files", "files_truncated", "resumed_ms",
                                             "collected", "left_out", "left_out_more", "session_key", "lost",
-                                            "resumed_from_step"}),
+                                            "resumed_from_step", "network"}),
         "stats": {
             **_object(StatsEvent, skip={"counters"}),
             "properties": {"id": REQUEST_ID_SCHEMA, "event": {"const": "stats"}},
@@ -234,7 +237,30 @@ def _object(cls: type, *, optional: frozenset[str] | set[str] = frozenset(), ski
     return schema
 
 
-_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo, LeftOut, FileEntry)
+_NESTED = (ErrorInfo, RuntimeInfo, PolicyInfo, Value, FileInfo, LeftOut, FileEntry, NetworkReport, RefusedConnection)
+
+
+# The bounds a parser holds a nested value's fields to, where the dataclass alone cannot say them.
+_BOUNDS: dict[type, dict[str, dict[str, Any]]] = {
+    NetworkReport: {
+        "refused_connections": {"minimum": 0, "maximum": MAX_REFUSED_COUNT},
+        "refused": {"maxItems": MAX_REFUSED_REPORTED},
+        "refused_lookups": {"minimum": 0, "maximum": MAX_REFUSED_COUNT},
+        "refused_names": {"maxItems": MAX_REFUSED_NAMES, "items": {"type": "string", "minLength": 1, "maxLength": MAX_DNS_NAME_CHARS}},
+        "allowed_connections": {"minimum": 0, "maximum": MAX_REFUSED_COUNT},
+    },
+    RefusedConnection: {
+        "address": {"maxLength": MAX_ADDRESS_CHARS},
+        "port": {"minimum": 1, "maximum": 65535},
+        "count": {"minimum": 1, "maximum": MAX_REFUSED_COUNT},
+    },
+}
+
+
+def _bounded(cls: type, schema: dict[str, Any]) -> dict[str, Any]:
+    for name, bounds in _BOUNDS.get(cls, {}).items():
+        schema["properties"][name] = {**schema["properties"][name], **bounds}
+    return schema
 
 
 def _type(hint: Any) -> dict[str, Any]:
@@ -257,7 +283,7 @@ def _type(hint: Any) -> dict[str, Any]:
     if hint is Any:
         return {}
     if hint in _NESTED:
-        return _object(hint, optional={"hint"} if hint is ErrorInfo else set())
+        return _bounded(hint, _object(hint, optional={"hint"} if hint is ErrorInfo else set()))
     if origin in (tuple, list):
         args = typing.get_args(hint)
         return {"type": "array", "items": _type(args[0])} if args and args[0] is not Any else {"type": "array"}

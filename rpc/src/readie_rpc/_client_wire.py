@@ -15,6 +15,7 @@ from readie_executor.jobs import bounds
 
 from ._convert import code_job
 from ._files_wire import collected_from_message, file_messages
+from ._network_wire import network_from_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._session_wire import milliseconds
 from readie_policy.jobs import CodeJob, HostStats, JobOutcome, Step, StepOutcome
@@ -109,7 +110,8 @@ def job_outcome(response: pb.RunJobResponse, job: CodeJob) -> JobOutcome:
     a pool must not pass on more than that, whatever a broken or hostile
     worker sends, since everything after (a result line, a client's reader)
     is sized by them. Collected files come back only when the job asked to
-    collect, within the bytes and files it let come back.
+    collect, within the bytes and files it let come back; a network report only
+    for a job with the network, within its bounds (readie_protocol.network).
     """
     _check_bounds(response)
     collected = None
@@ -117,6 +119,7 @@ def job_outcome(response: pb.RunJobResponse, job: CodeJob) -> JobOutcome:
         if not job.collect:
             raise PoolWorkerError("the worker answered collected files to a job that asked for none")
         collected = collected_from_message(response.collected, max_files=job.collect_files, max_bytes=job.collect_bytes)
+    network = network_from_message(response.network, networked=job.network) if response.HasField("network") else None
     error = None
     if response.HasField("error"):
         e = response.error
@@ -145,6 +148,7 @@ def job_outcome(response: pb.RunJobResponse, job: CodeJob) -> JobOutcome:
         files=_written(response.files) if response.HasField("files") else None,
         files_truncated=response.files.truncated,
         collected=collected,
+        network=network,
     )
 
 

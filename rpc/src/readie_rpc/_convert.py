@@ -21,6 +21,7 @@ from typing import NamedTuple
 from google.protobuf.message import Message
 
 from ._files_wire import collect_patterns, collected_message, workspace_files
+from ._network_wire import network_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import DeadlineExpired
 from readie_protocol.errors import ErrorType, RequestError, StepLost
@@ -255,6 +256,8 @@ def run_job_response(
         )
     if outcome.collected is not None:
         response.collected.CopyFrom(collected_message(outcome.collected))
+    if outcome.network is not None:
+        response.network.CopyFrom(network_message(outcome.network))
     return response
 
 

@@ -66,7 +66,8 @@ log = structlog.get_logger("readie.grpc")
 #    collected; upload, download and list_files on Interact (decision 31).
 # 5: durable sessions (decision 32): attach by key (take_over), close, handed_over;
 #    a result's session_key, resumed_from_step and lost.
-WORKER_PROTOCOL = 5
+# 6: the egress policy (decision 35): RunJobRequest.network_destinations, a result's network.
+WORKER_PROTOCOL = 6
 # The first protocol with files in the workspace: an older worker drops a request's files and
 # collect unread, and ends a session's stream at an upload, so its clients do not send them.
 FILES_PROTOCOL = 4

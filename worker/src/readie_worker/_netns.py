@@ -4,7 +4,9 @@ listener made here serves that namespace from any thread."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ipaddress
 import os
 import subprocess
 import threading
@@ -12,13 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from .errors import SandboxSetupError, host_failure, log_host_facts
-from .network import IP_TIMEOUT_S
 from .runsc import NETNS_DIR
 
 _T = TypeVar("_T")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
+# ip(8) answers in milliseconds; this only catches a wedged system.
+IP_TIMEOUT_S = 10.0
 
 
 def path(name: str | None) -> str:
@@ -91,6 +94,14 @@ def present(name: str) -> bool:
     return (NETNS_DIR / name).exists()
 
 
+def identity(name: str) -> tuple[int, int]:
+    """Which namespace ``name`` is now (its nsfs device and inode): one deleted and made again
+    under the same name is another."""
+    with host_failure(SandboxSetupError, f"cannot find the network namespace {name}"):
+        found = os.stat(NETNS_DIR / name)
+    return found.st_dev, found.st_ino
+
+
 def names() -> list[str]:
     """The names of the namespaces ``ip netns`` knows."""
     try:
@@ -110,3 +121,18 @@ def links(netns: str | None, prefix: str) -> list[str]:
         if len(parts) >= 2 and (name := parts[1].strip().split("@", 1)[0]).startswith(prefix):
             names.append(name)
     return names
+
+
+def addresses(netns: str | None) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses of every interface of ``netns`` (None: this process's): a worker's own,
+    which no sandbox may reach unless its ceiling names one (read from ``ip -o addr show``)."""
+    argv = ["ip", *(["-n", netns] if netns else []), "-o", "addr", "show"]
+    with host_failure(SandboxSetupError, "cannot run ip", caught=(OSError, subprocess.TimeoutExpired)):
+        completed = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    found = []
+    for line in completed.stdout.splitlines():  # "2: eth0    inet 10.0.0.5/24 brd ... scope global eth0"
+        words = line.split()
+        if len(words) >= 4 and words[2] in ("inet", "inet6"):
+            with contextlib.suppress(ValueError):
+                found.append(ipaddress.ip_interface(words[3]).ip)
+    return found

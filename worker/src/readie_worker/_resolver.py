@@ -33,6 +33,9 @@ import dns.rdatatype
 import dns.rrset
 import structlog
 
+# A sandbox's refused names kept one by one (and logged once each); a name's longest text.
+from readie_protocol.network import MAX_DNS_NAME_CHARS, MAX_REFUSED_NAMES
+
 from . import _netns
 from .errors import SandboxSetupError
 
@@ -44,10 +47,6 @@ MAX_QUERY_BYTES = 1232
 MAX_UPSTREAM_BYTES = 4096
 # Addresses kept of one answer: 16 A records keep the reply under 512 bytes (no TCP needed).
 MAX_ANSWER_ADDRESSES = 16
-# Refused names a sandbox's count keeps one by one (and logs once each); the total counts all.
-MAX_REFUSED_NAMES = 32
-# A DNS name has at most 253 characters: anything longer in a log line is not a name.
-MAX_NAME_CHARS = 253
 # Forwarded queries (and TCP connections) at once, across sandboxes: past this a query gets
 # SERVFAIL (a TCP connection is closed) instead of queuing without end (glibc sends 2 per
 # lookup: A and AAAA, and AAAA is answered at once).
@@ -349,7 +348,8 @@ class Resolver:
         if upstream.rcode() != dns.rcode.NOERROR:
             return _response(query, upstream.rcode())
         addresses, ttl = _addresses(upstream, name)
-        kept = [address for address in addresses if not served.refuses(address)][:MAX_ANSWER_ADDRESSES]
+        # Each once: a CNAME chain can repeat an address, and one batch cannot delete an element twice.
+        kept = list(dict.fromkeys(a for a in addresses if not served.refuses(a)))[:MAX_ANSWER_ADDRESSES]
         if addresses and not kept:
             _count_refusal(served, name.to_text(omit_final_dot=True).lower(), "only denied addresses")
         if not kept:
@@ -428,7 +428,7 @@ def _count_refusal(served: _Served, name: str, why: str) -> None:
             return
         served.refused[name] = served.refused.get(name, 0) + 1
     if first:
-        log.info("lookup refused", sandbox=served.key, name=name[:MAX_NAME_CHARS], why=why)
+        log.info("lookup refused", sandbox=served.key, name=name[:MAX_DNS_NAME_CHARS], why=why)
 
 
 def _response(query: dns.message.Message, rcode: int) -> dns.message.Message:

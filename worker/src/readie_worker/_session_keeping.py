@@ -276,7 +276,8 @@ class WorkerSessions:
     ) -> SandboxSession:
         """A session of this worker's; one that can hibernate holds its store entry's lease from
         here (a new entry, unless ``lease``: an attached one's, which its caller binds)."""
-        # A networked session's sandbox is a cold start in the worker's namespace: not restorable here.
+        # A networked session is not stored yet: its image would restore into a namespace wired anew
+        # (a new address, its connections gone), which is not built (decision 36, "Left to do").
         images = self.images if self.images is not None and not job.network else None
         session = SandboxSession(
             job, sandbox, links, slot=self._sandboxes.slot, forget=self._forget_session,

@@ -1,6 +1,7 @@
 """``readie worker``: serve one worker over gRPC (``readie_rpc.grpc_service``) until SIGTERM or SIGINT, then drain.
 
     readie worker --listen 127.0.0.1:50061 --warm base=2 --warm pandas=1 --log=json
+    readie worker ... --egress-netns readie-egress --egress-dns 192.0.2.53   # networked jobs (decision 36)
 
 A signal starts a graceful drain: health turns NOT_SERVING, new work is
 refused with UNAVAILABLE, running jobs finish (up to --drain-grace), every
@@ -19,7 +20,15 @@ import structlog
 
 from readie_worker.core import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_SESSIONS, DEFAULT_SLOTS, SESSION_CHECKPOINTS, Worker, WorkerConfig
 from readie_worker import enter_mount_namespace
-from readie_policy.cli_flags import LOG_CHOICES, duration_seconds, non_negative_int, positive_duration, positive_int
+from readie_policy.cli_flags import (
+    LOG_CHOICES,
+    duration_seconds,
+    egress_dns,
+    egress_netns,
+    non_negative_int,
+    positive_duration,
+    positive_int,
+)
 from readie_protocol.errors import UnitError
 from readie_protocol.units import format_size, parse_size
 from readie_worker.errors import ConfigError, ReadieError
@@ -67,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         session_store_bytes=args.session_store_bytes,
         session_store_entries=args.session_store_entries,
         session_checkpoint=args.session_checkpoint,
+        egress_netns=args.egress_netns,
+        egress_dns=args.egress_dns,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
     return _serve(config, args, stop=StopSignal())
@@ -171,6 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-checkpoint", choices=SESSION_CHECKPOINTS, default="off",
         help="step: write each session into the store after each step, in the background, so a crash loses "
         "at most the step in flight (~0.15 s of CPU a step; decision 32) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--egress-netns", type=egress_netns, metavar="NAME",
+        help="the network namespace, made by the operator (ip netns add NAME), that stands for the outside "
+        "world: every networked sandbox is wired into it; never the host's own, readie turns on ip_forward "
+        "in it. Required for any job with the network (default: none, the network is refused; decision 36)",
+    )
+    parser.add_argument(
+        "--egress-dns", type=egress_dns, metavar="IP[,IP...]",
+        help="the upstream resolvers, IPv4, reached from the egress namespace, that readie's resolver asks "
+        "for the names a job may reach (default: the host's /etc/resolv.conf)",
     )
     add_server_arguments(parser)
     add_metrics_argument(parser)

@@ -35,7 +35,6 @@ from .hibernation import SessionImages
 from .session_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES, DEFAULT_STORE_TTL_S, SessionStore, read_store_key
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, run_in_sandbox
 from .metrics import Metrics
-from .network import BACKENDS, NetworkNamespace
 from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
 from .warm import RefillBudget, WarmSandboxes
@@ -43,8 +42,9 @@ from .runsc import Runsc
 from readie_policy.sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
 from .state_dir import RUNTIME_ROOT, StateDir
 
-from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess, RunscCold
+from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess
 from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
+from ._networked import NetworkedSandboxes
 from ._session_keeping import SessionSandboxes, WorkerSessions
 from ._slots import Slots
 from .sessions import SandboxSession, StepOutcome
@@ -88,11 +88,6 @@ class WorkerConfig:
     # The cgroup backstop of every sandbox (sentry and gofer included). A job's
     # own 'memory' limit (RLIMIT_AS inside) must leave SANDBOX_OVERHEAD below it.
     sandbox_memory_bytes: int = DEFAULT_SANDBOX_MEMORY
-    # "none": jobs asking for the network are refused. "netns": they get a cold
-    # start with host networking inside a namespace of the worker's own.
-    network_backend: str = "none"
-    # Run once in the new namespace ({netns} is its name), e.g. to add a veth for egress.
-    network_setup: str | None = None
     # Egress (issue 32, decision 36): the network namespace that stands for the outside world,
     # into which each networked sandbox is wired; None: jobs asking for the network are refused.
     # ``egress_dns``: the upstream resolvers readie's resolver forwards allowed names to (None:
@@ -131,8 +126,7 @@ class Worker:
         self.checkpoints: LoadedCheckpoints | None = None
         self.isolated = True
         self._retirer = Retirer()
-        self.namespace: NetworkNamespace | None = None
-        self.networked: dict[str, SandboxFactory] = {}
+        self.egress: NetworkedSandboxes | None = None  # with egress_netns: networked jobs' sandboxes
         self.images: SessionImages | None = None  # where sessions hibernate; None unisolated
         self.sessions = WorkerSessions(
             SessionSandboxes(self._slots.taken, self._check_job, self._acquire, self._restore_session),
@@ -191,15 +185,14 @@ class Worker:
             self.factories[name] = factory
             target = self.config.warm.get(name, 0)
             self.warm[name] = WarmSandboxes(name, factory, target, budget, warm_up=self.config.warm_up, observer=self.metrics).start()
-        if self.config.network_backend == "netns":
-            self._start_network()
-        elif self.config.network_backend != "none":
-            raise SandboxSetupError(f"unknown network backend {self.config.network_backend!r} (have {', '.join(BACKENDS)})")
+        if self.config.egress_netns is not None:
+            self.egress = NetworkedSandboxes(self.config.egress_netns, self.config.egress_dns, self.runsc).start()
+            self.egress.start_warm(self.factories, self.config.warm, budget, warm_up=self.config.warm_up, observer=self.metrics)
         log.info(
             "worker started",
             checkpoints=sorted(self.factories),
             warm=dict(self.config.warm),
-            network=self.config.network_backend,
+            egress_netns=self.config.egress_netns,
         )
         return self
 
@@ -226,17 +219,6 @@ class Worker:
         )
         store.sweep()
         return SessionImages(store, state.images_dir, shared=shared)
-
-    def _start_network(self) -> None:
-        assert self.checkpoints is not None and self.checkpoints.manifest is not None
-        self.namespace = NetworkNamespace.create(self.config.network_setup)
-        networked = self.runsc.with_network(self.namespace.name)
-        for name, factory in self.factories.items():
-            cold = factory.fallback
-            assert isinstance(cold, RunscCold)
-            self.networked[name] = dataclasses.replace(
-                factory, primary=dataclasses.replace(cold, runsc=networked, name="runsc-cold-netns"), fallback=None
-            )
 
     def _start_unisolated(self, reason: str) -> Worker:
         if not self.config.allow_unisolated:
@@ -277,6 +259,7 @@ class Worker:
             acquire_us=outcome.acquire_us,
             host_calls=outcome.host.calls if outcome.host else 0,  # None: no job ran
             host_refused=outcome.host.refused if outcome.host else 0,
+            network_refused=outcome.network.refused_connections if outcome.network else None,
         )
         self.metrics.job_finished(job.checkpoint, outcome, queued_us / 1_000_000)
         return outcome
@@ -299,12 +282,9 @@ class Worker:
         stored session (``attach_session``) restores under, bounded by this worker's backstop."""
         if job.checkpoint not in self.warm:
             raise RequestError(f"no checkpoint named {job.checkpoint!r} on this worker (have {', '.join(sorted(self.warm))})", field="checkpoint")
-        if job.network and job.egress is not None and not job.egress.public:
-            # Nothing here enforces a list yet (issue 32): refused, never widened to the namespace's network.
-            raise RequestError("a list of destinations (or true under a ceiling's list) needs the egress "
-                               "backend, which this worker does not have yet (issue 32)", field="allow_network")
-        if job.network and not self.networked:
-            raise RequestError("this worker has no network backend configured", field="allow_network")
+        if job.network and self.egress is None:
+            raise RequestError("this worker has no egress for networked jobs (its operator sets egress_netns)",
+                               field="allow_network")
         ceiling = self.memory_ceiling(job.checkpoint)
         if job.memory_bytes is not None and job.memory_bytes > ceiling:
             raise RequestError(f"{job.memory_bytes} bytes is above this worker's ceiling of {ceiling}", field="memory")
@@ -321,18 +301,23 @@ class Worker:
         return self.config.sandbox_memory_bytes - overhead
 
     def _acquire(self, job: CodeJob) -> tuple[Sandbox, tuple[Mapping[str, object], ...]]:
-        """A sandbox for ``job`` and the links its grants need: a warm one unless it needs the
-        network or packages (mount sources fixed at restore). Grants are opened here, when the
+        """A sandbox for ``job`` and the links its grants need: a warm one (a networked one given
+        its rules, if it has the network: ``_networked``) unless it needs packages (mount sources
+        fixed at restore). Grants are opened here, when the
         job has its slot, and held until its sandbox has them mounted (``grants.py``): a warm
         sandbox's grant points take them after restore (decision 0034)."""
         warm = self.warm[job.checkpoint]
-        if job.network or job.needs_own_mounts:
+        networked = self.egress if job.network else None  # _check_job refused a network without egress
+        if job.needs_own_mounts:
             with self._hold_grants(job) as grants:
-                sandbox = warm.made_for_a_job(grants, self.networked[job.checkpoint] if job.network else None)
+                if networked is not None:
+                    sandbox = networked.made_for(job, warm, self.factories[job.checkpoint], grants)
+                else:
+                    sandbox = warm.made_for_a_job(grants)
         elif job.allow_read or job.allow_write:
             # Opened first: a refused grant costs no warm sandbox.
             with self._hold_grants(job) as grants:
-                sandbox = warm.take()
+                sandbox = networked.take(job) if networked is not None else warm.take()
                 try:
                     if self.isolated:
                         sandbox.attach(grants)
@@ -340,7 +325,7 @@ class Worker:
                     self._retirer.retire(sandbox)
                     raise
         else:
-            sandbox, grants = warm.take(), NO_GRANTS
+            sandbox, grants = networked.take(job) if networked is not None else warm.take(), NO_GRANTS
         # Unisolated, the job sees the host itself: links would be made on the host.
         links = grants.links if self.isolated else ()
         if job.memory_bytes is not None:
@@ -478,8 +463,8 @@ class Worker:
         self._retirer.close()
         for warm in self.warm.values():
             warm.close()
-        if self.namespace is not None:
-            self.namespace.delete()
+        if self.egress is not None:  # after every sandbox: each removes its own wiring first
+            self.egress.close()
         if self.state is not None:  # never touched unless it was claimed: a refused one is not ours
             self._close_state(self.state)
 

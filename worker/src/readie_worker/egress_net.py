@@ -15,21 +15,24 @@ import ipaddress
 import re
 import secrets
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
+from readie_policy.config_values import NETNS_NAME_PATTERN
+from readie_protocol.network import (
+    MAX_DNS_NAME_CHARS, MAX_REFUSED_COUNT, MAX_REFUSED_NAMES, MAX_REFUSED_REPORTED, NetworkReport, RefusedConnection,
+)
+
 from . import _netns, _nft
+from ._net_rules import NetRules
 from ._resolver import Resolver
 from .errors import ConfigError, SandboxSetupError
 from .runsc import Runsc
 
 log = structlog.get_logger("readie.egress")
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # The sandboxes' /30s come from here unless the operator names another pool. 198.18.0.0/15 is
 # reserved for benchmarking (RFC 2544): no real network routes it, so a /30 of ours never hides
@@ -38,8 +41,6 @@ DEFAULT_POOL = ipaddress.IPv4Network("198.18.0.0/16")
 # Sandboxes wired at once per worker: far above a worker's slots plus warm sandboxes, and it
 # bounds the netns, veths and nft chains a runaway caller could make.
 MAX_SANDBOXES_WIRED = 1024
-# Refused destinations a job's result lists (the nft set keeps up to REFUSED_SET_SIZE).
-MAX_REFUSED_REPORTED = 32
 # Names: the sandbox netns is "<prefix>-<key>", its veth in the egress netns "<prefix>v<key>"
 # (an interface name has at most 15 bytes: 4 + 1 + 8 hex).
 DEFAULT_PREFIX = "rdie"
@@ -62,82 +63,22 @@ def with_sandbox_network(runsc: Runsc) -> Runsc:
 
 
 @dataclass(frozen=True)
-class NetRules:
-    """What enforcement needs of one sandbox's egress policy (built from the policy layer's Egress).
-
-    ``networks`` and ``names`` are allowed, each with an optional port (None: every port); a
-    name is exact or ``*.suffix`` (any name below the suffix). ``public`` allows any address
-    not denied. ``denied`` (private, loopback, link-local...) and ``own`` (the worker's
-    addresses) are refused first, even for an allowed network or a DNS answer, unless
-    ``opened`` names them. IPv6 entries are ignored: the sandbox has no IPv6.
-    """
-
-    networks: tuple[tuple[Network, int | None], ...] = ()
-    names: tuple[tuple[str, int | None], ...] = ()
-    public: bool = False
-    denied: tuple[Network, ...] = ()
-    opened: tuple[Network, ...] = ()
-    own: tuple[Network, ...] = ()
-
-    def __post_init__(self) -> None:
-        # They reach nft batches as text: only values of these types, ports in range.
-        for network, port in self.networks:
-            if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
-                raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
-            _check_port(port)
-        for _, port in self.names:
-            _check_port(port)
-        for network in (*self.denied, *self.opened, *self.own):
-            if not isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network):
-                raise ValueError(f"egress network {network!r:.80} is not an ipaddress network")
-
-    def name_ports(self, name: str) -> tuple[int | None, ...] | None:
-        """The ports ``name`` may be reached on (None among them: every port), or None: not allowed."""
-        name = name.lower().rstrip(".")
-        ports = {port for pattern, port in self.names if _matches(pattern.lower().rstrip("."), name)}
-        if not ports:
-            return None
-        return (None,) if None in ports else tuple(sorted(port for port in ports if port is not None))
-
-    def refuses(self, address: Address) -> bool:
-        """Whether ``address`` is denied (or the worker's) and not opened: a DNS answer cannot open it."""
-        return any(address in net for net in (*self.denied, *self.own)) and not any(address in net for net in self.opened)
-
-    def sandbox_rules(self, key: str, veth: str, address: ipaddress.IPv4Address) -> _nft.SandboxRules:
-        return _nft.SandboxRules(
-            key=key,
-            veth=veth,
-            address=address,
-            deny=_v4(self.denied) + _v4(self.own),
-            opened=_v4(self.opened),
-            allow=tuple((net, port) for net, port in self.networks if isinstance(net, ipaddress.IPv4Network)),
-            public=self.public,
-        )
-
-
-def _check_port(port: int | None) -> None:
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
-        raise ValueError(f"egress port {port!r:.20} is not 1 to 65535")
-
-
-def _matches(pattern: str, name: str) -> bool:
-    """``*.example.com`` matches any name below example.com (not example.com itself); else exact."""
-    if pattern.startswith("*."):
-        return len(pattern) > 2 and name.endswith(pattern[1:])
-    return name == pattern
-
-
-def _v4(networks: Iterable[Network]) -> tuple[ipaddress.IPv4Network, ...]:
-    return tuple(net for net in networks if isinstance(net, ipaddress.IPv4Network))
-
-
-@dataclass(frozen=True)
 class Refusal:
     """Connections a sandbox was refused to one destination."""
 
     address: str
     port: int
     count: int
+
+
+@dataclass(frozen=True)
+class _Told:
+    """What a sandbox's last report counted: the next one tells only what came since."""
+
+    connections: dict[tuple[str, int], int] = field(default_factory=dict)
+    lookups: int = 0
+    names: dict[str, int] = field(default_factory=dict)
+    allowed: int = 0
 
 
 class Subnets:
@@ -174,7 +115,7 @@ class Subnets:
             return len(self._used)
 
 
-_NETNS_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NETNS_NAME = re.compile(NETNS_NAME_PATTERN)  # the config's rule, one definition
 _NFT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # A prefix leaves room for "v" and the key in a 15-byte interface name.
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,5}")
@@ -198,7 +139,7 @@ class EgressConfig:
         # Every one of these ends up in a path, an ip(8) line or an nft batch: nothing but a plain name.
         if self.netns is None:
             raise ConfigError("egress_netns", None, "required: the network namespace readie forwards sandboxes through, never the host's own")
-        if not isinstance(self.netns, str) or not _NETNS_NAME.fullmatch(self.netns) or self.netns in (".", ".."):
+        if not isinstance(self.netns, str) or not _NETNS_NAME.fullmatch(self.netns):
             raise ConfigError("egress_netns", None, f"{str(self.netns)[:80]!r} is not a network namespace's name (letters, digits, . _ -)")
         if not _NFT_NAME.fullmatch(self.table) or not _PREFIX.fullmatch(self.prefix):
             raise ConfigError("egress", None, f"table {self.table[:80]!r} or prefix {self.prefix[:80]!r}: a short lowercase name")
@@ -237,21 +178,30 @@ class EgressGateway:
         self._wired: dict[str, SandboxNetwork] = {}
         self._lock = threading.Lock()
         self.resolver: Resolver | None = None
+        self._nft: _nft.Nft | None = None  # opened in config.netns at start
+        self._netns_identity: tuple[int, int] | None = None
 
-    def open(self) -> EgressGateway:
+    def start(self) -> EgressGateway:
         """Sweep what an earlier run left, then make the table, forwarding and the resolver."""
         if not _netns.present(self.config.netns):
             raise ConfigError("egress_netns", None, f"no network namespace named {self.config.netns!r}")
+        # The firewall's context and the resolver's sockets stay in the namespace as it is now; one
+        # made again under the name later would get veths and no rules (wire refuses then).
+        self._netns_identity = _netns.identity(self.config.netns)
+        self._nft = _nft.Nft(self.config.netns)
         self.sweep()
         _netns.write_sysctls(self.config.netns, {"ipv4/ip_forward": "1"})
-        _nft.run(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v"), self.config.netns)
+        self.nft(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v"))
         self.resolver = Resolver(self.config.netns, self.config.upstreams)
         return self
 
     def wire(self, rules: NetRules) -> SandboxNetwork:
         """A fresh network namespace, wired by ``rules``, for one sandbox to restore into."""
         if self.resolver is None:
-            raise SandboxSetupError("egress is not open")
+            raise SandboxSetupError("egress is not started")
+        if _netns.identity(self.config.netns) != self._netns_identity:
+            raise SandboxSetupError("the egress namespace was made again since the worker started: "
+                                    "no sandbox is wired into it until the worker restarts")
         key = secrets.token_hex(KEY_HEX)
         while int(key, 16) == 0:  # it is the conntrack mark of its connections, and 0 is no mark
             key = secrets.token_hex(KEY_HEX)
@@ -285,7 +235,13 @@ class EgressGateway:
             _netns.ip_batch(None, [f"netns delete {name}" for name in stale], check=False)
         if stale or veths:
             log.warning("swept egress wiring an earlier run left", namespaces=len(stale), veths=len(veths))
-        _nft.run(_nft.remove_table_batch(self.config.table), self.config.netns)
+        self.nft(_nft.remove_table_batch(self.config.table))
+
+    def nft(self, commands: str) -> str:
+        """Run nft ``commands`` in the egress namespace (in process: ``_nft.Nft``); what they printed."""
+        if self._nft is None:
+            raise SandboxSetupError("egress is not started")
+        return self._nft.run(commands)
 
     def close(self) -> None:
         """Remove every sandbox's wiring, the table and the resolver."""
@@ -299,7 +255,10 @@ class EgressGateway:
         if self.resolver is not None:
             self.resolver.close()
             self.resolver = None
-        _nft.run(_nft.remove_table_batch(self.config.table), self.config.netns)
+        if self._nft is not None:
+            self.nft(_nft.remove_table_batch(self.config.table))
+            self._nft.close()
+            self._nft = None
 
     def _forget(self, network: SandboxNetwork) -> None:
         with self._lock:
@@ -320,6 +279,8 @@ class SandboxNetwork:
         self.veth = f"{prefix}v{key}"
         self.gateway, self.address = subnet.network_address + 1, subnet.network_address + 2
         self._removed = False
+        # What the last report told: the next one (a session's next step) tells only what is new.
+        self._told = _Told()
 
     @property
     def netns_path(self) -> Path:
@@ -346,26 +307,84 @@ class SandboxNetwork:
             "link set eth0 up",
             f"route add default via {self.gateway}",
         ])
-        _nft.run(_nft.sandbox_batch(config.table, self.rules.sandbox_rules(self.key, self.veth, self.address)), egress)
+        self.egress.nft(_nft.sandbox_batch(config.table, self.rules.sandbox_rules(self.key, self.veth, self.address)))
         resolver = self.egress.resolver
         if resolver is None:
             raise SandboxSetupError("egress was closed while a sandbox network was being wired")
-        resolver.serve(self.key, self.gateway, self.rules.name_ports, self.rules.refuses, self._open_answered)
+        # Through self.rules as it is at each query: a warm sandbox's rules change at hand-out (rerule).
+        resolver.serve(self.key, self.gateway, lambda name: self.rules.name_ports(name),
+                       lambda address: self.rules.refuses(address), self._open_answered)
         log.debug("sandbox network wired", key=self.key, address=str(self.address))
 
     def _open_answered(self, addresses: list[ipaddress.IPv4Address], ports: tuple[int | None, ...], ttl: int) -> None:
-        _nft.run(_nft.answered_batch(self.egress.config.table, self.key, addresses, ports, ttl), self.egress.config.netns)
+        self.egress.nft(_nft.answered_batch(self.egress.config.table, self.key, addresses, ports, ttl))
 
     def refused(self, limit: int = MAX_REFUSED_REPORTED) -> list[Refusal]:
         """The destinations refused so far, most refused first, at most ``limit``."""
-        text = _nft.run("", self.egress.config.netns, "-j", "list", "set", "inet", self.egress.config.table, f"refused_{self.key}")
-        return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)[:limit]]
+        return self._refused_all()[:limit]
+
+    def allowed(self) -> int:
+        """New connections (packets opening one) its rules let through so far."""
+        config = self.egress.config
+        return _nft.parse_counter(self.egress.nft(f"list counter inet {config.table} allowed_{self.key}"))
+
+    def _refused_all(self) -> list[Refusal]:
+        text = self.egress.nft(f"list set inet {self.egress.config.table} refused_{self.key}")
+        return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)]
+
+    def rerule(self, rules: NetRules) -> None:
+        """Give this wired sandbox (a warm one, at hand-out) ``rules`` instead of its own, in one
+        atomic nft batch; what it was refused or answered before is forgotten, and its next
+        report starts from here."""
+        config = self.egress.config
+        self.egress.nft(_nft.rerule_batch(config.table, rules.sandbox_rules(self.key, self.veth, self.address)))
+        self.rules = rules
+        lookups, names = self.refused_lookups()  # the resolver's counts go on: from here
+        self._told = _Told(lookups=lookups, names=names)
+
+    def report(self) -> NetworkReport:
+        """What was refused since the last report (a job's whole life, or one session step's):
+        connection attempts (packets refused, by destination) and lookups (by name)."""
+        told = self._told
+        counts = {(r.address, r.port): r.count for r in self._refused_all()}
+        lookups, names = self.refused_lookups()
+        self._told = _Told(counts, lookups, names, self.allowed())
+        new = sorted(
+            ((destination, count - told.connections.get(destination, 0)) for destination, count in counts.items()),
+            key=lambda item: (-item[1], item[0]),
+        )
+        new = [(destination, count) for destination, count in new if count > 0]
+        # Port 0 (a datagram to it) is counted, never listed: no destination a result names has it.
+        # Counts stay within what the wire carries, the listed ones within the total (the readers'
+        # checks: a report they refuse would cost the job its whole result).
+        listed = [((address, port), min(count, MAX_REFUSED_COUNT)) for (address, port), count in new if port > 0]
+        listed = listed[:MAX_REFUSED_REPORTED]
+        total = max(min(sum(count for _, count in new), MAX_REFUSED_COUNT), sum(count for _, count in listed))
+        while total > MAX_REFUSED_COUNT:
+            total -= listed.pop()[1]
+        return NetworkReport(
+            refused_connections=total,
+            refused=tuple(RefusedConnection(address, port, count) for (address, port), count in listed),
+            refused_lookups=min(max(0, lookups - told.lookups), MAX_REFUSED_COUNT),
+            refused_names=tuple(dict.fromkeys(  # as a result shows a name: its first 253 characters
+                name[:MAX_DNS_NAME_CHARS] or "." for name, count in names.items() if count > told.names.get(name, 0)
+            ))[:MAX_REFUSED_NAMES],
+            allowed_connections=min(max(0, self._told.allowed - told.allowed), MAX_REFUSED_COUNT),
+        )
 
     def refused_lookups(self) -> tuple[int, dict[str, int]]:
         """Lookups refused (name not allowed, or only denied answers): the total, and per name
         for the first names (the resolver's ``MAX_REFUSED_NAMES``)."""
         resolver = self.egress.resolver
         return (0, {}) if resolver is None else resolver.refused(self.key)
+
+    def discard(self) -> None:
+        """:meth:`remove`, a failure logged instead of raised: for a sandbox's destroy, whose
+        callers go on to the next (the gateway's close and sweep take what is left)."""
+        try:
+            self.remove()
+        except SandboxSetupError as exc:
+            log.error("sandbox network not removed", key=self.key, error=str(exc))
 
     def remove(self) -> None:
         """Remove everything of this sandbox's network, whatever part of it exists (idempotent)."""
@@ -378,7 +397,7 @@ class SandboxNetwork:
             # The veth first: `ip netns delete` is asynchronous, a veth delete is not (lab §0).
             lambda: _netns.ip_batch(config.netns, [f"link delete {self.veth}"], check=False),
             lambda: _netns.ip_batch(None, [f"netns delete {self.netns}"], check=False),
-            lambda: _nft.run(_nft.remove_batch(config.table, self.key, self.veth), config.netns),
+            lambda: self.egress.nft(_nft.remove_batch(config.table, self.key, self.veth)),
         ]
         for step in steps:  # each step whatever the one before did: leave as little as possible
             try:

@@ -50,7 +50,7 @@ from ._grant_fs import ListedGrants
 from ._workspace import collect, spec_files
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from readie_protocol.cancel import NEVER, Cancellation
-from .errors import ErrorType, PoolWorkerError, RequestError
+from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, Step, ask_host
 from readie_protocol.events import ErrorInfo
 from readie_protocol.workspace import Collected
@@ -96,13 +96,16 @@ MEMORY_BACKSTOP_HINT = (
 
 
 def runner_call(
-    job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False, stream: bool = False
+    job: CodeJob, links: tuple[Mapping[str, object], ...], session: bool = False, stream: bool = False,
+    nameserver: str | None = None,
 ) -> bytes:
     """The pickled call: a reference to the trusted runner, and the job's spec (plain data,
-    :meth:`CodeJob.spec`)."""
+    :meth:`CodeJob.spec`); ``nameserver``: a networked sandbox's resolver (its gateway)."""
     spec = job.spec(links, session=session, stream=stream)
     if job.files:  # written into the workspace before the code runs (decision 31)
         spec["files"] = spec_files(job)
+    if nameserver is not None:
+        spec["nameserver"] = nameserver
     return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
 
 
@@ -143,6 +146,20 @@ def run_in_sandbox(
             f"{len(job.functions)} host functions declared, but nothing here answers them",
             field="functions",
         )
+    outcome = _reported(sandbox, job, links, host, session, cancel, output)
+    if sandbox.network is not None:  # what its egress policy refused, the job's (or the step's) own
+        try:
+            outcome = dataclasses.replace(outcome, network=sandbox.network.report())
+        except SandboxSetupError as exc:  # the job ran all the same: its result stands, unreported
+            log.error("egress refusals not read", sandbox=sandbox.id, error=str(exc))
+    return outcome
+
+
+def _reported(
+    sandbox: Sandbox, job: CodeJob, links: tuple[Mapping[str, object], ...], host: HostFunction | None,
+    session: bool, cancel: Cancellation, output: OutputSink | None,
+) -> JobOutcome:
+    """The job's outcome, with what it wrote to its write grants when it asked (``report_files``)."""
     if not job.report_files:
         return _run(sandbox, job, links, host, session, cancel, output)
     # Held by descriptor for both listings, and checked to be what the sandbox has mounted
@@ -169,7 +186,8 @@ def _run(
 ) -> JobOutcome:
     backend = f"gvisor:{sandbox.launcher.name}" if sandbox.launcher.isolated else sandbox.launcher.name
     preparing = time.monotonic()
-    request = runner_call(job, links, session=session, stream=output is not None)
+    nameserver = None if sandbox.network is None else str(sandbox.network.gateway)
+    request = runner_call(job, links, session=session, stream=output is not None, nameserver=nameserver)
     # Even without functions: a frame the job writes by hand is refused, not taken for its result.
     conversation = HostConversation(job.functions)
     relay = None if output is None else OutputRelay(output, job.max_output)

@@ -141,6 +141,16 @@ class Metrics:
             "readie_worker_sandbox_destroy_duration_seconds", "Time to kill and delete a sandbox (runsc).",
             buckets=SANDBOX_DESTROY_BUCKETS_S, registry=r,
         )
+        self.egress_connections = Counter(
+            "readie_worker_egress_connections",
+            "New connections of networked jobs and steps, by checkpoint and verdict (allowed, refused by the egress policy).",
+            ["checkpoint", "verdict"], registry=r,
+        )
+        self.egress_refused_lookups = Counter(
+            "readie_worker_egress_refused_lookups",
+            "DNS lookups the egress resolver refused (a name not allowed, or answers only in denied space), by checkpoint.",
+            ["checkpoint"], registry=r,
+        )
         self.runsc_failures = Counter(
             "readie_worker_runsc_command_failures", "runsc commands that exited non-zero or timed out, by subcommand.",
             ["command"], registry=r,
@@ -163,6 +173,7 @@ class Metrics:
         self.queue_duration.labels(checkpoint).observe(queue_s)
         if outcome.host is not None and outcome.host.calls:
             self.host_calls.labels(checkpoint).inc(outcome.host.calls)
+        self._egress(checkpoint, outcome)
 
     def sandbox_made(self, checkpoint: str, sandbox: Sandbox) -> None:
         """A warm sandbox is ready (``ready_ms`` is its launch on the worker's clock)."""
@@ -176,6 +187,15 @@ class Metrics:
 
     def step_finished(self, checkpoint: str, outcome: JobOutcome) -> None:
         self.session_steps.labels(checkpoint, outcome_label(outcome)).inc()
+        self._egress(checkpoint, outcome)
+
+    def _egress(self, checkpoint: str, outcome: JobOutcome) -> None:
+        """What a networked job's (or step's) egress policy allowed and refused: its own report."""
+        if outcome.network is None:
+            return
+        self.egress_connections.labels(checkpoint, "allowed").inc(outcome.network.allowed_connections)
+        self.egress_connections.labels(checkpoint, "refused").inc(outcome.network.refused_connections)
+        self.egress_refused_lookups.labels(checkpoint).inc(outcome.network.refused_lookups)
 
     def session_image(self, operation: str, seconds: float) -> None:
         self.session_images.labels(_closed(operation, ("hibernate", "resume", "fork"))).observe(seconds)

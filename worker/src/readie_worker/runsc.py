@@ -168,7 +168,7 @@ class Runsc:
     binary: str = "runsc"
     flags: tuple[str, ...] = ()
     checkpoint_flags: tuple[str, ...] | None = None
-    # Runs runsc inside another namespace, e.g. ("nsenter", "--net=/var/run/netns/N").
+    # Runs runsc under a wrapper, e.g. egress_net.HIDE_NET_SYSCTLS for a networked sandbox.
     prefix: tuple[str, ...] = ()
     # Told of every failed command and every destroy's time (a worker's Metrics); kept by replace().
     observer: RunscObserver | None = field(default=None, compare=False, repr=False)
@@ -192,15 +192,6 @@ class Runsc:
 
     def command(self, *args: str) -> list[str]:
         return [*self.prefix, self.binary, f"--root={self.root}", *self.flags, *args]
-
-    def with_network(self, namespace: str) -> Runsc:
-        """Host networking, but inside ``namespace``: the sandbox sees that namespace's interfaces only.
-
-        ``ip netns exec`` would remount /sys, after which runsc cannot find the
-        memory cgroup (notes), so the namespace is entered with nsenter.
-        """
-        flags = tuple("--network=host" if flag.startswith("--network") else flag for flag in self.flags)
-        return dataclasses.replace(self, flags=flags, prefix=("nsenter", f"--net={NETNS_DIR / namespace}"))
 
     def run(self, *args: str, timeout: float = COMMAND_TIMEOUT_S, reaping: bool = False, counted: bool = True) -> str:
         """Run a short runsc command and return its stdout; ``counted=False``: a failure here is expected."""

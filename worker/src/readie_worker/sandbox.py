@@ -21,23 +21,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
-
-import structlog
+from typing import IO, TYPE_CHECKING
 
 import cloudpickle
+import structlog
 
 from readie_executor import jobs as executor_jobs
 from readie_executor import probe
 from readie_executor.hibernation import HIBERNATE, HIBERNATING
 from readie_executor.framing import (
-    END_OF_STREAM,
-    FramingError,
-    Message,
-    MessageReader,
-    TruncatedMessage,
-    encode_message,
-    iter_frames,
+    END_OF_STREAM, FramingError, Message, MessageReader, TruncatedMessage, encode_message, iter_frames,
 )
 from readie_executor.sockets import RECV_SIZE
 
@@ -56,6 +49,9 @@ from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
 from .launchers import Launcher, RunscCold, RunscRestore
 from .runsc import STDERR_SETTLE_S, Launched, Runsc
+
+if TYPE_CHECKING:  # its module loads the resolver's DNS library: only networked workers need it
+    from .egress_net import SandboxNetwork
 
 log = structlog.get_logger("readie.sandbox")
 
@@ -158,6 +154,8 @@ class Sandbox:
     write_grants: tuple[PathIdentity, ...] = ()
     # Keeps the gofer's mount namespace, where its grants are mounted, whole until destroy.
     mounts_held: int | None = None
+    # Its network namespace's wiring (egress), removed after it: runsc holds the namespace till then.
+    network: SandboxNetwork | None = None
     _connection: socket.socket | None = field(default=None, repr=False)
     # interrupt() may come from another thread at any moment of an exchange.
     _interrupted: bool = field(default=False, repr=False)
@@ -336,6 +334,8 @@ class Sandbox:
             self.dir.remove()
             if self.mounts_held is not None:
                 os.close(self.mounts_held)
+            if self.network is not None:
+                self.network.discard()
 
     def _connect(self) -> socket.socket:
         with self._connecting:

@@ -446,8 +446,8 @@ class SandboxSession(SessionFiles):
             raise RequestError(f"a step of session {self.id} is running; it can hibernate between steps", field="session")
         if self._images is None or self._restore is None:
             raise RequestError(
-                "this session cannot hibernate or fork: it has the network (a cold-started sandbox in the "
-                "worker's namespace), or the worker runs without gVisor", field="session",
+                "this session cannot hibernate or fork: it has the network (not stored yet), "
+                "or the worker runs without gVisor", field="session",
             )
 
     def _start_running(self) -> None:

@@ -149,6 +149,8 @@ def _run(spec: JobSpec, clock: PhaseClock) -> bytes:
     clock.lap("spec")
     try:
         create_links(spec.links)
+        if spec.nameserver is not None:
+            name_resolver(spec.nameserver)
     except SetupError as exc:
         return _not_started(
             ErrorReport("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
@@ -263,6 +265,23 @@ def create_links(links: tuple[Link, ...]) -> None:
             ) from None
         except OSError as exc:
             raise SetupError(f"cannot link {link.path} to its grant {link.target}: {exc}") from None
+
+
+# The rootfs leaves it empty (no network at capture); glibc reads it again when it changes.
+RESOLV_CONF = "/etc/resolv.conf"
+
+
+def name_resolver(address: str) -> None:
+    """Point the sandbox's DNS lookups at ``address`` (its resolver outside, readie's). Written
+    beside it and renamed over it: a link an earlier step of a session put there is replaced, not
+    written through."""
+    staged = f"{RESOLV_CONF}.readie"
+    try:
+        with open(staged, "w") as conf:
+            conf.write(f"nameserver {address}\n")
+        os.replace(staged, RESOLV_CONF)
+    except OSError as exc:
+        raise SetupError(f"cannot name the sandbox's resolver in {RESOLV_CONF}: {exc.strerror}") from None
 
 
 def preloaded_modules() -> list[str]:

@@ -8,6 +8,7 @@ anything runs.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from ._bounds import MAX_OUTPUT_LIMIT
 DEFAULT_INLINE_NAME = "<string>"
 _KNOWN_FIELDS = frozenset(
     {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions",
-     "stream", "files"}
+     "stream", "files", "nameserver"}
 )
 _LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses", "timeout_ms"})
 _LINK_FIELDS = frozenset({"path", "target", "writable"})
@@ -71,6 +72,9 @@ class JobSpec:
     # Written into the workspace (the working directory) before the code runs (decision 31):
     # workspace paths the worker checked, and their bytes.
     files: tuple[tuple[str, bytes], ...] = ()
+    # A networked sandbox's resolver (readie's, on its gateway: decision 36), named in
+    # /etc/resolv.conf before the code runs; None: no network, nothing written.
+    nameserver: str | None = None
 
     @property
     def writable_links(self) -> tuple[Link, ...]:
@@ -102,7 +106,17 @@ def parse_job(job: object) -> JobSpec:
         functions=_functions(job.get("functions", [])),
         stream=_bool(job.get("stream", False), "stream"),
         files=_files(job.get("files", [])),
+        nameserver=_nameserver(job.get("nameserver")),
     )
+
+
+def _nameserver(raw: object) -> str | None:
+    if raw is None:
+        return None
+    try:
+        return str(ipaddress.IPv4Address(raw if isinstance(raw, str) else ""))
+    except ValueError:
+        raise JobSpecError("nameserver must be an IPv4 address") from None
 
 
 def _files(raw: object) -> tuple[tuple[str, bytes], ...]:

@@ -133,7 +133,7 @@ class JobError(_message.Message):
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ..., hint: _Optional[str] = ...) -> None: ...
 
 class RunJobResponse(_message.Message):
-    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files", "collected", "session_key", "resumed_from_step", "lost")
+    __slots__ = ("exit", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "error", "duration_us", "python", "preloaded_modules", "sandbox_id", "backend", "host", "system_exit", "session_id", "step", "session_ended", "resumed_ms", "value", "files", "collected", "session_key", "resumed_from_step", "lost", "network")
     EXIT_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class RunJobResponse(_message.Message):
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     exit: int
     stdout: str
     stderr: str
@@ -180,7 +181,32 @@ class RunJobResponse(_message.Message):
     session_key: str
     resumed_from_step: int
     lost: bool
-    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ..., collected: _Optional[_Union[CollectedFiles, _Mapping]] = ..., session_key: _Optional[str] = ..., resumed_from_step: _Optional[int] = ..., lost: _Optional[bool] = ...) -> None: ...
+    network: NetworkReport
+    def __init__(self, exit: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., duration_us: _Optional[int] = ..., python: _Optional[str] = ..., preloaded_modules: _Optional[_Iterable[str]] = ..., sandbox_id: _Optional[str] = ..., backend: _Optional[str] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., system_exit: _Optional[bool] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., session_ended: _Optional[bool] = ..., resumed_ms: _Optional[float] = ..., value: _Optional[_Union[JobValue, _Mapping]] = ..., files: _Optional[_Union[WrittenFiles, _Mapping]] = ..., collected: _Optional[_Union[CollectedFiles, _Mapping]] = ..., session_key: _Optional[str] = ..., resumed_from_step: _Optional[int] = ..., lost: _Optional[bool] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ...) -> None: ...
+
+class NetworkReport(_message.Message):
+    __slots__ = ("refused_connections", "refused", "refused_lookups", "refused_names", "allowed_connections")
+    REFUSED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    refused_connections: int
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedConnection]
+    refused_lookups: int
+    refused_names: _containers.RepeatedScalarFieldContainer[str]
+    allowed_connections: int
+    def __init__(self, refused_connections: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedConnection, _Mapping]]] = ..., refused_lookups: _Optional[int] = ..., refused_names: _Optional[_Iterable[str]] = ..., allowed_connections: _Optional[int] = ...) -> None: ...
+
+class RefusedConnection(_message.Message):
+    __slots__ = ("address", "port", "count")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    count: int
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WrittenFiles(_message.Message):
     __slots__ = ("files", "truncated")
