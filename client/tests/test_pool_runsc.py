@@ -71,10 +71,10 @@ def test_refusals_raise_request_error(pool):
     assert refused.value.result.exit == -1 and refused.value.result.policy is None
     with pytest.raises(readie.RequestError, match="1 MiB"):
         pool.run("#" * readie.MAX_LINE_BYTES)
-    # Destinations (decision 35): the grammar is the pool's; a list is refused until enforcement lands.
+    # Destinations (decision 35): the grammar is the pool's; a pool without egress_netns refuses the network.
     with pytest.raises(readie.RequestError, match="allow_network: 'a_b.example.com' is not a destination"):
         pool.run("pass", allow_network=["a_b.example.com"])
-    with pytest.raises(readie.RequestError, match="allow_network: a list of destinations .* needs the egress backend"):
+    with pytest.raises(readie.RequestError, match="allow_network: this worker has no egress for networked jobs"):
         pool.run("pass", allow_network=["api.example.com:443"])
 
 

@@ -154,7 +154,8 @@ def test_with_a_ceiling_the_pool_s_rules_hold_over_the_network(ceiled, project, 
     named, message = refusal(ceiled, job(**fields))
     assert named == field and message.startswith(f"{field}: "), message
     if field == "network":
-        assert ("not within" if "'api.example.com'" in message else "needs the egress backend") in message, message
+        # Within the ceiling, a worker without egress_netns still refuses it (decision 36).
+        assert ("not within" if "'api.example.com'" in message else "no egress for networked jobs") in message, message
     assert str(project / "secret") not in message or fields.get("allow_read") == [str(project / "secret")]
 
 

@@ -287,9 +287,8 @@ LIMITS = Section(
                   "destinations (api.example.com, *.example.com, 203.0.113.0/24, [2001:db8::1]:443; each "
                   "optionally with :port) a request's list must lie within; a request's true gets this list. "
                   "Private, loopback, link-local (169.254.169.254) and the worker's own addresses are denied "
-                  "even under true, unless an address or network listed here names them (decision 35). The "
-                  "pool starts no network backend yet, and a worker refuses a list until the egress "
-                  "enforcement lands.", ["api.example.com:443", "*.pypi.org"]),
+                  "even under true, unless an address or network listed here names them (decision 35). "
+                  "Networked jobs also need [pool] egress_netns (decision 36).", ["api.example.com:443", "*.pypi.org"]),
         ConfigKey("timeout", "timeout_ms", CEILING_TIMEOUT,
                   f"no bound (over the network: {format_duration_ms(NETWORK_MAX_TIMEOUT_MS)})",
                   f"The longest timeout a request may set; {_unset('timeout')}.", "30s"),

@@ -14,7 +14,7 @@ The contract every backend keeps:
 
 * one rule for failures (decision 0027): a job no runner took is *raised*
   as a :class:`~readie_worker.errors.ReadieError` (``RequestError`` for a job
-  the worker refuses: too many grants, no network backend, a session that
+  the worker refuses: too many grants, no egress for the network, a session that
   ended; ``PoolWorkerError`` or ``SandboxSetupError`` when no worker can be
   reached or it is shutting down; ``Cancelled`` while it waited); a job a
   runner took (a worker's slot, the router's placement) *returns* its
