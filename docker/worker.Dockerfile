@@ -16,11 +16,12 @@ FROM debian:bookworm-slim
 # runsc as on the capturing host (scripts/install-runsc.sh: Debian trixie's
 # 0.0~20240729, without trixie in the image's sources): the manifest records
 # the version and flags, and a worker with others drops the checkpoints.
-# iproute2 and util-linux (nsenter): the netns network backend.
+# iproute2, util-linux (unshare, nsenter) and nftables (libnftables1): networked sandboxes'
+# namespaces and their egress firewall (decision 36).
 COPY scripts/install-runsc.sh /tmp/install-runsc.sh
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      python3 iproute2 util-linux ca-certificates \
+      python3 iproute2 util-linux nftables ca-certificates \
  && bash /tmp/install-runsc.sh --without-debian12 \
  && rm -rf /var/lib/apt/lists/* /tmp/install-runsc.sh
 

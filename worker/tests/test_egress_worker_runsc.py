@@ -10,6 +10,7 @@ import json
 import socket
 
 import pytest
+from structlog.testing import capture_logs
 
 from readie_policy.egress import parse_destinations, resolve_egress
 from readie_protocol.events import RefusedConnection
@@ -94,8 +95,9 @@ def test_a_job_reaches_its_allowed_network_and_name_and_is_told_what_was_refused
     targets = [(w.ALLOWED, w.PORT), (w.DENIED, w.PORT), (w.METADATA, 80), (w.ALLOWED, 9000)]
     world.upstream.names["rebind.test"] = w.DENIED  # an allowed name re-pointed at a denied address
     try:
-        outcome = worker.run_job(networked(probe(targets, ["allowed.test", "denied.test", "rebind.test"]),
-                                           [f"10.199.1.0/24:{w.PORT}", "allowed.test", "rebind.test"]))
+        with capture_logs() as logs:
+            outcome = worker.run_job(networked(probe(targets, ["allowed.test", "denied.test", "rebind.test"]),
+                                               [f"10.199.1.0/24:{w.PORT}", "allowed.test", "rebind.test"]))
     finally:
         world.upstream.names["rebind.test"] = w.ALLOWED
     assert outcome.exit == 0 and outcome.backend == "gvisor:runsc-restore", outcome
@@ -112,6 +114,9 @@ def test_a_job_reaches_its_allowed_network_and_name_and_is_told_what_was_refused
                                    RefusedConnection(w.ALLOWED, 9000, 1)}
     assert report.refused_lookups == 2 and set(report.refused_names) == {"denied.test", "rebind.test"}
     assert report.allowed_connections == 2  # ALLOWED:8000, and allowed.test's answer
+    [line] = [entry for entry in logs if entry["event"] == "job"]  # the log line names the refusals
+    assert set(line["network_refused_to"]) == {f"{w.DENIED}:{w.PORT}", f"{w.METADATA}:80", f"{w.ALLOWED}:9000"}
+    assert (line["network_refused"], set(line["network_refused_names"])) == (3, {"denied.test", "rebind.test"})
     assert worker.egress.warm["base"].hits + worker.egress.warm["base"].misses >= 1  # a networked warm set's
 
 

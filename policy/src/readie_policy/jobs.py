@@ -242,6 +242,10 @@ class Step:
     collect: tuple[str, ...] = ()
 
 
+# Refused destinations and names a job's log line names (its result lists up to 32 of each).
+LOGGED_REFUSALS = 8
+
+
 @dataclass(frozen=True)
 class JobOutcome:
     """What a job came to: its own result, or the worker's account of why there is none."""
@@ -284,8 +288,9 @@ class JobOutcome:
     network: NetworkReport | None = None
 
     def log_fields(self) -> dict[str, object]:
-        """What the worker's one log line per job or step says of its outcome: never captured output."""
-        return {
+        """What the worker's one log line per job or step says of its outcome: never captured output.
+        A networked one names what its egress policy refused (the first few: one line stays short)."""
+        fields: dict[str, object] = {
             "sandbox": self.sandbox_id,
             "backend": self.backend,
             "exit": self.exit,
@@ -293,6 +298,12 @@ class JobOutcome:
             "duration_us": self.duration_us,
             "truncated": self.stdout_truncated or self.stderr_truncated,
         }
+        if self.network is not None:
+            fields["network_refused"] = self.network.refused_connections
+            fields["network_refused_to"] = [f"{r.address}:{r.port}" for r in self.network.refused[:LOGGED_REFUSALS]]
+            fields["network_refused_names"] = list(self.network.refused_names[:LOGGED_REFUSALS])
+            fields["network_allowed"] = self.network.allowed_connections
+        return fields
 
     @classmethod
     def failure(cls, error_type: str, message: str, duration_us: int, backend: str,

@@ -259,7 +259,6 @@ class Worker:
             acquire_us=outcome.acquire_us,
             host_calls=outcome.host.calls if outcome.host else 0,  # None: no job ran
             host_refused=outcome.host.refused if outcome.host else 0,
-            network_refused=outcome.network.refused_connections if outcome.network else None,
         )
         self.metrics.job_finished(job.checkpoint, outcome, queued_us / 1_000_000)
         return outcome
