@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from readie_policy.egress import parse_destinations, resolve_egress
 from readie_protocol.events import RefusedConnection
+from readie_worker import _netns
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.jobs import CodeJob, Step
 from readie_worker.testing import wait_until
@@ -142,6 +143,7 @@ def test_a_plain_job_on_the_same_worker_has_no_network_and_no_report(worker):
 def test_each_session_step_reports_its_own_refusals(worker):
     worker, _ = worker
     session, first = worker.open_session(networked(probe([(w.DENIED, w.PORT)]), [f"10.199.1.0/24:{w.PORT}", "allowed.test"]))
+    network = session._sandbox.network  # its own wiring (the warm set refills another beside it)
     try:
         assert first.outcome.network is not None and first.outcome.network.refused_connections == 1, first
         step = session.run_step(Step(probe([(w.ALLOWED, w.PORT), (w.DENIED, w.PORT), (w.DENIED, w.PORT)], ["allowed.test"])))
@@ -153,4 +155,4 @@ def test_each_session_step_reports_its_own_refusals(worker):
         assert quiet.outcome.network is not None and quiet.outcome.network.refused_connections == 0
     finally:
         session.close()
-    assert worker.egress is not None and wait_until(lambda: worker.egress.gateway.wired == 0, timeout=10)  # removed with it
+    assert network is not None and wait_until(lambda: not _netns.present(network.netns), timeout=10)  # removed with it
