@@ -137,6 +137,7 @@ class World:
         self.servers: list[ThreadingHTTPServer] = []
         self.upstream: Upstream | None = None
         self.udp_echo: socket.socket | None = None  # UDP echo at ALLOWED:PORT
+        self.echoed_to: tuple[str, int] | None = None  # whom it last answered (a sandbox, NATed)
 
     def start(self) -> World:
         for name in (EGRESS, WORLD):
@@ -165,6 +166,7 @@ class World:
         while True:
             try:
                 data, peer = self.udp_echo.recvfrom(2048)
+                self.echoed_to = peer
                 self.udp_echo.sendto(data, peer)
             except OSError:
                 return
@@ -201,6 +203,9 @@ def leftovers(prefix: str = "rdt", table: str = "readietest", *, table_closed: b
         found += [f"veth {name}" for name in _netns.links(EGRESS, prefix + "v")]
         ruleset = _run("nsenter", f"--net=/var/run/netns/{EGRESS}", "nft", "list", "ruleset").stdout
         ours = ruleset.partition(f"table inet {table} ")[2].partition("\ntable ")[0]
-        found += [f"nft {line.strip()}" for line in ours.splitlines() if line.strip().startswith(("chain sb_", "chain rf_", "set "))]
+        found += [f"nft {line.strip()}" for line in ours.splitlines()
+                  if line.strip().startswith(("chain sb_", "chain rf_", "set ")) and line.strip() != "set owners {"]
+        owners = _run("nsenter", f"--net=/var/run/netns/{EGRESS}", "nft", "list", "set", "inet", table, "owners", check=False).stdout
+        found += ["nft an element of set owners"] if "elements" in owners else []
         found += [f"nft table {table}"] if table_closed and f"table inet {table} " in ruleset else []
     return found

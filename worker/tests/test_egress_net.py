@@ -272,6 +272,38 @@ def test_a_failed_nft_or_ip_says_where_the_details_are_not_the_hosts_names(world
         assert "worker's log" in str(failed.value) and "rdt" not in str(failed.value)
 
 
+def stale_reply(world) -> str:
+    """Listen where the first sandbox's flow came from while the world sends on that flow."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(1)
+    try:
+        sock.bind(("0.0.0.0", 40000))
+        world.udp_echo.sendto(b"stale", world.echoed_to)
+        return sock.recv(100).decode()
+    except TimeoutError:
+        return "timeout"
+    finally:
+        sock.close()
+
+
+def test_refusals_past_a_full_refused_set_are_still_counted(wired):
+    ports = range(20000, 20000 + _nft.REFUSED_SET_SIZE + 44)
+
+    def refused_everywhere() -> list[str]:
+        outcomes = []
+        for port in ports:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.settimeout(3)
+                outcomes.append(errno.errorcode.get(sock.connect_ex((w.DENIED, port)), "ok"))
+        return outcomes
+
+    assert set(_netns.call_in(wired.netns, refused_everywhere)) == {"ECONNREFUSED"}
+    report = wired.report()
+    assert len(wired.refused(limit=10_000)) == _nft.REFUSED_SET_SIZE  # itemised: the set is full
+    assert report.refused_connections == len(ports)  # counted: every one
+    assert wired.report().refused_connections == 0  # and told once
+
+
 def test_a_reused_address_inherits_nothing_of_its_last_sandboxs_connections(world):
     # One /30: the second sandbox gets the first one's address while conntrack still holds its flow.
     settings = dataclasses.replace(w.config(prefix="rdr", table="readiereuse"), pool=w.N("198.19.255.252/30"))
@@ -297,6 +329,8 @@ def test_a_reused_address_inherits_nothing_of_its_last_sandboxs_connections(worl
         second = egress.wire(NetRules(denied=w.DEFAULT_DENIED))  # allowed nothing
         try:
             assert second.address == first.address
+            # The world answers the first sandbox's flow again: the reply must not reach the second.
+            assert _netns.call_in(second.netns, lambda: stale_reply(world)) == "timeout"
             assert _netns.call_in(second.netns, udp_echo) == "ECONNREFUSED"
         finally:
             second.remove()

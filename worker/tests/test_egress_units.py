@@ -60,6 +60,9 @@ def test_a_sandbox_chain_refuses_denied_addresses_before_anything_opens_them():
     assert "add element inet readie deny_0a1b2c3d { 10.0.0.0/8, 169.254.0.0/16 }" in lines  # overlaps collapsed
     assert "add element inet readie allow_0a1b2c3d { 203.0.113.0/24 . 0-65535, 10.9.0.0/24 . 443 }" in lines
     assert 'add element inet readie refusers { "rdiev0a1b2c3d" : goto rf_0a1b2c3d }' in lines
+    assert 'add element inet readie owners { "rdiev0a1b2c3d" . 0x0a1b2c3d }' in lines  # its replies' mark
+    refuse = [line.split(" rf_0a1b2c3d ", 1)[1] for line in lines if line.startswith("add rule inet readie rf_0a1b2c3d ")]
+    assert refuse[0] == 'meta l4proto { tcp, udp } counter name "refusals_0a1b2c3d"'  # before the set, which can be full
     assert lines[-1] == 'add element inet readie sandboxes { "rdiev0a1b2c3d" : jump sb_0a1b2c3d }'
 
 

@@ -7,7 +7,9 @@ Layout, in the egress network namespace, one ``inet`` table readie owns::
     table inet <table>
       map sandboxes   ifname -> jump sb_<id>      (the sandbox's veth picks its chain)
       map refusers    ifname -> goto rf_<id>      (what it sends the egress netns itself)
-      chain forward   replies -> accept; new into a sandbox -> reject; iifname vmap @sandboxes
+      set owners      ifname . mark               (a veth and its sandbox's conntrack mark)
+      chain forward   a reply into a veth not its sandbox's own -> reject; replies -> accept;
+                      new into a sandbox -> reject; iifname vmap @sandboxes
       chain input     established -> accept; from a veth: its own gateway port 53 -> accept; rf_<id>
       chain postrouting  masquerade what leaves from the sandboxes' pool
       chain sb_<id>   not its own source -> refuse; its own (ct mark) established -> accept; new past
@@ -15,7 +17,8 @@ Layout, in the egress network namespace, one ``inet`` table readie owns::
                       local/broadcast/multicast -> refuse; denied and not opened ->
                       refuse; allowed net . port -> accept; DNS-answered -> accept; public set (0/0 or empty) -> accept;
                       refuse
-      chain rf_<id>   count into the refused set; TCP -> reset, the rest -> port unreachable
+      chain rf_<id>   count (counter refusals_<id>, and into the refused set); TCP -> reset,
+                      the rest -> port unreachable
       sets {deny,open,allow,dns,dnsport,refused,conns}_<id>
 
 Never ``drop`` a sandbox's packet: a drop leaves the job's connect hanging to its own timeout.
@@ -70,14 +73,17 @@ def base_batch(table: str, pool: IPv4Net, veth_prefix: str) -> str:
             f"add table inet {table}",
             f"add map inet {table} sandboxes {{ type ifname : verdict; }}",
             f"add map inet {table} refusers {{ type ifname : verdict; }}",
+            f"add set inet {table} owners {{ type ifname . mark; }}",
             f"add chain inet {table} forward {{ type filter hook forward priority 0; policy accept; }}",
             f"add chain inet {table} input {{ type filter hook input priority 0; policy accept; }}",
             f"add chain inet {table} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}",
             f"flush chain inet {table} forward",
             f"flush chain inet {table} input",
             f"flush chain inet {table} postrouting",
-            # Replies to what a sandbox opened. The sandbox's own direction is checked in its chain:
-            # a conntrack entry of an earlier sandbox with the same /30 must not let a new one through.
+            # Replies to what a sandbox opened, into the sandbox that opened it (its mark): a /30 is
+            # reused while conntrack still holds its last sandbox's flows, whose replies must not
+            # reach the next one. The sandbox's own direction is checked in its chain.
+            f'add rule inet {table} forward ct direction reply oifname "{veth_prefix}*" oifname . ct mark != @owners reject with icmpx port-unreachable',
             f"add rule inet {table} forward ct direction reply ct state established,related accept",
             # Nothing outside opens a connection into a sandbox (it has no listener meant for it).
             f'add rule inet {table} forward oifname "{veth_prefix}*" reject with icmpx port-unreachable',
@@ -125,11 +131,13 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
     key, t = rules.key, table
     lines = [f"add set inet {t} {name} {{ {definition} }}" for name, definition in _sets(t, key)]
     lines.append(f"add counter inet {t} allowed_{key}")  # its new connections let through
+    lines.append(f"add counter inet {t} refusals_{key}")  # every refusal, past a full refused set too
     allowed = f'counter name "allowed_{key}" accept'
     lines += _policy_elements(t, rules)
     refuse, chain = f"rf_{key}", f"sb_{key}"
     lines += [
         f"add chain inet {t} {refuse}",
+        f'add rule inet {t} {refuse} meta l4proto {{ tcp, udp }} counter name "refusals_{key}"',
         f"add rule inet {t} {refuse} meta l4proto {{ tcp, udp }} update @refused_{key} {{ ip daddr . th dport }}",
         f"add rule inet {t} {refuse} meta l4proto tcp reject with tcp reset",
         f"add rule inet {t} {refuse} reject with icmpx port-unreachable",
@@ -157,6 +165,7 @@ def sandbox_batch(table: str, rules: SandboxRules) -> str:
     lines += [
         f"add rule inet {t} {chain} goto {refuse}",
         f'add element inet {t} refusers {{ "{rules.veth}" : goto {refuse} }}',
+        f'add element inet {t} owners {{ "{rules.veth}" . {_mark(key)} }}',
         f'add element inet {t} sandboxes {{ "{rules.veth}" : jump {chain} }}',
     ]
     return "\n".join(line for line in lines if line) + "\n"
@@ -183,6 +192,7 @@ def rerule_batch(table: str, rules: SandboxRules) -> str:
     return "\n".join([
         *(f"flush set inet {t} {name}_{key}" for name in emptied),
         f"reset counter inet {t} allowed_{key}",
+        f"reset counter inet {t} refusals_{key}",
         *_policy_elements(t, rules),
     ]) + "\n"
 
@@ -199,10 +209,13 @@ def remove_batch(table: str, key: str, veth: str) -> str:
         f"add chain inet {t} {refuse}",
         f"add chain inet {t} {chain}",
         f"add map inet {t} refusers {{ type ifname : verdict; }}",
+        f"add set inet {t} owners {{ type ifname . mark; }}",
         f'add element inet {t} sandboxes {{ "{veth}" : jump {chain} }}',
         f'delete element inet {t} sandboxes {{ "{veth}" }}',
         f'add element inet {t} refusers {{ "{veth}" : goto {refuse} }}',
         f'delete element inet {t} refusers {{ "{veth}" }}',
+        f'add element inet {t} owners {{ "{veth}" . {_mark(key)} }}',
+        f'delete element inet {t} owners {{ "{veth}" . {_mark(key)} }}',
         f"flush chain inet {t} {chain}",
         f"flush chain inet {t} {refuse}",
         f"delete chain inet {t} {chain}",
@@ -210,6 +223,8 @@ def remove_batch(table: str, key: str, veth: str) -> str:
         *(f"delete set inet {t} {name}" for name, _ in _sets(t, key)),
         f"add counter inet {t} allowed_{key}",
         f"delete counter inet {t} allowed_{key}",
+        f"add counter inet {t} refusals_{key}",
+        f"delete counter inet {t} refusals_{key}",
     ]
     return "\n".join(lines) + "\n"
 

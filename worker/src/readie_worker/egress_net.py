@@ -79,6 +79,7 @@ class _Told:
     lookups: int = 0
     names: dict[str, int] = field(default_factory=dict)
     allowed: int = 0
+    refusals: int = 0
 
 
 class Subnets:
@@ -328,6 +329,12 @@ class SandboxNetwork:
         config = self.egress.config
         return _nft.parse_counter(self.egress.nft(f"list counter inet {config.table} allowed_{self.key}"))
 
+    def refusals(self) -> int:
+        """Connection attempts (TCP and UDP packets) refused so far, listed or not: the refused set
+        itemises the first ``REFUSED_SET_SIZE`` destinations only."""
+        config = self.egress.config
+        return _nft.parse_counter(self.egress.nft(f"list counter inet {config.table} refusals_{self.key}"))
+
     def _refused_all(self) -> list[Refusal]:
         text = self.egress.nft(f"list set inet {self.egress.config.table} refused_{self.key}")
         return [Refusal(address, port, count) for address, port, count in _nft.parse_refused(text)]
@@ -348,7 +355,7 @@ class SandboxNetwork:
         told = self._told
         counts = {(r.address, r.port): r.count for r in self._refused_all()}
         lookups, names = self.refused_lookups()
-        self._told = _Told(counts, lookups, names, self.allowed())
+        self._told = _Told(counts, lookups, names, self.allowed(), self.refusals())
         new = sorted(
             ((destination, count - told.connections.get(destination, 0)) for destination, count in counts.items()),
             key=lambda item: (-item[1], item[0]),
@@ -359,7 +366,8 @@ class SandboxNetwork:
         # checks: a report they refuse would cost the job its whole result).
         listed = [((address, port), min(count, MAX_REFUSED_COUNT)) for (address, port), count in new if port > 0]
         listed = listed[:MAX_REFUSED_REPORTED]
-        total = max(min(sum(count for _, count in new), MAX_REFUSED_COUNT), sum(count for _, count in listed))
+        refused = max(self._told.refusals - told.refusals, sum(count for _, count in new))
+        total = max(min(refused, MAX_REFUSED_COUNT), sum(count for _, count in listed))
         while total > MAX_REFUSED_COUNT:
             total -= listed.pop()[1]
         return NetworkReport(
