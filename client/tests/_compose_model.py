@@ -197,6 +197,9 @@ def plan(config: dict, base: Path) -> Deployment:
         listens: dict[int, str] = {}
         resolve = _Resolver(name, mounts, image.files, hosts, published, listens)
         argv = [resolve.path(image.entrypoint[0], "ENTRYPOINT"), *image.entrypoint[1:], *map(resolve.argument, spec["command"])]
+        # A container's own network namespace is not emulated: on the host, --egress-own-netns
+        # would name the host's and turn its ip_forward on (worker/tests/test_egress_net.py proves it).
+        argv = [arg for arg in argv if not arg.startswith(("--egress-netns=", "--egress-own-netns"))]
         service_env = {key: resolve.env(key, value) for key, value in _environment(spec).items()}
         for port, address in published.items():
             deployment.published[f"{name}:{port}"] = address

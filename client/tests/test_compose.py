@@ -68,6 +68,8 @@ def test_every_service_command_is_accepted_by_its_cli(config):
         assert worker.name == name and worker.listen == "0.0.0.0:50061"
         assert str(worker.checkpoints) == "/srv/readie/checkpoints"
         assert (worker.token_file, worker.insecure) == (token, True)
+        # The container's own namespace is the network's way out (decision 36); the ceiling grants it.
+        assert (worker.egress_netns, worker.egress_own_netns) == ("readie-egress", True)
 
 
 def test_the_workers_get_the_checkpoints_and_the_rootfs_at_its_captured_path(config):

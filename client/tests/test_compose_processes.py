@@ -36,7 +36,9 @@ A flag or environment value naming a container path no volume, secret or image f
 the test (:class:`ComposeBug`): in a container it would not exist. So does a rootfs (named by the
 manifest, not a flag) that no worker volume mounts at its own path. Not emulated: ``restart:`` (a
 process that exits fails the test instead), ``init:`` (the signal goes straight to the process, as
-tini forwards it), ``privileged:`` (the test runs as root) and ``expose:``.
+tini forwards it), ``privileged:`` (the test runs as root), ``expose:`` and the container's own
+network namespace (``--egress-netns`` and ``--egress-own-netns`` are left out: on the host they
+would name the host's own).
 
 The router's checkpoints (it reads only manifest.json, for Pool.Session) are checked three more
 ways, by its own command line with the file edited after parsing, without runsc: without the

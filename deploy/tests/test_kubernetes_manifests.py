@@ -208,6 +208,15 @@ def test_the_workers_share_one_readwritemany_session_store_and_its_key_from_a_se
     assert not [v for v in router["volumes"] if "persistentVolumeClaim" in v or v.get("secret", {}).get("secretName") == "readie-session-key"]
 
 
+def test_the_workers_own_pod_namespace_is_the_networks_way_out():
+    """Decision 36: the pod's own network namespace, named by the worker, is its egress; never the
+    node's (no hostNetwork, whose ip_forward readie would turn on)."""
+    spec = pod_spec("DaemonSet", "readie-worker")
+    args = parse(container(spec, "worker")["args"])
+    assert (args.egress_netns, args.egress_own_netns) == ("readie-egress", True)
+    assert not spec.get("hostNetwork")
+
+
 def test_the_init_container_imports_then_verifies_into_the_cache_the_worker_reads():
     spec = pod_spec("DaemonSet", "readie-worker")
     init = container(spec, "checkpoints", init=True)

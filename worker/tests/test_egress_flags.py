@@ -43,6 +43,9 @@ def test_the_flags_reach_the_worker_config(monkeypatch, tmp_path):
     assert (config.egress_netns, config.egress_dns) == ("readie-egress", ("192.0.2.53", "198.51.100.1"))
     unset = started_with(monkeypatch, tmp_path)
     assert (unset.egress_netns, unset.egress_dns) == (None, None)  # the network refused; the host's resolv.conf
+    assert not unset.egress_own_netns and not config.egress_own_netns
+    own = started_with(monkeypatch, tmp_path, "--egress-netns", "readie-egress", "--egress-own-netns")
+    assert (own.egress_netns, own.egress_own_netns) == ("readie-egress", True)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +55,7 @@ def test_the_flags_reach_the_worker_config(monkeypatch, tmp_path):
         (["--egress-netns", "my egress"], "argument --egress-netns: 'my egress' is not a network namespace's name"),
         (["--egress-dns", "192.0.2.53,2001:db8::53"], "argument --egress-dns: '2001:db8::53' is not an IPv4 address"),
         (["--egress-dns", "192.0.2.1,192.0.2.2,192.0.2.3,192.0.2.4"], "argument --egress-dns: 4 resolvers, at most 3"),
+        (["--egress-own-netns"], "--egress-own-netns names the namespace --egress-netns gives"),
     ],
 )
 def test_a_bad_flag_stops_the_start_naming_it(monkeypatch, tmp_path, capsys, flags, said):

@@ -337,3 +337,29 @@ def test_a_reused_address_inherits_nothing_of_its_last_sandboxs_connections(worl
     finally:
         egress.close()
     assert w.leftovers("rdr", "readiereuse") == []
+
+
+def test_a_containers_own_namespace_serves_as_its_egress_under_a_name_it_gives_and_takes_back(world):
+    # A worker whose own namespace is the egress one, as in a pod (--egress-own-netns): here a
+    # thread inside the tests' egress namespace starts the gateway.
+    settings = dataclasses.replace(w.config(prefix="rdo", table="readieown"), netns="rdtest-own", own=True)
+    egress = _netns.call_in(w.EGRESS, EgressGateway(settings).start)
+    try:
+        assert _netns.identity("rdtest-own") == _netns.identity(w.EGRESS)
+        network = egress.wire(w.RULES)
+        try:
+            assert connect(network, w.ALLOWED) == "ok"
+            assert connect(network, w.DENIED) == "ECONNREFUSED"
+        finally:
+            network.remove()
+    finally:
+        egress.close()
+    assert not _netns.present("rdtest-own") and _netns.present(w.EGRESS)  # the name only goes
+    assert w.leftovers("rdo", "readieown") == []
+
+
+def test_a_name_that_is_another_namespace_is_never_taken_for_the_workers_own(world):
+    settings = dataclasses.replace(w.config(), own=True)  # names the tests' egress namespace
+    with pytest.raises(SandboxSetupError, match="exists and is not this worker's own"):
+        EgressGateway(settings).start()  # this thread's namespace is the host's
+    assert _netns.present(w.EGRESS)

@@ -102,6 +102,20 @@ def identity(name: str) -> tuple[int, int]:
     return found.st_dev, found.st_ino
 
 
+def attach_own(name: str) -> bool:
+    """Name the calling thread's network namespace ``name`` (``ip netns attach NAME TID``): a
+    container's or pod's own namespace, which ``ip netns`` knows under no name. False when the
+    name is already this namespace's (a worker restarted in the same container); a name that is
+    another namespace is refused, never replaced."""
+    own = os.stat(f"/proc/self/task/{threading.get_native_id()}/ns/net")
+    if present(name):
+        if identity(name) != (own.st_dev, own.st_ino):
+            raise SandboxSetupError(f"the network namespace {name!r} exists and is not this worker's own")
+        return False
+    ip_batch(None, [f"netns attach {name} {threading.get_native_id()}"])
+    return True
+
+
 def names() -> list[str]:
     """The names of the namespaces ``ip netns`` knows."""
     try:

@@ -44,8 +44,8 @@ NETWORKED_WARM = 1
 class NetworkedSandboxes:
     """The worker's egress (its gateway in ``egress_netns``) and the sandboxes it wires."""
 
-    def __init__(self, netns: str, upstreams: tuple[str, ...] | None, runsc: Runsc) -> None:
-        config = EgressConfig(netns) if upstreams is None else EgressConfig(netns, upstreams)
+    def __init__(self, netns: str, upstreams: tuple[str, ...] | None, runsc: Runsc, *, own: bool = False) -> None:
+        config = EgressConfig(netns, own=own) if upstreams is None else EgressConfig(netns, upstreams, own=own)
         self.gateway = EgressGateway(config)
         self.runsc = with_sandbox_network(runsc)
         self.own: tuple = ()

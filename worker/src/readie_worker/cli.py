@@ -51,7 +51,10 @@ EXIT_USAGE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
+    parser = build_parser()
+    args = parser.parse_args((sys.argv[1:] if argv is None else argv)[1:])  # argv[0] is "worker"
+    if args.egress_own_netns and args.egress_netns is None:
+        parser.error("--egress-own-netns names the namespace --egress-netns gives; give it")  # exits 2
     configure_logging(json=args.log == "json", process="worker")
     try:
         enter_mount_namespace()  # before any thread: the sandboxes' mounts live there
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         session_checkpoint=args.session_checkpoint,
         egress_netns=args.egress_netns,
         egress_dns=args.egress_dns,
+        egress_own_netns=args.egress_own_netns,
         **({"warm": dict(args.warm)} if args.warm else {}),
     )
     return _serve(config, args, stop=StopSignal())
@@ -188,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the network namespace, made by the operator (ip netns add NAME), that stands for the outside "
         "world: every networked sandbox is wired into it; never the host's own, readie turns on ip_forward "
         "in it. Required for any job with the network (default: none, the network is refused; decision 36)",
+    )
+    parser.add_argument(
+        "--egress-own-netns", action="store_true",
+        help="--egress-netns names this worker's own network namespace: readie names it at start "
+        "(ip netns attach) and drops the name at exit. For a container or pod whose own namespace is "
+        "its way out (deploy/); never on a host, whose ip_forward readie would turn on",
     )
     parser.add_argument(
         "--egress-dns", type=egress_dns, metavar="IP[,IP...]",

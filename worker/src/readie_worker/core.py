@@ -94,6 +94,8 @@ class WorkerConfig:
     # the IPv4 nameservers of the host's /etc/resolv.conf).
     egress_netns: str | None = None
     egress_dns: tuple[str, ...] | None = None
+    # ``egress_netns`` is to name the worker's own network namespace (a container's or pod's).
+    egress_own_netns: bool = False
     # The runsc binary; its flags follow from what it supports (runsc.RunscFeatures).
     runsc: str = "runsc"
     # The session store (decision 32): a directory several workers share, and the file holding
@@ -186,7 +188,8 @@ class Worker:
             target = self.config.warm.get(name, 0)
             self.warm[name] = WarmSandboxes(name, factory, target, budget, warm_up=self.config.warm_up, observer=self.metrics).start()
         if self.config.egress_netns is not None:
-            self.egress = NetworkedSandboxes(self.config.egress_netns, self.config.egress_dns, self.runsc).start()
+            self.egress = NetworkedSandboxes(self.config.egress_netns, self.config.egress_dns, self.runsc,
+                                             own=self.config.egress_own_netns).start()
             self.egress.start_warm(self.factories, self.config.warm, budget, warm_up=self.config.warm_up, observer=self.metrics)
         log.info(
             "worker started",

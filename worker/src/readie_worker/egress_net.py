@@ -135,6 +135,9 @@ class EgressConfig:
     pool: ipaddress.IPv4Network = DEFAULT_POOL
     table: str = "readie"  # one worker per egress netns and table (decision 36)
     prefix: str = DEFAULT_PREFIX
+    # ``netns`` names the starting thread's own namespace, named at start and unnamed at close: a
+    # container's or pod's, whose way out is its own (``--egress-own-netns``). Never on a host.
+    own: bool = False
 
     def __post_init__(self) -> None:
         # Every one of these ends up in a path, an ip(8) line or an nft batch: nothing but a plain name.
@@ -181,9 +184,19 @@ class EgressGateway:
         self.resolver: Resolver | None = None
         self._nft: _nft.Nft | None = None  # opened in config.netns at start
         self._netns_identity: tuple[int, int] | None = None
+        self._named = False  # config.own: this gateway gave its namespace the name, and takes it back
 
     def start(self) -> EgressGateway:
         """Sweep what an earlier run left, then make the table, forwarding and the resolver."""
+        if self.config.own:
+            self._named = _netns.attach_own(self.config.netns)
+        try:
+            return self._start()
+        except BaseException:
+            self._unname()
+            raise
+
+    def _start(self) -> EgressGateway:
         if not _netns.present(self.config.netns):
             raise ConfigError("egress_netns", None, f"no network namespace named {self.config.netns!r}")
         # The firewall's context and the resolver's sockets stay in the namespace as it is now; one
@@ -260,6 +273,12 @@ class EgressGateway:
             self.nft(_nft.remove_table_batch(self.config.table))
             self._nft.close()
             self._nft = None
+        self._unname()
+
+    def _unname(self) -> None:
+        if self._named:  # the name only: the namespace is the worker's own and goes with it
+            _netns.ip_batch(None, [f"netns delete {self.config.netns}"], check=False)
+            self._named = False
 
     def _forget(self, network: SandboxNetwork) -> None:
         with self._lock:
