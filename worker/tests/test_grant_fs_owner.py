@@ -95,6 +95,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "write_sysctls.write": "/proc/sys/net as the namespace readie made sees it: the kernel's, not a file anyone names",
         "present": "ip's namespace files in /var/run/netns (root's)",
         "names": "ip's namespace files in /var/run/netns (root's)",
+        "attach_own": "the calling thread's own network namespace in /proc: its inode, nothing read",
     },
     "egress_net.py": {"host_nameservers": "the host's /etc/resolv.conf: the operator's, read for the default egress_dns"},
     "bundle.py": {"SandboxSpec.write": "the OCI bundle in the sandbox's own dir"},
