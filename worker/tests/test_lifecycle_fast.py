@@ -7,12 +7,15 @@ The same logic under runsc is test_restore.py's and test_warm.py's.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from readie_worker.bundle import serve_env
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, run_in_sandbox
 from readie_worker.sandbox import SandboxFactory
 from readie_worker.testing import FaultyLauncher, wait_until
+from readie_worker import warm as warm_module
 from readie_worker.warm import RefillBudget, WarmSandboxes
 
 
@@ -94,5 +97,36 @@ def test_a_refill_that_fails_is_retried_and_the_pool_recovers(tmp_path):
         assert wait_until(lambda: warm.ready_count == 1, 30)
         assert launcher.starts == 3 and launcher.destroys == 2
     finally:
+        warm.close()
+    assert leftovers(warm.factory) == []
+
+
+def test_a_refill_waits_for_the_job_that_took_its_sandbox_never_past_its_bound_nor_after_a_miss(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_module, "REFILL_HOLD_MAX_S", 1.0)  # long enough to tell apart here
+    launcher = FaultyLauncher()
+    warm = WarmSandboxes("fast", factory(tmp_path, launcher), target=1, budget=RefillBudget()).start()
+    taken = []
+    try:
+        assert wait_until(lambda: warm.ready_count == 1, 30) and launcher.starts == 1
+        with warm.refill_held():  # a job: its take's refill waits for it...
+            taken.append(warm.take())
+            time.sleep(0.3)
+            assert launcher.starts == 1
+        assert wait_until(lambda: launcher.starts == 2, 0.5)  # ...and starts the moment it is done
+        assert wait_until(lambda: warm.ready_count == 1, 30)
+        with warm.refill_held():  # a job longer than the bound
+            taken.append(warm.take())
+            started = time.monotonic()
+            assert wait_until(lambda: launcher.starts == 3, 3)
+            assert 0.9 < time.monotonic() - started < 2.0
+            assert wait_until(lambda: warm.ready_count == 1, 30)
+        with warm.refill_held():  # two jobs at once, the second a miss: demand outruns the set
+            taken.append(warm.take())
+            taken.append(warm.take())  # restored on demand: start 4
+            assert warm.misses == 1
+            assert wait_until(lambda: launcher.starts == 5, 0.5)  # the refill did not wait
+    finally:
+        for sandbox in taken:
+            sandbox.destroy()
         warm.close()
     assert leftovers(warm.factory) == []

@@ -269,15 +269,16 @@ class Worker:
     def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation, output: OutputSink | None) -> JobOutcome:
         self._check_job(job)
         started = time.monotonic()
-        try:
-            sandbox, links = self._acquire(job)
-        except SandboxSetupError as exc:
-            return JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local")
-        acquire_us = _since(started)
-        try:
-            return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output), acquire_us=acquire_us)
-        finally:
-            self._retirer.retire(sandbox)
+        with self.warm[job.checkpoint].refill_held():  # the refill this take starts waits for the job
+            try:
+                sandbox, links = self._acquire(job)
+            except SandboxSetupError as exc:
+                return JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local")
+            acquire_us = _since(started)
+            try:
+                return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output), acquire_us=acquire_us)
+            finally:
+                self._retirer.retire(sandbox)
 
     def _check_job(self, job: CodeJob, memory_limit: int | None = None) -> None:
         """RequestError for a job this worker cannot take; ``memory_limit``: the cgroup limit a

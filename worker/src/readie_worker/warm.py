@@ -18,9 +18,11 @@ sandboxes of a checkpoint are its *warm* set, ``Worker.warm``.)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +48,13 @@ DEFAULT_IDLE_TTL_S = 300.0
 # open connection is check enough. Past it (an idle worker, where 5 ms do not
 # show) the executor must answer a ping before it gets a job.
 PING_AFTER_IDLE_S = 10.0
+# A refill waits while the job that took a warm sandbox runs, for at most this long: a restore
+# (~0.3 CPU-s on several threads, and the worker's own work to start it) beside a short job on
+# two cores slowed a warm pandas print(1) by about a fifth (decision 33). A longer job shares
+# the CPU with it after this; the refill never waits on more than this.
+REFILL_HOLD_MAX_S = 0.05
+# ...but not while demand outruns the set: this soon after a miss, a refill starts at once.
+NO_HOLD_AFTER_MISS_S = 2.0
 
 
 class RefillBudget:
@@ -96,6 +105,8 @@ class WarmSandboxes:
         self._observer = observer  # told of every sandbox made or failed (metrics.py)
         self._ready: deque[_Ready] = deque()
         self._restoring = 0
+        self._holds = 0  # jobs running that asked the refill to wait (refill_held)
+        self._last_miss = -NO_HOLD_AFTER_MISS_S
         self._closed = False
         self._stop = threading.Event()  # wakes a refiller sleeping off a failure
         self._changed = threading.Condition()
@@ -129,12 +140,35 @@ class WarmSandboxes:
                 return entry.sandbox
             log.warning("warm sandbox failed its probe", checkpoint=self.name, sandbox=entry.sandbox.id)
             entry.sandbox.destroy()
-        self.misses += 1
+        with self._changed:
+            self.misses += 1
+            self._last_miss = time.monotonic()
         # Warmed here too, so that every sandbox a warm set hands out is in the same state
         # (the seccomp filter in place above all), hit or miss.
         sandbox = self._warmed(self._create())
         sandbox.move(SandboxState.BUSY)
         return sandbox
+
+    @contextlib.contextmanager
+    def refill_held(self) -> Iterator[None]:
+        """Around a job that takes a sandbox of this set: the refill its take starts waits until
+        the job is done, at most ``REFILL_HOLD_MAX_S`` (none soon after a miss)."""
+        with self._changed:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._holds -= 1
+                self._changed.notify_all()
+
+    def _hold_left_s(self, needed_since: float) -> float:
+        """How much longer a refill needed since ``needed_since`` waits for running jobs (called
+        holding ``_changed``): never past ``REFILL_HOLD_MAX_S``, whatever jobs come meanwhile."""
+        now = time.monotonic()
+        if self._holds == 0 or now - self._last_miss < NO_HOLD_AFTER_MISS_S:
+            return 0.0
+        return needed_since + REFILL_HOLD_MAX_S - now
 
     def reap_idle(self) -> int:
         """Destroy surplus sandboxes (beyond target) idle longer than the TTL."""
@@ -163,8 +197,17 @@ class WarmSandboxes:
         backoff = REFILL_BACKOFF_S
         while True:
             with self._changed:
-                while not self._closed and len(self._ready) + self._restoring >= self.target:
-                    self._changed.wait()
+                needed_since = None
+                while not self._closed:
+                    if len(self._ready) + self._restoring >= self.target:
+                        needed_since = None
+                        self._changed.wait()
+                        continue
+                    needed_since = needed_since or time.monotonic()
+                    hold_s = self._hold_left_s(needed_since)
+                    if hold_s <= 0:
+                        break
+                    self._changed.wait(hold_s)
                 if self._closed:
                     return
                 self._restoring += 1
