@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 from readie_protocol.requests import MAX_TIMEOUT_MS
-from readie_pool.testing import PoolProcess
+from readie_pool.testing import PoolProcess, containers_left
 from readie_worker.launchers import JOB_MEMORY_SLACK
-from readie_policy.sandbox_memory import MAX_JOB_MEMORY, SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
-from readie_worker.runsc import Runsc
+from readie_policy.sandbox_memory import MAX_JOB_MEMORY, SANDBOX_OVERHEAD
 
 from conftest import CHECKPOINTS
 
@@ -49,8 +48,6 @@ def test_a_ceiling_past_what_jobs_can_have_is_lowered_and_every_job_runs(checkpo
         assert len(lowered) == 2 and "pool.limits.timeout" in lowered[0] and "pool.limits.memory" in lowered[1]
     finally:
         process.stop()
-        leftovers = Runsc(root=state).list_ids() if state.exists() else []
-        if leftovers:
-            Runsc(root=state).sweep()
+        leftovers = containers_left(state)
         shutil.rmtree(base, ignore_errors=True)
     assert leftovers == []

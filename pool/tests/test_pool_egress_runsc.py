@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from readie_pool.testing import PoolProcess
-from readie_worker.runsc import Runsc
+from readie_pool.testing import PoolProcess, containers_left
 from worker.tests import _egress_world as w
 
 from conftest import CHECKPOINTS
@@ -71,9 +70,7 @@ def test_a_pool_with_egress_serves_a_job_and_a_session_by_their_lists_and_leaves
             assert process.close() == 0
         finally:
             process.stop()
-            leftovers = Runsc(root=state).list_ids() if state.exists() else []
-            if leftovers:
-                Runsc(root=state).sweep()
+            leftovers = containers_left(state)
             shutil.rmtree(base, ignore_errors=True)
         assert leftovers == []
         assert w.leftovers("rdie", "readie") == []  # namespaces, veths, chains, sets, the table

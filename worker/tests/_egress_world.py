@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import dns.exception
 import dns.message
 import dns.rcode
 import dns.rrset
@@ -40,6 +41,25 @@ PORT = 8000
 TEST_PREFIXES = ("10.199.0.0/16", str(POOL), "198.18.0.0/16", "169.254.169.254/32", f"{PUBLIC}/32")
 # What the policy layer would deny by default (private, loopback, link-local), for the tests.
 DEFAULT_DENIED = tuple(N(net) for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16"))
+# For code in a sandbox: connect(address, port) -> [outcome, seconds], the outcome "ok" (an HTTP
+# 200 from a world server), "timeout" or the errno's name. Source text: a sandbox imports nothing
+# of the tests.
+CONNECT = """
+import errno, socket, time
+
+def connect(address, port):
+    started, sock = time.monotonic(), socket.socket()
+    sock.settimeout(5)
+    try:
+        sock.connect((address, port))
+        sock.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+        outcome = "ok" if sock.recv(100).startswith(b"HTTP/1.0 200") else "bad answer"
+    except OSError as exc:
+        outcome = "timeout" if isinstance(exc, TimeoutError) else errno.errorcode.get(exc.errno, str(exc))
+    finally:
+        sock.close()
+    return [outcome, time.monotonic() - started]
+"""
 RULES = NetRules(
     networks=((N("10.199.1.0/24"), PORT),),
     names=(("allowed.test", None), ("*.api.test", PORT), ("rebind.test", None)),
@@ -118,15 +138,20 @@ class Upstream:
                 wire, peer = self.sock.recvfrom(4096)
             except OSError:
                 return
-            query = dns.message.from_wire(wire)
-            question = query.question[0]
-            response = dns.message.make_response(query)
-            address = self.names.get(question.name.to_text(omit_final_dot=True))
-            if address is None:
-                response.set_rcode(dns.rcode.NXDOMAIN)
-            elif question.rdtype == 1:
-                response.answer.append(dns.rrset.from_text(question.name, 1, "IN", "A", address))
-            self.sock.sendto(response.to_wire(), peer)
+            try:
+                query = dns.message.from_wire(wire)
+                question = query.question[0]
+                response = dns.message.make_response(query)
+                address = self.names.get(question.name.to_text(omit_final_dot=True))
+                if address is None:
+                    response.set_rcode(dns.rcode.NXDOMAIN)
+                elif question.rdtype == 1:
+                    response.answer.append(dns.rrset.from_text(question.name, 1, "IN", "A", address))
+                self.sock.sendto(response.to_wire(), peer)
+            except OSError:  # closed under it: the world is going
+                return
+            except (dns.exception.DNSException, IndexError):  # not a query it answers: the next one
+                continue
 
     def close(self) -> None:
         self.sock.close()

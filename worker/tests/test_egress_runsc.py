@@ -40,28 +40,17 @@ def inside(sandbox, func, *args):
     return envelope["value"]
 
 
-def probe(gateway, port, targets, names):
-    """In the sandbox: connect to each target, and look names up at the gateway with a DNS
-    query written by hand (the template's resolv.conf names no resolver yet)."""
-    import errno
+def probe(gateway, port, targets, names, connect_source):
+    """In the sandbox: connect to each target (``connect_source``: ``_egress_world.CONNECT``), and
+    look names up at the gateway with a DNS query written by hand (the template's resolv.conf
+    names no resolver yet)."""
     import random
     import socket
     import struct
-    import time
 
-    def connect(address, to_port):
-        started = time.monotonic()
-        sock = socket.socket()
-        sock.settimeout(5)
-        try:
-            sock.connect((address, to_port))
-            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            outcome = "ok" if sock.recv(100).startswith(b"HTTP/1.0 200") else "bad answer"
-        except OSError as exc:
-            outcome = "timeout" if isinstance(exc, TimeoutError) else errno.errorcode.get(exc.errno, str(exc))
-        finally:
-            sock.close()
-        return outcome, time.monotonic() - started
+    scope: dict = {}
+    exec(connect_source, scope)
+    connect = scope["connect"]
 
     def lookup(name):
         ident = random.randrange(65536)
@@ -98,9 +87,9 @@ def test_a_restored_sandbox_reaches_what_its_rules_allow_and_is_refused_the_rest
         sandbox = factory.create()
         try:
             targets = [(w.ALLOWED, w.PORT), (w.DENIED, w.PORT), (w.METADATA, w.PORT), (w.METADATA, 80), (w.ALLOWED, 9000)]
-            first = inside(sandbox, probe, str(network.gateway), w.PORT, targets, ["allowed.test", "denied.test", "rebind.test"])
+            first = inside(sandbox, probe, str(network.gateway), w.PORT, targets, ["allowed.test", "denied.test", "rebind.test"], w.CONNECT)
             world.upstream.names["rebind.test"] = w.DENIED  # re-pointed upstream
-            rebound = inside(sandbox, probe, str(network.gateway), w.PORT, [(w.DENIED, w.PORT)], ["rebind.test"])
+            rebound = inside(sandbox, probe, str(network.gateway), w.PORT, [(w.DENIED, w.PORT)], ["rebind.test"], w.CONNECT)
         finally:
             sandbox.destroy()
             world.upstream.names["rebind.test"] = w.ALLOWED

@@ -31,21 +31,8 @@ PREFIX, TABLE = "rdie", "readie"
 
 # In the sandbox: connect to each target; look each name up (getaddrinfo: /etc/resolv.conf names
 # the sandbox's resolver) and connect to its answer. One JSON line.
-PROBE = """
-import errno, json, socket, time
-
-def connect(address, port):
-    started, sock = time.monotonic(), socket.socket()
-    sock.settimeout(5)
-    try:
-        sock.connect((address, port))
-        sock.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
-        outcome = "ok" if sock.recv(100).startswith(b"HTTP/1.0 200") else "bad answer"
-    except OSError as exc:
-        outcome = "timeout" if isinstance(exc, TimeoutError) else errno.errorcode.get(exc.errno, str(exc))
-    finally:
-        sock.close()
-    return [outcome, time.monotonic() - started]
+PROBE = w.CONNECT + """
+import json
 
 def lookup(name):
     try:  # through glibc and /etc/resolv.conf, as any library in a job looks a name up

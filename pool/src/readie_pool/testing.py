@@ -31,6 +31,7 @@ from typing import Any, Self
 
 from readie_rpc.testing import start_cluster
 from readie_policy.logs import configure_logging
+from readie_worker.runsc import Runsc
 from readie_worker.testing import readie_command
 
 from ._events import RuntimeInfo
@@ -318,3 +319,14 @@ def serve_stdio(backend: Any, *, workers: int = 2, cwd: Path | None = None) -> i
             await backend.close()
 
     return asyncio.run(serve())
+
+
+def containers_left(state_dir: Path) -> list[str]:
+    """The runsc containers a stopped pool left in its ``--state-dir`` (none when it stopped
+    clean), destroyed so that none outlives the test that asks."""
+    if not state_dir.exists():
+        return []
+    left = Runsc(root=state_dir).list_ids()
+    if left:
+        Runsc(root=state_dir).sweep()
+    return left
