@@ -267,9 +267,16 @@ def test_a_job_that_closes_the_hand_over_pipe_spoils_only_its_own_resume(worker)
         "        print('closed', fd)\n"
     ))
     assert (closed.outcome.exit, closed.outcome.stdout.count("closed")) == (0, 1), closed.outcome
-    with pytest.raises(PoolWorkerError, match="could not hibernate|closed while"):
+    try:
         # Without its pipe the executor cannot wait for a hand-over: it exits, the checkpoint fails.
         session.hibernate()
+    except PoolWorkerError as exc:
+        assert "could not hibernate" in str(exc) or "closed while" in str(exc), exc
+    else:
+        # Under load the checkpoint can win the race against the executor's exit: the image then
+        # holds an executor without its pipe, and its resume is what fails.
+        resumed = session.run_step(Step("print(x)"))
+        assert resumed.session_ended and resumed.outcome.error is not None, resumed.outcome
     assert session.ended and entries(worker) == [] and worker.capacity().sessions == 0
     other, first = worker.open_session(job("print('still serving')"))
     other.close()
