@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from readie_policy.config_values import EGRESS_DNS, NETNS_NAME, Reading
 from readie_protocol.errors import ConfigError
 from readie_worker import cli
+from readie_policy.config import Config, load_config
 from readie_worker.core import WorkerConfig
 from readie_worker.egress_net import EgressConfig
 
@@ -100,3 +101,17 @@ def test_an_upstream_is_accepted_by_the_loader_exactly_when_egress_config_accept
 @given(name=st.text(alphabet="aZ09._-/ \n\x00\u00e9", max_size=70))
 def test_any_name_gets_the_same_answer_from_both(name):
     assert loader_accepts(NETNS_NAME, name) == egress_config_accepts(netns=name, upstreams=())
+
+
+def test_egress_starts_only_where_the_ceiling_can_grant_the_network(tmp_path):
+    """A worker's ceiling without allow_network (or no ceiling: nothing granted) leaves egress
+    unstarted: no forwarding, resolver or warm networked sandbox that no job could use."""
+    config = WorkerConfig(manifest=tmp_path / "manifest.json", egress_netns="readie-egress", egress_own_netns=True)
+    granting = tmp_path / "granting.toml"
+    granting.write_text('[pool.limits]\nallow_network = ["api.example.com:443"]\n')
+    denying = tmp_path / "denying.toml"
+    denying.write_text("[pool.limits]\nallow_network = false\n")
+    assert cli.egress_if_granted(config, load_config(granting)) is config
+    for ceiling in (Config(), load_config(denying)):
+        kept = cli.egress_if_granted(config, ceiling)
+        assert (kept.egress_netns, kept.egress_own_netns) == (None, False)

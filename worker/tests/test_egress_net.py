@@ -304,6 +304,41 @@ def test_refusals_past_a_full_refused_set_are_still_counted(wired):
     assert wired.report().refused_connections == 0  # and told once
 
 
+def test_a_reply_forged_by_another_sandbox_reaches_no_sandboxs_flow(egress, world):
+    victim, forger = egress.wire(w.RULES), egress.wire(w.RULES)
+
+    def open_flow() -> socket.socket:  # the victim's UDP flow to the world's echo, left open
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.settimeout(2)
+        sock.bind(("0.0.0.0", 40001))
+        sock.connect((w.ALLOWED, w.PORT))
+        sock.send(b"ping")
+        assert sock.recv(100) == b"ping"
+        return sock
+
+    def forge(to: tuple[str, int]) -> None:  # the server's address and port, as the flow's reply
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind((w.ALLOWED, w.PORT))
+            sock.sendto(b"INJECTED", to)
+
+    try:
+        flow = _netns.call_in(victim.netns, open_flow)
+        try:
+            masqueraded = world.echoed_to  # where the world's replies to the flow go
+            _netns.ip_batch(forger.netns, [f"addr add {w.ALLOWED}/32 dev eth0"])  # it would need CAP_NET_ADMIN
+            _netns.call_in(forger.netns, lambda: forge(masqueraded))
+            flow.settimeout(1)
+            with pytest.raises(TimeoutError):
+                flow.recv(100)
+            world.udp_echo.sendto(b"real", masqueraded)  # the flow itself still works
+            assert flow.recv(100) == b"real"
+        finally:
+            flow.close()
+    finally:
+        victim.remove()
+        forger.remove()
+
+
 def test_a_reused_address_inherits_nothing_of_its_last_sandboxs_connections(world):
     # One /30: the second sandbox gets the first one's address while conntrack still holds its flow.
     settings = dataclasses.replace(w.config(prefix="rdr", table="readiereuse"), pool=w.N("198.19.255.252/30"))
@@ -341,7 +376,9 @@ def test_a_reused_address_inherits_nothing_of_its_last_sandboxs_connections(worl
 
 def test_a_containers_own_namespace_serves_as_its_egress_under_a_name_it_gives_and_takes_back(world):
     # A worker whose own namespace is the egress one, as in a pod (--egress-own-netns): here a
-    # thread inside the tests' egress namespace starts the gateway.
+    # thread inside the tests' egress namespace starts the gateway. The name's file is there
+    # already, empty, as a worker killed in a container that keeps its files leaves it.
+    (_netns.NETNS_DIR / "rdtest-own").touch()
     settings = dataclasses.replace(w.config(prefix="rdo", table="readieown"), netns="rdtest-own", own=True)
     egress = _netns.call_in(w.EGRESS, EgressGateway(settings).start)
     try:

@@ -75,11 +75,29 @@ def test_public_accepts_what_is_not_denied_and_nothing_ever_drops():
     assert "meta l4proto tcp reject with tcp reset" in text and "reject with icmpx port-unreachable" in text
 
 
+def test_forwarding_checks_a_forged_source_before_any_reply_and_forwards_nothing_but_sandboxes():
+    def forward(**sole: bool) -> list[str]:
+        lines = _nft.base_batch("readie", N("198.18.0.0/16"), "rdiev", **sole).splitlines()
+        return [line.split(" forward ", 1)[1] for line in lines if line.startswith("add rule inet readie forward ")]
+
+    shared, own = forward(), forward(sole=True)
+    assert shared[:2] == [
+        'iifname "rdiev*" fib saddr . iif oif missing iifname vmap @refusers',  # counted as its refusal
+        'iifname "rdiev*" fib saddr . iif oif missing reject with icmpx port-unreachable',
+    ]
+    assert shared[2] == 'ct direction reply oifname "rdiev*" oifname . ct mark != @owners reject with icmpx port-unreachable'
+    assert shared.index("ct direction reply ct state established,related accept") == 3
+    # The worker's own namespace forwards nothing but its sandboxes'; a shared one may hold others' veths.
+    assert own == [*shared[:2], 'iifname != "rdiev*" oifname != "rdiev*" reject with icmpx port-unreachable', *shared[2:]]
+
+
 def test_the_egress_netns_itself_admits_a_sandbox_only_to_its_own_gateways_resolver():
     lines = _nft.base_batch("readie", N("198.18.0.0/16"), "rdiev").splitlines()
     assert [line.split(" input ", 1)[1] for line in lines if line.startswith("add rule inet readie input ")] == [
-        "ct state established,related accept",
+        # A forged source before anything accepts a "reply" into the egress netns's own flows.
+        'iifname "rdiev*" fib saddr . iif oif missing iifname vmap @refusers',
         'iifname "rdiev*" fib saddr . iif oif missing reject with icmpx port-unreachable',
+        "ct state established,related accept",
         'iifname "rdiev*" fib daddr . iif type local meta l4proto { tcp, udp } th dport 53 accept',
         "iifname vmap @refusers",  # broadcast, multicast, its services: refused, never the policy
         'iifname "rdiev*" reject with icmpx port-unreachable',

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import ipaddress
 import os
+import stat
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
@@ -108,12 +109,26 @@ def attach_own(name: str) -> bool:
     name is already this namespace's (a worker restarted in the same container); a name that is
     another namespace is refused, never replaced."""
     own = os.stat(f"/proc/self/task/{threading.get_native_id()}/ns/net")
+    if present(name) and _stale_name(name):
+        # An attach whose mount went with its worker's mount namespace (a worker killed in a
+        # container that keeps its files): the empty file ip made, naming no namespace.
+        ip_batch(None, [f"netns delete {name}"], check=False)
     if present(name):
         if identity(name) != (own.st_dev, own.st_ino):
             raise SandboxSetupError(f"the network namespace {name!r} exists and is not this worker's own")
         return False
     ip_batch(None, [f"netns attach {name} {threading.get_native_id()}"])
     return True
+
+
+def _stale_name(name: str) -> bool:
+    """Whether ``name``'s file is an empty regular file with nothing mounted on it."""
+    entry = NETNS_DIR / name
+    try:
+        found = os.lstat(entry)
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_size == 0 and not os.path.ismount(entry)
 
 
 def names() -> list[str]:

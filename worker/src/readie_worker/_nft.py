@@ -8,9 +8,12 @@ Layout, in the egress network namespace, one ``inet`` table readie owns::
       map sandboxes   ifname -> jump sb_<id>      (the sandbox's veth picks its chain)
       map refusers    ifname -> goto rf_<id>      (what it sends the egress netns itself)
       set owners      ifname . mark               (a veth and its sandbox's conntrack mark)
-      chain forward   a reply into a veth not its sandbox's own -> reject; replies -> accept;
+      chain forward   forged source (RPF) -> rf_<id>; (own namespace) neither side a veth ->
+                      reject; a reply into
+                      a veth not its sandbox's own -> reject; replies -> accept;
                       new into a sandbox -> reject; iifname vmap @sandboxes
-      chain input     established -> accept; from a veth: its own gateway port 53 -> accept; rf_<id>
+      chain input     forged source (RPF) -> rf_<id>; established -> accept; from a veth: its own
+                      gateway port 53 -> accept; rf_<id>
       chain postrouting  masquerade what leaves from the sandboxes' pool
       chain sb_<id>   not its own source -> refuse; its own (ct mark) established -> accept; new past
                       its connection bound -> refuse; new -> mark as its own;
@@ -66,8 +69,9 @@ class SandboxRules:
     public: bool
 
 
-def base_batch(table: str, pool: IPv4Net, veth_prefix: str) -> str:
-    """Create readie's table and base chains if missing (``add`` is idempotent)."""
+def base_batch(table: str, pool: IPv4Net, veth_prefix: str, *, sole: bool = False) -> str:
+    """Create readie's table and base chains if missing (``add`` is idempotent). ``sole``: the
+    namespace is the worker's own (a container's), whose forwarding is readie's alone."""
     return "\n".join(
         [
             f"add table inet {table}",
@@ -80,6 +84,18 @@ def base_batch(table: str, pool: IPv4Net, veth_prefix: str) -> str:
             f"flush chain inet {table} forward",
             f"flush chain inet {table} input",
             f"flush chain inet {table} postrouting",
+            # A source not routed back through the veth it came in on is forged (strict RPF),
+            # checked before anything accepts a reply: a sandbox forging a server's address
+            # would otherwise have its packet taken as that server's reply, into another
+            # sandbox's flow. Counted as its refusal; its answer goes to the forged address.
+            f'add rule inet {table} forward iifname "{veth_prefix}*" fib saddr . iif oif missing iifname vmap @refusers',
+            f'add rule inet {table} forward iifname "{veth_prefix}*" fib saddr . iif oif missing reject with icmpx port-unreachable',
+            # In a container's own namespace readie turned forwarding on for its sandboxes alone:
+            # nothing else is forwarded (its neighbours could route through it; a reply to a
+            # sandbox already removed would leave by the default route). An operator's egress
+            # namespace may hold other workers' tables, each with its own veths and pool.
+            *([f'add rule inet {table} forward iifname != "{veth_prefix}*" oifname != "{veth_prefix}*" '
+               "reject with icmpx port-unreachable"] if sole else []),
             # Replies to what a sandbox opened, into the sandbox that opened it (its mark): a /30 is
             # reused while conntrack still holds its last sandbox's flows, whose replies must not
             # reach the next one. The sandbox's own direction is checked in its chain.
@@ -90,9 +106,11 @@ def base_batch(table: str, pool: IPv4Net, veth_prefix: str) -> str:
             f"add rule inet {table} forward iifname vmap @sandboxes",
             # A veth of ours with no chain (being removed): refused, never forwarded.
             f'add rule inet {table} forward iifname "{veth_prefix}*" reject with icmpx port-unreachable',
-            f"add rule inet {table} input ct state established,related accept",
-            # A source not routed back through the veth it came in on is spoofed (strict RPF).
+            # Forged first, as in forward: a "reply" from a veth into a flow of the egress netns's
+            # own (the resolver's upstream queries) is a forgery.
+            f'add rule inet {table} input iifname "{veth_prefix}*" fib saddr . iif oif missing iifname vmap @refusers',
             f'add rule inet {table} input iifname "{veth_prefix}*" fib saddr . iif oif missing reject with icmpx port-unreachable',
+            f"add rule inet {table} input ct state established,related accept",
             # Input is the egress netns itself, never a sandbox's policy: only the resolver on the
             # sandbox's own gateway (fib: local on the interface it came in on). Broadcast,
             # multicast and every other local address would reach its wildcard listeners: refused.

@@ -13,6 +13,7 @@ are, the worker serves cold starts only and says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> 
         return EXIT_USAGE
     if security.insecure and not is_local_address(args.listen):
         log.warning("serving unprotected beyond loopback (--insecure)", address=args.listen, **security.describe())
+    config = egress_if_granted(config, ceiling)
     metrics = Metrics()
     try:
         worker = Worker(config, metrics=metrics).start()
@@ -117,6 +119,15 @@ def _serve(config: WorkerConfig, args: argparse.Namespace, stop: StopSignal) -> 
     stop.wait()
     server.drain(args.drain_grace, args.drain_notice)
     return 0
+
+
+def egress_if_granted(config: WorkerConfig, ceiling: Config) -> WorkerConfig:
+    """``config`` without its egress when the ceiling grants no request the network: no job
+    could use the forwarding, the resolver and the warm networked sandboxes it would start."""
+    if config.egress_netns is None or ceiling.network_limits.allow_network:
+        return config
+    log.info("egress not started: the ceiling grants no network ([pool.limits] allow_network)", egress_netns=config.egress_netns)
+    return dataclasses.replace(config, egress_netns=None, egress_own_netns=False)
 
 
 def _manifest(given: Path | None) -> Path:

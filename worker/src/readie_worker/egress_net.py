@@ -205,7 +205,7 @@ class EgressGateway:
         self._nft = _nft.Nft(self.config.netns)
         self.sweep()
         _netns.write_sysctls(self.config.netns, {"ipv4/ip_forward": "1"})
-        self.nft(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v"))
+        self.nft(_nft.base_batch(self.config.table, self.config.pool, self.config.prefix + "v", sole=self.config.own))
         self.resolver = Resolver(self.config.netns, self.config.upstreams)
         return self
 
@@ -269,16 +269,25 @@ class EgressGateway:
         if self.resolver is not None:
             self.resolver.close()
             self.resolver = None
-        if self._nft is not None:
-            self.nft(_nft.remove_table_batch(self.config.table))
-            self._nft.close()
-            self._nft = None
-        self._unname()
+        try:
+            if self._nft is not None:
+                self.nft(_nft.remove_table_batch(self.config.table))
+                self._nft.close()
+                self._nft = None
+        finally:
+            self._unname()
 
     def _unname(self) -> None:
-        if self._named:  # the name only: the namespace is the worker's own and goes with it
+        """Take back the name start gave the worker's own namespace, if it still names that one."""
+        if not self._named:
+            return
+        self._named = False
+        try:
+            ours = self._netns_identity is None or _netns.identity(self.config.netns) == self._netns_identity
+        except SandboxSetupError:  # gone already
+            return
+        if ours:  # the name only: the namespace is the worker's own and goes with it
             _netns.ip_batch(None, [f"netns delete {self.config.netns}"], check=False)
-            self._named = False
 
     def _forget(self, network: SandboxNetwork) -> None:
         with self._lock:
