@@ -325,6 +325,36 @@ def test_5_closing_the_session_leaves_nothing_behind(story: Story) -> None:
     assert pool.close() == 0
     story.pool = None
     print("[must-show] closed: store empty, each worker holds only its warm sandbox")
+    story.chapters.add("closed")
+
+
+def test_6_a_close_its_worker_never_read_still_removes_the_session(story: Story) -> None:
+    """The fault suite's find: a close sent to a worker killed before it read the close was
+    answered ``closed`` while the session's last checkpoint stayed in the store. The router now
+    takes the session over on the other worker and closes it there."""
+    story.after("closed")
+    story.pool = pool = story.new_pool()
+    first = pool.run({"id": "late-1", "session": "late", "code": "x = 1"}, timeout=STEP_TIMEOUT_S)
+    assert first["exit"] == 0, first
+    assert wait_until(lambda: story.stored_step(first["session_key"]) == first["step"], SETTLE_TIMEOUT_S)
+    holder = story.holder()
+    worker = story.cluster.workers[holder]
+    worker.process.send_signal(signal.SIGSTOP)  # the close reaches its socket, and nobody reads it
+    try:
+        pool.send({"id": "late-close", "session": "late", "close": True})
+        with pytest.raises(TimeoutError):  # waiting on the stopped worker
+            pool.read_line(timeout=1.0)
+        worker.process.kill()
+        worker.process.wait(EXIT_TIMEOUT_S)
+    finally:
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGCONT)
+    closed = pool.read(STEP_TIMEOUT_S)
+    assert closed == {"id": "late-close", "session": "late", "closed": True}, closed
+    assert wait_until(lambda: story.leftovers() == [], SETTLE_TIMEOUT_S), story.leftovers()
+    story.restart_worker(holder)
+    assert pool.close() == 0
+    story.pool = None
 
 
 def _damage(entry: Path, *, truncate: bool) -> None:

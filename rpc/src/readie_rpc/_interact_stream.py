@@ -8,6 +8,7 @@ requests, reads events until a result (or an answer), and answers each
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 from collections.abc import Collection, Sequence
@@ -22,7 +23,7 @@ from ._alarms import after
 from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import readie_errors
+from ._status import answered_by_readie, readie_errors
 from readie_protocol.errors import PoolWorkerError
 from readie_policy.jobs import HostFunction, HostReply, OutputSink, ask_host, max_output_events
 
@@ -47,6 +48,14 @@ class SessionLost(StreamBroken):
 class HandedOver(Exception):
     """The worker drained and handed the session over in place of answering: what was sent did
     not start there (decision 32). Not a ReadieError: the session catches it and re-attaches."""
+
+
+class StreamEnd(enum.Enum):
+    """How a stream we closed ended: what became of the request sent last."""
+
+    CLOSED = "closed"  # the worker ended it, or our wait did: over
+    HANDED_OVER = "handed_over"  # a drain took the session before it read the request
+    BROKEN = "broken"  # the worker went away first: the request may never have reached it
 
 
 class InteractStream:
@@ -184,21 +193,25 @@ class InteractStream:
         self._overdue.set()
         self.cancel()
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> bool:
-        """Close this side and wait (up to ``wait_s``) for the worker to end the stream; whether
-        it said ``handed_over`` meanwhile (a drain took the session before it read our last
-        request: that request never reached the session)."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> StreamEnd:
+        """Close this side and wait (up to ``wait_s``) for the worker to end the stream; how it
+        ended (:class:`StreamEnd`)."""
         self._requests.put(_END)
         timer = after(wait_s, self._call.cancel)
-        handed_over = False
+        end = StreamEnd.CLOSED
         try:
             for event in self._call:  # an honest worker sends nothing more, or hands over
-                handed_over = handed_over or event.WhichOneof("kind") == "handed_over"
-        except grpc.RpcError:
-            pass  # it ended badly or was cancelled: either way it is over
+                if event.WhichOneof("kind") == "handed_over":
+                    end = StreamEnd.HANDED_OVER
+        except grpc.RpcError as error:
+            # Cancelled (our wait ran out) or ended by the worker with an error: over. The
+            # connection gone before the worker ended it (a worker killed): it may not have read
+            # the last request, and a session it held is still stored.
+            if end is StreamEnd.CLOSED and error.code() == grpc.StatusCode.UNAVAILABLE and not answered_by_readie(error):
+                end = StreamEnd.BROKEN
         finally:
             timer.cancel()
-        return handed_over
+        return end
 
     def cancel(self) -> None:
         self._requests.put(_END)  # else grpc's request thread waits on the queue forever

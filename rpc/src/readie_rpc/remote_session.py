@@ -34,7 +34,7 @@ from ._files_wire import (
     FILE_EVENTS, chunk_from_answer, download_message, file_refusal, list_message, listing_from_answer, received_from_answer, upload_message,
 )
 from ._interact_stream import (
-    CLOSE_WAIT_S, DEADLINE_MARGIN_S, HandedOver, InteractStream, SessionLost, StreamBroken,
+    CLOSE_WAIT_S, DEADLINE_MARGIN_S, HandedOver, InteractStream, SessionLost, StreamBroken, StreamEnd,
 )
 from ._session_wire import milliseconds, refusal, session_key
 from ._status import Unreachable
@@ -328,15 +328,15 @@ class RemoteSession:
         """End the session for good (``close``: its sandbox destroyed, its image gone from the
         store) by the time this returns, or the worker is gone. One whose stream ended meanwhile
         is attached again first, where its owner can, so that its stored image goes too; so is
-        one a drain handed over before it read the ``close``."""
+        one a drain handed over, or whose worker went away, before it read the ``close``."""
         for _ in range(MAX_HAND_OVERS_PER_REQUEST):
             if not self._close_once():
                 return
         log.info("a session handed over under its close each time; the store's TTL ends it", session=self.id)
 
     def _close_once(self) -> bool:
-        """:meth:`close`, once; True when a drain handed the session over before the ``close``
-        reached it (it is stored still: close it where it went)."""
+        """:meth:`close`, once; True when a drain handed the session over, or its worker went
+        away, before the ``close`` reached it (it is stored still: close it where it went)."""
         with self._lock:
             if self.ended:
                 return False
@@ -359,11 +359,14 @@ class RemoteSession:
             self._stream.close()
             return False
         self._stream.send(pb.InteractRequest(close=pb.CloseSession()))
-        if not self._stream.close() or self.reconnect is None:
+        end = self._stream.close()
+        if end is StreamEnd.CLOSED or self.reconnect is None:
             return False
-        with self._lock:  # handed over under the close: attach where it went, and close it there
+        # Handed over under the close, or its worker gone before it read the close (its image
+        # stays stored): attach where it went, taking it over from a worker gone, and close it there.
+        with self._lock:
             self.ended = False
-        self._take_over = False
+        self._take_over = end is StreamEnd.BROKEN
         return True
 
     def _stop(self) -> None:
