@@ -325,3 +325,12 @@ def test_a_change_the_resolvers_thread_fails_is_the_callers_failure_and_the_next
         assert ran == [True] and resolver.alive
     finally:
         resolver.close()
+
+
+def test_one_run_of_several_listings_is_split_into_its_documents_and_garbage_is_a_setup_error():
+    printed = '{"nftables": [{"set": {}}]}\n{"nftables": [{"counter": {"packets": 7}}]} {"nftables": []}\n'
+    listed = _nft.documents(printed)
+    assert len(listed) == 3 and _nft.parse_counter(listed[1]) == 7 and _nft.parse_refused(listed[2]) == []
+    assert _nft.documents("  \n") == []
+    with pytest.raises(SandboxSetupError):
+        _nft.documents('{"nftables": []} not json')

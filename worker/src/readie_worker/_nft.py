@@ -304,12 +304,34 @@ def _without(net: IPv4Net, hole: IPv4Net) -> list[IPv4Net]:
     return list(net.address_exclude(hole)) if hole.subnet_of(net) else [net]
 
 
-def parse_counter(text: str) -> int:
-    """The packets of a named counter as ``nft -j list counter`` prints it (0 if none is shown)."""
+def documents(text: str) -> list[object]:
+    """The JSON documents one run of several listings printed, back to back (one per command)."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return found
+        try:
+            document, at = decoder.raw_decode(text, at)
+        except ValueError as exc:
+            raise SandboxSetupError(f"nft printed no JSON for a listing: {exc}") from None
+        found.append(document)
+
+
+def _document(text: str | object, what: str) -> object:
+    if not isinstance(text, str):
+        return text
     try:
-        document = json.loads(text)
+        return json.loads(text)
     except ValueError as exc:
-        raise SandboxSetupError(f"nft printed no JSON for a counter: {exc}") from None
+        raise SandboxSetupError(f"nft printed no JSON for {what}: {exc}") from None
+
+
+def parse_counter(text: str | object) -> int:
+    """The packets of a named counter as ``nft -j list counter`` prints it (0 if none is shown);
+    ``text`` or its document."""
+    document = _document(text, "a counter")
     for item in document.get("nftables", []) if isinstance(document, dict) else []:
         counter = item.get("counter") if isinstance(item, dict) else None
         packets = counter.get("packets") if isinstance(counter, dict) else None
@@ -318,12 +340,10 @@ def parse_counter(text: str) -> int:
     return 0
 
 
-def parse_refused(text: str) -> list[tuple[str, int, int]]:
-    """(address, port, packets) of a refused set as ``nft -j list set`` prints it, most first."""
-    try:
-        document = json.loads(text)
-    except ValueError as exc:
-        raise SandboxSetupError(f"nft printed no JSON for a refused set: {exc}") from None
+def parse_refused(text: str | object) -> list[tuple[str, int, int]]:
+    """(address, port, packets) of a refused set as ``nft -j list set`` prints it, most first;
+    ``text`` or its document."""
+    document = _document(text, "a refused set")
     found: list[tuple[str, int, int]] = []
     for item in document.get("nftables", []) if isinstance(document, dict) else []:
         elements = item.get("set", {}).get("elem", []) if isinstance(item, dict) else []

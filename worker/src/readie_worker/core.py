@@ -269,7 +269,9 @@ class Worker:
     def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation, output: OutputSink | None) -> JobOutcome:
         self._check_job(job)
         started = time.monotonic()
-        with self.warm[job.checkpoint].refill_held():  # the refill this take starts waits for the job
+        # The refill this job's take starts (from the networked set for a networked job) waits for it.
+        taken_from = self.egress.warm[job.checkpoint] if job.network and self.egress is not None else self.warm[job.checkpoint]
+        with taken_from.refill_held():
             try:
                 sandbox, links = self._acquire(job)
             except SandboxSetupError as exc:
