@@ -96,6 +96,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "present": "ip's namespace files in /var/run/netns (root's)",
         "names": "ip's namespace files in /var/run/netns (root's)",
         "attach_own": "the calling thread's own network namespace in /proc: its inode, nothing read",
+        "_stale_name": "ip's namespace file in /var/run/netns (root's): its type, size and mount, nothing read",
     },
     "egress_net.py": {"host_nameservers": "the host's /etc/resolv.conf: the operator's, read for the default egress_dns"},
     "bundle.py": {"SandboxSpec.write": "the OCI bundle in the sandbox's own dir"},
