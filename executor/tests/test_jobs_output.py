@@ -37,7 +37,13 @@ def test_print_goes_to_stdout() -> None:
     assert result["policy_notes"] == []
     assert result["system_exit"] is False
     assert isinstance(result["duration_us"], int) and result["duration_us"] >= 0
-    # Every phase of a job that ran is in its account of where the runner's time went.
+    # Only a job that asks is timed (each lap is a clock read: decision 33).
+    assert "phases" not in result
+
+
+def test_a_job_that_asks_gets_every_phase_it_ran() -> None:
+    result = run_one("print('hello')", phases=True)
+    assert result["stdout"] == "hello\n"
     assert list(result["phases"]) == list(RUNNER_PHASES)
 
 

@@ -288,6 +288,36 @@ def test_jobs_in_one_process_share_one_drain_thread_and_each_gets_only_its_own_o
     assert "late" not in "".join(result["stdout"] + result["stderr"] for result in results[8:])
 
 
+def test_a_jobs_streams_go_on_to_the_next_job_unless_it_changed_them() -> None:
+    # Kept (decision 33: making and closing them cost system calls and clock reads), but a job
+    # that closed, detached, reconfigured or decorated them leaves the next job new ones (all
+    # three); what its own stream still held when it had replaced sys.stdout is its output.
+    same = (  # builtins outlive a job's __main__; holding the streams keeps their ids apart
+        "import builtins, sys\nnow = (sys.stdin, sys.stdout, sys.stderr)\n"
+        "print([a is b for a, b in zip(getattr(builtins, 'seen', now), now)], sys.stdout.line_buffering)\n"
+        "builtins.seen = now"
+    )
+    results = run_in_child(
+        job(same),
+        job(same),
+        job("import sys\nsys.stdout.reconfigure(line_buffering=True)\nprint('r')"),
+        job(same),
+        job("import sys\nsys.stderr.buffer.write = print\nprint('w')"),
+        job(same),
+        job("import sys\nsys.stdout.close()"),
+        job("print('after close')"),
+        job("import sys\nsys.stdout.detach()"),
+        job("print('after detach')"),
+        job("import io, sys\nmine = sys.stdout\nsys.stdout = io.StringIO()\nmine.write('held')"),
+        job("print('next')"),
+    )
+    kept, new = "[True, True, True] False\n", "[False, False, False] False\n"
+    assert [result["stdout"] for result in results] == [
+        kept, kept, "r\n", new, "w\n", new, "", "after close\n", "", "after detach\n", "held", "next\n"
+    ]
+    assert all(result["error"] is None for result in results)
+
+
 def test_output_of_a_process_a_job_left_running_reaches_only_that_job() -> None:
     # A job allowed processes retires its pipes: the next job's are new, and a child still
     # writing to the old ones gets EPIPE once the grace for its job's output is over.

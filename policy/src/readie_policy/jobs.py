@@ -115,6 +115,9 @@ class CodeJob:
     collect_bytes: int = MAX_COLLECTED_BYTES
     collect_files: int = MAX_COLLECTED_FILES
     transfer_bytes: int = MAX_TRANSFER_BYTES
+    # Ask the sandbox's runner to time its phases (``JobOutcome.runner_us``): the bench's breakdown.
+    # Off for every other job: a dozen clock reads, each a system call in a sandbox's first second.
+    phases: bool = False
 
     @classmethod
     def under(
@@ -210,7 +213,7 @@ class CodeJob:
             "session": session,
             "functions": list(self.functions),
             "stream": stream,
-        }
+        } | ({"phases": True} if self.phases else {})
 
     @property
     def needs_own_mounts(self) -> bool:

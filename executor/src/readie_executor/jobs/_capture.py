@@ -208,7 +208,7 @@ class OutputCapture:
             os.dup2(_devnull(), STDIN_FD)
             for fd, write_end in pipes.writers.items():
                 os.dup2(write_end, fd)
-            job_streams = _job_streams()
+            job_streams = _kept_streams.take()
             sys.stdin, sys.stdout, sys.stderr = job_streams
             yield
         finally:
@@ -223,13 +223,8 @@ class OutputCapture:
                 with pipes.lock:
                     pipes.stop_watching()
                     pipes.read_available()
-            _flush_python_streams((sys.stdout, sys.stderr))
-            # Closed now (closefd=False leaves the descriptors alone) so that a
-            # buffer that would not flush is dropped instead of reaching the
-            # executor's own stdout when the wrapper is collected later.
-            for stream in job_streams:
-                with contextlib.suppress(Exception):
-                    stream.close()
+            flushed = _flush_python_streams((sys.stdout, sys.stderr))
+            _kept_streams.give_back(job_streams, flushed)
             _flush_c_stdio()
             if not quiet:
                 with pipes.lock:
@@ -292,25 +287,88 @@ class OutputCapture:
             streamer.flush()
 
 
-def _job_streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]:
-    # What python3 gives a script whose output is not a terminal: stdout
-    # block-buffered and strict, stderr line-buffered with backslashreplace.
-    # The text goes straight to a buffer of known size (write_through), so that
-    # what a flush still writes at the job's end is known (_final_flush_fits).
-    stdin = io.TextIOWrapper(open(STDIN_FD, "rb", closefd=False), encoding="utf-8")  # noqa: SIM115
-    stdout = io.TextIOWrapper(
-        open(STDOUT_FD, "wb", buffering=JOB_STREAM_BUFFER_BYTES, closefd=False),  # noqa: SIM115
-        encoding="utf-8",
-        write_through=True,
+# What python3 gives a script whose output is not a terminal: stdout block-buffered and strict,
+# stderr line-buffered with backslashreplace. The text goes straight to a buffer of known size
+# (write_through), so that what a flush still writes at the job's end is known
+# (_final_flush_fits). Per fd: errors, line_buffering, write_through.
+_STREAM_SETTINGS = {
+    STDIN_FD: ("strict", False, False),
+    STDOUT_FD: ("strict", False, True),
+    STDERR_FD: ("backslashreplace", True, True),
+}
+
+
+class _KeptStreams:
+    """The job's sys.stdin, sys.stdout and sys.stderr, kept for the next job while they are as made.
+
+    Making them costs three system calls each (fstat, ioctl, lseek), and closing them takes
+    each buffer's lock several times: in CPython 3.11 every lock acquire reads the clock, which
+    in a sandbox's first second after a restore is a system call too (decision 33). So a job's
+    streams go on to the next job (a session's next step; a warm sandbox's job after its
+    warm-up: the same user's, never another's) unless the job closed, detached, reconfigured
+    or decorated them, or their last flush failed: then they are closed (closefd=False leaves the
+    descriptors alone; a buffer that would not flush is dropped, not written to the executor's
+    own stdout when collected later) and the next job gets new ones.
+    """
+
+    def __init__(self) -> None:
+        self._streams: tuple[io.TextIOWrapper, ...] | None = None
+        self._layers: tuple[tuple[object, object], ...] = ()  # each stream's buffer and raw file
+
+    def take(self) -> tuple[io.TextIOWrapper, ...]:
+        streams, self._streams = self._streams, None
+        if streams is not None:
+            return streams
+        made = tuple(_new_stream(fd) for fd in _STREAM_SETTINGS)
+        self._layers = tuple((stream.buffer, stream.buffer.raw) for stream in made)
+        return made
+
+    def give_back(self, streams: tuple[io.TextIOWrapper, ...], flushed: set[int]) -> None:
+        """After the job: keep ``streams`` if intact and empty (``flushed``: ids of the ones flushed)."""
+        if len(streams) == len(_STREAM_SETTINGS) and all(
+            self._as_made(stream, fd, flushed) for stream, fd in zip(streams, _STREAM_SETTINGS, strict=True)
+        ):
+            self._streams = streams
+            return
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                stream.close()
+
+    def _as_made(self, stream: io.TextIOWrapper, fd: int, flushed: set[int]) -> bool:
+        errors, line_buffering, write_through = _STREAM_SETTINGS[fd]
+        try:
+            buffer, raw = self._layers[fd]
+            intact = (
+                type(stream) is io.TextIOWrapper
+                # Attributes set on any layer (a replaced write, say) would go on working.
+                and not vars(stream) and not vars(buffer) and vars(raw) == {"name": fd}  # open() names it
+                and not stream.closed
+                and stream.buffer is buffer
+                and buffer.raw is raw  # type: ignore[attr-defined]
+                and stream.encoding == "utf-8"
+                and stream.errors == errors
+                and stream.line_buffering is line_buffering
+                and stream.write_through is write_through
+            )
+            if intact and fd != STDIN_FD and id(stream) not in flushed:
+                stream.flush()  # the job's sys.stdout was another: this one may hold its output
+            return intact
+        except Exception:  # noqa: BLE001 - detached, closed, a flush that failed: not kept
+            return False
+
+
+_kept_streams = _KeptStreams()
+
+
+def _new_stream(fd: int) -> io.TextIOWrapper:
+    errors, line_buffering, write_through = _STREAM_SETTINGS[fd]
+    if fd == STDIN_FD:
+        layer = open(fd, "rb", closefd=False)  # noqa: SIM115
+    else:
+        layer = open(fd, "wb", buffering=JOB_STREAM_BUFFER_BYTES, closefd=False)  # noqa: SIM115
+    return io.TextIOWrapper(
+        layer, encoding="utf-8", errors=errors, line_buffering=line_buffering, write_through=write_through
     )
-    stderr = io.TextIOWrapper(
-        open(STDERR_FD, "wb", buffering=JOB_STREAM_BUFFER_BYTES, closefd=False),  # noqa: SIM115
-        encoding="utf-8",
-        errors="backslashreplace",
-        line_buffering=True,
-        write_through=True,
-    )
-    return stdin, stdout, stderr
 
 
 def _final_flush_fits(pipes: CapturePipes, job_streams: tuple[io.TextIOWrapper, ...]) -> bool:
@@ -348,11 +406,15 @@ def _devnull() -> int:
     return fd
 
 
-def _flush_python_streams(streams: tuple[object, ...]) -> None:
+def _flush_python_streams(streams: tuple[object, ...]) -> set[int]:
+    """Flush each; the ids of those whose flush went through."""
+    flushed = set()
     for stream in streams:
         # The job may have closed or replaced these with anything.
         with contextlib.suppress(Exception):
             stream.flush()  # type: ignore[attr-defined]
+            flushed.add(id(stream))
+    return flushed
 
 
 _libc: ctypes.CDLL | None = None

@@ -84,7 +84,7 @@ class CapturePipes:
 
     def sound(self) -> bool:
         """Are our write ends still these pipes, and their reader alive? (A job may close any descriptor.)"""
-        if self.broken or not self._drainer.thread.is_alive():
+        if self.broken or not self._drainer.running:
             return False
         return all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
 
@@ -203,8 +203,16 @@ class Drainer:
     def __init__(self) -> None:
         self._epoll = select.epoll()
         self._watched: dict[int, CapturePipes] = {}  # read end -> its pipes
+        # Until _run returns (a Python thread ends no other way). Not Thread.is_alive(): that takes
+        # a lock, and in CPython 3.11 a lock reads the clock, a system call in a sandbox's first
+        # second after restore (decision 33).
+        self.running = True
         self.thread = threading.Thread(target=self._run, name="readie-capture", daemon=True)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            self.running = False
+            raise
 
     def watch(self, pipes: CapturePipes) -> None:
         for read_end in pipes.readers:
@@ -223,6 +231,12 @@ class Drainer:
                     self._epoll.unregister(read_end)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.running = False
+
+    def _serve(self) -> None:
         while True:
             try:
                 live = set(self._watched.values())
@@ -255,7 +269,7 @@ def take_pipes() -> CapturePipes:
         with pipes.lock:
             pipes.stop_watching()
         pipes.close()
-    if _the_drainer is None or not _the_drainer.thread.is_alive():
+    if _the_drainer is None or not _the_drainer.running:
         _the_drainer = Drainer()
     return CapturePipes(_the_drainer)
 

@@ -188,7 +188,7 @@ def encode_result(
         ],
         "value": value,  # shown by _value.show_value, which keeps it within its caps
     }
-    if phases is not None:
+    if phases is not None and phases.on:
         # Optional (a result without it is as valid): the JSON encoding below is the one part of
         # the runner's work no phase holds; the worker's clock has it, with the socket hops.
         phases.lap("encode")

@@ -30,7 +30,7 @@ from ._bounds import MAX_OUTPUT_LIMIT
 from ._capture import CapturedBytes, OutputCapture
 from ._guards import JobGuard, guarded, writable_roots
 from ._host import declared
-from ._phases import PhaseClock
+from ._phases import UNTIMED, PhaseClock
 from ._limits import (
     JobTimedOut,
     apply_file_size_limit,
@@ -76,7 +76,8 @@ class _Outcome:
 def run_job(job: dict[str, object]) -> bytes:
     """Run one code job in this process and return its result as UTF-8 JSON. Never raises."""
     max_output = _declared_max_output(job)
-    clock = PhaseClock(call_started_ns())
+    # Read before the spec is parsed, so that parsing is timed too; parse_job checks the field.
+    clock = PhaseClock(call_started_ns()) if isinstance(job, dict) and job.get("phases") is True else UNTIMED
     clock.lap("request")
     try:
         spec = parse_job(job)

@@ -193,6 +193,8 @@ def job_filter_installed() -> bool:
 def install_job_filter() -> None:
     """Install the filter on every thread of this process (once); raise SeccompUnavailable."""
     global _installed
+    if _installed:  # once in, for good; and a lock taken is a clock read in CPython 3.11 (decision 33)
+        return
     with _install_lock:
         if _installed:
             return

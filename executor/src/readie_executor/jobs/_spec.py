@@ -21,7 +21,7 @@ from ._bounds import MAX_OUTPUT_LIMIT
 DEFAULT_INLINE_NAME = "<string>"
 _KNOWN_FIELDS = frozenset(
     {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions",
-     "stream", "files", "nameserver"}
+     "stream", "files", "nameserver", "phases"}
 )
 _LIMIT_FIELDS = frozenset({"memory_bytes", "max_file_size", "max_output", "subprocesses", "timeout_ms"})
 _LINK_FIELDS = frozenset({"path", "target", "writable"})
@@ -75,6 +75,8 @@ class JobSpec:
     # A networked sandbox's resolver (readie's, on its gateway: decision 36), named in
     # /etc/resolv.conf before the code runs; None: no network, nothing written.
     nameserver: str | None = None
+    # Time the runner's phases and send them with the result (``._phases``: the bench's breakdown).
+    phases: bool = False
 
     @property
     def writable_links(self) -> tuple[Link, ...]:
@@ -107,6 +109,7 @@ def parse_job(job: object) -> JobSpec:
         stream=_bool(job.get("stream", False), "stream"),
         files=_files(job.get("files", [])),
         nameserver=_nameserver(job.get("nameserver")),
+        phases=_bool(job.get("phases", False), "phases"),
     )
 
 
