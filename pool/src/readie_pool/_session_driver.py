@@ -56,7 +56,7 @@ from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
 from ._results import error_result, job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
-from ._tasks import PoolTasks
+from ._tasks import PoolTasks, ResultAhead
 from ._transfers import Transfer, TransferEvent, move
 
 __all__ = ["SessionDriver"]
@@ -299,10 +299,11 @@ class SessionDriver:
         cancel: Cancellation,
     ) -> None:
         result: Result | None = None
+        written = False  # by the step's job thread (PoolTasks.ahead_for)
         try:
             if previous is not None:
                 await previous.wait()
-            result = await self._step_result(session, request, parsed_at, cancel)
+            result, written = await self._step_result(session, request, parsed_at, cancel)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
             error = internal_error(exc)
@@ -315,17 +316,19 @@ class SessionDriver:
             self._tasks.cancelled_with(request.id, cancel)
             session.answered()
             if result is not None:
-                self._tasks.finish(result)
+                self._tasks.finish(result, written=written)
             done.set()
             self._arm_idle_timer(session)
 
     async def _step_result(
         self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
-    ) -> Result:
+    ) -> tuple[Result, bool]:
+        """The step's result, and whether its job thread wrote it (a later step's only: a first
+        step's line carries the key of the handle the loop keeps)."""
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
-            return error_result(request.id, why, runtime=runtime, session=name)
+            return error_result(request.id, why, runtime=runtime, session=name), False
         first = session.handle is None
         try:
             if first:
@@ -349,35 +352,40 @@ class SessionDriver:
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
-            return error_result(request.id, exc, runtime=runtime, session=name)
-        reached = await self._tasks.on_backend(
-            request, job, parsed_at, cancel, self._reach(session, job, None if first else step, request, cancel), what="step", session=name
+            return error_result(request.id, exc, runtime=runtime, session=name), False
+        ahead = None if first else self._tasks.ahead_for(
+            request, lambda outcome, queue_us: self._step_line(request, outcome, job, queue_us, name, None)
         )
+        reach = self._reach(session, job, None if first else step, request, cancel, ahead)
+        reached = await self._tasks.on_backend(request, job, parsed_at, cancel, reach, what="step", session=name, ahead=ahead)
         if isinstance(reached, Result):
             # A refusal of the first step leaves no session; a lost step (decision 32) leaves it open
             # (its next step resumes from the store); any other failure ends it.
             ends = reached.error is None or reached.error.type != ErrorType.REQUEST
             if first or (ends and not reached.lost):
                 self.close_in_background(session, "its backend failed")
-            return reached
+            return reached, False
         outcome, queue_us = reached
         self._tasks.count_host(outcome.outcome)
         if outcome.session_ended:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._tasks.stats.session_image("resumes", outcome.resumed_ms)
+        if ahead is not None and ahead.result is not None:
+            return ahead.result, True
         key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
-        return self._step_line(request, outcome, job, queue_us, name, key)
+        return self._step_line(request, outcome, job, queue_us, name, key), False
 
     def _reach(
-        self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation
+        self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation,
+        then: ResultAhead[StepOutcome] | None,
     ) -> Callable[[HostFunction | None, OutputSink | None], Awaitable[StepOutcome]]:
         """The backend call of a step: the session's opening (``step`` None) or a step of its handle."""
 
         async def reach(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
             if step is not None:
                 assert session.handle is not None
-                return await session.handle.run_step(step, str(request.id), host, output, cancel)
+                return await session.handle.run_step(step, str(request.id), host, output, cancel, then=then)
             session.handle, outcome = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
             session.job = job
             if session.phase is SessionPhase.OPENING:  # not CLOSING already
@@ -390,17 +398,9 @@ class SessionDriver:
         self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str, key: str | None
     ) -> Result:
         return job_result(
-            request.id,
-            outcome.outcome,
-            runtime=self._setup.runtime,
-            job=job,
-            queue_us=queue_us,
-            session=name,
-            step=outcome.step,
-            session_ended=outcome.session_ended,
-            resumed_ms=outcome.resumed_ms,
-            resumed_from_step=outcome.resumed_from_step,
-            session_key=key,
+            request.id, outcome.outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=name,
+            step=outcome.step, session_ended=outcome.session_ended, resumed_ms=outcome.resumed_ms,
+            resumed_from_step=outcome.resumed_from_step, session_key=key,
         )
 
     async def _session_close(
