@@ -194,3 +194,19 @@ def test_a_streaming_job_leaves_its_result_to_the_loop_behind_its_output(late):
     pool.send(id="out", code="streamed", stream=True)
     lines = [pool.read() for _ in range(2)]
     assert [line.get("event", "result") for line in lines] == ["output", "result"]
+
+
+def test_a_bug_after_the_thread_wrote_the_line_costs_no_second_line(late, monkeypatch):
+    from readie_pool._tasks import PoolTasks
+
+    pool, backend = late
+    _let_go(pool, backend)
+
+    def broken(self, outcome):
+        raise RuntimeError("a bug in the bookkeeping")
+
+    monkeypatch.setattr(PoolTasks, "count_host", broken)
+    pool.send(id="a", code="print(1)")
+    assert (pool.read()["id"], pool.read(timeout=0.3)) == ("a", None)
+    pool.send(id="stats", stats=True)  # intake is not stuck behind the written line
+    assert (pool.read() or {}).get("jobs") == 1

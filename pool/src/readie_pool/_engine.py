@@ -2,7 +2,8 @@
 
 One asyncio task reads (intake), one writes, and each accepted job is a task
 of its own that waits for one of ``workers`` slots and then for the
-:class:`~readie_pool._backend.JobBackend`. Everything the protocol decides
+:class:`~readie_pool._backend.JobBackend` (whose job thread writes the result
+line itself when it can: ``_tasks``, ``ResultAhead``). Everything the protocol decides
 is delegated to the pure layers: :mod:`readie_protocol.lines` splits,
 :mod:`readie_protocol.requests` parses, :mod:`readie_policy.policy` resolves
 (through ``_job_building``), ``_results`` and ``_events`` build what is written.
@@ -361,43 +362,42 @@ class PoolEngine:
     # ------------------------------------------------------------------ jobs
 
     async def _run(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
-        ahead: ResultAhead[JobOutcome] | None = None
+        ahead: ResultAhead[JobOutcome] | None = self._tasks.ahead_for(request)
         try:
-            result, ahead = await self._result_for(request, parsed_at, cancel)
+            result = await self._result_for(request, parsed_at, cancel, ahead)
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
-            error = internal_error(exc)
-            result = error_result(request.id, error, runtime=self.setup.runtime)
+            result = self._tasks.bug_result(request.id, internal_error(exc), ahead)
         finally:
             self._tasks.cancelled_with(request.id, cancel)
-        self._tasks.finish(result, written=ahead is not None and ahead.result is result)
+        self._tasks.finish(result, ahead=ahead)
 
     async def _result_for(
-        self, request: JobRequest, parsed_at: int, cancel: Cancellation
-    ) -> tuple[Result, ResultAhead[JobOutcome] | None]:
-        """The job's result, and what wrote it on the job's thread if anything did."""
+        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
+    ) -> Result:
         runtime = self.setup.runtime
         try:
             job = await code_job(self.setup, request)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
-            return error_result(request.id, exc, runtime=runtime), None
+            return error_result(request.id, exc, runtime=runtime)
 
         def result_of(outcome: JobOutcome, queue_us: int) -> Result:
             return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
 
-        ahead = self._tasks.ahead_for(request, result_of)
+        if ahead is not None:
+            ahead.build = result_of
         reached = await self._tasks.on_backend(
             request, job, parsed_at, cancel,
             lambda host, output: self.backend.run(job, str(request.id), host, cancel, output, then=ahead),
             ahead=ahead,
         )
         if isinstance(reached, Result):
-            return reached, None
+            return reached
         outcome, queue_us = reached
         self._tasks.count_host(outcome)
-        if ahead is not None and ahead.result is not None:
-            return ahead.result, ahead
-        return result_of(outcome, queue_us), None
+        if ahead is not None and ahead.built is not None:
+            return ahead.built
+        return result_of(outcome, queue_us)
 
     # ------------------------------------------------------------------ host functions
 

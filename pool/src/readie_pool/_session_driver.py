@@ -299,36 +299,35 @@ class SessionDriver:
         cancel: Cancellation,
     ) -> None:
         result: Result | None = None
-        written = False  # by the step's job thread (PoolTasks.ahead_for)
+        ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
         try:
             if previous is not None:
                 await previous.wait()
-            result, written = await self._step_result(session, request, parsed_at, cancel)
+            result = await self._step_result(session, request, parsed_at, cancel, ahead)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
-            error = internal_error(exc)
-            result = error_result(
-                request.id, error, runtime=self._setup.runtime, session=session.name
-            )
+            error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
+            result = self._tasks.bug_result(request.id, error, ahead)
             self.close_in_background(session, "internal error")
         finally:
             # Answered before the next request of the session may start.
             self._tasks.cancelled_with(request.id, cancel)
             session.answered()
             if result is not None:
-                self._tasks.finish(result, written=written)
+                self._tasks.finish(result, ahead=ahead)
             done.set()
             self._arm_idle_timer(session)
 
     async def _step_result(
-        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
-    ) -> tuple[Result, bool]:
-        """The step's result, and whether its job thread wrote it (a later step's only: a first
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None,
+    ) -> Result:
+        """The step's result; ``ahead`` builds it on the job's thread for a later step (a first
         step's line carries the key of the handle the loop keeps)."""
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
-            return error_result(request.id, why, runtime=runtime, session=name), False
+            return error_result(request.id, why, runtime=runtime, session=name)
         first = session.handle is None
         try:
             if first:
@@ -352,10 +351,11 @@ class SessionDriver:
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
-            return error_result(request.id, exc, runtime=runtime, session=name), False
-        ahead = None if first else self._tasks.ahead_for(
-            request, lambda outcome, queue_us: self._step_line(request, outcome, job, queue_us, name, None)
-        )
+            return error_result(request.id, exc, runtime=runtime, session=name)
+        if first:
+            ahead = None
+        elif ahead is not None:
+            ahead.build = lambda outcome, queue_us: self._step_line(request, outcome, job, queue_us, name, None)
         reach = self._reach(session, job, None if first else step, request, cancel, ahead)
         reached = await self._tasks.on_backend(request, job, parsed_at, cancel, reach, what="step", session=name, ahead=ahead)
         if isinstance(reached, Result):
@@ -364,17 +364,17 @@ class SessionDriver:
             ends = reached.error is None or reached.error.type != ErrorType.REQUEST
             if first or (ends and not reached.lost):
                 self.close_in_background(session, "its backend failed")
-            return reached, False
+            return reached
         outcome, queue_us = reached
         self._tasks.count_host(outcome.outcome)
         if outcome.session_ended:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._tasks.stats.session_image("resumes", outcome.resumed_ms)
-        if ahead is not None and ahead.result is not None:
-            return ahead.result, True
+        if ahead is not None and ahead.built is not None:
+            return ahead.built
         key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
-        return self._step_line(request, outcome, job, queue_us, name, key), False
+        return self._step_line(request, outcome, job, queue_us, name, key)
 
     def _reach(
         self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation,

@@ -183,14 +183,14 @@ class PoolTasks:
             self._calls_on_the_way += 1
         return False
 
-    def ahead_for(self, request: JobRequest, build: Callable[[_Outcome, int], Result]) -> ResultAhead[_Outcome] | None:
-        """What writes ``request``'s result line on its job thread (``build`` makes it from the
-        outcome and the queue time); None when only the loop may write it: a task that streams
+    def ahead_for(self, request: JobRequest) -> ResultAhead[Any] | None:
+        """What writes ``request``'s result line on its job thread (once given its ``build``); None
+        when only the loop may write it: a task that streams
         (its output events go through the loop, and its result must not pass them), or a sink
         that cannot write from a thread."""
         if request.stream or self.write_now is None:
             return None
-        return ResultAhead(self, build)
+        return ResultAhead(self)
 
     def _write_result_now(self, line: bytes) -> bool:
         """On a job thread: write a result line now if it passes nothing still to be written; counted
@@ -242,21 +242,37 @@ class PoolTasks:
 
     # ------------------------------------------------------------------ answers
 
-    def finish(self, result: Result, budget: asyncio.BoundedSemaphore | None = None, *, written: bool = False) -> None:
+    def finish(
+        self, result: Result, budget: asyncio.BoundedSemaphore | None = None, *, ahead: ResultAhead[Any] | None = None
+    ) -> None:
         """Write ``result``; once written it releases ``budget`` (default: the permit it holds).
-        ``written``: its job thread wrote it already (:class:`ResultAhead`); the rest is done here."""
+        ``ahead``: what built it on its job thread (:class:`ResultAhead`), which may have logged
+        and written it already; the rest is done here."""
         self.stats.record(result)
-        if self._log_job is not None and self.setup.log_jobs:
-            line = job_log_line(result, self._wall_ms())
-            with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
-                self._log_job(line.pop("event"), **line)
-        if not written:
+        from_thread = ahead is not None and ahead.built is result
+        if not (from_thread and ahead.logged):  # type: ignore[union-attr]
+            self.log_result(result)
+        if not (from_thread and ahead.written):  # type: ignore[union-attr]
             self._put(self._connection.send(result), budget or self._permits)
             return
         (budget or self._permits).release()
         with self._thread_lock:
             self.written_ahead -= 1
         self._changed.set()  # a permit is free, and intake may wait for written_ahead
+
+    def bug_result(self, request_id: RequestId, error: Result | ReadieError, ahead: ResultAhead[Any] | None) -> Result:
+        """The answer of a task that failed with a bug: ``error`` (a result, or the error to make one
+        of), unless its job thread wrote its line already: then that line was the answer."""
+        if ahead is not None and ahead.written and ahead.built is not None:
+            return ahead.built
+        return error if isinstance(error, Result) else error_result(request_id, error, runtime=self.setup.runtime)
+
+    def log_result(self, result: Result) -> None:
+        """The ``--log=json`` line of a finished task, on stderr before its result on stdout."""
+        if self._log_job is not None and self.setup.log_jobs:
+            line = job_log_line(result, self._wall_ms())
+            with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
+                self._log_job(line.pop("event"), **line)
 
     def answer(self, event: PoolEvent) -> None:
         self._put(self._connection.send(event), self._permits)
@@ -268,21 +284,29 @@ class PoolTasks:
 
 class ResultAhead(Generic[_Outcome]):
     """Called on a job thread with the backend's outcome (a backend's ``then``): builds the task's
-    result line and writes it there if it can (:meth:`PoolTasks.ahead_for`); :attr:`result` is
-    then what was written, which the task's answer must be (``finish(result, written=True)``)."""
+    result (:attr:`built`, which the task's answer then is: ``finish(built, ahead=...)``), logs it
+    and writes its line there if it can (:meth:`PoolTasks.ahead_for`)."""
 
-    def __init__(self, tasks: PoolTasks, build: Callable[[_Outcome, int], Result]) -> None:
+    def __init__(self, tasks: PoolTasks) -> None:
         self._tasks = tasks
-        self._build = build
+        # The line from the outcome and the queue time, once the loop knows the task's job; None: not
+        # here, the loop builds it.
+        self.build: Callable[[_Outcome, int], Result] | None = None
         self.queue_us = 0  # set on the loop before the backend runs the task
-        self.result: Result | None = None
+        self.built: Result | None = None
+        self.logged = False
+        self.written = False
 
     def __call__(self, outcome: _Outcome) -> None:
+        if self.build is None:
+            return
         try:
-            result = self._build(outcome, self.queue_us)
+            result = self.build(outcome, self.queue_us)
             line = self._tasks._connection.send(result)
         except Exception:  # the loop builds it again, and answers whatever that gives
             log.exception("internal error writing a result on its job thread")
             return
-        if self._tasks._write_result_now(line):
-            self.result = result
+        self.built = result
+        self._tasks.log_result(result)
+        self.logged = True
+        self.written = self._tasks._write_result_now(line)
