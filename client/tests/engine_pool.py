@@ -47,7 +47,7 @@ PNG = b"\x89PNG\r\n\x1a\n" + bytes(24)
 
 
 class ScriptedBackend(FakeBackend):
-    async def run(
+    async def _run(  # FakeBackend.run's job: it hands the outcome to its ``then`` too
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
         output: OutputSink | None = None,
     ) -> JobOutcome:

@@ -41,6 +41,9 @@ The contract every backend keeps:
   thread for each call the job makes to its declared functions), and an
   ``output`` sink (:data:`~readie_worker.jobs.OutputSink`, called on that
   thread with the job's output as it is written, all before the outcome).
+* ``then``: ``run`` and ``run_step`` call it with the outcome they return,
+  before they return it, on the job's thread where there is one (the pool
+  writes the result line there: ``PoolTasks.ahead_for``); never when they raise.
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -109,7 +112,7 @@ class BackendSession(Protocol):
 
     async def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
-        cancel: Cancellation = NEVER,
+        cancel: Cancellation = NEVER, then: Callable[[StepOutcome], None] | None = None,
     ) -> StepOutcome:
         """``cancel`` stops the step (and so ends the session)."""
         ...
@@ -152,7 +155,7 @@ class JobBackend(Protocol):
 
     async def run(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
-        output: OutputSink | None = None,
+        output: OutputSink | None = None, then: Callable[[JobOutcome], None] | None = None,
     ) -> JobOutcome:
         """``cancel`` (the client's cancel request): the job stops and its sandbox is freed."""
         ...
@@ -185,10 +188,10 @@ class ThreadedBackend:
 
     async def run(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
-        output: OutputSink | None = None,
+        output: OutputSink | None = None, then: Callable[[JobOutcome], None] | None = None,
     ) -> JobOutcome:
         run = functools.partial(self.runner.run_job, job, job_id, host, cancel=cancel, output=output)
-        return await self._on_thread(run)
+        return await self._on_thread(_and_then(run, then))
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
@@ -204,7 +207,7 @@ class ThreadedBackend:
         session, step = await self._on_thread(functools.partial(self.runner.attach_session, key))
         return _ThreadedSession(self, session), step
 
-    async def _on_thread(self, call: functools.partial[_T], *, transfer: bool = False) -> _T:
+    async def _on_thread(self, call: Callable[[], _T], *, transfer: bool = False) -> _T:
         if self._closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
         loop = asyncio.get_running_loop()
@@ -237,10 +240,10 @@ class _ThreadedSession:
 
     async def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
-        cancel: Cancellation = NEVER,
+        cancel: Cancellation = NEVER, then: Callable[[StepOutcome], None] | None = None,
     ) -> StepOutcome:
         run = functools.partial(self.session.run_step, step, job_id=job_id, host=host, output=output, cancel=cancel)
-        return await self._backend._on_thread(run)
+        return await self._backend._on_thread(_and_then(run, then))
 
     async def close(self) -> None:
         # Off the job threads: a close must not wait behind running steps.
@@ -317,6 +320,19 @@ class LocalWorkerBackend(ThreadedBackend):
         # A thread that was restoring when the sweep ran may have made a
         # sandbox after it; now that every thread is done, sweep again.
         await asyncio.to_thread(self.runner.close)
+
+
+def _and_then(call: Callable[[], _T], then: Callable[[_T], None] | None) -> Callable[[], _T]:
+    """``call``, and ``then`` with what it returned, on the same thread (``then`` must not raise)."""
+    if then is None:
+        return call
+
+    def call_then() -> _T:
+        answer = call()
+        then(answer)
+        return answer
+
+    return call_then
 
 
 def _unusable(worker: Worker, checkpoint: str) -> str:

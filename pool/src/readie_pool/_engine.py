@@ -2,7 +2,8 @@
 
 One asyncio task reads (intake), one writes, and each accepted job is a task
 of its own that waits for one of ``workers`` slots and then for the
-:class:`~readie_pool._backend.JobBackend`. Everything the protocol decides
+:class:`~readie_pool._backend.JobBackend` (whose job thread writes the result
+line itself when it can: ``_tasks``, ``ResultAhead``). Everything the protocol decides
 is delegated to the pure layers: :mod:`readie_protocol.lines` splits,
 :mod:`readie_protocol.requests` parses, :mod:`readie_policy.policy` resolves
 (through ``_job_building``), ``_results`` and ``_events`` build what is written.
@@ -57,6 +58,7 @@ from readie_protocol.connection import PoolConnection, Role
 from readie_protocol.events import CancelledEvent, ReadyEvent
 from readie_protocol.cancel import Cancellation
 from readie_worker.errors import ReadieError, RequestError, internal_error
+from readie_worker.jobs import JobOutcome
 
 from ._backend import JobBackend
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
@@ -69,7 +71,7 @@ from readie_protocol.results import Result
 from ._results import error_result, job_result, refused_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
-from ._tasks import PoolTasks
+from ._tasks import PoolTasks, ResultAhead
 
 __all__ = [
     "ABORT_WRITE_GRACE_S",
@@ -276,6 +278,8 @@ class PoolEngine:
                 if received is None:
                     break
                 request, size = received
+                if self._tasks.written_ahead:  # a job thread wrote a result: its bookkeeping comes first
+                    await self._until(lambda: not self._tasks.written_ahead)
                 parsed_at = self._now_ns()
                 if isinstance(request, ReplyRequest):
                     await self._accept_reply(request)
@@ -358,30 +362,42 @@ class PoolEngine:
     # ------------------------------------------------------------------ jobs
 
     async def _run(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
+        ahead: ResultAhead[JobOutcome] | None = self._tasks.ahead_for(request)
         try:
-            result = await self._result_for(request, parsed_at, cancel)
+            result = await self._result_for(request, parsed_at, cancel, ahead)
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
-            error = internal_error(exc)
-            result = error_result(request.id, error, runtime=self.setup.runtime)
+            result = self._tasks.bug_result(request.id, internal_error(exc), ahead)
         finally:
             self._tasks.cancelled_with(request.id, cancel)
-        self._tasks.finish(result)
+        self._tasks.finish(result, ahead=ahead)
 
-    async def _result_for(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> Result:
+    async def _result_for(
+        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
+    ) -> Result:
         runtime = self.setup.runtime
         try:
             job = await code_job(self.setup, request)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
             return error_result(request.id, exc, runtime=runtime)
+
+        def result_of(outcome: JobOutcome, queue_us: int) -> Result:
+            return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
+
+        if ahead is not None:
+            ahead.build = result_of
         reached = await self._tasks.on_backend(
-            request, job, parsed_at, cancel, lambda host, output: self.backend.run(job, str(request.id), host, cancel, output)
+            request, job, parsed_at, cancel,
+            lambda host, output: self.backend.run(job, str(request.id), host, cancel, output, then=ahead),
+            ahead=ahead,
         )
         if isinstance(reached, Result):
             return reached
         outcome, queue_us = reached
         self._tasks.count_host(outcome)
-        return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
+        if ahead is not None and ahead.built is not None:
+            return ahead.built
+        return result_of(outcome, queue_us)
 
     # ------------------------------------------------------------------ host functions
 

@@ -130,7 +130,16 @@ class FakeBackend:
 
     async def run(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
-        output: OutputSink | None = None,
+        output: OutputSink | None = None, then: Callable[[JobOutcome], None] | None = None,
+    ) -> JobOutcome:
+        outcome = await self._run(job, job_id, host, cancel, output)
+        if then is not None:
+            then(outcome)
+        return outcome
+
+    async def _run(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None, cancel: Cancellation,
+        output: OutputSink | None,
     ) -> JobOutcome:
         if self.closed:
             raise PoolWorkerError("the pool is shutting down; the job did not run")
@@ -189,9 +198,12 @@ class FakeSession:
 
     async def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
-        cancel: Cancellation = NEVER,
+        cancel: Cancellation = NEVER, then: Callable[[StepOutcome], None] | None = None,
     ) -> StepOutcome:
-        return await self.step(self.job.step(step), job_id, host, output, cancel)
+        outcome = await self.step(self.job.step(step), job_id, host, output, cancel)
+        if then is not None:
+            then(outcome)
+        return outcome
 
     async def step(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,

@@ -56,7 +56,7 @@ from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
 from ._results import error_result, job_result
 from ._sessions import NamedSession, SessionPhase, SessionTable
-from ._tasks import PoolTasks
+from ._tasks import PoolTasks, ResultAhead
 from ._transfers import Transfer, TransferEvent, move
 
 __all__ = ["SessionDriver"]
@@ -299,29 +299,31 @@ class SessionDriver:
         cancel: Cancellation,
     ) -> None:
         result: Result | None = None
+        ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
         try:
             if previous is not None:
                 await previous.wait()
-            result = await self._step_result(session, request, parsed_at, cancel)
+            result = await self._step_result(session, request, parsed_at, cancel, ahead)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
-            error = internal_error(exc)
-            result = error_result(
-                request.id, error, runtime=self._setup.runtime, session=session.name
-            )
+            error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
+            result = self._tasks.bug_result(request.id, error, ahead)
             self.close_in_background(session, "internal error")
         finally:
             # Answered before the next request of the session may start.
             self._tasks.cancelled_with(request.id, cancel)
             session.answered()
             if result is not None:
-                self._tasks.finish(result)
+                self._tasks.finish(result, ahead=ahead)
             done.set()
             self._arm_idle_timer(session)
 
     async def _step_result(
-        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None,
     ) -> Result:
+        """The step's result; ``ahead`` builds it on the job's thread for a later step (a first
+        step's line carries the key of the handle the loop keeps)."""
         runtime, name = self._setup.runtime, session.name
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
@@ -350,9 +352,12 @@ class SessionDriver:
             if first:
                 self._end_session(session)
             return error_result(request.id, exc, runtime=runtime, session=name)
-        reached = await self._tasks.on_backend(
-            request, job, parsed_at, cancel, self._reach(session, job, None if first else step, request, cancel), what="step", session=name
-        )
+        if first:
+            ahead = None
+        elif ahead is not None:
+            ahead.build = lambda outcome, queue_us: self._step_line(request, outcome, job, queue_us, name, None)
+        reach = self._reach(session, job, None if first else step, request, cancel, ahead)
+        reached = await self._tasks.on_backend(request, job, parsed_at, cancel, reach, what="step", session=name, ahead=ahead)
         if isinstance(reached, Result):
             # A refusal of the first step leaves no session; a lost step (decision 32) leaves it open
             # (its next step resumes from the store); any other failure ends it.
@@ -366,18 +371,21 @@ class SessionDriver:
             self._end_session(session)  # the backend's side has ended already
         if outcome.resumed_ms is not None:
             self._tasks.stats.session_image("resumes", outcome.resumed_ms)
+        if ahead is not None and ahead.built is not None:
+            return ahead.built
         key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
         return self._step_line(request, outcome, job, queue_us, name, key)
 
     def _reach(
-        self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation
+        self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation,
+        then: ResultAhead[StepOutcome] | None,
     ) -> Callable[[HostFunction | None, OutputSink | None], Awaitable[StepOutcome]]:
         """The backend call of a step: the session's opening (``step`` None) or a step of its handle."""
 
         async def reach(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
             if step is not None:
                 assert session.handle is not None
-                return await session.handle.run_step(step, str(request.id), host, output, cancel)
+                return await session.handle.run_step(step, str(request.id), host, output, cancel, then=then)
             session.handle, outcome = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
             session.job = job
             if session.phase is SessionPhase.OPENING:  # not CLOSING already
@@ -390,17 +398,9 @@ class SessionDriver:
         self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str, key: str | None
     ) -> Result:
         return job_result(
-            request.id,
-            outcome.outcome,
-            runtime=self._setup.runtime,
-            job=job,
-            queue_us=queue_us,
-            session=name,
-            step=outcome.step,
-            session_ended=outcome.session_ended,
-            resumed_ms=outcome.resumed_ms,
-            resumed_from_step=outcome.resumed_from_step,
-            session_key=key,
+            request.id, outcome.outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=name,
+            step=outcome.step, session_ended=outcome.session_ended, resumed_ms=outcome.resumed_ms,
+            resumed_from_step=outcome.resumed_from_step, session_key=key,
         )
 
     async def _session_close(

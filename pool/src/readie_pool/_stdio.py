@@ -13,8 +13,8 @@ done with them. A pipe needs no thread (decision 0033): the event loop says
 when it is readable, and then one read cannot block; or writable, and then a
 write of at most ``PIPE_BUF`` bytes cannot either (the kernel has a free
 page for it). That saves every line two thread hand-offs, in and out.
-:meth:`FdWriter.write_now` writes such a line from any thread (a host call's, from its job's
-thread), never inside a line :meth:`FdWriter.write` is writing.
+:meth:`FdWriter.write_now` writes such a line from any thread (a host call's or a result's,
+from its job's thread), never inside a line :meth:`FdWriter.write` is writing.
 """
 
 from __future__ import annotations

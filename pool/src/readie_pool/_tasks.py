@@ -7,6 +7,18 @@ ends with exactly one answer, which releases the permit its line holds once
 written. :class:`PoolTasks` owns those parts; the engine owns intake, the
 lifecycle and the writer that drains :attr:`PoolTasks.outbox`, and
 ``_session_driver`` owns the sessions. Neither reaches into the other.
+
+A job's or a step's result line is written by its job thread the moment the
+backend has the outcome (:class:`ResultAhead`, decision 0033), when that can
+be done as a host call's line is (``write_now``: a pipe with room, one line of
+at most ``PIPE_BUF`` bytes, nothing put before it unwritten, none of its
+task's call lines still on their way to the loop, not a streaming task);
+otherwise the loop writes it, as every line before. The loop then does the
+rest (the counters, the session's table and timers, the permit, released as
+a written line's is) before it accepts any line read after the write:
+:attr:`PoolTasks.written_ahead` counts the lines it has not caught up with,
+and the engine's intake waits for it to be 0, so a client answering a result
+at once finds the pool as if the loop had written it.
 """
 
 from __future__ import annotations
@@ -14,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
+import structlog
 from readie_protocol.connection import PoolConnection, PoolEvent
 from readie_protocol.events import OutputEvent
 from readie_protocol.requests import JobRequest
@@ -32,9 +46,12 @@ from ._host import HostCalls, host_function
 from ._results import error_result
 from ._setup import PoolSetup
 
-__all__ = ["Outbox", "PoolTasks"]
+__all__ = ["Outbox", "PoolTasks", "ResultAhead"]
+
+log = structlog.get_logger("readie.pool")
 
 _Answer = TypeVar("_Answer")
+_Outcome = TypeVar("_Outcome")
 
 # Each line with the budget it releases once written (None: a call or output event); None ends it.
 Outbox = asyncio.Queue[tuple[bytes, asyncio.BoundedSemaphore | None] | None]
@@ -75,6 +92,12 @@ class PoolTasks:
         # thread writes its call line itself only when none is, so it never overtakes a line
         # finished before it (a session's previous result, say).
         self.unwritten = 0
+        # Counted on job threads under the lock (read anywhere): result lines a job thread wrote
+        # whose bookkeeping the loop has not done yet (intake waits for 0), and call lines a job
+        # thread handed to the loop that are not in the outbox yet (a result must not pass them).
+        self._thread_lock = threading.Lock()
+        self.written_ahead = 0
+        self._calls_on_the_way = 0
         # The jobs a client may still cancel (queued or running), by request id.
         self._cancels: dict[RequestId, Cancellation] = {}
 
@@ -114,6 +137,7 @@ class PoolTasks:
         *,
         what: str = "job",
         session: str | None = None,
+        ahead: ResultAhead[_Answer] | None = None,
     ) -> tuple[_Answer, int] | Result:
         """``call`` the backend for ``request`` on one of the slots: its answer and the task's queue
         time, or the result line for the error it raised.
@@ -125,6 +149,8 @@ class PoolTasks:
         """
         async with self.slots:
             queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
+            if ahead is not None:
+                ahead.queue_us = queue_us
             try:
                 if cancel.cancelled:
                     raise Cancelled(f"the {what} was cancelled by the client before it ran")
@@ -142,12 +168,42 @@ class PoolTasks:
         that streams hands its call lines to the outbox, behind its output events."""
         if not functions:
             return None
-        write_now = None if request.stream or self.write_now is None else self._write_call_now
+        write_now = self._hand_call if request.stream or self.write_now is None else self._write_call_now
         return host_function(asyncio.get_running_loop(), self.host_calls, write_now, self._posted_call, request.id)
 
     def _write_call_now(self, line: bytes) -> bool:
         # On a job thread: ``unwritten`` is read once, and a line put after that is not before this call.
-        return self.unwritten == 0 and self.write_now is not None and self.write_now(line)
+        if self.unwritten == 0 and self.write_now is not None and self.write_now(line):
+            return True
+        return self._hand_call(line)
+
+    def _hand_call(self, line: bytes) -> bool:
+        # On a job thread: host_function hands the line to the loop (_posted_call) next.
+        with self._thread_lock:
+            self._calls_on_the_way += 1
+        return False
+
+    def ahead_for(self, request: JobRequest) -> ResultAhead[Any] | None:
+        """What writes ``request``'s result line on its job thread (once given its ``build``); None
+        when only the loop may write it: a task that streams
+        (its output events go through the loop, and its result must not pass them), or a sink
+        that cannot write from a thread."""
+        if request.stream or self.write_now is None:
+            return None
+        return ResultAhead(self)
+
+    def _write_result_now(self, line: bytes) -> bool:
+        """On a job thread: write a result line now if it passes nothing still to be written; counted
+        in :attr:`written_ahead` before the write, so a line the client sends in answer finds it."""
+        with self._thread_lock:
+            if self._calls_on_the_way or self.unwritten or self.write_now is None:
+                return False
+            self.written_ahead += 1
+        if self.write_now(line):
+            return True
+        with self._thread_lock:
+            self.written_ahead -= 1
+        return False
 
     def output_for(self, request: JobRequest) -> OutputSink | None:
         """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
@@ -176,6 +232,8 @@ class PoolTasks:
         self.stats.host_calls += 1
         if line is not None:
             self._put(line, None)  # no permit: its task holds one, and waits
+            with self._thread_lock:
+                self._calls_on_the_way -= 1
         self._changed.set()  # a call waits: intake may read ahead for its reply
 
     def count_host(self, outcome: JobOutcome) -> None:
@@ -184,14 +242,37 @@ class PoolTasks:
 
     # ------------------------------------------------------------------ answers
 
-    def finish(self, result: Result, budget: asyncio.BoundedSemaphore | None = None) -> None:
-        """Write ``result``; once written it releases ``budget`` (default: the permit it holds)."""
+    def finish(
+        self, result: Result, budget: asyncio.BoundedSemaphore | None = None, *, ahead: ResultAhead[Any] | None = None
+    ) -> None:
+        """Write ``result``; once written it releases ``budget`` (default: the permit it holds).
+        ``ahead``: what built it on its job thread (:class:`ResultAhead`), which may have logged
+        and written it already; the rest is done here."""
         self.stats.record(result)
+        from_thread = ahead is not None and ahead.built is result
+        if not (from_thread and ahead.logged):  # type: ignore[union-attr]
+            self.log_result(result)
+        if not (from_thread and ahead.written):  # type: ignore[union-attr]
+            self._put(self._connection.send(result), budget or self._permits)
+            return
+        (budget or self._permits).release()
+        with self._thread_lock:
+            self.written_ahead -= 1
+        self._changed.set()  # a permit is free, and intake may wait for written_ahead
+
+    def bug_result(self, request_id: RequestId, error: Result | ReadieError, ahead: ResultAhead[Any] | None) -> Result:
+        """The answer of a task that failed with a bug: ``error`` (a result, or the error to make one
+        of), unless its job thread wrote its line already: then that line was the answer."""
+        if ahead is not None and ahead.written and ahead.built is not None:
+            return ahead.built
+        return error if isinstance(error, Result) else error_result(request_id, error, runtime=self.setup.runtime)
+
+    def log_result(self, result: Result) -> None:
+        """The ``--log=json`` line of a finished task, on stderr before its result on stdout."""
         if self._log_job is not None and self.setup.log_jobs:
             line = job_log_line(result, self._wall_ms())
             with contextlib.suppress(OSError, ValueError):  # stderr gone: the result still goes out
                 self._log_job(line.pop("event"), **line)
-        self._put(self._connection.send(result), budget or self._permits)
 
     def answer(self, event: PoolEvent) -> None:
         self._put(self._connection.send(event), self._permits)
@@ -199,3 +280,33 @@ class PoolTasks:
     def _put(self, line: bytes, budget: asyncio.BoundedSemaphore | None) -> None:
         self.unwritten += 1
         self.outbox.put_nowait((line, budget))
+
+
+class ResultAhead(Generic[_Outcome]):
+    """Called on a job thread with the backend's outcome (a backend's ``then``): builds the task's
+    result (:attr:`built`, which the task's answer then is: ``finish(built, ahead=...)``), logs it
+    and writes its line there if it can (:meth:`PoolTasks.ahead_for`)."""
+
+    def __init__(self, tasks: PoolTasks) -> None:
+        self._tasks = tasks
+        # The line from the outcome and the queue time, once the loop knows the task's job; None: not
+        # here, the loop builds it.
+        self.build: Callable[[_Outcome, int], Result] | None = None
+        self.queue_us = 0  # set on the loop before the backend runs the task
+        self.built: Result | None = None
+        self.logged = False
+        self.written = False
+
+    def __call__(self, outcome: _Outcome) -> None:
+        if self.build is None:
+            return
+        try:
+            result = self.build(outcome, self.queue_us)
+            line = self._tasks._connection.send(result)
+        except Exception:  # the loop builds it again, and answers whatever that gives
+            log.exception("internal error writing a result on its job thread")
+            return
+        self.built = result
+        self._tasks.log_result(result)
+        self.logged = True
+        self.written = self._tasks._write_result_now(line)
