@@ -67,6 +67,9 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
         assert set(levels) == {"1", "2", "4"}, name
     for name, session in scenarios["session_step"]["checkpoints"].items():
         assert session["step_ms"]["n"] >= 1, (name, session["errors"])
+    # The host call's split: the sandbox's own steps, and the pool and client's share alone.
+    breakdown = scenarios["host_function"]["breakdown_us"]
+    assert breakdown.get("available", True) and breakdown["pool_and_client"]["n"] >= 1, breakdown
     hop = scenarios["router_hop"]  # the same step and host call, local and through a router, side by side
     for figure in ("session_step_ms", "host_round_trip_ms"):
         assert hop[figure]["local"]["n"] >= 1 and hop[figure]["routed"]["n"] >= 1, (figure, hop["errors"])
