@@ -31,7 +31,7 @@ HOLD_S = 10.0  # the longest a test holds the loop: longer than it waits to read
 class PipePool:
     """A pool engine serving two pipes on a thread of its own; the test is its client."""
 
-    def __init__(self, backend, cwd: Path, workers: int = 2) -> None:
+    def __init__(self, backend, cwd: Path, workers: int = 2, writer=FdWriter) -> None:
         self._to_pool, self._pool_in = _pipe()
         self._from_pool, self._pool_out = _pipe()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -43,7 +43,7 @@ class PipePool:
         async def serve() -> int:
             self.loop = asyncio.get_running_loop()
             started.set()
-            return await PoolEngine(setup, backend).serve(FdReader(self._to_pool), FdWriter(self._pool_out))
+            return await PoolEngine(setup, backend).serve(FdReader(self._to_pool), writer(self._pool_out))
 
         def run() -> None:
             self.code = asyncio.run(serve())
@@ -210,3 +210,28 @@ def test_a_bug_after_the_thread_wrote_the_line_costs_no_second_line(late, monkey
     assert (pool.read()["id"], pool.read(timeout=0.3)) == ("a", None)
     pool.send(id="stats", stats=True)  # intake is not stuck behind the written line
     assert (pool.read() or {}).get("jobs") == 1
+
+
+class _FailingOnce(FdWriter):
+    """stdout whose first thread write of a result raises (a MemoryError, say), not only refuses."""
+
+    failed = False
+
+    def write_now(self, data: bytes) -> bool:
+        if not _FailingOnce.failed and b'"exit"' in data:
+            _FailingOnce.failed = True
+            raise MemoryError
+        return super().write_now(data)
+
+
+def test_a_thread_write_that_raises_leaves_the_line_to_the_loop_and_intake_reading(tmp_path):
+    # The write was counted (written_ahead) before it raised: uncounted again, or intake would
+    # wait for it for good; the job's answer is its own result, once.
+    pool = PipePool(ThreadedBackend(_BlockingRunner(), slots=2), tmp_path, writer=_FailingOnce)
+    pool.send(id="a", code="a")
+    answer = pool.read()
+    assert (answer["id"], answer["exit"], answer["stdout"]) == ("a", 0, "a") and _FailingOnce.failed
+    pool.send(id="stats", stats=True)
+    stats = pool.read()
+    assert (stats["id"], stats["jobs"], pool.read(timeout=0.3)) == ("stats", 1, None)
+    assert pool.close() == 0

@@ -199,11 +199,14 @@ class PoolTasks:
             if self._calls_on_the_way or self.unwritten or self.write_now is None:
                 return False
             self.written_ahead += 1
-        if self.write_now(line):
-            return True
-        with self._thread_lock:
-            self.written_ahead -= 1
-        return False
+        written = False
+        try:
+            written = self.write_now(line)
+        finally:
+            if not written:  # refused, or raised: the loop writes it, and intake must not wait for it
+                with self._thread_lock:
+                    self.written_ahead -= 1
+        return written
 
     def output_for(self, request: JobRequest) -> OutputSink | None:
         """The output sink of a task that asked for ``stream`` (None otherwise): runs on a job
@@ -254,6 +257,8 @@ class PoolTasks:
             self.log_result(result)
         if not (from_thread and ahead.written):  # type: ignore[union-attr]
             self._put(self._connection.send(result), budget or self._permits)
+            if ahead is not None:  # its thread may have counted a write it then gave up: intake may wait
+                self._changed.set()
             return
         (budget or self._permits).release()
         with self._thread_lock:
@@ -262,9 +267,10 @@ class PoolTasks:
 
     def bug_result(self, request_id: RequestId, error: Result | ReadieError, ahead: ResultAhead[Any] | None) -> Result:
         """The answer of a task that failed with a bug: ``error`` (a result, or the error to make one
-        of), unless its job thread wrote its line already: then that line was the answer."""
-        if ahead is not None and ahead.written and ahead.built is not None:
-            return ahead.built
+        of), unless its job thread built and logged (or wrote) its line already: then that line is
+        the answer, and one request never has two log lines."""
+        if ahead is not None and ahead.logged and ahead.built is not None:
+            return ahead.built  # written, or logged already: that line is the answer
         return error if isinstance(error, Result) else error_result(request_id, error, runtime=self.setup.runtime)
 
     def log_result(self, result: Result) -> None:
@@ -307,6 +313,9 @@ class ResultAhead(Generic[_Outcome]):
             log.exception("internal error writing a result on its job thread")
             return
         self.built = result
-        self._tasks.log_result(result)
-        self.logged = True
-        self.written = self._tasks._write_result_now(line)
+        try:  # ``then`` must not raise: the job ran, and the loop answers what was not written here
+            self._tasks.log_result(result)
+            self.logged = True
+            self.written = self._tasks._write_result_now(line)
+        except Exception:
+            log.exception("internal error writing a result on its job thread")

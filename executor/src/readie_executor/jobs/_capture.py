@@ -308,7 +308,10 @@ class _KeptStreams:
     warm-up: the same user's, never another's) unless the job closed, detached, reconfigured
     or decorated them, or their last flush failed: then they are closed (closefd=False leaves the
     descriptors alone; a buffer that would not flush is dropped, not written to the executor's
-    own stdout when collected later) and the next job gets new ones.
+    own stdout when collected later) and the next job gets new ones. Two settings cannot be seen
+    and go on with the streams, both the session's own doing: a newline translation set with
+    ``reconfigure(newline=...)``, and what is left unread in ``sys.stdin``'s buffer by a step
+    that put another file on fd 0 and read part of it (fd 0 is /dev/null again for every job).
     """
 
     def __init__(self) -> None:

@@ -259,6 +259,16 @@ _the_drainer: Drainer | None = None
 _kept: CapturePipes | None = None  # the last capture's pipes, for the next
 
 
+def _forget_the_drainer() -> None:
+    # A forked child has no drain thread (only the forking thread survives a fork): its next
+    # capture, if it runs one, starts its own.
+    if _the_drainer is not None:
+        _the_drainer.running = False
+
+
+os.register_at_fork(after_in_child=_forget_the_drainer)
+
+
 def take_pipes() -> CapturePipes:
     """The pipes for a capture starting now: the last capture's if sound, else new ones."""
     global _the_drainer, _kept
