@@ -41,22 +41,21 @@ from typing import TypeAlias
 import structlog
 from readie_protocol.cancel import Cancellation
 from readie_worker.errors import ErrorType, ReadieError, RequestError, SandboxSetupError, internal_error
-from readie_policy.policy import check_step
 from readie_worker.sessions import StepOutcome
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostFunction, OutputSink, Step
+from readie_worker.jobs import CodeJob, HostFunction, OutputSink, Step
 
-from ._backend import BackendSession
+from ._backend import BackendSession, detach_logged
 from readie_protocol.connection import PoolEvent
 from readie_protocol.events import AttachedEvent, ClosedEvent, ForkedEvent, HibernatedEvent
 
-from ._job_building import code_job
+from ._job_building import code_job, later_step
 from readie_protocol.requests import AttachSession, CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
-from ._results import error_result, job_result
-from ._sessions import NamedSession, SessionPhase, SessionTable
-from ._tasks import PoolTasks, ResultAhead
+from ._results import error_result, step_result
+from ._sessions import NamedSession, SessionPhase, SessionTable, not_open
+from ._tasks import PoolTasks, ResultAhead, Started
 from ._transfers import Transfer, TransferEvent, move
 
 __all__ = ["SessionDriver"]
@@ -76,20 +75,20 @@ class SessionDriver:
         self._setup = tasks.setup
         self.table = SessionTable(tasks.setup.max_sessions)
 
-    def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
-        """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session."""
+    async def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
+        """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session. A later step
+        with nothing before it and a slot free goes to the backend here, before its task starts."""
         try:
             session, first = self.table.admit(request)
         except RequestError as exc:
             self._tasks.cancelled_with(request.id, cancel)
-            self._tasks.finish(
-                error_result(request.id, exc, runtime=self._setup.runtime, session=request.session)
-            )
-            return
+            return self._refuse(request.id, request.session, exc)
         if first:
             self._tasks.stats.session_started()
         previous, done = session.enqueue()
-        self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel))
+        ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
+        started = await self._start_now(session, request, parsed_at, cancel, ahead) if previous is None else None
+        self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel, ahead, started))
 
     def accept_close(self, request: CloseSession) -> None:
         session = self.table.get(request.session)
@@ -115,7 +114,7 @@ class SessionDriver:
         refused at once when no session of its name is open."""
         session = self.table.get(request.session)
         if session is None:
-            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            self._refuse(request.id, request.session, not_open(request.session), ended=True)
             return
         previous, done = session.enqueue()
         self._tasks.spawn(self._queued(session, request.id, previous, done, doing, work))
@@ -123,7 +122,7 @@ class SessionDriver:
     def accept_fork(self, request: ForkSession) -> None:
         source = self.table.get(request.session)
         if source is None:
-            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            self._refuse(request.id, request.session, not_open(request.session), ended=True)
             return
         try:
             target = self.table.reserve(request.fork)
@@ -151,7 +150,7 @@ class SessionDriver:
         return sum(1 for session in self.table.sessions() if session.handle is not None and session.handle.hibernated)
 
     def _refuse(self, request_id: RequestId, name: str, error: ReadieError, *, ended: bool = False) -> None:
-        """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
+        """A refused step, hibernate or fork; ``ended``: the session is not open (an idle close, say),
         which the result says with ``session_ended``, so a client stops taking it for open."""
         self._tasks.finish(
             error_result(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
@@ -297,13 +296,14 @@ class SessionDriver:
         previous: asyncio.Event | None,
         done: asyncio.Event,
         cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None,
+        started: Started[StepOutcome] | None,
     ) -> None:
         result: Result | None = None
-        ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
         try:
             if previous is not None:
                 await previous.wait()
-            result = await self._step_result(session, request, parsed_at, cancel, ahead)
+            result = await self._step_result(session, request, parsed_at, cancel, ahead, started)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
             log.exception("internal error running a session step", id=request.id)
             error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
@@ -320,44 +320,30 @@ class SessionDriver:
 
     async def _step_result(
         self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
-        ahead: ResultAhead[StepOutcome] | None,
+        ahead: ResultAhead[StepOutcome] | None, started: Started[StepOutcome] | None,
     ) -> Result:
-        """The step's result; ``ahead`` builds it on the job's thread for a later step (a first
-        step's line carries the key of the handle the loop keeps)."""
+        """The step's result; ``ahead`` builds it on the job's thread for a later step (a first step's line
+        carries the key of the handle the loop keeps). ``started``: the backend has it (``accept_step``)."""
         runtime, name = self._setup.runtime, session.name
-        if session.ended:
-            why = RequestError(f"session {name!r} ended before this step ran", "session")
-            return error_result(request.id, why, runtime=runtime, session=name)
-        first = session.handle is None
-        try:
-            if first:
-                job = await code_job(self._setup, request)
-                session.functions = job.functions
-            else:
-                assert session.job is not None
-                check_step(request.timeout_ms, request.max_output, self._setup.config.limits)
-                step = Step(
-                    code=request.code or "",
-                    name=request.name or DEFAULT_INLINE_NAME,
-                    args=request.args,
-                    # As the request set them: the session's job fills the rest (CodeJob.step).
-                    timeout_ms=request.timeout_ms,
-                    max_output=request.max_output,
-                    report_files=request.report_files,
-                    files=request.files,
-                    collect=request.collect,
-                )
-                job = session.job.step(step)  # what the step runs, and what its result reports
-        except ReadieError as exc:  # refused before anything ran
-            if first:
-                self._end_session(session)
-            return error_result(request.id, exc, runtime=runtime, session=name)
-        if first:
-            ahead = None
-        elif ahead is not None:
-            ahead.build = lambda outcome, queue_us: self._step_line(request, outcome, job, queue_us, name, None)
-        reach = self._reach(session, job, None if first else step, request, cancel, ahead)
-        reached = await self._tasks.on_backend(request, job, parsed_at, cancel, reach, what="step", session=name, ahead=ahead)
+        first = started is None and session.handle is None
+        if started is None:
+            if session.ended:
+                why = RequestError(f"session {name!r} ended before this step ran", "session")
+                return error_result(request.id, why, runtime=runtime, session=name)
+            try:
+                if first:
+                    job, step = await code_job(self._setup, request), None
+                    session.functions = job.functions
+                else:
+                    assert session.job is not None
+                    step, job = later_step(self._setup, session.job, request)
+            except ReadieError as exc:  # refused before anything ran
+                if first:
+                    self._end_session(session)
+                return error_result(request.id, exc, runtime=runtime, session=name)
+            await self._tasks.slots.acquire()
+            started = self._start(session, request, parsed_at, cancel, None if first else ahead, job, step)
+        reached = await self._tasks.reached(started)
         if isinstance(reached, Result):
             # A refusal of the first step leaves no session; a lost step (decision 32) leaves it open
             # (its next step resumes from the store); any other failure ends it.
@@ -374,34 +360,59 @@ class SessionDriver:
         if ahead is not None and ahead.built is not None:
             return ahead.built
         key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
-        return self._step_line(request, outcome, job, queue_us, name, key)
+        return step_result(
+            request.id, outcome, runtime=runtime, job=started.job, queue_us=queue_us, session=name, session_key=key
+        )
+
+    async def _start_now(
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None,
+    ) -> Started[StepOutcome] | None:
+        """A later step handed to the backend at once, with a slot free; None: its task does it all."""
+        if session.handle is None or session.job is None or not self._tasks.slot_free():
+            return None  # a first step (its job is built off the loop), or no slot
+        try:
+            step, job = later_step(self._setup, session.job, request)
+            await self._tasks.slots.acquire()  # free: cannot wait
+            return self._start(session, request, parsed_at, cancel, ahead, job, step)  # frees it if it raised
+        except ReadieError:  # its task refuses it, as any refused step
+            return None
+        except Exception:  # a bug: its task meets it again, and answers it
+            log.exception("internal error starting a session step", id=request.id)
+            return None
+
+    def _start(
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None, job: CodeJob, step: Step | None,
+    ) -> Started[StepOutcome]:
+        """With a slot taken: the step (or, ``step`` None, the session's opening) handed to the backend."""
+        if ahead is not None:
+            ahead.build = lambda outcome, queue_us: step_result(
+                request.id, outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=session.name,
+                session_key=None,
+            )
+        reach = self._reach(session, job, step, request, cancel, ahead)
+        return self._tasks.start(request, job, parsed_at, cancel, reach, what="step", session=session.name, ahead=ahead)
 
     def _reach(
         self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation,
         then: ResultAhead[StepOutcome] | None,
     ) -> Callable[[HostFunction | None, OutputSink | None], Awaitable[StepOutcome]]:
-        """The backend call of a step: the session's opening (``step`` None) or a step of its handle."""
+        """The backend call of a step: a step of its handle (started when called), or the session's
+        opening (``step`` None)."""
+        if step is not None:
+            handle = session.handle
+            assert handle is not None
+            return lambda host, output: handle.run_step(step, str(request.id), host, output, cancel, then=then)
 
-        async def reach(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
-            if step is not None:
-                assert session.handle is not None
-                return await session.handle.run_step(step, str(request.id), host, output, cancel, then=then)
+        async def opening(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
             session.handle, outcome = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
             session.job = job
             if session.phase is SessionPhase.OPENING:  # not CLOSING already
                 session.move(SessionPhase.OPEN)
             return outcome
 
-        return reach
-
-    def _step_line(
-        self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str, key: str | None
-    ) -> Result:
-        return job_result(
-            request.id, outcome.outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=name,
-            step=outcome.step, session_ended=outcome.session_ended, resumed_ms=outcome.resumed_ms,
-            resumed_from_step=outcome.resumed_from_step, session_key=key,
-        )
+        return opening
 
     async def _session_close(
         self,
@@ -437,7 +448,7 @@ class SessionDriver:
             handle = self._end_session(session)
             if handle is not None:
                 log.info("detaching a session", session=session.name)
-                self._tasks.spawn(_detach(handle, session.name))
+                self._tasks.spawn(detach_logged(handle, session.name))
 
     def close_in_background(self, session: NamedSession, why: str) -> None:
         handle = self._end_session(session)
@@ -486,14 +497,3 @@ class SessionDriver:
                 left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()
                 session.idle = loop.call_later(max(0.0, left), self._idle_expired, session)
 
-
-async def _detach(handle: BackendSession, name: str) -> None:
-    try:
-        await handle.detach()
-    except Exception as exc:  # what detach raises has ended the session: logged, nobody to answer
-        error = f"{type(exc).__name__}: {exc}"
-        log.warning("a session could not be detached and has ended", session=name, error=error)
-
-
-def _not_open(name: str) -> RequestError:
-    return RequestError(f"no open session named {name!r} (never opened, closed, or ended)", "session")

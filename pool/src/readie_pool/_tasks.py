@@ -46,7 +46,7 @@ from ._host import HostCalls, host_function
 from ._results import error_result
 from ._setup import PoolSetup
 
-__all__ = ["Outbox", "PoolTasks", "ResultAhead"]
+__all__ = ["Outbox", "PoolTasks", "ResultAhead", "Started"]
 
 log = structlog.get_logger("readie.pool")
 
@@ -147,19 +147,58 @@ class PoolTasks:
         did). ``job`` is what the line reports as its policy unless the backend
         refused the job (``error_result``).
         """
-        async with self.slots:
-            queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
+        await self.slots.acquire()
+        return await self.reached(self.start(request, job, parsed_at, cancel, call, what=what, session=session, ahead=ahead))
+
+    def start(
+        self,
+        request: JobRequest,
+        job: CodeJob,
+        parsed_at: int,
+        cancel: Cancellation,
+        call: Callable[[HostFunction | None, OutputSink | None], Awaitable[_Answer]],
+        *,
+        what: str = "job",
+        session: str | None = None,
+        ahead: ResultAhead[_Answer] | None = None,
+    ) -> Started[_Answer]:
+        """:meth:`on_backend`'s first half, on the loop with a slot taken (by it, or by intake when one
+        was free: then a threaded backend's job thread has the job before any task starts); what
+        :meth:`reached` awaits, and which releases the slot."""
+        started: Started[_Answer] = Started(self, request.id, job, session)
+        try:
+            started.queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
             if ahead is not None:
-                ahead.queue_us = queue_us
-            try:
-                if cancel.cancelled:
-                    raise Cancelled(f"the {what} was cancelled by the client before it ran")
-                answer = await call(self.host_for(request, job.functions), self.output_for(request))
-            except ReadieError as exc:
-                return error_result(
-                    request.id, exc, runtime=self.setup.runtime, job=job, queue_us=queue_us, session=session
-                )
-        return answer, queue_us
+                ahead.queue_us = started.queue_us
+            if cancel.cancelled:
+                raise Cancelled(f"the {what} was cancelled by the client before it ran")
+            started.answer = call(self.host_for(request, job.functions), self.output_for(request))
+        except ReadieError as exc:
+            started.error = exc
+        except BaseException:
+            self.slots.release()
+            raise
+        return started
+
+    async def reached(self, started: Started[_Answer]) -> tuple[_Answer, int] | Result:
+        """The backend's answer to what :meth:`start` began, or the line for its error; the slot is free after."""
+        try:
+            if started.error is None:
+                assert started.answer is not None
+                try:
+                    return await started.answer, started.queue_us
+                except ReadieError as exc:
+                    started.error = exc
+            return error_result(
+                started.request_id, started.error, runtime=self.setup.runtime, job=started.job,
+                queue_us=started.queue_us, session=started.session,
+            )
+        finally:
+            self.slots.release()
+
+    def slot_free(self) -> bool:
+        """A slot can be taken now without waiting (and nobody waits for one before)."""
+        return not self.slots.locked()
 
     # ------------------------------------------------------------------ host functions and output
 
@@ -280,6 +319,19 @@ class PoolTasks:
     def _put(self, line: bytes, budget: asyncio.BoundedSemaphore | None) -> None:
         self.unwritten += 1
         self.outbox.put_nowait((line, budget))
+
+
+class Started(Generic[_Answer]):
+    """A task's call to the backend, begun (:meth:`PoolTasks.start`): what it awaits, or the error it
+    raised at once; and what the line of an error reports."""
+
+    def __init__(self, tasks: PoolTasks, request_id: RequestId, job: CodeJob, session: str | None) -> None:
+        self.request_id = request_id
+        self.job = job
+        self.session = session
+        self.queue_us = 0
+        self.answer: Awaitable[_Answer] | None = None
+        self.error: ReadieError | None = None
 
 
 class ResultAhead(Generic[_Outcome]):
