@@ -168,7 +168,7 @@ def refused_result(refusal: Refused, runtime: RuntimeInfo | None = None) -> Resu
 
 def step_result(
     id: RequestId, outcome: StepOutcome, *, runtime: RuntimeInfo, job: CodeJob, queue_us: int, session: str,
-    session_key: str | None,
+    session_key: str | None = None,
 ) -> Result:
     """The result line for a session's step (:func:`job_result` with the step's fields)."""
     return job_result(

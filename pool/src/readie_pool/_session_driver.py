@@ -87,7 +87,8 @@ class SessionDriver:
             self._tasks.stats.session_started()
         previous, done = session.enqueue()
         ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
-        started = await self._start_now(session, request, parsed_at, cancel, ahead) if previous is None else None
+        idle = previous is None or previous.is_set()  # every request before it answered
+        started = await self._start_now(session, request, parsed_at, cancel, ahead) if idle else None
         self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel, ahead, started))
 
     def accept_close(self, request: CloseSession) -> None:
@@ -388,8 +389,7 @@ class SessionDriver:
         """With a slot taken: the step (or, ``step`` None, the session's opening) handed to the backend."""
         if ahead is not None:
             ahead.build = lambda outcome, queue_us: step_result(
-                request.id, outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=session.name,
-                session_key=None,
+                request.id, outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=session.name
             )
         reach = self._reach(session, job, step, request, cancel, ahead)
         return self._tasks.start(request, job, parsed_at, cancel, reach, what="step", session=session.name, ahead=ahead)
