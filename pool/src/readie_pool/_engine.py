@@ -3,7 +3,10 @@
 One asyncio task reads (intake), one writes, and each accepted job is a task
 of its own that waits for one of ``workers`` slots and then for the
 :class:`~readie_pool._backend.JobBackend` (whose job thread writes the result
-line itself when it can: ``_tasks``, ``ResultAhead``). Everything the protocol decides
+line itself when it can: ``_tasks``, ``ResultAhead``). A job with inline code
+that finds a slot free is handed to the backend by intake, before its task
+starts (decision 0033: a threaded backend's job thread has it at once), and
+its task only awaits the answer; so is a session's later step. Everything the protocol decides
 is delegated to the pure layers: :mod:`readie_protocol.lines` splits,
 :mod:`readie_protocol.requests` parses, :mod:`readie_policy.policy` resolves
 (through ``_job_building``), ``_results`` and ``_events`` build what is written.
