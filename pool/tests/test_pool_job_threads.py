@@ -181,3 +181,46 @@ def test_with_no_slot_free_a_job_waits_for_one_in_its_task(tmp_path):
     assert asyncio.run(main()) == ["held", "next"]
     assert backend.callers == {"held": "readie-pool-intake", "next": backend.callers["next"]}
     assert backend.callers["next"] != "readie-pool-intake"
+
+
+class _Refusing(_Runner):
+    def run_job(self, job, job_id=None, host=None, cancel=None, output=None):
+        if job.code == "refuse":
+            raise PoolWorkerError("no worker")
+        return ok_outcome(job.code)
+
+
+def test_what_a_started_job_raises_and_a_bug_after_it_each_cost_one_line(tmp_path, monkeypatch):
+    from readie_pool._tasks import PoolTasks
+
+    count_host = PoolTasks.count_host
+
+    def broken(self, outcome):
+        if outcome.stdout == "bug":
+            raise RuntimeError("a bug in the bookkeeping")
+        count_host(self, outcome)
+
+    monkeypatch.setattr(PoolTasks, "count_host", broken)
+    lines = [{"id": "r", "code": "refuse"}, {"id": "b", "code": "bug"}, {"id": "ok", "code": "fine"}]
+    results = _serve(tmp_path, _Recording(_Refusing(), slots=1), lines, workers=1)
+    by_id = {line["id"]: line for line in results}
+    assert by_id["r"]["error"]["type"] == "PoolWorkerError"
+    assert by_id["b"]["error"]["message"] == "internal error (RuntimeError)"
+    assert by_id["ok"]["stdout"] == "fine"  # and the one slot came back each time
+
+
+def test_a_step_after_a_bug_in_its_sessions_bookkeeping_opens_a_new_session(tmp_path, monkeypatch):
+    from readie_pool._tasks import PoolTasks
+
+    count_host = PoolTasks.count_host
+
+    def broken(self, outcome):
+        if outcome.stdout == "bug":
+            raise RuntimeError("a bug in the bookkeeping")
+        count_host(self, outcome)
+
+    monkeypatch.setattr(PoolTasks, "count_host", broken)
+    lines = [{"id": n, "session": "s", "code": code} for n, code in (("1", "a = 1"), ("2", "bug"), ("3", "again"))]
+    results = _serve(tmp_path, ThreadedBackend(_Runner(), slots=2), lines)
+    assert [(line["id"], line.get("step")) for line in results] == [("1", 1), ("2", None), ("3", 1)]
+    assert results[1]["error"]["message"] == "internal error (RuntimeError)"

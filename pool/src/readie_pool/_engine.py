@@ -58,7 +58,7 @@ from typing import Protocol
 
 import structlog
 from readie_protocol.connection import PoolConnection, Role
-from readie_protocol.events import CancelledEvent, ReadyEvent
+from readie_protocol.events import CancelledEvent
 from readie_protocol.cancel import Cancellation
 from readie_worker.errors import ReadieError, RequestError, internal_error
 from readie_worker.jobs import CodeJob, JobOutcome
@@ -210,7 +210,7 @@ class PoolEngine:
         failed or an abort gave up on writing.
         """
         try:
-            await sink.write(self._connection.send(self._ready()))
+            await sink.write(self._connection.send(self.setup.ready_event()))
         except OSError as exc:
             log.error("cannot write the ready event", error=str(exc))
             return 1
@@ -362,7 +362,10 @@ class PoolEngine:
             cancel = self._tasks.cancellable(request.id)
             ahead: ResultAhead[JobOutcome] | None = self._tasks.ahead_for(request)
             started = await self._start_now(request, parsed_at, cancel, ahead)
-            self._tasks.spawn(self._run(request, parsed_at, cancel, ahead, started))
+            if started is None:
+                self._tasks.spawn(self._run(request, parsed_at, cancel, ahead))
+            else:
+                self._tasks.follow(started, lambda reached: self._answered(request, cancel, ahead, started, reached))
         else:  # pragma: no cover - replies never take a permit (_intake)
             raise TypeError(f"unhandled request {type(request).__name__}")
 
@@ -404,11 +407,26 @@ class PoolEngine:
         )
 
     async def _run(
-        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None,
-        started: Started[JobOutcome] | None,
+        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
     ) -> None:
         try:
-            result = await self._result_for(request, parsed_at, cancel, ahead, started)
+            result = await self._result_for(request, parsed_at, cancel, ahead)
+        except Exception as exc:  # a bug must cost this job, never the pool's accounting
+            log.exception("internal error running a job", id=request.id)
+            result = self._tasks.bug_result(request.id, internal_error(exc), ahead)
+        finally:
+            self._tasks.cancelled_with(request.id, cancel)
+        self._tasks.finish(result, ahead=ahead)
+
+    def _answered(
+        self, request: JobRequest, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None,
+        started: Started[JobOutcome], reached: Callable[[], tuple[JobOutcome, int] | Result] | None,
+    ) -> None:
+        """:meth:`_run` for a job intake started, in its answer's callback (None: cancelled by an abort)."""
+        try:
+            if reached is None:
+                return
+            result = self._job_answer(request, ahead, started, reached())
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
             result = self._tasks.bug_result(request.id, internal_error(exc), ahead)
@@ -417,17 +435,20 @@ class PoolEngine:
         self._tasks.finish(result, ahead=ahead)
 
     async def _result_for(
-        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None,
-        started: Started[JobOutcome] | None,
+        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
     ) -> Result:
-        if started is None:
-            try:
-                job = await code_job(self.setup, request)
-            except ReadieError as exc:  # refused before anything ran: no policy, no queue time
-                return error_result(request.id, exc, runtime=self.setup.runtime)
-            await self._tasks.slots.acquire()
-            started = self._start(request, job, parsed_at, cancel, ahead)
-        reached = await self._tasks.reached(started)
+        try:
+            job = await code_job(self.setup, request)
+        except ReadieError as exc:  # refused before anything ran: no policy, no queue time
+            return error_result(request.id, exc, runtime=self.setup.runtime)
+        await self._tasks.slots.acquire()
+        started = self._start(request, job, parsed_at, cancel, ahead)
+        return self._job_answer(request, ahead, started, await self._tasks.reached(started))
+
+    def _job_answer(
+        self, request: JobRequest, ahead: ResultAhead[JobOutcome] | None, started: Started[JobOutcome],
+        reached: tuple[JobOutcome, int] | Result,
+    ) -> Result:
         if isinstance(reached, Result):
             return reached
         outcome, queue_us = reached
@@ -468,16 +489,6 @@ class PoolEngine:
                 if budget is not None:
                     budget.release()
                     self._changed.set()
-
-    def _ready(self) -> ReadyEvent:
-        setup = self.setup
-        return ReadyEvent.pool(
-            workers=setup.workers,
-            preloaded_modules=setup.runtime.preloaded_modules,
-            package_dirs=setup.package_dirs,
-            config=setup.config.path,
-            profiles=setup.config.profile_names,
-        )
 
     def _uptime_ms(self) -> int:
         return (self._now_ns() - self._started_ns) // 1_000_000

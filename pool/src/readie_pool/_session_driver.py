@@ -6,8 +6,10 @@ it is answered, and waits for the request of its session read before it; a
 step holds one of the engine's ``workers`` slots only while it runs, so an
 idle session costs a sandbox and no slot. The first step opens the session
 through the backend (``open_session``) with a job built as any job is
-(``_job_building``); later steps go to its handle. A session idle for
-``session_idle`` is closed by a timer, without an output line (nobody asked).
+(``_job_building``); later steps go to its handle, from intake itself when nothing
+waits before them and a slot is free (decision 0033: no task, the answer's callback
+finishes the step). A session idle for ``session_idle`` is closed by a timer
+(``_session_idle``), without an output line (nobody asked).
 
 Hibernation (decision 0022): ``{"hibernate": true}`` and ``{"fork": name}``
 queue in their session like a step and hold a slot while they run. A
@@ -54,6 +56,7 @@ from readie_protocol.requests import AttachSession, CloseSession, ForkSession, H
 from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
 from ._results import error_result, step_result
+from ._session_idle import IdleTimers
 from ._sessions import NamedSession, SessionPhase, SessionTable, not_open
 from ._tasks import PoolTasks, ResultAhead, Started
 from ._transfers import Transfer, TransferEvent, move
@@ -71,9 +74,9 @@ class SessionDriver:
 
     def __init__(self, tasks: PoolTasks, serving: Callable[[], bool]) -> None:
         self._tasks = tasks
-        self._serving = serving  # the engine's: no idle timers once it drains
         self._setup = tasks.setup
         self.table = SessionTable(tasks.setup.max_sessions)
+        self._idle = IdleTimers(tasks, serving, self.close_in_background, lambda session: self._hibernated(session, None))
 
     async def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
         """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session. A later step
@@ -89,7 +92,21 @@ class SessionDriver:
         ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
         idle = previous is None or previous.is_set()  # every request before it answered
         started = await self._start_now(session, request, parsed_at, cancel, ahead) if idle else None
-        self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel, ahead, started))
+        if started is None:
+            self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel, ahead))
+            return
+
+        def answered(reached: Callable[[], tuple[StepOutcome, int] | Result] | None) -> None:
+            result: Result | None = None
+            try:
+                if reached is not None:
+                    result = self._step_answer(session, request, started, reached(), ahead, first=False)
+            except Exception as exc:  # a bug must cost this step (and its session), never the pool
+                result = self._step_bug(session, request, exc, ahead)
+            finally:
+                self._step_answered(session, request, cancel, done, ahead, result)
+
+        self._tasks.follow(started, answered)
 
     def accept_close(self, request: CloseSession) -> None:
         session = self.table.get(request.session)
@@ -178,7 +195,7 @@ class SessionDriver:
             session.answered()
             self._send(answer)
             done.set()
-            self._arm_idle_timer(session)
+            self._idle.arm(session)
 
     async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | Result:
         if session.ended or session.handle is None:
@@ -217,7 +234,7 @@ class SessionDriver:
                 event.set()
             self._send(answer)
             for session in (source, target):
-                self._arm_idle_timer(session)
+                self._idle.arm(session)
 
     async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | Result:
         if source.ended or source.handle is None or target.ended:
@@ -250,7 +267,7 @@ class SessionDriver:
             session.answered()
             done.set()
             self._send(answer)
-            self._arm_idle_timer(session)
+            self._idle.arm(session)
 
     async def _attached(self, session: NamedSession, request: AttachSession) -> AttachedEvent | Result:
         try:
@@ -298,53 +315,69 @@ class SessionDriver:
         done: asyncio.Event,
         cancel: Cancellation,
         ahead: ResultAhead[StepOutcome] | None,
-        started: Started[StepOutcome] | None,
     ) -> None:
         result: Result | None = None
         try:
             if previous is not None:
                 await previous.wait()
-            result = await self._step_result(session, request, parsed_at, cancel, ahead, started)
+            result = await self._step_result(session, request, parsed_at, cancel, ahead)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
-            log.exception("internal error running a session step", id=request.id)
-            error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
-            result = self._tasks.bug_result(request.id, error, ahead)
-            self.close_in_background(session, "internal error")
+            result = self._step_bug(session, request, exc, ahead)
         finally:
-            # Answered before the next request of the session may start.
-            self._tasks.cancelled_with(request.id, cancel)
-            session.answered()
-            if result is not None:
-                self._tasks.finish(result, ahead=ahead)
-            done.set()
-            self._arm_idle_timer(session)
+            self._step_answered(session, request, cancel, done, ahead, result)
+
+    def _step_bug(
+        self, session: NamedSession, request: JobRequest, exc: Exception, ahead: ResultAhead[StepOutcome] | None
+    ) -> Result:
+        log.exception("internal error running a session step", id=request.id)
+        error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
+        self.close_in_background(session, "internal error")
+        return self._tasks.bug_result(request.id, error, ahead)
+
+    def _step_answered(
+        self, session: NamedSession, request: JobRequest, cancel: Cancellation, done: asyncio.Event,
+        ahead: ResultAhead[StepOutcome] | None, result: Result | None,
+    ) -> None:
+        # Answered before the next request of the session may start.
+        self._tasks.cancelled_with(request.id, cancel)
+        session.answered()
+        if result is not None:
+            self._tasks.finish(result, ahead=ahead)
+        done.set()
+        self._idle.arm(session)
 
     async def _step_result(
         self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
-        ahead: ResultAhead[StepOutcome] | None, started: Started[StepOutcome] | None,
+        ahead: ResultAhead[StepOutcome] | None,
     ) -> Result:
         """The step's result; ``ahead`` builds it on the job's thread for a later step (a first step's line
-        carries the key of the handle the loop keeps). ``started``: the backend has it (``accept_step``)."""
+        carries the key of the handle the loop keeps)."""
         runtime, name = self._setup.runtime, session.name
-        first = started is None and session.handle is None
-        if started is None:
-            if session.ended:
-                why = RequestError(f"session {name!r} ended before this step ran", "session")
-                return error_result(request.id, why, runtime=runtime, session=name)
-            try:
-                if first:
-                    job, step = await code_job(self._setup, request), None
-                    session.functions = job.functions
-                else:
-                    assert session.job is not None
-                    step, job = later_step(self._setup, session.job, request)
-            except ReadieError as exc:  # refused before anything ran
-                if first:
-                    self._end_session(session)
-                return error_result(request.id, exc, runtime=runtime, session=name)
-            await self._tasks.slots.acquire()
-            started = self._start(session, request, parsed_at, cancel, None if first else ahead, job, step)
-        reached = await self._tasks.reached(started)
+        first = session.handle is None
+        if session.ended:
+            why = RequestError(f"session {name!r} ended before this step ran", "session")
+            return error_result(request.id, why, runtime=runtime, session=name)
+        try:
+            if first:
+                job, step = await code_job(self._setup, request), None
+                session.functions = job.functions
+            else:
+                assert session.job is not None
+                step, job = later_step(self._setup, session.job, request)
+        except ReadieError as exc:  # refused before anything ran
+            if first:
+                self._end_session(session)
+            return error_result(request.id, exc, runtime=runtime, session=name)
+        await self._tasks.slots.acquire()
+        started = self._start(session, request, parsed_at, cancel, None if first else ahead, job, step)
+        return self._step_answer(session, request, started, await self._tasks.reached(started), ahead, first=first)
+
+    def _step_answer(
+        self, session: NamedSession, request: JobRequest, started: Started[StepOutcome],
+        reached: tuple[StepOutcome, int] | Result, ahead: ResultAhead[StepOutcome] | None, *, first: bool,
+    ) -> Result:
+        """A step's result from what the backend answered (``reached``), the session's table and stats
+        kept: on the loop, in the step's task or (``accept_step``) the answer's callback."""
         if isinstance(reached, Result):
             # A refusal of the first step leaves no session; a lost step (decision 32) leaves it open
             # (its next step resumes from the store); any other failure ends it.
@@ -362,7 +395,8 @@ class SessionDriver:
             return ahead.built
         key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
         return step_result(
-            request.id, outcome, runtime=runtime, job=started.job, queue_us=queue_us, session=name, session_key=key
+            request.id, outcome, runtime=self._setup.runtime, job=started.job, queue_us=queue_us,
+            session=session.name, session_key=key,
         )
 
     async def _start_now(
@@ -455,45 +489,3 @@ class SessionDriver:
         if handle is not None:
             log.info("closing a session", session=session.name, why=why)
             self._tasks.spawn(handle.close())
-
-    def _arm_idle_timer(self, session: NamedSession) -> None:
-        if session.phase is not SessionPhase.OPEN or session.pending or not self._serving():
-            return
-        session.stop_idle_timer()
-        loop = asyncio.get_running_loop()
-        session.idle_since = loop.time()
-        session.idle = loop.call_later(self._setup.session_idle_ms / 1000, self._idle_expired, session)
-        hibernate_ms = self._setup.session_hibernate_ms
-        if hibernate_ms is not None and session.handle is not None and not session.handle.hibernated:
-            session.hibernation = loop.call_later(hibernate_ms / 1000, self._hibernate_idle, session)
-
-    def _idle_expired(self, session: NamedSession) -> None:
-        session.idle = None
-        if session.phase is SessionPhase.OPEN and not session.pending:
-            self.close_in_background(session, "idle")
-
-    def _hibernate_idle(self, session: NamedSession) -> None:
-        session.hibernation = None
-        if session.phase is SessionPhase.OPEN and not session.pending and session.handle is not None:
-            previous, done = session.enqueue(idle=True)
-            self._tasks.spawn(self._idle_hibernation(session, previous, done))
-
-    async def _idle_hibernation(self, session: NamedSession, previous: asyncio.Event | None, done: asyncio.Event) -> None:
-        try:
-            if previous is not None:
-                await previous.wait()
-            answer = await self._hibernated(session, None)
-            if isinstance(answer, Result) and answer.error is not None:  # nobody asked: logged, not answered
-                log.warning("a session could not hibernate", session=session.name, error=answer.error.message)
-        except Exception:  # a bug must cost this session, never the pool
-            log.exception("internal error hibernating an idle session", session=session.name)
-            self.close_in_background(session, "internal error")
-        finally:
-            session.answered()
-            done.set()
-            if session.idle is None and session.phase is SessionPhase.OPEN and not session.pending and self._serving():
-                # Its close timer came due while it hibernated: what is left of session_idle.
-                loop = asyncio.get_running_loop()
-                left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()
-                session.idle = loop.call_later(max(0.0, left), self._idle_expired, session)
-

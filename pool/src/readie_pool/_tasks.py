@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Awaitable, Callable
@@ -78,7 +79,7 @@ class PoolTasks:
         self.now_ns = monotonic_ns
         self.slots = asyncio.Semaphore(setup.workers)
         self.outbox: Outbox = asyncio.Queue()
-        self.running: set[asyncio.Task[None]] = set()
+        self.running: set[asyncio.Future[Any]] = set()  # tasks, and backend answers followed without one
         self._connection = connection
         self.host_calls = HostCalls(connection.send)
         self._permits = permits  # what an answer releases unless it says otherwise
@@ -189,12 +190,53 @@ class PoolTasks:
                     return await started.answer, started.queue_us
                 except ReadieError as exc:
                     started.error = exc
-            return error_result(
-                started.request_id, started.error, runtime=self.setup.runtime, job=started.job,
-                queue_us=started.queue_us, session=started.session,
-            )
+            return self._error_line(started)
         finally:
             self.slots.release()
+
+    def follow(
+        self, started: Started[_Answer], then: Callable[[Callable[[], tuple[_Answer, int] | Result] | None], None]
+    ) -> None:
+        """:meth:`reached` without a task: once the backend answers, ``then`` is called on the loop (in the
+        answer's callback) with what gives what :meth:`reached` would (or raises the bug it would), or
+        None when the answer was cancelled, as an abort cancels a task. The answer is in :attr:`running`
+        until ``then`` has returned."""
+        if started.error is not None:
+            self.slots.release()
+            then(functools.partial(self._error_line, started))
+            return
+        assert started.answer is not None
+        answer = asyncio.ensure_future(started.answer)
+        self.running.add(answer)
+
+        def settled(answer: asyncio.Future[_Answer]) -> None:
+            try:
+                if answer.cancelled():
+                    self.slots.release()
+                    then(None)
+                else:
+                    then(functools.partial(self._answered, started, answer))
+            finally:
+                self.running.discard(answer)
+
+        answer.add_done_callback(settled)
+
+    def _answered(self, started: Started[_Answer], answer: asyncio.Future[_Answer]) -> tuple[_Answer, int] | Result:
+        try:
+            try:
+                return answer.result(), started.queue_us
+            except ReadieError as exc:
+                started.error = exc
+                return self._error_line(started)
+        finally:
+            self.slots.release()
+
+    def _error_line(self, started: Started[Any]) -> Result:
+        assert started.error is not None
+        return error_result(
+            started.request_id, started.error, runtime=self.setup.runtime, job=started.job,
+            queue_us=started.queue_us, session=started.session,
+        )
 
     def slot_free(self) -> bool:
         """A slot can be taken now without waiting (and nobody waits for one before)."""
