@@ -8,6 +8,13 @@ written. :class:`PoolTasks` owns those parts; the engine owns intake, the
 lifecycle and the writer that drains :attr:`PoolTasks.outbox`, and
 ``_session_driver`` owns the sessions. Neither reaches into the other.
 
+A job with inline code or a session's later step that finds a slot free is
+handed to the backend by intake itself (:meth:`PoolTasks.start`: a threaded
+backend's job thread has it when that returns), and has no task: its answer is
+in :attr:`PoolTasks.running` until the callback it was given
+(:meth:`PoolTasks.follow`) has finished it on the loop, as its task would have
+(decision 0033, "The hop into the job thread").
+
 A job's or a step's result line is written by its job thread the moment the
 backend has the outcome (:class:`ResultAhead`, decision 0033), when that can
 be done as a host call's line is (``write_now``: a pipe with room, one line of
