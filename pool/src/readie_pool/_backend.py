@@ -41,6 +41,8 @@ The contract every backend keeps:
   thread for each call the job makes to its declared functions), and an
   ``output`` sink (:data:`~readie_worker.jobs.OutputSink`, called on that
   thread with the job's output as it is written, all before the outcome).
+* ``run`` and ``run_step`` may start the job when called, not when awaited (a threaded
+  backend has handed it to a job thread when they return: no task need start first);
 * ``then``: ``run`` and ``run_step`` call it with the outcome they return,
   before they return it, on the job's thread where there is one (the pool
   writes the result line there: ``PoolTasks.ahead_for``); never when they raise.
@@ -53,20 +55,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import structlog
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_worker.core import Worker, WorkerConfig
-from readie_worker.errors import PoolWorkerError, SandboxSetupError
+from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step
 from readie_worker.manifest import MANIFEST_NAME, Checkpoint, Manifest, read_manifest
 from readie_worker.metrics import Metrics
 from readie_policy.runner import JobRunner, SessionHandle
 from readie_protocol.workspace import FileChunk, FileListing
+
+from ._job_threads import JobThreads
 from readie_worker.sessions import StepOutcome
 
 __all__ = [
@@ -78,6 +81,7 @@ __all__ = [
     "LocalWorkerBackend",
     "ThreadedBackend",
     "choose_checkpoint",
+    "detach_logged",
     "manifest_path",
 ]
 
@@ -110,10 +114,10 @@ class BackendSession(Protocol):
     @property
     def key(self) -> str | None: ...
 
-    async def run_step(
+    def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER, then: Callable[[StepOutcome], None] | None = None,
-    ) -> StepOutcome:
+    ) -> Awaitable[StepOutcome]:
         """``cancel`` stops the step (and so ends the session)."""
         ...
 
@@ -153,10 +157,10 @@ class BackendSession(Protocol):
 class JobBackend(Protocol):
     """Runs code jobs for the pool engine; see the module docstring for the contract."""
 
-    async def run(
+    def run(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
         output: OutputSink | None = None, then: Callable[[JobOutcome], None] | None = None,
-    ) -> JobOutcome:
+    ) -> Awaitable[JobOutcome]:
         """``cancel`` (the client's cancel request): the job stops and its sandbox is freed."""
         ...
 
@@ -182,16 +186,15 @@ class ThreadedBackend:
 
     def __init__(self, runner: JobRunner, slots: int) -> None:
         self.runner = runner
-        self._threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="readie-job")
-        self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="readie-files")
-        self._closed = False
+        self._threads = JobThreads(slots, "readie-job")
+        self._transfer_threads = JobThreads(TRANSFER_THREADS, "readie-files")
 
-    async def run(
+    def run(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
         output: OutputSink | None = None, then: Callable[[JobOutcome], None] | None = None,
-    ) -> JobOutcome:
+    ) -> asyncio.Future[JobOutcome]:
         run = functools.partial(self.runner.run_job, job, job_id, host, cancel=cancel, output=output)
-        return await self._on_thread(_and_then(run, then))
+        return self._threads.submit(_and_then(run, then))
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
@@ -208,16 +211,15 @@ class ThreadedBackend:
         return _ThreadedSession(self, session), step
 
     async def _on_thread(self, call: Callable[[], _T], *, transfer: bool = False) -> _T:
-        if self._closed:
-            raise PoolWorkerError("the pool is shutting down; the job did not run")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._transfer_threads if transfer else self._threads, call)
+        return await (self._transfer_threads if transfer else self._threads).submit(call)
 
     async def close(self) -> None:
-        self._closed = True
+        # Threads first marked closed (a queued job does not run), then the runner's close ends
+        # the running ones, then the threads are joined.
+        self._threads.closed = self._transfer_threads.closed = True
         await asyncio.to_thread(self.runner.close)
         for threads in (self._threads, self._transfer_threads):
-            await asyncio.to_thread(threads.shutdown, wait=True, cancel_futures=True)
+            await threads.close()
 
 
 class _ThreadedSession:
@@ -238,12 +240,12 @@ class _ThreadedSession:
     def __repr__(self) -> str:  # never the key
         return f"<session {self.session.id}>"
 
-    async def run_step(
+    def run_step(
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER, then: Callable[[StepOutcome], None] | None = None,
-    ) -> StepOutcome:
+    ) -> asyncio.Future[StepOutcome]:
         run = functools.partial(self.session.run_step, step, job_id=job_id, host=host, output=output, cancel=cancel)
-        return await self._backend._on_thread(_and_then(run, then))
+        return self._backend._threads.submit(_and_then(run, then))
 
     async def close(self) -> None:
         # Off the job threads: a close must not wait behind running steps.
@@ -320,6 +322,14 @@ class LocalWorkerBackend(ThreadedBackend):
         # A thread that was restoring when the sweep ran may have made a
         # sandbox after it; now that every thread is done, sweep again.
         await asyncio.to_thread(self.runner.close)
+
+
+async def detach_logged(handle: BackendSession, name: str) -> None:
+    """``handle.detach()``; what it raises has ended the session: logged, as nobody waits to be told."""
+    try:
+        await handle.detach()
+    except Exception as exc:
+        log.warning("a session could not be detached and has ended", session=name, error=f"{type(exc).__name__}: {exc}")
 
 
 def _and_then(call: Callable[[], _T], then: Callable[[_T], None] | None) -> Callable[[], _T]:

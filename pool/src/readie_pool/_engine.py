@@ -3,7 +3,10 @@
 One asyncio task reads (intake), one writes, and each accepted job is a task
 of its own that waits for one of ``workers`` slots and then for the
 :class:`~readie_pool._backend.JobBackend` (whose job thread writes the result
-line itself when it can: ``_tasks``, ``ResultAhead``). Everything the protocol decides
+line itself when it can: ``_tasks``, ``ResultAhead``). A job with inline code
+that finds a slot free is handed to the backend by intake, before its task
+starts (decision 0033: a threaded backend's job thread has it at once), and
+its task only awaits the answer; so is a session's later step. Everything the protocol decides
 is delegated to the pure layers: :mod:`readie_protocol.lines` splits,
 :mod:`readie_protocol.requests` parses, :mod:`readie_policy.policy` resolves
 (through ``_job_building``), ``_results`` and ``_events`` build what is written.
@@ -55,14 +58,14 @@ from typing import Protocol
 
 import structlog
 from readie_protocol.connection import PoolConnection, Role
-from readie_protocol.events import CancelledEvent, ReadyEvent
+from readie_protocol.events import CancelledEvent
 from readie_protocol.cancel import Cancellation
 from readie_worker.errors import ReadieError, RequestError, internal_error
-from readie_worker.jobs import JobOutcome
+from readie_worker.jobs import CodeJob, JobOutcome
 
 from ._backend import JobBackend
 from ._intake import MAX_PARKED_BYTES, ByteSource, Parked, RequestReader
-from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job
+from ._job_building import FALLBACK_CWD, MAX_SCRIPT_BYTES, code_job, code_job_now
 from readie_protocol.requests import (
     AttachSession, CancelJob, CloseSession, DownloadChunk, ForkSession, HibernateSession, JobRequest, ListFiles,
     Refused, ReplyRequest, Request, StatsRequest, UploadChunk,
@@ -71,7 +74,7 @@ from readie_protocol.results import Result
 from ._results import error_result, job_result, refused_result
 from ._session_driver import SessionDriver
 from ._setup import QUEUE_FACTOR, PoolSetup
-from ._tasks import PoolTasks, ResultAhead
+from ._tasks import PoolTasks, ResultAhead, Started
 
 __all__ = [
     "ABORT_WRITE_GRACE_S",
@@ -207,7 +210,7 @@ class PoolEngine:
         failed or an abort gave up on writing.
         """
         try:
-            await sink.write(self._connection.send(self._ready()))
+            await sink.write(self._connection.send(self.setup.ready_event()))
         except OSError as exc:
             log.error("cannot write the ready event", error=str(exc))
             return 1
@@ -288,7 +291,7 @@ class PoolEngine:
                     # Nothing waits before it and a permit is free: taken here (acquire cannot wait),
                     # without the hop through the admitting task.
                     await self._permits.acquire()
-                    self._admit_one(request, parsed_at)
+                    await self._admit_one(request, parsed_at)
                     continue
                 parked.push(request, parsed_at, size)
                 self._changed.set()
@@ -312,14 +315,14 @@ class PoolEngine:
                 return
             await self._permits.acquire()
             request, parsed_at = parked.pop()
-            self._admit_one(request, parsed_at)
+            await self._admit_one(request, parsed_at)
 
-    def _admit_one(self, request: Request | Refused, parsed_at: int) -> None:
-        """Answer (or start the task that answers) a line that has just taken its permit."""
+    async def _admit_one(self, request: Request | Refused, parsed_at: int) -> None:
+        """Answer (or start the task that answers) a line that has just taken its permit; never waits."""
         self._changed.set()
         self.accepted += 1
         try:
-            self._accept(request, parsed_at)
+            await self._accept(request, parsed_at)
         except Exception as exc:  # a bug must cost one line, never the pool
             log.exception("internal error handling a line")
             self._tasks.finish(error_result(None, internal_error(exc)))
@@ -332,8 +335,9 @@ class PoolEngine:
                 return
             await self._changed.wait()
 
-    def _accept(self, request: Request | Refused, parsed_at: int) -> None:
-        """Answer ``request`` now, or start the task that will. Exactly one answer either way."""
+    async def _accept(self, request: Request | Refused, parsed_at: int) -> None:
+        """Answer ``request`` now, or start the task that will. Exactly one answer either way. Never
+        waits: what it awaits (a free slot) is there."""
         if isinstance(request, Refused):
             self._tasks.finish(refused_result(request, self.setup.runtime))
         elif isinstance(request, StatsRequest):
@@ -350,21 +354,79 @@ class PoolEngine:
         elif isinstance(request, UploadChunk | DownloadChunk | ListFiles):
             self._session_driver.accept_transfer(request)
         elif isinstance(request, JobRequest) and request.session is not None:
-            self._session_driver.accept_step(request, parsed_at, self._tasks.cancellable(request.id))
+            await self._session_driver.accept_step(request, parsed_at, self._tasks.cancellable(request.id))
         elif isinstance(request, CancelJob):
             found = self._tasks.cancel(request.target)
             self._tasks.answer(CancelledEvent(request.id, request.target, found=found))
         elif isinstance(request, JobRequest):
-            self._tasks.spawn(self._run(request, parsed_at, self._tasks.cancellable(request.id)))
+            cancel = self._tasks.cancellable(request.id)
+            ahead: ResultAhead[JobOutcome] | None = self._tasks.ahead_for(request)
+            started = await self._start_now(request, parsed_at, cancel, ahead)
+            if started is None:
+                self._tasks.spawn(self._run(request, parsed_at, cancel, ahead))
+            else:
+                self._tasks.follow(started, lambda reached: self._answered(request, cancel, ahead, started, reached))
         else:  # pragma: no cover - replies never take a permit (_intake)
             raise TypeError(f"unhandled request {type(request).__name__}")
 
     # ------------------------------------------------------------------ jobs
 
-    async def _run(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
-        ahead: ResultAhead[JobOutcome] | None = self._tasks.ahead_for(request)
+    async def _start_now(
+        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
+    ) -> Started[JobOutcome] | None:
+        """A job with inline code, handed to the backend before its task starts when a slot is free
+        (taking it cannot wait then); None: its task does it all."""
+        if not self._tasks.slot_free():
+            return None
+        try:
+            job = code_job_now(self.setup, request)
+        except ReadieError:  # its task refuses it, as any refused job
+            return None
+        if job is None:  # a script, read off the loop by its task
+            return None
+        await self._tasks.slots.acquire()  # free: cannot wait
+        try:
+            return self._start(request, job, parsed_at, cancel, ahead)  # the slot is free again if it raised
+        except Exception:  # a bug: its task meets it again, and answers it
+            log.exception("internal error starting a job", id=request.id)
+            return None
+
+    def _start(
+        self, request: JobRequest, job: CodeJob, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
+    ) -> Started[JobOutcome]:
+        """With a slot taken: ``job`` handed to the backend."""
+        runtime = self.setup.runtime
+        if ahead is not None:
+            ahead.build = lambda outcome, queue_us: job_result(
+                request.id, outcome, runtime=runtime, job=job, queue_us=queue_us
+            )
+        return self._tasks.start(
+            request, job, parsed_at, cancel,
+            lambda host, output: self.backend.run(job, str(request.id), host, cancel, output, then=ahead),
+            ahead=ahead,
+        )
+
+    async def _run(
+        self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
+    ) -> None:
         try:
             result = await self._result_for(request, parsed_at, cancel, ahead)
+        except Exception as exc:  # a bug must cost this job, never the pool's accounting
+            log.exception("internal error running a job", id=request.id)
+            result = self._tasks.bug_result(request.id, internal_error(exc), ahead)
+        finally:
+            self._tasks.cancelled_with(request.id, cancel)
+        self._tasks.finish(result, ahead=ahead)
+
+    def _answered(
+        self, request: JobRequest, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None,
+        started: Started[JobOutcome], reached: Callable[[], tuple[JobOutcome, int] | Result] | None,
+    ) -> None:
+        """:meth:`_run` for a job intake started, in its answer's callback (None: cancelled by an abort)."""
+        try:
+            if reached is None:
+                return
+            result = self._job_answer(request, ahead, started, reached())
         except Exception as exc:  # a bug must cost this job, never the pool's accounting
             log.exception("internal error running a job", id=request.id)
             result = self._tasks.bug_result(request.id, internal_error(exc), ahead)
@@ -375,29 +437,25 @@ class PoolEngine:
     async def _result_for(
         self, request: JobRequest, parsed_at: int, cancel: Cancellation, ahead: ResultAhead[JobOutcome] | None
     ) -> Result:
-        runtime = self.setup.runtime
         try:
             job = await code_job(self.setup, request)
         except ReadieError as exc:  # refused before anything ran: no policy, no queue time
-            return error_result(request.id, exc, runtime=runtime)
+            return error_result(request.id, exc, runtime=self.setup.runtime)
+        await self._tasks.slots.acquire()
+        started = self._start(request, job, parsed_at, cancel, ahead)
+        return self._job_answer(request, ahead, started, await self._tasks.reached(started))
 
-        def result_of(outcome: JobOutcome, queue_us: int) -> Result:
-            return job_result(request.id, outcome, runtime=runtime, job=job, queue_us=queue_us)
-
-        if ahead is not None:
-            ahead.build = result_of
-        reached = await self._tasks.on_backend(
-            request, job, parsed_at, cancel,
-            lambda host, output: self.backend.run(job, str(request.id), host, cancel, output, then=ahead),
-            ahead=ahead,
-        )
+    def _job_answer(
+        self, request: JobRequest, ahead: ResultAhead[JobOutcome] | None, started: Started[JobOutcome],
+        reached: tuple[JobOutcome, int] | Result,
+    ) -> Result:
         if isinstance(reached, Result):
             return reached
         outcome, queue_us = reached
         self._tasks.count_host(outcome)
         if ahead is not None and ahead.built is not None:
             return ahead.built
-        return result_of(outcome, queue_us)
+        return job_result(request.id, outcome, runtime=self.setup.runtime, job=started.job, queue_us=queue_us)
 
     # ------------------------------------------------------------------ host functions
 
@@ -431,16 +489,6 @@ class PoolEngine:
                 if budget is not None:
                     budget.release()
                     self._changed.set()
-
-    def _ready(self) -> ReadyEvent:
-        setup = self.setup
-        return ReadyEvent.pool(
-            workers=setup.workers,
-            preloaded_modules=setup.runtime.preloaded_modules,
-            package_dirs=setup.package_dirs,
-            config=setup.config.path,
-            profiles=setup.config.profile_names,
-        )
 
     def _uptime_ms(self) -> int:
         return (self._now_ns() - self._started_ns) // 1_000_000

@@ -13,9 +13,9 @@ import importlib.util
 from pathlib import Path
 
 from readie_worker.errors import RequestError
-from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob
+from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, Step
 from readie_worker.paths import PathRefused, read_no_follow
-from readie_policy.policy import Policy, resolve_policy, resolve_script
+from readie_policy.policy import Policy, check_step, resolve_policy, resolve_script
 
 from readie_protocol.requests import MAX_NAME_CHARS, JobRequest
 from ._setup import PoolSetup
@@ -24,7 +24,9 @@ __all__ = [
     "FALLBACK_CWD",
     "MAX_SCRIPT_BYTES",
     "code_job",
+    "code_job_now",
     "job_cwd",
+    "later_step",
     "read_script",
     "request_policy",
 ]
@@ -67,9 +69,37 @@ async def code_job(setup: PoolSetup, request: JobRequest) -> CodeJob:
     script = resolve_script(request, cwd=setup.cwd, limits=setup.config.limits)
     if script is not None:
         code = await asyncio.to_thread(read_script, script, str(request.script))
-        name = request.name or script_name(str(request.script))
-    else:
-        code, name = request.code or "", request.name or DEFAULT_INLINE_NAME
+        return _job(setup, request, policy, code, request.name or script_name(str(request.script)))
+    return _job(setup, request, policy, request.code or "", request.name or DEFAULT_INLINE_NAME)
+
+
+def code_job_now(setup: PoolSetup, request: JobRequest) -> CodeJob | None:
+    """:func:`code_job` without waiting, for a request with inline code; None for one naming a script
+    (read off the loop: :func:`code_job`)."""
+    if request.script is not None:
+        return None
+    return _job(setup, request, request_policy(setup, request), request.code or "", request.name or DEFAULT_INLINE_NAME)
+
+
+def later_step(setup: PoolSetup, session_job: CodeJob, request: JobRequest) -> tuple[Step, CodeJob]:
+    """A session's later step from ``request`` (checked against the pool's limits), and the job it
+    runs and its result reports: the session's job (``session_job``) with the step's fields."""
+    check_step(request.timeout_ms, request.max_output, setup.config.limits)
+    step = Step(
+        code=request.code or "",
+        name=request.name or DEFAULT_INLINE_NAME,
+        args=request.args,
+        # As the request set them: the session's job fills the rest (CodeJob.step).
+        timeout_ms=request.timeout_ms,
+        max_output=request.max_output,
+        report_files=request.report_files,
+        files=request.files,
+        collect=request.collect,
+    )
+    return step, session_job.step(step)
+
+
+def _job(setup: PoolSetup, request: JobRequest, policy: Policy, code: str, name: str) -> CodeJob:
     return CodeJob.under(
         policy,
         checkpoint=setup.checkpoint,

@@ -52,6 +52,7 @@ import signal
 
 from readie_executor.jobs import EXIT_NOT_STARTED
 from readie_worker.jobs import JobOutcome
+from readie_worker.sessions import StepOutcome
 
 from readie_worker.errors import ErrorType, ReadieError, error_type
 from readie_protocol.errors import StepLost
@@ -61,7 +62,7 @@ from ._events import DEFAULT_BACKEND, policy_info, signal_exit
 from readie_policy.jobs import CodeJob
 from readie_protocol.wire import RequestId
 
-__all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "error_result", "job_result", "refused_result"]
+__all__ = ["EXIT_NOT_STARTED", "MEMORY_BACKSTOP_EXIT", "error_result", "job_result", "refused_result", "step_result"]
 
 #: A sandbox killed by the memory backstop: the kernel's OOM killer sends SIGKILL.
 MEMORY_BACKSTOP_EXIT = signal_exit(signal.SIGKILL)
@@ -163,6 +164,18 @@ def error_result(
 def refused_result(refusal: Refused, runtime: RuntimeInfo | None = None) -> Result:
     """The result line answering a refused request."""
     return error_result(refusal.id, refusal.error, runtime=runtime)
+
+
+def step_result(
+    id: RequestId, outcome: StepOutcome, *, runtime: RuntimeInfo, job: CodeJob, queue_us: int, session: str,
+    session_key: str | None = None,
+) -> Result:
+    """The result line for a session's step (:func:`job_result` with the step's fields)."""
+    return job_result(
+        id, outcome.outcome, runtime=runtime, job=job, queue_us=queue_us, session=session, step=outcome.step,
+        session_ended=outcome.session_ended, resumed_ms=outcome.resumed_ms,
+        resumed_from_step=outcome.resumed_from_step, session_key=session_key,
+    )
 
 
 def _classify(outcome: JobOutcome) -> tuple[int, ErrorInfo | None]:

@@ -6,8 +6,10 @@ it is answered, and waits for the request of its session read before it; a
 step holds one of the engine's ``workers`` slots only while it runs, so an
 idle session costs a sandbox and no slot. The first step opens the session
 through the backend (``open_session``) with a job built as any job is
-(``_job_building``); later steps go to its handle. A session idle for
-``session_idle`` is closed by a timer, without an output line (nobody asked).
+(``_job_building``); later steps go to its handle, from intake itself when nothing
+waits before them and a slot is free (decision 0033: no task, the answer's callback
+finishes the step). A session idle for ``session_idle`` is closed by a timer
+(``_session_idle``), without an output line (nobody asked).
 
 Hibernation (decision 0022): ``{"hibernate": true}`` and ``{"fork": name}``
 queue in their session like a step and hold a slot while they run. A
@@ -41,22 +43,22 @@ from typing import TypeAlias
 import structlog
 from readie_protocol.cancel import Cancellation
 from readie_worker.errors import ErrorType, ReadieError, RequestError, SandboxSetupError, internal_error
-from readie_policy.policy import check_step
 from readie_worker.sessions import StepOutcome
 
-from readie_worker.jobs import DEFAULT_INLINE_NAME, CodeJob, HostFunction, OutputSink, Step
+from readie_worker.jobs import CodeJob, HostFunction, OutputSink, Step
 
-from ._backend import BackendSession
+from ._backend import BackendSession, detach_logged
 from readie_protocol.connection import PoolEvent
 from readie_protocol.events import AttachedEvent, ClosedEvent, ForkedEvent, HibernatedEvent
 
-from ._job_building import code_job
+from ._job_building import code_job, later_step
 from readie_protocol.requests import AttachSession, CloseSession, ForkSession, HibernateSession, JobRequest
 from readie_protocol.wire import RequestId
 from readie_protocol.results import Result
-from ._results import error_result, job_result
-from ._sessions import NamedSession, SessionPhase, SessionTable
-from ._tasks import PoolTasks, ResultAhead
+from ._results import error_result, step_result
+from ._session_idle import IdleTimers
+from ._sessions import NamedSession, SessionPhase, SessionTable, not_open
+from ._tasks import PoolTasks, ResultAhead, Started
 from ._transfers import Transfer, TransferEvent, move
 
 __all__ = ["SessionDriver"]
@@ -72,24 +74,39 @@ class SessionDriver:
 
     def __init__(self, tasks: PoolTasks, serving: Callable[[], bool]) -> None:
         self._tasks = tasks
-        self._serving = serving  # the engine's: no idle timers once it drains
         self._setup = tasks.setup
         self.table = SessionTable(tasks.setup.max_sessions)
+        self._idle = IdleTimers(tasks, serving, self.close_in_background, lambda session: self._hibernated(session, None))
 
-    def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
-        """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session."""
+    async def accept_step(self, request: JobRequest, parsed_at: int, cancel: Cancellation) -> None:
+        """Queue a step; ``cancel`` (the client's cancel of it) stops it, which ends its session. A later step
+        with nothing before it and a slot free goes to the backend here, before its task starts."""
         try:
             session, first = self.table.admit(request)
         except RequestError as exc:
             self._tasks.cancelled_with(request.id, cancel)
-            self._tasks.finish(
-                error_result(request.id, exc, runtime=self._setup.runtime, session=request.session)
-            )
-            return
+            return self._refuse(request.id, request.session, exc)
         if first:
             self._tasks.stats.session_started()
         previous, done = session.enqueue()
-        self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel))
+        ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
+        idle = previous is None or previous.is_set()  # every request before it answered
+        started = await self._start_now(session, request, parsed_at, cancel, ahead) if idle else None
+        if started is None:
+            self._tasks.spawn(self._session_step(session, request, parsed_at, previous, done, cancel, ahead))
+            return
+
+        def answered(reached: Callable[[], tuple[StepOutcome, int] | Result] | None) -> None:
+            result: Result | None = None
+            try:
+                if reached is not None:
+                    result = self._step_answer(session, request, started, reached(), ahead, first=False)
+            except Exception as exc:  # a bug must cost this step (and its session), never the pool
+                result = self._step_bug(session, request, exc, ahead)
+            finally:
+                self._step_answered(session, request, cancel, done, ahead, result)
+
+        self._tasks.follow(started, answered)
 
     def accept_close(self, request: CloseSession) -> None:
         session = self.table.get(request.session)
@@ -115,7 +132,7 @@ class SessionDriver:
         refused at once when no session of its name is open."""
         session = self.table.get(request.session)
         if session is None:
-            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            self._refuse(request.id, request.session, not_open(request.session), ended=True)
             return
         previous, done = session.enqueue()
         self._tasks.spawn(self._queued(session, request.id, previous, done, doing, work))
@@ -123,7 +140,7 @@ class SessionDriver:
     def accept_fork(self, request: ForkSession) -> None:
         source = self.table.get(request.session)
         if source is None:
-            self._refuse(request.id, request.session, _not_open(request.session), ended=True)
+            self._refuse(request.id, request.session, not_open(request.session), ended=True)
             return
         try:
             target = self.table.reserve(request.fork)
@@ -151,7 +168,7 @@ class SessionDriver:
         return sum(1 for session in self.table.sessions() if session.handle is not None and session.handle.hibernated)
 
     def _refuse(self, request_id: RequestId, name: str, error: ReadieError, *, ended: bool = False) -> None:
-        """A refused hibernate or fork; ``ended``: the session is not open (an idle close, say),
+        """A refused step, hibernate or fork; ``ended``: the session is not open (an idle close, say),
         which the result says with ``session_ended``, so a client stops taking it for open."""
         self._tasks.finish(
             error_result(request_id, error, runtime=self._setup.runtime, session=name, session_ended=ended)
@@ -178,7 +195,7 @@ class SessionDriver:
             session.answered()
             self._send(answer)
             done.set()
-            self._arm_idle_timer(session)
+            self._idle.arm(session)
 
     async def _hibernated(self, session: NamedSession, request_id: RequestId | None) -> HibernatedEvent | Result:
         if session.ended or session.handle is None:
@@ -217,7 +234,7 @@ class SessionDriver:
                 event.set()
             self._send(answer)
             for session in (source, target):
-                self._arm_idle_timer(session)
+                self._idle.arm(session)
 
     async def _forked(self, source: NamedSession, target: NamedSession, request_id: RequestId) -> ForkedEvent | Result:
         if source.ended or source.handle is None or target.ended:
@@ -250,7 +267,7 @@ class SessionDriver:
             session.answered()
             done.set()
             self._send(answer)
-            self._arm_idle_timer(session)
+            self._idle.arm(session)
 
     async def _attached(self, session: NamedSession, request: AttachSession) -> AttachedEvent | Result:
         try:
@@ -297,67 +314,70 @@ class SessionDriver:
         previous: asyncio.Event | None,
         done: asyncio.Event,
         cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None,
     ) -> None:
         result: Result | None = None
-        ahead: ResultAhead[StepOutcome] | None = self._tasks.ahead_for(request)  # a later step's
         try:
             if previous is not None:
                 await previous.wait()
             result = await self._step_result(session, request, parsed_at, cancel, ahead)
         except Exception as exc:  # a bug must cost this step (and its session), never the pool
-            log.exception("internal error running a session step", id=request.id)
-            error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
-            result = self._tasks.bug_result(request.id, error, ahead)
-            self.close_in_background(session, "internal error")
+            result = self._step_bug(session, request, exc, ahead)
         finally:
-            # Answered before the next request of the session may start.
-            self._tasks.cancelled_with(request.id, cancel)
-            session.answered()
-            if result is not None:
-                self._tasks.finish(result, ahead=ahead)
-            done.set()
-            self._arm_idle_timer(session)
+            self._step_answered(session, request, cancel, done, ahead, result)
+
+    def _step_bug(
+        self, session: NamedSession, request: JobRequest, exc: Exception, ahead: ResultAhead[StepOutcome] | None
+    ) -> Result:
+        log.exception("internal error running a session step", id=request.id)
+        error = error_result(request.id, internal_error(exc), runtime=self._setup.runtime, session=session.name)
+        self.close_in_background(session, "internal error")
+        return self._tasks.bug_result(request.id, error, ahead)
+
+    def _step_answered(
+        self, session: NamedSession, request: JobRequest, cancel: Cancellation, done: asyncio.Event,
+        ahead: ResultAhead[StepOutcome] | None, result: Result | None,
+    ) -> None:
+        # Answered before the next request of the session may start.
+        self._tasks.cancelled_with(request.id, cancel)
+        session.answered()
+        if result is not None:
+            self._tasks.finish(result, ahead=ahead)
+        done.set()
+        self._idle.arm(session)
 
     async def _step_result(
         self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
         ahead: ResultAhead[StepOutcome] | None,
     ) -> Result:
-        """The step's result; ``ahead`` builds it on the job's thread for a later step (a first
-        step's line carries the key of the handle the loop keeps)."""
+        """The step's result; ``ahead`` builds it on the job's thread for a later step (a first step's line
+        carries the key of the handle the loop keeps)."""
         runtime, name = self._setup.runtime, session.name
+        first = session.handle is None
         if session.ended:
             why = RequestError(f"session {name!r} ended before this step ran", "session")
             return error_result(request.id, why, runtime=runtime, session=name)
-        first = session.handle is None
         try:
             if first:
-                job = await code_job(self._setup, request)
+                job, step = await code_job(self._setup, request), None
                 session.functions = job.functions
             else:
                 assert session.job is not None
-                check_step(request.timeout_ms, request.max_output, self._setup.config.limits)
-                step = Step(
-                    code=request.code or "",
-                    name=request.name or DEFAULT_INLINE_NAME,
-                    args=request.args,
-                    # As the request set them: the session's job fills the rest (CodeJob.step).
-                    timeout_ms=request.timeout_ms,
-                    max_output=request.max_output,
-                    report_files=request.report_files,
-                    files=request.files,
-                    collect=request.collect,
-                )
-                job = session.job.step(step)  # what the step runs, and what its result reports
+                step, job = later_step(self._setup, session.job, request)
         except ReadieError as exc:  # refused before anything ran
             if first:
                 self._end_session(session)
             return error_result(request.id, exc, runtime=runtime, session=name)
-        if first:
-            ahead = None
-        elif ahead is not None:
-            ahead.build = lambda outcome, queue_us: self._step_line(request, outcome, job, queue_us, name, None)
-        reach = self._reach(session, job, None if first else step, request, cancel, ahead)
-        reached = await self._tasks.on_backend(request, job, parsed_at, cancel, reach, what="step", session=name, ahead=ahead)
+        await self._tasks.slots.acquire()
+        started = self._start(session, request, parsed_at, cancel, None if first else ahead, job, step)
+        return self._step_answer(session, request, started, await self._tasks.reached(started), ahead, first=first)
+
+    def _step_answer(
+        self, session: NamedSession, request: JobRequest, started: Started[StepOutcome],
+        reached: tuple[StepOutcome, int] | Result, ahead: ResultAhead[StepOutcome] | None, *, first: bool,
+    ) -> Result:
+        """A step's result from what the backend answered (``reached``), the session's table and stats
+        kept: on the loop, in the step's task or (``accept_step``) the answer's callback."""
         if isinstance(reached, Result):
             # A refusal of the first step leaves no session; a lost step (decision 32) leaves it open
             # (its next step resumes from the store); any other failure ends it.
@@ -374,34 +394,59 @@ class SessionDriver:
         if ahead is not None and ahead.built is not None:
             return ahead.built
         key = session.handle.key if first and session.handle is not None and not outcome.session_ended else None
-        return self._step_line(request, outcome, job, queue_us, name, key)
+        return step_result(
+            request.id, outcome, runtime=self._setup.runtime, job=started.job, queue_us=queue_us,
+            session=session.name, session_key=key,
+        )
+
+    async def _start_now(
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None,
+    ) -> Started[StepOutcome] | None:
+        """A later step handed to the backend at once, with a slot free; None: its task does it all."""
+        if session.handle is None or session.job is None or not self._tasks.slot_free():
+            return None  # a first step (its job is built off the loop), or no slot
+        try:
+            step, job = later_step(self._setup, session.job, request)
+            await self._tasks.slots.acquire()  # free: cannot wait
+            return self._start(session, request, parsed_at, cancel, ahead, job, step)  # frees it if it raised
+        except ReadieError:  # its task refuses it, as any refused step
+            return None
+        except Exception:  # a bug: its task meets it again, and answers it
+            log.exception("internal error starting a session step", id=request.id)
+            return None
+
+    def _start(
+        self, session: NamedSession, request: JobRequest, parsed_at: int, cancel: Cancellation,
+        ahead: ResultAhead[StepOutcome] | None, job: CodeJob, step: Step | None,
+    ) -> Started[StepOutcome]:
+        """With a slot taken: the step (or, ``step`` None, the session's opening) handed to the backend."""
+        if ahead is not None:
+            ahead.build = lambda outcome, queue_us: step_result(
+                request.id, outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=session.name
+            )
+        reach = self._reach(session, job, step, request, cancel, ahead)
+        return self._tasks.start(request, job, parsed_at, cancel, reach, what="step", session=session.name, ahead=ahead)
 
     def _reach(
         self, session: NamedSession, job: CodeJob, step: Step | None, request: JobRequest, cancel: Cancellation,
         then: ResultAhead[StepOutcome] | None,
     ) -> Callable[[HostFunction | None, OutputSink | None], Awaitable[StepOutcome]]:
-        """The backend call of a step: the session's opening (``step`` None) or a step of its handle."""
+        """The backend call of a step: a step of its handle (started when called), or the session's
+        opening (``step`` None)."""
+        if step is not None:
+            handle = session.handle
+            assert handle is not None
+            return lambda host, output: handle.run_step(step, str(request.id), host, output, cancel, then=then)
 
-        async def reach(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
-            if step is not None:
-                assert session.handle is not None
-                return await session.handle.run_step(step, str(request.id), host, output, cancel, then=then)
+        async def opening(host: HostFunction | None, output: OutputSink | None) -> StepOutcome:
             session.handle, outcome = await self._tasks.backend.open_session(job, str(request.id), host, output, cancel)
             session.job = job
             if session.phase is SessionPhase.OPENING:  # not CLOSING already
                 session.move(SessionPhase.OPEN)
             return outcome
 
-        return reach
-
-    def _step_line(
-        self, request: JobRequest, outcome: StepOutcome, job: CodeJob, queue_us: int, name: str, key: str | None
-    ) -> Result:
-        return job_result(
-            request.id, outcome.outcome, runtime=self._setup.runtime, job=job, queue_us=queue_us, session=name,
-            step=outcome.step, session_ended=outcome.session_ended, resumed_ms=outcome.resumed_ms,
-            resumed_from_step=outcome.resumed_from_step, session_key=key,
-        )
+        return opening
 
     async def _session_close(
         self,
@@ -437,63 +482,10 @@ class SessionDriver:
             handle = self._end_session(session)
             if handle is not None:
                 log.info("detaching a session", session=session.name)
-                self._tasks.spawn(_detach(handle, session.name))
+                self._tasks.spawn(detach_logged(handle, session.name))
 
     def close_in_background(self, session: NamedSession, why: str) -> None:
         handle = self._end_session(session)
         if handle is not None:
             log.info("closing a session", session=session.name, why=why)
             self._tasks.spawn(handle.close())
-
-    def _arm_idle_timer(self, session: NamedSession) -> None:
-        if session.phase is not SessionPhase.OPEN or session.pending or not self._serving():
-            return
-        session.stop_idle_timer()
-        loop = asyncio.get_running_loop()
-        session.idle_since = loop.time()
-        session.idle = loop.call_later(self._setup.session_idle_ms / 1000, self._idle_expired, session)
-        hibernate_ms = self._setup.session_hibernate_ms
-        if hibernate_ms is not None and session.handle is not None and not session.handle.hibernated:
-            session.hibernation = loop.call_later(hibernate_ms / 1000, self._hibernate_idle, session)
-
-    def _idle_expired(self, session: NamedSession) -> None:
-        session.idle = None
-        if session.phase is SessionPhase.OPEN and not session.pending:
-            self.close_in_background(session, "idle")
-
-    def _hibernate_idle(self, session: NamedSession) -> None:
-        session.hibernation = None
-        if session.phase is SessionPhase.OPEN and not session.pending and session.handle is not None:
-            previous, done = session.enqueue(idle=True)
-            self._tasks.spawn(self._idle_hibernation(session, previous, done))
-
-    async def _idle_hibernation(self, session: NamedSession, previous: asyncio.Event | None, done: asyncio.Event) -> None:
-        try:
-            if previous is not None:
-                await previous.wait()
-            answer = await self._hibernated(session, None)
-            if isinstance(answer, Result) and answer.error is not None:  # nobody asked: logged, not answered
-                log.warning("a session could not hibernate", session=session.name, error=answer.error.message)
-        except Exception:  # a bug must cost this session, never the pool
-            log.exception("internal error hibernating an idle session", session=session.name)
-            self.close_in_background(session, "internal error")
-        finally:
-            session.answered()
-            done.set()
-            if session.idle is None and session.phase is SessionPhase.OPEN and not session.pending and self._serving():
-                # Its close timer came due while it hibernated: what is left of session_idle.
-                loop = asyncio.get_running_loop()
-                left = session.idle_since + self._setup.session_idle_ms / 1000 - loop.time()
-                session.idle = loop.call_later(max(0.0, left), self._idle_expired, session)
-
-
-async def _detach(handle: BackendSession, name: str) -> None:
-    try:
-        await handle.detach()
-    except Exception as exc:  # what detach raises has ended the session: logged, nobody to answer
-        error = f"{type(exc).__name__}: {exc}"
-        log.warning("a session could not be detached and has ended", session=name, error=error)
-
-
-def _not_open(name: str) -> RequestError:
-    return RequestError(f"no open session named {name!r} (never opened, closed, or ended)", "session")

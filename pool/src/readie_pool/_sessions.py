@@ -39,7 +39,7 @@ from readie_worker.errors import RequestError
 from readie_policy.jobs import CodeJob
 from readie_protocol.requests import JobRequest
 
-__all__ = ["MAX_PENDING_STEPS", "NamedSession", "SessionPhase", "SessionTable"]
+__all__ = ["MAX_PENDING_STEPS", "NamedSession", "SessionPhase", "SessionTable", "not_open"]
 
 #: The spec: "a session with eight pending steps answers RequestError until
 #: it catches up". Pending means accepted and not yet answered, the running
@@ -190,3 +190,8 @@ class SessionTable:
             del self._open[session.name]
             return True
         return False
+
+
+def not_open(name: str) -> RequestError:
+    """Why a request for session ``name`` is refused when none of that name is open."""
+    return RequestError(f"no open session named {name!r} (never opened, closed, or ended)", "session")

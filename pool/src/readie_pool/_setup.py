@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from readie_policy.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_MS, Config
+from readie_protocol.events import ReadyEvent
 
 from ._events import RuntimeInfo
 
@@ -40,3 +41,13 @@ class PoolSetup:
     @property
     def queue_limit(self) -> int:
         return QUEUE_FACTOR * self.workers
+
+    def ready_event(self) -> ReadyEvent:
+        """The pool's first line: what it serves with."""
+        return ReadyEvent.pool(
+            workers=self.workers,
+            preloaded_modules=self.runtime.preloaded_modules,
+            package_dirs=self.package_dirs,
+            config=self.config.path,
+            profiles=self.config.profile_names,
+        )

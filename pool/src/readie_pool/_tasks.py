@@ -8,6 +8,13 @@ written. :class:`PoolTasks` owns those parts; the engine owns intake, the
 lifecycle and the writer that drains :attr:`PoolTasks.outbox`, and
 ``_session_driver`` owns the sessions. Neither reaches into the other.
 
+A job with inline code or a session's later step that finds a slot free is
+handed to the backend by intake itself (:meth:`PoolTasks.start`: a threaded
+backend's job thread has it when that returns), and has no task: its answer is
+in :attr:`PoolTasks.running` until the callback it was given
+(:meth:`PoolTasks.follow`) has finished it on the loop, as its task would have
+(decision 0033, "The hop into the job thread").
+
 A job's or a step's result line is written by its job thread the moment the
 backend has the outcome (:class:`ResultAhead`, decision 0033), when that can
 be done as a host call's line is (``write_now``: a pipe with room, one line of
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Awaitable, Callable
@@ -46,7 +54,7 @@ from ._host import HostCalls, host_function
 from ._results import error_result
 from ._setup import PoolSetup
 
-__all__ = ["Outbox", "PoolTasks", "ResultAhead"]
+__all__ = ["Outbox", "PoolTasks", "ResultAhead", "Started"]
 
 log = structlog.get_logger("readie.pool")
 
@@ -78,7 +86,7 @@ class PoolTasks:
         self.now_ns = monotonic_ns
         self.slots = asyncio.Semaphore(setup.workers)
         self.outbox: Outbox = asyncio.Queue()
-        self.running: set[asyncio.Task[None]] = set()
+        self.running: set[asyncio.Future[Any]] = set()  # tasks, and backend answers followed without one
         self._connection = connection
         self.host_calls = HostCalls(connection.send)
         self._permits = permits  # what an answer releases unless it says otherwise
@@ -147,19 +155,99 @@ class PoolTasks:
         did). ``job`` is what the line reports as its policy unless the backend
         refused the job (``error_result``).
         """
-        async with self.slots:
-            queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
+        await self.slots.acquire()
+        return await self.reached(self.start(request, job, parsed_at, cancel, call, what=what, session=session, ahead=ahead))
+
+    def start(
+        self,
+        request: JobRequest,
+        job: CodeJob,
+        parsed_at: int,
+        cancel: Cancellation,
+        call: Callable[[HostFunction | None, OutputSink | None], Awaitable[_Answer]],
+        *,
+        what: str = "job",
+        session: str | None = None,
+        ahead: ResultAhead[_Answer] | None = None,
+    ) -> Started[_Answer]:
+        """:meth:`on_backend`'s first half, on the loop with a slot taken (by it, or by intake when one
+        was free: then a threaded backend's job thread has the job before any task starts); what
+        :meth:`reached` awaits, and which releases the slot."""
+        started: Started[_Answer] = Started(self, request.id, job, session)
+        try:
+            started.queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
             if ahead is not None:
-                ahead.queue_us = queue_us
+                ahead.queue_us = started.queue_us
+            if cancel.cancelled:
+                raise Cancelled(f"the {what} was cancelled by the client before it ran")
+            started.answer = call(self.host_for(request, job.functions), self.output_for(request))
+        except ReadieError as exc:
+            started.error = exc
+        except BaseException:
+            self.slots.release()
+            raise
+        return started
+
+    async def reached(self, started: Started[_Answer]) -> tuple[_Answer, int] | Result:
+        """The backend's answer to what :meth:`start` began, or the line for its error; the slot is free after."""
+        try:
+            if started.error is None:
+                assert started.answer is not None
+                try:
+                    return await started.answer, started.queue_us
+                except ReadieError as exc:
+                    started.error = exc
+            return self._error_line(started)
+        finally:
+            self.slots.release()
+
+    def follow(
+        self, started: Started[_Answer], then: Callable[[Callable[[], tuple[_Answer, int] | Result] | None], None]
+    ) -> None:
+        """:meth:`reached` without a task: once the backend answers, ``then`` is called on the loop (in the
+        answer's callback) with what gives what :meth:`reached` would (or raises the bug it would), or
+        None when the answer was cancelled, as an abort cancels a task. The answer is in :attr:`running`
+        until ``then`` has returned."""
+        if started.error is not None:
+            self.slots.release()
+            then(functools.partial(self._error_line, started))
+            return
+        assert started.answer is not None
+        answer = asyncio.ensure_future(started.answer)
+        self.running.add(answer)
+
+        def settled(answer: asyncio.Future[_Answer]) -> None:
             try:
-                if cancel.cancelled:
-                    raise Cancelled(f"the {what} was cancelled by the client before it ran")
-                answer = await call(self.host_for(request, job.functions), self.output_for(request))
+                if answer.cancelled():
+                    self.slots.release()
+                    then(None)
+                else:
+                    then(functools.partial(self._answered, started, answer))
+            finally:
+                self.running.discard(answer)
+
+        answer.add_done_callback(settled)
+
+    def _answered(self, started: Started[_Answer], answer: asyncio.Future[_Answer]) -> tuple[_Answer, int] | Result:
+        try:
+            try:
+                return answer.result(), started.queue_us
             except ReadieError as exc:
-                return error_result(
-                    request.id, exc, runtime=self.setup.runtime, job=job, queue_us=queue_us, session=session
-                )
-        return answer, queue_us
+                started.error = exc
+                return self._error_line(started)
+        finally:
+            self.slots.release()
+
+    def _error_line(self, started: Started[Any]) -> Result:
+        assert started.error is not None
+        return error_result(
+            started.request_id, started.error, runtime=self.setup.runtime, job=started.job,
+            queue_us=started.queue_us, session=started.session,
+        )
+
+    def slot_free(self) -> bool:
+        """A slot can be taken now without waiting (and nobody waits for one before)."""
+        return not self.slots.locked()
 
     # ------------------------------------------------------------------ host functions and output
 
@@ -286,6 +374,19 @@ class PoolTasks:
     def _put(self, line: bytes, budget: asyncio.BoundedSemaphore | None) -> None:
         self.unwritten += 1
         self.outbox.put_nowait((line, budget))
+
+
+class Started(Generic[_Answer]):
+    """A task's call to the backend, begun (:meth:`PoolTasks.start`): what it awaits, or the error it
+    raised at once; and what the line of an error reports."""
+
+    def __init__(self, tasks: PoolTasks, request_id: RequestId, job: CodeJob, session: str | None) -> None:
+        self.request_id = request_id
+        self.job = job
+        self.session = session
+        self.queue_us = 0
+        self.answer: Awaitable[_Answer] | None = None
+        self.error: ReadieError | None = None
 
 
 class ResultAhead(Generic[_Outcome]):
