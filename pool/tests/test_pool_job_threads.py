@@ -61,6 +61,22 @@ def test_close_answers_a_queued_call_without_running_it_and_refuses_later_ones()
     assert ran == ["first"] and _threads_named("test-jt-b") == []
 
 
+def test_a_call_that_raises_stop_iteration_is_still_answered():
+    # A future refuses StopIteration as its exception: set as it is, the call would never be answered.
+    def stops():
+        raise StopIteration("a runner's bug")
+
+    async def main():
+        threads = JobThreads(1, "test-jt-s")
+        try:
+            with pytest.raises(RuntimeError, match="StopIteration"):
+                await asyncio.wait_for(threads.submit(stops), WAIT_S)
+        finally:
+            await threads.close()
+
+    asyncio.run(main())
+
+
 class _Runner:
     """Records, for each job and step, which task of the loop handed it to the backend."""
 
@@ -117,7 +133,9 @@ def step_callers(monkeypatch):
     return callers
 
 
-def _serve(tmp_path: Path, backend: ThreadedBackend, lines: list[dict], workers: int = 2) -> list[dict]:
+def _serve(
+    tmp_path: Path, backend: ThreadedBackend, lines: list[dict], workers: int = 2, *, ran: bool = True
+) -> list[dict]:
     (tmp_path / "app.py").write_text("print(1)\n")
 
     async def main():
@@ -132,7 +150,7 @@ def _serve(tmp_path: Path, backend: ThreadedBackend, lines: list[dict], workers:
         assert await asyncio.wait_for(serving, WAIT_S) == 0
         threads = list(backend._threads._threads)
         await backend.close()
-        assert threads and not any(thread.is_alive() for thread in threads)  # the backend's close joined them
+        assert (bool(threads) is ran) and not any(thread.is_alive() for thread in threads)  # close joined them
         return sink.lines[1:]
 
     return asyncio.run(main())
@@ -225,3 +243,23 @@ def test_a_step_after_a_bug_in_its_sessions_bookkeeping_opens_a_new_session(tmp_
     results = _serve(tmp_path, ThreadedBackend(_Runner(), slots=2), lines)
     assert [(line["id"], line.get("step")) for line in results] == [("1", 1), ("2", None), ("3", 1)]
     assert results[1]["error"]["message"] == "internal error (RuntimeError)"
+
+
+def test_a_bug_building_a_job_intake_would_hand_over_is_answered_by_the_jobs_own_id(tmp_path, monkeypatch):
+    # Intake gives the job to its task, which meets the bug again and answers it with its id
+    # (an answer without one would leave the client waiting, and its cancel entry behind).
+    import readie_pool._engine as engine
+
+    def broken(setup, request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(engine, "code_job_now", broken)
+    monkeypatch.setattr(engine, "code_job", lambda setup, request: _raises(RuntimeError("a bug")))
+    lines = [{"id": "b", "code": "print(1)"}, {"id": "c", "cancel": "b"}]
+    results = _serve(tmp_path, ThreadedBackend(_Runner(), slots=2), lines, ran=False)
+    assert (results[0]["id"], results[0]["error"]["type"]) == ("b", "PoolWorkerError")
+    assert (results[1]["id"], results[1]["found"]) == ("c", False)
+
+
+async def _raises(error: Exception):
+    raise error

@@ -217,9 +217,11 @@ class ThreadedBackend:
         # Threads first marked closed (a queued job does not run), then the runner's close ends
         # the running ones, then the threads are joined.
         self._threads.closed = self._transfer_threads.closed = True
-        await asyncio.to_thread(self.runner.close)
-        for threads in (self._threads, self._transfer_threads):
-            await threads.close()
+        try:
+            await asyncio.to_thread(self.runner.close)
+        finally:  # joined even if the runner's close failed: no job thread outlives the backend
+            for threads in (self._threads, self._transfer_threads):
+                await threads.close()
 
 
 class _ThreadedSession:

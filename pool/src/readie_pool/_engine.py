@@ -380,13 +380,14 @@ class PoolEngine:
             return None
         try:
             job = code_job_now(self.setup, request)
-        except ReadieError:  # its task refuses it, as any refused job
+        except Exception:  # noqa: BLE001 - refused, or a bug: its task meets it again and answers it, by its id
             return None
         if job is None:  # a script, read off the loop by its task
             return None
         await self._tasks.slots.acquire()  # free: cannot wait
         try:
-            return self._start(request, job, parsed_at, cancel, ahead)  # the slot is free again if it raised
+            # PoolTasks.start frees the slot if the hand-over raised.
+            return self._start(request, job, parsed_at, cancel, ahead)
         except Exception:  # a bug: its task meets it again, and answers it
             log.exception("internal error starting a job", id=request.id)
             return None

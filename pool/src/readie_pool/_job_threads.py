@@ -91,6 +91,8 @@ class JobThreads:
 def _settle(answer: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
     if answer.cancelled():  # its task was cancelled (an abort gave up on it)
         return
+    if isinstance(error, StopIteration):  # a future refuses it, and would stay unanswered for good
+        error = RuntimeError(f"the call raised StopIteration: {error!r}")
     if error is not None:
         answer.set_exception(error)
     else:

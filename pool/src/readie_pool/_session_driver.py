@@ -409,7 +409,8 @@ class SessionDriver:
         try:
             step, job = later_step(self._setup, session.job, request)
             await self._tasks.slots.acquire()  # free: cannot wait
-            return self._start(session, request, parsed_at, cancel, ahead, job, step)  # frees it if it raised
+            # PoolTasks.start frees the slot if the hand-over raised.
+            return self._start(session, request, parsed_at, cancel, ahead, job, step)
         except ReadieError:  # its task refuses it, as any refused step
             return None
         except Exception:  # a bug: its task meets it again, and answers it

@@ -173,7 +173,7 @@ class PoolTasks:
         """:meth:`on_backend`'s first half, on the loop with a slot taken (by it, or by intake when one
         was free: then a threaded backend's job thread has the job before any task starts); what
         :meth:`reached` awaits, and which releases the slot."""
-        started: Started[_Answer] = Started(self, request.id, job, session)
+        started: Started[_Answer] = Started(request.id, job, session)
         try:
             started.queue_us = max(0, (self.now_ns() - parsed_at) // 1000)
             if ahead is not None:
@@ -380,7 +380,7 @@ class Started(Generic[_Answer]):
     """A task's call to the backend, begun (:meth:`PoolTasks.start`): what it awaits, or the error it
     raised at once; and what the line of an error reports."""
 
-    def __init__(self, tasks: PoolTasks, request_id: RequestId, job: CodeJob, session: str | None) -> None:
+    def __init__(self, request_id: RequestId, job: CodeJob, session: str | None) -> None:
         self.request_id = request_id
         self.job = job
         self.session = session
