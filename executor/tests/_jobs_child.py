@@ -32,14 +32,16 @@ RESULT_KEYS = {
     "policy_notes",
     "value",
 }
-# Reads a JSON list of jobs on stdin, runs them in order, prints one result per line.
+# Reads a JSON list of jobs on stdin, runs them in order, writes one result per line on stdout.
 CHILD = """
-import json, sys
-from readie_executor.jobs import run_job
+import json, os, sys
+from readie_executor.jobs import dedicate_stdio, run_job
 jobs = json.load(sys.stdin)
+results = os.fdopen(os.dup(1), "wb")  # fds 0, 1 and 2 are the jobs' from here on, as in the executor
+dedicate_stdio()
 for job in jobs:
-    sys.stdout.buffer.write(run_job(job) + b"\\n")
-    sys.stdout.flush()
+    results.write(run_job(job) + b"\\n")
+    results.flush()
 """
 
 

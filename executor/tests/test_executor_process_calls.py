@@ -10,6 +10,7 @@ testing helpers: test_executor_process_startup.py.
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 import random
 import socket
@@ -222,6 +223,23 @@ def test_client_hangs_up_mid_request(executor: ExecutorProcess, sent: bytes, log
     # broken one has been dealt with (and logged).
     assert_answers_fresh_connection(executor)
     assert f"dropping connection: {logged}" in new_stderr(executor, seen)
+
+
+def test_the_log_still_reaches_stderr_after_a_job_took_fds_1_and_2(executor: ExecutorProcess) -> None:
+    # A job's capture keeps fds 1 and 2 as its pipes between jobs (decision 33): the executor's
+    # own messages go to the descriptor of its log it kept, and no job output lands there.
+    from readie_executor.jobs import run_job
+
+    job = {"code": "import os, sys\nprint('job out')\nos.write(2, b'job err\\n')", "limits": {"max_output": 100}}
+    result = json.loads(executor.call_raw(request_bytes(run_job, job)))
+    assert (result["exit"], result["stdout"], result["stderr"]) == (0, "job out\n", "job err\n")
+    seen = executor.stderr_text()
+    with executor.connect() as connection:
+        connection.send_bytes(struct.pack(">Q", MAX_CHUNK_SIZE + 1))
+        assert connection.receive() is None
+    assert_answers_fresh_connection(executor)
+    logged = new_stderr(executor, seen)
+    assert "dropping connection: chunk length" in logged and "job" not in logged
 
 
 def big_value() -> bytes:

@@ -164,9 +164,10 @@ def test_writes_outside_the_grants_are_refused(tmp_path: Path, code: str) -> Non
 
 def test_guard_is_off_between_jobs(tmp_path: Path) -> None:
     child = (
-        "import sys\n"
-        "from readie_executor.jobs import run_job\n"
-        "run_job({'code': 'pass', 'limits': {'max_output': 10}})\n"
+        "import json, sys\n"
+        "from readie_executor.jobs import dedicate_stdio, run_job\n"
+        "dedicate_stdio()\n"
+        "assert json.loads(run_job({'code': 'pass', 'limits': {'max_output': 10}}))['exit'] == 0\n"
         f"open({str(tmp_path / 'after.txt')!r}, 'w').write('the executor may write')\n"
     )
     subprocess.run([sys.executable, "-c", child], check=True, timeout=CHILD_TIMEOUT_SECONDS)

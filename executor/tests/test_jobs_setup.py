@@ -221,7 +221,9 @@ def _connect(path: Path, executor: subprocess.Popen[bytes]) -> socket.socket:
 
 WARM_UP_CHILD = """
 import json, linecache, os, resource, sys, threading
-from readie_executor.jobs import WARMED_UP, warm_up, _limits, _seccomp
+from readie_executor.jobs import WARMED_UP, dedicate_stdio, warm_up, _limits, _seccomp
+report = os.fdopen(os.dup(1), "w")
+dedicate_stdio()
 before = (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_FSIZE), dict(os.environ), os.getcwd())
 main = sys.modules["__main__"]
 answer = warm_up(subprocesses=False)
@@ -234,7 +236,7 @@ print(json.dumps({
     "linecache": [name for name in linecache.cache if "warm-up" in name],
     "threads": sorted(thread.name for thread in threading.enumerate()),
     "os_threads": len(os.listdir("/proc/self/task")),
-}))
+}), file=report)
 """
 
 
@@ -339,3 +341,15 @@ def test_a_warm_up_for_jobs_that_may_start_processes_installs_no_filter() -> Non
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["seccomp"] is False
+
+
+def test_a_job_in_a_process_that_kept_its_stdio_is_refused_not_run() -> None:
+    # Captures keep fds 1 and 2 between jobs (decision 33): a process that did not hand them over
+    # would lose its own output after the first job, so the job is answered with the reason.
+    child = (
+        "import json, sys\nfrom readie_executor.jobs import run_job\n"
+        "print(json.dumps(json.loads(run_job({'code': 'print(1)', 'limits': {'max_output': 10}}))['error']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
+    error = json.loads(done.stdout)
+    assert error["type"] == "SandboxSetupError" and "dedicate_stdio()" in error["message"], error

@@ -13,6 +13,7 @@ from ._checkpoint import CapturePointError, checkpoint_and_wait
 from ._server import ServeError, bind_listener, serve_forever
 from ._settings import Mode, Settings, SettingsError
 from ._uniqueness import AFTER_RESTORE_VARIABLE, Reseeder, ReseedError
+from .jobs import dedicate_stdio
 
 # The job runner (and ctypes, resource, select... under it) is imported here,
 # before the checkpoint, so that no restored sandbox reads those modules
@@ -52,6 +53,7 @@ def main() -> int:
     except (SettingsError, ServeError) as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
     handover = release_inherited(keep=listener.fileno())
+    _log_to(dedicate_stdio())
     try:
         serve_forever(listener, settings.socket_path, settings.chunk_size, handover, reseeder)
     except ServeError as exc:
@@ -105,6 +107,16 @@ def _configure_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def _log_to(fd: int) -> None:
+    """Write this executor's log, and what it writes to sys.stderr outside jobs, to ``fd``: fd 2
+    belongs to job captures now (``dedicate_stdio``), and what reaches it between jobs is dropped."""
+    stream = os.fdopen(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")  # by line
+    for handler in logging.getLogger("readie_executor").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(stream)
+    sys.stderr = stream
 
 
 def _fail(message: str, code: int) -> int:

@@ -4,7 +4,8 @@ The worker sends the executor ``{"func": run_job, "args": (job,), "kwargs": {}}`
 (``run_job`` pickled by reference) and gets back the result as UTF-8 JSON, not a
 pickle: see ``RAW_RESPONSE_ATTRIBUTE`` in :mod:`readie_executor._calls`. The
 job dict and the result are described in :mod:`._spec` and :mod:`._result`;
-the size bounds both sides agree on are in :mod:`._bounds`.
+the size bounds both sides agree on are in :mod:`._bounds`. A process runs jobs only after
+handing them its fds 0, 1 and 2 (``dedicate_stdio``: they stay the capture's between jobs).
 
 Files in the job's workspace (decision 31): a job's ``files`` ride in its dict and are written
 before it runs (:mod:`._workspace`); ``collect`` (:mod:`._collect`), ``upload_chunk``,
@@ -16,6 +17,7 @@ Standard library only: this runs in the sandbox's own python3.
 
 from . import _bounds as bounds
 from ._collect import collect
+from ._drain import dedicate_stdio
 from ._runner import EXIT_NOT_STARTED, WARMED_UP, run_job, warm_up
 from ._spec import DEFAULT_INLINE_NAME
 from ._transfers import download_chunk, list_files, upload_chunk
@@ -26,6 +28,7 @@ __all__ = [
     "WARMED_UP",
     "bounds",
     "collect",
+    "dedicate_stdio",
     "download_chunk",
     "list_files",
     "run_job",

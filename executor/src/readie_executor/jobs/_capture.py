@@ -42,7 +42,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..hostwire import MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S, OUTPUT_STREAMS, encode_output
-from ._drain import DRAIN_GRACE_SECONDS, STDERR_FD, STDOUT_FD, CapturePipes, keep_pipes, take_pipes
+from ._drain import (
+    DRAIN_GRACE_SECONDS,
+    STDERR_FD,
+    STDIN_FD,
+    STDOUT_FD,
+    CapturePipes,
+    keep_pipes,
+    stdin_from_devnull,
+    take_pipes,
+)
 
 # Bytes kept beyond max_output: enough to finish a multi-byte character cut at
 # the boundary and to know that more followed.
@@ -52,7 +61,6 @@ EXTRA_BYTES_KEPT = 8
 # gVisor than the rest of a capture. Only up to this size (the default max_output fits): a
 # sandbox keeps at most two such mappings, and of them only the pages output reached.
 MAX_KEPT_BUFFER_BYTES = 2 * 1024 * 1024
-STDIN_FD = 0
 # The buffer of the job's sys.stdout and sys.stderr: the most either holds unwritten, which
 # the job's end writes into a pipe only the main thread reads then (_final_flush_fits).
 # What python3 gives a pipe (io.DEFAULT_BUFFER_SIZE).
@@ -198,16 +206,15 @@ class OutputCapture:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        pipes = take_pipes()
-        pipes.start(self)
+        # The process's own streams: what they hold is not the job's (fds 1 and 2 are the pipes
+        # already, a dedicated process's: _drain.dedicate_stdio).
         saved_streams = (sys.stdin, sys.stdout, sys.stderr)
         _flush_python_streams(saved_streams)
-        saved_fds = {fd: os.dup(fd) for fd in (STDIN_FD, STDOUT_FD, STDERR_FD)}
+        pipes = take_pipes()
+        pipes.start(self)
         job_streams: tuple[io.TextIOWrapper, ...] = ()
         try:
-            os.dup2(_devnull(), STDIN_FD)
-            for fd, write_end in pipes.writers.items():
-                os.dup2(write_end, fd)
+            stdin_from_devnull()
             job_streams = _kept_streams.take()
             sys.stdin, sys.stdout, sys.stderr = job_streams
             yield
@@ -230,9 +237,6 @@ class OutputCapture:
                 with pipes.lock:
                     pipes.stop_watching()
             sys.stdin, sys.stdout, sys.stderr = saved_streams
-            for fd, saved in saved_fds.items():
-                os.dup2(saved, fd)
-                os.close(saved)
             self._finish(pipes, keep=alone)
 
     def _finish(self, pipes: CapturePipes, keep: bool) -> None:
@@ -391,22 +395,6 @@ def _final_flush_fits(pipes: CapturePipes, job_streams: tuple[io.TextIOWrapper, 
     if c_pending is None:
         return False
     return pipes.capacity() >= JOB_STREAM_BUFFER_BYTES + c_pending
-
-
-_kept_devnull: tuple[int, int] | None = None  # a descriptor of /dev/null and its inode
-
-
-def _devnull() -> int:
-    """/dev/null, open for reading: the job's stdin. Kept (checked: a job may close any descriptor)."""
-    global _kept_devnull
-    if _kept_devnull is not None:
-        fd, inode = _kept_devnull
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == inode:
-                return fd
-    fd = os.open(os.devnull, os.O_RDONLY)
-    _kept_devnull = (fd, os.fstat(fd).st_ino)
-    return fd
 
 
 def _flush_python_streams(streams: tuple[object, ...]) -> set[int]:

@@ -6,16 +6,20 @@ call costs tens of microseconds and a hand-off of the GIL between two
 threads and back hundreds, so a capture makes as few of either as it can
 (decision 33):
 
+* **Descriptors dedicated.** Once the executor hands them over
+  (:func:`dedicate_stdio`, before it serves), fds 1 and 2 *are* the pipes'
+  write ends, and fd 0 is /dev/null, between jobs too: a capture checks them
+  (one ``os.fstat`` each: a job may close or replace any descriptor) instead
+  of saving, pointing and restoring all three, twelve system calls a job.
+  What reaches the pipes between two captures is read and dropped by the
+  drain thread; the executor's own log has a descriptor of its own.
 * **Pipes kept.** The pipes outlive the capture: the next job gets the same
-  ones, checked first (``os.fstat`` of our write ends: a job may close or
-  replace any descriptor). They are retired instead (our write ends closed,
-  the rest read until end of file or DRAIN_GRACE_SECONDS, the read ends
-  closed, so that a writer still holding them gets EPIPE) when a job could
-  have left a writer behind: it was allowed to start processes, or a thread
-  it started is still alive. Otherwise nothing of the job runs between two
-  captures, and what still reaches the pipes then is read and dropped when
-  the next capture starts: a job's result holds only what was written while
-  it ran.
+  ones when its fds 1 and 2 are still them. They are retired instead (fds 1
+  and 2 pointed at /dev/null, the rest read until end of file or
+  DRAIN_GRACE_SECONDS, the read ends closed, so that a writer still holding
+  them gets EPIPE) when a job could have left a writer behind: it was allowed
+  to start processes, or a thread it started is still alive. Otherwise
+  nothing of the job runs between two captures.
 * **The main thread reads last.** The drain thread watches the read ends
   (an epoll set: adding and removing an end does not wake it) but not while
   a job ends: the main thread takes them, flushes the job's last buffered
@@ -44,6 +48,7 @@ READ_SIZE = MAX_OUTPUT_CHUNK_BYTES
 # means a descriptor the job duplicated (or gave a background process) is still open; the
 # output written so far is kept and the rest is dropped.
 DRAIN_GRACE_SECONDS = 1.0
+STDIN_FD = 0
 STDOUT_FD = 1
 STDERR_FD = 2
 CAPTURED_FDS = (STDOUT_FD, STDERR_FD)
@@ -60,30 +65,33 @@ class Receiver(Protocol):
 
 
 class CapturePipes:
-    """Two pipes, for fds 1 and 2: our write ends, the read ends both threads read (under ``lock``)."""
+    """Two pipes whose write ends are fds 1 and 2; the read ends both threads read (under ``lock``)."""
 
     def __init__(self, drainer: Drainer) -> None:
         self.lock = threading.Lock()
         self.receiver: Receiver | None = None  # the running capture; None between captures
         self.broken = False  # a read end failed or ended under us: retire these pipes
-        self.writers: dict[int, int] = {}  # fd it stands in for -> write end (ours)
         self.readers: dict[int, int] = {}  # read end -> fd it stands in for
-        self._inodes: dict[int, int] = {}  # each write end -> the pipe's inode
+        self._inodes: dict[int, int] = {}  # fd 1 and 2 -> the inode of the pipe it is to be
         self._drainer = drainer
         self._chunk = bytearray(READ_SIZE)  # made now: the drain may read while the job holds all memory
         try:
             for fd in CAPTURED_FDS:
                 read_end, write_end = os.pipe()
-                self.readers[read_end], self.writers[fd] = fd, write_end
-                os.set_blocking(read_end, False)  # both threads read; neither may block holding the lock
-                self._inodes[write_end] = os.fstat(write_end).st_ino
+                self.readers[read_end] = fd
+                try:
+                    os.set_blocking(read_end, False)  # both threads read; neither may block holding the lock
+                    self._inodes[fd] = os.fstat(write_end).st_ino
+                    os.dup2(write_end, fd)  # the only write end this process holds
+                finally:
+                    os.close(write_end)
         except BaseException:
             self.close()
             raise
         self._open = set(self.readers)  # read ends not at their end yet
 
     def sound(self) -> bool:
-        """Are our write ends still these pipes, and their reader alive? (A job may close any descriptor.)"""
+        """Are fds 1 and 2 still these pipes, and their reader alive? (A job may close any descriptor.)"""
         if self.broken or not self._drainer.running:
             return False
         return all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
@@ -104,9 +112,9 @@ class CapturePipes:
         self._drainer.unwatch(self)
 
     def capacity(self) -> int:
-        """The fewest bytes either pipe holds (a job may have shrunk its pipe); 0 if unknown."""
+        """The fewest bytes fd 1 or 2 holds (a job may have shrunk its pipe, or put another there); 0 if unknown."""
         try:
-            return min(fcntl.fcntl(end, fcntl.F_GETPIPE_SZ) for end in self.writers.values())
+            return min(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) for fd in CAPTURED_FDS)
         except OSError:
             return 0
 
@@ -130,11 +138,9 @@ class CapturePipes:
                 self.receiver.send_due()
 
     def retire(self, grace_s: float) -> None:
-        """Close our write ends and read to end of file, for at most ``grace_s`` (the main thread, not watched)."""
-        for write_end in self.writers.values():
-            with contextlib.suppress(OSError):
-                os.close(write_end)
-        self.writers.clear()
+        """Let go of our write ends and read to end of file, for at most ``grace_s`` (the main thread,
+        not watched)."""
+        self.release()
         deadline = time.monotonic() + grace_s
         open_ends = list(self.readers)
         while open_ends:
@@ -150,13 +156,18 @@ class CapturePipes:
             poller.poll(left_ms)
             open_ends = [end for end in open_ends if end in self._open]
 
+    def release(self) -> None:
+        """Point fds 1 and 2 at /dev/null (never closed: the next file opened would get their numbers)."""
+        for fd in CAPTURED_FDS:
+            with contextlib.suppress(OSError):
+                os.dup2(devnull(), fd)
+        self._inodes.clear()
+
     def close(self) -> None:
-        # A write end the job closed and whose number it reused for a file of its own is not ours to close.
-        ours = [end for end, inode in self._inodes.items() if end in self.writers.values() and _is_pipe(end, inode)]
-        for end in [*ours, *self.readers]:
+        """Close the read ends (after :meth:`release`, or with fds 1 and 2 another pipes' by then)."""
+        for end in self.readers:
             with contextlib.suppress(OSError):
                 os.close(end)
-        self.writers.clear()
         self.readers.clear()
 
     def _read(self, read_ends: list[int], *, at_end_is_broken: bool) -> bool:
@@ -270,18 +281,72 @@ os.register_at_fork(after_in_child=_forget_the_drainer)
 
 
 def take_pipes() -> CapturePipes:
-    """The pipes for a capture starting now: the last capture's if sound, else new ones."""
+    """The pipes for a capture starting now, on fds 1 and 2: the last capture's if sound, else new ones."""
     global _the_drainer, _kept
+    if not _dedicated:
+        raise StdioNotDedicated("the job runner needs fds 0, 1 and 2 for itself: call dedicate_stdio() first")
     pipes, _kept = _kept, None
     if pipes is not None and pipes.sound():
         return pipes
     if pipes is not None:
         with pipes.lock:
             pipes.stop_watching()
-        pipes.close()
+        pipes.close()  # fds 1 and 2 are not both these pipes any more; the new ones go over them
     if _the_drainer is None or not _the_drainer.running:
         _the_drainer = Drainer()
     return CapturePipes(_the_drainer)
+
+
+def stdin_from_devnull() -> None:
+    """Make fd 0 /dev/null unless it is (one fstat: a job may have put anything there)."""
+    global _devnull_identity
+    try:
+        found = os.fstat(STDIN_FD)
+        if (found.st_dev, found.st_ino) == _devnull_identity:
+            return
+    except OSError:
+        pass
+    os.dup2(devnull(), STDIN_FD)
+    found = os.fstat(STDIN_FD)
+    _devnull_identity = (found.st_dev, found.st_ino)
+
+
+_kept_devnull: tuple[int, int] | None = None  # a descriptor of /dev/null, read-only, and its inode
+_devnull_identity: tuple[int, int] | None = None  # /dev/null's device and inode, once fd 0 was made it
+
+
+def devnull() -> int:
+    """A descriptor of /dev/null for reading. Kept (checked: a job may close any descriptor)."""
+    global _kept_devnull
+    if _kept_devnull is not None:
+        fd, inode = _kept_devnull
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == inode:
+                return fd
+    fd = os.open(os.devnull, os.O_RDONLY)
+    _kept_devnull = (fd, os.fstat(fd).st_ino)
+    return fd
+
+
+class StdioNotDedicated(RuntimeError):
+    """A job was run before the process handed its fds 0, 1 and 2 to job captures."""
+
+
+_dedicated = False
+
+
+def dedicate_stdio() -> int:
+    """Hand fds 0, 1 and 2 to job captures for good; return a new descriptor of what fd 2 was.
+
+    From here on fds 1 and 2 stay on the captures' pipes (or /dev/null) between jobs, and fd 0
+    on /dev/null: whatever this process writes to them outside a job is dropped, so its own
+    messages go to the descriptor returned (the executor's log). Call it once, before the first
+    job, in a process that runs nothing but jobs (the executor; a test's child).
+    """
+    global _dedicated
+    log = os.dup(STDERR_FD)  # not inherited by a job's processes (os.dup's default)
+    _dedicated = True
+    return log
 
 
 def keep_pipes(pipes: CapturePipes) -> None:

@@ -36,29 +36,40 @@ class JobTimedOut(BaseException):
     the job does not swallow it (``except BaseException`` can; then the worker's kill follows)."""
 
 
+_deadline_armed = False  # a job's deadline is running: SIGALRM means it has passed
+
+
+def _deadline_passed(signum: int, frame: object) -> None:
+    if not _deadline_armed:
+        return  # between jobs (sent by something a job left behind): there is nothing to stop
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    raise JobTimedOut
+
+
 @contextlib.contextmanager
 def deadline(timeout_ms: int | None) -> Iterator[None]:
     """Raise :class:`JobTimedOut` in the main thread once ``timeout_ms`` have passed.
 
     SIGALRM, so that a blocking call (a sleep, a socket read) is cut short
     too; C code that holds the GIL without checking for signals is not,
-    and the worker's own deadline kills the sandbox shortly after.
+    and the worker's own deadline kills the sandbox shortly after. The
+    handler stays installed between jobs (two system calls a job fewer,
+    decision 33), put back only if a job replaced it; it acts only while
+    a deadline runs.
     """
+    global _deadline_armed
     if timeout_ms is None:
         yield
         return
-
-    def expired(signum: int, frame: object) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        raise JobTimedOut
-
-    previous = signal.signal(signal.SIGALRM, expired)
+    if signal.getsignal(signal.SIGALRM) is not _deadline_passed:
+        signal.signal(signal.SIGALRM, _deadline_passed)
+    _deadline_armed = True
     signal.setitimer(signal.ITIMER_REAL, timeout_ms / 1000)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        _deadline_armed = False
 
 
 @dataclass(slots=True)
@@ -115,7 +126,10 @@ def apply_memory_limit(memory_bytes: int | None, max_output: int) -> list[str]:
 
 
 def relax_memory_limit() -> None:
-    """Lift the soft limit to the hard one, so the runner can write the result."""
+    """Lift the soft limit to the hard one, so the runner can write the result (if a limit was set:
+    a job that lowered its own limit without one keeps what it chose)."""
+    if _ceiling is None:
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     with contextlib.suppress(OSError, ValueError):
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
