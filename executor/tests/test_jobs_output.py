@@ -12,6 +12,7 @@ process, scripts, sessions and the executor: test_jobs_setup.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -135,6 +136,25 @@ def test_descriptor_level_output_is_captured() -> None:
     result = run_one(code)
     assert "raw one\n" in result["stdout"] and "from C\n" in result["stdout"]
     assert result["stderr"] == "raw two\n"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os, sys\nprint('a')\nos.write(1, b'b\\n')\nprint('c')\nsys.stdout.flush()\nprint('d')",
+        "import os\nprint('x' * 9000)\nos.write(1, b'between\\n')\nprint('y' * 100)",
+        "import os, sys\nsys.stdout.reconfigure(write_through=False)\nprint('kept')\nos.write(1, b'raw\\n')",
+    ],
+    ids=["flushed-between", "past-the-buffer", "reconfigured"],
+)
+def test_buffered_and_descriptor_output_interleave_as_python3_s_do(code: str) -> None:
+    # The job's last buffered output goes straight to the capture, after what its pipe holds
+    # (decision 33): the order must stay what python3 writes into a pipe.
+    buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    expected = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, check=True, env=buffered, timeout=CHILD_TIMEOUT_SECONDS
+    )
+    assert run_one(code)["stdout"] == expected.stdout.decode()
 
 
 def test_invalid_utf8_output_is_replaced() -> None:

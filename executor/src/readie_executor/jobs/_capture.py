@@ -61,9 +61,7 @@ EXTRA_BYTES_KEPT = 8
 # gVisor than the rest of a capture. Only up to this size (the default max_output fits): a
 # sandbox keeps at most two such mappings, and of them only the pages output reached.
 MAX_KEPT_BUFFER_BYTES = 2 * 1024 * 1024
-# The buffer of the job's sys.stdout and sys.stderr: the most either holds unwritten, which
-# the job's end writes into a pipe only the main thread reads then (_final_flush_fits).
-# What python3 gives a pipe (io.DEFAULT_BUFFER_SIZE).
+# The buffer of the job's sys.stdout and sys.stderr: what python3 gives a pipe.
 JOB_STREAM_BUFFER_BYTES = io.DEFAULT_BUFFER_SIZE
 STREAM_NAMES = dict(zip((STDOUT_FD, STDERR_FD), OUTPUT_STREAMS, strict=True))
 
@@ -221,29 +219,47 @@ class OutputCapture:
         finally:
             # Nothing the job started may write on after it: then the pipes are kept for the next job.
             # (The drain thread is the one thread of the runner's own: _drain.Drainer.)
-            alone = not self._subprocesses and _thread._count() == 1
-            # The last output sits in the streams' buffers. If it fits in the pipes, the main thread
-            # takes the pipes from the drain thread first and flushes it where only it reads: the
-            # thread is not woken for it. Else the thread reads while it is flushed.
-            quiet = alone and _final_flush_fits(pipes, job_streams)
-            if quiet:
-                with pipes.lock:
-                    pipes.stop_watching()
-                    pipes.read_available()
-            flushed = _flush_python_streams((sys.stdout, sys.stderr))
-            _kept_streams.give_back(job_streams, flushed)
-            _flush_c_stdio()
-            if not quiet:
-                with pipes.lock:
-                    pipes.stop_watching()
+            # Then fds 1 and 2 are checked here, not when the next job starts: nothing runs between.
+            keep = not self._subprocesses and _thread._count() == 1 and pipes.sound()
+            self._take_last_output(pipes, job_streams, straight=keep)
             sys.stdin, sys.stdout, sys.stderr = saved_streams
-            self._finish(pipes, keep=alone)
+            self._finish(pipes, keep=keep)
+
+    def _take_last_output(
+        self, pipes: CapturePipes, job_streams: tuple[io.TextIOWrapper, ...], *, straight: bool
+    ) -> None:
+        """Take what the job's streams still hold, after what its pipes hold, in the order written.
+
+        Most of a small job's output is still in its streams' buffers when it ends. Written
+        into the pipes, it would wake the drain thread (a GIL hand-off: hundreds of us under
+        gVisor). So when nothing of the job is left running and fds 1 and 2 are still the
+        pipes (``straight``), the main thread reads the pipes itself and the capture's own
+        streams hand their rest straight to the sinks (:class:`_JobStreamFile`), all under
+        the pipes' lock: the thread, still watching, is not woken. A stream the job put in
+        their place, and C's stdio, are flushed as they are, outside the lock (into a pipe,
+        they may write more than it holds), and the thread reads with the main thread.
+        """
+        ours = job_streams[1:]
+        foreign = tuple(stream for stream in (sys.stdout, sys.stderr) if not any(stream is o for o in ours))
+        flushed = _flush_python_streams(foreign)
+        if not straight:
+            flushed |= _flush_python_streams(ours)
+        with pipes.lock:
+            pipes.read_available()
+            if straight:
+                with _straight_to(self):
+                    flushed |= _flush_python_streams(ours)
+        _kept_streams.give_back(job_streams, flushed)
+        c_pending = _c_stdio_pending()
+        _flush_c_stdio()
+        if c_pending != 0:  # it wrote (or may have: not glibc) into the pipes after the read above
+            with pipes.lock:
+                pipes.read_available()
 
     def _finish(self, pipes: CapturePipes, keep: bool) -> None:
-        if keep:
-            with pipes.lock:
-                pipes.read_available()  # the last flush's bytes
         if not keep or pipes.broken:
+            with pipes.lock:
+                pipes.stop_watching()  # retire reads alone
             # A process or thread of the job may still hold a copy of a write end: read until none
             # does, for at most the grace; one still writing after that gets EPIPE.
             pipes.retire(DRAIN_GRACE_SECONDS)
@@ -292,9 +308,9 @@ class OutputCapture:
 
 
 # What python3 gives a script whose output is not a terminal: stdout block-buffered and strict,
-# stderr line-buffered with backslashreplace. The text goes straight to a buffer of known size
-# (write_through), so that what a flush still writes at the job's end is known
-# (_final_flush_fits). Per fd: errors, line_buffering, write_through.
+# stderr line-buffered with backslashreplace. The text goes straight to the buffer
+# (write_through): what the job's end still flushes is the buffer's. Per fd: errors,
+# line_buffering, write_through.
 _STREAM_SETTINGS = {
     STDIN_FD: ("strict", False, False),
     STDOUT_FD: ("strict", False, True),
@@ -367,34 +383,45 @@ class _KeptStreams:
 _kept_streams = _KeptStreams()
 
 
+class _JobStreamFile(io.FileIO):
+    """fd 1 or 2 under the job's sys.stdout or sys.stderr: a FileIO whose writes go, while its
+    capture takes the job's last output, straight to that capture instead of into the pipe."""
+
+    __slots__ = ()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        capture = _taking_last_output
+        if capture is None:
+            return super().write(data)
+        chunk = memoryview(data).cast("B")
+        capture.take(self.fileno(), chunk)
+        return len(chunk)
+
+
+# The capture taking its job's last output (with its pipes' lock held, on the main thread).
+_taking_last_output: OutputCapture | None = None
+
+
+@contextlib.contextmanager
+def _straight_to(capture: OutputCapture) -> Iterator[None]:
+    global _taking_last_output
+    _taking_last_output = capture
+    try:
+        yield
+    finally:
+        _taking_last_output = None
+
+
 def _new_stream(fd: int) -> io.TextIOWrapper:
     errors, line_buffering, write_through = _STREAM_SETTINGS[fd]
     if fd == STDIN_FD:
-        layer = open(fd, "rb", closefd=False)  # noqa: SIM115
+        layer: io.BufferedIOBase = open(fd, "rb", closefd=False)  # noqa: SIM115
     else:
-        layer = open(fd, "wb", buffering=JOB_STREAM_BUFFER_BYTES, closefd=False)  # noqa: SIM115
+        # What open(fd, "wb", buffering=..., closefd=False) makes, on our FileIO.
+        layer = io.BufferedWriter(_JobStreamFile(fd, "wb", closefd=False), JOB_STREAM_BUFFER_BYTES)
     return io.TextIOWrapper(
         layer, encoding="utf-8", errors=errors, line_buffering=line_buffering, write_through=write_through
     )
-
-
-def _final_flush_fits(pipes: CapturePipes, job_streams: tuple[io.TextIOWrapper, ...]) -> bool:
-    """Can the job's last buffered output go into its emptied pipes without a reader, never blocking?
-
-    Only if sys.stdout and sys.stderr are still the streams the capture made (at most
-    JOB_STREAM_BUFFER_BYTES unwritten each) and C's stdio holds little: a job may have replaced
-    them with anything, or given C a buffer of megabytes. (That no thread or process of the
-    job is left, which could fill an emptied pipe while the main thread flushes, the caller
-    checks: ``alone`` in :meth:`OutputCapture.active`.)
-    """
-    if len(job_streams) != 3 or sys.stdout is not job_streams[1] or sys.stderr is not job_streams[2]:
-        return False
-    if not all(getattr(stream, "write_through", False) for stream in job_streams[1:]):
-        return False  # reconfigured: the text layer may hold more than the buffer
-    c_pending = _c_stdio_pending()
-    if c_pending is None:
-        return False
-    return pipes.capacity() >= JOB_STREAM_BUFFER_BYTES + c_pending
 
 
 def _flush_python_streams(streams: tuple[object, ...]) -> set[int]:

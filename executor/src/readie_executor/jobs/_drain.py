@@ -21,18 +21,17 @@ threads and back hundreds, so a capture makes as few of either as it can
   to start processes, or a thread it started is still alive. Otherwise
   nothing of the job runs between two captures.
 * **The main thread reads last.** The drain thread watches the read ends
-  (an epoll set: adding and removing an end does not wake it) but not while
-  a job ends: the main thread takes them, flushes the job's last buffered
-  output into them and reads what is left itself, non-blocking, under the
-  pipes' lock (which the drain thread reads under too). It never waits for
-  the thread, and the thread, asleep in epoll_wait, is woken only by output
-  while the job runs.
+  (an epoll set, kept from job to job) and reads under the pipes' lock. When
+  a job ends the main thread takes that lock, reads what the pipes hold
+  itself (non-blocking) and has the job's streams hand what they still
+  buffer straight to the capture (``_capture._JobStreamFile``), not through
+  the pipes: it never waits for the thread, and the thread, asleep in
+  epoll_wait, is woken only by output while the job runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import select
 import stat
@@ -90,11 +89,13 @@ class CapturePipes:
             raise
         self._open = set(self.readers)  # read ends not at their end yet
 
+    def alive(self) -> bool:
+        """Can these pipes still be read (not at an end, their thread running)?"""
+        return not self.broken and self._drainer.running
+
     def sound(self) -> bool:
-        """Are fds 1 and 2 still these pipes, and their reader alive? (A job may close any descriptor.)"""
-        if self.broken or not self._drainer.running:
-            return False
-        return all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
+        """Are fds 1 and 2 still these pipes, and alive? (A job may close or replace any descriptor.)"""
+        return self.alive() and all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
 
     def start(self, receiver: Receiver) -> None:
         """Hand the pipes to a capture (watched already, unless they are new)."""
@@ -103,20 +104,13 @@ class CapturePipes:
             self._drainer.watch(self)
 
     def rest(self) -> None:
-        """Between captures (the lock held): the drain thread watches them, and drops what arrives."""
+        """Between captures (the lock held): the drain thread watches them still, and drops what arrives."""
         self.receiver = None
         self._drainer.watch(self)
 
     def stop_watching(self) -> None:
         """From now on only the main thread reads (the lock held): the drain thread is not woken again."""
         self._drainer.unwatch(self)
-
-    def capacity(self) -> int:
-        """The fewest bytes fd 1 or 2 holds (a job may have shrunk its pipe, or put another there); 0 if unknown."""
-        try:
-            return min(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) for fd in CAPTURED_FDS)
-        except OSError:
-            return 0
 
     def read_available(self) -> None:
         """Read what the pipes hold now, without blocking (the lock held); a pipe at its end is broken."""
@@ -286,8 +280,8 @@ def take_pipes() -> CapturePipes:
     if not _dedicated:
         raise StdioNotDedicated("the job runner needs fds 0, 1 and 2 for itself: call dedicate_stdio() first")
     pipes, _kept = _kept, None
-    if pipes is not None and pipes.sound():
-        return pipes
+    if pipes is not None and pipes.alive():
+        return pipes  # fds 1 and 2 checked when they were kept: nothing of a job runs between two
     if pipes is not None:
         with pipes.lock:
             pipes.stop_watching()
@@ -350,6 +344,6 @@ def dedicate_stdio() -> int:
 
 
 def keep_pipes(pipes: CapturePipes) -> None:
-    """Give ``pipes`` (their capture ended, sound) to the next capture."""
+    """Give ``pipes`` to the next capture: their capture ended, fds 1 and 2 checked, nothing of its job left."""
     global _kept
     _kept = pipes
