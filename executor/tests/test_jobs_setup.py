@@ -353,3 +353,19 @@ def test_a_job_in_a_process_that_kept_its_stdio_is_refused_not_run() -> None:
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
     error = json.loads(done.stdout)
     assert error["type"] == "SandboxSetupError" and "dedicate_stdio()" in error["message"], error
+
+
+def test_each_job_starts_in_its_workspace_whatever_the_last_one_left(tmp_path: Path) -> None:
+    # The runner does not put the cwd back after a job (decision 33): the next one enters its own.
+    (tmp_path / "sub").mkdir()
+    where = "import os\nprint(os.getcwd())\nos.chdir('sub')"
+    results = run_in_child(
+        job(where, cwd=str(tmp_path), session=True),
+        job(where, cwd=str(tmp_path), session=True),
+        job("import os\nprint(os.getcwd())"),
+        job("import os\nos.rmdir(os.getcwd())", cwd=str(tmp_path / "sub")),
+        job("import os\nprint(os.getcwd())", cwd=str(tmp_path)),
+    )
+    assert [result["stdout"] for result in results] == [
+        f"{tmp_path}\n", f"{tmp_path}\n", f"{os.getcwd()}\n", "", f"{tmp_path}\n"
+    ], results

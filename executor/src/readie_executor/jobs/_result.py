@@ -129,7 +129,7 @@ def locate(exc: BaseException, name: str) -> tuple[str | None, int | None]:
 def permission_hint(spec: JobSpec) -> str:
     writable = [link.path for link in spec.links if link.writable]
     readable = [link.path for link in spec.links if not link.writable]
-    workspace = spec.cwd or os.getcwd()
+    workspace = spec.workspace
     parts = [
         f"This job may write only beneath its workspace ({workspace})"
         + (" and its write grants: " + ", ".join(writable) if writable else " (it has no write grants)")

@@ -157,7 +157,7 @@ def _run(spec: JobSpec, clock: PhaseClock) -> bytes:
             ErrorReport("SandboxSetupError", str(exc)), spec.limits.max_output, preloaded=preloaded
         )
     try:
-        write_files(spec.cwd or os.getcwd(), spec.files)
+        write_files(spec.workspace, spec.files)
     except WorkspaceError as exc:
         # The request's files cannot go where it says (a link or a directory in the way): the
         # request's fault, not the sandbox's, so a session goes on (decision 31).
@@ -203,7 +203,7 @@ def _execute(spec: JobSpec, source: str | bytes, notes: list[str], clock: PhaseC
 def _execute_in_state(spec: JobSpec, source: str | bytes, notes: list[str], clock: PhaseClock) -> _Outcome:
     module = _main_module(spec)
     # The workspace is the job's to write in (decision 31: what it saves there can be collected).
-    workspace = spec.cwd or os.getcwd()
+    workspace = spec.workspace
     guard = JobGuard(
         writable_roots=writable_roots(
             itertools.chain([workspace], (path for link in spec.writable_links for path in (link.path, link.target)))
@@ -313,20 +313,25 @@ def _apply_subprocess_policy(allowed: bool) -> list[str]:
 
 @contextlib.contextmanager
 def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None]:
-    """The cwd, environment, argv, sys.path and __main__ the job sees; restored after."""
+    """The cwd, environment, argv, sys.path and __main__ the job sees; all but the cwd restored after.
+
+    The cwd is entered only if the process is not in it already, and left as the job leaves
+    it: nothing between jobs uses it, and a session's steps, all in one workspace, make no
+    chdir at all (two system calls a step fewer, decision 33).
+    """
     try:
-        saved_cwd: str | None = os.getcwd()
-    except OSError:
-        saved_cwd = None
+        here: str | None = os.getcwd()
+    except OSError:  # the job removed the directory it left the process in
+        here = None
     saved_environ = dict(os.environ)
     saved_argv, saved_path = sys.argv, list(sys.path)
     saved_main = sys.modules.get("__main__")
     try:
-        if spec.cwd is not None:
+        if here != spec.workspace:
             try:
-                os.chdir(spec.cwd)
+                os.chdir(spec.workspace)
             except OSError as exc:
-                raise SetupError(f"cannot enter the working directory {spec.cwd}: {exc}") from None
+                raise SetupError(f"cannot enter the working directory {spec.workspace}: {exc}") from None
         os.environ.clear()
         os.environ.update(spec.env)
         sys.argv = [spec.name, *spec.args]
@@ -346,9 +351,6 @@ def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None
         sys.argv = saved_argv
         os.environ.clear()
         os.environ.update(saved_environ)
-        if saved_cwd is not None:
-            with contextlib.suppress(OSError):
-                os.chdir(saved_cwd)
 
 
 def _main_module(spec: JobSpec) -> types.ModuleType:

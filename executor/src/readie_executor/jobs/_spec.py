@@ -19,6 +19,10 @@ from ._bounds import MAX_OUTPUT_LIMIT
 
 # Name of an inline job that does not set one, as ``python -c`` reports it.
 DEFAULT_INLINE_NAME = "<string>"
+# Where a job that names no working directory runs: where this process started (a sandbox's
+# "/"). Read once: a job's cwd is not put back after it (decision 33), so the process's own
+# cwd says nothing by the next job.
+STARTED_IN = os.getcwd()
 _KNOWN_FIELDS = frozenset(
     {"code", "script_path", "name", "args", "env", "cwd", "links", "limits", "session", "functions",
      "stream", "files", "nameserver", "phases"}
@@ -77,6 +81,11 @@ class JobSpec:
     nameserver: str | None = None
     # Time the runner's phases and send them with the result (``._phases``: the bench's breakdown).
     phases: bool = False
+
+    @property
+    def workspace(self) -> str:
+        """The job's working directory: its own, else the one the process started in."""
+        return self.cwd or STARTED_IN
 
     @property
     def writable_links(self) -> tuple[Link, ...]:
