@@ -376,12 +376,14 @@ def test_spliced_valid_results_give_a_result_or_job_result_invalid(
 
 def test_a_real_run_job_result_parses() -> None:
     child = (
-        "import sys\n"
-        "from readie_executor.jobs import run_job\n"
+        "import os\n"
+        "from readie_executor.jobs import dedicate_stdio, run_job\n"
+        "result = os.fdopen(os.dup(1), 'wb')\n"
+        "dedicate_stdio()\n"
         "job = {'code': 'print(1)\\nopen(\"/etc/nope\", \"w\")', 'name': 'step.py',\n"
         "       'limits': {'max_output': 1000, 'memory_bytes': None, 'max_file_size': None,\n"
         "                  'subprocesses': False}}\n"
-        "sys.stdout.buffer.write(run_job(job))\n"
+        "result.write(run_job(job))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", child], capture_output=True, timeout=30, check=True
