@@ -122,6 +122,7 @@ def test_preloaded_modules_come_from_the_template() -> None:
         ({"surprise": True}, "unknown fields: surprise"),
         ({"nameserver": "resolver.example"}, "nameserver must be an IPv4 address"),
         ({"nameserver": ["10.0.0.1"]}, "nameserver must be an IPv4 address"),
+        ({"cwd": "work"}, "cwd must be an absolute path"),  # read against the last job's cwd (decision 33)
     ],
 )
 def test_invalid_job_is_a_request_error(fields: dict[str, Any], complaint: str) -> None:
@@ -369,3 +370,38 @@ def test_each_job_starts_in_its_workspace_whatever_the_last_one_left(tmp_path: P
     assert [result["stdout"] for result in results] == [
         f"{tmp_path}\n", f"{tmp_path}\n", f"{os.getcwd()}\n", "", f"{tmp_path}\n"
     ], results
+
+
+def test_what_a_job_does_to_its_descriptors_and_streams_does_not_cost_the_next_one_its_output() -> None:
+    # Cases an attacker's review of the kept descriptors found (decision 33): fd 0 closed by a
+    # job whose pipes are then retired (new pipes must not land on fds 0-2); a stream that closes
+    # fd 1 when it is collected, after the job's end checked fd 1; a C FILE of the job's own on
+    # fd 1 flushed at the end; a flush the job set on its own stream that writes more than a
+    # pipe holds (it must not run holding the pipes' lock); the job's own RLIMIT_AS.
+    own_file = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.fdopen.restype = ctypes.c_void_p\n"
+        "libc.fputs(b'from C\\n', ctypes.c_void_p(libc.fdopen(1, b'w')))"
+    )
+    big_flush = "import os, sys\nsys.stdout.flush = lambda: os.write(1, b'z' * 200000)\nprint('a')"
+    own_limit = (
+        "import resource\nprint('x' * 500000)\n"
+        "size = next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith('VmSize:'))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + 256 * 1024, resource.RLIM_INFINITY))"
+    )
+    results = run_in_child(
+        job("import os, threading, time\nos.close(0)\nthreading.Thread(target=time.sleep, args=(0.3,)).start()"),
+        job("print('two')\nimport os\nos.write(1, b'raw\\n')"),
+        job("import os, sys\nsys.stdout = os.fdopen(sys.stdout.fileno(), 'w', buffering=1)\nprint('one')", session=True),
+        job("print('after the closing stream')", session=True),
+        job(own_file),
+        job("print('after the C file')"),
+        job(big_flush),
+        job("print('after the big flush')"),
+        job(own_limit, limits={"max_output": 1 << 20}),
+        job("print('after the limit')"),
+    )
+    stdouts = [result["stdout"] for result in results]
+    assert stdouts[1:4] == ["raw\ntwo\n", "one\n", "after the closing stream\n"], results[:4]
+    assert stdouts[4:6] == ["from C\n", "after the C file\n"]
+    assert stdouts[6] == "z" * 65536 and stdouts[7] == "after the big flush\n"
+    assert (results[8]["exit"], len(stdouts[8]), stdouts[9]) == (0, 500001, "after the limit\n"), results[8]["error"]

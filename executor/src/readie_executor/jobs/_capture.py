@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ..hostwire import MAX_OUTPUT_CHUNK_BYTES, OUTPUT_INTERVAL_S, OUTPUT_STREAMS, encode_output
 from ._drain import (
     DRAIN_GRACE_SECONDS,
+    READ_SIZE,
     STDERR_FD,
     STDIN_FD,
     STDOUT_FD,
@@ -184,7 +185,8 @@ class _Streamer:
 
 
 class OutputCapture:
-    """Redirects fds 0, 1 and 2 (and sys.stdin/stdout/stderr) while active.
+    """Takes what fds 1 and 2 (the pipes') and sys.stdout/stderr get while active; sys.stdin and fd 0
+    read /dev/null.
 
     ``send``: stream the output as frames too (see the module's docstring).
     ``subprocesses``: the job may start processes, which may outlive it and write on.
@@ -218,8 +220,8 @@ class OutputCapture:
             yield
         finally:
             # Nothing the job started may write on after it: then the pipes are kept for the next job.
-            # (The drain thread is the one thread of the runner's own: _drain.Drainer.)
-            # Then fds 1 and 2 are checked here, not when the next job starts: nothing runs between.
+            # (The drain thread is the one thread of the runner's own: _drain.Drainer.) And fds 1 and
+            # 2 must still be them: else what the job's streams hold goes where the job put them.
             keep = not self._subprocesses and _thread._count() == 1 and pipes.sound()
             self._take_last_output(pipes, job_streams, straight=keep)
             sys.stdin, sys.stdout, sys.stderr = saved_streams
@@ -236,25 +238,26 @@ class OutputCapture:
         pipes (``straight``), the main thread reads the pipes itself and the capture's own
         streams hand their rest straight to the sinks (:class:`_JobStreamFile`), all under
         the pipes' lock: the thread, still watching, is not woken. A stream the job put in
-        their place, and C's stdio, are flushed as they are, outside the lock (into a pipe,
-        they may write more than it holds), and the thread reads with the main thread.
+        their place, one of ours it decorated (its flush would be the job's code, run holding
+        the lock), and C's stdio, are flushed as they are, outside the lock (into a pipe, they
+        may write more than it holds), and the thread reads with the main thread.
         """
-        ours = job_streams[1:]
-        foreign = tuple(stream for stream in (sys.stdout, sys.stderr) if not any(stream is o for o in ours))
-        flushed = _flush_python_streams(foreign)
-        if not straight:
-            flushed |= _flush_python_streams(ours)
+        plain = tuple(stream for stream in job_streams[1:] if straight and _plain(stream))
+        others: list[object] = []
+        for stream in (sys.stdout, sys.stderr, *job_streams[1:]):
+            if not _among(stream, plain) and not _among(stream, others):
+                others.append(stream)
+        flushed = _flush_python_streams(tuple(others))
         with pipes.lock:
             pipes.read_available()
-            if straight:
-                with _straight_to(self):
-                    flushed |= _flush_python_streams(ours)
+            with _straight_to(self):
+                flushed |= _flush_python_streams(plain)
         _kept_streams.give_back(job_streams, flushed)
-        c_pending = _c_stdio_pending()
+        # Every FILE C holds, not only its stdout and stderr (a job's fdopen(1) too); then what
+        # they wrote, after what the streams held, as python3's exit would.
         _flush_c_stdio()
-        if c_pending != 0:  # it wrote (or may have: not glibc) into the pipes after the read above
-            with pipes.lock:
-                pipes.read_available()
+        with pipes.lock:
+            pipes.read_available()
 
     def _finish(self, pipes: CapturePipes, keep: bool) -> None:
         if not keep or pipes.broken:
@@ -393,9 +396,12 @@ class _JobStreamFile(io.FileIO):
         capture = _taking_last_output
         if capture is None:
             return super().write(data)
-        chunk = memoryview(data).cast("B")
-        capture.take(self.fileno(), chunk)
-        return len(chunk)
+        whole = memoryview(data).cast("B")
+        # A read's worth at a time, as from the pipe: a streamed frame holds at most one.
+        for start in range(0, len(whole), READ_SIZE):
+            capture.take(self.fileno(), whole[start : start + READ_SIZE])
+            capture.send_due()
+        return len(whole)
 
 
 # The capture taking its job's last output (with its pipes' lock held, on the main thread).
@@ -410,6 +416,24 @@ def _straight_to(capture: OutputCapture) -> Iterator[None]:
         yield
     finally:
         _taking_last_output = None
+
+
+def _plain(stream: io.TextIOWrapper) -> bool:
+    """Is this one of the capture's streams as made, no attribute set on a layer (its flush ours alone)?"""
+    try:
+        buffer = stream.buffer
+        raw = buffer.raw  # type: ignore[attr-defined]
+        return (
+            type(stream) is io.TextIOWrapper and not vars(stream)
+            and type(buffer) is io.BufferedWriter and not vars(buffer)
+            and type(raw) is _JobStreamFile and vars(raw) == {"name": raw.fileno()}
+        )
+    except Exception:  # noqa: BLE001 - detached, closed: not ours to flush under the lock
+        return False
+
+
+def _among(stream: object, streams: tuple[object, ...] | list[object]) -> bool:
+    return any(stream is other for other in streams)
 
 
 def _new_stream(fd: int) -> io.TextIOWrapper:
@@ -436,9 +460,6 @@ def _flush_python_streams(streams: tuple[object, ...]) -> set[int]:
 
 
 _libc: ctypes.CDLL | None = None
-# Where glibc's FILE keeps the start and the end of what it holds unwritten (_IO_write_base,
-# _IO_write_ptr: fields of its public, stable struct _IO_FILE, on a 64-bit target).
-GLIBC_FILE_WRITE_BASE_OFFSET = 32
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -452,21 +473,3 @@ def _flush_c_stdio() -> None:
     """Flush C-level stdio buffers, so a C extension's printf is captured too."""
     with contextlib.suppress(Exception):
         _load_libc().fflush(None)
-
-
-def _c_stdio_pending() -> int | None:
-    """The most bytes C's stdout or stderr holds unwritten; None where that cannot be read (not glibc)."""
-    try:
-        libc = _load_libc()
-        if ctypes.sizeof(ctypes.c_void_p) != 8 or not hasattr(libc, "gnu_get_libc_version"):
-            return None
-        pending = 0
-        for name in ("stdout", "stderr"):
-            file = ctypes.c_void_p.in_dll(libc, name).value
-            if not file:
-                return None
-            base, end = (ctypes.c_void_p * 2).from_address(file + GLIBC_FILE_WRITE_BASE_OFFSET)
-            pending = max(pending, (end or 0) - (base or 0))
-        return pending
-    except Exception:  # noqa: BLE001 - no libc, no symbol: not known
-        return None

@@ -9,10 +9,13 @@ threads and back hundreds, so a capture makes as few of either as it can
 * **Descriptors dedicated.** Once the executor hands them over
   (:func:`dedicate_stdio`, before it serves), fds 1 and 2 *are* the pipes'
   write ends, and fd 0 is /dev/null, between jobs too: a capture checks them
-  (one ``os.fstat`` each: a job may close or replace any descriptor) instead
-  of saving, pointing and restoring all three, twelve system calls a job.
-  What reaches the pipes between two captures is read and dropped by the
-  drain thread; the executor's own log has a descriptor of its own.
+  when it starts and fds 1 and 2 again when it ends (one ``os.fstat`` each: a
+  job may close or replace any descriptor, and a stream it leaves behind may
+  close one when it is collected) instead of saving, pointing and restoring
+  all three, twelve system calls a job. What reaches the pipes between two
+  captures the drain thread reads and drops; the executor's own log has a
+  descriptor of its own (what is written to fd 2 itself between jobs, such as
+  a fatal error's message, is lost).
 * **Pipes kept.** The pipes outlive the capture: the next job gets the same
   ones when its fds 1 and 2 are still them. They are retired instead (fds 1
   and 2 pointed at /dev/null, the rest read until end of file or
@@ -89,13 +92,11 @@ class CapturePipes:
             raise
         self._open = set(self.readers)  # read ends not at their end yet
 
-    def alive(self) -> bool:
-        """Can these pipes still be read (not at an end, their thread running)?"""
-        return not self.broken and self._drainer.running
-
     def sound(self) -> bool:
-        """Are fds 1 and 2 still these pipes, and alive? (A job may close or replace any descriptor.)"""
-        return self.alive() and all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
+        """Are fds 1 and 2 still these pipes, and their reader alive? (A job may close or replace any descriptor.)"""
+        if self.broken or not self._drainer.running:
+            return False
+        return all(_is_pipe(fd, inode) for fd, inode in self._inodes.items())
 
     def start(self, receiver: Receiver) -> None:
         """Hand the pipes to a capture (watched already, unless they are new)."""
@@ -280,15 +281,29 @@ def take_pipes() -> CapturePipes:
     if not _dedicated:
         raise StdioNotDedicated("the job runner needs fds 0, 1 and 2 for itself: call dedicate_stdio() first")
     pipes, _kept = _kept, None
-    if pipes is not None and pipes.alive():
-        return pipes  # fds 1 and 2 checked when they were kept: nothing of a job runs between two
+    if pipes is not None and pipes.sound():
+        return pipes
     if pipes is not None:
         with pipes.lock:
             pipes.stop_watching()
         pipes.close()  # fds 1 and 2 are not both these pipes any more; the new ones go over them
+    fill_stdio()
     if _the_drainer is None or not _the_drainer.running:
         _the_drainer = Drainer()
     return CapturePipes(_the_drainer)
+
+
+def fill_stdio() -> None:
+    """Put /dev/null on whichever of fds 0, 1 and 2 a job closed, lowest first, so that no pipe end
+    or descriptor of ours is given one of their numbers (open() takes the lowest free one)."""
+    for fd in (STDIN_FD, *CAPTURED_FDS):
+        try:
+            os.fstat(fd)
+        except OSError:
+            filler = os.open(os.devnull, os.O_RDWR)
+            if filler != fd:  # a number below was free after all (only if one closed under us)
+                os.dup2(filler, fd)
+                os.close(filler)
 
 
 def stdin_from_devnull() -> None:
@@ -305,19 +320,20 @@ def stdin_from_devnull() -> None:
     _devnull_identity = (found.st_dev, found.st_ino)
 
 
-_kept_devnull: tuple[int, int] | None = None  # a descriptor of /dev/null, read-only, and its inode
+_kept_devnull: tuple[int, int] | None = None  # a descriptor of /dev/null and its inode
 _devnull_identity: tuple[int, int] | None = None  # /dev/null's device and inode, once fd 0 was made it
 
 
 def devnull() -> int:
-    """A descriptor of /dev/null for reading. Kept (checked: a job may close any descriptor)."""
+    """A descriptor of /dev/null, for reading and writing (what fds 0, 1 and 2 point at when not a
+    job's). Kept (checked: a job may close any descriptor)."""
     global _kept_devnull
     if _kept_devnull is not None:
         fd, inode = _kept_devnull
         with contextlib.suppress(OSError):
             if os.fstat(fd).st_ino == inode:
                 return fd
-    fd = os.open(os.devnull, os.O_RDONLY)
+    fd = os.open(os.devnull, os.O_RDWR)
     _kept_devnull = (fd, os.fstat(fd).st_ino)
     return fd
 
@@ -344,6 +360,6 @@ def dedicate_stdio() -> int:
 
 
 def keep_pipes(pipes: CapturePipes) -> None:
-    """Give ``pipes`` to the next capture: their capture ended, fds 1 and 2 checked, nothing of its job left."""
+    """Give ``pipes`` to the next capture (their capture ended, nothing of its job left), which checks fds 1 and 2 again."""
     global _kept
     _kept = pipes

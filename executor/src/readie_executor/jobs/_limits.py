@@ -54,8 +54,10 @@ def deadline(timeout_ms: int | None) -> Iterator[None]:
     too; C code that holds the GIL without checking for signals is not,
     and the worker's own deadline kills the sandbox shortly after. The
     handler stays installed between jobs (two system calls a job fewer,
-    decision 33), put back only if a job replaced it; it acts only while
-    a deadline runs.
+    decision 33), put back only if a job replaced it through ``signal``; it
+    acts only while a deadline runs. A job that changes SIGALRM's handling
+    below Python (``sigaction`` through ctypes) loses this deadline for its
+    session's later steps too, and meets the worker's.
     """
     global _deadline_armed
     if timeout_ms is None:
@@ -126,11 +128,11 @@ def apply_memory_limit(memory_bytes: int | None, max_output: int) -> list[str]:
 
 
 def relax_memory_limit() -> None:
-    """Lift the soft limit to the hard one, so the runner can write the result (if a limit was set:
-    a job that lowered its own limit without one keeps what it chose)."""
-    if _ceiling is None:
+    """Lift the soft limit to the hard one, so the runner can write the result (ours, or one the
+    job set itself: one getrlimit when neither did)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == hard:
         return
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
     with contextlib.suppress(OSError, ValueError):
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 

@@ -97,7 +97,7 @@ def parse_job(job: object) -> JobSpec:
         raise JobSpecError(f"job must be a dict, got {type(job).__name__}")
     _refuse_unknown(job, _KNOWN_FIELDS, "job")
     code = _optional_str(job, "code")
-    script_path = _optional_str(job, "script_path")
+    script_path = _absolute_path(job, "script_path")
     if (code is None) == (script_path is None):
         raise JobSpecError("job needs exactly one of code and script_path")
     default_name = script_path if script_path is not None else DEFAULT_INLINE_NAME
@@ -108,7 +108,7 @@ def parse_job(job: object) -> JobSpec:
         name=name,
         args=_str_list(job.get("args", []), "args"),
         env=_env(job.get("env", {})),
-        cwd=_optional_str(job, "cwd"),
+        cwd=_absolute_path(job, "cwd"),
         links=tuple(
             _link(entry, index) for index, entry in enumerate(_list(job.get("links", []), "links"))
         ),
@@ -120,6 +120,15 @@ def parse_job(job: object) -> JobSpec:
         nameserver=_nameserver(job.get("nameserver")),
         phases=_bool(job.get("phases", False), "phases"),
     )
+
+
+def _absolute_path(job: dict[str, Any], key: str) -> str | None:
+    """An absolute path or None: a relative one would be read against whatever cwd the last job
+    left the process in (the runner does not put it back)."""
+    path = _optional_str(job, key)
+    if path is not None and not os.path.isabs(path):
+        raise JobSpecError(f"{key} must be an absolute path, got {path!r}")
+    return path
 
 
 def _nameserver(raw: object) -> str | None:
