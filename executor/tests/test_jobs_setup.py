@@ -43,14 +43,6 @@ def test_environment_is_replaced() -> None:
     assert result["stdout"] == "None yes 1\n"
 
 
-def test_each_job_gets_its_own_environment_whatever_the_last_one_did() -> None:
-    # Only the variables that differ are changed between the executor's and a job's (decision 33).
-    show = "import os\nprint(sorted(os.environ.items()))\nos.environ['GIVEN'] = 'changed'\nos.environ['NEW'] = '1'"
-    first, second = run_in_child(job(show, env={"GIVEN": "yes"}), job(show, env={"GIVEN": "yes", "MORE": "x"}))
-    assert first["stdout"] == "[('GIVEN', 'yes')]\n"
-    assert second["stdout"] == "[('GIVEN', 'yes'), ('MORE', 'x')]\n"
-
-
 def test_args_become_argv() -> None:
     result = run_one("import sys\nprint(sys.argv)", args=["one", "two words"])
     assert result["stdout"] == "['step.py', 'one', 'two words']\n"

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -332,7 +332,8 @@ def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None
                 os.chdir(spec.workspace)
             except OSError as exc:
                 raise SetupError(f"cannot enter the working directory {spec.workspace}: {exc}") from None
-        _replace_environ(spec.env)
+        os.environ.clear()
+        os.environ.update(spec.env)
         sys.argv = [spec.name, *spec.args]
         # What python3 puts first on sys.path: the script's directory, or ""
         # (the working directory) for inline code.
@@ -348,18 +349,8 @@ def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None
             sys.modules.pop("__main__", None)
         sys.path[:] = saved_path
         sys.argv = saved_argv
-        _replace_environ(saved_environ)
-
-
-def _replace_environ(wanted: Mapping[str, str]) -> None:
-    """Make os.environ exactly ``wanted``, changing only the variables that differ: each change is
-    a putenv or unsetenv and a few Python calls, and a session's steps mostly ask the same."""
-    environ = os.environ
-    for name in [name for name in environ if name not in wanted]:
-        del environ[name]
-    for name, value in wanted.items():
-        if environ.get(name) != value:
-            environ[name] = value
+        os.environ.clear()
+        os.environ.update(saved_environ)
 
 
 def _main_module(spec: JobSpec) -> types.ModuleType:
