@@ -242,6 +242,20 @@ def test_the_log_still_reaches_stderr_after_a_job_took_fds_1_and_2(executor: Exe
     assert "dropping connection: chunk length" in logged and "job" not in logged
 
 
+def test_a_connection_never_takes_a_descriptor_a_job_s_leftover_stream_freed(executor: ExecutorProcess) -> None:
+    # The job's own stream on fd 1 (closefd) closes it when collected, after the job's end
+    # (decision 33): the next connection must not get fd 1, where the next capture's pipe goes.
+    from readie_executor.jobs import run_job
+
+    limits = {"max_output": 100}
+    leave = {"code": "import os, sys\nsys.stdout = os.fdopen(1, 'w')\nprint('one')", "limits": limits, "session": True}
+    first = json.loads(executor.call_raw(request_bytes(run_job, leave)))
+    after = {"code": "import os\nprint('two', os.path.exists('/proc/self/fd/1'))", "limits": limits, "session": True}
+    second = json.loads(executor.call_raw(request_bytes(run_job, after)))  # a new connection
+    assert (first["stdout"], second["stdout"]) == ("one\n", "two True\n"), (first, second)
+    assert_answers_fresh_connection(executor)
+
+
 def big_value() -> bytes:
     return bytes(20_000_000)
 

@@ -43,6 +43,30 @@ def test_environment_is_replaced() -> None:
     assert result["stdout"] == "None yes 1\n"
 
 
+def test_each_job_gets_its_own_environment_whatever_the_last_one_did() -> None:
+    # Through os.environ or below it (os.putenv): the next job's variables are its own.
+    show = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None)\nlibc.getenv.restype = ctypes.c_char_p\n"
+        "print(sorted(os.environ.items()), libc.getenv(b'GIVEN'))\n"
+        "os.environ['NEW'] = '1'\nos.putenv('GIVEN', 'changed below os.environ')"
+    )
+    first, second = run_in_child(
+        job(show, env={"GIVEN": "yes"}), job(show, env={"GIVEN": "yes", "MORE": "x"}), env={"GIVEN": "yes"}
+    )  # GIVEN the executor's too, as PATH is in a sandbox
+    assert first["stdout"] == "[('GIVEN', 'yes')] b'yes'\n"
+    assert second["stdout"] == "[('GIVEN', 'yes'), ('MORE', 'x')] b'yes'\n"
+
+
+def test_stdio_a_job_closed_is_filled_inheritable() -> None:
+    # A job closed fd 0 and left a thread: its pipes are retired and fds 0-2 filled before new
+    # ones are made (decision 33); what fills them must reach a child process as stdio does.
+    results = run_in_child(
+        job("import os, threading, time\nos.close(0)\nthreading.Thread(target=time.sleep, args=(0.3,)).start()"),
+        job("import os\nprint([os.get_inheritable(fd) for fd in (0, 1, 2)])"),
+    )
+    assert results[1]["stdout"] == "[True, True, True]\n", results
+
+
 def test_args_become_argv() -> None:
     result = run_one("import sys\nprint(sys.argv)", args=["one", "two words"])
     assert result["stdout"] == "['step.py', 'one', 'two words']\n"
@@ -123,6 +147,8 @@ def test_preloaded_modules_come_from_the_template() -> None:
         ({"nameserver": "resolver.example"}, "nameserver must be an IPv4 address"),
         ({"nameserver": ["10.0.0.1"]}, "nameserver must be an IPv4 address"),
         ({"cwd": "work"}, "cwd must be an absolute path"),  # read against the last job's cwd (decision 33)
+        ({"cwd": "/tmp/a\0b"}, "cwd must be an absolute path without NUL"),
+        ({"env": {"A": "\ud800"}}, "env['A'] must be a string"),
     ],
 )
 def test_invalid_job_is_a_request_error(fields: dict[str, Any], complaint: str) -> None:

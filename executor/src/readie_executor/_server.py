@@ -13,6 +13,7 @@ from ._calls import run_call
 from ._checkpoint import CapturePointError, wait_for_handover
 from .hibernation import HIBERNATE, HIBERNATING
 from .hostwire import REPLY_PREFIX
+from .jobs import fill_stdio
 from .framing import FramingError, MessageReader
 from ._uniqueness import Reseeder
 from .sockets import MAX_SOCKET_PATH, receive_message, send_message
@@ -41,6 +42,7 @@ def bind_listener(path: Path) -> socket.socket:
         pass
     except OSError as exc:
         raise ServeError(f"cannot remove stale socket {path}: {exc}") from None
+    fill_stdio()  # a number a job's leftover stream freed (closing fd 1 when collected) is not ours to take
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(encoded)
@@ -63,6 +65,7 @@ def serve_forever(
     sandbox must not serve.
     """
     while True:
+        fill_stdio()  # as in bind_listener: the connection must not take fd 0, 1 or 2
         connection, _ = listener.accept()
         with connection:
             hibernate = serve_connection(connection, chunk_size) and handover is not None

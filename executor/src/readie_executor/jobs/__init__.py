@@ -17,7 +17,7 @@ Standard library only: this runs in the sandbox's own python3.
 
 from . import _bounds as bounds
 from ._collect import collect
-from ._drain import dedicate_stdio
+from ._drain import dedicate_stdio, fill_stdio
 from ._runner import EXIT_NOT_STARTED, WARMED_UP, run_job, warm_up
 from ._spec import DEFAULT_INLINE_NAME
 from ._transfers import download_chunk, list_files, upload_chunk
@@ -29,6 +29,7 @@ __all__ = [
     "bounds",
     "collect",
     "dedicate_stdio",
+    "fill_stdio",
     "download_chunk",
     "list_files",
     "run_job",

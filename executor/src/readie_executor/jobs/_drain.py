@@ -35,6 +35,7 @@ threads and back hundreds, so a capture makes as few of either as it can
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import select
 import stat
@@ -301,7 +302,9 @@ def fill_stdio() -> None:
             os.fstat(fd)
         except OSError:
             filler = os.open(os.devnull, os.O_RDWR)
-            if filler != fd:  # a number below was free after all (only if one closed under us)
+            if filler == fd:
+                os.set_inheritable(fd, True)  # as stdio is: os.open made it close-on-exec
+            else:  # a number below was free after all (only if one closed under us)
                 os.dup2(filler, fd)
                 os.close(filler)
 
@@ -334,6 +337,9 @@ def devnull() -> int:
             if os.fstat(fd).st_ino == inode:
                 return fd
     fd = os.open(os.devnull, os.O_RDWR)
+    if fd <= STDERR_FD:  # a job closed that one: it stays, as stdio (inheritable), and ours goes above
+        os.set_inheritable(fd, True)
+        fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, STDERR_FD + 1)
     _kept_devnull = (fd, os.fstat(fd).st_ino)
     return fd
 

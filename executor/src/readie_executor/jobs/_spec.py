@@ -126,8 +126,8 @@ def _absolute_path(job: dict[str, Any], key: str) -> str | None:
     """An absolute path or None: a relative one would be read against whatever cwd the last job
     left the process in (the runner does not put it back)."""
     path = _optional_str(job, key)
-    if path is not None and not os.path.isabs(path):
-        raise JobSpecError(f"{key} must be an absolute path, got {path!r}")
+    if path is not None and (not os.path.isabs(path) or "\0" in path):
+        raise JobSpecError(f"{key} must be an absolute path without NUL, got {path!r}")
     return path
 
 
@@ -198,11 +198,20 @@ def _env(raw: object) -> dict[str, str]:
     if not isinstance(raw, dict):
         raise JobSpecError(f"env must be a dict, got {type(raw).__name__}")
     for key, value in raw.items():
-        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key or not _encodable(key):
             raise JobSpecError(f"env has an invalid variable name: {key!r}")
-        if not isinstance(value, str) or "\0" in value:
+        if not isinstance(value, str) or "\0" in value or not _encodable(value):
             raise JobSpecError(f"env[{key!r}] must be a string without NUL")
     return dict(raw)
+
+
+def _encodable(text: str) -> bool:
+    """Can the process's environment hold it (os.fsencode: a lone surrogate cannot)?"""
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _refuse_unknown(raw: dict[Any, Any], known: frozenset[str], where: str) -> None:
