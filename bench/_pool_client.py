@@ -118,7 +118,7 @@ class PoolClient:
         self, make: Callable[[RequestId], Request], timeout: float, on_call: CallHandler | None = None
     ) -> tuple[dict[str, Any], float]:
         """Send the request ``make`` builds for an id of ours; return its answer's line and the seconds
-        from write to arrival."""
+        from encoding it to its answer's arrival."""
         request_id = f"b{next(self._ids)}"
         waiter = _Waiter()
         with self._lock:
@@ -128,8 +128,11 @@ class PoolClient:
             if on_call is not None:
                 self._handlers[request_id] = on_call
         try:
+            # Timed from the line's encoding on: building the request is the bench's own work
+            # (its fields go through the protocol's parser), not the client's nor the pool's.
+            request = make(request_id)
             started = time.monotonic()
-            self._write(make(request_id))
+            self._write(request)
             if not waiter.done.wait(timeout):
                 raise PoolError(f"no result for {request_id} within {timeout:.0f} s")
             if waiter.result is None:

@@ -1,4 +1,5 @@
-"""The session store's JSON form of a job carries its egress policy exactly (decision 35)."""
+"""A job's wire forms: the session store's JSON carries its egress policy exactly (decision 35), and
+the runner call is the cloudpickle the executor protocol names."""
 
 from __future__ import annotations
 
@@ -17,3 +18,15 @@ def test_a_jobs_egress_keeps_its_json_form() -> None:
         job_from_json({**job_to_json(CodeJob("base", "pass")), "egress": ["a b"]})
     with pytest.raises(ValueError, match="'egress' is not a list"):
         job_from_json({**job_to_json(CodeJob("base", "pass")), "egress": "api.example.com"})
+
+
+def test_the_runner_call_is_what_cloudpickle_writes() -> None:
+    # The executor protocol promises a cloudpickle; the worker writes it with the standard pickler
+    # (faster), which is byte for byte the same for a runner by reference and a spec of plain data.
+    import cloudpickle
+    from readie_executor.jobs import run_job
+    from readie_worker.jobs import runner_call
+
+    job = CodeJob("base", "print(1)", env={"A": "b"}, files=())
+    spec = job.spec((), session=True)
+    assert runner_call(job, (), session=True) == cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})

@@ -13,10 +13,10 @@ callback given to :func:`run_in_sandbox` (decision 8).
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 from collections.abc import Mapping
 
-import cloudpickle
 import structlog
 
 from readie_executor.jobs import DEFAULT_INLINE_NAME, EXIT_NOT_STARTED, run_job
@@ -106,7 +106,10 @@ def runner_call(
         spec["files"] = spec_files(job)
     if nameserver is not None:
         spec["nameserver"] = nameserver
-    return cloudpickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}})
+    # The standard pickler: the runner goes by reference and the spec is plain data, so its bytes are
+    # what cloudpickle writes (which the executor loads), without cloudpickle's per-object Python hook
+    # (~60 us of a settled step, measured).
+    return pickle.dumps({"func": run_job, "args": (spec,), "kwargs": {}}, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def run_in_sandbox(
