@@ -11,9 +11,11 @@ import threading
 import time
 
 import pytest
+import structlog
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import SandboxSetupError
-from readie_worker.jobs import CodeJob
+from readie_worker.jobs import CodeJob, Step
+from readie_worker._states import SessionState
 from readie_worker.testing import FaultyLauncher, wait_until
 
 
@@ -102,5 +104,30 @@ def test_a_worker_keeps_at_most_max_sessions_and_a_closed_one_frees_its_place(tm
         again, _ = worker.open_session(job("y = 1"))
         assert worker.capacity().sessions == 1
         again.close()
+    finally:
+        worker.close()
+
+
+def test_then_has_the_answer_before_the_workers_own_bookkeeping(tmp_path, launcher, monkeypatch):
+    """A pool writes its result line in ``then``: before the job's log line and its sandbox's
+    retirement, and for a step once the session is idle again (its next step may come at once)."""
+    worker = start(tmp_path, launcher)
+    order: list[object] = []
+    retire = worker._retirer.retire
+    monkeypatch.setattr(worker._retirer, "retire", lambda sandbox: (order.append("retired"), retire(sandbox)))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            def then(outcome: object) -> None:
+                order.append(("then", outcome, sum(line["event"] == "job" for line in logs)))
+
+            outcome = worker.run_job(job("print(1)"), then=then)
+            assert order == [("then", outcome, 0), "retired"] and outcome.stdout == "1\n"
+            assert sum(line["event"] == "job" for line in logs) == 1
+
+            session, _ = worker.open_session(job("x = 1"))
+            order.clear()
+            step = session.run_step(Step(code="print(x)"), then=lambda done: order.append((done, session.state)))
+            assert order == [(step, SessionState.IDLE)] and step.outcome.stdout == "1\n"
+            session.close()
     finally:
         worker.close()

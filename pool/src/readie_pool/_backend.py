@@ -46,6 +46,8 @@ The contract every backend keeps:
 * ``then``: ``run`` and ``run_step`` call it with the outcome they return,
   before they return it, on the job's thread where there is one (the pool
   writes the result line there: ``PoolTasks.ahead_for``); never when they raise.
+  The local worker calls it as soon as the outcome is known, before its own
+  bookkeeping after a job or step (``Worker.run_job``'s ``then``).
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.
@@ -54,6 +56,7 @@ Choosing the checkpoint from the operator's preload set is here too
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -70,7 +73,7 @@ from readie_policy.runner import JobRunner, SessionHandle
 from readie_protocol.workspace import FileChunk, FileListing
 
 from ._job_threads import JobThreads
-from readie_worker.sessions import StepOutcome
+from readie_worker.sessions import SandboxSession, StepOutcome
 
 __all__ = [
     "CHECKPOINT_PLAN",
@@ -193,8 +196,23 @@ class ThreadedBackend:
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, cancel: Cancellation = NEVER,
         output: OutputSink | None = None, then: Callable[[JobOutcome], None] | None = None,
     ) -> asyncio.Future[JobOutcome]:
+        return self._threads.submit(self._job_call(job, job_id, host, cancel, output, then))
+
+    def _job_call(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None, cancel: Cancellation,
+        output: OutputSink | None, then: Callable[[JobOutcome], None] | None,
+    ) -> Callable[[], JobOutcome]:
+        """What a job thread calls for a job: the runner's ``run_job``, then ``then``."""
         run = functools.partial(self.runner.run_job, job, job_id, host, cancel=cancel, output=output)
-        return self._threads.submit(_and_then(run, then))
+        return _and_then(run, then)
+
+    def _step_call(
+        self, session: SessionHandle, step: Step, job_id: str | None, host: HostFunction | None,
+        cancel: Cancellation, output: OutputSink | None, then: Callable[[StepOutcome], None] | None,
+    ) -> Callable[[], StepOutcome]:
+        """What a job thread calls for a session's step: its ``run_step``, then ``then``."""
+        run = functools.partial(session.run_step, step, job_id=job_id, host=host, output=output, cancel=cancel)
+        return _and_then(run, then)
 
     async def open_session(
         self, job: CodeJob, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
@@ -246,8 +264,7 @@ class _ThreadedSession:
         self, step: Step, job_id: str | None, host: HostFunction | None = None, output: OutputSink | None = None,
         cancel: Cancellation = NEVER, then: Callable[[StepOutcome], None] | None = None,
     ) -> asyncio.Future[StepOutcome]:
-        run = functools.partial(self.session.run_step, step, job_id=job_id, host=host, output=output, cancel=cancel)
-        return self._backend._threads.submit(_and_then(run, then))
+        return self._backend._threads.submit(self._backend._step_call(self.session, step, job_id, host, cancel, output, then))
 
     async def close(self) -> None:
         # Off the job threads: a close must not wait behind running steps.
@@ -317,6 +334,30 @@ class LocalWorkerBackend(ThreadedBackend):
     def worker(self) -> Worker:
         return self.runner
 
+    # The worker in this process takes ``then`` itself and calls it as soon as the outcome is known:
+    # the result line goes out before the worker's own bookkeeping (its log line and metrics, the
+    # sandbox's retirement and the refill, an ended session's teardown), not after it.
+
+    def _job_call(
+        self, job: CodeJob, job_id: str | None, host: HostFunction | None, cancel: Cancellation,
+        output: OutputSink | None, then: Callable[[JobOutcome], None] | None,
+    ) -> Callable[[], JobOutcome]:
+        def call() -> JobOutcome:
+            return self.runner.run_job(job, job_id, host, cancel=cancel, output=output, then=_out_of_worker(then))
+
+        return call
+
+    def _step_call(
+        self, session: SessionHandle, step: Step, job_id: str | None, host: HostFunction | None,
+        cancel: Cancellation, output: OutputSink | None, then: Callable[[StepOutcome], None] | None,
+    ) -> Callable[[], StepOutcome]:
+        assert isinstance(session, SandboxSession)  # this worker's: open_session and attach_session made it
+
+        def call() -> StepOutcome:
+            return session.run_step(step, job_id=job_id, host=host, output=output, cancel=cancel, then=_out_of_worker(then))
+
+        return call
+
     async def close(self) -> None:
         # The worker's close destroys warm sandboxes and sweeps the state dir:
         # a job still running loses its sandbox and ends with a worker error.
@@ -345,6 +386,16 @@ def _and_then(call: Callable[[], _T], then: Callable[[_T], None] | None) -> Call
         return answer
 
     return call_then
+
+
+def _out_of_worker(then: Callable[[_T], None] | None) -> Callable[[_T], None] | None:
+    """``then``, run in the context of the thread calling now (the job thread's), not in the one the
+    worker has when it calls it back: the pool's result log line must not carry the worker's bound
+    log keys (its ``job_id``, a session's id)."""
+    if then is None:
+        return None
+    context = contextvars.copy_context()
+    return lambda outcome: context.run(then, outcome)
 
 
 def _unusable(worker: Worker, checkpoint: str) -> str:

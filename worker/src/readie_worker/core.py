@@ -15,7 +15,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from .packages import ensure_packages, package_cache
 from .grants import NO_GRANTS, HeldGrants, hold_grants
 from .hibernation import SessionImages
 from .session_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES, DEFAULT_STORE_TTL_S, SessionStore, read_store_key
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, run_in_sandbox
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, answered, run_in_sandbox
 from .metrics import Metrics
 from .manifest import LoadedCheckpoints, checkpoints_for
 from ._retire import Retirer
@@ -241,17 +241,21 @@ class Worker:
     def run_job(
         self, job: CodeJob, job_id: str | None = None, host: HostFunction | None = None, *,
         cancel: Cancellation = NEVER, output: OutputSink | None = None,
+        then: Callable[[JobOutcome], None] | None = None,
     ) -> JobOutcome:
         """Run ``job`` in a pristine sandbox; ``host`` answers its calls to declared host functions.
 
         ``cancel`` stops it at any point: waiting for a slot (Cancelled), or
         running (its sandbox interrupted and destroyed; the outcome says so).
-        ``output`` takes its output as it is written.
+        ``output`` takes its output as it is written. ``then`` is called once, on this thread,
+        with the outcome this returns, as soon as it is known: before the sandbox's retirement,
+        the refill, the log line and the metrics (a pool writes the result line there; it must
+        not raise). Not called when this raises.
         """
         started = time.monotonic()
         with self._slots.taken(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
-            outcome = self._run_job(job, host, cancel, output)
+            outcome = self._run_job(job, host, cancel, output, then)
         # One line per job: identifiers, outcome and timing, never captured output.
         log.info(
             "job",
@@ -266,19 +270,26 @@ class Worker:
         self.metrics.job_finished(job.checkpoint, outcome, queued_us / 1_000_000)
         return outcome
 
-    def _run_job(self, job: CodeJob, host: HostFunction | None, cancel: Cancellation, output: OutputSink | None) -> JobOutcome:
+    def _run_job(
+        self, job: CodeJob, host: HostFunction | None, cancel: Cancellation, output: OutputSink | None,
+        then: Callable[[JobOutcome], None] | None,
+    ) -> JobOutcome:
         self._check_job(job)
         started = time.monotonic()
-        # The refill this job's take starts (from the networked set for a networked job) waits for it.
+        # The refill this job's take starts (from the networked set for a networked job) waits for
+        # it, and its answer (``then``).
         taken_from = self.egress.warm[job.checkpoint] if job.network and self.egress is not None else self.warm[job.checkpoint]
         with taken_from.refill_held():
             try:
                 sandbox, links = self._acquire(job)
             except SandboxSetupError as exc:
-                return JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local")
+                failed = JobOutcome.failure(ErrorType.SANDBOX_SETUP, str(exc), _since(started), "gvisor" if self.isolated else "local")
+                return answered(then, failed)
             acquire_us = _since(started)
             try:
-                return dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output), acquire_us=acquire_us)
+                outcome = run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output)
+                # Answered before the retirement's runsc processes start, beside its answer.
+                return answered(then, dataclasses.replace(outcome, acquire_us=acquire_us))
             finally:
                 self._retirer.retire(sandbox)
 

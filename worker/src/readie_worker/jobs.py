@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import structlog
 
@@ -72,6 +73,7 @@ __all__ = [
     "MIN_FORWARD_INTERVAL_S",
     "SMALL_FRAMES_PER_S",
     "SMALL_FRAME_BURST",
+    "answered",
     "ask_host",
     "max_output_events",
     "check_functions",
@@ -80,6 +82,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger("readie.worker")
+
+_Answer = TypeVar("_Answer")
 
 # Files count: /tmp, /dev/shm and everything written outside the grants live
 # in the sandbox's memory, under the same cgroup as its allocations.
@@ -354,3 +358,9 @@ def call_step(
     )
     return outcome, outcome.exit is None or outcome.system_exit or setup_failed
 
+
+def answered(then: Callable[[_Answer], None] | None, outcome: _Answer) -> _Answer:
+    """``outcome``, handed to ``then`` first: a caller's early answer (``Worker.run_job``'s ``then``)."""
+    if then is not None:
+        then(outcome)
+    return outcome

@@ -43,7 +43,6 @@ state is written there after its outcome is returned (``_step_checkpoint.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import threading
 import time
@@ -63,7 +62,7 @@ from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError,
 from .hibernation import SessionImages
 from ._step_checkpoint import StepCheckpoints
 from ._session_files import SessionFiles
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, _since, call_step
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, _since, answered, call_step
 from readie_policy.jobs import StepOutcome
 from .runsc import RunscError
 from .paths import remove_tree
@@ -167,14 +166,14 @@ class SandboxSession(SessionFiles):
         host: HostFunction | None = None,
         cancel: Cancellation = NEVER,
         output: OutputSink | None = None,
+        then: Callable[[StepOutcome], None] | None = None,
     ) -> StepOutcome:
         """Run one step in the session's ``__main__``; ``timeout_ms`` and ``max_output`` default to the session's.
 
-        ``host`` answers the step's calls to the functions the session declared
-        when it opened. Raises RequestError when the session has ended or a
-        step is running; a step that raises rather than returning an outcome
-        (declared functions and no ``host``) ends the session.
-        """
+        ``host`` answers the step's calls to the functions the session declared when it opened.
+        Raises RequestError when the session has ended or a step is running; a step that raises
+        rather than returning an outcome (declared functions and no ``host``) ends the session.
+        ``then``: as ``Worker.run_job``'s, once the session's state is settled."""
         job = self.job.step(step)
         self.wait_for_checkpoint()
         with self._lock:
@@ -187,12 +186,9 @@ class SandboxSession(SessionFiles):
                 queue_us = _since(started)
                 resumed_ms = self._resume() if self._sandbox is None else None
                 if isinstance(resumed_ms, JobOutcome):  # it could not: the session has ended
-                    return self._ended_by(resumed_ms, job, job_id, queue_us)
-                step_outcome = self.run_in_slot(
-                    job, job_id=job_id, queue_us=queue_us, host=host, cancel=cancel, output=output
-                )
-                taken_from, self.resumed_from_step = self.resumed_from_step, None
-                return dataclasses.replace(step_outcome, resumed_ms=resumed_ms, resumed_from_step=taken_from)
+                    return answered(then, self._ended_by(resumed_ms, job, job_id, queue_us))
+                return self.run_in_slot(job, job_id=job_id, queue_us=queue_us, host=host, cancel=cancel,
+                                        output=output, then=then, resumed_ms=resumed_ms)
         except NotStarted:
             # Refused before anything ran (a draining worker): the session is as it was, for its
             # stream to hand over (decision 32), never ended by a refusal.
@@ -213,9 +209,11 @@ class SandboxSession(SessionFiles):
         host: HostFunction | None = None,
         cancel: Cancellation = NEVER,
         output: OutputSink | None = None,
+        then: Callable[[StepOutcome], None] | None = None,
+        resumed_ms: float | None = None,
     ) -> StepOutcome:
-        """Run ``step`` now; the caller holds a worker slot. ``Worker.open_session`` calls it
-        for the first step, :meth:`run_step` for the others."""
+        """Run ``step`` now; the caller holds a worker slot. ``Worker.open_session`` calls it for the
+        first step, :meth:`run_step` for the others (``resumed_ms``: it resumed the session first)."""
         with self._lock:
             if self.state is SessionState.OPENING:
                 self._move(SessionState.RUNNING)
@@ -225,7 +223,6 @@ class SandboxSession(SessionFiles):
         # Raises only for the caller's mistakes (functions declared, no host); the
         # caller ends the session then, as after anything unexpected.
         outcome, ends = call_step(sandbox, step, self._links, host, cancel, output)
-        self._observe(step.checkpoint, outcome)
         doomed = None
         with self._lock:
             self.steps += 1
@@ -242,6 +239,10 @@ class SandboxSession(SessionFiles):
                 assert self._images is not None and self.key is not None
                 self._checkpoints.start(self._images, self.key, self.lease, self.job, self.memory_limit, sandbox,
                                         number, self._idle_again)
+            answer = StepOutcome(outcome, number, ends, resumed_ms, self.resumed_from_step)
+            self.resumed_from_step = None
+        answered(then, answer)  # the state is settled: the caller may answer, and ask for the next step
+        self._observe(step.checkpoint, outcome)
         if doomed is not None:
             try:
                 doomed.destroy()
@@ -251,7 +252,7 @@ class SandboxSession(SessionFiles):
         # One line per step, as per job: identifiers, outcome and timing, never output.
         log.info("job", job_id=job_id, session=self.id, step=number, session_ended=ends,
                  checkpoint=step.checkpoint, **outcome.log_fields(), queue_us=queue_us)
-        return StepOutcome(outcome, number, ends)
+        return answer
 
     def wait_for_checkpoint(self) -> bool:
         """Until the last step's checkpoint is written (bounded; busy till then); whether none runs now."""
@@ -497,4 +498,3 @@ class SandboxSession(SessionFiles):
 
     def _move(self, target: SessionState) -> None:
         self.state = check_transition(self.state, target)
-
