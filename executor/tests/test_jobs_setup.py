@@ -122,6 +122,21 @@ def test_session_keeps_its_namespace_and_fresh_jobs_do_not() -> None:
     assert results[2]["error"]["type"] == "NameError"
 
 
+def test_a_module_a_step_wrote_imports_in_the_next_whatever_its_directorys_mtime(tmp_path: Path) -> None:
+    # The first step lists its workspace (a failed import), then writes a module there within what
+    # Python's listing takes for the same instant (the directory's mtime put back).
+    write = (
+        "import os\ntry:\n    import later_mod\nexcept ImportError:\n    pass\n"
+        "st = os.stat('.')\nopen('later_mod.py', 'w').write('X = 7')\n"
+        "os.utime('.', ns=(st.st_atime_ns, st.st_mtime_ns))"
+    )
+    results = run_in_child(
+        job(write, session=True, cwd=str(tmp_path)),
+        job("import later_mod\nprint(later_mod.X)", session=True, cwd=str(tmp_path)),
+    )
+    assert results[0]["error"] is None and results[1]["stdout"] == "7\n", results[1]["error"]
+
+
 def test_an_exception_leaves_the_session_alive() -> None:
     results = run_in_child(
         job("y = 'kept'\n1 / 0", session=True),

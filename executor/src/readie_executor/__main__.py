@@ -10,7 +10,7 @@ from typing import BinaryIO
 
 from . import jobs  # noqa: F401 - see below
 from ._checkpoint import CapturePointError, checkpoint_and_wait
-from ._server import ServeError, bind_listener, serve_forever
+from ._server import ServeError, bind_listener, serve_forever, wake
 from ._settings import Mode, Settings, SettingsError
 from ._uniqueness import AFTER_RESTORE_VARIABLE, Reseeder, ReseedError
 from .jobs import dedicate_stdio
@@ -40,7 +40,7 @@ def main() -> int:
             except (CapturePointError, ReseedError) as exc:
                 return _fail(f"capture failed: {exc}", EXIT_CAPTURE_FAILED)
             try:
-                reseeder.reseed()  # before anything else runs in the sandbox we woke up in
+                wake(reseeder)  # before anything else runs in the sandbox we woke up in
             except ReseedError as exc:
                 return _fail(f"sandbox refused: {exc}", EXIT_NOT_RESEEDED)
             # The frozen environment is the capture's; only the new sandbox's counts.

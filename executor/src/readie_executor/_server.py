@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -53,6 +54,16 @@ def bind_listener(path: Path) -> socket.socket:
     return listener
 
 
+def wake(reseeder: Reseeder) -> None:
+    """What a sandbox does when it wakes from a checkpoint, before it serves: fresh seeds
+    (``_uniqueness``; raises ``ReseedError``), and every directory listing Python's import
+    system holds dropped. Package slots, empty directories when the template froze its
+    listings, may hold a job's packages now; their mounts are fixed at restore, so once per
+    wake-up is enough (a job's own directories are listed again per job: ``jobs``)."""
+    reseeder.reseed()
+    importlib.invalidate_caches()
+
+
 def serve_forever(
     listener: socket.socket, socket_path: Path, chunk_size: int, handover: BinaryIO | None, reseeder: Reseeder
 ) -> None:
@@ -82,7 +93,7 @@ def serve_forever(
                 wait_for_handover(handover)
             except (CapturePointError, OSError) as exc:  # the worker is gone, or a job closed the pipe
                 raise ServeError(f"cannot resume: {exc}") from None
-            reseeder.reseed()
+            wake(reseeder)
             listener = bind_listener(socket_path)
 
 

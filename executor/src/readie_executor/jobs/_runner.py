@@ -9,7 +9,6 @@ audit-hook guard around nothing but the job's own code.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import itertools
 import json
@@ -134,9 +133,7 @@ setattr(warm_up, RAW_RESPONSE_ATTRIBUTE, True)
 
 def _run(spec: JobSpec, clock: PhaseClock) -> bytes:
     preloaded = preloaded_modules()
-    # Package slots were empty directories when the template froze its import
-    # caches; after a restore they may hold a job's packages.
-    importlib.invalidate_caches()
+    _list_again(spec)
     notes: list[str] = []
     try:
         source = _read_source(spec)
@@ -283,6 +280,19 @@ def name_resolver(address: str) -> None:
         os.replace(staged, RESOLV_CONF)
     except OSError as exc:
         raise SetupError(f"cannot name the sandbox's resolver in {RESOLV_CONF}: {exc.strerror}") from None
+
+
+def _list_again(spec: JobSpec) -> None:
+    """Python's import system finds a module written since it listed a directory by that
+    directory's mtime, which two writes within one tick of its clock leave as it was: the job's
+    own directories (its workspace, its script's), where a step writes or uploads the modules a
+    later one imports, are listed again whatever their mtime says. Every other listing is dropped
+    once per wake-up from a checkpoint (``_server.wake``), not per job: ~0.1 ms a step in a
+    sandbox with pandas loaded (decision 33)."""
+    for directory in {spec.workspace, os.path.dirname(spec.script_path) if spec.script_path else spec.workspace}:
+        finder = sys.path_importer_cache.get(directory)
+        if finder is not None and hasattr(finder, "invalidate_caches"):
+            finder.invalidate_caches()
 
 
 def preloaded_modules() -> list[str]:
