@@ -22,6 +22,7 @@ from readie_pool._events import RuntimeInfo
 from readie_pool._stdio import FdReader, FdWriter
 from readie_pool.testing import FakeBackend, FakeSession, ok_outcome
 from readie_protocol.cancel import NEVER
+from readie_worker.errors import SandboxSetupError
 
 RUNTIME = RuntimeInfo.pool("3.11.2")
 READ_TIMEOUT_S = 5.0
@@ -234,4 +235,35 @@ def test_a_thread_write_that_raises_leaves_the_line_to_the_loop_and_intake_readi
     pool.send(id="stats", stats=True)
     stats = pool.read()
     assert (stats["id"], stats["jobs"], pool.read(timeout=0.3)) == ("stats", 1, None)
+    assert pool.close() == 0
+
+
+class _AnswersThenFails:
+    """A runner that takes ``then`` itself, as the local worker does, and fails after calling it
+    (its own bookkeeping, say a session store whose lock stayed busy)."""
+
+    def run_job(self, job, job_id=None, host=None, cancel=None, output=None, then=None):
+        outcome = ok_outcome(job.code)
+        then(outcome)
+        if job.code == "then fail":
+            raise SandboxSetupError("the session store's lock was busy")
+        return outcome
+
+    def close(self) -> None:
+        pass
+
+
+class _EarlyBackend(ThreadedBackend):
+    def _job_call(self, job, job_id, host, cancel, output, then):
+        return lambda: self.runner.run_job(job, job_id, host, cancel=cancel, output=output, then=then)
+
+
+def test_a_runner_that_fails_after_its_answer_was_written_costs_no_second_line(tmp_path):
+    pool = PipePool(_EarlyBackend(_AnswersThenFails(), slots=2), tmp_path)
+    pool.send(id="a", code="then fail")
+    answer = pool.read()
+    assert (answer["id"], answer["exit"], answer["error"], pool.read(timeout=0.3)) == ("a", 0, None, None)
+    pool.send(id="stats", stats=True)  # intake is not stuck behind the written line
+    stats = pool.read()
+    assert (stats["id"], stats["jobs"], stats["ok"], pool.read(timeout=0.3)) == ("stats", 1, 1, None)
     assert pool.close() == 0

@@ -128,6 +128,16 @@ def test_then_has_the_answer_before_the_workers_own_bookkeeping(tmp_path, launch
             order.clear()
             step = session.run_step(Step(code="print(x)"), then=lambda done: order.append((done, session.state)))
             assert order == [(step, SessionState.IDLE)] and step.outcome.stdout == "1\n"
-            session.close()
+            # A step that ends its session is answered after the teardown, as a client that opens
+            # the next one at once would find it (its sandbox destroyed, its place free).
+            destroys = launcher.destroys
+            ended = session.run_step(Step(code="raise SystemExit"),
+                                     then=lambda done: order.append((done.session_ended, launcher.destroys - destroys)))
+            assert order[1:] == [(True, 1)] and ended.session_ended
+            # With the retirer backed up, the destroy is the job's own, before its answer, as it always was.
+            monkeypatch.setattr(worker._retirer, "backed_up", lambda: True)
+            order.clear()
+            worker.run_job(job("print(2)"), then=lambda done: order.append("then"))
+            assert order == ["retired", "then"]
     finally:
         worker.close()

@@ -61,7 +61,10 @@ def wake(reseeder: Reseeder) -> None:
     listings, may hold a job's packages now; their mounts are fixed at restore, so once per
     wake-up is enough (a job's own directories are listed again per job: ``jobs``)."""
     reseeder.reseed()
-    importlib.invalidate_caches()
+    try:
+        importlib.invalidate_caches()
+    except Exception as exc:  # a finder a session's code put in place: its own listings, stale
+        log.warning("import listings not dropped after a wake-up: %s", exc)
 
 
 def serve_forever(

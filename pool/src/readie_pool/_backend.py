@@ -47,7 +47,9 @@ The contract every backend keeps:
   before they return it, on the job's thread where there is one (the pool
   writes the result line there: ``PoolTasks.ahead_for``); never when they raise.
   The local worker calls it as soon as the outcome is known, before its own
-  bookkeeping after a job or step (``Worker.run_job``'s ``then``).
+  bookkeeping after a job or step (``Worker.run_job``'s ``then``); should that
+  bookkeeping raise after all, the line ``then`` wrote stays the answer
+  (``PoolTasks.finish``).
 
 Choosing the checkpoint from the operator's preload set is here too
 (:func:`choose_checkpoint`), since it is the local worker that needs one.

@@ -339,6 +339,13 @@ class PoolTasks:
         """Write ``result``; once written it releases ``budget`` (default: the permit it holds).
         ``ahead``: what built it on its job thread (:class:`ResultAhead`), which may have logged
         and written it already; the rest is done here."""
+        if ahead is not None and ahead.written and ahead.built is not result:
+            # Its line is out, and the runner failed after it (its own bookkeeping): that line was
+            # the answer, and one request gets one.
+            assert ahead.built is not None
+            log.error("a runner failed after its job's result was written", id=ahead.built.id,
+                      error=None if result.error is None else result.error.message)
+            result = ahead.built
         self.stats.record(result)
         from_thread = ahead is not None and ahead.built is result
         if not (from_thread and ahead.logged):  # type: ignore[union-attr]

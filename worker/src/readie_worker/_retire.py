@@ -41,6 +41,18 @@ class Retirer:
         except queue.Full:
             sandbox.destroy()
 
+    def backed_up(self) -> bool:
+        """Whether :meth:`retire` would destroy inline now (the queue is full)."""
+        return self._pending.full()
+
+    def after_answer(self, sandbox: Sandbox) -> None:
+        """:meth:`retire` a sandbox whose job has been answered: a destroy that fails is logged (the
+        worker's sweep removes what is left), never raised to a caller with nothing left to answer."""
+        try:
+            self.retire(sandbox)
+        except Exception:
+            log.exception("destroying a used sandbox failed", sandbox=sandbox.id)
+
     def close(self) -> None:
         """Destroy everything still waiting; returns once it is gone."""
         if self._closed:

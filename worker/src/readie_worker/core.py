@@ -287,11 +287,16 @@ class Worker:
                 return answered(then, failed)
             acquire_us = _since(started)
             try:
-                outcome = run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output)
-                # Answered before the retirement's runsc processes start, beside its answer.
-                return answered(then, dataclasses.replace(outcome, acquire_us=acquire_us))
-            finally:
+                outcome = dataclasses.replace(run_in_sandbox(sandbox, job, links, host=host, cancel=cancel, output=output), acquire_us=acquire_us)
+            except BaseException:
                 self._retirer.retire(sandbox)
+                raise
+            if then is None or self._retirer.backed_up():  # the destroy is inline: before the answer, as always
+                self._retirer.retire(sandbox)
+                return answered(then, outcome)
+            then(outcome)  # before the retirement's runsc processes start, beside its answer
+            self._retirer.after_answer(sandbox)
+            return outcome
 
     def _check_job(self, job: CodeJob, memory_limit: int | None = None) -> None:
         """RequestError for a job this worker cannot take; ``memory_limit``: the cgroup limit a

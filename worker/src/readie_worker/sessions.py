@@ -239,9 +239,9 @@ class SandboxSession(SessionFiles):
                 assert self._images is not None and self.key is not None
                 self._checkpoints.start(self._images, self.key, self.lease, self.job, self.memory_limit, sandbox,
                                         number, self._idle_again)
-            answer = StepOutcome(outcome, number, ends, resumed_ms, self.resumed_from_step)
-            self.resumed_from_step = None
-        answered(then, answer)  # the state is settled: the caller may answer, and ask for the next step
+            answer, self.resumed_from_step = StepOutcome(outcome, number, ends, resumed_ms, self.resumed_from_step), None
+        if doomed is None:  # settled, the session going on: its caller may answer, and send the next step
+            answered(then, answer)
         self._observe(step.checkpoint, outcome)
         if doomed is not None:
             try:
@@ -252,7 +252,7 @@ class SandboxSession(SessionFiles):
         # One line per step, as per job: identifiers, outcome and timing, never output.
         log.info("job", job_id=job_id, session=self.id, step=number, session_ended=ends,
                  checkpoint=step.checkpoint, **outcome.log_fields(), queue_us=queue_us)
-        return answer
+        return answer if doomed is None else answered(then, answer)  # an ended one: after its teardown
 
     def wait_for_checkpoint(self) -> bool:
         """Until the last step's checkpoint is written (bounded; busy till then); whether none runs now."""

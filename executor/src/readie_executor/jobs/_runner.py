@@ -9,6 +9,7 @@ audit-hook guard around nothing but the job's own code.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import itertools
 import json
@@ -133,7 +134,6 @@ setattr(warm_up, RAW_RESPONSE_ATTRIBUTE, True)
 
 def _run(spec: JobSpec, clock: PhaseClock) -> bytes:
     preloaded = preloaded_modules()
-    _list_again(spec)
     notes: list[str] = []
     try:
         source = _read_source(spec)
@@ -282,17 +282,20 @@ def name_resolver(address: str) -> None:
         raise SetupError(f"cannot name the sandbox's resolver in {RESOLV_CONF}: {exc.strerror}") from None
 
 
-def _list_again(spec: JobSpec) -> None:
+def _list_again(cwd: str, script_path: str | None) -> None:
     """Python's import system finds a module written since it listed a directory by that
     directory's mtime, which two writes within one tick of its clock leave as it was: the job's
-    own directories (its workspace, its script's), where a step writes or uploads the modules a
-    later one imports, are listed again whatever their mtime says. Every other listing is dropped
-    once per wake-up from a checkpoint (``_server.wake``), not per job: ~0.1 ms a step in a
-    sandbox with pandas loaded (decision 33)."""
-    for directory in {spec.workspace, os.path.dirname(spec.script_path) if spec.script_path else spec.workspace}:
-        finder = sys.path_importer_cache.get(directory)
-        if finder is not None and hasattr(finder, "invalidate_caches"):
-            finder.invalidate_caches()
+    own trees (its working directory, its script's), where a step writes or uploads the modules a
+    later one imports, are listed again, and a directory there once found missing is looked at
+    again. Every other listing is dropped once per wake-up from a checkpoint (``_server.wake``),
+    not per job: that took ~0.1 ms of a step in a sandbox with pandas loaded (decision 33)."""
+    roots = tuple({os.path.join(root, "") for root in (cwd, os.path.dirname(script_path or cwd))})
+    for directory, finder in list(sys.path_importer_cache.items()):
+        if os.path.join(directory, "").startswith(roots):
+            if finder is None:
+                del sys.path_importer_cache[directory]
+            elif type(finder) is importlib.machinery.FileFinder:  # the job's own finders are its own business
+                finder.invalidate_caches()
 
 
 def preloaded_modules() -> list[str]:
@@ -340,8 +343,10 @@ def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None
         if here != spec.workspace:
             try:
                 os.chdir(spec.workspace)
+                here = os.getcwd()  # resolved: what the import system keys "" by
             except OSError as exc:
                 raise SetupError(f"cannot enter the working directory {spec.workspace}: {exc}") from None
+        _list_again(here or spec.workspace, spec.script_path)
         os.environ.clear()
         os.environ.update(spec.env)
         sys.argv = [spec.name, *spec.args]
