@@ -282,20 +282,18 @@ def name_resolver(address: str) -> None:
         raise SetupError(f"cannot name the sandbox's resolver in {RESOLV_CONF}: {exc.strerror}") from None
 
 
-def _list_again(cwd: str, script_path: str | None) -> None:
+def _list_again(*directories: str) -> None:
     """Python's import system finds a module written since it listed a directory by that
     directory's mtime, which two writes within one tick of its clock leave as it was: the job's
-    own trees (its working directory, its script's), where a step writes or uploads the modules a
-    later one imports, are listed again, and a directory there once found missing is looked at
-    again. Every other listing is dropped once per wake-up from a checkpoint (``_server.wake``),
-    not per job: that took ~0.1 ms of a step in a sandbox with pandas loaded (decision 33)."""
-    roots = tuple({os.path.join(root, "") for root in (cwd, os.path.dirname(script_path or cwd))})
-    for directory, finder in list(sys.path_importer_cache.items()):
-        if os.path.join(directory, "").startswith(roots):
-            if finder is None:
-                del sys.path_importer_cache[directory]
-            elif type(finder) is importlib.machinery.FileFinder:  # the job's own finders are its own business
-                finder.invalidate_caches()
+    own directories (its working directory and its script's, named as the import system names
+    them), where a step writes or uploads the modules a later one imports, are listed again.
+    Every other listing is dropped once per wake-up from a checkpoint (``_server.wake``), not
+    per job: that took ~0.1 ms of a step in a sandbox with pandas loaded, and walking the
+    listings to find those below the job's directories cost as much (decision 33)."""
+    for directory in directories:
+        finder = sys.path_importer_cache.get(directory)
+        if type(finder) is importlib.machinery.FileFinder:  # a finder a job put there is its own business
+            finder.invalidate_caches()
 
 
 def preloaded_modules() -> list[str]:
@@ -346,15 +344,14 @@ def _job_process_state(spec: JobSpec, module: types.ModuleType) -> Iterator[None
                 here = os.getcwd()  # resolved: what the import system keys "" by
             except OSError as exc:
                 raise SetupError(f"cannot enter the working directory {spec.workspace}: {exc}") from None
-        _list_again(here or spec.workspace, spec.script_path)
+        script_dir = os.path.dirname(os.path.abspath(spec.script_path)) if spec.script_path else None
+        _list_again(here or spec.workspace, *([script_dir] if script_dir else []))
         os.environ.clear()
         os.environ.update(spec.env)
         sys.argv = [spec.name, *spec.args]
         # What python3 puts first on sys.path: the script's directory, or ""
         # (the working directory) for inline code.
-        sys.path.insert(
-            0, os.path.dirname(os.path.abspath(spec.script_path)) if spec.script_path else ""
-        )
+        sys.path.insert(0, script_dir or "")
         sys.modules["__main__"] = module
         yield
     finally:
