@@ -222,7 +222,7 @@ class Runsc:
         """
         launched = Launched.popen(self.command(*args))
         try:
-            returncode = launched.process.wait(timeout=timeout)
+            returncode = _reaper.wait_exit(launched.process, timeout)
         except subprocess.TimeoutExpired:
             launched.process.kill()
             launched.process.wait()
