@@ -183,7 +183,9 @@ class SandboxSpec:
     def write(self, bundle_dir: Path) -> Path:
         bundle_dir.mkdir(parents=True, exist_ok=True)
         path = bundle_dir / "config.json"
-        path.write_text(json.dumps(self.oci_config(), indent=1))
+        # Unindented: json's C encoder takes no indent, and its Python one cost 0.1 ms (hot) of
+        # every restore's launch. `jq . config.json` reads it.
+        path.write_text(json.dumps(self.oci_config()))
         return path
 
 
