@@ -19,9 +19,10 @@ is what a client may read of any exception.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import ParamSpec, TypeVar
 
@@ -95,11 +96,19 @@ def logged_under_its_id(method: Callable[_P, _R]) -> Callable[_P, _R]:
     return bound
 
 
-def bound_ids(*, session: str | None = None, job_id: str | None = None) -> AbstractContextManager[object]:
+@contextlib.contextmanager
+def bound_ids(*, session: str | None = None, job_id: str | None = None) -> Iterator[None]:
     """Bind the session's or job's id (None: none known) to this thread's log context: every
-    line logged under it carries them, and :func:`log_host_facts` names them to the client."""
+    line logged under it carries them, and :func:`log_host_facts` names them to the client.
+
+    Put back by their tokens: structlog's ``bound_contextvars`` first copies and walks the whole
+    context to save what it replaces, on every job and step."""
     ids = {key: value for key, value in (("session", session), ("job_id", job_id)) if value is not None}
-    return structlog.contextvars.bound_contextvars(**ids)
+    tokens = structlog.contextvars.bind_contextvars(**ids)
+    try:
+        yield
+    finally:
+        structlog.contextvars.reset_contextvars(**tokens)
 
 
 def log_host_facts(event: str, *, level: str = "warning", **facts: object) -> str:
