@@ -1,11 +1,14 @@
 """The reaper finds the zombies it adopted among its own children's lists (``_reaper._children``),
 an orphan made from a thread that has since ended included, and leaves alone a child that
-``subprocess`` waits for. In a process of its own: a subreaper adopts for the whole process."""
+``subprocess`` waits for (that one in a process of its own: a subreaper adopts for the whole
+process). ``wait_exit`` is woken by the exit, not by a poll, and ``run`` keeps a failed
+command's status from the reaper."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -49,6 +52,38 @@ def test_wait_exit_gives_the_status_and_times_out_without_reaping() -> None:
     assert _reaper.wait_exit(sleeper, 5.0) == -9
 
 
+def test_wait_exit_is_woken_by_the_exit_not_by_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from readie_worker import _reaper
+
+    def no_sleeping(seconds: float) -> None:
+        raise AssertionError("wait_exit polled")
+
+    monkeypatch.setattr(_reaper.time, "sleep", no_sleeping)
+    assert _reaper.wait_exit(_reaper.popen(["sh", "-c", "sleep 0.1; exit 5"]), 5.0) == 5
+
+
+def test_a_failed_command_keeps_its_status_while_the_reaper_runs() -> None:
+    """A status taken by another thread's reap reads as 0 to subprocess: ``run`` starts its
+    command through popen, so the reaper polling beside it leaves that status alone."""
+    from readie_worker import _reaper
+
+    stop = threading.Event()
+
+    def reaping() -> None:
+        while not stop.is_set():
+            _reaper.reap_orphans()
+
+    reaper = threading.Thread(target=reaping)
+    reaper.start()
+    try:
+        statuses = {_reaper.run(["sh", "-c", "exit 7"], timeout=5.0).returncode for _ in range(50)}
+    finally:
+        stop.set()
+        reaper.join()
+    assert statuses == {7}
+    assert _reaper.run(["cat"], input="fed\n", timeout=5.0).stdout == "fed\n"
+
+
 def test_wait_exit_without_pidfds_polls_instead(monkeypatch: pytest.MonkeyPatch) -> None:
     from readie_worker import _reaper
 
@@ -64,3 +99,26 @@ def test_wait_exit_without_pidfds_polls_instead(monkeypatch: pytest.MonkeyPatch)
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_every_command_the_worker_runs_goes_through_the_reaper() -> None:
+    """A process started past ``_reaper.popen`` is fair game to the reaper's ``waitpid``."""
+    import ast
+    from pathlib import Path
+
+    import readie_worker
+
+    starters = {"run", "Popen", "call", "check_call", "check_output"}
+    found = []
+    for path in Path(readie_worker.__file__).parent.glob("*.py"):
+        if path.name == "_reaper.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and (node.func.value.id, node.func.attr) in {("subprocess", name) for name in starters} | {("os", "system"), ("os", "popen")}
+            ):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from . import _reaper
 from .errors import SandboxSetupError, host_failure, log_host_facts
 from .runsc import NETNS_DIR
 
@@ -83,7 +84,7 @@ def ip_batch(netns: str | None, commands: Sequence[str], *, check: bool = True) 
     ``-force`` goes on past a failed line, which removal wants (remove what is there)."""
     argv = ["ip", *(["-n", netns] if netns else []), *([] if check else ["-force"]), "-batch", "-"]
     with host_failure(SandboxSetupError, "cannot run ip", caught=(OSError, subprocess.TimeoutExpired)):
-        completed = subprocess.run(argv, input="\n".join(commands) + "\n", capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+        completed = _reaper.run(argv, input="\n".join(commands) + "\n", timeout=IP_TIMEOUT_S)
     if check and completed.returncode != 0:  # its words name namespaces and addresses: the operator's to read
         where = log_host_facts("ip failed", command=" ".join(argv), exit=completed.returncode, stderr=completed.stderr.strip()[-2000:])
         raise SandboxSetupError(f"the sandbox's network could not be wired: ip exited {completed.returncode}; {where}")
@@ -143,7 +144,7 @@ def links(netns: str | None, prefix: str) -> list[str]:
     """Interfaces of ``netns`` whose name starts with ``prefix`` (read from ``ip -o link show``)."""
     argv = ["ip", *(["-n", netns] if netns else []), "-o", "link", "show"]
     with host_failure(SandboxSetupError, "cannot run ip", caught=(OSError, subprocess.TimeoutExpired)):
-        completed = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+        completed = _reaper.run(argv, timeout=IP_TIMEOUT_S)
     names = []
     for line in completed.stdout.splitlines():  # "7: rdiev1a2b3c4d@if2: <BROADCAST,..."
         parts = line.split(":", 2)
@@ -157,7 +158,7 @@ def addresses(netns: str | None) -> list[ipaddress.IPv4Address | ipaddress.IPv6A
     which no sandbox may reach unless its ceiling names one (read from ``ip -o addr show``)."""
     argv = ["ip", *(["-n", netns] if netns else []), "-o", "addr", "show"]
     with host_failure(SandboxSetupError, "cannot run ip", caught=(OSError, subprocess.TimeoutExpired)):
-        completed = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+        completed = _reaper.run(argv, timeout=IP_TIMEOUT_S)
     found = []
     for line in completed.stdout.splitlines():  # "2: eth0    inet 10.0.0.5/24 brd ... scope global eth0"
         words = line.split()

@@ -13,6 +13,7 @@ through :func:`popen`, which records it under the same lock the reaper takes.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import select
@@ -23,11 +24,15 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+
 PR_SET_CHILD_SUBREAPER = 36
 # How long destroy() waits for a killed sandbox process to turn into a zombie;
 # a SIGKILLed sandbox exits within tens of milliseconds here.
 REAP_WAIT_S = 2.0
 REAP_POLL_S = 0.005
+
+log = structlog.get_logger("readie.reaper")
 
 _lock = threading.Lock()
 _owned: weakref.WeakSet[subprocess.Popen[Any]] = weakref.WeakSet()
@@ -50,14 +55,21 @@ def popen(args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
     return process
 
 
-def run(args: Sequence[str], *, stderr: Any, timeout: float, reaping: bool = False) -> subprocess.CompletedProcess[str]:
-    """Like ``subprocess.run``; with ``reaping``, reap orphans until it finishes.
+def run(
+    args: Sequence[str], *, timeout: float, stderr: Any = subprocess.PIPE, input: str | None = None, reaping: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Like ``subprocess.run(args, stdout=PIPE, text=True)``, and the way for this package to run
+    a command: started through :func:`popen`, its exit status is never the reaper's to take (a
+    status taken by another thread reads as 0 to ``subprocess``: a failed command would pass).
 
-    ``runsc kill`` and ``delete`` wait for the sandbox's processes to go away,
-    and those are our zombies to reap: reaping while waiting is what makes a
-    delete take milliseconds instead of the 5 s it waits before giving up.
+    With ``reaping``, reap orphans until it finishes: ``runsc kill`` and ``delete``
+    wait for the sandbox's processes to go away, and those are our zombies to reap:
+    reaping while waiting is what makes a delete take milliseconds instead of the
+    5 s it waits before giving up.
     """
-    process = popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert input is None or not reaping, "input goes in before the wait"
+    stdin = subprocess.DEVNULL if input is None else subprocess.PIPE
+    process = popen(args, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, text=True)
     deadline = time.monotonic() + timeout
     try:
         if reaping:
@@ -66,12 +78,12 @@ def run(args: Sequence[str], *, stderr: Any, timeout: float, reaping: bool = Fal
                     if time.monotonic() >= deadline:
                         raise subprocess.TimeoutExpired(args, timeout)
                     reap_orphans()
-        stdout, _ = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        stdout, errors = process.communicate(input, timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
         raise
-    return subprocess.CompletedProcess(args, process.returncode, stdout, None)
+    return subprocess.CompletedProcess(args, process.returncode, stdout, errors)
 
 
 def wait_exit(process: subprocess.Popen[Any], timeout: float) -> int:
@@ -87,6 +99,10 @@ def wait_exit(process: subprocess.Popen[Any], timeout: float) -> int:
     return process.wait()
 
 
+# pidfd_open(2) refused as such: a kernel before 5.3, or a seccomp filter that does not know it.
+_NO_PIDFDS = frozenset({errno.ENOSYS, errno.EPERM, errno.EACCES})
+
+
 class _ExitWatch:
     """Waits for one child of ours to exit, through a pidfd: ``exited(seconds)`` returns as soon
     as it has, or False after ``seconds``. The child is not reaped here (``wait`` does that), and
@@ -95,20 +111,27 @@ class _ExitWatch:
     a seccomp filter), it polls as ``Popen.poll`` does."""
 
     def __init__(self, process: subprocess.Popen[Any]) -> None:
+        assert process in _owned, "only what popen started is safe from the reaper"
         self._process = process
         self._poll: select.poll | None = None
         self._pidfd = -1
 
     def __enter__(self) -> Callable[[float], bool]:
-        if self._process.returncode is None:
-            try:
-                self._pidfd = os.pidfd_open(self._process.pid)
-            except OSError:
-                return self._polled
+        if self._process.returncode is not None:
+            return self._polled
+        try:
+            self._pidfd = os.pidfd_open(self._process.pid)
+        except OSError as exc:
+            if exc.errno not in _NO_PIDFDS:  # out of descriptors, say: never worse than polling
+                log.warning("cannot wait on a pidfd, polling instead", error=exc.strerror)
+            return self._polled
+        try:
             self._poll = select.poll()
             self._poll.register(self._pidfd, select.POLLIN)
-            return self._woken
-        return self._polled
+        except BaseException:
+            os.close(self._pidfd)
+            raise
+        return self._woken
 
     def __exit__(self, *exc_info: object) -> None:
         if self._pidfd >= 0:

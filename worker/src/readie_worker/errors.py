@@ -102,7 +102,9 @@ def bound_ids(*, session: str | None = None, job_id: str | None = None) -> Itera
     line logged under it carries them, and :func:`log_host_facts` names them to the client.
 
     Put back by their tokens: structlog's ``bound_contextvars`` first copies and walks the whole
-    context to save what it replaces, on every job and step."""
+    context to save what it replaces, on every job and step. Tokens go back in the context that
+    set them: use it around synchronous code in one thread (a ``with``), never across an await
+    or a generator's yield."""
     ids = {key: value for key, value in (("session", session), ("job_id", job_id)) if value is not None}
     tokens = structlog.contextvars.bind_contextvars(**ids)
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from readie_policy.jobs import validate_requirements
 
+from . import _reaper
 from .errors import RequestError, SandboxSetupError
 
 # A cold install of a few wheels takes seconds; minutes mean a stuck index.
@@ -47,10 +48,10 @@ def ensure_packages(requirements: Sequence[str], cache: Path | None = None) -> P
         staging = root / f".{key}.{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            completed = subprocess.run(
+            completed = _reaper.run(
                 ["uv", "pip", "install", "--quiet", "--only-binary", ":all:", "--python", sys.executable,
                  "--target", str(staging / "site"), *wanted],
-                capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                timeout=INSTALL_TIMEOUT_S,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             shutil.rmtree(staging, ignore_errors=True)

@@ -153,7 +153,7 @@ def _help(binary: str, *args: str) -> str:
 def _ask(binary: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run one of runsc's short informational commands (its version, its help)."""
     with host_failure(SandboxSetupError, f"cannot run {binary}", caught=(OSError, subprocess.TimeoutExpired)):
-        return subprocess.run([binary, *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        return _reaper.run([binary, *args], timeout=COMMAND_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
