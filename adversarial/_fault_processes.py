@@ -165,3 +165,11 @@ def second_router(base: Path, cluster: Cluster) -> Router:
 def store_entries(store: Path) -> list[str]:
     """The sessions the store holds: its entries are named by a SHA-256 (decision 32)."""
     return [p.name for p in store.iterdir() if len(p.name) == 64 and all(c in "0123456789abcdef" for c in p.name)]
+
+
+def holds_image(entry: Path) -> bool:
+    """Whether a store entry holds anything but its lease (a generation, one being written, ...)."""
+    try:
+        return any(p.name != "lease" and not p.name.startswith(".lease-") for p in entry.iterdir())
+    except FileNotFoundError:  # removed meanwhile
+        return False

@@ -78,6 +78,7 @@ class SessionState:
     steps: int = 0  # steps answered, lost ones included
     busy: bool = False
     ended: bool = False  # closed by the client, or lost
+    lost: bool = False  # ended without the client's close: told so by an answer
     key: str | None = None  # its first result's session_key: a new pool attaches with it
     counter: int = 0  # the counter the last step answered normally printed
     maybe_ran: int = 0  # steps answered as lost since: each may or may not be in the state
@@ -373,7 +374,7 @@ class Load:
         its state (a step answered); one whose opening failed is only that request lost."""
         if not session.ended and session.counter > 0:
             self.sessions_lost[phase] += 1
-        session.ended = True
+        session.ended = session.lost = True
 
     # -- accounting
 
@@ -381,6 +382,10 @@ class Load:
         """The store entries of the sessions whose key the client was told (decision 32: an entry
         is named by the SHA-256 of its session's key)."""
         return {hashlib.sha256(s.key.encode()).hexdigest() for s in self._sessions.values() if s.key}
+
+    def lost_entries(self) -> set[str]:
+        """The store entries of the sessions that ended without the client's close."""
+        return {hashlib.sha256(s.key.encode()).hexdigest() for s in self._sessions.values() if s.key and s.lost}
 
     def keyless_sessions(self) -> int:
         """Sessions opened whose key never reached the client: the opening's answer was lost or an
