@@ -72,9 +72,8 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
     },
     "_reaper.py": {
         "become_subreaper": "libc's prctl(2): no path",
-        "_is_child": _PROC,
-        "_zombie_children": _PROC,
-        "_children": _PROC,
+        "_orphans": _PROC,
+        "_parent": _PROC,
     },
     "_sandbox_dir.py": {
         "SandboxDir.create": _OWN,

@@ -289,12 +289,16 @@ def test_remove_tree_never_enters_a_mount(tmp_path: Path) -> None:
     precious.mkdir()
     (precious / "data").write_text("data")
     top = tmp_path / "top"
-    (top / "mnt").mkdir(parents=True)
+    # The kernel escapes a space and a backslash in mountinfo (\040, \134): found all the same.
+    points = [top / "mnt", top / "a b\\c"]
     fd = os.open(precious, os.O_PATH)
     try:
-        _mounts.bind_descriptor(fd, top / "mnt", writable=True)
+        for point in points:
+            point.mkdir(parents=True)
+            _mounts.bind_descriptor(fd, point, writable=True)
     finally:
         os.close(fd)
+    assert sorted(_mounts.mounts_beneath(top)) == sorted(points)
     assert remove_tree(top)  # unmounts first, then removes an empty mount point
     assert (precious / "data").read_text() == "data"
     assert remove_tree(tmp_path / "never-existed")

@@ -1,4 +1,4 @@
-"""The reaper finds the zombies it adopted among its own children's lists (``_reaper._children``),
+"""The reaper finds the zombies it adopted on its main thread's children list (``_reaper._orphans``),
 an orphan made from a thread that has since ended included, and leaves alone a child that
 ``subprocess`` waits for (that one in a process of its own: a subreaper adopts for the whole
 process). ``wait_exit`` is woken by the exit, not by a poll, and ``run`` keeps a failed

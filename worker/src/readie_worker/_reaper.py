@@ -156,15 +156,8 @@ def reap_orphans(wait_for: int | None = None, timeout: float = REAP_WAIT_S) -> l
     reaped: list[int] = []
     deadline = time.monotonic() + timeout
     while True:
-        with _lock:
-            owned = {process.pid for process in _owned if process.returncode is None}
-            for pid in _zombie_children() if _a_child_exited() else ():
-                if pid not in owned:
-                    try:
-                        os.waitpid(pid, 0)
-                    except ChildProcessError:
-                        continue
-                    reaped.append(pid)
+        if _a_child_exited():  # first, unlocked: most polls stop at this one syscall
+            reaped += _reap_adopted()
         if wait_for is None or wait_for in reaped or not _is_child(wait_for):
             return reaped
         if time.monotonic() >= deadline:
@@ -172,11 +165,26 @@ def reap_orphans(wait_for: int | None = None, timeout: float = REAP_WAIT_S) -> l
         time.sleep(REAP_POLL_S)
 
 
+def _reap_adopted() -> list[int]:
+    """Reap the zombies among :func:`_orphans`, leaving alone what :func:`popen` started."""
+    reaped = []
+    with _lock:
+        owned = {process.pid for process in _owned if process.returncode is None}
+        for pid in _orphans():
+            if pid not in owned:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)  # reaps it if it is a zombie, else nothing
+                except ChildProcessError:
+                    continue
+                if done:
+                    reaped.append(pid)
+    return reaped
+
+
 def _a_child_exited() -> bool:
     """Whether any child of ours is a zombie, asked without reaping it: one syscall.
 
-    The scan of /proc that finds which ones reads every process's stat file
-    (hundreds on a busy worker); done every few milliseconds while a runsc
+    Finding which ones costs more (:func:`_orphans`); done every few milliseconds while a runsc
     delete waits, it cost more CPU than the delete. Most polls find nothing.
     """
     try:
@@ -185,41 +193,32 @@ def _a_child_exited() -> bool:
         return False
 
 
-def _zombie_children() -> list[int]:
+def _orphans() -> list[int]:
+    """The children adopted here, and any the main thread started: the main thread's
+    ``children`` list, one file.
+
+    The kernel gives an orphan to the first live thread of its subreaper (``find_new_reaper``,
+    ``find_alive_thread``): the main thread, for as long as the process runs. A child a thread
+    started is on that thread's list, and ``subprocess`` waits for it. Reading every thread's
+    list cost ~200 us a poll under load, 14 polls a delete: a quarter of the pool's own CPU per
+    job (decision 33). Without the lists (a kernel without CONFIG_PROC_CHILDREN), every process
+    in /proc whose parent we are.
+    """
     me = os.getpid()
-    zombies = []
-    for pid in _children():
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] == b"Z" and int(fields[1]) == me:
-            zombies.append(pid)
-    return zombies
-
-
-def _children() -> set[int]:
-    """Our children's pids, from each thread's ``children`` list: a few dozen files where the
-    scan of every process's stat file read hundreds, and cost a third of the pool's own CPU
-    per job under load (decision 0033). The lists may miss a child that changes meanwhile; a
-    poll finds it at the next one. Without them (a kernel without CONFIG_PROC_CHILDREN), every
-    process in /proc is a candidate, checked by its parent pid as before."""
-    pids: set[int] = set()
-    tasks = os.listdir("/proc/self/task")
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/children", "rb") as children:
-                pids.update(int(pid) for pid in children.read().split())
-        except FileNotFoundError:  # that thread ended since the listing, or the kernel has no lists
-            if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/children"):
-                return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
-    return pids
+    try:
+        with open(f"/proc/self/task/{me}/children", "rb") as children:
+            return [int(pid) for pid in children.read().split()]
+    except FileNotFoundError:
+        return [pid for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()) if _parent(pid) == me]
 
 
 def _is_child(pid: int) -> bool:
+    return _parent(pid) == os.getpid()
+
+
+def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rsplit(b")", 1)[1].split()[1]) == os.getpid()
+            return int(stat.read().rsplit(b")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
-        return False
+        return None
