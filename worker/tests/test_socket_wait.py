@@ -1,0 +1,67 @@
+"""The wait for a launched executor's socket (``sandbox._wait_for_socket``), against real
+processes standing in for it: woken by the end of its stdout, which an executor lets go of once
+it listens; probing on its own while stdout stays open; an end of stdout with no socket after it
+is the executor's death, and no socket at all a timeout."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from readie_worker import sandbox
+from readie_worker.errors import SandboxSetupError
+from readie_worker.runsc import Launched
+
+# A stand-in executor: after DELAY s it listens on PATH (unless LISTEN is false), closes its stdout
+# (unless KEEP is true), then waits to be killed.
+EXECUTOR = """
+import os, socket, sys, time
+path, delay, listen, keep = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+time.sleep(delay)
+if listen:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+if not keep:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+time.sleep(60)
+"""
+
+
+def wait(short_tmp: Path, *, delay: float, listen: bool = True, keep_stdout: bool = False, timeout: float = 10.0) -> float:
+    path = short_tmp / "executor.sock"
+    launched = Launched.popen([sys.executable, "-c", EXECUTOR, str(path), str(delay), str(int(listen)), str(int(keep_stdout))])
+    started = time.monotonic()
+    try:
+        sandbox._wait_for_socket(SimpleNamespace(id="rd-test", socket_path=path), launched, timeout)  # type: ignore[arg-type]
+        return time.monotonic() - started
+    finally:
+        launched.process.kill()
+        launched.process.wait()
+        launched.close()
+
+
+def test_the_end_of_stdout_wakes_the_wait(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "SOCKET_PROBE_S", 30.0)  # no probe before the test's own timeout
+    assert 0.3 <= wait(short_tmp, delay=0.3) < 10
+
+
+def test_with_stdout_left_open_the_socket_is_probed(short_tmp: Path) -> None:
+    assert 0.3 <= wait(short_tmp, delay=0.3, keep_stdout=True) < 10
+
+
+def test_an_end_of_stdout_with_no_socket_is_the_executors_death(short_tmp: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(SandboxSetupError, match="executor exited before binding its socket"):
+        wait(short_tmp, delay=0.1, listen=False)
+    assert time.monotonic() - started < 0.1 + sandbox.STDOUT_END_GRACE_S + 1.0
+
+
+def test_no_socket_at_all_is_a_timeout(short_tmp: Path) -> None:
+    with pytest.raises(SandboxSetupError, match="no executor socket after 1 s"):
+        wait(short_tmp, delay=0.0, listen=False, keep_stdout=True, timeout=1.0)
