@@ -288,7 +288,7 @@ def test_remove_tree_never_enters_a_mount(tmp_path: Path) -> None:
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "data").write_text("data")
-    top = tmp_path / "top"
+    top = tmp_path / "t\\o p"
     # The kernel escapes a space and a backslash in mountinfo (\040, \134): found all the same.
     points = [top / "mnt", top / "a b\\c"]
     fd = os.open(precious, os.O_PATH)

@@ -56,6 +56,7 @@ MS_PRIVATE = 0x40000
 MS_SLAVE = 0x80000
 MS_SHARED = 0x100000
 MNT_DETACH = 0x2
+UMOUNT_NOFOLLOW = 0x8
 CLONE_NEWNS = 0x00020000
 # Flags every mount we make carries: nothing on them is a device or setuid.
 SAFE_FLAGS = MS_NOSUID | MS_NODEV
@@ -145,11 +146,15 @@ def unmount_beneath(path: Path) -> bool:
 
     A lazy unmount takes every mount beneath the one it detaches along with it,
     so only the topmost are unmounted: each unmount waits for the kernel's
-    grace period (~1 ms here), and a sandbox dir holds a mount per slot.
-    Whatever is left then (a mount that arrived meanwhile) is tried deepest first.
+    grace period (~1 ms here), and a sandbox dir holds a mount per slot. A
+    sandbox dir is itself the topmost (its tmpfs), so ``path`` is tried first,
+    before the table is read: each read of it costs ~0.3 ms of CPU with a busy
+    worker's mounts (decision 33). Whatever is left then (a mount that arrived
+    meanwhile) is tried deepest first.
     """
-    found = [str(point) for point in mounts_beneath(path)]
-    _detach(Path(point) for point in found if not any(point.startswith(other + "/") for other in found))
+    if _libc.umount2(os.fsencode(path), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:  # not a mount point itself
+        found = [str(point) for point in mounts_beneath(path)]
+        _detach(Path(point) for point in found if not any(point.startswith(other + "/") for other in found))
     left = mounts_beneath(path)
     if left:
         _detach(left)
@@ -189,15 +194,35 @@ def _strerror() -> str:
 
 
 def mounts_beneath(path: Path) -> list[Path]:
-    """Mount points at or beneath ``path`` in this namespace (resolved, as the kernel reports them), deepest first."""
+    """Mount points at or beneath ``path`` in this namespace (resolved, as the kernel reports them), deepest first.
+
+    Only the lines that name ``path`` (as the kernel escapes it) are parsed: the table holds every
+    live sandbox's mounts, and parsing each line took ~0.5 ms a call under load (decision 33).
+    """
     top = os.fsencode(os.path.realpath(path))  # the kernel reports mount points resolved
-    found = []
+    below = top + b"/"
+    wanted = _mountinfo_escaped(top)
     with open("/proc/self/mountinfo", "rb") as mountinfo:
-        for line in mountinfo:
-            fields = line.split(b" ")
-            if len(fields) < 5:
-                continue
-            point = _MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
-            if point == top or point.startswith(top + b"/"):
+        table = mountinfo.read()
+    found = []
+    at = table.find(wanted)
+    while at >= 0:
+        start = table.rfind(b"\n", 0, at) + 1
+        end = table.find(b"\n", at)
+        end = len(table) if end < 0 else end
+        fields = table[start:end].split(b" ", 5)  # the mount point is the fifth field
+        if len(fields) >= 5:
+            point = fields[4]
+            if b"\\" in point:  # the kernel escapes space, tab, newline and backslash as \ooo
+                point = _MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), point)
+            if point == top or point.startswith(below):
                 found.append(Path(os.fsdecode(point)))
+        at = table.find(wanted, end)
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def _mountinfo_escaped(path: bytes) -> bytes:
+    """``path`` as /proc/self/mountinfo writes it."""
+    for char in b"\\ \t\n":  # the backslash first: the others' escapes hold one
+        path = path.replace(bytes([char]), b"\\%03o" % char)
+    return path
