@@ -1,4 +1,4 @@
-"""The wait for a launched executor's socket (``sandbox._wait_for_socket``), against real
+"""The wait for a launched executor's socket (``_socket_wait.wait_for_socket``), against real
 processes standing in for it: woken by the end of its stdout, which an executor lets go of once
 it listens; probing on its own while stdout stays open; an end of stdout with no socket after it
 is the executor's death, and no socket at all a timeout."""
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from readie_worker import sandbox
+from readie_worker import _socket_wait
 from readie_worker.errors import SandboxSetupError
 from readie_worker.runsc import Launched
 
@@ -38,7 +38,7 @@ def wait(short_tmp: Path, *, delay: float, listen: bool = True, keep_stdout: boo
     launched = Launched.popen([sys.executable, "-c", EXECUTOR, str(path), str(delay), str(int(listen)), str(int(keep_stdout))])
     started = time.monotonic()
     try:
-        sandbox._wait_for_socket(SimpleNamespace(id="rd-test", socket_path=path), launched, timeout)  # type: ignore[arg-type]
+        _socket_wait.wait_for_socket(SimpleNamespace(id="rd-test", socket_path=path), launched, timeout)  # type: ignore[arg-type]
         return time.monotonic() - started
     finally:
         launched.process.kill()
@@ -47,7 +47,7 @@ def wait(short_tmp: Path, *, delay: float, listen: bool = True, keep_stdout: boo
 
 
 def test_the_end_of_stdout_wakes_the_wait(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox, "SOCKET_PROBE_S", 30.0)  # no probe before the test's own timeout
+    monkeypatch.setattr(_socket_wait, "SOCKET_PROBE_S", 30.0)  # no probe before the test's own timeout
     assert 0.3 <= wait(short_tmp, delay=0.3) < 10
 
 
@@ -59,7 +59,7 @@ def test_an_end_of_stdout_with_no_socket_is_the_executors_death(short_tmp: Path)
     started = time.monotonic()
     with pytest.raises(SandboxSetupError, match="executor exited before binding its socket"):
         wait(short_tmp, delay=0.1, listen=False)
-    assert time.monotonic() - started < 0.1 + sandbox.STDOUT_END_GRACE_S + 1.0
+    assert time.monotonic() - started < 0.1 + _socket_wait.STDOUT_END_GRACE_S + 1.0
 
 
 def test_no_socket_at_all_is_a_timeout(short_tmp: Path) -> None:

@@ -29,7 +29,8 @@ import structlog
 from .errors import PoolWorkerError, SandboxSetupError, bound_ids
 from .hibernation import SessionImages
 from .jobs import CodeJob
-from .sandbox import SOCKET_POLL_S, Sandbox, hand_over
+from ._socket_wait import SOCKET_POLL_S
+from .sandbox import Sandbox, hand_over
 
 __all__ = ["CHECKPOINT_WAIT_S", "StepCheckpoints", "snapshot"]
 

@@ -12,7 +12,6 @@ destroyed: a runsc restore, a runsc cold start, a plain host process.
 from __future__ import annotations
 
 import json
-import math
 import os
 import select
 import socket
@@ -22,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import cloudpickle
 import structlog
@@ -40,16 +39,17 @@ from readie_policy.policy import DEFAULT_MAX_OUTPUT  # what most jobs ask, and a
 
 from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
+from ._socket_wait import wait_for_socket
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
 from .errors import (
-    ErrorMap, ExecutorTimeout, PoolWorkerError, SandboxSetupError, host_failure, host_reason, log_host_facts,
+    ErrorMap, ExecutorTimeout, PoolWorkerError, SandboxSetupError, host_failure, host_reason,
     mapped_errors,
 )
 from .grants import NO_GRANTS, HeldGrants
 from .manifest import Checkpoint, Manifest
 from .launchers import Launcher, RunscCold, RunscRestore
-from .runsc import STDERR_SETTLE_S, Launched, Runsc
+from .runsc import Launched, Runsc
 
 if TYPE_CHECKING:  # its module loads the resolver's DNS library: only networked workers need it
     from .egress_net import SandboxNetwork
@@ -58,14 +58,6 @@ log = structlog.get_logger("readie.sandbox")
 
 # The executor spec: the worker retries the socket for up to 60 s by default.
 SOCKET_WAIT_S = 60.0
-SOCKET_POLL_S = 0.002
-# How often the socket is tried while the executor's stdout is open. Its end (the executor lets
-# go of stdout once it listens) wakes the wait at once; this only bounds the wait with a runsc
-# that keeps the container's stdout open itself.
-SOCKET_PROBE_S = 0.010
-# How long a socket may take to answer after the executor's stdout ended (it
-# closes stdout once it listens): beyond this, the executor died instead.
-STDOUT_END_GRACE_S = 1.0
 # A healthy executor answers a ping in well under a millisecond; a second
 # means it is wedged, and a wedged sandbox is never handed a job.
 PROBE_TIMEOUT_S = 1.0
@@ -383,7 +375,7 @@ def launch(
         with host_failure(SandboxSetupError, f"sandbox {sandbox_dir.id}: cannot start"):
             launched = launcher.start(sandbox_dir, full_env)
         hand_over(launched.process, full_env)
-        _wait_for_socket(sandbox_dir, launched, socket_wait_s)
+        wait_for_socket(sandbox_dir, launched, socket_wait_s)
         mounts_held = launcher.hold_mounts(sandbox_dir)
     except BaseException:
         # Also without a process: a runsc that timed out may have left a container behind.
@@ -403,60 +395,6 @@ def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
     with host_failure(SandboxSetupError, "executor took no handover"):
         process.stdin.write(json.dumps({"env": dict(env)}).encode() + b"\n")
         process.stdin.flush()
-
-
-def _wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> None:
-    """Until the executor's socket answers: woken by the end of its stdout, which it lets go of
-    once it listens (the socket answers by then, ~0.5 ms before, measured), not by polling every
-    2 ms, which cost the pool ~1-2 ms of CPU per restore under load (decision 33). An end of
-    stdout is the executor's death when no socket follows within STDOUT_END_GRACE_S."""
-    deadline = time.monotonic() + timeout
-    path = os.fsencode(sandbox.socket_path)
-    stdout = launched.process.stdout
-    watch = select.poll()
-    if stdout is not None:
-        watch.register(stdout, select.POLLIN)
-    gone_at: float | None = None  # when its stdout ended
-    while True:
-        if _answers(path):
-            return
-        now = time.monotonic()
-        if gone_at is not None and now - gone_at >= STDOUT_END_GRACE_S:
-            raise SandboxSetupError(
-                f"sandbox {sandbox.id}: executor exited before binding its socket{_stderr_tail(sandbox.id, launched)}"
-            )
-        if now >= deadline:
-            raise SandboxSetupError(
-                f"sandbox {sandbox.id}: no executor socket after {timeout:.0f} s{_stderr_tail(sandbox.id, launched)}"
-            )
-        if gone_at is not None:
-            time.sleep(SOCKET_POLL_S)
-        elif watch.poll(math.ceil(min(SOCKET_PROBE_S, deadline - now) * 1000)) and _at_end(stdout):
-            gone_at = time.monotonic()
-
-
-def _answers(path: bytes) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-def _at_end(readable: IO[bytes] | None) -> bool:
-    """Whether a pipe poll() found readable is at its end (what it held instead is read and
-    dropped: the executor writes nothing to stdout once it serves)."""
-    return readable is not None and not os.read(readable.fileno(), 4096)
-
-
-def _stderr_tail(sandbox_id: str, launched: Launched) -> str:
-    """Where the sandbox's last words are: they go to the worker's log (runsc's own lines name
-    host paths and pids), not into the error a client reads."""
-    tail = launched.stderr.text(wait_s=STDERR_SETTLE_S)[-1500:].strip()
-    return f"; {log_host_facts('sandbox did not start', sandbox=sandbox_id, stderr=tail)}" if tail else ""
 
 
 @dataclass(frozen=True)
