@@ -17,25 +17,27 @@ from readie_worker.errors import SandboxSetupError
 from readie_worker.runsc import Launched
 
 # A stand-in executor: after DELAY s it listens on PATH (unless LISTEN is false), closes its stdout
-# (unless KEEP is true), then waits to be killed.
+# (unless KEEP is true; "flood": writes to it without end), then waits to be killed.
 EXECUTOR = """
 import os, socket, sys, time
-path, delay, listen, keep = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+path, delay, listen, keep = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
 time.sleep(delay)
+while keep == "flood":
+    os.write(1, b"x" * 65536)
 if listen:
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen(1)
-if not keep:
+if keep == "0":
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
 time.sleep(60)
 """
 
 
-def wait(short_tmp: Path, *, delay: float, listen: bool = True, keep_stdout: bool = False, timeout: float = 10.0) -> float:
+def wait(short_tmp: Path, *, delay: float, listen: bool = True, keep_stdout: bool | str = False, timeout: float = 10.0) -> float:
     path = short_tmp / "executor.sock"
-    launched = Launched.popen([sys.executable, "-c", EXECUTOR, str(path), str(delay), str(int(listen)), str(int(keep_stdout))])
+    launched = Launched.popen([sys.executable, "-c", EXECUTOR, str(path), str(delay), str(int(listen)), str(keep_stdout if isinstance(keep_stdout, str) else int(keep_stdout))])
     started = time.monotonic()
     try:
         _socket_wait.wait_for_socket(SimpleNamespace(id="rd-test", socket_path=path), launched, timeout)  # type: ignore[arg-type]
@@ -65,3 +67,10 @@ def test_an_end_of_stdout_with_no_socket_is_the_executors_death(short_tmp: Path)
 def test_no_socket_at_all_is_a_timeout(short_tmp: Path) -> None:
     with pytest.raises(SandboxSetupError, match="no executor socket after 1 s"):
         wait(short_tmp, delay=0.0, listen=False, keep_stdout=True, timeout=1.0)
+
+
+def test_an_executor_writing_to_stdout_does_not_make_the_wait_spin(short_tmp: Path) -> None:
+    cpu = time.thread_time()
+    with pytest.raises(SandboxSetupError, match="no executor socket after 1 s"):
+        wait(short_tmp, delay=0.0, listen=False, keep_stdout="flood", timeout=1.0)
+    assert time.thread_time() - cpu < 0.5  # read and dropped at most every SOCKET_POLL_S

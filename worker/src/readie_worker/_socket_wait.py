@@ -56,8 +56,11 @@ def wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> 
             )
         if gone_at is not None:
             time.sleep(SOCKET_POLL_S)
-        elif watch.poll(math.ceil(min(SOCKET_PROBE_S, deadline - now) * 1000)) and _at_end(stdout):
-            gone_at = time.monotonic()
+        elif watch.poll(math.ceil(min(SOCKET_PROBE_S, deadline - now) * 1000)):
+            if _at_end(stdout):
+                gone_at = time.monotonic()
+            else:  # it wrote instead (a resumed session's executor is the job's to rewrite): no busy loop
+                time.sleep(SOCKET_POLL_S)
 
 
 def _answers(path: bytes) -> bool:
