@@ -70,6 +70,9 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "enter_mount_namespace": _PROC,
         "mounts_beneath": f"{_PROC}; realpath of the sandbox dir, the worker's own (mount points are reported resolved)",
     },
+    "_socket_wait.py": {
+        "connect_executor": f"{_OWN}: the executor's socket in the sandbox dir, opened O_PATH|O_NOFOLLOW",
+    },
     "_reaper.py": {
         "become_subreaper": "libc's prctl(2): no path",
         "_orphans": _PROC,

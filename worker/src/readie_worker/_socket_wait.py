@@ -3,11 +3,14 @@ executor inside answers on it, or is known dead (``sandbox.launch``)."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import select
 import socket
+import stat
 import time
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from .errors import SandboxSetupError, log_host_facts
@@ -16,7 +19,7 @@ from .runsc import STDERR_SETTLE_S, Launched
 if TYPE_CHECKING:
     from ._sandbox_dir import SandboxDir
 
-__all__ = ["SOCKET_POLL_S", "wait_for_socket"]
+__all__ = ["SOCKET_POLL_S", "NotASocket", "connect_executor", "wait_for_socket"]
 
 # How often the socket is tried once the executor's stdout ended (and by a resumed session's
 # step checkpoint, ``_step_checkpoint``).
@@ -36,15 +39,18 @@ def wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> 
     2 ms, which cost the pool ~1-2 ms of CPU per restore under load (decision 33). An end of
     stdout is the executor's death when no socket follows within STDOUT_END_GRACE_S."""
     deadline = time.monotonic() + timeout
-    path = os.fsencode(sandbox.socket_path)
+    path = sandbox.socket_path
     stdout = launched.process.stdout
     watch = select.poll()
     if stdout is not None:
         watch.register(stdout, select.POLLIN)
     gone_at: float | None = None  # when its stdout ended
     while True:
-        if _answers(path):
-            return
+        try:
+            if _answers(path):
+                return
+        except NotASocket as exc:  # the sandbox put something there: it is not trusted
+            raise SandboxSetupError(f"sandbox {sandbox.id}: {exc.strerror}") from None
         now = time.monotonic()
         if gone_at is not None and now - gone_at >= STDOUT_END_GRACE_S:
             raise SandboxSetupError(
@@ -63,11 +69,35 @@ def wait_for_socket(sandbox: SandboxDir, launched: Launched, timeout: float) -> 
                 time.sleep(SOCKET_POLL_S)
 
 
-def _answers(path: bytes) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+class NotASocket(OSError):
+    """Something other than a socket where the executor's socket belongs: a link above all."""
+
+
+def connect_executor(connection: socket.socket, path: Path) -> None:
+    """Connect ``connection`` to the executor's socket at ``path``, never through a link.
+
+    The directory is the sandbox's to write (its ``/readie/run``), and ``connect()`` by path
+    would follow a link put there to any socket on the host (another sandbox's executor). The
+    socket is opened ``O_PATH | O_NOFOLLOW``, checked to be one, and connected through that
+    descriptor. Raises OSError: FileNotFoundError before it is bound, :class:`NotASocket`.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        probe.connect(path)
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise NotASocket(errno.ENOTSOCK, "something other than a socket in place of the executor's socket")
+        connection.connect(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _answers(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a listener with a full backlog answers EAGAIN at once, never blocks
+    try:
+        connect_executor(probe, path)
         return True
+    except NotASocket:
+        raise
     except OSError:
         return False
     finally:

@@ -39,7 +39,7 @@ from readie_policy.policy import DEFAULT_MAX_OUTPUT  # what most jobs ask, and a
 
 from ._grant_fs import PathIdentity
 from ._sandbox_dir import SandboxDir
-from ._socket_wait import wait_for_socket
+from ._socket_wait import connect_executor, wait_for_socket
 from ._states import SandboxState, check_transition
 from .bundle import capture_env, serve_env
 from .errors import (
@@ -340,9 +340,10 @@ class Sandbox:
                 raise PoolWorkerError(f"sandbox {self.id}: interrupted")
             if self._connection is None:
                 connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                connection.settimeout(PROBE_TIMEOUT_S)  # a full backlog fails the connect, never hangs it
                 try:
                     with host_failure(PoolWorkerError, f"sandbox {self.id}: cannot connect to the executor"):
-                        connection.connect(os.fsencode(self.dir.socket_path))
+                        connect_executor(connection, self.dir.socket_path)
                 except PoolWorkerError:
                     connection.close()
                     raise
