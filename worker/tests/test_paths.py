@@ -303,3 +303,19 @@ def test_remove_tree_never_enters_a_mount(tmp_path: Path) -> None:
     assert (precious / "data").read_text() == "data"
     assert remove_tree(tmp_path / "never-existed")
     assert remove_tree(tmp_path / "precious" / "data")  # a file is removed too
+
+
+def test_mount_points_are_read_from_the_fifth_field_of_the_lines_that_name_the_path() -> None:
+    table = (
+        b"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+        b"30 22 0:40 / /run/rd-1 rw - tmpfs tmpfs rw\n"
+        b"31 30 0:40 /run/rd-1 /run/rd-1/run rw - tmpfs tmpfs rw\n"  # the path in the root field too
+        b"32 22 0:41 / /run/rd-10 rw - tmpfs tmpfs rw\n"  # a sibling whose name starts with it
+        b"33 22 0:41 /run/rd-1/x /elsewhere rw - tmpfs tmpfs rw\n"  # the path in the root field only
+        b"34 30 0:42 / /run/rd-1/a\\040b\\134c rw - tmpfs tmpfs rw\n"  # a space and a backslash, escaped
+        b"35 30 0:43 / /run/rd-1/slots/last rw - tmpfs tmpfs rw"  # no newline at the end
+    )
+    assert _mounts._mount_points_beneath(table, b"/run/rd-1") == [
+        Path("/run/rd-1/slots/last"), Path("/run/rd-1/run"), Path("/run/rd-1/a b\\c"), Path("/run/rd-1"),
+    ]
+    assert _mounts._mount_points_beneath(table, b"/run/rd-1 x") == []

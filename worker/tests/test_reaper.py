@@ -1,5 +1,5 @@
 """The reaper finds the zombies it adopted on its main thread's children list (``_reaper._orphans``),
-an orphan made from a thread that has since ended included, and leaves alone a child that
+an orphan made from a thread that is still alive included, and leaves alone a child that
 ``subprocess`` waits for (that one in a process of its own: a subreaper adopts for the whole
 process). ``wait_exit`` is woken by the exit, not by a poll, and ``run`` keeps a failed
 command's status from the reaper."""
@@ -16,17 +16,22 @@ SCRIPT = """
 import subprocess, threading, time
 from readie_worker import _reaper
 assert _reaper.become_subreaper()
+made, done = threading.Event(), threading.Event()
 def orphan():  # sh exits at once; its background sleep is adopted by us, then exits too
     _reaper.popen(["sh", "-c", "sleep 0.05 & exit 0"]).wait()
+    made.set()
+    done.wait()  # this thread lives on while the orphan is reaped: it must not be on its list
 thread = threading.Thread(target=orphan)
 thread.start()
-thread.join()
+made.wait()
 waited = _reaper.popen(["true"])  # ours, exited, not yet waited for: not the reaper's to take
 deadline = time.monotonic() + 5
 reaped = []
 while not reaped and time.monotonic() < deadline:
     time.sleep(0.1)
     reaped = _reaper.reap_orphans()
+done.set()
+thread.join()
 assert len(reaped) == 1 and reaped[0] != waited.pid, (reaped, waited.pid)
 assert waited.wait(timeout=5) == 0
 print("ok")

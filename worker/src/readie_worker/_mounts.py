@@ -200,10 +200,14 @@ def mounts_beneath(path: Path) -> list[Path]:
     live sandbox's mounts, and parsing each line took ~0.5 ms a call under load (decision 33).
     """
     top = os.fsencode(os.path.realpath(path))  # the kernel reports mount points resolved
+    with open("/proc/self/mountinfo", "rb") as mountinfo:
+        return _mount_points_beneath(mountinfo.read(), top)
+
+
+def _mount_points_beneath(table: bytes, top: bytes) -> list[Path]:
+    """The mount points at or beneath ``top`` in ``table`` (mountinfo's text), deepest first."""
     below = top + b"/"
     wanted = _mountinfo_escaped(top)
-    with open("/proc/self/mountinfo", "rb") as mountinfo:
-        table = mountinfo.read()
     found = []
     at = table.find(wanted)
     while at >= 0:

@@ -27,9 +27,7 @@ from typing import Any
 import structlog
 
 PR_SET_CHILD_SUBREAPER = 36
-# How long destroy() waits for a killed sandbox process to turn into a zombie;
-# a SIGKILLed sandbox exits within tens of milliseconds here.
-REAP_WAIT_S = 2.0
+# How often orphans are reaped while a runsc kill or delete waits for them to go.
 REAP_POLL_S = 0.005
 
 log = structlog.get_logger("readie.reaper")
@@ -151,18 +149,9 @@ class _ExitWatch:
         return True
 
 
-def reap_orphans(wait_for: int | None = None, timeout: float = REAP_WAIT_S) -> list[int]:
-    """Reap adopted zombies; with ``wait_for``, keep trying until that pid is reaped."""
-    reaped: list[int] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        if _a_child_exited():  # first, unlocked: most polls stop at this one syscall
-            reaped += _reap_adopted()
-        if wait_for is None or wait_for in reaped or not _is_child(wait_for):
-            return reaped
-        if time.monotonic() >= deadline:
-            return reaped
-        time.sleep(REAP_POLL_S)
+def reap_orphans() -> list[int]:
+    """Reap the adopted zombies there are now; their pids."""
+    return _reap_adopted() if _a_child_exited() else []  # the probe first, unlocked: most polls stop there
 
 
 def _reap_adopted() -> list[int]:
@@ -198,11 +187,11 @@ def _orphans() -> list[int]:
     ``children`` list, one file.
 
     The kernel gives an orphan to the first live thread of its subreaper (``find_new_reaper``,
-    ``find_alive_thread``): the main thread, for as long as the process runs. A child a thread
-    started is on that thread's list, and ``subprocess`` waits for it. Reading every thread's
-    list cost ~200 us a poll under load, 14 polls a delete: a quarter of the pool's own CPU per
-    job (decision 33). Without the lists (a kernel without CONFIG_PROC_CHILDREN), every process
-    in /proc whose parent we are.
+    ``find_alive_thread``; Linux 3.19 on, before which it was the thread that forked): the main
+    thread, for as long as the process runs. A child a thread started is on that thread's list,
+    and ``subprocess`` waits for it. Reading every thread's list cost ~200 us a poll under load,
+    14 polls a delete: a quarter of the pool's own CPU per job (decision 33). Without the lists
+    (a kernel without CONFIG_PROC_CHILDREN), every process in /proc whose parent we are.
     """
     me = os.getpid()
     try:
@@ -210,10 +199,6 @@ def _orphans() -> list[int]:
             return [int(pid) for pid in children.read().split()]
     except FileNotFoundError:
         return [pid for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()) if _parent(pid) == me]
-
-
-def _is_child(pid: int) -> bool:
-    return _parent(pid) == os.getpid()
 
 
 def _parent(pid: int) -> int | None:
