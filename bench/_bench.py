@@ -67,6 +67,8 @@ class Settings:
     session_steps: int = 12
     # Scenario 5: calls in one task (timed inside the sandbox, so cheap to have many).
     host_calls: int = 50
+    # Floors (bench._floors): bare round trips, back to back, well under a second each here.
+    floor_samples: int = 300
     # Scenario 12, the soak (issue 17's bench size): jobs and concurrent session clients
     # through one readie pool, sampled 20 times. At ~6 jobs/s on two cores (scenario 3)
     # 20,000 jobs take about an hour: the soak is most of a full run (docs/benchmarks.md).
@@ -109,6 +111,7 @@ SMOKE = Settings(
     memory_cold=False,
     session_steps=1,
     host_calls=3,
+    floor_samples=3,
     soak_jobs=8,  # enough to see the pool take jobs and give every sandbox back
     soak_sessions=2,
     soak_session_rounds=1,

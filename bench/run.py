@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,7 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
         figures[f"{name}: first step after a hand-over p50 ms"] = pick("handover/first_step_ms/p50")
         figures[f"{name}: step on a live session p50 ms (beside it)"] = pick("handover/live_step_ms/p50")
         figures[f"{name}: first step after a hand-over / live step"] = pick("handover/first_over_live")
+    _hot_path_figures(figures, pick)
     for arm in ("local", "routed"):
         for way in ("upload", "download"):
             figures[f"128 MiB {way} MB/s, {arm}"] = pick(f"transfers/sizes/128MiB/{arm}/{way}_mb_s")
@@ -153,6 +155,23 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     figures[f"{base}: networked print(1) / plain, both warm, p50"] = pick("egress/networked_over_plain")
     figures[f"{base}: networked print(1) p50 ms"] = pick("egress/networked_ms/p50")
     return {key: value for key, value in figures.items() if value is not None}
+
+
+def _hot_path_figures(figures: dict[str, Any], pick: Callable[[str], Any]) -> None:
+    """Issue 31's host-call and router asks beside their floors (``bench._floors``), one run."""
+    base = pick("host_function/checkpoint")
+    hop = "router_hop"
+    figures[f"{base}: host call p50 ms, local"] = pick("host_function/round_trip_ms/p50")
+    figures[f"{base}: host call p50 ms, through a router"] = pick(f"{hop}/host_round_trip_ms/routed/p50")
+    figures[f"{base}: session step through a router / local, p50"] = pick(f"{hop}/session_step_ms/routed_over_local/p50")
+    figures[f"{base}: host call through a router / local, p50"] = pick(f"{hop}/host_round_trip_ms/routed_over_local/p50")
+    ping_us = pick("phases/sandbox_ping_us/p50")
+    process_us = pick("host_function/breakdown_us/process_round_trip_us/p50")
+    if ping_us is not None and process_us is not None:
+        figures["floor: sandbox ping + process round trip p50 ms (a host call's least)"] = round((ping_us + process_us) / 1000, 3)
+    figures["floor: gRPC stream round trip p50 ms"] = pick(f"{hop}/grpc_stream_round_trip_ms/p50")
+    figures["floor: session step through a router / local, p50"] = pick(f"{hop}/routed_over_local_floor/session_step")
+    figures["floor: host call through a router / local, p50"] = pick(f"{hop}/routed_over_local_floor/host_call")
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:

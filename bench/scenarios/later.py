@@ -20,6 +20,7 @@ from readie_protocol.requests import Request, parse_request
 from readie_protocol.wire import RequestId
 
 from .._bench import Bench
+from .._floors import process_round_trip_us
 from .._jobs import PRINT
 from .._pool_client import PoolClient, PoolError
 from .._stats import ratio, summary
@@ -200,12 +201,15 @@ def _host_breakdown(bench: Bench, pool: PoolClient) -> dict[str, Any]:
         return {"available": False, "reason": f"the pool without sandboxes failed: {exc}"}
     finally:
         fake.close()
+    bench.settle()
     return {
         "in_sandbox_p50": in_sandbox,
         "pool_and_client": pool_and_client,
+        "process_round_trip_us": summary(process_round_trip_us(bench.settings.floor_samples), digits=1),
         "what": "in_sandbox_p50: the honest client's steps inside the sandbox (wait_for_reply holds "
         "everything outside it); pool_and_client: a round trip from the worker's host callback to "
-        "this client and back, in readie pool without sandboxes",
+        "this client and back, in readie pool without sandboxes; process_round_trip_us: one byte to "
+        "a child process and back over pipes, the floor of pool_and_client (bench._floors)",
     }
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from readie_rpc.testing import start_cluster
 
 from .._bench import Bench
+from .._floors import grpc_stream_round_trip_ms
 from .._pool_client import PoolClient
 from .._stats import paired_ratio, ratio, summary
 from .later import Refused, host_call_times, pool_request
@@ -51,6 +52,10 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
         )
         try:
             entry = _measure(bench, {"local": local, "routed": routed})
+            bench.settle()
+            floor = grpc_stream_round_trip_ms(cluster.channel, bench.settings.floor_samples)
+            entry["grpc_stream_round_trip_ms"] = summary(floor, digits=3)
+            entry["routed_over_local_floor"] = _floor(entry, entry["grpc_stream_round_trip_ms"]["p50"])
         finally:
             routed.close()
     finally:
@@ -108,6 +113,16 @@ def _measure(bench: Bench, pools: dict[str, PoolClient]) -> dict[str, Any]:
         "host_round_trip_ms": _arms(calls, call_pairs, digits=3),
         "errors": problems[:3],
     }
+
+
+def _floor(entry: dict[str, Any], stream_ms: float | None) -> dict[str, float | None]:
+    """Routed / local if each of the two gRPC hops cost a bare stream round trip and nothing else:
+    a routed step or call crosses pool -> router -> worker and back, a local one neither."""
+    floors: dict[str, float | None] = {}
+    for figure, key in (("session_step", "session_step_ms"), ("host_call", "host_round_trip_ms")):
+        local = entry[key]["local"].get("p50")
+        floors[figure] = round((local + 2 * stream_ms) / local, 2) if local and stream_ms is not None else None
+    return floors
 
 
 def _arms(samples: dict[str, list[float]], pairs: list[tuple[float, float]], digits: int) -> dict[str, Any]:

@@ -1,0 +1,98 @@
+"""Floors: what the hops a figure cannot avoid cost on this machine, with no readie code on them.
+
+Issue 31 asks for a host call in 0.3 ms and a router hop nearly free. Every
+host call crosses the sandbox's socket twice and the pool's process boundary
+(the worker is root, the client is not: they are two processes) twice; a routed
+one also crosses two gRPC streams each way. Measured bare, in the same run as
+the figures they bound, these say how far a figure is from what the machine
+allows, and whether an ask is below that at all:
+
+* ``sandbox_ping_us``: the executor's liveness ping, one frame each way over a
+  restored sandbox's socket (:meth:`Sandbox.alive`): gVisor's wake-ups and the
+  executor's smallest answer;
+* ``process_round_trip_us``: one byte to a child Python and back over two pipes;
+* ``grpc_stream_round_trip_ms``: one message and its answer on an open
+  bidirectional stream (the server's reflection service: no work in the
+  handler), from a synchronous client fed by a queue, as readie's clients are.
+
+Each is timed back to back after a few unmeasured rounds, as the host calls
+they bound are (a task's calls follow one another); none settles in between.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from readie_worker.sandbox import Sandbox
+
+# Rounds run before the measured ones: the first wake the threads and fill the caches.
+UNMEASURED = 20
+# The stream's round trips each have this long; a floor that stalls is a broken run.
+ROUND_TRIP_TIMEOUT_S = 10.0
+# One byte in, the same byte out, until the pipe ends.
+_ECHO = "import os\nwhile os.write(1, os.read(0, 1)): pass\n"
+
+
+def timed(round_trip: Callable[[], object], samples: int, unit_ns: int) -> list[float]:
+    """``samples`` timings of ``round_trip``, in units of ``unit_ns``, after :data:`UNMEASURED` ones."""
+    times = []
+    for index in range(UNMEASURED + samples):
+        started = time.perf_counter_ns()
+        round_trip()
+        if index >= UNMEASURED:
+            times.append((time.perf_counter_ns() - started) / unit_ns)
+    return times
+
+
+def sandbox_ping_us(sandbox: Sandbox, samples: int) -> list[float]:
+    def round_trip() -> None:
+        if not sandbox.alive():
+            raise RuntimeError("the sandbox did not answer its ping")
+
+    return timed(round_trip, samples, 1000)
+
+
+def process_round_trip_us(samples: int) -> list[float]:
+    child = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    assert child.stdin is not None and child.stdout is not None
+    to_child, from_child = child.stdin.fileno(), child.stdout.fileno()
+
+    def round_trip() -> None:
+        os.write(to_child, b"x")
+        if os.read(from_child, 1) != b"x":
+            raise RuntimeError("the echo child did not answer")
+
+    try:
+        return timed(round_trip, samples, 1000)
+    finally:
+        child.stdin.close()
+        child.stdout.close()
+        child.wait(timeout=ROUND_TRIP_TIMEOUT_S)
+
+
+def grpc_stream_round_trip_ms(channel: grpc.Channel, samples: int) -> list[float]:
+    """Round trips on one ``ServerReflectionInfo`` stream of the server behind ``channel``."""
+    requests: queue.SimpleQueue[reflection_pb2.ServerReflectionRequest | None] = queue.SimpleQueue()
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers: Iterator[reflection_pb2.ServerReflectionResponse] = stub.ServerReflectionInfo(
+        iter(requests.get, None), timeout=ROUND_TRIP_TIMEOUT_S * (UNMEASURED + samples)
+    )
+
+    def round_trip() -> None:
+        requests.put(ask)
+        if not next(answers).HasField("list_services_response"):
+            raise RuntimeError("the reflection stream answered something else")
+
+    try:
+        return timed(round_trip, samples, 1_000_000)
+    finally:
+        requests.put(None)
+        answers.cancel()  # type: ignore[attr-defined] - a grpc call is also its own future
