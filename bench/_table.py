@@ -124,6 +124,8 @@ def _host_function(entry: dict[str, Any]) -> list[str]:
         parts = ", ".join(f"{part} {us}" for part, us in split["in_sandbox_p50"].items())
         lines.append(f"  in the sandbox, µs p50: {parts}; pool and client alone (no sandbox): "
                      f"p50 {split['pool_and_client'].get('p50')} µs")
+        if "process_round_trip_us" in split:
+            lines.append(f"  floor: one byte to a child process and back, p50 {split['process_round_trip_us'].get('p50')} µs")
     elif split:
         lines.append(f"  breakdown: {split.get('reason')}")
     return lines
@@ -243,6 +245,11 @@ def _router_hop(entry: dict[str, Any]) -> list[str]:
     first = entry["session_first_step_ms"]
     lines.append(f"  {entry['what']} ({entry['checkpoint']}); "
                  f"first step {first.get('local')} / {first.get('routed')} ms")
+    if "grpc_stream_round_trip_ms" in entry:
+        floor = entry["routed_over_local_floor"]
+        lines.append(f"  floor: a gRPC stream round trip p50 {entry['grpc_stream_round_trip_ms'].get('p50')} ms; "
+                     f"routed/local if each hop cost that alone: step {_x(floor['session_step'])}, "
+                     f"call {_x(floor['host_call'])}")
     return lines
 
 
@@ -262,7 +269,8 @@ def _phases(entry: dict[str, Any]) -> list[str]:
     ]
     return [
         *_grid(["arm", "total", "acquire", "runner", "code", "worker"], rows),
-        f"  {entry['checkpoint']}: not warmed up / warmed up {_x(entry.get('not_warmed_over_warmed'))}",
+        f"  {entry['checkpoint']}: not warmed up / warmed up {_x(entry.get('not_warmed_over_warmed'))}; "
+        f"floor: the executor's ping, back to back, p50 {entry.get('sandbox_ping_us', {}).get('p50')} µs",
         *finer,
     ]
 
