@@ -11,12 +11,15 @@ allows, and whether an ask is below that at all:
   restored sandbox's socket (:meth:`Sandbox.alive`): gVisor's wake-ups and the
   executor's smallest answer;
 * ``process_round_trip_us``: one byte to a child Python and back over two pipes;
-* ``grpc_stream_round_trip_ms``: one message and its answer on an open
-  bidirectional stream (the server's reflection service: no work in the
-  handler), from a synchronous client fed by a queue, as readie's clients are.
+* :class:`StreamEcho`: one message and its answer on an open bidirectional
+  stream (the server's reflection service: no work in the handler), from a
+  synchronous client fed by a queue, as readie's clients are.
 
-Each is timed back to back after a few unmeasured rounds, as the host calls
-they bound are (a task's calls follow one another); none settles in between.
+The first two are timed back to back (:func:`timed`) after a few unmeasured
+rounds, as the host calls they bound are (a task's calls follow one
+another). The stream is timed both ways: back to back for the host call's
+floor, and each after the machine settled, as the session steps it bounds
+are (an idle chain of threads wakes slower than a busy one).
 """
 
 from __future__ import annotations
@@ -77,22 +80,26 @@ def process_round_trip_us(samples: int) -> list[float]:
         child.wait(timeout=ROUND_TRIP_TIMEOUT_S)
 
 
-def grpc_stream_round_trip_ms(channel: grpc.Channel, samples: int) -> list[float]:
-    """Round trips on one ``ServerReflectionInfo`` stream of the server behind ``channel``."""
-    requests: queue.SimpleQueue[reflection_pb2.ServerReflectionRequest | None] = queue.SimpleQueue()
-    ask = reflection_pb2.ServerReflectionRequest(list_services="")
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    answers: Iterator[reflection_pb2.ServerReflectionResponse] = stub.ServerReflectionInfo(
-        iter(requests.get, None), timeout=ROUND_TRIP_TIMEOUT_S * (UNMEASURED + samples)
-    )
+class StreamEcho:
+    """One open ``ServerReflectionInfo`` stream to the server behind a channel: each
+    :meth:`round_trip` sends a message and waits for its answer. A context manager."""
 
-    def round_trip() -> None:
-        requests.put(ask)
-        if not next(answers).HasField("list_services_response"):
+    def __init__(self, channel: grpc.Channel, lifetime_s: float) -> None:
+        self._requests: queue.SimpleQueue[reflection_pb2.ServerReflectionRequest | None] = queue.SimpleQueue()
+        self._ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        self._answers: Iterator[reflection_pb2.ServerReflectionResponse] = stub.ServerReflectionInfo(
+            iter(self._requests.get, None), timeout=lifetime_s
+        )
+
+    def round_trip(self) -> None:
+        self._requests.put(self._ask)
+        if not next(self._answers).HasField("list_services_response"):
             raise RuntimeError("the reflection stream answered something else")
 
-    try:
-        return timed(round_trip, samples, 1_000_000)
-    finally:
-        requests.put(None)
-        answers.cancel()  # type: ignore[attr-defined] - a grpc call is also its own future
+    def __enter__(self) -> StreamEcho:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._requests.put(None)
+        self._answers.cancel()  # type: ignore[attr-defined] - a grpc call is also its own future

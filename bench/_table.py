@@ -247,9 +247,10 @@ def _router_hop(entry: dict[str, Any]) -> list[str]:
                  f"first step {first.get('local')} / {first.get('routed')} ms")
     if "grpc_stream_round_trip_ms" in entry:
         floor = entry["routed_over_local_floor"]
-        lines.append(f"  floor: a gRPC stream round trip p50 {entry['grpc_stream_round_trip_ms'].get('p50')} ms; "
-                     f"routed/local if each hop cost that alone: step {_x(floor['session_step'])}, "
-                     f"call {_x(floor['host_call'])}")
+        stream = entry["grpc_stream_round_trip_ms"]
+        lines.append(f"  floor: a gRPC stream round trip p50 {stream['settled'].get('p50')} ms settled, "
+                     f"{stream['hot'].get('p50')} back to back; routed/local if each hop cost that alone: "
+                     f"step {_x(floor['session_step'])}, call {_x(floor['host_call'])}")
     return lines
 
 

@@ -159,7 +159,7 @@ def key_figures(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _hot_path_figures(figures: dict[str, Any], pick: Callable[[str], Any]) -> None:
     """Issue 31's host-call and router asks beside their floors (``bench._floors``), one run."""
-    base = pick("host_function/checkpoint")
+    base = pick("host_function/checkpoint") or pick("router_hop/checkpoint")  # the same: the smallest
     hop = "router_hop"
     figures[f"{base}: host call p50 ms, local"] = pick("host_function/round_trip_ms/p50")
     figures[f"{base}: host call p50 ms, through a router"] = pick(f"{hop}/host_round_trip_ms/routed/p50")
@@ -169,7 +169,8 @@ def _hot_path_figures(figures: dict[str, Any], pick: Callable[[str], Any]) -> No
     process_us = pick("host_function/breakdown_us/process_round_trip_us/p50")
     if ping_us is not None and process_us is not None:
         figures["floor: sandbox ping + process round trip p50 ms (a host call's least)"] = round((ping_us + process_us) / 1000, 3)
-    figures["floor: gRPC stream round trip p50 ms"] = pick(f"{hop}/grpc_stream_round_trip_ms/p50")
+    figures["floor: gRPC stream round trip p50 ms, settled"] = pick(f"{hop}/grpc_stream_round_trip_ms/settled/p50")
+    figures["floor: gRPC stream round trip p50 ms, back to back"] = pick(f"{hop}/grpc_stream_round_trip_ms/hot/p50")
     figures["floor: session step through a router / local, p50"] = pick(f"{hop}/routed_over_local_floor/session_step")
     figures["floor: host call through a router / local, p50"] = pick(f"{hop}/routed_over_local_floor/host_call")
 
