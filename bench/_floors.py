@@ -37,8 +37,8 @@ from readie_worker.sandbox import Sandbox
 
 # Rounds run before the measured ones: the first wake the threads and fill the caches.
 UNMEASURED = 20
-# The stream's round trips each have this long; a floor that stalls is a broken run.
-ROUND_TRIP_TIMEOUT_S = 10.0
+# The echo child ends with its pipe; one that outlives it by this long is a broken run.
+ECHO_EXIT_TIMEOUT_S = 10.0
 # One byte in, the same byte out, until the pipe ends.
 _ECHO = "import os\nwhile os.write(1, os.read(0, 1)): pass\n"
 
@@ -77,7 +77,7 @@ def process_round_trip_us(samples: int) -> list[float]:
     finally:
         child.stdin.close()
         child.stdout.close()
-        child.wait(timeout=ROUND_TRIP_TIMEOUT_S)
+        child.wait(timeout=ECHO_EXIT_TIMEOUT_S)
 
 
 class StreamEcho:

@@ -25,7 +25,8 @@ its totals include the dozen clock reads that costs, which every other job is
 spared (in a sandbox's first second after restore each is a system call).
 
 ``readie pool`` adds its JSONL hop on top; scenario 4 has that total beside a
-session step.
+session step. Last, the executor's ping on a warm sandbox, back to back: the
+sandbox's share of a host call's floor (``bench._floors``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ left). Each round, the arms take turns (the first one alternates, each
 settled) at one session step (``x += 1; print(x)``, output checked) and one
 host-function task (``host_calls`` calls timed inside the sandbox). The
 machine is noisy, so the figures are routed/local ratios of p50 and p95 and
-the median of per-round ratios, never absolute thresholds.
+the median of per-round ratios, never absolute thresholds. Beside them, the
+floor those ratios are held against (``bench._floors``): a bare round trip on
+an open stream to the router, settled as a step is (a turn each round) and
+back to back as a task's calls are.
 """
 
 from __future__ import annotations
