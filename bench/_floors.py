@@ -7,9 +7,9 @@ one also crosses two gRPC streams each way. Measured bare, in the same run as
 the figures they bound, these say how far a figure is from what the machine
 allows, and whether an ask is below that at all:
 
-* ``sandbox_ping_us``: the executor's liveness ping, one frame each way over a
-  restored sandbox's socket (:meth:`Sandbox.alive`): gVisor's wake-ups and the
-  executor's smallest answer;
+* ``sandbox_echo_us``: one byte into a restored sandbox and back over a Unix
+  socket it bound in its ``/readie/run`` (as the executor binds its own), echoed
+  by a thread that does nothing else: gVisor's wake-ups and system calls alone;
 * ``process_round_trip_us``: one byte to a child Python and back over two pipes;
 * :class:`StreamEcho`: one message and its answer on an open bidirectional
   stream (the server's reflection service: no work in the handler), from a
@@ -25,15 +25,22 @@ are (an idle chain of threads wakes slower than a busy one).
 from __future__ import annotations
 
 import os
+import pickle
 import queue
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from readie_worker.bundle import EXECUTOR_DIR
+from readie_worker.errors import ReadieError
 from readie_worker.sandbox import Sandbox
+
+from ._stats import summary
 
 # Rounds run before the measured ones: the first wake the threads and fill the caches.
 UNMEASURED = 20
@@ -41,6 +48,37 @@ UNMEASURED = 20
 ECHO_EXIT_TIMEOUT_S = 10.0
 # One byte in, the same byte out, until the pipe ends.
 _ECHO = "import os\nwhile os.write(1, os.read(0, 1)): pass\n"
+# The same inside a sandbox, on a thread of the executor's, for one connection.
+_ECHO_IN_SANDBOX = """
+import socket, threading
+def serve(listener):
+    connection, _ = listener.accept()
+    listener.close()
+    with connection:
+        while data := connection.recv(1):
+            connection.sendall(data)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(PATH)
+listener.listen(1)
+threading.Thread(target=serve, args=(listener,), daemon=True).start()
+"""
+# In the sandbox's /readie/run, the executor's socket's dir; no longer a name than its socket's,
+# so the path fits wherever the executor's does.
+_ECHO_PATH = EXECUTOR_DIR / "echo.sock"
+# Starting the echo and each of its round trips; longer is a broken run.
+ECHO_START_TIMEOUT_S = 10.0
+
+
+# What a floor that could not be measured raises: the scenario reports it and keeps its figures.
+FLOOR_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError, grpc.RpcError, ReadieError)
+
+
+def measured(take: Callable[[], list[float]], digits: int) -> dict[str, Any]:
+    """``summary`` of what ``take`` times, or ``{"n": 0, "error": ...}`` when it could not."""
+    try:
+        return summary(take(), digits=digits)
+    except FLOOR_ERRORS as exc:
+        return {"n": 0, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def timed(round_trip: Callable[[], object], samples: int, unit_ns: int) -> list[float]:
@@ -54,12 +92,26 @@ def timed(round_trip: Callable[[], object], samples: int, unit_ns: int) -> list[
     return times
 
 
-def sandbox_ping_us(sandbox: Sandbox, samples: int) -> list[float]:
-    def round_trip() -> None:
-        if not sandbox.alive():
-            raise RuntimeError("the sandbox did not answer its ping")
+def sandbox_echo_us(sandbox: Sandbox, samples: int) -> list[float]:
+    """Round trips of a byte into ``sandbox`` and back; it is left serving the echo (destroy it after).
 
-    return timed(round_trip, samples, 1000)
+    The echo is started through the executor (``exec`` of :data:`_ECHO_IN_SANDBOX`: a builtin,
+    so nothing is imported there); its answer, a pickle from the sandbox, is not opened: the
+    socket appearing is the answer. The sandbox is the bench's own, just restored, running only
+    this code, so its directory is trusted here as the worker never trusts a job's.
+    """
+    sandbox.call(pickle.dumps({"func": exec, "args": (_ECHO_IN_SANDBOX, {"PATH": str(_ECHO_PATH)}), "kwargs": {}}),
+                 timeout=ECHO_START_TIMEOUT_S)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(ECHO_START_TIMEOUT_S)
+        connection.connect(str(sandbox.dir.executor_dir / _ECHO_PATH.name))
+
+        def round_trip() -> None:
+            connection.sendall(b"x")
+            if connection.recv(1) != b"x":
+                raise RuntimeError("the sandbox's echo did not answer")
+
+        return timed(round_trip, samples, 1000)
 
 
 def process_round_trip_us(samples: int) -> list[float]:
@@ -77,7 +129,11 @@ def process_round_trip_us(samples: int) -> list[float]:
     finally:
         child.stdin.close()
         child.stdout.close()
-        child.wait(timeout=ECHO_EXIT_TIMEOUT_S)
+        try:
+            child.wait(timeout=ECHO_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 class StreamEcho:
@@ -92,10 +148,24 @@ class StreamEcho:
             iter(self._requests.get, None), timeout=lifetime_s
         )
 
+        self.error: str | None = None  # why a round trip failed; none is tried after
+
     def round_trip(self) -> None:
         self._requests.put(self._ask)
         if not next(self._answers).HasField("list_services_response"):
             raise RuntimeError("the reflection stream answered something else")
+
+    def once_ms(self) -> float | None:
+        """One round trip, in ms; None once one has failed (``error`` says why)."""
+        if self.error is not None:
+            return None
+        started = time.perf_counter_ns()
+        try:
+            self.round_trip()
+        except FLOOR_ERRORS as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            return None
+        return (time.perf_counter_ns() - started) / 1e6
 
     def __enter__(self) -> StreamEcho:
         return self
@@ -103,3 +173,4 @@ class StreamEcho:
     def __exit__(self, *_: object) -> None:
         self._requests.put(None)
         self._answers.cancel()  # type: ignore[attr-defined] - a grpc call is also its own future
+

@@ -125,7 +125,8 @@ def _host_function(entry: dict[str, Any]) -> list[str]:
         lines.append(f"  in the sandbox, µs p50: {parts}; pool and client alone (no sandbox): "
                      f"p50 {split['pool_and_client'].get('p50')} µs")
         if "process_round_trip_us" in split:
-            lines.append(f"  floor: one byte to a child process and back, p50 {split['process_round_trip_us'].get('p50')} µs")
+            lines.append(f"  floors, p50 µs: a byte into a sandbox and back {split['sandbox_echo_us'].get('p50')}, "
+                         f"to a child process and back {split['process_round_trip_us'].get('p50')}")
     elif split:
         lines.append(f"  breakdown: {split.get('reason')}")
     return lines
@@ -245,12 +246,12 @@ def _router_hop(entry: dict[str, Any]) -> list[str]:
     first = entry["session_first_step_ms"]
     lines.append(f"  {entry['what']} ({entry['checkpoint']}); "
                  f"first step {first.get('local')} / {first.get('routed')} ms")
-    if "grpc_stream_round_trip_ms" in entry:
+    if "routed_over_local_floor" in entry:
         floor = entry["routed_over_local_floor"]
         stream = entry["grpc_stream_round_trip_ms"]
-        lines.append(f"  floor: a gRPC stream round trip p50 {stream['settled'].get('p50')} ms settled, "
-                     f"{stream['hot'].get('p50')} back to back; routed/local if each hop cost that alone: "
-                     f"step {_x(floor['session_step'])}, call {_x(floor['host_call'])}")
+        lines.append(f"  floor: a gRPC stream round trip p50 {stream.get('settled', {}).get('p50')} ms settled, "
+                     f"{stream.get('hot', {}).get('p50')} back to back; routed/local if each hop cost that alone: "
+                     f"step {_x(floor.get('session_step'))}, call {_x(floor.get('host_call'))}")
     return lines
 
 
@@ -270,8 +271,7 @@ def _phases(entry: dict[str, Any]) -> list[str]:
     ]
     return [
         *_grid(["arm", "total", "acquire", "runner", "code", "worker"], rows),
-        f"  {entry['checkpoint']}: not warmed up / warmed up {_x(entry.get('not_warmed_over_warmed'))}; "
-        f"floor: the executor's ping, back to back, p50 {entry.get('sandbox_ping_us', {}).get('p50')} µs",
+        f"  {entry['checkpoint']}: not warmed up / warmed up {_x(entry.get('not_warmed_over_warmed'))}",
         *finer,
     ]
 

@@ -20,7 +20,7 @@ from readie_protocol.requests import Request, parse_request
 from readie_protocol.wire import RequestId
 
 from .._bench import Bench
-from .._floors import process_round_trip_us
+from .._floors import measured, process_round_trip_us, sandbox_echo_us
 from .._jobs import PRINT
 from .._pool_client import PoolClient, PoolError
 from .._stats import ratio, summary
@@ -172,11 +172,11 @@ def _host_function(bench: Bench) -> dict[str, Any]:
         "what": "one host-function call and its JSON reply, timed inside the sandbox",
         "checkpoint": name,
         "round_trip_ms": summary(times, digits=3),
-        "breakdown_us": _host_breakdown(bench, pool),
+        "breakdown_us": _host_breakdown(bench, pool, name),
     }
 
 
-def _host_breakdown(bench: Bench, pool: PoolClient) -> dict[str, Any]:
+def _host_breakdown(bench: Bench, pool: PoolClient, name: str) -> dict[str, Any]:
     """Where a round trip goes: the sandbox's own parts (p50 of each, timed in another task), and
     the pool and client's share, measured by a pool without sandboxes (``bench._host_pool``);
     what is left is the sandbox's socket, gVisor and the worker's frame checks."""
@@ -201,16 +201,30 @@ def _host_breakdown(bench: Bench, pool: PoolClient) -> dict[str, Any]:
         return {"available": False, "reason": f"the pool without sandboxes failed: {exc}"}
     finally:
         fake.close()
+    samples = bench.settings.floor_samples
+    bench.settle()
+    process_us = measured(lambda: process_round_trip_us(samples), digits=1)
     bench.settle()
     return {
         "in_sandbox_p50": in_sandbox,
         "pool_and_client": pool_and_client,
-        "process_round_trip_us": summary(process_round_trip_us(bench.settings.floor_samples), digits=1),
+        "sandbox_echo_us": measured(lambda: _sandbox_echo(bench, name, samples), digits=1),
+        "process_round_trip_us": process_us,
         "what": "in_sandbox_p50: the honest client's steps inside the sandbox (wait_for_reply holds "
         "everything outside it); pool_and_client: a round trip from the worker's host callback to "
-        "this client and back, in readie pool without sandboxes; process_round_trip_us: one byte to "
-        "a child process and back over pipes, the floor of pool_and_client (bench._floors)",
+        "this client and back, in readie pool without sandboxes; the floors (bench._floors): "
+        "sandbox_echo_us, one byte into a sandbox of the same checkpoint and back, echoed by a "
+        "thread doing nothing else; process_round_trip_us, one byte to a child process and back",
     }
+
+
+def _sandbox_echo(bench: Bench, name: str, samples: int) -> list[float]:
+    """The sandbox's echo on a fresh restore of ``name``, destroyed after."""
+    sandbox = bench.restore_factory(name).create()
+    try:
+        return sandbox_echo_us(sandbox, samples)
+    finally:
+        sandbox.destroy()
 
 
 def _echo(event: dict[str, Any]) -> dict[str, Any]:

@@ -25,8 +25,7 @@ its totals include the dozen clock reads that costs, which every other job is
 spared (in a sandbox's first second after restore each is a system call).
 
 ``readie pool`` adds its JSONL hop on top; scenario 4 has that total beside a
-session step. Last, the executor's ping on a warm sandbox, back to back: the
-sandbox's share of a host call's floor (``bench._floors``).
+session step.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from readie_worker.jobs import CodeJob
 from readie_worker.sessions import SandboxSession
 
 from .._bench import WARM_FILL_TIMEOUT_S, Bench
-from .._floors import sandbox_ping_us
 from .._jobs import PRINT, check
 from .._stats import ratio, summary
 
@@ -72,7 +70,6 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
                     errors.append(f"{arm}: {sample}")
                 else:
                     samples[arm].append(sample)
-        ping_us = _ping_floor(bench, workers["warmed"], name)
     finally:
         if session is not None:
             session.close()
@@ -87,22 +84,9 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
             "checkpoint": name,
             "arms": arms,
             "not_warmed_over_warmed": ratio(arms["not_warmed"]["total_ms"], arms["warmed"]["total_ms"]),
-            "sandbox_ping_us": summary(ping_us, digits=1),
             "errors": errors[:3],
         }
     }
-
-
-def _ping_floor(bench: Bench, worker: Worker, name: str) -> list[float]:
-    """The executor's ping on a warm sandbox, back to back: the sandbox's share of a host call's
-    floor (``bench._floors``)."""
-    worker.warm[name].wait_until_full(WARM_FILL_TIMEOUT_S)
-    bench.settle()
-    sandbox = worker.warm[name].take()
-    try:
-        return sandbox_ping_us(sandbox, bench.settings.floor_samples)
-    finally:
-        sandbox.destroy()
 
 
 def _one_job(worker: Worker, name: str) -> dict[str, float] | str:

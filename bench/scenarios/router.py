@@ -21,13 +21,12 @@ back to back as a task's calls are.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 from readie_rpc.testing import start_cluster
 
 from .._bench import Bench
-from .._floors import UNMEASURED, StreamEcho, timed
+from .._floors import UNMEASURED, StreamEcho, measured, timed
 from .._pool_client import PoolClient
 from .._stats import paired_ratio, ratio, summary
 from .later import Refused, host_call_times, pool_request
@@ -60,8 +59,8 @@ def run(bench: Bench, done: dict[str, Any]) -> dict[str, Any]:
             with StreamEcho(cluster.channel, STREAM_LIFETIME_S) as echo:
                 entry = _measure(bench, {"local": local, "routed": routed}, echo)
                 bench.settle()
-                hot = timed(echo.round_trip, bench.settings.floor_samples, 1_000_000)
-            entry["grpc_stream_round_trip_ms"]["hot"] = summary(hot, digits=3)
+                hot = measured(lambda: timed(echo.round_trip, bench.settings.floor_samples, 1_000_000), digits=3)
+            entry["grpc_stream_round_trip_ms"]["hot"] = hot
             entry["routed_over_local_floor"] = _floor(entry)
         finally:
             routed.close()
@@ -83,7 +82,7 @@ def _measure(bench: Bench, pools: dict[str, PoolClient], echo: StreamEcho) -> di
     step_pairs, call_pairs, problems = [], [], []
     settled_stream_ms = []  # the floor of a step's hops: a stream round trip, settled as each step is
     for _ in range(UNMEASURED):
-        echo.round_trip()
+        echo.once_ms()
     first_ms = {}
     try:
         for arm in ARMS:
@@ -104,9 +103,8 @@ def _measure(bench: Bench, pools: dict[str, PoolClient], echo: StreamEcho) -> di
                 else:
                     problems.append(f"{arm}: {result.get('error') or result.get('stdout')!r}")
             bench.settle()
-            started = time.perf_counter_ns()
-            echo.round_trip()
-            settled_stream_ms.append((time.perf_counter_ns() - started) / 1e6)
+            if (stream_ms := echo.once_ms()) is not None:
+                settled_stream_ms.append(stream_ms)
             for arm in order:
                 bench.settle()
                 times = host_call_times(pools[arm], bench.settings.host_calls)
@@ -125,7 +123,8 @@ def _measure(bench: Bench, pools: dict[str, PoolClient], echo: StreamEcho) -> di
         "session_first_step_ms": first_ms,
         "session_step_ms": _arms(steps, step_pairs, digits=1),
         "host_round_trip_ms": _arms(calls, call_pairs, digits=3),
-        "grpc_stream_round_trip_ms": {"settled": summary(settled_stream_ms, digits=3)},
+        "grpc_stream_round_trip_ms": {"settled": {**summary(settled_stream_ms, digits=3),
+                                                  **({"error": echo.error} if echo.error else {})}},
         "errors": problems[:3],
     }
 
