@@ -92,8 +92,9 @@ def timed(round_trip: Callable[[], object], samples: int, unit_ns: int) -> list[
     return times
 
 
-def sandbox_echo_us(sandbox: Sandbox, samples: int) -> list[float]:
-    """Round trips of a byte into ``sandbox`` and back; it is left serving the echo (destroy it after).
+def sandbox_echo_us(sandbox: Sandbox, samples: int, before: Callable[[], object] = lambda: None) -> list[float]:
+    """Round trips of a byte into ``sandbox`` and back, timed once ``before()`` returns (a settle:
+    the restore's own work done); the sandbox is left serving the echo (destroy it after).
 
     The echo is started through the executor (``exec`` of :data:`_ECHO_IN_SANDBOX`: a builtin,
     so nothing is imported there); its answer, a pickle from the sandbox, is not opened: the
@@ -105,6 +106,7 @@ def sandbox_echo_us(sandbox: Sandbox, samples: int) -> list[float]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.settimeout(ECHO_START_TIMEOUT_S)
         connection.connect(str(sandbox.dir.executor_dir / _ECHO_PATH.name))
+        before()
 
         def round_trip() -> None:
             connection.sendall(b"x")
@@ -152,8 +154,9 @@ class StreamEcho:
 
     def round_trip(self) -> None:
         self._requests.put(self._ask)
-        if not next(self._answers).HasField("list_services_response"):
-            raise RuntimeError("the reflection stream answered something else")
+        answer = next(self._answers, None)
+        if answer is None or not answer.HasField("list_services_response"):
+            raise RuntimeError("the reflection stream ended or answered something else")
 
     def once_ms(self) -> float | None:
         """One round trip, in ms; None once one has failed (``error`` says why)."""

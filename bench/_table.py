@@ -124,9 +124,9 @@ def _host_function(entry: dict[str, Any]) -> list[str]:
         parts = ", ".join(f"{part} {us}" for part, us in split["in_sandbox_p50"].items())
         lines.append(f"  in the sandbox, µs p50: {parts}; pool and client alone (no sandbox): "
                      f"p50 {split['pool_and_client'].get('p50')} µs")
-        if "process_round_trip_us" in split:
-            lines.append(f"  floors, p50 µs: a byte into a sandbox and back {split['sandbox_echo_us'].get('p50')}, "
-                         f"to a child process and back {split['process_round_trip_us'].get('p50')}")
+        if "sandbox_echo_us" in split:
+            lines.append(f"  floors, p50 µs: a byte into a sandbox and back {_floor(split['sandbox_echo_us'])}, "
+                         f"to a child process and back {_floor(split['process_round_trip_us'])}")
     elif split:
         lines.append(f"  breakdown: {split.get('reason')}")
     return lines
@@ -249,10 +249,15 @@ def _router_hop(entry: dict[str, Any]) -> list[str]:
     if "routed_over_local_floor" in entry:
         floor = entry["routed_over_local_floor"]
         stream = entry["grpc_stream_round_trip_ms"]
-        lines.append(f"  floor: a gRPC stream round trip p50 {stream.get('settled', {}).get('p50')} ms settled, "
-                     f"{stream.get('hot', {}).get('p50')} back to back; routed/local if each hop cost that alone: "
+        lines.append(f"  floor: a gRPC stream round trip p50 {_floor(stream.get('settled', {}))} ms settled, "
+                     f"{_floor(stream.get('hot', {}))} back to back; routed/local if each hop cost that alone: "
                      f"step {_x(floor.get('session_step'))}, call {_x(floor.get('host_call'))}")
     return lines
+
+
+def _floor(figure: dict[str, Any]) -> Any:
+    """A floor's p50, or why it has none."""
+    return figure.get("p50", f"none ({figure.get('error', 'not measured')})")
 
 
 def _phases(entry: dict[str, Any]) -> list[str]:

@@ -163,12 +163,13 @@ def _hot_path_figures(figures: dict[str, Any], pick: Callable[[str], Any]) -> No
     hop = "router_hop"
     figures[f"{base}: host call p50 ms, local"] = pick("host_function/round_trip_ms/p50")
     figures[f"{base}: host call p50 ms, through a router"] = pick(f"{hop}/host_round_trip_ms/routed/p50")
+    # The ratios are scenario 8's, whose local arm takes turns with the routed one.
     figures[f"{base}: session step through a router / local, p50"] = pick(f"{hop}/session_step_ms/routed_over_local/p50")
     figures[f"{base}: host call through a router / local, p50"] = pick(f"{hop}/host_round_trip_ms/routed_over_local/p50")
     echo_us = pick("host_function/breakdown_us/sandbox_echo_us/p50")
     process_us = pick("host_function/breakdown_us/process_round_trip_us/p50")
     if echo_us is not None and process_us is not None:
-        figures["floor: sandbox echo + process round trip p50 ms (a host call's least)"] = round((echo_us + process_us) / 1000, 3)
+        figures["floor: sandbox echo + process round trip p50 ms (a host call's least, back to back)"] = round((echo_us + process_us) / 1000, 3)
     figures["floor: gRPC stream round trip p50 ms, settled"] = pick(f"{hop}/grpc_stream_round_trip_ms/settled/p50")
     figures["floor: gRPC stream round trip p50 ms, back to back"] = pick(f"{hop}/grpc_stream_round_trip_ms/hot/p50")
     figures["floor: session step through a router / local, p50"] = pick(f"{hop}/routed_over_local_floor/session_step")

@@ -204,7 +204,6 @@ def _host_breakdown(bench: Bench, pool: PoolClient, name: str) -> dict[str, Any]
     samples = bench.settings.floor_samples
     bench.settle()
     process_us = measured(lambda: process_round_trip_us(samples), digits=1)
-    bench.settle()
     return {
         "in_sandbox_p50": in_sandbox,
         "pool_and_client": pool_and_client,
@@ -222,7 +221,7 @@ def _sandbox_echo(bench: Bench, name: str, samples: int) -> list[float]:
     """The sandbox's echo on a fresh restore of ``name``, destroyed after."""
     sandbox = bench.restore_factory(name).create()
     try:
-        return sandbox_echo_us(sandbox, samples)
+        return sandbox_echo_us(sandbox, samples, before=bench.settle)
     finally:
         sandbox.destroy()
 
