@@ -161,13 +161,18 @@ class LeaseKeeper:
         """Touch every held lease once, and tell the holders whose lease was taken."""
         with self._lock:
             held = dict(self._held)
-        for entry, (token, on_lost) in held.items():
-            if not self._touch(entry, token):
-                with self._lock:
-                    if self._held.get(entry, (None,))[0] == token:
-                        del self._held[entry]
-                log.warning("a session's lease was taken by another holder; this copy ends", entry=entry[:16])
-                on_lost()
+        for entry, holding in held.items():
+            token, on_lost = holding
+            if self._touch(entry, token):
+                continue
+            with self._lock:
+                if self._held.get(entry) is not holding:
+                    # Let go (or held anew) since the copy above: its lease is gone because this
+                    # worker gave it up, not because another holder took it.
+                    continue
+                del self._held[entry]
+            log.warning("a session's lease was taken by another holder; this copy ends", entry=entry[:16])
+            on_lost()
 
     def _touch(self, entry: str, token: str) -> bool:
         try:
