@@ -490,19 +490,3 @@ def test_a_lease_of_any_other_text_is_shown_as_unreadable_and_the_listing_escape
     assert (info.state, info.worker) == ("leased", "?")
     assert escaped("w\x1b[2J\u202e") == "w\\x1b[2J\\u202e"
 
-
-def test_a_lease_let_go_while_the_beat_runs_is_not_reported_taken(store, tmp_path, monkeypatch):
-    """A drain lets go of a session's lease between the beat's copy of its leases and its touch
-    of that one: the copy was given up, not taken, and its holder is not told it was."""
-    key = stored(store, tmp_path)
-    lost = threading.Event()
-    store.hold(key, lost.set, new=False)
-    touch = store.leases._touch
-
-    def let_go_first(entry: str, token: str) -> bool:
-        assert store.let_go(key)
-        return touch(entry, token)
-
-    monkeypatch.setattr(store.leases, "_touch", let_go_first)
-    store.leases.beat_now()
-    assert not lost.is_set() and not store.holds(key)
