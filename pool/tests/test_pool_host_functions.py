@@ -214,6 +214,31 @@ def test_forged_frames_never_reach_the_client(pool):
     assert lines[4] == "honest: found"
 
 
+# Honest call frames, written by hand: all of them before any reply is read, so the worker's
+# replies pile up in the socket until it is full (the pool sends a reply from its event loop
+# when the socket takes it at once, and leaves the rest to the job's thread otherwise).
+UNREAD_REPLIES = FORGER + r'''
+calls = 100
+for call_id in range(1, calls + 1):
+    send(sock, b'{"call":{"call_id":%d,"function":"echo","args":[%d],"kwargs":{}}}' % (call_id, call_id))
+for call_id in range(1, calls + 1):
+    reply = json.loads(receive(sock))["reply"]
+    assert reply == {"call_id": call_id, "result": "%06d" % call_id * 10_000}, str(reply)[:80]
+print("all whole, in order")
+'''
+
+
+def test_replies_the_sandbox_leaves_unread_fill_its_socket_and_still_arrive_whole(pool):
+    p = pool.process
+    p.send({"id": "unread", "functions": ["echo"], "code": UNREAD_REPLIES, "timeout": "60s"})
+    for _ in range(100):
+        call = pool.call(60)
+        (number,) = call["args"]
+        pool.reply(call["call_id"], result="%06d" % number * 10_000)  # 60 kB each, 6 MB in all: more than the socket holds
+    result = p.read(60)
+    assert (result["id"], result["exit"], result["stdout"]) == ("unread", 0, "all whole, in order\n"), result
+
+
 def test_a_flood_of_junk_ends_the_job_and_the_pool_keeps_serving(pool):
     p = pool.process
     before = p.run({"id": "st1", "stats": True})["host"]["refused_frames"]

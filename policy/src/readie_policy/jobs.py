@@ -329,6 +329,11 @@ class HostCall:
     # args and kwargs as the JSON they arrived in, already parsed and checked: a
     # hop that only relays the call (a router) sends these bytes on, unencoded.
     encoded: tuple[bytes, bytes] | None = field(default=None, compare=False, repr=False)
+    # Not from the frame either: set by the worker, for a host that receives the reply on a thread
+    # other than the one it was called on. Called there with the reply, it sends it into the
+    # sandbox at once if it can, so the call's thread need not wake first; True once it went.
+    # The host returns the reply all the same.
+    reply_now: Callable[[HostReply], bool] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,10 +111,20 @@ class HostCalls:
             return None
 
     def deliver(self, reply: ReplyRequest) -> bool:
-        """Hand ``reply`` to the call it names; False when no call waits for it."""
+        """Hand ``reply`` to the call it names; False when no call waits for it.
+
+        Where the worker lets it (``HostCall.reply_now``), the reply goes into the sandbox from
+        here, the event loop, before the job's thread is woken: under the GIL that thread runs
+        only once the loop is idle again, and the sandbox need not wait for it.
+        """
         with self._lock:
             waiting = self._waiting.pop(reply.call_id, None)
-        return waiting is not None and settle(waiting, HostReply(result=reply.result, error=reply.error))
+        if waiting is None:
+            return False
+        answer = HostReply(result=reply.result, error=reply.error)
+        reply_now = waiting.call.reply_now
+        sent = reply_now is not None and reply_now(answer)
+        return settle(waiting, answer) or sent
 
     def forget(self, waiting: WaitingCall) -> None:
         """``waiting``'s thread stopped waiting (its deadline): a reply to it is now a late one."""

@@ -29,10 +29,8 @@ from ._host_frames import (
     HostConversation,
     HostReply,
     HostStats,
-    RefusedFrame,
     TooManyRefusedFrames,
     check_functions,
-    is_call_frame,
 )
 
 from ._output_frames import (
@@ -40,14 +38,13 @@ from ._output_frames import (
     SMALL_FRAME_BURST,
     SMALL_FRAMES_PER_S,
     OutputChunk,
-    OutputRefused,
     OutputRelay,
     OutputSink,
-    is_output_frame,
     max_output_events,
 )
 
 from ._grant_fs import ListedGrants
+from ._host_answer import HostAnswer
 from ._workspace import collect, spec_files
 from ._job_result import SandboxAnswer, JobResultInvalid, max_result_bytes, parse_job_result
 from readie_protocol.cancel import NEVER, Cancellation
@@ -55,7 +52,7 @@ from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_policy.jobs import CodeJob, HostFunction, JobOutcome, Step, ask_host
 from readie_protocol.events import ErrorInfo
 from readie_protocol.workspace import Collected
-from .sandbox import NO_REPLY, ExecutorTimeout, Sandbox
+from .sandbox import ExecutorTimeout, Sandbox
 from .written import written_since
 
 __all__ = [
@@ -199,7 +196,7 @@ def _run(
     conversation = HostConversation(job.functions)
     relay = None if output is None else OutputRelay(output, job.max_output)
     started = time.monotonic()
-    answer = _HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000, relay)
+    answer = HostAnswer(conversation, host or _no_host, started + job.timeout_ms / 1000, relay, sandbox.send_now)
     # Call frames may be larger than a small job's whole result.
     limit = max(max_result_bytes(job.max_output), MAX_CALL_FRAME_BYTES)
     try:
@@ -265,48 +262,6 @@ def _broken_exchange(exc: PoolWorkerError, sandbox: Sandbox, job: CodeJob, backe
 def _no_host(call: HostCall) -> HostReply:
     # Unreachable: without a host no function is declared, so every call is refused first.
     return HostReply(error=f"{call.function}: no host answers calls for this job")
-
-
-class _HostAnswer:
-    """Sandbox.exchange's ``answer``: call frames to the host, output frames to the relay,
-    anything else is the job's result."""
-
-    def __init__(
-        self, conversation: HostConversation, host: HostFunction, deadline: float, relay: OutputRelay | None
-    ) -> None:
-        self._conversation = conversation
-        self._host = host
-        self._deadline = deadline
-        self._relay = relay
-
-    def __call__(self, message: bytes) -> bytes | None:
-        if is_output_frame(message):
-            self._output(message)
-            return NO_REPLY
-        if not is_call_frame(message):
-            return None
-        event = self._conversation.receive(message)  # TooManyRefusedFrames ends the job
-        if isinstance(event, RefusedFrame):
-            return event.reply
-        call = dataclasses.replace(event, deadline=self._deadline)
-        started = time.monotonic_ns()
-        reply = ask_host(self._host, call)
-        answered = self._conversation.answer(call, reply, time.monotonic_ns() - started)
-        if time.monotonic() >= self._deadline:
-            # The task is over: its code is being stopped inside the sandbox, and
-            # its answer (a TimeoutError) is what comes next. The call is dropped.
-            return NO_REPLY
-        return answered
-
-
-    def _output(self, message: bytes) -> None:
-        if self._relay is None:  # the job did not ask to stream: a frame written by hand
-            self._conversation.count_refused("junk", "output frame from a job that does not stream")
-            return
-        try:
-            self._relay.receive(message)
-        except OutputRefused as exc:  # TooManyRefusedFrames from here ends the job
-            self._conversation.count_refused("junk", f"output frame refused: {exc}")
 
 
 def _from_result(result: SandboxAnswer, duration_us: int, backend: str, sandbox_id: str) -> JobOutcome:

@@ -86,6 +86,14 @@ _WARM_UP_REQUEST = cloudpickle.dumps(
 NO_REPLY = b""
 
 
+@dataclass(frozen=True, slots=True)
+class UnsentRest:
+    """What ``exchange``'s ``answer`` returns when another thread began sending its reply
+    (:meth:`Sandbox.send_now`) and the socket took only part: the rest, sent as it is."""
+
+    data: bytes
+
+
 class _NoResponse(Exception):
     """The executor closed the connection between messages."""
 
@@ -190,7 +198,7 @@ class Sandbox:
         *,
         timeout: float | None = None,
         max_response: int | None = None,
-        answer: Callable[[bytes], bytes | None] | None = None,
+        answer: Callable[[bytes], bytes | UnsentRest | None] | None = None,
     ) -> bytes:
         """Send one request; return the payload of the message that answers it.
 
@@ -215,11 +223,32 @@ class Sandbox:
                     reply = None if answer is None else answer(response)
                     if reply is None:
                         return response
-                    if reply is not NO_REPLY:
+                    if isinstance(reply, UnsentRest):
+                        _set_timeout(connection, deadline)
+                        connection.sendall(reply.data)
+                    elif reply is not NO_REPLY:
                         _send(connection, reply, deadline)
         except BaseException:
             self._drop_connection()
             raise
+
+    def send_now(self, data: bytes) -> int:
+        """How much of ``data`` the executor's socket takes at once, never waiting: 0 when it is
+        full, or the connection is gone or broken (the exchange's thread finds that out itself).
+
+        For a thread other than the exchange's, while that one waits inside its ``answer``
+        (which then returns what is left, as :class:`UnsentRest`): the two never write at once.
+        """
+        with self._connecting:
+            connection = self._connection
+            if connection is None or self._interrupted:
+                return 0
+            try:
+                # Never waits; the exchange sets its own timeout again before its next send or receive.
+                connection.settimeout(0.0)
+                return connection.send(data)
+            except OSError:
+                return 0
 
     def oom_killed(self) -> bool:
         return self.launcher.oom_killed(self.dir)
