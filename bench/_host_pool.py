@@ -5,7 +5,9 @@ with a backend whose job makes ``int(code)`` calls to ``echo`` on a thread,
 as the worker does, timing each: what a host call costs between the worker's
 host callback and the client's function, and back (the pool's loop, its
 pipes, the client's reader and its threads), without gVisor and the frames.
-Its result's stdout is the list of round trips, in microseconds.
+A call ends where the worker's would send its reply into the sandbox: when
+the pool's loop hands it to the call's ``reply_now``. Its result's stdout is
+the list of round trips, in microseconds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from typing import Any
 
 from readie_pool.testing import ok_outcome, serve_stdio
-from readie_worker.jobs import HostCall, JobOutcome
+from readie_worker.jobs import HostCall, HostReply, JobOutcome
 
 # A job's calls may wait for the client this long each (the pool's own deadline check).
 CALL_DEADLINE_S = 60.0
@@ -32,9 +34,15 @@ class TimedCalls:
             deadline = time.monotonic() + CALL_DEADLINE_S
             times = []
             for call_id in range(1, calls + 1):
+                handed: list[int] = []
+
+                def reply_now(reply: HostReply, handed: list[int] = handed) -> bool:  # on the pool's loop
+                    handed.append(time.perf_counter_ns())
+                    return True
+
                 started = time.perf_counter_ns()
-                reply = host(HostCall(call_id, "echo", (call_id,), {}, deadline))
-                times.append((time.perf_counter_ns() - started) / 1000)
+                reply = host(HostCall(call_id, "echo", (call_id,), {}, deadline, reply_now=reply_now))
+                times.append(((handed[0] if handed else time.perf_counter_ns()) - started) / 1000)
                 if reply.result != call_id:
                     raise RuntimeError(f"echo({call_id}) came back as {reply}")
             outcome = ok_outcome(json.dumps(times))

@@ -211,7 +211,8 @@ def _host_breakdown(bench: Bench, pool: PoolClient, name: str) -> dict[str, Any]
         "process_round_trip_us": process_us,
         "what": "in_sandbox_p50: the honest client's steps inside the sandbox (wait_for_reply holds "
         "everything outside it); pool_and_client: a round trip from the worker's host callback to "
-        "this client and back, in readie pool without sandboxes; the floors (bench._floors): "
+        "this client and back to the pool's loop, where a reply goes into the sandbox, in readie "
+        "pool without sandboxes; the floors (bench._floors): "
         "sandbox_echo_us, one byte into a sandbox of the same checkpoint and back, echoed by a "
         "thread doing nothing else; process_round_trip_us, one byte to a child process and back",
     }
