@@ -215,26 +215,29 @@ def test_forged_frames_never_reach_the_client(pool):
 
 
 # Honest call frames, written by hand: all of them before any reply is read, so the worker's
-# replies pile up in the socket until it is full (the pool sends a reply from its event loop
-# when the socket takes it at once, and leaves the rest to the job's thread otherwise).
+# replies pile up in the socket. Short reply lines go into the sandbox from the pool's event loop
+# when the socket takes them at once, long ones from the job's thread, as does whatever the loop
+# could not send: the replies alternate, so the two senders take turns on one stream.
+UNREAD_CALLS = 300
 UNREAD_REPLIES = FORGER + r'''
-calls = 100
+calls = %d
 for call_id in range(1, calls + 1):
-    send(sock, b'{"call":{"call_id":%d,"function":"echo","args":[%d],"kwargs":{}}}' % (call_id, call_id))
+    send(sock, b'{"call":{"call_id":%%d,"function":"echo","args":[%%d],"kwargs":{}}}' %% (call_id, call_id))
 for call_id in range(1, calls + 1):
     reply = json.loads(receive(sock))["reply"]
-    assert reply == {"call_id": call_id, "result": "%06d" % call_id * 10_000}, str(reply)[:80]
+    assert reply == {"call_id": call_id, "result": "%%06d" %% call_id * (1_000 if call_id %% 2 else 4_000)}, str(reply)[:80]
 print("all whole, in order")
-'''
+''' % UNREAD_CALLS
 
 
-def test_replies_the_sandbox_leaves_unread_fill_its_socket_and_still_arrive_whole(pool):
+def test_replies_the_sandbox_leaves_unread_arrive_whole_and_in_order_whichever_thread_sent_them(pool):
     p = pool.process
     p.send({"id": "unread", "functions": ["echo"], "code": UNREAD_REPLIES, "timeout": "60s"})
-    for _ in range(100):
+    for _ in range(UNREAD_CALLS):
         call = pool.call(60)
         (number,) = call["args"]
-        pool.reply(call["call_id"], result="%06d" % number * 10_000)  # 60 kB each, 6 MB in all: more than the socket holds
+        # 6 kB (under MAX_EARLY_REPLY_LINE_BYTES) and 24 kB, 4.5 MB in all
+        pool.reply(call["call_id"], result="%06d" % number * (1_000 if number % 2 else 4_000))
     result = p.read(60)
     assert (result["id"], result["exit"], result["stdout"]) == ("unread", 0, "all whole, in order\n"), result
 

@@ -285,7 +285,7 @@ class PoolEngine:
                     await self._until(lambda: not self._tasks.written_ahead)
                 parsed_at = self._now_ns()
                 if isinstance(request, ReplyRequest):
-                    await self._accept_reply(request)
+                    await self._accept_reply(request, size)
                     continue
                 if not parked.lines and not self._permits.locked():
                     # Nothing waits before it and a permit is free: taken here (acquire cannot wait),
@@ -460,8 +460,8 @@ class PoolEngine:
 
     # ------------------------------------------------------------------ host functions
 
-    async def _accept_reply(self, reply: ReplyRequest) -> None:
-        if self._host_calls.deliver(reply):
+    async def _accept_reply(self, reply: ReplyRequest, line_bytes: int) -> None:
+        if self._host_calls.deliver(reply, line_bytes):
             self.stats.host_replies += 1
             return  # a reply that reaches its call is not answered
         await self._strays.acquire()
