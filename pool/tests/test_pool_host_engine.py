@@ -8,6 +8,7 @@ test_pool_host_functions.py.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from readie_pool._events import RuntimeInfo
 from readie_protocol.connection import PoolConnection, Role
 from readie_protocol.events import CallEvent, ReadyEvent
 from readie_pool._engine import PoolEngine, PoolSetup
+from readie_pool._host import MAX_EARLY_REPLY_LINE_BYTES
 from readie_pool.testing import FakeBackend, MemorySink, MemorySource
 from readie_worker.jobs import HostCall, HostReply
 
@@ -216,6 +218,46 @@ def test_reserved_names_are_refused_before_anything_runs(tmp_path):
     _, lines, _, fake, _ = serve(setup_for(tmp_path), scenario, host_backend())
     assert lines[1]["error"]["message"] == "functions: item 0: '__import__' is reserved in readie_host"
     assert fake.started == []
+
+
+def test_a_short_reply_goes_to_reply_now_on_the_loop_a_long_one_and_a_failed_one_to_the_job_only(tmp_path):
+    """``HostCall.reply_now`` (the worker's early send) gets a reply from a short line, on the
+    pool's loop, before the job's thread has it; a long line's reply goes to the job's thread
+    alone; a reply_now that raises costs neither the call nor the pool's intake."""
+    handed: list[tuple[str, HostReply, bool]] = []
+
+    def reply_now(request: str):
+        def reply_now(reply: HostReply) -> bool:
+            handed.append((request, reply, threading.current_thread() is threading.main_thread()))
+            if request == "broken":
+                raise MemoryError
+            return True
+
+        return reply_now
+
+    def calls(job) -> list[HostCall]:
+        return [HostCall(1, "search", (), {}, reply_now=reply_now(job.code))]
+
+    long = "x" * MAX_EARLY_REPLY_LINE_BYTES
+
+    async def scenario(engine, source, sink, fake):
+        for count, request in enumerate(("short", "long", "broken", "after")):
+            source.feed_lines({"id": request, "functions": ["search"], "code": request})
+            call = await next_call(sink, 2 * count + 1 + 1)
+            result = long if request == "long" else request
+            source.feed_lines({"reply": {"call_id": call["call_id"], "result": result}})
+            await sink.wait_for(2 * count + 3)
+        source.end()
+
+    _, lines, engine, fake, _ = serve(setup_for(tmp_path), scenario, FakeBackend(host_calls=calls))
+    assert [(request, reply.result, on_loop) for request, reply, on_loop in handed] == [
+        ("short", "short", True), ("broken", "broken", True), ("after", "after", True),
+    ]
+    assert fake.replies == {
+        "short": [HostReply(result="short")], "long": [HostReply(result=long)],
+        "broken": [HostReply(result="broken")], "after": [HostReply(result="after")],
+    }
+    assert engine.stats.host_replies == 4 and engine.stats.late_replies == 0
 
 
 def test_call_events_of_deep_values_are_written_without_recursion():

@@ -225,7 +225,7 @@ for call_id in range(1, calls + 1):
     send(sock, b'{"call":{"call_id":%%d,"function":"echo","args":[%%d],"kwargs":{}}}' %% (call_id, call_id))
 for call_id in range(1, calls + 1):
     reply = json.loads(receive(sock))["reply"]
-    assert reply == {"call_id": call_id, "result": "%%06d" %% call_id * (1_000 if call_id %% 2 else 4_000)}, str(reply)[:80]
+    assert reply == {"call_id": call_id, "result": "%%06d" %% call_id * (500 if call_id %% 2 else 4_000)}, str(reply)[:80]
 print("all whole, in order")
 ''' % UNREAD_CALLS
 
@@ -236,8 +236,8 @@ def test_replies_the_sandbox_leaves_unread_arrive_whole_and_in_order_whichever_t
     for _ in range(UNREAD_CALLS):
         call = pool.call(60)
         (number,) = call["args"]
-        # 6 kB (under MAX_EARLY_REPLY_LINE_BYTES) and 24 kB, 4.5 MB in all
-        pool.reply(call["call_id"], result="%06d" % number * (1_000 if number % 2 else 4_000))
+        # 3 kB (under MAX_EARLY_REPLY_LINE_BYTES) and 24 kB, 4 MB in all
+        pool.reply(call["call_id"], result="%06d" % number * (500 if number % 2 else 4_000))
     result = p.read(60)
     assert (result["id"], result["exit"], result["stdout"]) == ("unread", 0, "all whole, in order\n"), result
 

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+import structlog
 from readie_worker.jobs import HostCall, HostFunction, HostReply
 
 from readie_protocol.events import CallEvent
@@ -54,11 +55,13 @@ from readie_protocol.wire import RequestId
 
 __all__ = ["MAX_EARLY_REPLY_LINE_BYTES", "HostCalls", "WaitingCall", "host_function"]
 
+log = structlog.get_logger("readie.pool")
+
 #: A reply from a line up to this long is encoded into its frame and sent on the event loop
 #: (:meth:`HostCalls.deliver`); a longer one on its job's thread. The frame's encoder is pure
-#: Python: a line this long costs the loop up to ~2 ms (4,000 zeros in a list), which every
-#: other job's lines wait behind; a typical reply far less.
-MAX_EARLY_REPLY_LINE_BYTES = 8 * 1024
+#: Python: a line this long costs the loop up to ~2 ms (a list nested 1,900 deep, the worst
+#: per byte), which every other job's lines wait behind; a typical reply far less.
+MAX_EARLY_REPLY_LINE_BYTES = 4 * 1024
 
 
 @dataclass(eq=False)
@@ -117,8 +120,8 @@ class HostCalls:
             return None
 
     def deliver(self, reply: ReplyRequest, line_bytes: int) -> bool:
-        """Hand ``reply`` (from a line of ``line_bytes``) to the call it names; False when no call
-        waits for it.
+        """Hand ``reply`` (from a line of ``line_bytes``) to the call it names; False when it reached
+        no call (none waits for it, or its thread gave up on it and nothing of it was sent).
 
         Where the worker lets it (``HostCall.reply_now``), a reply from a short line goes into the
         sandbox from here, the event loop, before the job's thread is woken: under the GIL that
@@ -130,7 +133,11 @@ class HostCalls:
             return False
         answer = HostReply(result=reply.result, error=reply.error)
         reply_now = waiting.call.reply_now if line_bytes <= MAX_EARLY_REPLY_LINE_BYTES else None
-        sent = reply_now is not None and reply_now(answer)
+        sent = False
+        try:
+            sent = reply_now is not None and reply_now(answer)
+        except Exception:  # a bug (or no memory) costs this send, never the call nor the pool's intake
+            log.exception("sending a host call's reply from the event loop failed")
         return settle(waiting, answer) or sent
 
     def forget(self, waiting: WaitingCall) -> None:

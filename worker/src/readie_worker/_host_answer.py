@@ -52,7 +52,9 @@ class EarlyReply:
     def __call__(self, reply: HostReply) -> bool:
         """Send ``reply`` from this thread if the socket takes it now; whether any of it went."""
         with self._lock:
-            # Past the deadline nothing goes in: the task's code is being stopped (as in take_over).
+            # Past the deadline no reply is begun, from here or the job's thread (take_over): the
+            # task's code is being stopped. One begun before it is finished, so that the stream
+            # stays framed; a task that timed out has its sandbox destroyed in any case.
             if not self._open or self._frame is not None or time.monotonic() >= self._deadline:
                 return False
             self._frame = self._encode(reply)

@@ -233,8 +233,8 @@ class HostConversation:
 
     def answer(self, call: HostCall, reply: HostReply, waited_ns: int = 0) -> bytes:
         """The reply frame for the host's answer to ``call``."""
+        encoded, is_error = _encode_reply(call.call_id, reply)  # first: nothing is counted if it raises
         self._wait_ns += waited_ns
-        encoded, is_error = _encode_reply(call.call_id, reply)
         if is_error:
             self._counts["host_errors"] += 1
         self._counts["replies"] += 1
