@@ -218,7 +218,11 @@ def test_forged_frames_never_reach_the_client(pool):
 # replies pile up in the socket. Short reply lines go into the sandbox from the pool's event loop
 # when the socket takes them at once, long ones from the job's thread, as does whatever the loop
 # could not send: the replies alternate, so the two senders take turns on one stream.
-UNREAD_CALLS = 300
+# The calls must all fit in the socket at once: Linux charges each small write about 770 bytes
+# of a 208 KiB buffer, so about 278 fit. With more, the sandbox waits to write a call while the
+# worker waits to write a reply the sandbox is not reading yet: the program's own deadlock, which
+# only its timeout ends (CI hit it with 300).
+UNREAD_CALLS = 100
 UNREAD_REPLIES = FORGER + r'''
 calls = %d
 for call_id in range(1, calls + 1):
@@ -236,7 +240,7 @@ def test_replies_the_sandbox_leaves_unread_arrive_whole_and_in_order_whichever_t
     for _ in range(UNREAD_CALLS):
         call = pool.call(60)
         (number,) = call["args"]
-        # 3 kB (under MAX_EARLY_REPLY_LINE_BYTES) and 24 kB, 4 MB in all
+        # 3 kB (under MAX_EARLY_REPLY_LINE_BYTES) and 24 kB: 1.35 MB, six times the socket's buffer
         pool.reply(call["call_id"], result="%06d" % number * (500 if number % 2 else 4_000))
     result = p.read(60)
     assert (result["id"], result["exit"], result["stdout"]) == ("unread", 0, "all whole, in order\n"), result
