@@ -17,7 +17,7 @@ from readie_pool._events import RuntimeInfo
 from readie_protocol.connection import PoolConnection, Role
 from readie_protocol.events import CallEvent, ReadyEvent
 from readie_pool._engine import PoolEngine, PoolSetup
-from readie_pool._host import MAX_EARLY_REPLY_LINE_BYTES
+from readie_policy.jobs import MAX_EARLY_REPLY_BYTES
 from readie_pool.testing import FakeBackend, MemorySink, MemorySource
 from readie_worker.jobs import HostCall, HostReply
 
@@ -238,7 +238,7 @@ def test_a_short_reply_goes_to_reply_now_on_the_loop_a_long_one_and_a_failed_one
     def calls(job) -> list[HostCall]:
         return [HostCall(1, "search", (), {}, reply_now=reply_now(job.code))]
 
-    long = "x" * MAX_EARLY_REPLY_LINE_BYTES
+    long = "x" * MAX_EARLY_REPLY_BYTES
 
     async def scenario(engine, source, sink, fake):
         for count, request in enumerate(("short", "long", "broken", "after")):

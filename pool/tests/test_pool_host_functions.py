@@ -240,7 +240,7 @@ def test_replies_the_sandbox_leaves_unread_arrive_whole_and_in_order_whichever_t
     for _ in range(UNREAD_CALLS):
         call = pool.call(60)
         (number,) = call["args"]
-        # 3 kB (under MAX_EARLY_REPLY_LINE_BYTES) and 24 kB: 1.35 MB, six times the socket's buffer
+        # 3 kB (under MAX_EARLY_REPLY_BYTES) and 24 kB: 1.35 MB, six times the socket's buffer
         pool.reply(call["call_id"], result="%06d" % number * (500 if number % 2 else 4_000))
     result = p.read(60)
     assert (result["id"], result["exit"], result["stdout"]) == ("unread", 0, "all whole, in order\n"), result

@@ -141,6 +141,9 @@ class FakeRunner:
         self.finished = 0
         self.sessions: list[FakeSession] = []
         self.replies: list[tuple[HostReply, float]] = []  # a job's host replies, seconds after the job began
+        # Replies handed to a job's calls' reply_now, as a worker's sandbox would take them early:
+        # (call id, the thread that sent it, the reply).
+        self.early: list[tuple[int, str, HostReply]] = []
         self.job_done = threading.Event()
 
     def capacity(self) -> Capacity:
@@ -162,7 +165,12 @@ class FakeRunner:
                 calls, deadline = int(rest[0]), started + float(rest[1])
                 payload = "x" * int(rest[2]) if len(rest) > 2 else None
                 for call_id in range(1, calls + 1):
-                    reply = host(HostCall(call_id, "f", (payload,) if payload else (), {}, deadline))
+                    def reply_now(reply: HostReply, call_id: int = call_id) -> bool:
+                        self.early.append((call_id, threading.current_thread().name, reply))
+                        return True
+
+                    call = HostCall(call_id, "f", (payload,) if payload else (), {}, deadline, reply_now=reply_now)
+                    reply = host(call)
                     self.replies.append((reply, time.monotonic() - started))
                 self.job_done.set()
             if job.collect:  # the job's own files come back, and ``big N`` adds one of N bytes

@@ -9,7 +9,8 @@ streams. Covered:
 * a client that never reads events (and never replies, or replies blind so
   the outbox fills) does not hold the runner's host callback past the
   call's deadline: it gets an error reply by then;
-* steps sent while a host call waits are held and run after it, in order.
+* steps sent while a host call waits are held and run after it, in order;
+* a short reply goes on from the stream's reader (``HostCall.reply_now``), a long one does not.
 
 Where a test must know the server has seen a cancellation, it spies on
 ``Interaction._hang_up`` (the RPC's end callback) rather than sleeping.
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 from readie_rpc._interact import Interaction
+from readie_policy.jobs import MAX_EARLY_REPLY_BYTES
 from readie_worker.jobs import HostReply
 from rpc.tests._interact_fakes import (
     WAIT_S,
@@ -144,3 +147,25 @@ def test_steps_sent_while_a_host_call_waits_are_held_and_run_after_it_in_order(s
     with pytest.raises(StopIteration):
         stream.next()
     assert runner.sessions[0].closed.wait(WAIT_S)
+
+
+# --------------------------------------------------------------------------- replies sent on by the reader
+
+
+def test_a_short_reply_goes_on_from_the_streams_reader_and_a_long_one_waits_for_the_driver(serve_fake):
+    served = serve_fake()
+    runner = served.runner
+    stream = served.stream(job_message("call 3 5.0", functions=("f",)))
+    long = b'"' + b"x" * MAX_EARLY_REPLY_BYTES + b'"'
+    for call_id, result_json in ((1, b"[1, 2]"), (2, long), (3, b"not json")):
+        event = stream.next()
+        assert event.call.call_id == call_id, event
+        stream.send(reply_message(call_id, result_json))
+    with pytest.raises(grpc.RpcError) as ended:  # the client broke the protocol: the stream ends
+        stream.next()
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The job saw every reply as the driver read it, the bad one as the client's break.
+    assert [reply.result for reply, _ in runner.replies[:2]] == [[1, 2], "x" * MAX_EARLY_REPLY_BYTES]
+    assert "broke the protocol" in runner.replies[2][0].error
+    # Only the short, valid reply went on early, and from the reader, before the driver had it.
+    assert [(call_id, thread, reply.result) for call_id, thread, reply in runner.early] == [(1, "interact-read", [1, 2])]

@@ -5,8 +5,10 @@ lossless big integers, undeclared functions, oversized or malformed arguments,
 unencodable results turned into error replies, replies without an outcome or
 with bad JSON), a session step's bounds (``_convert.session_step``, each
 refusal naming its field under ``step.``), and the ``_mailbox.Mailbox`` that
-joins the stream's threads (bounded puts, close, drain, timeouts), and an
-error text with a lone surrogate still becoming an error reply.
+joins the stream's threads (bounded puts, close, drain, timeouts), an
+error text with a lone surrogate still becoming an error reply, and a relayed
+call's ``reply_now`` (``RelayedReply``: once, and never after the caller's
+thread has its reply).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from readie_rpc._client_wire import session_step_message
 from readie_rpc._convert import session_step
 from readie_worker.jobs import Step
 from readie_rpc._host_wire import call_from_message, call_message, reply_from_message, reply_message
+from readie_rpc._interact_stream import RelayedReply
 from readie_rpc._mailbox import CLOSED, Mailbox
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_worker.errors import PoolWorkerError, RequestError
@@ -291,3 +294,23 @@ def test_a_relayed_call_and_reply_keep_the_bytes_they_arrived_in():
     assert reply_message(call_id, reply).result_json == b'{"hits": [1, 2]}'
     # A value made here (no bytes it arrived in) is encoded, compact, as before.
     assert reply_message(3, HostReply(result={"hits": [1, 2]})).result_json == b'{"hits":[1,2]}'
+
+
+# --------------------------------------------------------------------------- a relayed call's reply_now
+
+
+def test_a_relayed_reply_goes_once_from_whichever_thread_has_it_first():
+    sent: list[HostReply] = []
+    early = RelayedReply(sent.append)
+    assert early(HostReply(result=1)) is True
+    assert early(HostReply(result=2)) is False  # a second reply to the call: not sent
+    assert early.close() is True  # the caller's thread sends nothing of its own
+    assert sent == [HostReply(result=1)]
+
+
+def test_a_relayed_reply_sends_nothing_once_the_callers_thread_has_its_reply():
+    sent: list[HostReply] = []
+    early = RelayedReply(sent.append)
+    assert early.close() is False  # the caller's thread sends its reply itself (an error, at a deadline)
+    assert early(HostReply(result=1)) is False
+    assert sent == []

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_INLINE_NAME",
     "FORWARD_BYTES",
     "JOB_SUBPROCESSES",
+    "MAX_EARLY_REPLY_BYTES",
     "MAX_REQUIREMENTS",
     "MIN_FORWARD_INTERVAL_S",
     "Capacity",
@@ -329,10 +330,11 @@ class HostCall:
     # args and kwargs as the JSON they arrived in, already parsed and checked: a
     # hop that only relays the call (a router) sends these bytes on, unencoded.
     encoded: tuple[bytes, bytes] | None = field(default=None, compare=False, repr=False)
-    # Not from the frame either: set by the worker, for a host that receives the reply on a thread
-    # other than the one it was called on. Called there with the reply, it sends it into the
-    # sandbox at once if it can, so the call's thread need not wake first; True once it went.
-    # The host returns the reply all the same.
+    # Not from the frame either: set by whoever hands the call on (the worker, or a stream that
+    # relays it), for a host that receives the reply on a thread other than the one it was called
+    # on. Called there with a reply of up to MAX_EARLY_REPLY_BYTES, it sends the reply on at once
+    # (into the sandbox, or onto the stream) if it can, so the call's thread need not wake first;
+    # True once it went. The host returns the reply all the same.
     reply_now: Callable[[HostReply], bool] | None = field(default=None, compare=False, repr=False)
 
 
@@ -360,6 +362,14 @@ class HostStats:
     @property
     def refused(self) -> int:
         return self.junk + self.forged
+
+
+#: A reply this size or less (its line, or its JSON and error) is sent on by the thread that
+#: receives it (``HostCall.reply_now``); a larger one by the call's own thread. That thread is
+#: a pool's event loop or a stream's reader, which every other message waits behind; encoding
+#: and checking a reply is pure Python, and nested lists cost it the most per byte: ~2 ms at this
+#: size (a list nested 1,900 deep), a typical reply far less.
+MAX_EARLY_REPLY_BYTES = 4 * 1024
 
 
 #: Answers one host-function call; runs on the worker thread that runs the job.

@@ -48,21 +48,15 @@ from dataclasses import dataclass, field
 
 import structlog
 from readie_worker.jobs import HostCall, HostFunction, HostReply
+from readie_policy.jobs import MAX_EARLY_REPLY_BYTES
 
 from readie_protocol.events import CallEvent
 from readie_protocol.requests import ReplyRequest
 from readie_protocol.wire import RequestId
 
-__all__ = ["MAX_EARLY_REPLY_LINE_BYTES", "HostCalls", "WaitingCall", "host_function"]
+__all__ = ["HostCalls", "WaitingCall", "host_function"]
 
 log = structlog.get_logger("readie.pool")
-
-#: A reply from a line up to this long is encoded into its frame and sent on the event loop
-#: (:meth:`HostCalls.deliver`); a longer one on its job's thread. The frame's encoder is pure
-#: Python: a line this long costs the loop up to ~2 ms (a list nested 1,900 deep, the worst
-#: per byte), which every other job's lines wait behind; a typical reply far less.
-MAX_EARLY_REPLY_LINE_BYTES = 4 * 1024
-
 
 @dataclass(eq=False)
 class WaitingCall:
@@ -132,7 +126,7 @@ class HostCalls:
         if waiting is None:
             return False
         answer = HostReply(result=reply.result, error=reply.error)
-        reply_now = waiting.call.reply_now if line_bytes <= MAX_EARLY_REPLY_LINE_BYTES else None
+        reply_now = waiting.call.reply_now if line_bytes <= MAX_EARLY_REPLY_BYTES else None
         sent = False
         try:
             sent = reply_now is not None and reply_now(answer)

@@ -12,6 +12,10 @@ One stream, three threads, each blocking on one thing:
   there too (decision 16);
 * grpc's handler thread yields the outbox's events onto the response stream.
 
+A reply to the waiting call is sent on by the reader itself where the call
+lets it (``HostCall.reply_now``: into the sandbox on a worker, onto the
+worker's stream on a router), before the driver wakes to read it too.
+
 Between steps an open session may also be asked to ``hibernate`` or to
 ``fork`` (decision 0022); a fork waits in the server's table (``_forks``)
 for a second stream whose first message is ``attach`` with the token the
@@ -63,7 +67,7 @@ from ._proto.readie.v1 import worker_pb2 as pb
 from ._status import on_the_wire
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_protocol.errors import ErrorType, NotStarted, PoolWorkerError, RequestError, SandboxSetupError, StepLost
-from readie_policy.jobs import HostCall, HostReply, JobOutcome, OutputChunk, OutputSink, StepOutcome
+from readie_policy.jobs import MAX_EARLY_REPLY_BYTES, HostCall, HostReply, JobOutcome, OutputChunk, OutputSink, StepOutcome
 from readie_policy.policy import NO_LIMITS
 from readie_policy.runner import JobRunner, SessionHandle
 
@@ -122,6 +126,7 @@ class Interaction:
         self._error: BaseException | None = None
         self._broken: RequestError | None = None  # the client broke the protocol during a call
         self._stale_replies = 0
+        self._waiting: HostCall | None = None  # the call the driver waits on a reply for
         self._output_wait_s = OUTPUT_SEND_S  # what the running task's events may still wait; 0: not streaming
         self._client_done = False  # the request stream ended: no further step starts
         self._handing_over = threading.Event()  # the server drains (hand_over)
@@ -177,6 +182,8 @@ class Interaction:
     def _read(self) -> None:
         try:
             for request in self._requests:
+                if request.WhichOneof("kind") == "reply":
+                    self._reply_early(request.reply)
                 if not self._inbox.put(request):
                     return
         except Exception:  # noqa: BLE001 - the stream broke: the same as the client's side closing
@@ -379,6 +386,13 @@ class Interaction:
         """The runner's host callback: the call to the client, its reply back, by the task's deadline."""
         deadline = call.deadline if call.deadline is not None else time.monotonic() + RESULT_SEND_S
         event = pb.InteractEvent(call=call_message(call))
+        self._waiting = call
+        try:
+            return self._wait_for_reply(call, event, deadline)
+        finally:
+            self._waiting = None
+
+    def _wait_for_reply(self, call: HostCall, event: pb.InteractEvent, deadline: float) -> HostReply:
         if self._broken is not None or not self._send(event, _left(deadline)):
             return HostReply(error=f"{call.function}: the client is gone or not reading")
         while True:
@@ -398,6 +412,21 @@ class Interaction:
                 self._broken = exc  # raised once the job has ended; the job sees a failed call
                 self._inbox.close(discard=True)
                 return HostReply(error=f"{call.function}: the client broke the protocol")
+
+    def _reply_early(self, message: pb.HostReply) -> None:
+        """On the reader: a short reply to the waiting call, sent on from here (see the module's
+        doc). The driver reads the message all the same: one that is not valid is its to refuse."""
+        call = self._waiting
+        if call is None or call.reply_now is None or message.call_id != call.call_id:
+            return
+        if len(message.result_json) + len(message.error) > MAX_EARLY_REPLY_BYTES:
+            return
+        try:
+            call.reply_now(reply_from_message(message)[1])
+        except RequestError:
+            pass
+        except Exception:  # a bug (or no memory) costs this send, never the call nor the stream
+            log.exception("sending a host call's reply from the stream's reader failed")
 
     def _output(self, stream: bool) -> OutputSink | None:
         """The output sink of a task that asked for its output as it is written."""

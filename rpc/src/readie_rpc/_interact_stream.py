@@ -4,14 +4,19 @@
 for a job or a session (:mod:`readie_rpc.remote_session`): it writes
 requests, reads events until a result (or an answer), and answers each
 ``call`` event with the caller's host function on the caller's own thread.
+A host that receives the reply on another thread (``readie pool``'s event
+loop, a router's stream reader) puts it on the stream from there, through
+the call's ``reply_now`` (:class:`RelayedReply`): the caller's thread need
+not wake first, and each hop of a routed call saves that wake.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import queue
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -58,6 +63,31 @@ class StreamEnd(enum.Enum):
     BROKEN = "broken"  # the worker went away first: the request may never have reached it
 
 
+class RelayedReply:
+    """A relayed call's ``reply_now``: its reply put on the stream by whichever thread has it
+    first, once; never after the caller's thread has its reply (:meth:`close`)."""
+
+    def __init__(self, send: Callable[[HostReply], None]) -> None:
+        self._send = send  # never blocks: a put on the stream's request queue
+        self._lock = threading.Lock()
+        self._open = True
+        self._sent = False
+
+    def __call__(self, reply: HostReply) -> bool:
+        with self._lock:  # held over the put: the caller's thread, once closed, sends after it
+            if not self._open or self._sent:
+                return False
+            self._send(reply)
+            self._sent = True
+            return True
+
+    def close(self) -> bool:
+        """On the caller's thread, its host having returned: whether the reply went already."""
+        with self._lock:
+            self._open = False
+            return self._sent
+
+
 class InteractStream:
     """One Interact call: the first request sent at once, then events read in order."""
 
@@ -88,6 +118,9 @@ class InteractStream:
 
     def send(self, request: pb.InteractRequest) -> None:
         self._requests.put(request)
+
+    def _reply(self, call_id: int, reply: HostReply) -> None:
+        self.send(pb.InteractRequest(reply=reply_message(call_id, reply)))
 
     def result(
         self,
@@ -136,8 +169,13 @@ class InteractStream:
                 if calls > MAX_CALLS_PER_TASK:
                     raise PoolWorkerError(f"the worker relayed more than {MAX_CALLS_PER_TASK} calls for one task")
                 call = call_from_message(event.call, self._functions, task_s)
-                reply = ask_host(host, call) if host is not None else HostReply(error=f"{call.function}: no host here")
-                self.send(pb.InteractRequest(reply=reply_message(call.call_id, reply)))
+                if host is None:
+                    self._reply(call.call_id, HostReply(error=f"{call.function}: no host here"))
+                    continue
+                early = RelayedReply(lambda reply, call_id=call.call_id: self._reply(call_id, reply))
+                reply = ask_host(host, dataclasses.replace(call, reply_now=early))
+                if not early.close():
+                    self._reply(call.call_id, reply)
         except BaseException:
             self.cancel()
             raise
