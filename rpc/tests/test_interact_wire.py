@@ -8,12 +8,14 @@ refusal naming its field under ``step.``), and the ``_mailbox.Mailbox`` that
 joins the stream's threads (bounded puts, close, drain, timeouts), an
 error text with a lone surrogate still becoming an error reply, and a relayed
 call's ``reply_now`` (``RelayedReply``: once, and never after the caller's
-thread has its reply).
+thread has its reply), and that the stream's reader sends on only a reply the driver takes
+next (``Interaction`` driven directly: no server).
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 
@@ -26,11 +28,13 @@ from readie_rpc._client_wire import session_step_message
 from readie_rpc._convert import session_step
 from readie_worker.jobs import Step
 from readie_rpc._host_wire import call_from_message, call_message, reply_from_message, reply_message
-from readie_rpc._interact_stream import RelayedReply
+from readie_rpc._interact import MAX_STALE_REPLIES, Interaction
+from readie_rpc._interact_stream import InteractStream, RelayedReply
 from readie_rpc._mailbox import CLOSED, Mailbox
+from readie_worker.testing import wait_until
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
 from readie_worker.errors import PoolWorkerError, RequestError
-from readie_worker.jobs import HostCall, HostReply
+from readie_worker.jobs import HostCall, HostReply, JobOutcome
 
 BIG = [2**64 + 1, -(2**200), 10**4000]
 # Long enough for a thread to block; short enough to keep the tests quick.
@@ -314,3 +318,116 @@ def test_a_relayed_reply_sends_nothing_once_the_callers_thread_has_its_reply():
     assert early.close() is False  # the caller's thread sends its reply itself (an error, at a deadline)
     assert early(HostReply(result=1)) is False
     assert sent == []
+
+
+class _Call:
+    """grpc's call object as ``InteractStream`` uses it: events in order, never done."""
+
+    def __init__(self, events: list[pb.InteractEvent]) -> None:
+        self._events = iter(events)
+
+    def __next__(self) -> pb.InteractEvent:
+        return next(self._events)
+
+    def cancel(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return False
+
+
+class _Stub:
+    def __init__(self, *events: pb.InteractEvent) -> None:
+        self._events = list(events)
+
+    def Interact(self, requests, timeout=None, metadata=()):  # noqa: N802 - grpc's name
+        return _Call(self._events)
+
+
+def _relayed_replies(host) -> list[bytes | str]:
+    """The replies ``InteractStream.result`` queues for the worker when ``host`` answers two calls."""
+    call = pb.HostCall(function="f", args_json=b"[]", kwargs_json=b"{}", deadline_ms=5000)
+    events = [pb.InteractEvent(call=call), pb.InteractEvent(call=call), pb.InteractEvent(result=pb.RunJobResponse())]
+    for event, call_id in zip(events, (1, 2)):
+        event.call.call_id = call_id
+    stream = InteractStream(_Stub(*events), pb.InteractRequest(), ("f",), timeout_s=None)
+    stream.result(host, 5.0)
+    stream.send(None)  # the end of what was queued
+    queued = [request.reply for request in iter(stream._requests.get, None) if request.WhichOneof("kind") == "reply"]
+    return [reply.result_json or reply.error for reply in queued]
+
+
+def test_a_relayed_calls_reply_goes_once_whether_another_thread_or_the_host_sends_it():
+    def early_from_another_thread(call: HostCall) -> HostReply:
+        reply = HostReply(result=call.call_id)
+        sender = threading.Thread(target=call.reply_now, args=(reply,))
+        sender.start()
+        sender.join()
+        return reply
+
+    assert _relayed_replies(early_from_another_thread) == [b"1", b"2"]
+    assert _relayed_replies(lambda call: HostReply(result=call.call_id * 10)) == [b"10", b"20"]
+
+    def early_then_gives_up(call: HostCall) -> HostReply:
+        call.reply_now(HostReply(result="early"))
+        return HostReply(error="no reply before the task's deadline")  # its own wait ended first
+
+    assert _relayed_replies(early_then_gives_up) == [b'"early"', b'"early"']
+
+
+def test_taken_next_runs_only_for_an_item_a_waiting_get_takes_next():
+    box: Mailbox[int] = Mailbox(4)
+    seen: list[int] = []
+    assert box.put(1, taken_next=seen.append)  # nobody waits
+    getter = threading.Thread(target=lambda: [box.get(5), box.get(5)])
+    getter.start()
+    assert wait_until(lambda: box._getters == 1, 5)  # it took 1 and waits for the next
+    assert box.put(2, taken_next=seen.append)
+    getter.join(5)
+    assert seen == [2]
+    box.put(3)
+    assert box.put(4, taken_next=seen.append)  # 3 is ahead of it: nobody takes 4 next
+    assert seen == [2]
+
+
+class _Context:
+    def add_callback(self, callback) -> bool:
+        return True
+
+    def time_remaining(self) -> float:
+        return 30.0
+
+
+class _OneCallRunner:
+    """Runs a job that makes one host call, with a ``reply_now`` that takes the reply early."""
+
+    def __init__(self) -> None:
+        self.early: list[HostReply] = []
+        self.returned: list[HostReply] = []
+
+    def run_job(self, job, job_id, host=None, cancel=None, output=None) -> JobOutcome:
+        early = RelayedReply(self.early.append)
+        self.returned.append(host(HostCall(1, "f", (), {}, time.monotonic() + 5, reply_now=early)))
+        early.close()
+        return JobOutcome(0, "", "", False, False, None, 1, "", (), None, "fake")
+
+
+@pytest.mark.parametrize("ahead", ["hibernate mid-call", "one stale reply too many"])
+def test_the_reader_never_sends_on_a_reply_behind_a_protocol_break(ahead):
+    # The requests wait in a queue, all there before the reader reads them: without the rule
+    # (only a reply the driver takes next), the reader sent this reply on every time.
+    requests: queue.SimpleQueue[pb.InteractRequest | None] = queue.SimpleQueue()
+    requests.put(pb.InteractRequest(job=pb.RunJobRequest(checkpoint="base", code="x", timeout_ms=5000, functions=["f"])))
+    runner = _OneCallRunner()
+    events = Interaction(runner, iter(requests.get, None), _Context(), "job").start().events()
+    assert next(events).call.call_id == 1
+    if ahead == "hibernate mid-call":
+        requests.put(pb.InteractRequest(hibernate=pb.HibernateSession()))
+    for _ in range(MAX_STALE_REPLIES + 1 if ahead == "one stale reply too many" else 0):
+        requests.put(pb.InteractRequest(reply=pb.HostReply(call_id=99, result_json=b"1")))
+    requests.put(pb.InteractRequest(reply=pb.HostReply(call_id=1, result_json=b"[1, 2]")))
+    with pytest.raises(RequestError):
+        list(events)
+    requests.put(None)
+    assert "broke the protocol" in runner.returned[0].error
+    assert runner.early == []

@@ -12,9 +12,12 @@ One stream, three threads, each blocking on one thing:
   there too (decision 16);
 * grpc's handler thread yields the outbox's events onto the response stream.
 
-A reply to the waiting call is sent on by the reader itself where the call
-lets it (``HostCall.reply_now``: into the sandbox on a worker, onto the
-worker's stream on a router), before the driver wakes to read it too.
+A short reply to the waiting call is sent on by the reader itself where the
+call lets it (``HostCall.reply_now``: into the sandbox on a worker, onto the
+worker's stream on a router), before the driver wakes to read it too; only
+when the driver waits in the inbox with nothing ahead of the reply, so that
+the reply sent is the one the driver takes, after every message before it
+(a protocol break, the stale reply too many) has had its effect.
 
 Between steps an open session may also be asked to ``hibernate`` or to
 ``fork`` (decision 0022); a fork waits in the server's table (``_forks``)
@@ -182,9 +185,8 @@ class Interaction:
     def _read(self) -> None:
         try:
             for request in self._requests:
-                if request.WhichOneof("kind") == "reply":
-                    self._reply_early(request.reply)
-                if not self._inbox.put(request):
+                early = self._reply_early if request.WhichOneof("kind") == "reply" else None
+                if not self._inbox.put(request, taken_next=early):
                     return
         except Exception:  # noqa: BLE001 - the stream broke: the same as the client's side closing
             pass
@@ -413,13 +415,15 @@ class Interaction:
                 self._inbox.close(discard=True)
                 return HostReply(error=f"{call.function}: the client broke the protocol")
 
-    def _reply_early(self, message: pb.HostReply) -> None:
-        """On the reader: a short reply to the waiting call, sent on from here (see the module's
-        doc). The driver reads the message all the same: one that is not valid is its to refuse."""
-        call = self._waiting
+    def _reply_early(self, request: pb.InteractRequest) -> None:
+        """On the reader, a reply the driver takes next, having taken all before it (the inbox's
+        ``taken_next``): a short one to the call it waits on goes on from here (see the module's
+        doc). The driver reads it all the same; one that is not valid is its to refuse."""
+        call = self._waiting  # the driver waits in the inbox: it sets and clears this outside
+        message = request.reply
         if call is None or call.reply_now is None or message.call_id != call.call_id:
             return
-        if len(message.result_json) + len(message.error) > MAX_EARLY_REPLY_BYTES:
+        if message.ByteSize() > MAX_EARLY_REPLY_BYTES:
             return
         try:
             call.reply_now(reply_from_message(message)[1])

@@ -78,7 +78,9 @@ class EarlyReply:
         with self._lock:
             if self._unsent is not None:
                 return UnsentRest(self._unsent) if self._unsent else NO_REPLY
-            frame = self._frame if self._frame is not None else self._encode(reply)
+            frame = self._frame
+        if frame is None:  # encoded here, outside the lock: closed, the other thread takes it no more
+            frame = self._encode(reply)
         if time.monotonic() >= self._deadline:
             # The task is over: its code is being stopped inside the sandbox, and
             # its answer (a TimeoutError) is what comes next. The call is dropped.
