@@ -95,3 +95,13 @@ def test_functions_are_checked_before_anything_is_sent(pool):
     with pytest.raises(TypeError, match="mapping"):
         pool.run("x", functions=[search])
     assert pool.stats()["jobs"] == 0  # nothing reached the pool
+
+
+def test_a_function_that_runs_a_job_of_its_own_gets_its_result(pool):
+    # Calls run off the thread that reads the pool's output, so the inner job's result is read
+    # while the outer call waits for it.
+    def nested() -> str:
+        return pool.run("say inner").stdout.strip()
+
+    result = pool.run("call nested [] {}", functions={"nested": nested}, wait_timeout=30)
+    assert answer(result) == {"result": "inner"}
