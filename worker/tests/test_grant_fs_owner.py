@@ -161,11 +161,15 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "Runsc.run": f"{_RUNSC}; an anonymous temp file for runsc's stderr",
         "Runsc.list_ids": _RUNSC,
         "Runsc.sweep": _RUNSC,
+        "Runsc._resume": _RUNSC,
         "Runsc.limit_memory": _CGROUP,
         "Runsc.memory_usage": _CGROUP,
         "Runsc.memory_limit": _CGROUP,
         "Runsc.oom_killed": _CGROUP,
-        "kill_sandbox_process": f"runsc's pid file in the sandbox's own dir; {_PROC}",
+    },
+    "_sentry.py": {
+        "signal_sandbox_process": "runsc's pid file in the sandbox's own dir",
+        "signal_sentry_pid": _PROC,
     },
     "testing.py": {
         "thread_count": _PROC,

@@ -18,7 +18,7 @@ import pytest
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, Step
-from readie_worker.runsc import kill_sandbox_process
+from readie_worker._sentry import kill_sandbox_process
 from readie_worker.session_store import entry_name
 
 pytestmark = pytest.mark.runsc

@@ -4,15 +4,43 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 
+from readie_worker._sentry import kill_sandbox_process
 from readie_worker._states import SandboxState
 from readie_worker.warm import RefillBudget, WarmSandboxes
 from readie_worker.sandbox import checkpoint_factory
 from readie_worker.testing import wait_until
 
 pytestmark = pytest.mark.runsc
+
+
+def sentry_of(sandbox) -> int:
+    """Its sentry's pid, from runsc's pid file (runsc state would wait for a paused sentry)."""
+    return int(sandbox.dir.pid_file.read_text())
+
+
+def sentry_children(sentry: int) -> list[int]:
+    """The sentry's descendants: systrap's stubs, where the sandbox's code runs."""
+    found, todo = [], [sentry]
+    while todo:
+        tasks = Path(f"/proc/{todo.pop()}/task")
+        children = [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+        found += children
+        todo += children
+    return found
+
+
+def run_state(pid: int) -> str:
+    """A process's state letter: T once stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 @pytest.fixture
@@ -66,9 +94,10 @@ def test_a_dead_warm_sandbox_is_never_handed_out(pool_factory, runsc):
     pool = pool_factory("base", target=1)
     assert pool.wait_until_full(timeout=60)
     [victim] = [entry.sandbox for entry in pool._ready]
-    runsc.run("kill", victim.id, "KILL", reaping=True)
+    # Killed from outside as it waits (paused: runsc kill would wait for it to run again).
+    assert kill_sandbox_process(victim.id, victim.dir.pid_file)
     # A take checks the warm-up's kept connection, which shows the death a few ms after
-    # runsc kill returns; a death racing the take is a death under the job (decision 0012).
+    # the kill; a death racing the take is a death under the job (decision 0012).
     assert wait_until(lambda: not victim.connection_intact(), timeout=5)
     sandbox = pool.take()
     try:
@@ -97,8 +126,11 @@ def test_a_sandbox_idle_past_the_ping_threshold_is_pinged_and_a_wedged_one_repla
     assert pool.wait_until_full(timeout=60)
     [entry] = list(pool._ready)
     entry.since -= PING_AFTER_IDLE_S + 1  # as if it had idled that long
-    pids = [runsc.state(entry.sandbox.id)["pid"]]  # the sentry
-    for pid in pids:  # wedged: alive, its connection quiet, but it answers nothing
+    # Wedged: alive, its connection quiet, but it answers nothing. The stub processes that run its
+    # code are stopped, not the sentry: a take resumes the sentry of a warm sandbox, paused as it waits.
+    pids = sentry_children(sentry_of(entry.sandbox))
+    assert pids
+    for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
         sandbox = pool.take()
@@ -119,3 +151,36 @@ def test_closing_a_pool_destroys_its_sandboxes(pool_factory, runsc):
     ids = [entry.sandbox.id for entry in pool._ready]
     pool.close()
     assert not set(ids) & set(runsc.list_ids())
+
+
+def test_a_warm_sandbox_waits_paused_using_no_cpu_and_a_take_resumes_it(pool_factory, runsc):
+    pool = pool_factory("base", target=1)
+    assert pool.wait_until_full(timeout=60)
+    [entry] = list(pool._ready)
+    sentry = sentry_of(entry.sandbox)
+    assert run_state(sentry) == "T"
+    before = cpu_ticks(sentry)
+    time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
+    assert cpu_ticks(sentry) == before
+    sandbox = pool.take()
+    try:
+        assert sandbox.id == entry.sandbox.id and run_state(sentry) != "T"
+        assert sandbox.alive()
+    finally:
+        sandbox.destroy()
+
+
+def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(pool_factory, runsc):
+    pool = pool_factory("base", target=2)
+    assert pool.wait_until_full(timeout=60)
+    first, second = [entry.sandbox for entry in pool._ready]
+    pool._ready.clear()  # theirs now, as a worker that died would have left them
+    started = time.monotonic()
+    first.destroy()
+    assert time.monotonic() - started < 5
+    # A worker that died left the other paused: the next one's sweep resumes it, else runsc kill waits.
+    started = time.monotonic()
+    assert second.id in runsc.sweep()
+    assert time.monotonic() - started < 10
+    assert not {first.id, second.id} & set(runsc.list_ids())
+    second.destroy()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ import structlog
 from ._sandbox_dir import SandboxDir
 from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec
 from .errors import RequestError, SandboxSetupError
+from ._sentry import signal_sandbox_process
 from .runsc import Launched, Runsc, RunscError
 
 __all__ = ["JOB_MEMORY_SLACK", "Launcher", "LocalProcess", "RunscCold", "RunscRestore"]
@@ -56,6 +58,13 @@ class Launcher(Protocol):
 
     def destroy(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
         """Tear down whatever ``start`` left, ``process`` or not (a start that failed part-way)."""
+
+    def pause(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        """Stop the started sandbox's processes, which then use no CPU; whether they were. Only
+        ``resume`` or ``destroy`` may follow."""
+
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        """Let a paused sandbox run again."""
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         """Whether the memory backstop killed the sandbox (asked before destroy)."""
@@ -105,6 +114,13 @@ class _RunscLauncher:
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return self.runsc.oom_killed(sandbox.id)
+
+    def pause(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        # The sentry alone: the gofer and the stub processes sleep while it does.
+        return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGSTOP)
+
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGCONT)
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         usage = self.runsc.memory_usage(sandbox.id)
@@ -204,6 +220,16 @@ class LocalProcess:
         if process is not None:
             process.kill()
             process.wait()
+
+    def pause(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        if process is None or process.poll() is not None:
+            return False
+        process.send_signal(signal.SIGSTOP)
+        return True
+
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return False

@@ -24,6 +24,7 @@ from typing import IO, Protocol
 import structlog
 
 from . import _reaper
+from ._sentry import kill_sandbox_process, signal_sentry_pid
 from .errors import SandboxSetupError, host_failure, log_host_facts
 from .paths import remove_beneath
 
@@ -318,6 +319,15 @@ class Runsc:
             with host_failure(SandboxSetupError, f"cannot limit the memory of {container_id} to {value} bytes"):
                 path.write_text(str(value))
 
+    def _resume(self, container_id: str) -> None:
+        """SIGCONT a sentry a warm set left paused: runsc state, kill and delete would wait on it.
+        Its pid from runsc's own record, read as ``hold_mounts`` reads it (asking runsc would wait)."""
+        try:
+            record = json.loads((self.root / f"{container_id}_sandbox:{container_id}.state").read_bytes())
+            signal_sentry_pid(container_id, int(record["sandbox"]["pid"]), signal.SIGCONT)
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+
     def sweep(self) -> list[str]:
         """Destroy every container in this state dir and remove what runsc left behind.
 
@@ -326,6 +336,7 @@ class Runsc:
         """
         swept = []
         for container_id in self.list_ids():
+            self._resume(container_id)
             self.destroy(container_id)
             swept.append(container_id)
         try:  # what runsc left, removed from the root as opened here: never through a link
@@ -340,35 +351,6 @@ class Runsc:
         finally:
             os.close(root)
         return swept
-
-
-# A pid file holds a decimal pid and a newline.
-MAX_PID_FILE_BYTES = 32
-
-
-def kill_sandbox_process(container_id: str, pid_file: Path) -> bool:
-    """SIGKILL the runsc-sandbox process of ``container_id`` named in ``pid_file``; whether it was.
-
-    The pid is checked through a pidfd: once open, it names that process for
-    good, so the command line read next (``runsc-sandbox ... <id>``) proves
-    that a pid reused since the sandbox died is not signalled.
-    """
-    try:
-        pid = int(pid_file.read_bytes()[:MAX_PID_FILE_BYTES])
-        pidfd = os.pidfd_open(pid)
-    except (OSError, ValueError, OverflowError):
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read(64 * 1024).split(b"\0")
-        if argv[0] != b"runsc-sandbox" or container_id.encode() not in argv:
-            return False
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(pidfd)
 
 
 def version(binary: str = "runsc") -> str:

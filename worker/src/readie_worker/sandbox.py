@@ -165,6 +165,7 @@ class Sandbox:
     # interrupt() may come from another thread at any moment of an exchange.
     _interrupted: bool = field(default=False, repr=False)
     _connecting: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _paused: bool = field(default=False, repr=False)
 
     @property
     def id(self) -> str:
@@ -348,9 +349,21 @@ class Sandbox:
         finally:
             self._drop_connection()
 
+    def pause(self) -> None:
+        """Stop it while it waits for a job (a warm set's): an idle gVisor sentry still wakes every
+        400 µs (systrap's fast-path controller). Its owner resumes it before anything talks to it."""
+        if not self.destroyed and not self._paused:
+            self._paused = self.launcher.pause(self.dir, self.launched.process)
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.launcher.resume(self.dir, self.launched.process)
+
     def destroy(self) -> None:
         if self.destroyed:
             return
+        self.resume()  # a paused sentry would hold a runsc kill's request (when its pid file fails)
         self.state = SandboxState.DEAD
         self._drop_connection()
         try:

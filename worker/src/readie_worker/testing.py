@@ -175,6 +175,12 @@ class FaultyLauncher:
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return self.inner.oom_killed(sandbox)
 
+    def pause(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        return self.inner.pause(sandbox, process)
+
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
+        self.inner.resume(sandbox, process)
+
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         return self.inner.limit_memory(sandbox, job_bytes)
 

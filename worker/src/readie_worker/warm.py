@@ -133,6 +133,7 @@ class WarmSandboxes:
                 self._changed.notify_all()
             if entry is None:
                 break
+            entry.sandbox.resume()
             recent = time.monotonic() - entry.since < PING_AFTER_IDLE_S
             if (recent and entry.sandbox.connection_intact()) or entry.sandbox.alive():
                 entry.sandbox.move(SandboxState.BUSY)
@@ -221,6 +222,8 @@ class WarmSandboxes:
                 backoff = min(backoff * 2, REFILL_BACKOFF_MAX_S)
             else:
                 backoff = REFILL_BACKOFF_S
+                if sandbox is not None:  # paused before a take can see it: take resumes it
+                    sandbox.pause()
             with self._changed:
                 self._restoring -= 1
                 if sandbox is not None:
