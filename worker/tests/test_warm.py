@@ -153,34 +153,57 @@ def test_closing_a_pool_destroys_its_sandboxes(pool_factory, runsc):
     assert not set(ids) & set(runsc.list_ids())
 
 
-def test_a_warm_sandbox_waits_paused_using_no_cpu_and_a_take_resumes_it(pool_factory, runsc):
-    pool = pool_factory("base", target=1)
-    assert pool.wait_until_full(timeout=60)
-    [entry] = list(pool._ready)
-    sentry = sentry_of(entry.sandbox)
-    assert run_state(sentry) == "T"
-    before = cpu_ticks(sentry)
-    time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
-    assert cpu_ticks(sentry) == before
-    sandbox = pool.take()
-    try:
-        assert sandbox.id == entry.sandbox.id and run_state(sentry) != "T"
-        assert sandbox.alive()
-    finally:
-        sandbox.destroy()
-
-
-def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(pool_factory, runsc):
+def test_warm_sandboxes_behind_the_next_in_line_wait_paused_using_no_cpu(pool_factory):
     pool = pool_factory("base", target=2)
     assert pool.wait_until_full(timeout=60)
     first, second = [entry.sandbox for entry in pool._ready]
-    pool._ready.clear()  # theirs now, as a worker that died would have left them
+    assert run_state(sentry_of(first)) != "T"  # the next a take gets runs
+    behind = sentry_of(second)
+    assert run_state(behind) == "T"
+    before = cpu_ticks(behind)
+    time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
+    assert cpu_ticks(behind) == before
+    taken = pool.take()
+    try:
+        assert taken.id == first.id
+        assert run_state(behind) != "T"  # next in line now: resumed before it is taken
+        assert taken.alive()
+        again = pool.take()
+        try:
+            assert again.id == second.id and again.alive()
+        finally:
+            again.destroy()
+    finally:
+        taken.destroy()
+
+
+def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(pool_factory, runsc):
+    pool = pool_factory("base", target=3)
+    assert pool.wait_until_full(timeout=60)
+    running, first, second = [entry.sandbox for entry in pool._ready]
+    pool._ready.clear()  # the test's now, as a worker that died would have left them
+    assert run_state(sentry_of(first)) == run_state(sentry_of(second)) == "T"
     started = time.monotonic()
     first.destroy()
     assert time.monotonic() - started < 5
-    # A worker that died left the other paused: the next one's sweep resumes it, else runsc kill waits.
+    # A worker that died left one paused: the next one's sweep resumes it, else runsc kill waits.
     started = time.monotonic()
     assert second.id in runsc.sweep()
     assert time.monotonic() - started < 10
-    assert not {first.id, second.id} & set(runsc.list_ids())
-    second.destroy()
+    assert not {running.id, first.id, second.id} & set(runsc.list_ids())
+    for sandbox in (running, second):
+        sandbox.destroy()
+
+
+def test_the_next_in_line_is_resumed_once_the_job_that_took_its_place_is_done(pool_factory):
+    pool = pool_factory("base", target=2)
+    assert pool.wait_until_full(timeout=60)
+    first, second = [entry.sandbox for entry in pool._ready]
+    with pool.refill_held():  # as Worker.run_job holds it around a job
+        taken = pool.take()
+        # Resumed beside the running job, the sentry's catching up would slow that job.
+        assert taken.id == first.id and run_state(sentry_of(second)) == "T"
+    try:
+        assert run_state(sentry_of(second)) != "T"
+    finally:
+        taken.destroy()
