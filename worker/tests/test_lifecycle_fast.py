@@ -8,6 +8,7 @@ The same logic under runsc is test_restore.py's and test_warm.py's.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from readie_worker.bundle import serve_env
@@ -130,3 +131,26 @@ def test_a_refill_waits_for_the_job_that_took_its_sandbox_never_past_its_bound_n
             sandbox.destroy()
         warm.close()
     assert leftovers(warm.factory) == []
+
+
+def test_a_warm_sandbox_that_cannot_be_resumed_is_destroyed_and_never_handed_out(tmp_path):
+    launcher = FaultyLauncher()
+    warm = WarmSandboxes("fast", factory(tmp_path, launcher), target=2, budget=RefillBudget()).start()
+    try:
+        assert wait_until(lambda: warm.ready_count == 2, 30)
+        head, behind = (entry.sandbox for entry in warm._ready)
+        stat = Path(f"/proc/{behind.launched.process.pid}/stat")
+        # Paused, behind the next in line (stopped a moment after the signal).
+        assert wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", 5)
+        launcher.fail_resumes = 100  # it stays stopped from now on
+        first = warm.take()  # the head, never paused; the one behind it stays stopped
+        second = warm.take()
+        try:
+            assert first is head and second is not behind and behind.destroyed
+            outcome = run_in_sandbox(second, CodeJob(checkpoint="x", code="print('ran')"), links=())
+            assert outcome.stdout == "ran\n", outcome
+        finally:
+            first.destroy()
+            second.destroy()
+    finally:
+        warm.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from readie_worker._sentry import kill_sandbox_process
 from readie_worker._states import SandboxState
+from readie_worker.runsc import Runsc
 from readie_worker.warm import RefillBudget, WarmSandboxes
 from readie_worker.sandbox import checkpoint_factory
 from readie_worker.testing import wait_until
@@ -94,7 +97,7 @@ def test_a_dead_warm_sandbox_is_never_handed_out(pool_factory, runsc):
     pool = pool_factory("base", target=1)
     assert pool.wait_until_full(timeout=60)
     [victim] = [entry.sandbox for entry in pool._ready]
-    # Killed from outside as it waits (paused: runsc kill would wait for it to run again).
+    # Killed from outside as it waits, by its pid: runsc kill would wait for a paused sentry.
     assert kill_sandbox_process(victim.id, victim.dir.pid_file)
     # A take checks the warm-up's kept connection, which shows the death a few ms after
     # the kill; a death racing the take is a death under the job (decision 0012).
@@ -127,7 +130,7 @@ def test_a_sandbox_idle_past_the_ping_threshold_is_pinged_and_a_wedged_one_repla
     [entry] = list(pool._ready)
     entry.since -= PING_AFTER_IDLE_S + 1  # as if it had idled that long
     # Wedged: alive, its connection quiet, but it answers nothing. The stub processes that run its
-    # code are stopped, not the sentry: a take resumes the sentry of a warm sandbox, paused as it waits.
+    # code are stopped, not the sentry, which a take resumes when it waited paused.
     pids = sentry_children(sentry_of(entry.sandbox))
     assert pids
     for pid in pids:
@@ -157,9 +160,9 @@ def test_warm_sandboxes_behind_the_next_in_line_wait_paused_using_no_cpu(pool_fa
     pool = pool_factory("base", target=2)
     assert pool.wait_until_full(timeout=60)
     first, second = [entry.sandbox for entry in pool._ready]
-    assert run_state(sentry_of(first)) != "T"  # the next a take gets runs
+    assert run_state(sentry_of(first)) != "T"  # the next a take gets runs, never stopped
     behind = sentry_of(second)
-    assert run_state(behind) == "T"
+    assert wait_until(lambda: run_state(behind) == "T", timeout=5)  # a moment after the signal
     before = cpu_ticks(behind)
     time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
     assert cpu_ticks(behind) == before
@@ -177,22 +180,28 @@ def test_warm_sandboxes_behind_the_next_in_line_wait_paused_using_no_cpu(pool_fa
         taken.destroy()
 
 
-def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(pool_factory, runsc):
-    pool = pool_factory("base", target=3)
-    assert pool.wait_until_full(timeout=60)
-    running, first, second = [entry.sandbox for entry in pool._ready]
-    pool._ready.clear()  # the test's now, as a worker that died would have left them
-    assert run_state(sentry_of(first)) == run_state(sentry_of(second)) == "T"
-    started = time.monotonic()
-    first.destroy()
-    assert time.monotonic() - started < 5
-    # A worker that died left one paused: the next one's sweep resumes it, else runsc kill waits.
-    started = time.monotonic()
-    assert second.id in runsc.sweep()
-    assert time.monotonic() - started < 10
-    assert not {running.id, first.id, second.id} & set(runsc.list_ids())
-    for sandbox in (running, second):
-        sandbox.destroy()
+def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(checkpoints, short_tmp):
+    # A root of its own: the sweep empties the whole root, and the session's one is shared.
+    own = Runsc(root=Path(tempfile.mkdtemp(prefix="readie-test-pause-")))
+    factory = checkpoint_factory(own, checkpoints.manifest, checkpoints.usable["base"], short_tmp)
+    first, second = factory.create(), factory.create()
+    try:
+        for sandbox in (first, second):
+            sandbox.pause()  # the stop takes effect a moment after the signal
+            assert wait_until(lambda sandbox=sandbox: run_state(sentry_of(sandbox)) == "T", timeout=5)
+        started = time.monotonic()
+        first.destroy()  # its SIGKILL ends a stopped sentry; runsc kill would wait for it
+        assert time.monotonic() - started < 5
+        # A worker that died left the other paused: the next one's sweep resumes it, else runsc
+        # state, kill and delete would wait for it.
+        started = time.monotonic()
+        assert own.sweep() == [second.id]
+        assert time.monotonic() - started < 10
+        assert own.list_ids() == []
+    finally:
+        for sandbox in (first, second):
+            sandbox.destroy()
+        shutil.rmtree(own.root, ignore_errors=True)
 
 
 def test_the_next_in_line_is_resumed_once_the_job_that_took_its_place_is_done(pool_factory):
@@ -202,7 +211,8 @@ def test_the_next_in_line_is_resumed_once_the_job_that_took_its_place_is_done(po
     with pool.refill_held():  # as Worker.run_job holds it around a job
         taken = pool.take()
         # Resumed beside the running job, the sentry's catching up would slow that job.
-        assert taken.id == first.id and run_state(sentry_of(second)) == "T"
+        assert taken.id == first.id
+        assert wait_until(lambda: run_state(sentry_of(second)) == "T", timeout=5)
     try:
         assert run_state(sentry_of(second)) != "T"
     finally:

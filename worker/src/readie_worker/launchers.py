@@ -63,8 +63,8 @@ class Launcher(Protocol):
         """Stop the started sandbox's processes, which then use no CPU; whether they were. Only
         ``resume`` or ``destroy`` may follow."""
 
-    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        """Let a paused sandbox run again."""
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        """Let a paused sandbox run again; whether it was (else it stays stopped: destroy it)."""
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         """Whether the memory backstop killed the sandbox (asked before destroy)."""
@@ -119,8 +119,9 @@ class _RunscLauncher:
         # The sentry alone: the gofer and the stub processes sleep while it does.
         return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGSTOP)
 
-    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGCONT)
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        # runsc forwards the SIGCONT to the sandbox's init, the executor: ignored there by default.
+        return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGCONT)
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         usage = self.runsc.memory_usage(sandbox.id)
@@ -227,9 +228,11 @@ class LocalProcess:
         process.send_signal(signal.SIGSTOP)
         return True
 
-    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGCONT)
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        if process is None or process.poll() is not None:
+            return False
+        process.send_signal(signal.SIGCONT)
+        return True
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
         return False

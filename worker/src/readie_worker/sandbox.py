@@ -355,15 +355,17 @@ class Sandbox:
         if not self.destroyed and not self._paused:
             self._paused = self.launcher.pause(self.dir, self.launched.process)
 
-    def resume(self) -> None:
+    def resume(self) -> bool:
+        """Let a paused sandbox run again; whether it runs (False: it could not be resumed)."""
         if self._paused:
-            self._paused = False
-            self.launcher.resume(self.dir, self.launched.process)
+            self._paused = not self.launcher.resume(self.dir, self.launched.process)
+        return not self._paused
 
     def destroy(self) -> None:
+        # A paused one needs no resume: the launcher's SIGKILL ends a stopped sentry too (and when
+        # that cannot be sent, neither can a SIGCONT).
         if self.destroyed:
             return
-        self.resume()  # a paused sentry would hold a runsc kill's request (when its pid file fails)
         self.state = SandboxState.DEAD
         self._drop_connection()
         try:

@@ -140,6 +140,7 @@ class FaultyLauncher:
 
     inner: Launcher = field(default_factory=LocalProcess)
     fail_starts: int = 0
+    fail_resumes: int = 0  # resumes that fail (the paused process stays stopped)
     starts: int = 0
     destroys: int = 0
 
@@ -178,8 +179,11 @@ class FaultyLauncher:
     def pause(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
         return self.inner.pause(sandbox, process)
 
-    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> None:
-        self.inner.resume(sandbox, process)
+    def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
+        if self.fail_resumes > 0:
+            self.fail_resumes -= 1
+            return False
+        return self.inner.resume(sandbox, process)
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
         return self.inner.limit_memory(sandbox, job_bytes)

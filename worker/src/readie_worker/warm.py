@@ -135,9 +135,11 @@ class WarmSandboxes:
                 self._changed.notify_all()
             if entry is None:
                 break
-            entry.sandbox.resume()  # the next in line runs already; a no-op then
+            # The next in line runs already, unless a job of this set was running when it became
+            # next. One that cannot be resumed is as good as dead (a stopped sentry's socket is quiet).
+            resumed = entry.sandbox.resume()
             recent = time.monotonic() - entry.since < PING_AFTER_IDLE_S
-            if (recent and entry.sandbox.connection_intact()) or entry.sandbox.alive():
+            if resumed and ((recent and entry.sandbox.connection_intact()) or entry.sandbox.alive()):
                 entry.sandbox.move(SandboxState.BUSY)
                 self.hits += 1
                 return entry.sandbox
@@ -243,8 +245,9 @@ class WarmSandboxes:
         An idle gVisor sentry still wakes every 400 µs (systrap's fast-path controller): a few
         percent of a core per waiting sandbox here, none paused (SIGSTOP). But a sandbox resumed
         right before its job runs the job slower (p90 +9 ms in a lab: the fast path is cold), and
-        one resumed beside a running job slows that job (+0.3 ms p50), so the next in line is
-        resumed once it is next and no job of this set holds the refill (``refill_held``).
+        one resumed beside a running job slows that job (+0.3 ms p50). So the next in line is
+        resumed when a job of this set ends (``refill_held``), or at a take outside any job; a take
+        while another job runs may get it still paused, and resume it then, the cold case.
         """
         if self._ready:
             self._ready[0].sandbox.resume()
