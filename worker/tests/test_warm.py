@@ -217,3 +217,23 @@ def test_the_next_in_line_is_resumed_once_the_job_that_took_its_place_is_done(po
         assert run_state(sentry_of(second)) != "T"
     finally:
         taken.destroy()
+
+
+def test_the_next_in_line_is_paused_once_it_waited_with_no_take_and_a_take_resumes_it(pool_factory, monkeypatch):
+    import readie_worker.warm as warm
+
+    monkeypatch.setattr(warm, "PAUSE_NEXT_IN_LINE_AFTER_S", 0.5)  # 10 s in earnest: a take then pings it
+    pool = pool_factory("base", target=1)
+    assert pool.wait_until_full(timeout=60)
+    [head] = [entry.sandbox for entry in pool._ready]
+    sentry = sentry_of(head)
+    assert wait_until(lambda: run_state(sentry) == "T", timeout=5)  # no take came: stopped
+    before = cpu_ticks(sentry)
+    time.sleep(1.0)
+    assert cpu_ticks(sentry) == before
+    taken = pool.take()
+    try:
+        assert taken.id == head.id and run_state(sentry) != "T"
+        assert taken.alive()
+    finally:
+        taken.destroy()

@@ -48,6 +48,11 @@ DEFAULT_IDLE_TTL_S = 300.0
 # open connection is check enough. Past it (an idle worker, where 5 ms do not
 # show) the executor must answer a ping before it gets a job.
 PING_AFTER_IDLE_S = 10.0
+# The next in line, running this long with no take, is paused too (``_pause_idle_head``): an idle
+# sentry costs 3-4 % of a core here, and a take this late pings it anyway (PING_AFTER_IDLE_S),
+# which wakes what the pause let go cold. Not shorter than the ping's age, so a take that comes
+# sooner never meets a paused sandbox it would not ping.
+PAUSE_NEXT_IN_LINE_AFTER_S = PING_AFTER_IDLE_S
 # A refill waits while the job that took a warm sandbox runs, for at most this long: a restore
 # (~0.3 CPU-s on several threads, and the worker's own work to start it) beside a short job on
 # two cores slowed a warm pandas print(1) by about a fifth (decision 33). A longer job shares
@@ -81,7 +86,8 @@ class SandboxObserver(Protocol):
 @dataclass
 class _Ready:
     sandbox: Sandbox
-    since: float
+    since: float  # ready (warmed up) since: what a take's probe goes by
+    running_since: float | None = None  # the next in line, running, since; None while paused
 
 
 class WarmSandboxes:
@@ -184,6 +190,7 @@ class WarmSandboxes:
             while len(self._ready) > self.target and now - self._ready[0].since > self._idle_ttl_s:
                 doomed.append(self._ready.popleft().sandbox)
             self._next_in_line_runs()
+            self._changed.notify_all()  # the refiller pauses the next in line in time
         for sandbox in doomed:
             sandbox.destroy()
         return len(doomed)
@@ -206,9 +213,10 @@ class WarmSandboxes:
             with self._changed:
                 needed_since = None
                 while not self._closed:
+                    pause_in_s = self._pause_idle_head()
                     if len(self._ready) + self._restoring >= self.target:
                         needed_since = None
-                        self._changed.wait()
+                        self._changed.wait(pause_in_s)
                         continue
                     needed_since = needed_since or time.monotonic()
                     hold_s = self._hold_left_s(needed_since)
@@ -234,9 +242,10 @@ class WarmSandboxes:
                     if self._closed:
                         sandbox.destroy()
                     else:
+                        now = time.monotonic()
                         if self._ready:  # behind another: paused till it is next (_next_in_line_runs)
                             sandbox.pause()
-                        self._ready.append(_Ready(sandbox, time.monotonic()))
+                        self._ready.append(_Ready(sandbox, now, None if self._ready else now))
                 self._changed.notify_all()
 
     def _next_in_line_runs(self) -> None:
@@ -247,10 +256,26 @@ class WarmSandboxes:
         right before its job runs the job slower (p90 +9 ms in a lab: the fast path is cold), and
         one resumed beside a running job slows that job (+0.3 ms p50). So the next in line is
         resumed when a job of this set ends (``refill_held``), or at a take outside any job; a take
-        while another job runs may get it still paused, and resume it then, the cold case.
+        while another job runs may get it still paused, and resume it then, the cold case. It runs
+        until ``PAUSE_NEXT_IN_LINE_AFTER_S`` pass with no take (``_pause_idle_head``).
         """
-        if self._ready:
+        if self._ready and self._ready[0].running_since is None:
             self._ready[0].sandbox.resume()
+            self._ready[0].running_since = time.monotonic()
+
+    def _pause_idle_head(self) -> float | None:
+        """Pause the next in line once it has run ``PAUSE_NEXT_IN_LINE_AFTER_S`` with no take (holding
+        ``_changed``); the seconds until that is due, None if nothing runs waiting."""
+        head = self._ready[0] if self._ready else None
+        if head is None or head.running_since is None:
+            return None
+        due_in_s = head.running_since + PAUSE_NEXT_IN_LINE_AFTER_S - time.monotonic()
+        if due_in_s > 0:
+            return due_in_s
+        head.sandbox.pause()
+        head.running_since = None
+        log.debug("idle warm sandbox paused", checkpoint=self.name, sandbox=head.sandbox.id)
+        return None
 
     def made_for_a_job(self, grants: HeldGrants, factory: SandboxFactory | None = None) -> Sandbox:
         """A sandbox of this checkpoint made for one job (its own mounts, or ``factory``'s network),
