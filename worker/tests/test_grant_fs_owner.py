@@ -102,7 +102,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
     },
     "egress_net.py": {"host_nameservers": "the host's /etc/resolv.conf: the operator's, read for the default egress_dns"},
     "bundle.py": {"SandboxSpec.write": "the OCI bundle in the sandbox's own dir"},
-    "launchers.py": {"_RunscLauncher.hold_mounts": f"{_RUNSC}; {_PROC}"},
+    "launchers.py": {"_RunscLauncher.hold_mounts": f"{_RUNSC}; {_PROC}", "LocalProcess.cpu_ns": _PROC},
     "cli.py": {"_manifest": f"whether --checkpoints names a directory: {_OPERATOR}"},
     "core.py": {
         "Worker._hold_grants": "realpath of the package cache dir ensure_packages made: the worker's own",
@@ -164,6 +164,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "Runsc._resume": _RUNSC,
         "Runsc.limit_memory": _CGROUP,
         "Runsc.memory_usage": _CGROUP,
+        "Runsc.cpu_usage_ns": _CGROUP,
         "Runsc.memory_limit": _CGROUP,
         "Runsc.oom_killed": _CGROUP,
     },

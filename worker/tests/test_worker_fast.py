@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import structlog
+
+import readie_worker._idle_pause as idle_pause
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, Step
@@ -139,5 +142,35 @@ def test_then_has_the_answer_before_the_workers_own_bookkeeping(tmp_path, launch
             order.clear()
             worker.run_job(job("print(2)"), then=lambda done: order.append("then"))
             assert order == ["retired", "then"]
+    finally:
+        worker.close()
+
+
+def stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_an_idle_session_is_paused_and_whatever_holds_it_next_runs_it_again(tmp_path, launcher, monkeypatch):
+    monkeypatch.setattr(idle_pause, "PAUSE_AFTER_IDLE_S", 0.3)
+    monkeypatch.setattr(idle_pause, "CHECK_EVERY_S", 0.1)
+    worker = start(tmp_path, launcher)
+    try:
+        session, first = worker.open_session(job("x = 41"))
+        assert first.outcome.exit == 0, first
+        executor = session._sandbox.launched.process.pid
+        assert wait_until(lambda: stopped(executor), timeout=5)
+        step = session.run_step(Step("x += 1\nprint(x)"))
+        assert (step.session_ended, step.outcome.stdout, stopped(executor)) == (False, "42\n", False)
+        assert wait_until(lambda: stopped(executor), timeout=5)
+        assert "cell.py" not in {entry.name for entry in session.list_files(".").entries}
+        assert not stopped(executor)
+        # One that cannot be resumed ends its session at once with a worker error, not after the
+        # step's 20 s timeout charged to the user's code.
+        assert wait_until(lambda: stopped(executor), timeout=5)
+        launcher.fail_resumes = 1
+        started = time.monotonic()
+        broken = session.run_step(Step("print(x)"))
+        assert time.monotonic() - started < 5
+        assert broken.session_ended and broken.outcome.error.type == "PoolWorkerError", broken
     finally:
         worker.close()

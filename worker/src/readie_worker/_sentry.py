@@ -1,8 +1,8 @@
 """Signals to a sandbox's sentry (its ``runsc-sandbox`` process), checked through a pidfd.
 
 SIGKILL ends a sandbox without asking runsc (``Runsc.destroy``); SIGSTOP and
-SIGCONT pause and resume a warm sandbox while it waits for a job
-(``Sandbox.pause``): systrap's sentry wakes every 400 µs even when its
+SIGCONT pause and resume a warm sandbox while it waits for a job, and an idle
+session's (``Sandbox.pause``): systrap's sentry wakes every 400 µs even when its
 sandbox is idle, which costs a few percent of a core per sandbox here.
 """
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from readie_protocol.cancel import NEVER, Cancellation
+from ._idle_pause import IdlePauser
 from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids
 from .hibernation import SessionImages
 from .paths import remove_tree
@@ -71,6 +72,7 @@ class WorkerSessions:
         self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
         self._places = 0  # sessions open or being opened, at most max_sessions
         self._closed = False
+        self._pauser: IdlePauser | None = None  # pauses idle sessions: from the first kept to close()
 
     @property
     def hibernated(self) -> int:
@@ -88,7 +90,9 @@ class WorkerSessions:
         """Close every open session (their sandboxes); none opens after this."""
         with self._lock:
             self._closed = True
-            sessions = list(self._sessions)
+            sessions, pauser = list(self._sessions), self._pauser
+        if pauser is not None:
+            pauser.close()
         for session in sessions:  # a step still running ends with a worker error
             session.close()
 
@@ -129,10 +133,7 @@ class WorkerSessions:
                 sandbox.destroy()
                 self._give_session_place()
                 raise
-            with self._lock:
-                self._sessions.add(session)
-                closed = self._closed
-            if closed:  # close() ran while the sandbox was made ready
+            if self._keep(session):  # close() ran while the sandbox was made ready
                 session.close()
                 raise PoolWorkerError("the worker is closing; the session did not start")
             try:
@@ -258,10 +259,7 @@ class WorkerSessions:
     def _kept(self, session: SandboxSession, *, keep_entry: bool = False) -> SandboxSession:
         """``session`` kept; on a worker closing it ends (``keep_entry``: an attached one's entry is
         left for another worker, a fork's removed)."""
-        with self._lock:
-            self._sessions.add(session)
-            closed = self._closed
-        if closed:
+        if self._keep(session):
             if keep_entry:
                 session.release()
             else:
@@ -295,6 +293,18 @@ class WorkerSessions:
             session.lease = images.store.hold(session.key, forward, new=True)
             forward.bind(session)
         return session
+
+    def _keep(self, session: SandboxSession) -> bool:
+        """Keep ``session`` open; whether the worker is closing (the caller ends it then)."""
+        with self._lock:
+            self._sessions.add(session)
+            if self._pauser is None and not self._closed:
+                self._pauser = IdlePauser(self._open).start()
+            return self._closed
+
+    def _open(self) -> list[SandboxSession]:
+        with self._lock:
+            return list(self._sessions)
 
     def _take_session_place(self) -> None:
         with self._lock:

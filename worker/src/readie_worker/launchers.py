@@ -78,6 +78,9 @@ class Launcher(Protocol):
     def memory_left(self, sandbox: SandboxDir) -> int | None:
         """Bytes the sandbox may still take before its memory cgroup's limit; None where none is known."""
 
+    def cpu_ns(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> int | None:
+        """CPU nanoseconds the sandbox has used so far, all its processes; None where unknown."""
+
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path, *, leave_running: bool = False) -> None:
         """Save the sandbox, its executor hibernating, to ``image_dir``; the container ends unless
         ``leave_running``."""
@@ -147,6 +150,9 @@ class _RunscLauncher:
 
     def memory_usage(self, sandbox: SandboxDir) -> int | None:
         return self.runsc.memory_usage(sandbox.id)
+
+    def cpu_ns(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> int | None:
+        return self.runsc.cpu_usage_ns(sandbox.id)
 
     def memory_left(self, sandbox: SandboxDir) -> int | None:
         limit, usage = self.runsc.memory_limit(sandbox.id), self.runsc.memory_usage(sandbox.id)
@@ -245,6 +251,15 @@ class LocalProcess:
 
     def memory_left(self, sandbox: SandboxDir) -> int | None:
         return None
+
+    def cpu_ns(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> int | None:
+        if process is None:
+            return None
+        try:  # the executor's own (utime, stime), in clock ticks
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path, *, leave_running: bool = False) -> None:
         raise RequestError("an unisolated worker cannot hibernate or fork a session: it has no gVisor to checkpoint", "session")

@@ -47,6 +47,7 @@ PREFERRED_PLATFORMS = ("systrap", "ptrace")
 COMMAND_TIMEOUT_S = 30.0
 NETNS_DIR = Path("/var/run/netns")
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+CGROUP_V1_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 # This much of a failed runsc command's stderr goes to the log.
 STDERR_TAIL = 2000
@@ -291,6 +292,19 @@ class Runsc:
             except (OSError, ValueError):
                 continue
         return None
+
+    def cpu_usage_ns(self, container_id: str) -> int | None:
+        """CPU nanoseconds the container's cgroup has used (sentry, gofer and the sandbox's code),
+        or None without such a cgroup."""
+        try:
+            return int((CGROUP_V1_CPUACCT / container_id / "cpuacct.usage").read_text())
+        except (OSError, ValueError):
+            pass
+        try:
+            stat = (CGROUP_V2 / container_id / "cpu.stat").read_text().split()
+            return int(stat[stat.index("usage_usec") + 1]) * 1000
+        except (OSError, ValueError, IndexError):
+            return None
 
     def memory_limit(self, container_id: str) -> int | None:
         """The container's memory cgroup limit in bytes, or None without one (or without a limit)."""

@@ -350,8 +350,8 @@ class Sandbox:
             self._drop_connection()
 
     def pause(self) -> None:
-        """Stop it while it waits for a job (a warm set's): an idle gVisor sentry still wakes every
-        400 µs (systrap's fast-path controller). Its owner resumes it before anything talks to it."""
+        """Stop it while it waits (a warm set's, an idle session's): an idle gVisor sentry still wakes
+        every 400 µs (systrap's fast-path controller). Its owner resumes it before anything talks to it."""
         if not self.destroyed and not self._paused:
             self._paused = self.launcher.pause(self.dir, self.launched.process)
 
@@ -360,6 +360,14 @@ class Sandbox:
         if self._paused:
             self._paused = not self.launcher.resume(self.dir, self.launched.process)
         return not self._paused
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def cpu_ns(self) -> int | None:
+        """CPU nanoseconds it has used so far (None where the launcher cannot tell)."""
+        return self.launcher.cpu_ns(self.dir, self.launched.process)
 
     def destroy(self) -> None:
         # A paused one needs no resume: the launcher's SIGKILL ends a stopped sentry too (and when

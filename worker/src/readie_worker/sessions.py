@@ -1,44 +1,39 @@
 """Sessions: one sandbox kept for a notebook's whole life, its ``__main__`` surviving between steps.
 
-A session is opened with a :class:`~readie_worker.jobs.CodeJob` that is both
-its setup and its first step: grants, package dirs, network, environment and
-limits are fixed then, like any job's (a session takes a warm sandbox, its
-grants mounted once it is taken, unless it needs packages or the network:
-``Worker._acquire``). Each step is ``runner_call(step, links, session=True)``, which the
-in-sandbox runner executes in the sandbox's persistent ``__main__``.
+A session is opened with a :class:`~readie_worker.jobs.CodeJob` that is both its setup and its
+first step: grants, package dirs, network, environment and limits are fixed then, like any job's
+(a session takes a warm sandbox, its grants mounted once it is taken, unless it needs packages or
+the network: ``Worker._acquire``). Each step is ``runner_call(step, links, session=True)``, which
+the in-sandbox runner executes in the sandbox's persistent ``__main__``.
 
 What a step's end means for the session:
 
-* the code finished, or raised (a ``NameError`` is a notebook cell's
-  failure): the session lives on, ``__main__`` intact, the sandbox READY;
-* it timed out, the sandbox crashed or answered garbage (PoolWorkerError,
-  MemoryError from the cgroup backstop), the code called ``sys.exit``
-  (``system_exit`` in its result), or the runner could not set the step up
-  (SandboxSetupError): the session ends and its sandbox is destroyed. The
-  :class:`StepOutcome` says so with ``session_ended``.
+* the code finished, or raised (a ``NameError`` is a notebook cell's failure): the session lives
+  on, ``__main__`` intact, the sandbox READY;
+* it timed out, the sandbox crashed or answered garbage (PoolWorkerError, MemoryError from the
+  cgroup backstop), the code called ``sys.exit`` (``system_exit`` in its result), or the runner
+  could not set the step up (SandboxSetupError): the session ends and its sandbox is destroyed.
+  The :class:`StepOutcome` says so with ``session_ended``.
 
-Slots: a session holds one of the worker's slots only while a step runs
-(the first step's slot covers making its sandbox ready). An idle session
-holds a sandbox (memory) but no slot, so the number of sessions a worker
-keeps is bounded by its own ``max_sessions``, not ``slots``. Idle reaping
-is the caller's business (the pool's ``session_idle``); the worker destroys
-every session's sandbox when it closes or drains.
+Slots: a session holds one of the worker's slots only while a step runs (the first step's slot
+covers making its sandbox ready). An idle session holds a sandbox (memory) but no slot, so the
+number of sessions a worker keeps is bounded by its own ``max_sessions``, not ``slots``. Idle
+reaping is the caller's business (the pool's ``session_idle``); the worker destroys every
+session's sandbox when it closes or drains, and pauses one idle long and quiet (``_idle_pause``).
 
-Steps run one at a time: a step asked for while another runs is a
-RequestError, not a queue (the pool engine queues steps in order).
+Steps run one at a time: a step asked for while another runs is a RequestError, not a queue (the
+pool engine queues steps in order).
 
-Hibernation (``hibernation.py``, decision 0022): an idle session is
-checkpointed to disk and its sandbox ended, freeing its memory; its next
-step restores it (``resumed_ms``), its grants opened again under a new
-job's rules. A fork is a hibernation whose image a second session shares.
-Both take a worker slot, as a step does.
+Hibernation (``hibernation.py``, decision 0022): an idle session is checkpointed to disk and its
+sandbox ended, freeing its memory; its next step restores it (``resumed_ms``), its grants opened
+again under a new job's rules. A fork is a hibernation whose image a second session shares. Both
+take a worker slot, as a step does.
 
-The session store (decision 32): a session that can hibernate has a ``key``
-and a store entry, leased by this worker while it holds it. ``detach``
-hibernates it and lets go, for ``Worker.attach_session`` (a failed write
-keeps what the store held); ``close`` removes the entry; a holder whose
-lease another took ends its copy. With ``checkpoint_steps`` each step's
-state is written there after its outcome is returned (``_step_checkpoint.py``).
+The session store (decision 32): a session that can hibernate has a ``key`` and a store entry,
+leased by this worker while it holds it. ``detach`` hibernates it and lets go, for
+``Worker.attach_session`` (a failed write keeps what the store held); ``close`` removes the entry;
+a holder whose lease another took ends its copy. With ``checkpoint_steps`` each step's state is
+written there after its outcome is returned (``_step_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -52,32 +47,31 @@ from pathlib import Path
 from typing import TypeVar
 
 import structlog
-
-from ._states import SandboxState, SessionState, check_transition
 from readie_executor.jobs import EXIT_NOT_STARTED
-
+from readie_policy.jobs import StepOutcome
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_protocol.errors import NotStarted
+
+from ._idle_pause import IdleClock
+from ._session_files import SessionFiles
+from ._states import SandboxState, SessionState, check_transition
+from ._step_checkpoint import StepCheckpoints
 from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, for_client, logged_under_its_id
 from .hibernation import SessionImages
-from ._step_checkpoint import StepCheckpoints
-from ._session_files import SessionFiles
 from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, Step, _since, answered, call_step
-from readie_policy.jobs import StepOutcome
-from .runsc import RunscError
 from .paths import remove_tree
+from .runsc import RunscError
 from .sandbox import Sandbox
 
 __all__ = ["EXIT_NOT_STARTED", "SandboxSession", "StepOutcome"]
 
 log = structlog.get_logger("readie.worker")
 
-# How long a hibernation (or fork) waits for a worker slot before it is refused and the
-# session goes on: well inside what a caller through a router waits for its answer.
+# How long a hibernation (or fork) waits for a worker slot before it is refused and the session
+# goes on: well inside what a caller through a router waits for its answer.
 HIBERNATE_SLOT_WAIT_S = 20.0
 # Session ids appear in logs next to sandbox ids; the same width.
 SESSION_ID_BYTES = 6
-
 
 #: Restores a hibernated session's image under the memory limit it had (None: the backstop):
 #: its sandbox, and the links its re-opened grants need.
@@ -131,6 +125,7 @@ class SandboxSession(SessionFiles):
         # measured again from a restored sandbox's usage, it would grow by 'memory' each time.
         self.memory_limit = sandbox.memory_limit_bytes if sandbox is not None else memory_limit
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
+        self._idle = IdleClock()  # an idle session waits paused (_idle_pause)
         if stored:
             self.state = SessionState.HIBERNATED  # a fork or an attached session: it resumes at its first step
         else:
@@ -190,8 +185,7 @@ class SandboxSession(SessionFiles):
                 return self.run_in_slot(job, job_id=job_id, queue_us=queue_us, host=host, cancel=cancel,
                                         output=output, then=then, resumed_ms=resumed_ms)
         except NotStarted:
-            # Refused before anything ran (a draining worker): the session is as it was, for its
-            # stream to hand over (decision 32), never ended by a refusal.
+            # Refused before anything ran (a draining worker): kept as it was, for its stream to hand over.
             self._idle_again()
             raise
         except BaseException:
@@ -286,10 +280,7 @@ class SandboxSession(SessionFiles):
                 size = self._save(sandbox)
         except BaseException:
             if not touched:  # refused before the sandbox was touched: the session goes on as it was
-                with self._lock:
-                    if self.state is SessionState.RUNNING:
-                        sandbox.move(SandboxState.READY)
-                        self._move(SessionState.IDLE)
+                self._idle_again()
             raise
         seconds = time.monotonic() - started
         self._observe_image("hibernate", seconds)
@@ -345,6 +336,10 @@ class SandboxSession(SessionFiles):
         """Another holder took this session's lease: end this copy without touching the store."""
         self._lease_lost = True
         self._end(remove=False)
+
+    def pause_if_idle(self) -> bool:
+        """Pause its sandbox if it has idled long and quiet (``_idle_pause``); whether it did."""
+        return self._idle.pause_if_quiet(self._lock, lambda: self._sandbox if self.state is SessionState.IDLE else None)
 
     def _with_workspace(self, operation: Callable[[Sandbox], _R], cancel: Cancellation) -> _R:
         """``operation`` on the session's sandbox, held as a step holds it (refused while a step
@@ -458,6 +453,7 @@ class SandboxSession(SessionFiles):
         if self.state not in (SessionState.IDLE, SessionState.HIBERNATED):
             raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
         self._move(SessionState.RUNNING)
+        self._idle.held(self._sandbox)
         if self._sandbox is not None:
             self._sandbox.move(SandboxState.BUSY)
 
@@ -498,3 +494,5 @@ class SandboxSession(SessionFiles):
 
     def _move(self, target: SessionState) -> None:
         self.state = check_transition(self.state, target)
+        if target is SessionState.IDLE:
+            self._idle.idle()

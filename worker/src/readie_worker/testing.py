@@ -191,6 +191,9 @@ class FaultyLauncher:
     def memory_left(self, sandbox: SandboxDir) -> int | None:
         return self.inner.memory_left(sandbox)
 
+    def cpu_ns(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> int | None:
+        return self.inner.cpu_ns(sandbox, process)
+
 
 def scrape(port: int, timeout: float = 5.0) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """The samples ``/metrics`` on 127.0.0.1:``port`` serves, keyed by name and labels."""

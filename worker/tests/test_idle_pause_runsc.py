@@ -1,0 +1,113 @@
+"""Idle sessions wait paused, in real gVisor sandboxes (``readie_worker._idle_pause``).
+
+A session idle long and quiet has its sentry stopped (state T, no CPU ticks); whatever holds it next
+(a step, a file, a hibernation: runsc's checkpoint would wait for ever on a stopped sentry) runs it
+again first. A session whose own code runs between steps is never paused.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import readie_worker._idle_pause as idle_pause
+from readie_worker.core import Worker, WorkerConfig
+from readie_worker.jobs import CodeJob, Step
+from readie_worker.testing import wait_until
+
+pytestmark = pytest.mark.runsc
+
+from conftest import CHECKPOINTS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoints):
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 1}, slots=2)
+    worker = Worker(config).start()
+    yield worker
+    worker.close()
+    assert worker.runsc.list_ids() == []
+
+
+@pytest.fixture(autouse=True)
+def soon(monkeypatch):
+    """Ten seconds of idleness in earnest; half a second here, looked at every 0.2 s."""
+    monkeypatch.setattr(idle_pause, "PAUSE_AFTER_IDLE_S", 0.5)
+    monkeypatch.setattr(idle_pause, "CHECK_EVERY_S", 0.2)
+
+
+def job(code: str) -> CodeJob:
+    return CodeJob(checkpoint="base", code=code, name="cell.py")
+
+
+def sentry(session) -> int:
+    return int(session._sandbox.dir.pid_file.read_text())
+
+
+def run_state(pid: int) -> str:
+    """A process's state letter: T once stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def paused(session) -> bool:
+    # The pauser's first look only samples the sandbox's CPU (it pauses from its second: up to
+    # 2.5 s in earnest); the first look may come a whole check interval late.
+    pid = sentry(session)
+    return wait_until(lambda: run_state(pid) == "T", timeout=10)
+
+
+def test_an_idle_session_is_paused_and_a_step_runs_it_again_with_its_state(worker):
+    session, first = worker.open_session(job("x = 41\nprint('set')"))
+    try:
+        assert first.outcome.stdout == "set\n"
+        pid = sentry(session)
+        assert paused(session)
+        before = cpu_ticks(pid)
+        time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
+        assert cpu_ticks(pid) == before
+        step = session.run_step(Step("x += 1\nprint(x)"))
+        assert (step.session_ended, step.outcome.stdout) == (False, "42\n")
+        assert run_state(pid) != "T"
+        # Paused again, a file operation (its own exchange, no step) runs it first too.
+        assert paused(session)
+        assert "cell.py" not in {entry.name for entry in session.list_files(".").entries}
+        assert run_state(pid) != "T"
+    finally:
+        session.close()
+    assert session.sandbox_id not in worker.runsc.list_ids()
+
+
+def test_a_paused_session_hibernates_and_resumes(worker):
+    # runsc checkpoint asks the sentry: stopped, it would wait until runsc's own timeout.
+    session, _ = worker.open_session(job("x = 7"))
+    try:
+        assert paused(session)
+        started = time.monotonic()
+        assert session.hibernate() > 0
+        assert time.monotonic() - started < 20
+        step = session.run_step(Step("print(x * 6)"))
+        assert (step.session_ended, step.outcome.stdout, step.resumed_ms is not None) == (False, "42\n", True)
+    finally:
+        session.close()
+
+
+def test_a_session_whose_code_runs_between_steps_is_not_paused(worker):
+    spin = "import threading\ndef spin():\n    while True: pass\nthreading.Thread(target=spin, daemon=True).start()"
+    session, first = worker.open_session(job(spin))
+    try:
+        assert first.outcome.exit == 0
+        pid = sentry(session)
+        deadline = time.monotonic() + 2.0  # four times the idle time, ten looks
+        while time.monotonic() < deadline:
+            assert run_state(pid) != "T"
+            time.sleep(0.05)
+        assert session.run_step(Step("print('still here')")).outcome.stdout == "still here\n"
+    finally:
+        session.close()
