@@ -173,7 +173,7 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "signal_sentry_pid": _PROC,
     },
     "testing.py": {
-        "thread_count": _PROC,
+        "thread_count": _PROC, "_proc_stat": _PROC,
     },
 }
 

@@ -8,14 +8,12 @@ again first. A session whose own code runs between steps is never paused.
 from __future__ import annotations
 
 import time
-from pathlib import Path
-
 import pytest
 
 import readie_worker._idle_pause as idle_pause
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.jobs import CodeJob, Step
-from readie_worker.testing import wait_until
+from readie_worker.testing import cpu_ticks, stopped, wait_until
 
 pytestmark = pytest.mark.runsc
 
@@ -46,21 +44,11 @@ def sentry(session) -> int:
     return int(session._sandbox.dir.pid_file.read_text())
 
 
-def run_state(pid: int) -> str:
-    """A process's state letter: T once stopped."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
 def paused(session) -> bool:
     # The pauser's first look only samples the sandbox's CPU (it pauses from its second: up to
     # 2.5 s in earnest); the first look may come a whole check interval late.
     pid = sentry(session)
-    return wait_until(lambda: run_state(pid) == "T", timeout=10)
+    return wait_until(lambda: stopped(pid), timeout=10)
 
 
 def test_an_idle_session_is_paused_and_a_step_runs_it_again_with_its_state(worker):
@@ -74,11 +62,11 @@ def test_an_idle_session_is_paused_and_a_step_runs_it_again_with_its_state(worke
         assert cpu_ticks(pid) == before
         step = session.run_step(Step("x += 1\nprint(x)"))
         assert (step.session_ended, step.outcome.stdout) == (False, "42\n")
-        assert run_state(pid) != "T"
+        assert not stopped(pid)
         # Paused again, a file operation (its own exchange, no step) runs it first too.
         assert paused(session)
         assert "cell.py" not in {entry.name for entry in session.list_files(".").entries}
-        assert run_state(pid) != "T"
+        assert not stopped(pid)
     finally:
         session.close()
     assert session.sandbox_id not in worker.runsc.list_ids()
@@ -106,7 +94,7 @@ def test_a_session_whose_code_runs_between_steps_is_not_paused(worker):
         pid = sentry(session)
         deadline = time.monotonic() + 2.0  # four times the idle time, ten looks
         while time.monotonic() < deadline:
-            assert run_state(pid) != "T"
+            assert not stopped(pid)
             time.sleep(0.05)
         assert session.run_step(Step("print('still here')")).outcome.stdout == "still here\n"
     finally:

@@ -8,14 +8,13 @@ The same logic under runsc is test_restore.py's and test_warm.py's.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 from readie_worker.bundle import serve_env
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, run_in_sandbox
 from readie_worker.sandbox import SandboxFactory
-from readie_worker.testing import FaultyLauncher, wait_until
+from readie_worker.testing import FaultyLauncher, stopped, wait_until
 from readie_worker import warm as warm_module
 from readie_worker.warm import RefillBudget, WarmSandboxes
 
@@ -139,9 +138,8 @@ def test_a_warm_sandbox_that_cannot_be_resumed_is_destroyed_and_never_handed_out
     try:
         assert wait_until(lambda: warm.ready_count == 2, 30)
         head, behind = (entry.sandbox for entry in warm._ready)
-        stat = Path(f"/proc/{behind.launched.process.pid}/stat")
         # Paused, behind the next in line (stopped a moment after the signal).
-        assert wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", 5)
+        assert wait_until(lambda: stopped(behind.launched.process.pid), 5)
         launcher.fail_resumes = 100  # it stays stopped from now on
         first = warm.take()  # the head, never paused; the one behind it stays stopped
         second = warm.take()

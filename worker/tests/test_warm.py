@@ -15,7 +15,7 @@ from readie_worker._states import SandboxState
 from readie_worker.runsc import Runsc
 from readie_worker.warm import RefillBudget, WarmSandboxes
 from readie_worker.sandbox import checkpoint_factory
-from readie_worker.testing import wait_until
+from readie_worker.testing import cpu_ticks, stopped, wait_until
 
 pytestmark = pytest.mark.runsc
 
@@ -34,16 +34,6 @@ def sentry_children(sentry: int) -> list[int]:
         found += children
         todo += children
     return found
-
-
-def run_state(pid: int) -> str:
-    """A process's state letter: T once stopped."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 @pytest.fixture
@@ -160,16 +150,16 @@ def test_warm_sandboxes_behind_the_next_in_line_wait_paused_using_no_cpu(pool_fa
     pool = pool_factory("base", target=2)
     assert pool.wait_until_full(timeout=60)
     first, second = [entry.sandbox for entry in pool._ready]
-    assert run_state(sentry_of(first)) != "T"  # the next a take gets runs, never stopped
+    assert not stopped(sentry_of(first))  # the next a take gets runs, never stopped
     behind = sentry_of(second)
-    assert wait_until(lambda: run_state(behind) == "T", timeout=5)  # a moment after the signal
+    assert wait_until(lambda: stopped(behind), timeout=5)  # a moment after the signal
     before = cpu_ticks(behind)
     time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
     assert cpu_ticks(behind) == before
     taken = pool.take()
     try:
         assert taken.id == first.id
-        assert run_state(behind) != "T"  # next in line now: resumed before it is taken
+        assert not stopped(behind)  # next in line now: resumed before it is taken
         assert taken.alive()
         again = pool.take()
         try:
@@ -188,7 +178,7 @@ def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(checkpoints, sh
     try:
         for sandbox in (first, second):
             sandbox.pause()  # the stop takes effect a moment after the signal
-            assert wait_until(lambda sandbox=sandbox: run_state(sentry_of(sandbox)) == "T", timeout=5)
+            assert wait_until(lambda sandbox=sandbox: stopped(sentry_of(sandbox)), timeout=5)
         started = time.monotonic()
         first.destroy()  # its SIGKILL ends a stopped sentry; runsc kill would wait for it
         assert time.monotonic() - started < 5
@@ -212,9 +202,9 @@ def test_the_next_in_line_is_resumed_once_the_job_that_took_its_place_is_done(po
         taken = pool.take()
         # Resumed beside the running job, the sentry's catching up would slow that job.
         assert taken.id == first.id
-        assert wait_until(lambda: run_state(sentry_of(second)) == "T", timeout=5)
+        assert wait_until(lambda: stopped(sentry_of(second)), timeout=5)
     try:
-        assert run_state(sentry_of(second)) != "T"
+        assert not stopped(sentry_of(second))
     finally:
         taken.destroy()
 
@@ -227,13 +217,13 @@ def test_the_next_in_line_is_paused_once_it_waited_with_no_take_and_a_take_resum
     assert pool.wait_until_full(timeout=60)
     [head] = [entry.sandbox for entry in pool._ready]
     sentry = sentry_of(head)
-    assert wait_until(lambda: run_state(sentry) == "T", timeout=5)  # no take came: stopped
+    assert wait_until(lambda: stopped(sentry), timeout=5)  # no take came: stopped
     before = cpu_ticks(sentry)
     time.sleep(1.0)
     assert cpu_ticks(sentry) == before
     taken = pool.take()
     try:
-        assert taken.id == head.id and run_state(sentry) != "T"
+        assert taken.id == head.id and not stopped(sentry)
         assert taken.alive()
     finally:
         taken.destroy()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import structlog
@@ -19,7 +18,7 @@ from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, Step
 from readie_worker._states import SessionState
-from readie_worker.testing import FaultyLauncher, wait_until
+from readie_worker.testing import FaultyLauncher, stopped, wait_until
 
 
 @pytest.fixture
@@ -144,10 +143,6 @@ def test_then_has_the_answer_before_the_workers_own_bookkeeping(tmp_path, launch
             assert order == ["retired", "then"]
     finally:
         worker.close()
-
-
-def stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_an_idle_session_is_paused_and_whatever_holds_it_next_runs_it_again(tmp_path, launcher, monkeypatch):

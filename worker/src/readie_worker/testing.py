@@ -239,6 +239,22 @@ def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+def _proc_stat(pid: int) -> list[str]:
+    """Process ``pid``'s /proc stat fields after its command name (which may hold spaces)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: a paused sandbox's sentry, or executor)."""
+    return _proc_stat(pid)[0] == "T"
+
+
+def cpu_ticks(pid: int) -> int:
+    """The clock ticks process ``pid`` has run, user and system."""
+    fields = _proc_stat(pid)
+    return int(fields[11]) + int(fields[12])
+
+
 def sample(samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
     """One sample's value from :func:`scrape`'s answer (0 when absent: a labelled counter not yet moved)."""
     return samples.get((name, frozenset(labels.items())), 0.0)
