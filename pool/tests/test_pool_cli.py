@@ -221,3 +221,17 @@ def test_egress_flags_are_checked_like_the_config(capsys, manifest):
     assert code == 2 and "command line: --egress-netns: '../x' is not a network namespace's name" in err
     code, err = pool(capsys, "--egress-dns", "192.0.2.53,dns.example", "--checkpoints", str(manifest))
     assert code == 2 and "command line: --egress-dns[1]: 'dns.example' is not an IPv4 address" in err
+
+
+def test_session_pause_reaches_the_worker_from_the_file_or_the_flag(monkeypatch, tmp_path, manifest):
+    config = tmp_path / "readie.toml"
+    config.write_text('[pool]\nsession_pause = "1m"\n')
+    assert pool_worker_config(monkeypatch, "--checkpoints", str(manifest)).session_pause_s == 10.0
+    assert pool_worker_config(monkeypatch, "--checkpoints", str(manifest), "--config", str(config)).session_pause_s == 60.0
+    off = pool_worker_config(monkeypatch, "--checkpoints", str(manifest), "--config", str(config), "--session-pause", "0")
+    assert off.session_pause_s == 0
+
+
+def test_a_session_pause_that_is_not_a_duration_is_refused(capsys, manifest):
+    code, err = pool(capsys, "--session-pause", "soon", "--checkpoints", str(manifest))
+    assert code == 2 and "--session-pause" in err

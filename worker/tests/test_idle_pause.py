@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from readie_worker._idle_pause import MAX_IDLE_CPU_SHARE, PAUSE_AFTER_IDLE_S, IdleClock
+from readie_worker._idle_pause import MAX_IDLE_CPU_SHARE, IdleClock
+from readie_worker.core import WorkerConfig
+
+PAUSE_AFTER_IDLE_S = WorkerConfig.session_pause_s
 
 
 @dataclass
@@ -43,7 +46,7 @@ def idled(seconds: float) -> IdleClock:
 
 
 def look(clock: IdleClock, sandbox: FakeSandbox | None, lock: threading.Lock | None = None) -> bool:
-    return clock.pause_if_quiet(lock or threading.Lock(), lambda: sandbox)
+    return clock.pause_if_quiet(lock or threading.Lock(), lambda: sandbox, PAUSE_AFTER_IDLE_S)
 
 
 def looked_at_twice(clock: IdleClock, sandbox: FakeSandbox, cpu_share: float) -> bool:

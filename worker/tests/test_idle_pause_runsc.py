@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 import pytest
 
-import readie_worker._idle_pause as idle_pause
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.jobs import CodeJob, Step
 from readie_worker.testing import cpu_ticks, stopped, wait_until
@@ -22,18 +21,12 @@ from conftest import CHECKPOINTS  # noqa: E402
 
 @pytest.fixture(scope="module")
 def worker(checkpoints):
-    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 1}, slots=2)
+    # Ten seconds of idleness in earnest (session_pause); half a second here.
+    config = WorkerConfig.in_temp(CHECKPOINTS / "manifest.json", warm={"base": 1}, slots=2, session_pause_s=0.5)
     worker = Worker(config).start()
     yield worker
     worker.close()
     assert worker.runsc.list_ids() == []
-
-
-@pytest.fixture(autouse=True)
-def soon(monkeypatch):
-    """Ten seconds of idleness in earnest; half a second here, looked at every 0.2 s."""
-    monkeypatch.setattr(idle_pause, "PAUSE_AFTER_IDLE_S", 0.5)
-    monkeypatch.setattr(idle_pause, "CHECK_EVERY_S", 0.2)
 
 
 def job(code: str) -> CodeJob:

@@ -71,3 +71,11 @@ def test_readie_worker_takes_the_store_flags_with_units():
     assert (args.session_store_ttl, args.session_store_bytes, args.session_store_entries) == (7200.0, 20 * 1024**3, 64)
     defaults = build_parser().parse_args([])
     assert defaults.session_store is None and defaults.session_store_ttl == 24 * 3600
+
+
+def test_readie_worker_takes_session_pause_as_a_duration_0_for_never():
+    from readie_worker.cli import build_parser
+
+    assert build_parser().parse_args([]).session_pause == 10.0
+    assert build_parser().parse_args(["--session-pause=1m"]).session_pause == 60.0
+    assert build_parser().parse_args(["--session-pause=0"]).session_pause == 0.0

@@ -12,8 +12,6 @@ import time
 
 import pytest
 import structlog
-
-import readie_worker._idle_pause as idle_pause
 from readie_worker.core import Worker, WorkerConfig
 from readie_worker.errors import SandboxSetupError
 from readie_worker.jobs import CodeJob, Step
@@ -145,10 +143,8 @@ def test_then_has_the_answer_before_the_workers_own_bookkeeping(tmp_path, launch
         worker.close()
 
 
-def test_an_idle_session_is_paused_and_whatever_holds_it_next_runs_it_again(tmp_path, launcher, monkeypatch):
-    monkeypatch.setattr(idle_pause, "PAUSE_AFTER_IDLE_S", 0.3)
-    monkeypatch.setattr(idle_pause, "CHECK_EVERY_S", 0.1)
-    worker = start(tmp_path, launcher)
+def test_an_idle_session_is_paused_and_whatever_holds_it_next_runs_it_again(tmp_path, launcher):
+    worker = start(tmp_path, launcher, session_pause_s=0.3)
     try:
         session, first = worker.open_session(job("x = 41"))
         assert first.outcome.exit == 0, first
@@ -167,5 +163,18 @@ def test_an_idle_session_is_paused_and_whatever_holds_it_next_runs_it_again(tmp_
         broken = session.run_step(Step("print(x)"))
         assert time.monotonic() - started < 5
         assert broken.session_ended and broken.outcome.error.type == "PoolWorkerError", broken
+    finally:
+        worker.close()
+
+
+def test_with_session_pause_0_an_idle_session_is_never_paused(tmp_path, launcher):
+    worker = start(tmp_path, launcher, session_pause_s=0)
+    try:
+        session, _ = worker.open_session(job("x = 1"))
+        executor = session._sandbox.launched.process.pid
+        time.sleep(0.6)
+        assert not stopped(executor)
+        assert "idle-pause" not in {thread.name for thread in threading.enumerate()}
+        assert session.run_step(Step("print(x)")).outcome.stdout == "1\n"
     finally:
         worker.close()

@@ -43,6 +43,7 @@ from typing import Any
 from .config_keys import (
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_IDLE_MS,
+    DEFAULT_SESSION_PAUSE_MS,
     DEFAULT_WORKERS,
     DOCUMENT,
     LIMITS,
@@ -66,6 +67,7 @@ __all__ = [
     "CLI_SOURCE",
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_SESSION_IDLE_MS",
+    "DEFAULT_SESSION_PAUSE_MS",
     "DEFAULT_WORKERS",
     "LOG_FORMATS",
     "MAX_CONFIG_BYTES",
@@ -100,6 +102,7 @@ class PoolSettings:
     max_sessions: int = DEFAULT_MAX_SESSIONS
     session_idle_ms: int = DEFAULT_SESSION_IDLE_MS
     session_hibernate_ms: int | None = None  # off
+    session_pause_ms: int = DEFAULT_SESSION_PAUSE_MS  # 0: never
     # Decision 32: where sessions outlive the pool, the key that signs them, and when they are written.
     session_store: Path | None = None
     session_store_key: Path | None = None
@@ -160,6 +163,7 @@ class CliOverrides:
     max_sessions: int | None = None
     session_idle: str | int | None = None
     session_hibernate: str | int | None = None
+    session_pause: str | int | None = None
     session_store: str | None = None
     session_store_key: str | None = None
     session_checkpoint: str | None = None

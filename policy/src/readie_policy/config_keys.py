@@ -36,6 +36,7 @@ from .config_values import (
     CEILING_TIMEOUT,
     CEILING_TRANSFER_BYTES,
     COLLECT_BYTES_BOUND,
+    DURATION,
     EGRESS,
     EGRESS_DNS,
     COLLECT_FILES_BOUND,
@@ -67,6 +68,8 @@ __all__ = [
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_SESSION_IDLE",
     "DEFAULT_SESSION_IDLE_MS",
+    "DEFAULT_SESSION_PAUSE",
+    "DEFAULT_SESSION_PAUSE_MS",
     "DEFAULT_WORKERS",
     "DOCUMENT",
     "LIMITS",
@@ -107,6 +110,11 @@ MAX_SESSIONS = 4096
 #: The spec: "session_idle (default 10m)", as the file would write it.
 DEFAULT_SESSION_IDLE = "10m"
 DEFAULT_SESSION_IDLE_MS = parse_duration_ms(DEFAULT_SESSION_IDLE)
+#: A session idle this long with its sandbox quiet waits paused (decision 33, "Idle sandboxes wait
+#: paused"): past the gaps between an agent's quick steps, which never pay the resume, and well
+#: before session_idle closes it.
+DEFAULT_SESSION_PAUSE = "10s"
+DEFAULT_SESSION_PAUSE_MS = parse_duration_ms(DEFAULT_SESSION_PAUSE)
 #: An answer carries stdout and stderr, each up to max_output, and a few KiB
 #: more: with 1 MiB each it fits the 4 MiB that gRPC client libraries receive
 #: by default. A [pool.limits] max_output raises it (and clients must then too).
@@ -241,6 +249,11 @@ POOL = Section(
         ConfigKey("session_hibernate", "session_hibernate_ms", POSITIVE_DURATION, "off",
                   "A session idle this long is checkpointed to disk and its sandbox freed; its next step "
                   "resumes it first (about a restore's time). Shorter than session_idle.", "2m", "--session-hibernate"),
+        ConfigKey("session_pause", "session_pause_ms", DURATION, DEFAULT_SESSION_PAUSE,
+                  "A session idle this long with its sandbox quiet (under a tenth of a core: no code of its own "
+                  "running) waits paused, taking no CPU; its next request resumes it first (about 0.5 ms). A "
+                  "thread it left sleeping on a timer waits too. Never a networked session. 0: never.", "1m",
+                  "--session-pause"),
         ConfigKey("session_store", "session_store", PATH, "none (the pool's own state dir: a restart forgets)",
                   "A directory of session images shared with later pools and workers (decision 32): on SIGTERM "
                   "the pool's sessions are detached into it, and a new pool attaches to them by key. Give "

@@ -66,6 +66,7 @@ __all__ = [
     "PATH",
     "PATHS",
     "POSITIVE_DURATION",
+    "DURATION",
     "POSITIVE_SIZE",
     "SIZE",
     "TIMEOUT_BOUND",
@@ -326,6 +327,7 @@ PATH = ValueKind(_path, dict(_STRING_SCHEMA), "path")
 SIZE = _unit(parse_size, SIZE_SCHEMA, "size", allow_zero=True)
 POSITIVE_SIZE = _unit(parse_size, SIZE_SCHEMA, "size, not 0", allow_zero=False)
 POSITIVE_DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, not 0", allow_zero=False)
+DURATION = _unit(parse_duration_ms, DURATION_SCHEMA, "duration, 0 for never", allow_zero=True)
 COUNT = replace(integer(0, MAX_VALUE), shown="integer, 0 or more")
 TIMEOUT_BOUND = _Bound(MAX_TIMEOUT_MS, 1000, format_duration_ms(MAX_TIMEOUT_MS), "the longest timeout a job may have")
 MEMORY_BOUND = _Bound(MAX_JOB_MEMORY, 1, format_size(MAX_JOB_MEMORY), "the most memory a sandbox can give a job")

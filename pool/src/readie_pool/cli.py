@@ -2,7 +2,7 @@
 
     readie pool --workers=2 [--preload=pandas,numpy] [--package-dir=DIR] [--config=readie.toml]
                 [--log=json] [--checkpoints=DIR] [--state-dir=DIR]
-                [--max-sessions=16] [--session-idle=10m] [--router=HOST:PORT ...]
+                [--max-sessions=16] [--session-idle=10m] [--session-pause=10s] [--router=HOST:PORT ...]
                 [--session-store=DIR --session-store-key=FILE] [--session-checkpoint=off|step]
                 [--egress-netns=NAME] [--egress-dns=IP[,IP...]]   # the network's way out (decision 36)
                 [--metrics-listen=HOST:PORT]   # Prometheus /metrics, off by default (docs/operations.md)
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             max_sessions=args.max_sessions,
             session_idle=args.session_idle,
             session_hibernate=args.session_hibernate,
+            session_pause=args.session_pause,
             session_store=args.session_store,
             session_store_key=args.session_store_key,
             session_checkpoint=args.session_checkpoint,
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         session_store=settings.session_store,
         session_store_key=settings.session_store_key,
         session_checkpoint=settings.session_checkpoint,
+        session_pause_s=settings.session_pause_ms / 1000,
         # Decision 36: where networked sandboxes are wired, and the resolvers behind readie's own.
         egress_netns=settings.egress_netns,
         egress_dns=settings.egress_dns,
@@ -343,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="checkpoint a session idle this long to disk, freeing its memory; its next step resumes it "
         "(default: [pool] session_hibernate, else off; shorter than the session idle time)",
+    )
+    parser.add_argument(
+        "--session-pause",
+        metavar="DURATION",
+        help="pause a session idle this long with its sandbox quiet (no code of its own running): no CPU "
+        "until its next request resumes it; a thread it left sleeping on a timer waits too; 0: never "
+        "(default: [pool] session_pause, else 10s)",
     )
     parser.add_argument(
         "--router",

@@ -3,9 +3,10 @@
 An idle gVisor sentry still wakes every 400 µs (systrap's fast-path controller, in the runsc
 these machines run): 3-4 % of a core for each session that waits between steps, for as long as
 its client keeps it (``session_idle``, ten minutes by default). A session that has waited
-``PAUSE_AFTER_IDLE_S`` with its sandbox quiet is paused (its sentry stopped, as a warm set's
-sandboxes behind the next in line are); anything that holds the session next (a step, a
-hibernation, a file) resumes it first (``SandboxSession._start_running``).
+``session_pause`` (``WorkerConfig.session_pause_s``, 10 s by default; 0: never) with its sandbox
+quiet is paused (its sentry stopped, as a warm set's sandboxes behind the next in line are);
+anything that holds the session next (a step, a hibernation, a file) resumes it first
+(``SandboxSession._start_running``).
 
 "Quiet" is what keeps a session's own work running: a session whose code goes on between steps
 (a thread or a child process that computes) uses more than ``MAX_IDLE_CPU_SHARE`` of a core and is
@@ -26,14 +27,12 @@ import structlog
 
 from .sandbox import Sandbox
 
-__all__ = ["IdleClock", "IdlePauser", "PAUSE_AFTER_IDLE_S"]
+__all__ = ["IdleClock", "IdlePauser"]
 
 log = structlog.get_logger("readie.worker")
 
-# A session idle this long is paused: past the gaps between an agent's quick steps, so that these
-# never pay a resume, and well before the pool's default session_idle (10 min) closes it.
-PAUSE_AFTER_IDLE_S = 10.0
-# How often the worker looks at its idle sessions; also the window their CPU is measured over.
+# How often the worker looks at its idle sessions (at most: twice per session_pause); also the
+# window their CPU is measured over.
 CHECK_EVERY_S = 2.5
 # An idle sentry takes 3-4 % of a core here; a thread that computes takes far more than this.
 MAX_IDLE_CPU_SHARE = 0.1
@@ -59,24 +58,24 @@ class IdleClock:
         if sandbox is not None and not sandbox.resume():
             sandbox.interrupt()
 
-    def pause_if_quiet(self, lock: threading.Lock, idle_sandbox: Callable[[], Sandbox | None]) -> bool:
+    def pause_if_quiet(self, lock: threading.Lock, idle_sandbox: Callable[[], Sandbox | None], after_s: float) -> bool:
         """Pause the session's sandbox (``idle_sandbox()``, None unless the session is idle) if it has
-        idled ``PAUSE_AFTER_IDLE_S`` and stayed quiet since the last look; whether it did. Under
+        idled ``after_s`` and stayed quiet since the last look; whether it did. Under
         the session's ``lock``, never waiting for it: a session whose lock is taken is not idle,
         and the pauser must not wait behind its work."""
         if not lock.acquire(blocking=False):
             return False
         try:
-            return self._pause_if_quiet(idle_sandbox())
+            return self._pause_if_quiet(idle_sandbox(), after_s)
         finally:
             lock.release()
 
-    def _pause_if_quiet(self, sandbox: Sandbox | None) -> bool:
+    def _pause_if_quiet(self, sandbox: Sandbox | None, after_s: float) -> bool:
         if self.since is None or sandbox is None or sandbox.paused or sandbox.network is not None:
             return False
         now, cpu = time.monotonic(), sandbox.cpu_ns()
         seen, self._seen = self._seen, None if cpu is None else (now, cpu)
-        if seen is None or cpu is None or now - self.since < PAUSE_AFTER_IDLE_S:
+        if seen is None or cpu is None or now - self.since < after_s:
             return False
         if (cpu - seen[1]) / ((now - seen[0]) * 1e9) >= MAX_IDLE_CPU_SHARE:
             return False  # its own code runs between steps
@@ -86,14 +85,15 @@ class IdleClock:
 
 
 class Pausable(Protocol):
-    def pause_if_idle(self) -> bool: ...
+    def pause_if_idle(self, after_s: float) -> bool: ...
 
 
 class IdlePauser:
-    """The worker's thread that looks at its sessions every ``CHECK_EVERY_S``."""
+    """The worker's thread that looks at its sessions, pausing those idle ``after_s`` and quiet."""
 
-    def __init__(self, sessions: Callable[[], Iterable[Pausable]]) -> None:
+    def __init__(self, sessions: Callable[[], Iterable[Pausable]], after_s: float) -> None:
         self._sessions = sessions
+        self._after_s = after_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="idle-pause", daemon=True)
 
@@ -107,9 +107,9 @@ class IdlePauser:
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(CHECK_EVERY_S):
+        while not self._stop.wait(min(CHECK_EVERY_S, self._after_s / 2)):
             for session in self._sessions():
                 try:
-                    session.pause_if_idle()
+                    session.pause_if_idle(self._after_s)
                 except Exception:  # a bug must cost a pause, never the pauser
                     log.exception("internal error pausing an idle session")

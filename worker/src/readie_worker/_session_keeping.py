@@ -72,6 +72,7 @@ class WorkerSessions:
         self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
         self._places = 0  # sessions open or being opened, at most max_sessions
         self._closed = False
+        self.pause_after_s = 0.0  # WorkerConfig.session_pause_s; 0: never
         self._pauser: IdlePauser | None = None  # pauses idle sessions: from the first kept to close()
 
     @property
@@ -298,8 +299,8 @@ class WorkerSessions:
         """Keep ``session`` open; whether the worker is closing (the caller ends it then)."""
         with self._lock:
             self._sessions.add(session)
-            if self._pauser is None and not self._closed:
-                self._pauser = IdlePauser(self._open).start()
+            if self._pauser is None and not self._closed and self.pause_after_s > 0:
+                self._pauser = IdlePauser(self._open, self.pause_after_s).start()
             return self._closed
 
     def _open(self) -> list[SandboxSession]:

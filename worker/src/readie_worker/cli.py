@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         session_store_bytes=args.session_store_bytes,
         session_store_entries=args.session_store_entries,
         session_checkpoint=args.session_checkpoint,
+        session_pause_s=args.session_pause,
         egress_netns=args.egress_netns,
         egress_dns=args.egress_dns,
         egress_own_netns=args.egress_own_netns,
@@ -197,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-checkpoint", choices=SESSION_CHECKPOINTS, default="off",
         help="step: write each session into the store after each step, in the background, so a crash loses "
         "at most the step in flight (~0.15 s of CPU a step; decision 32) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--session-pause", type=duration_seconds, default=WorkerConfig.session_pause_s, metavar="DURATION",
+        help="a session idle this long with its sandbox quiet (no code of its own running) waits paused, "
+        "taking no CPU, until its next request resumes it (about 0.5 ms); a thread it left sleeping on a "
+        "timer waits too; 0: never (default %(default)s seconds; decision 33)",
     )
     parser.add_argument(
         "--egress-netns", type=egress_netns, metavar="NAME",

@@ -1,11 +1,10 @@
 """The worker: checkpoints loaded, warm sandboxes kept, jobs run in pristine sandboxes.
 
-Everything here is synchronous and thread-safe; the gRPC layer calls it from
-its thread pool. A job holds one of ``slots`` for its whole run (``_slots``),
-so capacity is a plain count that placement can trust. A session
-(``sessions.py``, kept by the worker's ``_session_keeping`` part) holds a
-slot only while one of its steps runs; its sandbox lives between steps and
-is destroyed when the session ends, or when the worker closes or drains.
+Everything here is synchronous and thread-safe; the gRPC layer calls it from its thread pool. A
+job holds one of ``slots`` for its whole run (``_slots``), so capacity is a plain count that
+placement can trust. A session (``sessions.py``, kept by the worker's ``_session_keeping`` part)
+holds a slot only while one of its steps runs; its sandbox lives between steps (paused once idle
+long: ``_idle_pause``) and is destroyed when the session ends, or when the worker closes or drains.
 """
 
 from __future__ import annotations
@@ -20,41 +19,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from readie_policy.config import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_PAUSE_MS
+from readie_policy.jobs import Capacity
+from readie_policy.sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
+from readie_protocol.cancel import NEVER, Cancellation
 
 from . import runsc as runsc_module
-from .bundle import MountPlan, serve_env
-from readie_protocol.cancel import NEVER, Cancellation
-from readie_policy.jobs import Capacity
-from readie_policy.config import DEFAULT_MAX_SESSIONS
-from .errors import ConfigError, ErrorType, RequestError, SandboxSetupError, bound_ids
 from ._mounts import enter_mount_namespace
-from .paths import canonical_dirs, code_dirs
-from .packages import ensure_packages, package_cache
-from .grants import NO_GRANTS, HeldGrants, hold_grants
-from .hibernation import SessionImages
-from .session_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES, DEFAULT_STORE_TTL_S, SessionStore, read_store_key
-from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, answered, run_in_sandbox
-from .metrics import Metrics
-from .manifest import LoadedCheckpoints, checkpoints_for
-from ._retire import Retirer
-from .warm import RefillBudget, WarmSandboxes
-from .runsc import Runsc
-from readie_policy.sandbox_memory import SANDBOX_MEMORY_BACKSTOP, SANDBOX_OVERHEAD
-from .state_dir import RUNTIME_ROOT, StateDir
-
-from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess
-from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
 from ._networked import NetworkedSandboxes
+from ._retire import Retirer
 from ._session_keeping import SessionSandboxes, WorkerSessions
 from ._slots import Slots
+from .bundle import MountPlan, serve_env
+from .errors import ConfigError, ErrorType, RequestError, SandboxSetupError, bound_ids
+from .grants import NO_GRANTS, HeldGrants, hold_grants
+from .hibernation import SessionImages
+from .jobs import CodeJob, HostFunction, JobOutcome, OutputSink, _since, answered, run_in_sandbox
+from .launchers import JOB_MEMORY_SLACK, Launcher, LocalProcess
+from .manifest import LoadedCheckpoints, checkpoints_for
+from .metrics import Metrics
+from .packages import ensure_packages, package_cache
+from .paths import canonical_dirs, code_dirs
+from .runsc import Runsc
+from .sandbox import Sandbox, SandboxFactory, checkpoint_factory, launch
+from .session_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES, DEFAULT_STORE_TTL_S, SessionStore, read_store_key
 from .sessions import SandboxSession, StepOutcome
+from .state_dir import RUNTIME_ROOT, StateDir
+from .warm import RefillBudget, WarmSandboxes
 
 log = structlog.get_logger("readie.worker")
 
 # Two cores run about two jobs at full speed; more only queue inside gVisor.
 DEFAULT_SLOTS = 2
-# Without mounts there are no slots to fill, but the same request limits apply.
-UNISOLATED_PLAN = MountPlan()
 # The backstop and the sentry's share are the config's bounds too: defined once, there.
 DEFAULT_SANDBOX_MEMORY = SANDBOX_MEMORY_BACKSTOP
 # How long a drain lets running jobs finish before it destroys their sandboxes.
@@ -108,6 +104,8 @@ class WorkerConfig:
     session_store_entries: int = DEFAULT_STORE_ENTRIES
     # "off", or "step": write each session into the store after each step (issue 30, item 3).
     session_checkpoint: str = "off"
+    # A session idle this long with its sandbox quiet waits paused (_idle_pause); 0: never.
+    session_pause_s: float = DEFAULT_SESSION_PAUSE_MS / 1000
 
     @classmethod
     def in_temp(cls, manifest: Path, **overrides: object) -> WorkerConfig:
@@ -150,6 +148,7 @@ class Worker:
     def _start(self) -> Worker:
         store_key = self._store_key()  # a refused key file or store setting: nothing touched yet
         self.sessions.checkpoint_steps = self.config.session_checkpoint == "step"
+        self.sessions.pause_after_s = self.config.session_pause_s
         state = self.state = StateDir.claim(self.config.state_dir)  # StateDirRefused: nothing touched
         # Its path as the kernel names it: mount points are compared with what the kernel reports.
         self.config = dataclasses.replace(self.config, state_dir=state.path)
@@ -391,7 +390,7 @@ class Worker:
 
     def _mount_plan(self) -> MountPlan:
         if self.checkpoints is None or self.checkpoints.manifest is None:
-            return UNISOLATED_PLAN
+            return MountPlan()  # unisolated: no mount slots to fill, but the same request limits
         return self.checkpoints.manifest.mount_plan
 
     def open_session(

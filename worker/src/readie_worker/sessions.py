@@ -337,9 +337,10 @@ class SandboxSession(SessionFiles):
         self._lease_lost = True
         self._end(remove=False)
 
-    def pause_if_idle(self) -> bool:
-        """Pause its sandbox if it has idled long and quiet (``_idle_pause``); whether it did."""
-        return self._idle.pause_if_quiet(self._lock, lambda: self._sandbox if self.state is SessionState.IDLE else None)
+    def pause_if_idle(self, after_s: float) -> bool:
+        """Pause its sandbox if it has idled ``after_s`` and quiet (``_idle_pause``); whether it did."""
+        return self._idle.pause_if_quiet(
+            self._lock, lambda: self._sandbox if self.state is SessionState.IDLE else None, after_s)
 
     def _with_workspace(self, operation: Callable[[Sandbox], _R], cancel: Cancellation) -> _R:
         """``operation`` on the session's sandbox, held as a step holds it (refused while a step
