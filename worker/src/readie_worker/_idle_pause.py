@@ -31,9 +31,11 @@ __all__ = ["IdleClock", "IdlePauser"]
 
 log = structlog.get_logger("readie.worker")
 
-# How often the worker looks at its idle sessions (at most: twice per session_pause); also the
-# window their CPU is measured over.
+# How often the worker looks at its idle sessions (twice per session_pause when that is shorter,
+# but never more often than MIN_CHECK_EVERY_S: each look reads a cgroup file per idle session);
+# also the window their CPU is measured over.
 CHECK_EVERY_S = 2.5
+MIN_CHECK_EVERY_S = 0.1
 # An idle sentry takes 3-4 % of a core here; a thread that computes takes far more than this.
 MAX_IDLE_CPU_SHARE = 0.1
 
@@ -107,7 +109,7 @@ class IdlePauser:
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(CHECK_EVERY_S, self._after_s / 2)):
+        while not self._stop.wait(max(MIN_CHECK_EVERY_S, min(CHECK_EVERY_S, self._after_s / 2))):
             for session in self._sessions():
                 try:
                     session.pause_if_idle(self._after_s)
