@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -48,6 +49,16 @@ def runsc_containers(root: Path) -> list[str]:
         ["runsc", "--root", str(root), "list", "--quiet"], capture_output=True, text=True, timeout=RUNSC_TIMEOUT_S, check=True
     )
     return listed.stdout.split()
+
+
+def _resume_sentry(root: Path, container: str) -> None:
+    """SIGCONT a container's sentry, which its dead worker may have left paused (an idle warm or
+    session sandbox): runsc delete would wait for it. Its pid is in runsc's own record."""
+    try:
+        state = json.loads((root / f"{container}_sandbox:{container}.state").read_text())
+        os.kill(int(state["sandbox"]["pid"]), signal.SIGCONT)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # gone already, or not a sandbox runsc recorded: delete as it is
 
 
 @dataclass
@@ -226,6 +237,7 @@ class Cluster:
             exit_status = stop_worker(worker)
             if not alive:  # killed by its test (under not_a_subreaper): its sandboxes outlive it, as after a crash
                 for container in runsc_containers(worker.runsc_root):
+                    _resume_sentry(worker.runsc_root, container)
                     subprocess.run(["runsc", "--root", str(worker.runsc_root), "delete", "--force", container],
                                    capture_output=True, timeout=RUNSC_TIMEOUT_S, check=False)
             elif exit_status != 0:

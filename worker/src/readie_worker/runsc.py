@@ -334,8 +334,9 @@ class Runsc:
                 path.write_text(str(value))
 
     def _resume(self, container_id: str) -> None:
-        """SIGCONT a sentry a warm set left paused: runsc state, kill and delete would wait on it.
-        Its pid from runsc's own record, read as ``hold_mounts`` reads it (asking runsc would wait)."""
+        """SIGCONT a sentry left paused (a warm set's, an idle session's): runsc state, kill and
+        delete would wait on it. Its pid from runsc's own record, read as ``hold_mounts`` reads it
+        (asking runsc would wait)."""
         try:
             record = json.loads((self.root / f"{container_id}_sandbox:{container_id}.state").read_bytes())
             signal_sentry_pid(container_id, int(record["sandbox"]["pid"]), signal.SIGCONT)
