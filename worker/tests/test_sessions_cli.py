@@ -6,6 +6,10 @@ import json
 import os
 import time
 
+import pytest
+import structlog
+from readie_protocol.errors import ConfigError
+from readie_worker.core import Worker, WorkerConfig
 from readie_worker.jobs import CodeJob
 from readie_worker.session_store import SessionStore, entry_name, new_session_key
 from readie_worker.sessions_cli import main
@@ -73,9 +77,23 @@ def test_readie_worker_takes_the_store_flags_with_units():
     assert defaults.session_store is None and defaults.session_store_ttl == 24 * 3600
 
 
-def test_readie_worker_takes_session_pause_as_a_duration_0_for_never():
-    from readie_worker.cli import build_parser
+def test_readie_worker_hands_session_pause_to_its_worker_0_for_never(monkeypatch, tmp_path):
+    from readie_worker import cli
 
-    assert build_parser().parse_args([]).session_pause == 10.0
-    assert build_parser().parse_args(["--session-pause=1m"]).session_pause == 60.0
-    assert build_parser().parse_args(["--session-pause=0"]).session_pause == 0.0
+    seen = []
+    monkeypatch.setattr(cli, "enter_mount_namespace", lambda: None)
+    monkeypatch.setattr(cli, "_serve", lambda config, args, stop: seen.append(config.session_pause_s) or 0)
+    try:
+        for flags in ((), ("--session-pause=1m",), ("--session-pause=0",)):
+            assert cli.main(["worker", "--checkpoints", str(tmp_path), *flags]) == 0
+    finally:
+        structlog.reset_defaults()  # main() pointed structlog at this test's stderr
+    assert seen == [10.0, 60.0, 0.0]
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_a_session_pause_that_is_not_0_or_seconds_stops_the_worker_before_it_touches_anything(seconds, tmp_path):
+    worker = Worker(WorkerConfig.in_temp(tmp_path / "manifest.json", session_pause_s=seconds))
+    with pytest.raises(ConfigError, match="session_pause"):
+        worker.start()
+    assert worker.state is None

@@ -252,7 +252,9 @@ POOL = Section(
         ConfigKey("session_pause", "session_pause_ms", DURATION, DEFAULT_SESSION_PAUSE,
                   "A session idle this long with its sandbox quiet (under a tenth of a core: no code of its own "
                   "running) waits paused, taking no CPU; its next request resumes it first (about 0.5 ms). A "
-                  "thread it left sleeping on a timer waits too. Never a networked session. 0: never.", "1m",
+                  "thread it left sleeping on a timer waits too. Never a networked session. 0: never; under a "
+                  "second, quick steps pay the resume. Through --router, each readie worker takes its own "
+                  "--session-pause.", "1m",
                   "--session-pause"),
         ConfigKey("session_store", "session_store", PATH, "none (the pool's own state dir: a restart forgets)",
                   "A directory of session images shared with later pools and workers (decision 32): on SIGTERM "

@@ -12,6 +12,7 @@ one that another holder let go of (decision 32).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ import structlog
 
 from readie_protocol.cancel import NEVER, Cancellation
 from ._idle_pause import IdlePauser
-from .errors import ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids
+from .errors import ConfigError, ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids
 from .hibernation import SessionImages
 from .paths import remove_tree
 from .session_store import StoredSession, new_session_key
@@ -72,7 +73,7 @@ class WorkerSessions:
         self._sessions: set[SandboxSession] = set()  # open ones; each holds a sandbox or an image
         self._places = 0  # sessions open or being opened, at most max_sessions
         self._closed = False
-        self.pause_after_s = 0.0  # WorkerConfig.session_pause_s; 0: never
+        self._pause_after_s = 0.0  # WorkerConfig.session_pause_s (pause_idle_after); 0: never
         self._pauser: IdlePauser | None = None  # pauses idle sessions: from the first kept to close()
 
     @property
@@ -86,6 +87,12 @@ class WorkerSessions:
         """Sessions open or being opened (what the worker's capacity counts)."""
         with self._lock:
             return self._places
+
+    def pause_idle_after(self, seconds: float) -> None:
+        """Pause a session idle ``seconds`` with its sandbox quiet (``_idle_pause``); 0: never."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ConfigError("session_pause", None, f"{seconds!r} is not 0 (never) or a number of seconds")
+        self._pause_after_s = seconds
 
     def close(self) -> None:
         """Close every open session (their sandboxes); none opens after this."""
@@ -299,8 +306,8 @@ class WorkerSessions:
         """Keep ``session`` open; whether the worker is closing (the caller ends it then)."""
         with self._lock:
             self._sessions.add(session)
-            if self._pauser is None and not self._closed and self.pause_after_s > 0:
-                self._pauser = IdlePauser(self._open, self.pause_after_s).start()
+            if self._pauser is None and not self._closed and self._pause_after_s > 0:
+                self._pauser = IdlePauser(self._open, self._pause_after_s).start()
             return self._closed
 
     def _open(self) -> list[SandboxSession]:

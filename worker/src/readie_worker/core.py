@@ -148,7 +148,7 @@ class Worker:
     def _start(self) -> Worker:
         store_key = self._store_key()  # a refused key file or store setting: nothing touched yet
         self.sessions.checkpoint_steps = self.config.session_checkpoint == "step"
-        self.sessions.pause_after_s = self.config.session_pause_s
+        self.sessions.pause_idle_after(self.config.session_pause_s)  # ConfigError: nothing touched yet
         state = self.state = StateDir.claim(self.config.state_dir)  # StateDirRefused: nothing touched
         # Its path as the kernel names it: mount points are compared with what the kernel reports.
         self.config = dataclasses.replace(self.config, state_dir=state.path)
