@@ -161,19 +161,22 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
         "Runsc.run": f"{_RUNSC}; an anonymous temp file for runsc's stderr",
         "Runsc.list_ids": _RUNSC,
         "Runsc.sweep": _RUNSC,
-        "Runsc._resume": _RUNSC,
-        "Runsc.limit_memory": _CGROUP,
-        "Runsc.memory_usage": _CGROUP,
-        "Runsc.cpu_usage_ns": _CGROUP,
-        "Runsc.memory_limit": _CGROUP,
-        "Runsc.oom_killed": _CGROUP,
+        "Runsc.release_paused": _RUNSC,
+    },
+    "cgroups.py": {
+        "limit_memory": _CGROUP,
+        "memory_usage": _CGROUP,
+        "cpu_usage_ns": _CGROUP,
+        "memory_limit": _CGROUP,
+        "oom_killed": _CGROUP,
+        "freeze": _CGROUP,
     },
     "_sentry.py": {
         "signal_sandbox_process": "runsc's pid file in the sandbox's own dir",
         "signal_sentry_pid": _PROC,
     },
     "testing.py": {
-        "thread_count": _PROC, "_proc_stat": _PROC,
+        "thread_count": _PROC, "_proc_stat": _PROC, "stopped": f"{_PROC}; {_CGROUP}",
     },
 }
 

@@ -350,7 +350,7 @@ def test_a_restart_forgets_the_images_of_an_earlier_run(checkpoints, short_tmp):
 
 
 def cgroup_limit(container: str) -> int:
-    from readie_worker.runsc import CGROUP_V1_MEMORY, CGROUP_V2
+    from readie_worker.cgroups import CGROUP_V1_MEMORY, CGROUP_V2
 
     for path in (CGROUP_V1_MEMORY / container / "memory.limit_in_bytes", CGROUP_V2 / container / "memory.max"):
         if path.exists():

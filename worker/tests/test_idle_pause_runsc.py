@@ -1,8 +1,9 @@
 """Idle sessions wait paused, in real gVisor sandboxes (``readie_worker._idle_pause``).
 
-A session idle long and quiet has its sentry stopped (state T, no CPU ticks); whatever holds it next
-(a step, a file, a hibernation: runsc's checkpoint would wait for ever on a stopped sentry) runs it
-again first. A session whose own code runs between steps is never paused.
+A session idle long and quiet has its sandbox frozen whole (its cgroup's freezer: no CPU, no
+signal); whatever holds it next (a step, a file, a hibernation: runsc's checkpoint would wait for
+ever on a frozen sentry) runs it again first. A session whose own code runs between steps is
+never paused.
 """
 
 from __future__ import annotations
@@ -90,5 +91,29 @@ def test_a_session_whose_code_runs_between_steps_is_not_paused(worker):
             assert not stopped(pid)
             time.sleep(0.05)
         assert session.run_step(Step("print('still here')")).outcome.stdout == "still here\n"
+    finally:
+        session.close()
+
+
+def test_a_paused_sandbox_is_frozen_whole_and_hears_no_signal(worker):
+    # Paused by hand: the pauser leaves a computing session alone. systrap runs a job's code in stub
+    # processes beside the sentry, so a thread computing without a system call ran on through a
+    # SIGSTOP of the sentry alone, and the SIGCONT that resumed it reached the job's handler.
+    code = (
+        "import signal, threading\nheard = []\nsignal.signal(signal.SIGCONT, lambda *_: heard.append(1))\n"
+        "def spin():\n    while True: pass\nthreading.Thread(target=spin, daemon=True).start()"
+    )
+    session, first = worker.open_session(job(code))
+    try:
+        assert first.outcome.exit == 0
+        sandbox = session._sandbox
+        sandbox.pause()
+        assert wait_until(lambda: stopped(sentry(session)), timeout=5)
+        before = sandbox.cpu_ns()
+        time.sleep(1.0)
+        assert sandbox.cpu_ns() - before < 50_000_000  # the spinning thread alone takes a core
+        assert sandbox.resume()
+        step = session.run_step(Step("print(len(heard))"))
+        assert (step.session_ended, step.outcome.stdout) == (False, "0\n")
     finally:
         session.close()

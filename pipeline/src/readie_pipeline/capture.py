@@ -225,7 +225,7 @@ def _time_to_socket(launcher: RunscRestore | RunscCold, scratch: Path, preimport
     """Milliseconds until a sandbox's socket answers, and its memory cgroup's usage then."""
     sandbox = launch(launcher, scratch, serve_env(preimport))
     try:
-        return sandbox.ready_ms, launcher.runsc.memory_usage(sandbox.id)
+        return sandbox.ready_ms, launcher.memory_usage(sandbox.dir)
     finally:
         sandbox.destroy()
 

@@ -51,9 +51,18 @@ def runsc_containers(root: Path) -> list[str]:
     return listed.stdout.split()
 
 
-def _resume_sentry(root: Path, container: str) -> None:
-    """SIGCONT a container's sentry, which its dead worker may have left paused (an idle warm or
-    session sandbox): runsc delete would wait for it. Its pid is in runsc's own record."""
+def _release_paused(root: Path, container: str) -> None:
+    """Let a container its dead worker may have left paused (an idle warm or session sandbox) run
+    again: runsc delete would wait for it. Thawed from its freezer cgroup (readie_worker.cgroups),
+    and its sentry sent a SIGCONT, as an earlier readie paused it; its pid is in runsc's own record."""
+    for path, value in (
+        (Path("/sys/fs/cgroup/freezer") / container / "freezer.state", "THAWED"),
+        (Path("/sys/fs/cgroup") / container / "cgroup.freeze", "0"),
+    ):
+        try:
+            path.write_text(value)
+        except OSError:
+            pass  # not this cgroup version's, or gone already
     try:
         state = json.loads((root / f"{container}_sandbox:{container}.state").read_text())
         os.kill(int(state["sandbox"]["pid"]), signal.SIGCONT)
@@ -237,7 +246,7 @@ class Cluster:
             exit_status = stop_worker(worker)
             if not alive:  # killed by its test (under not_a_subreaper): its sandboxes outlive it, as after a crash
                 for container in runsc_containers(worker.runsc_root):
-                    _resume_sentry(worker.runsc_root, container)
+                    _release_paused(worker.runsc_root, container)
                     try:  # one that will not go is named below as a leftover; the other workers still stop
                         subprocess.run(["runsc", "--root", str(worker.runsc_root), "delete", "--force", container],
                                        capture_output=True, timeout=RUNSC_TIMEOUT_S, check=False)

@@ -1,9 +1,10 @@
 """Signals to a sandbox's sentry (its ``runsc-sandbox`` process), checked through a pidfd.
 
-SIGKILL ends a sandbox without asking runsc (``Runsc.destroy``); SIGSTOP and
-SIGCONT pause and resume a warm sandbox while it waits for a job, and an idle
-session's (``Sandbox.pause``): systrap's sentry wakes every 400 µs even when its
-sandbox is idle, which costs a few percent of a core per sandbox here.
+SIGKILL ends a sandbox without asking runsc (``Runsc.destroy``). SIGSTOP and
+SIGCONT pause and resume an idle sandbox (a warm set's, a session's:
+``Sandbox.pause``) only where it has no freezer cgroup to freeze
+(``cgroups.freeze``): systrap's sentry wakes every 400 µs even when its sandbox
+is idle, which costs a few percent of a core per sandbox here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ MAX_PID_FILE_BYTES = 32
 
 def kill_sandbox_process(container_id: str, pid_file: Path) -> bool:
     """SIGKILL the runsc-sandbox process of ``container_id`` named in ``pid_file``; whether it was.
-    It dies stopped or not (``signal_sandbox_process``: SIGSTOP pauses a warm sandbox)."""
+    It dies stopped or not; frozen, once thawed (``Runsc.destroy``)."""
     return signal_sandbox_process(container_id, pid_file, signal.SIGKILL)
 
 

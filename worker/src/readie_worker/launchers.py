@@ -24,6 +24,7 @@ from typing import Protocol
 
 import structlog
 
+from . import cgroups
 from ._sandbox_dir import SandboxDir
 from .bundle import EXECUTOR_DIR, SINGLE_THREAD_ENV, MountPlan, SandboxSpec
 from .errors import RequestError, SandboxSetupError
@@ -116,24 +117,27 @@ class _RunscLauncher:
             raise SandboxSetupError(f"sandbox {sandbox.id}: cannot hold its gofer's mount namespace: {reason}") from None
 
     def oom_killed(self, sandbox: SandboxDir) -> bool:
-        return self.runsc.oom_killed(sandbox.id)
+        return cgroups.oom_killed(sandbox.id)
 
     def pause(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
-        # The sentry alone: the gofer and the stub processes sleep while it does.
-        return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGSTOP)
+        # The whole sandbox, by its cgroup's freezer; where it has none (a host runsc gave none), its
+        # sentry alone by SIGSTOP, which systrap's stubs outrun to their next system call.
+        frozen = cgroups.freeze(sandbox.id, True)
+        return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGSTOP) if frozen is None else frozen
 
     def resume(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> bool:
-        # runsc forwards the SIGCONT to the sandbox's init, the executor: ignored there by default.
-        return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGCONT)
+        # A SIGCONT is forwarded by runsc to the sandbox's init, the executor: ignored there by default.
+        thawed = cgroups.freeze(sandbox.id, False)
+        return signal_sandbox_process(sandbox.id, sandbox.pid_file, signal.SIGCONT) if thawed is None else thawed
 
     def limit_memory(self, sandbox: SandboxDir, job_bytes: int) -> int | None:
-        usage = self.runsc.memory_usage(sandbox.id)
+        usage = cgroups.memory_usage(sandbox.id)
         if usage is None:  # fail closed: without the cgroup, files would not count against 'memory'
             raise SandboxSetupError(f"sandbox {sandbox.id}: no memory cgroup found to limit")
         limit = usage + job_bytes + JOB_MEMORY_SLACK
         if self.memory_limit_bytes is not None:
             limit = min(limit, self.memory_limit_bytes)
-        self.runsc.limit_memory(sandbox.id, limit)
+        cgroups.limit_memory(sandbox.id, limit)
         return limit
 
     def spec(self, sandbox: SandboxDir) -> SandboxSpec:
@@ -149,13 +153,13 @@ class _RunscLauncher:
         )
 
     def memory_usage(self, sandbox: SandboxDir) -> int | None:
-        return self.runsc.memory_usage(sandbox.id)
+        return cgroups.memory_usage(sandbox.id)
 
     def cpu_ns(self, sandbox: SandboxDir, process: subprocess.Popen[bytes] | None) -> int | None:
-        return self.runsc.cpu_usage_ns(sandbox.id)
+        return cgroups.cpu_usage_ns(sandbox.id)
 
     def memory_left(self, sandbox: SandboxDir) -> int | None:
-        limit, usage = self.runsc.memory_limit(sandbox.id), self.runsc.memory_usage(sandbox.id)
+        limit, usage = cgroups.memory_limit(sandbox.id), cgroups.memory_usage(sandbox.id)
         return None if limit is None or usage is None else max(0, limit - usage)
 
     def checkpoint(self, sandbox: SandboxDir, image_dir: Path, *, leave_running: bool = False) -> None:

@@ -23,7 +23,7 @@ from typing import IO, Protocol
 
 import structlog
 
-from . import _reaper
+from . import _reaper, cgroups
 from ._sentry import kill_sandbox_process, signal_sentry_pid
 from .errors import SandboxSetupError, host_failure, log_host_facts
 from .paths import remove_beneath
@@ -46,9 +46,6 @@ PREFERRED_PLATFORMS = ("systrap", "ptrace")
 # second here; the margin covers a loaded two-core machine.
 COMMAND_TIMEOUT_S = 30.0
 NETNS_DIR = Path("/var/run/netns")
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
-CGROUP_V1_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
-CGROUP_V2 = Path("/sys/fs/cgroup")
 # This much of a failed runsc command's stderr goes to the log.
 STDERR_TAIL = 2000
 # What is kept of a sandbox's stderr (runsc's own messages, and its executor's
@@ -249,10 +246,14 @@ class Runsc:
 
         With the ``pid_file`` it was started with, the sandbox process is
         SIGKILLed from here: that works on a sentry too wedged (or stopped) to
-        take ``runsc kill``'s request, and saves a runsc start (~20 ms CPU).
+        take ``runsc kill``'s request, and saves a runsc start (~20 ms CPU). A
+        paused sandbox is thawed after that kill: frozen, not even a SIGKILL
+        ends it, nor does its sentry answer runsc.
         """
         started = time.monotonic()
-        if pid_file is None or not kill_sandbox_process(container_id, pid_file):
+        killed = pid_file is not None and kill_sandbox_process(container_id, pid_file)
+        cgroups.freeze(container_id, False)
+        if not killed:
             try:
                 self.run("kill", container_id, "KILL", reaping=True, counted=False)
             except RunscError:
@@ -265,78 +266,12 @@ class Runsc:
         if self.observer is not None:
             self.observer.sandbox_destroyed(time.monotonic() - started)
 
-    def oom_killed(self, container_id: str) -> bool:
-        """Whether the kernel's OOM killer struck the container's memory cgroup (the backstop).
-
-        runsc names the cgroup after the container; read it before ``delete`` removes it.
-        """
-        for path, marker in (
-            (CGROUP_V1_MEMORY / container_id / "memory.oom_control", "oom_kill "),
-            (CGROUP_V2 / container_id / "memory.events", "oom_kill "),
-        ):
-            try:
-                lines = path.read_text().splitlines()
-            except OSError:
-                continue
-            for line in lines:
-                if line.startswith(marker):
-                    return int(line.split()[1]) > 0
-        return False
-
-    def memory_usage(self, container_id: str) -> int | None:
-        """Bytes the container's memory cgroup holds now (sentry, gofer, and the sandbox's
-        memory, files in its tmpfs and overlay included), or None without such a cgroup."""
-        for path in (CGROUP_V1_MEMORY / container_id / "memory.usage_in_bytes", CGROUP_V2 / container_id / "memory.current"):
-            try:
-                return int(path.read_text())
-            except (OSError, ValueError):
-                continue
-        return None
-
-    def cpu_usage_ns(self, container_id: str) -> int | None:
-        """CPU nanoseconds the container's cgroup has used (sentry, gofer and the sandbox's code),
-        or None without such a cgroup."""
-        try:
-            return int((CGROUP_V1_CPUACCT / container_id / "cpuacct.usage").read_text())
-        except (OSError, ValueError):
-            pass
-        try:
-            stat = (CGROUP_V2 / container_id / "cpu.stat").read_text().split()
-            return int(stat[stat.index("usage_usec") + 1]) * 1000
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def memory_limit(self, container_id: str) -> int | None:
-        """The container's memory cgroup limit in bytes, or None without one (or without a limit)."""
-        for path in (CGROUP_V1_MEMORY / container_id / "memory.limit_in_bytes", CGROUP_V2 / container_id / "memory.max"):
-            try:
-                return int(path.read_text())
-            except OSError:
-                continue
-            except ValueError:  # v2's "max": no limit
-                return None
-        return None
-
-    def limit_memory(self, container_id: str, limit_bytes: int) -> None:
-        """Lower a running container's memory cgroup limit (and its swap, so it cannot page out
-        past it). The kernel reclaims down to it or refuses; refused is a SandboxSetupError."""
-        v1 = CGROUP_V1_MEMORY / container_id
-        settings = (
-            [(v1 / "memory.limit_in_bytes", limit_bytes), (v1 / "memory.memsw.limit_in_bytes", limit_bytes)]
-            if v1.is_dir()
-            else [(CGROUP_V2 / container_id / "memory.max", limit_bytes), (CGROUP_V2 / container_id / "memory.swap.max", 0)]
-        )
-        for path, value in settings:
-            if path.name.startswith("memory.memsw") or path.name == "memory.swap.max":
-                if not path.exists():
-                    continue  # no swap accounting on this host: nothing to page out to
-            with host_failure(SandboxSetupError, f"cannot limit the memory of {container_id} to {value} bytes"):
-                path.write_text(str(value))
-
-    def _resume(self, container_id: str) -> None:
-        """SIGCONT a sentry left paused (a warm set's, an idle session's): runsc state, kill and
-        delete would wait on it. Its pid from runsc's own record, read as ``hold_mounts`` reads it
-        (asking runsc would wait)."""
+    def release_paused(self, container_id: str) -> None:
+        """Let a container left paused run again (a warm set's or an idle session's, of a worker that
+        died): runsc state, kill and delete would wait on it. Thawed, and its sentry sent a SIGCONT
+        as well, for one an earlier readie stopped that way; its pid from runsc's own record, read
+        as ``hold_mounts`` reads it (asking runsc would wait)."""
+        cgroups.freeze(container_id, False)
         try:
             record = json.loads((self.root / f"{container_id}_sandbox:{container_id}.state").read_bytes())
             signal_sentry_pid(container_id, int(record["sandbox"]["pid"]), signal.SIGCONT)
@@ -351,7 +286,7 @@ class Runsc:
         """
         swept = []
         for container_id in self.list_ids():
-            self._resume(container_id)
+            self.release_paused(container_id)
             self.destroy(container_id)
             swept.append(container_id)
         try:  # what runsc left, removed from the root as opened here: never through a link

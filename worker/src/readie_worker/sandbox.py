@@ -370,8 +370,7 @@ class Sandbox:
         return self.launcher.cpu_ns(self.dir, self.launched.process)
 
     def destroy(self) -> None:
-        # A paused one needs no resume: the launcher's SIGKILL ends a stopped sentry too (and when
-        # that cannot be sent, neither can a SIGCONT).
+        # A paused one needs no resume first: the launcher's destroy thaws what it has killed.
         if self.destroyed:
             return
         self.state = SandboxState.DEAD

@@ -19,6 +19,7 @@ from readie_policy.testing import free_port, readie_command  # noqa: F401  (name
 
 from ._host_frames import HostCall, HostReply
 from ._sandbox_dir import SandboxDir
+from .cgroups import CGROUP_V1_FREEZER, CGROUP_V2
 from .bundle import MountPlan
 from .errors import SandboxSetupError
 from .launchers import Launcher, LocalProcess
@@ -245,8 +246,20 @@ def _proc_stat(pid: int) -> list[str]:
 
 
 def stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP: a paused sandbox's sentry, or executor)."""
-    return _proc_stat(pid)[0] == "T"
+    """Whether process ``pid`` is paused: frozen with its cgroup (a paused sandbox's sentry), or
+    stopped by SIGSTOP (a paused host process; a sentry where no freezer cgroup exists)."""
+    if _proc_stat(pid)[0] == "T":
+        return True
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        try:
+            if controllers == "freezer":
+                return (CGROUP_V1_FREEZER / path.lstrip("/") / "freezer.state").read_text().strip() == "FROZEN"
+            if controllers == "" and "frozen 1" in (CGROUP_V2 / path.lstrip("/") / "cgroup.events").read_text():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def cpu_ticks(pid: int) -> int:
