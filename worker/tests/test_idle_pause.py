@@ -81,8 +81,9 @@ def test_holding_the_session_resumes_it_and_a_new_wait_starts_from_nothing():
     sandbox = FakeSandbox()
     clock = idled(PAUSE_AFTER_IDLE_S + 1)
     assert looked_at_twice(clock, sandbox, cpu_share=0.0)
+    assert clock.paused  # what the worker's gauge counts
     clock.held(sandbox)
-    assert (sandbox.paused, sandbox.resumes, clock.since) == (False, 1, None)
+    assert (sandbox.paused, sandbox.resumes, clock.since, clock.paused) == (False, 1, None, False)
     assert not look(clock, sandbox)  # held: not idle at all
     clock.idle()
     assert not look(clock, sandbox)  # a new wait: its first look only samples

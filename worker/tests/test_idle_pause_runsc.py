@@ -51,12 +51,13 @@ def test_an_idle_session_is_paused_and_a_step_runs_it_again_with_its_state(worke
         assert first.outcome.stdout == "set\n"
         pid = sentry(session)
         assert paused(session)
+        assert worker.sessions.paused == 1  # the worker's gauge (readie_worker_sessions_paused)
         before = cpu_ticks(pid)
         time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
         assert cpu_ticks(pid) == before
         step = session.run_step(Step("x += 1\nprint(x)"))
         assert (step.session_ended, step.outcome.stdout) == (False, "42\n")
-        assert not stopped(pid)
+        assert not stopped(pid) and worker.sessions.paused == 0
         # Paused again, a file operation (its own exchange, no step) runs it first too.
         assert paused(session)
         assert "cell.py" not in {entry.name for entry in session.list_files(".").entries}

@@ -91,16 +91,19 @@ def test_grpc_calls_by_method_and_code():
 
 
 def test_the_worker_collector_reads_the_pools_at_scrape_time():
-    pool = SimpleNamespace(hits=3, misses=1)
+    pool = SimpleNamespace(hits=3, misses=1, paused_count=1)
     capacity = SimpleNamespace(warm={"base": {"ready": 1, "target": 2}}, slots=4, busy=1, sessions=2, max_sessions=16,
                                hibernated=1, hibernated_bytes=50_000_000)
-    worker = SimpleNamespace(capacity=lambda: capacity, warm={"base": pool}, session_store_usage=lambda: (3, 150_000_000))
+    worker = SimpleNamespace(capacity=lambda: capacity, warm={"base": pool}, session_store_usage=lambda: (3, 150_000_000),
+                             sessions=SimpleNamespace(paused=1))
     metrics = Metrics()
     metrics.watch_worker(worker)  # type: ignore[arg-type]
     got = _samples(metrics)
     assert sample(got, "readie_worker_warm_sandboxes_ready", checkpoint="base") == 1
     assert sample(got, "readie_worker_warm_sandboxes_target", checkpoint="base") == 2
     assert sample(got, "readie_worker_warm_hits_total", checkpoint="base") == 3
+    assert sample(got, "readie_worker_warm_sandboxes_paused", checkpoint="base") == 1
+    assert sample(got, "readie_worker_sessions_paused") == 1
     assert sample(got, "readie_worker_sessions_active") == 2
     assert sample(got, "readie_worker_sessions_hibernated") == 1
     assert sample(got, "readie_worker_hibernated_bytes") == 50_000_000

@@ -152,7 +152,8 @@ def test_warm_sandboxes_behind_the_next_in_line_wait_paused_using_no_cpu(pool_fa
     first, second = [entry.sandbox for entry in pool._ready]
     assert not stopped(sentry_of(first))  # the next a take gets runs, never stopped
     behind = sentry_of(second)
-    assert wait_until(lambda: stopped(behind), timeout=5)  # a moment after the signal
+    assert wait_until(lambda: stopped(behind), timeout=5)  # frozen a moment after the freezer is told
+    assert pool.paused_count == 1  # the worker's gauge (readie_worker_warm_sandboxes_paused)
     before = cpu_ticks(behind)
     time.sleep(1.0)  # running idle, systrap's sentry takes a few ticks a second here
     assert cpu_ticks(behind) == before

@@ -46,6 +46,7 @@ class IdleClock:
     session's lock guards it)."""
 
     since: float | None = None  # waiting between steps since; None while held
+    paused: bool = False  # its sandbox waits paused now (the worker's gauge reads it without the lock)
     _seen: tuple[float, int] | None = None  # (when, CPU ns) at the last look in this wait
 
     def idle(self) -> None:
@@ -56,7 +57,7 @@ class IdleClock:
         that cannot be resumed is interrupted, so that what uses it next fails at once and the
         session ends, as after a sandbox that broke (a stopped sentry would make it wait out its
         timeout, or runsc's)."""
-        self.since = None
+        self.since, self.paused = None, False
         if sandbox is not None and not sandbox.resume():
             sandbox.interrupt()
 
@@ -82,8 +83,9 @@ class IdleClock:
         if (cpu - seen[1]) / ((now - seen[0]) * 1e9) >= MAX_IDLE_CPU_SHARE:
             return False  # its own code runs between steps
         sandbox.pause()
+        self.paused = sandbox.paused
         log.debug("idle session's sandbox paused", sandbox=sandbox.id)
-        return True
+        return self.paused
 
 
 class Pausable(Protocol):

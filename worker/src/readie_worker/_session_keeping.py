@@ -83,6 +83,12 @@ class WorkerSessions:
             return sum(1 for session in self._sessions if session.hibernated)
 
     @property
+    def paused(self) -> int:
+        """Open sessions whose sandbox waits paused now (``_idle_pause``)."""
+        with self._lock:
+            return sum(1 for session in self._sessions if session.idle_clock.paused)
+
+    @property
     def places(self) -> int:
         """Sessions open or being opened (what the worker's capacity counts)."""
         with self._lock:

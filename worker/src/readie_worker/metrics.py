@@ -289,11 +289,19 @@ def serve_if_asked(metrics: Metrics, listen: str | None) -> MetricsEndpoint | No
     return None if listen is None else metrics.serve(listen)
 
 
+class _PausedSessions(Protocol):
+    @property
+    def paused(self) -> int: ...
+
+
 class WatchedWorker(Protocol):
     """What the worker gauges read at each scrape (a :class:`~readie_worker.core.Worker` has it)."""
 
     @property
     def warm(self) -> Mapping[str, WarmSandboxes]: ...
+
+    @property
+    def sessions(self) -> _PausedSessions: ...
 
     def capacity(self) -> Capacity: ...
 
@@ -315,15 +323,23 @@ class _WorkerCollector(Collector):
             target.add_metric([name], counts["target"])
         hits = CounterMetricFamily("readie_worker_warm_hits", "Jobs served by a warm sandbox.", labels=["checkpoint"])
         misses = CounterMetricFamily("readie_worker_warm_misses", "Jobs that found no warm sandbox and waited for one.", labels=["checkpoint"])
+        paused = GaugeMetricFamily(
+            "readie_worker_warm_sandboxes_paused", "Warm sandboxes ready and paused (frozen: no CPU).", labels=["checkpoint"]
+        )
         for name, pool in warm.items():
             hits.add_metric([name], pool.hits)
             misses.add_metric([name], pool.misses)
-        yield from (ready, target, hits, misses)
+            paused.add_metric([name], pool.paused_count)
+        yield from (ready, target, paused, hits, misses)
         yield _gauge("readie_worker_slots", "Jobs the worker runs at once.", capacity.slots)
         yield _gauge("readie_worker_slots_busy", "Slots running a job now.", capacity.busy)
         yield _gauge("readie_worker_sessions_active", "Sessions open (each holds a sandbox).", capacity.sessions)
         yield _gauge("readie_worker_sessions_max", "Sessions the worker keeps open at most.", capacity.max_sessions)
         yield _gauge("readie_worker_sessions_hibernated", "Sessions hibernated to disk (counted in sessions_active too).", capacity.hibernated)
+        yield _gauge(
+            "readie_worker_sessions_paused", "Open sessions whose sandbox waits paused between steps (session_pause).",
+            self._worker.sessions.paused,
+        )
         yield _gauge("readie_worker_hibernated_bytes", "Bytes of the hibernated sessions' images on disk.", capacity.hibernated_bytes)
         entries, stored = self._worker.session_store_usage()  # as last counted: no scan at a scrape
         yield _gauge("readie_worker_session_store_entries", "Sessions stored in the session store (every worker's).", entries)

@@ -125,7 +125,7 @@ class SandboxSession(SessionFiles):
         # measured again from a restored sandbox's usage, it would grow by 'memory' each time.
         self.memory_limit = sandbox.memory_limit_bytes if sandbox is not None else memory_limit
         self._lock = threading.Lock()  # state, steps and the sandbox's state move together
-        self._idle = IdleClock()  # an idle session waits paused (_idle_pause)
+        self.idle_clock = IdleClock()  # an idle session waits paused (_idle_pause)
         if stored:
             self.state = SessionState.HIBERNATED  # a fork or an attached session: it resumes at its first step
         else:
@@ -339,7 +339,7 @@ class SandboxSession(SessionFiles):
 
     def pause_if_idle(self, after_s: float) -> bool:
         """Pause its sandbox if it has idled ``after_s`` and quiet (``_idle_pause``); whether it did."""
-        return self._idle.pause_if_quiet(
+        return self.idle_clock.pause_if_quiet(
             self._lock, lambda: self._sandbox if self.state is SessionState.IDLE else None, after_s)
 
     def _with_workspace(self, operation: Callable[[Sandbox], _R], cancel: Cancellation) -> _R:
@@ -454,7 +454,7 @@ class SandboxSession(SessionFiles):
         if self.state not in (SessionState.IDLE, SessionState.HIBERNATED):
             raise RequestError(f"a step of session {self.id} is running; steps run one at a time", field="session")
         self._move(SessionState.RUNNING)
-        self._idle.held(self._sandbox)
+        self.idle_clock.held(self._sandbox)
         if self._sandbox is not None:
             self._sandbox.move(SandboxState.BUSY)
 
@@ -496,4 +496,4 @@ class SandboxSession(SessionFiles):
     def _move(self, target: SessionState) -> None:
         self.state = check_transition(self.state, target)
         if target is SessionState.IDLE:
-            self._idle.idle()
+            self.idle_clock.idle()

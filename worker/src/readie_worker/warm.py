@@ -129,6 +129,12 @@ class WarmSandboxes:
         with self._changed:
             return len(self._ready)
 
+    @property
+    def paused_count(self) -> int:
+        """Ready sandboxes waiting paused now: those behind the next in line, and it after a long wait."""
+        with self._changed:
+            return sum(1 for ready in self._ready if ready.sandbox.paused)
+
     def take(self) -> Sandbox:
         """A live, pristine sandbox: a warm one if any passes its probe, else a fresh restore."""
         while True:
