@@ -113,7 +113,7 @@ def test_a_paused_sandbox_is_frozen_whole_and_hears_no_signal(worker):
         before = sandbox.cpu_ns()
         time.sleep(1.0)
         assert sandbox.cpu_ns() - before < 50_000_000  # the spinning thread alone takes a core
-        assert sandbox.resume()
+        assert sandbox.resume()  # the pauser, which saw it quiet while frozen, may pause it again: the step thaws it
         step = session.run_step(Step("print(len(heard))"))
         assert (step.session_ended, step.outcome.stdout) == (False, "0\n")
     finally:

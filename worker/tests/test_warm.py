@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -110,9 +112,6 @@ def test_ready_sandboxes_are_warmed_up_and_keep_the_warm_up_s_connection(pool_fa
 
 
 def test_a_sandbox_idle_past_the_ping_threshold_is_pinged_and_a_wedged_one_replaced(pool_factory, runsc):
-    import os
-    import signal
-
     from readie_worker.warm import PING_AFTER_IDLE_S
 
     pool = pool_factory("base", target=1)
@@ -175,22 +174,23 @@ def test_a_paused_sandbox_is_destroyed_at_once_and_swept_at_once(checkpoints, sh
     # A root of its own: the sweep empties the whole root, and the session's one is shared.
     own = Runsc(root=Path(tempfile.mkdtemp(prefix="readie-test-pause-")))
     factory = checkpoint_factory(own, checkpoints.manifest, checkpoints.usable["base"], short_tmp)
-    first, second = factory.create(), factory.create()
+    first, second, third = factory.create(), factory.create(), factory.create()
     try:
         for sandbox in (first, second):
-            sandbox.pause()  # the stop takes effect a moment after the signal
+            sandbox.pause()  # frozen a moment after the freezer is told
             assert wait_until(lambda sandbox=sandbox: stopped(sentry_of(sandbox)), timeout=5)
+        os.kill(sentry_of(third), signal.SIGSTOP)  # as an earlier readie paused one: its sentry alone
         started = time.monotonic()
-        first.destroy()  # its SIGKILL ends a stopped sentry; runsc kill would wait for it
+        first.destroy()  # its SIGKILL, then a thaw (frozen, even a SIGKILL waits); runsc kill would wait too
         assert time.monotonic() - started < 5
-        # A worker that died left the other paused: the next one's sweep resumes it, else runsc
-        # state, kill and delete would wait for it.
+        # A worker that died left the others paused: the next one's sweep thaws or continues them,
+        # else runsc state, kill and delete would wait for them.
         started = time.monotonic()
-        assert own.sweep() == [second.id]
+        assert sorted(own.sweep()) == sorted([second.id, third.id])
         assert time.monotonic() - started < 10
         assert own.list_ids() == []
     finally:
-        for sandbox in (first, second):
+        for sandbox in (first, second, third):
             sandbox.destroy()
         shutil.rmtree(own.root, ignore_errors=True)
 

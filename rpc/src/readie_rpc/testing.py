@@ -59,10 +59,16 @@ def _release_paused(root: Path, container: str) -> None:
         (Path("/sys/fs/cgroup/freezer") / container / "freezer.state", "THAWED"),
         (Path("/sys/fs/cgroup") / container / "cgroup.freeze", "0"),
     ):
-        try:
-            path.write_text(value)
+        try:  # never created: on a v1 host /sys/fs/cgroup itself is a tmpfs
+            descriptor = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         except OSError:
-            pass  # not this cgroup version's, or gone already
+            continue  # not this cgroup version's, or gone already
+        try:
+            os.write(descriptor, value.encode())
+        except OSError:
+            pass
+        finally:
+            os.close(descriptor)
     try:
         state = json.loads((root / f"{container}_sandbox:{container}.state").read_text())
         os.kill(int(state["sandbox"]["pid"]), signal.SIGCONT)

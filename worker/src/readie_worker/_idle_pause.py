@@ -4,7 +4,7 @@ An idle gVisor sentry still wakes every 400 µs (systrap's fast-path controller,
 these machines run): 3-4 % of a core for each session that waits between steps, for as long as
 its client keeps it (``session_idle``, ten minutes by default). A session that has waited
 ``session_pause`` (``WorkerConfig.session_pause_s``, 10 s by default; 0: never) with its sandbox
-quiet is paused (its sentry stopped, as a warm set's sandboxes behind the next in line are);
+quiet is paused (frozen, as a warm set's sandboxes behind the next in line are: ``Sandbox.pause``);
 anything that holds the session next (a step, a hibernation, a file) resumes it first
 (``SandboxSession._start_running``).
 

@@ -252,7 +252,8 @@ class Runsc:
         """
         started = time.monotonic()
         killed = pid_file is not None and kill_sandbox_process(container_id, pid_file)
-        cgroups.freeze(container_id, False)
+        if cgroups.freeze(container_id, False) is False:  # a frozen one would hold up delete till its timeout
+            log.error("cannot thaw the container to destroy it", container=container_id)
         if not killed:
             try:
                 self.run("kill", container_id, "KILL", reaping=True, counted=False)

@@ -258,8 +258,9 @@ class WarmSandboxes:
         """The sandbox a take gets next runs; those behind it wait paused (holding ``_changed``).
 
         An idle gVisor sentry still wakes every 400 µs (systrap's fast-path controller): a few
-        percent of a core per waiting sandbox here, none paused (SIGSTOP). But a sandbox resumed
-        right before its job runs the job slower (p90 +9 ms in a lab: the fast path is cold), and
+        percent of a core per waiting sandbox here, none paused (frozen). But a sandbox resumed
+        right before its job runs the job slower (+0.4-0.6 ms p50 frozen, and p90 +9 ms when a SIGSTOP
+        paused it: decision 33), and
         one resumed beside a running job slows that job (+0.3 ms p50). So the next in line is
         resumed when a job of this set ends (``refill_held``), or at a take outside any job; a take
         while another job runs may get it still paused, and resume it then, the cold case. It runs
