@@ -11,11 +11,16 @@ allows, and whether an ask is below that at all:
   socket it bound in its ``/readie/run`` (as the executor binds its own), echoed
   by a thread that does nothing else: gVisor's wake-ups and system calls alone;
 * ``process_round_trip_us``: one byte to a child Python and back over two pipes;
+* ``chained_call_us``: the two chained as a host call chains them: the sandbox
+  sends a byte, the host passes it to a child Python and back, then into the
+  sandbox, timed inside the sandbox as host calls are. Each side now waits
+  while the other works, as in a call, which the two alone never do: this is
+  a host call's least, with no readie code anywhere on it;
 * :class:`StreamEcho`: one message and its answer on an open bidirectional
   stream (the server's reflection service: no work in the handler), from a
   synchronous client fed by a queue, as readie's clients are.
 
-The first two are timed back to back (:func:`timed`) after a few unmeasured
+The first three are timed back to back (:func:`timed`) after a few unmeasured
 rounds, as the host calls they bound are (a task's calls follow one
 another). The stream is timed both ways: back to back for the host call's
 floor, and each after the machine settled, as the session steps it bounds
@@ -24,6 +29,8 @@ are (an idle chain of threads wakes slower than a busy one).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pickle
 import queue
@@ -62,6 +69,31 @@ listener.bind(PATH)
 listener.listen(1)
 threading.Thread(target=serve, args=(listener,), daemon=True).start()
 """
+# The sandbox's side of a chained call: once the host says go (a byte), ROUNDS round trips
+# begun and timed in the sandbox, then their times in µs as one JSON line.
+_CHAIN_IN_SANDBOX = """
+import json, socket, threading, time
+def serve(listener):
+    connection, _ = listener.accept()
+    listener.close()
+    times = []
+    with connection:
+        if connection.recv(1) != b"g":
+            return
+        for _ in range(ROUNDS):
+            started = time.perf_counter_ns()
+            connection.sendall(b"x")
+            if connection.recv(1) != b"x":
+                return
+            times.append((time.perf_counter_ns() - started) / 1000)
+        connection.sendall(json.dumps(times).encode() + b"\\n")
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(PATH)
+listener.listen(1)
+threading.Thread(target=serve, args=(listener,), daemon=True).start()
+"""
+# What the chain's timings may take on the way out: 300 samples are ~6 KB.
+MAX_CHAIN_REPORT_BYTES = 1 << 20
 # In the sandbox's /readie/run, the executor's socket's dir; no longer a name than its socket's,
 # so the path fits wherever the executor's does.
 _ECHO_PATH = EXECUTOR_DIR / "echo.sock"
@@ -92,20 +124,30 @@ def timed(round_trip: Callable[[], object], samples: int, unit_ns: int) -> list[
     return times
 
 
-def sandbox_echo_us(sandbox: Sandbox, samples: int, before: Callable[[], object] = lambda: None) -> list[float]:
-    """Round trips of a byte into ``sandbox`` and back, timed once ``before()`` returns (a settle:
-    the restore's own work done); the sandbox is left serving the echo (destroy it after).
+def _serving(sandbox: Sandbox, code: str, **names: object) -> socket.socket:
+    """A connection to the socket that ``code``, run in ``sandbox`` with ``names`` and ``PATH``, serves.
 
-    The echo is started through the executor (``exec`` of :data:`_ECHO_IN_SANDBOX`: a builtin,
-    so nothing is imported there); its answer, a pickle from the sandbox, is not opened: the
-    socket appearing is the answer. The sandbox is the bench's own, just restored, running only
-    this code, so its directory is trusted here as the worker never trusts a job's.
+    The code is started through the executor (``exec``: a builtin, so nothing is imported
+    there); its answer, a pickle from the sandbox, is not opened: the socket appearing is the
+    answer. The sandbox is the bench's own, just restored, running only this code, so its
+    directory is trusted here as the worker never trusts a job's.
     """
-    sandbox.call(pickle.dumps({"func": exec, "args": (_ECHO_IN_SANDBOX, {"PATH": str(_ECHO_PATH)}), "kwargs": {}}),
-                 timeout=ECHO_START_TIMEOUT_S)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+    names["PATH"] = str(_ECHO_PATH)
+    sandbox.call(pickle.dumps({"func": exec, "args": (code, names), "kwargs": {}}), timeout=ECHO_START_TIMEOUT_S)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
         connection.settimeout(ECHO_START_TIMEOUT_S)
         connection.connect(str(sandbox.dir.executor_dir / _ECHO_PATH.name))
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def sandbox_echo_us(sandbox: Sandbox, samples: int, before: Callable[[], object] = lambda: None) -> list[float]:
+    """Round trips of a byte into ``sandbox`` and back, timed once ``before()`` returns (a settle:
+    the restore's own work done); the sandbox is left serving the echo (destroy it after)."""
+    with _serving(sandbox, _ECHO_IN_SANDBOX) as connection:
         before()
 
         def round_trip() -> None:
@@ -117,6 +159,41 @@ def sandbox_echo_us(sandbox: Sandbox, samples: int, before: Callable[[], object]
 
 
 def process_round_trip_us(samples: int) -> list[float]:
+    with _echo_child() as round_trip:
+        return timed(round_trip, samples, 1000)
+
+
+def chained_call_us(sandbox: Sandbox, samples: int, before: Callable[[], object] = lambda: None) -> list[float]:
+    """A host call's crossings chained, timed in ``sandbox`` once ``before()`` returns: the
+    sandbox sends a byte, this thread passes it to a child process and back, then into the
+    sandbox. The sandbox is left serving (destroy it after)."""
+    rounds = UNMEASURED + samples
+    with _serving(sandbox, _CHAIN_IN_SANDBOX, ROUNDS=rounds) as connection, _echo_child() as child_round_trip:
+        before()
+        connection.sendall(b"g")
+        for _ in range(rounds):
+            if connection.recv(1) != b"x":
+                raise RuntimeError("the sandbox's chain stopped")
+            child_round_trip()
+            connection.sendall(b"x")
+        report = b""
+        while not report.endswith(b"\n") and len(report) < MAX_CHAIN_REPORT_BYTES:
+            data = connection.recv(MAX_CHAIN_REPORT_BYTES)
+            if not data:
+                break
+            report += data
+    try:
+        times = json.loads(report)
+    except ValueError:
+        raise RuntimeError(f"the sandbox's chain reported {report[:80]!r}") from None
+    if not isinstance(times, list) or len(times) != rounds:
+        raise RuntimeError("the sandbox's chain reported the wrong number of round trips")
+    return [float(t) for t in times[UNMEASURED:]]
+
+
+@contextlib.contextmanager
+def _echo_child() -> Iterator[Callable[[], None]]:
+    """A child Python echoing bytes on two pipes; yields one round trip through it."""
     child = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
     assert child.stdin is not None and child.stdout is not None
     to_child, from_child = child.stdin.fileno(), child.stdout.fileno()
@@ -127,7 +204,7 @@ def process_round_trip_us(samples: int) -> list[float]:
             raise RuntimeError("the echo child did not answer")
 
     try:
-        return timed(round_trip, samples, 1000)
+        yield round_trip
     finally:
         child.stdin.close()
         child.stdout.close()

@@ -126,7 +126,8 @@ def _host_function(entry: dict[str, Any]) -> list[str]:
                      f"p50 {split['pool_and_client'].get('p50')} µs")
         if "sandbox_echo_us" in split:
             lines.append(f"  floors, p50 µs: a byte into a sandbox and back {_floor(split['sandbox_echo_us'])}, "
-                         f"to a child process and back {_floor(split['process_round_trip_us'])}")
+                         f"to a child process and back {_floor(split['process_round_trip_us'])}, "
+                         f"the two chained as a call chains them {_floor(split.get('chained_call_us', {}))}")
     elif split:
         lines.append(f"  breakdown: {split.get('reason')}")
     return lines

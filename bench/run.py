@@ -170,6 +170,9 @@ def _hot_path_figures(figures: dict[str, Any], pick: Callable[[str], Any]) -> No
     process_us = pick("host_function/breakdown_us/process_round_trip_us/p50")
     if echo_us is not None and process_us is not None:
         figures["floor: sandbox echo + process round trip p50 ms (a host call's least, back to back)"] = round((echo_us + process_us) / 1000, 3)
+    chained_us = pick("host_function/breakdown_us/chained_call_us/p50")
+    if chained_us is not None:
+        figures["floor: the two chained as a call chains them p50 ms (a host call's least)"] = round(chained_us / 1000, 3)
     figures["floor: gRPC stream round trip p50 ms, settled"] = pick(f"{hop}/grpc_stream_round_trip_ms/settled/p50")
     figures["floor: gRPC stream round trip p50 ms, back to back"] = pick(f"{hop}/grpc_stream_round_trip_ms/hot/p50")
     figures["floor: session step through a router / local, p50"] = pick(f"{hop}/routed_over_local_floor/session_step")

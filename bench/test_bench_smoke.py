@@ -76,10 +76,12 @@ def test_smoke_run_measures_every_scenario_within_budget(tmp_path: Path) -> None
         assert hop[figure]["routed_over_local"]["p50"] > 0, figure
     # The floors those asks are held against, in the same run (bench._floors).
     assert breakdown["sandbox_echo_us"]["n"] >= 1 and breakdown["process_round_trip_us"]["n"] >= 1, breakdown
+    assert breakdown["chained_call_us"]["n"] >= 1, breakdown
     assert hop["grpc_stream_round_trip_ms"]["settled"]["n"] >= 1 and hop["grpc_stream_round_trip_ms"]["hot"]["n"] >= 1
     assert {"session_step", "host_call"} == hop["routed_over_local_floor"].keys()
     assert all(floor > 1 for floor in hop["routed_over_local_floor"].values()), hop["routed_over_local_floor"]
     assert "floor: sandbox echo + process round trip p50 ms (a host call's least, back to back)" in result["key_figures"]
+    assert "floor: the two chained as a call chains them p50 ms (a host call's least)" in result["key_figures"]
     # A warm job's phases, warmed up and not (the before/after pair of that change), and a session
     # step's, each down to the runner's own phases.
     for arm in ("warmed", "not_warmed", "session_step"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from readie_protocol.requests import Refused as LineRefused
@@ -20,7 +21,7 @@ from readie_protocol.requests import Request, parse_request
 from readie_protocol.wire import RequestId
 
 from .._bench import Bench
-from .._floors import measured, process_round_trip_us, sandbox_echo_us
+from .._floors import chained_call_us, measured, process_round_trip_us, sandbox_echo_us
 from .._jobs import PRINT
 from .._pool_client import PoolClient, PoolError
 from .._stats import ratio, summary
@@ -207,22 +208,25 @@ def _host_breakdown(bench: Bench, pool: PoolClient, name: str) -> dict[str, Any]
     return {
         "in_sandbox_p50": in_sandbox,
         "pool_and_client": pool_and_client,
-        "sandbox_echo_us": measured(lambda: _sandbox_echo(bench, name, samples), digits=1),
+        "sandbox_echo_us": measured(lambda: _in_sandbox(bench, name, sandbox_echo_us, samples), digits=1),
         "process_round_trip_us": process_us,
+        "chained_call_us": measured(lambda: _in_sandbox(bench, name, chained_call_us, samples), digits=1),
         "what": "in_sandbox_p50: the honest client's steps inside the sandbox (wait_for_reply holds "
         "everything outside it); pool_and_client: a round trip from the worker's host callback to "
         "this client and back to the pool's loop, where a reply goes into the sandbox, in readie "
         "pool without sandboxes; the floors (bench._floors): "
         "sandbox_echo_us, one byte into a sandbox of the same checkpoint and back, echoed by a "
-        "thread doing nothing else; process_round_trip_us, one byte to a child process and back",
+        "thread doing nothing else; process_round_trip_us, one byte to a child process and back; "
+        "chained_call_us, the two chained as a call chains them: a byte from the sandbox to a child "
+        "process and back into the sandbox, timed in the sandbox",
     }
 
 
-def _sandbox_echo(bench: Bench, name: str, samples: int) -> list[float]:
-    """The sandbox's echo on a fresh restore of ``name``, destroyed after."""
+def _in_sandbox(bench: Bench, name: str, floor: Callable[..., list[float]], samples: int) -> list[float]:
+    """``floor`` (a sandbox's echo or chain) on a fresh restore of ``name``, destroyed after."""
     sandbox = bench.restore_factory(name).create()
     try:
-        return sandbox_echo_us(sandbox, samples, before=bench.settle)
+        return floor(sandbox, samples, before=bench.settle)
     finally:
         sandbox.destroy()
 
