@@ -112,18 +112,19 @@ ALLOWED: Mapping[str, Mapping[str, str]] = {
     # reach it), hostile within (shared with other workers' volumes): every path beneath its
     # root is opened by descriptor, O_NOFOLLOW, and checked (_store_files).
     "_store_files.py": {
-        "opened_dir": _STORE, "make_dir": _STORE, "copy_hashing": _STORE, "write_new": _STORE,
-        "regular_sizes": _STORE, "_open_regular": _STORE,
+        "make_dir": _STORE, "copy_hashing": _STORE, "write_new": _STORE,
+        "regular_sizes": _STORE, "_open": _STORE,
     },
     "_store_leases.py": {"lease_state": _STORE, "write_lease": _STORE, "LeaseKeeper._touch": _STORE},
     "_store_meta.py": {"read_store_key": f"{_OPERATOR}: --session-store-key, opened O_NOFOLLOW and checked (regular, 0600)"},
     "session_store.py": {
         "SessionStore.share": _STORE, "SessionStore._publish": _STORE, "SessionStore.let_go": _STORE,
-        "SessionStore._locked": _STORE,
+        "SessionStore.copy_image": f"{_OWN}: the private dir an image is copied into",
     },
     "_store_layout.py": {
         "open_root": f"{_OPERATOR}: --session-store, opened O_NOFOLLOW and checked",
         "entry_names": _STORE, "generation_numbers": _STORE, "entry_bytes": _STORE, "last_touched": _STORE,
+        "store_locked": _STORE,
     },
     "manifest.py": {
         "_parse": _CHECKPOINTS,

@@ -466,7 +466,6 @@ def test_the_store_lock_is_waited_for_a_bounded_time(store, monkeypatch):
     import readie_worker._store_layout as layout
     import readie_worker.session_store as module
 
-    monkeypatch.setattr(module, "STORE_LOCK_WAIT_S", 0.2)
     monkeypatch.setattr(layout, "STORE_LOCK_WAIT_S", 0.2)
     fd = os.open(store.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:

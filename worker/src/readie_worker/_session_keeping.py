@@ -26,6 +26,7 @@ import structlog
 from readie_protocol.cancel import NEVER, Cancellation
 from ._idle_pause import IdlePauser
 from .errors import ConfigError, ErrorType, PoolWorkerError, RequestError, SandboxSetupError, bound_ids
+from ._store_meta import check_storable
 from .hibernation import SessionImages
 from .paths import remove_tree
 from .session_store import StoredSession, new_session_key
@@ -132,6 +133,8 @@ class WorkerSessions:
         with slot(cancel), bound_ids(job_id=job_id):
             queued_us = _since(started)
             self._sandboxes.check(job, None)
+            if self.images is not None and not job.network:  # one the store cannot keep: refused now, not when it hibernates
+                check_storable(job)
             self._take_session_place()
             try:
                 sandbox, links = self._sandboxes.acquire(job)

@@ -7,11 +7,17 @@ every open here is relative to a directory descriptor, never follows a
 symlink (``O_NOFOLLOW``), never blocks on a FIFO (``O_NONBLOCK``), checks the
 descriptor is a regular file, and reads at most a named bound. What breaks
 these rules is an :class:`UnsafeFile`, which the store turns into a refusal.
+
+Only an open whose error is about the path itself (a symlink, not a directory,
+gone) is an UnsafeFile. Any other error (descriptors run out, an I/O error, a
+network volume's stale handle) is the machine's trouble and says nothing of the
+entry: it stays an OSError, which never condemns an entry or a lease.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -24,6 +30,10 @@ __all__ = ["UnsafeFile", "copy_hashing", "make_dir", "opened_dir", "read_bounded
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# What an open's errno says about the path (O_NOFOLLOW met a symlink, a file where a directory
+# should be or the reverse, nothing there, modes that keep this worker out): the entry's doing,
+# or a writer's meanwhile.
+_PATH_ERRNOS = frozenset({errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.ENXIO, errno.EACCES, errno.EPERM})
 # Copies move a session image (tens to hundreds of MB) in pieces this big: few system calls,
 # little memory.
 COPY_CHUNK_BYTES = 1024 * 1024
@@ -47,10 +57,7 @@ def store_errors(doing: str) -> Iterator[None]:
 @contextlib.contextmanager
 def opened_dir(name: str, dir_fd: int | None = None) -> Iterator[int]:
     """A descriptor of the directory ``name`` (beneath ``dir_fd``), never through a symlink."""
-    try:
-        fd = os.open(name, _DIRECTORY, dir_fd=dir_fd)
-    except OSError as exc:
-        raise UnsafeFile(f"{name}: {exc.strerror}") from None
+    fd = _open(name, _DIRECTORY, dir_fd)
     try:
         yield fd
     finally:
@@ -127,11 +134,18 @@ def regular_sizes(dir_fd: int) -> dict[str, int]:
     return sizes
 
 
-def _open_regular(dir_fd: int, name: str, limit: int) -> int:
+def _open(name: str, flags: int, dir_fd: int | None) -> int:
+    """``os.open``; UnsafeFile when the error is about the path (:data:`_PATH_ERRNOS`)."""
     try:
-        fd = os.open(name, _READ, dir_fd=dir_fd)
+        return os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
-        raise UnsafeFile(f"{name}: {exc.strerror}") from None
+        if exc.errno in _PATH_ERRNOS:
+            raise UnsafeFile(f"{name}: {exc.strerror}") from None
+        raise
+
+
+def _open_regular(dir_fd: int, name: str, limit: int) -> int:
+    fd = _open(name, _READ, dir_fd)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -12,7 +12,9 @@ import fcntl
 import os
 import re
 import stat
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ._store_files import UnsafeFile, opened_dir, regular_sizes
@@ -20,7 +22,7 @@ from ._store_leases import LEASE
 from .errors import ConfigError, SandboxSetupError
 from .paths import remove_tree
 
-__all__ = ["LOCK", "MAX_GENERATION", "STALE_WRITE_S", "STORE_LOCK_POLL_S", "STORE_LOCK_WAIT_S", "StoreBusy", "flock_by", "entry_bytes", "entry_names", "generation_numbers", "last_touched", "open_root"]
+__all__ = ["LOCK", "MAX_GENERATION", "STALE_WRITE_S", "STORE_LOCK_POLL_S", "STORE_LOCK_WAIT_S", "StoreBusy", "flock_by", "entry_bytes", "entry_names", "generation_numbers", "last_touched", "open_root", "store_locked"]
 
 #: A generation being written that is older than this was left by a worker that died mid-write.
 STALE_WRITE_S = 3600.0
@@ -59,6 +61,26 @@ def flock_by(fd: int, deadline: float) -> None:
             time.sleep(STORE_LOCK_POLL_S)
 
 
+@contextlib.contextmanager
+def store_locked(root_fd: int, threads: threading.Lock) -> Iterator[None]:
+    """The store's lock: ``threads`` (this process's) and ``flock`` of :data:`LOCK` (every
+    worker's), waited for at most STORE_LOCK_WAIT_S in all (StoreBusy then)."""
+    deadline = time.monotonic() + STORE_LOCK_WAIT_S
+    if not threads.acquire(timeout=STORE_LOCK_WAIT_S):
+        raise StoreBusy(f"the session store's lock was busy for {STORE_LOCK_WAIT_S:.0f} s")
+    try:
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SandboxSetupError(f"the session store's {LOCK} is not a regular file")
+            flock_by(fd, deadline)
+            yield
+        finally:
+            os.close(fd)  # and the lock with it
+    finally:
+        threads.release()
+
+
 def open_root(root: Path) -> int:
     """A descriptor of the store's root (made 0700 if missing); ConfigError naming it when it is
     a symlink, not a directory, or writable by group or others."""
@@ -91,7 +113,8 @@ def entry_bytes(entry_fd: int, now: float | None = None) -> int | None:
         if not (generation or writing):
             continue
         with contextlib.suppress(UnsafeFile, OSError), opened_dir(name, entry_fd) as fd:
-            if writing and now is not None and now - os.fstat(fd).st_mtime > STALE_WRITE_S:
+            # Dated over STALE_WRITE_S ahead is as stale: only a planted write is, to look live forever.
+            if writing and now is not None and abs(now - os.fstat(fd).st_mtime) > STALE_WRITE_S:
                 remove_tree(name, dir_fd=entry_fd)
                 continue
             used = sum(regular_sizes(fd).values())

@@ -61,11 +61,12 @@ class NoImage(Exception):
 
 def lease_state(entry_fd: int, now: float) -> tuple[str | None, bool]:
     """The holder's token of the entry's lease (None: no lease, or not a file; UNREADABLE_HOLDER:
-    text no token has), and whether it is live."""
+    text no token has), and whether it is live. An OSError (the machine's: ``_store_files``) is
+    raised: it says nothing of the lease, and taking it for none would take a live holder's."""
     try:
         text = read_bounded(entry_fd, LEASE, MAX_LEASE_BYTES).decode("ascii", "replace")
         mtime = os.stat(LEASE, dir_fd=entry_fd, follow_symlinks=False).st_mtime
-    except (UnsafeFile, OSError):
+    except (UnsafeFile, FileNotFoundError):  # FileNotFoundError: let go between the read and the stat
         return None, False
     return (text if TOKEN.fullmatch(text) else UNREADABLE_HOLDER), now - mtime < LEASE_STALE_S
 
@@ -175,6 +176,9 @@ class LeaseKeeper:
             on_lost()
 
     def _touch(self, entry: str, token: str) -> bool:
+        """Whether ``token`` is still the lease of ``entry`` (touched now). A touch the machine
+        failed (not the entry: ``_store_files``) is no loss: the next beat tries again, and a lease
+        it left to go stale is found taken then."""
         try:
             with opened_dir(entry, self._root_fd) as entry_fd:
                 text, _ = lease_state(entry_fd, time.time())
@@ -182,8 +186,11 @@ class LeaseKeeper:
                     return False
                 os.utime(LEASE, dir_fd=entry_fd, follow_symlinks=False)
                 return True
-        except (UnsafeFile, OSError):
+        except UnsafeFile:
             return False
+        except OSError as exc:
+            log.warning("a session's lease could not be touched; trying again at the next beat", entry=entry[:16], error=exc.strerror)
+            return True
 
     def _beat(self) -> None:
         swept = time.monotonic()

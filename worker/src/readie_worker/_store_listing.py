@@ -3,9 +3,11 @@
 States: ``leased`` (a worker holds it live: never removed), ``stored``
 (waiting for an attach), ``foreign`` (its metadata names another store
 key's id: never judged by this key, it ages out by its mtime alone),
-``expired`` (past the TTL, or holding nothing for that long) and
-``invalid`` (this key's entry that fails verification, or not a directory).
-A sweep removes the last two.
+``expired`` (past the TTL, or holding nothing for that long),
+``invalid`` (this key's entry that fails verification, or not a directory)
+and ``unreadable`` (the machine failed a read: descriptors ran out, an I/O
+error, a network volume's stale handle; nothing is known of the entry, and
+it is kept). A sweep removes ``expired`` and ``invalid``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class EntryInfo:
     """One entry as ``readie sessions`` lists it."""
 
     entry: str
-    state: str  # leased, stored, foreign (another store key's), expired, invalid
+    state: str  # leased, stored, foreign (another store key's), expired, invalid, unreadable
     worker: str | None
     bytes: int
     age_s: float | None  # since last used
@@ -42,16 +44,20 @@ def describe(root_fd: int, entry: str, now: float, ttl_s: float,
             used = entry_bytes(entry_fd, now) or 0
             generations = generation_numbers(entry_fd)
             touched = last_touched(entry_fd)
-    except (UnsafeFile, OSError):
+    except UnsafeFile:
         return EntryInfo(entry, "invalid", None, 0, None)  # not a directory: planted
+    except OSError:
+        return EntryInfo(entry, "unreadable", None, 0, None)
     stored, foreign = None, False
     if generations:
         try:
             stored = verified(entry, f"g{max(generations)}")
         except ForeignEntry:
             foreign = True
-        except (UnsafeFile, OSError, ValueError):
+        except (UnsafeFile, ValueError):
             pass
+        except OSError:
+            return EntryInfo(entry, "unreadable", worker_of(holder), used, None)
     # A stored session's age is its metadata's (under the MAC); an entry holding nothing (a live
     # session's, whose holder stalled or died without writing) or another key's ages from its
     # mtime or its lease's last beat, so that a holder's stall of seconds never costs it its entry.

@@ -28,13 +28,15 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._job_json import job_from_json, job_to_json
 from ._store_files import opened_dir, regular_sizes, write_new
-from .errors import ConfigError, SandboxSetupError
+from .errors import ConfigError, RequestError, SandboxSetupError
 from .jobs import CodeJob
 
 __all__ = [
+    "check_storable",
     "FORMAT", "KEY_ID_CHARS", "MAC", "ForeignEntry", "MAX_IMAGE_FILES", "MAX_IMAGE_FILE_BYTES", "MAX_MAC_BYTES", "MAX_METADATA_BYTES", "META",
     "StoredSession", "image_files", "is_image_file", "key_id", "read_store_key", "seal", "unseal", "write_sealed",
 ]
@@ -42,6 +44,9 @@ __all__ = [
 #: The metadata holds a job's setup (env, grants, functions; its code and files are not kept):
 #: kilobytes. Read whole, so bounded well before memory is at stake.
 MAX_METADATA_BYTES = 256 * 1024
+# What a generation's metadata holds besides the session's setup: ids, times and the image files'
+# records (at most MAX_IMAGE_FILES of ~120 bytes), with room to spare.
+METADATA_BESIDES_SETUP = 8 * 1024
 #: The MAC file: 64 hex digits; anything longer is not one.
 MAX_MAC_BYTES = 128
 #: A runsc image is a handful of files (checkpoint.img, pages, pages' metadata).
@@ -116,14 +121,29 @@ def seal(key: bytes, entry: str, generation: int, job: CodeJob, *, memory_limit:
          files: tuple[tuple[str, int, str], ...], now: float, created: float | None = None) -> tuple[bytes, bytes]:
     """The metadata of generation ``generation`` (published as ``g<generation>``) of ``entry`` and its
     MAC under ``key``; ``created``: when the session was first stored (None: now)."""
-    # A step's code and files are not the session's: every later step replaces them.
-    setup = job_to_json(dataclasses.replace(job, code="", files=()))
+    setup = _setup(job)
     data = {"format": FORMAT, "entry": entry, "generation": generation, "key_id": key_id(key), "job": setup, "memory_limit": memory_limit, "step": step,
             "worker": worker, "created": now if created is None else created, "last_used": now, "files": [list(file) for file in files]}
     meta = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
     if len(meta) > MAX_METADATA_BYTES:
         raise SandboxSetupError(f"the session's setup takes {len(meta)} bytes of metadata; the store keeps at most {MAX_METADATA_BYTES}")
     return meta, _mac(key, meta)
+
+
+def check_storable(job: CodeJob) -> None:
+    """RequestError (field ``env``, what makes a setup large) when ``job``'s setup would not fit a
+    stored generation's metadata: refused as the session opens, not at its first hibernation."""
+    size = len(json.dumps(_setup(job), separators=(",", ":")))
+    room = MAX_METADATA_BYTES - METADATA_BESIDES_SETUP
+    if size > room:
+        raise RequestError(f"the session's setup takes {size} bytes (its env above all); a session that can be "
+                           f"stored takes at most {room}", field="env")
+
+
+def _setup(job: CodeJob) -> dict[str, Any]:
+    """What a stored generation keeps of the session's setup: a step's code and files are not the
+    session's (every later step replaces them)."""
+    return job_to_json(dataclasses.replace(job, code="", files=()))
 
 
 def unseal(key: bytes, entry: str, generation: str, meta: bytes, mac: bytes) -> StoredSession:
@@ -148,7 +168,7 @@ def unseal(key: bytes, entry: str, generation: str, meta: bytes, mac: bytes) -> 
             entry, generation, job_from_json(data["job"]), _optional_int(data["memory_limit"]), _int(data["step"]),
             str(data["worker"]), float(data["created"]), float(data["last_used"]), files,
         )
-    except (KeyError, TypeError, AttributeError) as exc:  # a field missing, or of another shape
+    except (KeyError, TypeError, AttributeError, RecursionError) as exc:  # a field missing, or of another shape
         raise ValueError(f"its metadata is malformed ({type(exc).__name__}: {exc})") from None
 
 
@@ -178,7 +198,7 @@ def peek_key_id(meta: bytes) -> str | None:
     """The key id unverified ``meta`` names, if it names one: what keeps a foreign entry, nothing more."""
     try:
         data = json.loads(meta)
-    except ValueError:
+    except (ValueError, RecursionError):  # unauthenticated bytes: nested deep enough, json recurses out
         return None
     value = data.get("key_id") if isinstance(data, dict) else None
     return value if isinstance(value, str) and _KEY_ID.fullmatch(value) else None

@@ -18,17 +18,20 @@ the request wrong.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+import structlog
 
 from .errors import RequestError, SandboxSetupError
 from .jobs import CodeJob
 from .paths import remove_tree
 from .sandbox import Sandbox
 from .session_store import LeaseLost, SessionStore, StoredSession
+
+log = structlog.get_logger("readie.worker")
 
 __all__ = ["SessionImages"]
 
@@ -98,14 +101,20 @@ class SessionImages:
         """Let go of ``key``'s entry as the holder of ``lease``: ``keep`` its last good generation
         for a later attach (a detach, and a failed write: only the lease is released; an entry
         holding none is removed, there is nothing to continue), or remove it (a close). Nothing
-        once the lease is another's (LeaseLost): the entry is the new holder's."""
+        once the lease is another's (LeaseLost): the entry is the new holder's. A store that
+        fails meanwhile (busy past its wait, a disk error) is logged, never raised: the session
+        ends here all the same, and its entry, no longer leased, is swept once stale."""
         if lease is None:
             return
-        with contextlib.suppress(LeaseLost):
+        try:
             if keep and self._stored(key):
                 self.store.let_go(key)
             else:
                 self.store.remove(key, lease=lease)
+        except LeaseLost:
+            pass
+        except (SandboxSetupError, OSError) as exc:
+            log.warning("a session's store entry could not be let go; a sweep will take it", error=str(exc))
 
     def _stored(self, key: str) -> bool:
         """Whether the store holds a generation of ``key`` that verifies."""

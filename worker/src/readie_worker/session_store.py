@@ -24,7 +24,8 @@ private dir while hashing it, and the worker restores from that copy: a file
 swapped after the check is never what runsc reads. A generation that
 vanishes under a read was replaced by a newer one (its holder checkpointed
 a step), and the read starts again from the newest. Anything else that
-fails is refused with SandboxSetupError, logged (with the entry's hash, never
+fails (but the machine's own errors, which keep it: ``_store_files``) is
+refused with SandboxSetupError, logged (with the entry's hash, never
 a key), and the entry removed, unless its metadata names another store key's
 id: that entry is another key's (a rotation, a misconfigured worker), kept,
 and ages out by its mtime alone.
@@ -49,7 +50,6 @@ import hmac
 import os
 import re
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -62,9 +62,7 @@ from ._store_meta import (
     MAC, MAX_IMAGE_FILE_BYTES, MAX_MAC_BYTES, MAX_METADATA_BYTES, META, ForeignEntry, StoredSession, image_files, read_store_key,
     seal, unseal, write_sealed,
 )
-from ._store_layout import (
-    LOCK, MAX_GENERATION, STORE_LOCK_WAIT_S, StoreBusy, entry_bytes, entry_names, flock_by, generation_numbers, open_root,
-)
+from ._store_layout import MAX_GENERATION, StoreBusy, entry_bytes, entry_names, generation_numbers, open_root, store_locked
 from ._store_leases import LEASE, LeaseKeeper, LeaseLost, NoImage, check_lease, lease_state, new_token, take_lease, worker_of
 from ._store_listing import EntryInfo, describe
 from .errors import Cancelled, RequestError, SandboxSetupError
@@ -162,19 +160,13 @@ class SessionStore:
             writing = f".new-{secrets.token_hex(8)}-{total}"
             with opened_dir(entry, self._root_fd) as entry_fd:
                 make_dir(writing, entry_fd)
-        try:
-            with opened_dir(entry, self._root_fd) as entry_fd, opened_dir(writing, entry_fd) as new_fd, opened_dir(str(image)) as image_fd:
-                files = tuple((name, *copy_hashing(image_fd, name, new_fd, MAX_IMAGE_FILE_BYTES)) for name in sorted(sizes))
-                created = self._created(entry, previous)
-                self._publish(entry, entry_fd, writing, token, lambda number: seal(
-                    self._key, entry, number, job, memory_limit=memory_limit, step=step, worker=self.worker,
-                    files=files, now=time.time(), created=created))
-        except (OSError, UnsafeFile, LeaseLost) as exc:
-            with contextlib.suppress(UnsafeFile), opened_dir(entry, self._root_fd) as entry_fd:
-                remove_tree(writing, dir_fd=entry_fd)
-            if isinstance(exc, LeaseLost):
-                raise
-            raise SandboxSetupError(f"the session could not be written to the session store: {exc}") from None
+        with self._unpublished(entry, writing, "the session could not be written to the session store"), \
+                opened_dir(entry, self._root_fd) as entry_fd, opened_dir(writing, entry_fd) as new_fd, opened_dir(str(image)) as image_fd:
+            files = tuple((name, *copy_hashing(image_fd, name, new_fd, MAX_IMAGE_FILE_BYTES)) for name in sorted(sizes))
+            created = self._created(entry, previous)
+            self._publish(entry, entry_fd, writing, token, lambda number: seal(
+                self._key, entry, number, job, memory_limit=memory_limit, step=step, worker=self.worker,
+                files=files, now=time.time(), created=created))
         with self._locked():
             self._usage = self._count()
         return total
@@ -189,22 +181,30 @@ class SessionStore:
             self._check_room(self._count(), 0, True)
             make_dir(entry, self._root_fd, exist_ok=True)
         writing = f".new-{secrets.token_hex(8)}-0"
+        with self._unpublished(entry, writing, "cannot share a session image"), \
+                opened_dir(stored.entry, self._root_fd) as source_fd, opened_dir(stored.generation, source_fd) as generation_fd, \
+                opened_dir(entry, self._root_fd) as entry_fd:
+            make_dir(writing, entry_fd)
+            with opened_dir(writing, entry_fd) as new_fd:
+                for name, _, _ in stored.files:
+                    os.link(name, name, src_dir_fd=generation_fd, dst_dir_fd=new_fd, follow_symlinks=False)
+            self._publish(entry, entry_fd, writing, token, lambda number: seal(
+                self._key, entry, number, stored.job, memory_limit=stored.memory_limit, step=step, worker=self.worker,
+                files=stored.files, now=time.time()))
+
+    @contextlib.contextmanager
+    def _unpublished(self, entry: str, writing: str, failure: str) -> Iterator[None]:
+        """Whatever ends the block early (the store full or busy, the metadata too large, the lease
+        lost, a disk error) removes ``writing``, the generation it was writing, which the store
+        would otherwise count until STALE_WRITE_S; an OSError or UnsafeFile is SandboxSetupError."""
         try:
-            with opened_dir(stored.entry, self._root_fd) as source_fd, opened_dir(stored.generation, source_fd) as generation_fd, \
-                    opened_dir(entry, self._root_fd) as entry_fd:
-                make_dir(writing, entry_fd)
-                with opened_dir(writing, entry_fd) as new_fd:
-                    for name, _, _ in stored.files:
-                        os.link(name, name, src_dir_fd=generation_fd, dst_dir_fd=new_fd, follow_symlinks=False)
-                self._publish(entry, entry_fd, writing, token, lambda number: seal(
-                    self._key, entry, number, stored.job, memory_limit=stored.memory_limit, step=step, worker=self.worker,
-                    files=stored.files, now=time.time()))
-        except (OSError, UnsafeFile, LeaseLost) as exc:
-            with contextlib.suppress(UnsafeFile), opened_dir(entry, self._root_fd) as entry_fd:
+            yield
+        except BaseException as exc:
+            with contextlib.suppress(UnsafeFile, OSError), opened_dir(entry, self._root_fd) as entry_fd:
                 remove_tree(writing, dir_fd=entry_fd)
-            if isinstance(exc, LeaseLost):
-                raise
-            raise SandboxSetupError(f"cannot share a session image: {exc}") from None
+            if isinstance(exc, (OSError, UnsafeFile)):
+                raise SandboxSetupError(f"{failure}: {exc}") from None
+            raise
 
     def _created(self, entry: str, previous: str | None) -> float | None:
         """When the session was first stored: the previous generation's, if it verifies."""
@@ -262,8 +262,10 @@ class SessionStore:
             except ForeignEntry as exc:
                 log.warning("session store entry of another store key; kept", entry=entry[:16], reason=str(exc))
                 raise SandboxSetupError("the stored session was written under another session store key; it is kept") from None
-            except (UnsafeFile, OSError, ValueError) as exc:
+            except (UnsafeFile, ValueError) as exc:
                 self._refuse(entry, generation, str(exc))  # returns: a newer generation replaced it
+            except OSError as exc:  # the machine's, not the entry's (_store_files): the entry is kept
+                raise SandboxSetupError(f"the stored session could not be read: {exc.strerror}") from None
         raise _kept_changing()
 
     def load_image(self, key: str, into: Path) -> StoredSession:
@@ -286,9 +288,10 @@ class SessionStore:
         its recorded size and SHA-256 as it is copied: what a restore then reads. A generation
         replaced meanwhile by a newer one is a SandboxSetupError that keeps the entry
         (:meth:`load_image` reads the newer one instead)."""
+        into_fd = -1
         try:
-            with opened_dir(stored.entry, self._root_fd) as entry_fd, opened_dir(stored.generation, entry_fd) as generation_fd, \
-                    opened_dir(str(into)) as into_fd:
+            into_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the worker's own: never the entry's fault
+            with opened_dir(stored.entry, self._root_fd) as entry_fd, opened_dir(stored.generation, entry_fd) as generation_fd:
                 for name, size, digest in stored.files:
                     copied, got = copy_hashing(generation_fd, name, into_fd, size)
                     if copied != size or not hmac.compare_digest(got, digest):
@@ -296,8 +299,11 @@ class SessionStore:
         except UnsafeFile as exc:
             self._refuse(stored.entry, stored.generation, str(exc))
             raise _Replaced("the stored session was written again while it was read; attach again") from None
-        except OSError as exc:  # the worker's own disk (full, say): the entry may well be sound, and is kept
+        except OSError as exc:  # the machine's (the worker's disk full, say): the entry may well be sound, and is kept
             raise SandboxSetupError(f"the stored session could not be copied to this worker: {exc.strerror}") from None
+        finally:
+            if into_fd >= 0:
+                os.close(into_fd)
 
     def _verified(self, entry: str, generation: str) -> StoredSession:
         with opened_dir(entry, self._root_fd) as entry_fd, opened_dir(generation, entry_fd) as generation_fd:
@@ -372,7 +378,7 @@ class SessionStore:
         ``lease`` as :meth:`save`'s (LeaseLost, and nothing removed, when it is not the entry's)."""
         entry = entry_name(key)
         token = self._token(entry, lease)
-        with self._locked():
+        with store_errors("drop the stored image"), self._locked():
             check_lease(self._root_fd, entry, token)
             with contextlib.suppress(UnsafeFile), opened_dir(entry, self._root_fd) as entry_fd:
                 for generation in generation_numbers(entry_fd):
@@ -385,13 +391,15 @@ class SessionStore:
         already gone is nothing to remove."""
         entry = entry_name(key)
         token = self._token(entry, lease)
-        with self._locked():
-            if entry in entry_names(self._root_fd):  # gone already (its new holder closed it): nothing to do
-                check_lease(self._root_fd, entry, token)
-                remove_tree(entry, dir_fd=self._root_fd)
-                self._usage = self._count()
-        if self.leases is not None and self.leases.token(entry) == token:
-            self.leases.forget(entry)
+        try:
+            with store_errors("remove the session's entry"), self._locked():
+                if entry in entry_names(self._root_fd):  # gone already (its new holder closed it): nothing to do
+                    check_lease(self._root_fd, entry, token)
+                    remove_tree(entry, dir_fd=self._root_fd)
+                    self._usage = self._count()
+        finally:  # removed or not (the store busy, say), the session is over here: its lease goes stale, and a sweep takes it
+            if self.leases is not None and self.leases.token(entry) == token:
+                self.leases.forget(entry)
 
     def remove_entry(self, entry: str) -> None:
         """Remove ``entry`` whoever holds it: the operator's ``readie sessions remove``."""
@@ -438,23 +446,8 @@ class SessionStore:
             raise LeaseLost("this worker does not hold the session's store entry")
         return token
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The store's lock, waited for at most STORE_LOCK_WAIT_S (StoreBusy then)."""
-        deadline = time.monotonic() + STORE_LOCK_WAIT_S
-        if not self._threads.acquire(timeout=STORE_LOCK_WAIT_S):
-            raise StoreBusy(f"the session store's lock was busy for {STORE_LOCK_WAIT_S:.0f} s")
-        try:
-            fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=self._root_fd)
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise SandboxSetupError(f"the session store's {LOCK} is not a regular file")
-                flock_by(fd, deadline)
-                yield
-            finally:
-                os.close(fd)  # and the lock with it
-        finally:
-            self._threads.release()
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return store_locked(self._root_fd, self._threads)
 
     def _check_room(self, usage: tuple[int, int], estimate: int, new_entry: bool) -> None:
         """SandboxSetupError when the store is full; its totals go to the log, never to a client."""

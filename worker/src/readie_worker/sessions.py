@@ -242,7 +242,6 @@ class SandboxSession(SessionFiles):
                 doomed.destroy()
             finally:  # stopped as its caller went away (a router killed): a keyed session keeps its last state
                 self._let_go(remove=not (cancel.cancelled and self.key is not None))
-                self._forget(self)
         # One line per step, as per job: identifiers, outcome and timing, never output.
         log.info("job", job_id=job_id, session=self.id, step=number, session_ended=ends,
                  checkpoint=step.checkpoint, **outcome.log_fields(), queue_us=queue_us)
@@ -404,7 +403,6 @@ class SandboxSession(SessionFiles):
                 if prepared is not None:
                     remove_tree(prepared)
                 self._let_go(remove=remove)
-                self._forget(self)
 
         if self._checkpoints is None:
             tear_down()
@@ -412,9 +410,12 @@ class SandboxSession(SessionFiles):
             self._checkpoints.then(tear_down)
 
     def _let_go(self, *, remove: bool) -> None:
-        """Remove the store entry (a close), or keep its last good generation (``SessionImages.let_go``)."""
-        if self._images is not None and self.key is not None and not self._lease_lost:
-            self._images.let_go(self.key, self.lease, keep=not remove)
+        """Remove the store entry (a close) or keep it (``SessionImages.let_go``); give up the place, whatever."""
+        try:
+            if self._images is not None and self.key is not None and not self._lease_lost:
+                self._images.let_go(self.key, self.lease, keep=not remove)
+        finally:
+            self._forget(self)
 
     def _save(self, sandbox: Sandbox) -> int:
         """Checkpoint ``sandbox`` into the store and end it; the image's bytes. Ends the session on failure."""

@@ -10,8 +10,9 @@ it was last used, and its state: ``leased`` (a worker holds it live),
 ``stored`` (waiting for an attach), ``foreign`` (written under another store
 key, by its key id: never removed for failing this key's check, only once
 past the TTL by its mtime, or by its hash from here), ``expired`` (past the
-TTL, or holding nothing) or ``invalid`` (failed verification: its MAC needs
-the key, hence ``--session-store-key``). A leased entry is never removed from
+TTL, or holding nothing), ``invalid`` (failed verification: its MAC needs
+the key, hence ``--session-store-key``) or ``unreadable`` (this machine failed
+to read it just now: an I/O error, no descriptors left; kept). A leased entry is never removed from
 here: its worker holds it, and closing the session there removes it. What
 the store holds is anyone's text who can write the volume: the table shows
 it escaped (``\x1b``, never a terminal's control character), JSON escapes it
