@@ -146,6 +146,20 @@ def test_attach_by_key_places_the_session_and_an_unknown_key_is_refused(cluster)
 
 
 
+def test_an_attach_that_met_a_lost_worker_asks_the_next_as_the_caller_asked_not_with_take_over(cluster):
+    """The worker asked first is gone (a rolling restart): nothing says it held the session, whose
+    live holder may be another worker still writing its newest state. A take-over would throw
+    that away; the next worker is asked as the caller asked."""
+    session, _ = cluster.placement.open_session(JOB)
+    session.run_step(Step("a"))
+    key = session.key
+    session.detach()
+    cluster.servers[0].server.stop(0).wait()  # chosen first (no load anywhere), and unreachable
+    attached, step = cluster.placement.attach_session(key)
+    assert step == 2 and cluster.store.attaches == [("w1", False)]
+    attached.close()
+
+
 def test_an_image_one_worker_refused_is_that_refusal_not_the_next_workers_unknown_key(cluster):
     """The first worker asked finds the stored image damaged and removes it: the caller hears that
     (SandboxSetupError), not the second worker's "no session under this key"."""

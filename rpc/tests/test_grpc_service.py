@@ -8,6 +8,7 @@ status on the wire). Real sandboxes behind a real process: test_grpc_runsc.py.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -170,3 +171,38 @@ def test_reflection_answers_as_v1_and_v1alpha(served, version):
     [answer] = list(method(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
     names = {service.name for service in answer.list_services_response.service}
     assert {"readie.v1.Worker", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names
+
+
+
+def test_callers_without_the_token_that_never_send_their_request_hold_no_service_thread():
+    """A unary call's thread waits for its request as long as its caller keeps the call open.
+    Callers without the token that send only headers, to the service and to health (open), must
+    leave the service's threads to the token's holder, and health a thread of its own."""
+    from readie_rpc.grpc_service import HEALTH_THREADS
+    from readie_rpc.security import ServerSecurity
+
+    token = "t" * 32
+    server = serve(FakeWorker(), "127.0.0.1:0", name="fake", threads=3, security=ServerSecurity(token=token))  # type: ignore[arg-type]
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stop = threading.Event()
+
+    def headers_only() -> Iterator[bytes]:  # grpc sends the call's headers, then waits here for a request
+        stop.wait()
+        yield from ()
+
+    try:
+        refused = [channel.stream_unary("/readie.v1.Worker/Capacity").future(headers_only(), timeout=30) for _ in range(6)]
+        held = [channel.stream_unary("/grpc.health.v1.Health/Check").future(headers_only(), timeout=30)
+                for _ in range(HEALTH_THREADS - 1)]
+        for call in refused:  # at once, nothing read
+            assert call.exception(timeout=5).code() == grpc.StatusCode.UNAUTHENTICATED
+        authorized = pb_grpc.WorkerStub(channel).Capacity(pb.CapacityRequest(), timeout=5,
+                                                            metadata=[("authorization", f"Bearer {token}")])
+        assert authorized.worker_name == "fake"
+        probe = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert probe.status == health_pb2.HealthCheckResponse.SERVING
+        assert not any(call.done() for call in held)  # they do hold health's threads, all but one
+    finally:
+        stop.set()
+        channel.close()
+        server.server.stop(0).wait()

@@ -122,6 +122,26 @@ def test_a_client_that_replies_blind_but_never_reads_does_not_hold_host_calls_pa
     assert max(after_s for _, after_s in runner.replies) < deadline_s + 0.5
 
 
+def test_a_client_that_stops_reading_has_its_rpc_ended_when_its_result_cannot_go(serve_fake, hang_ups, monkeypatch):
+    import readie_rpc._interact as interact
+
+    monkeypatch.setattr(interact, "RESULT_SEND_S", 0.5)
+    served = serve_fake()
+    stream = served.stream(job_message("call 20 1.0 500000", functions=("f",)))
+    stream.send(*(reply_message(call_id) for call_id in range(1, 21)))  # answered blind, never read
+    assert served.runner.job_done.wait(WAIT_S)
+    # The result waited its 0.5 s behind events grpc could not send: the server ends the RPC, so the
+    # thread grpc's send held is free again, though the client still holds its side open.
+    deadline = time.monotonic() + WAIT_S
+    while not hang_ups and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hang_ups, "the RPC of a client that stopped reading was never ended: its server thread stays held"
+    with pytest.raises(grpc.RpcError) as ended:
+        while True:
+            stream.next()
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+
+
 # --------------------------------------------------------------------------- steps sent early wait their turn
 
 

@@ -181,12 +181,14 @@ class Placement:
                 raise
             try:
                 remote, step = member.client.attach_session(key, take_over=take_over, cancel=cancel, job=job)
-            except (StreamBroken, Unreachable) as exc:  # that worker is lost: the next takes the session from it
+            except (StreamBroken, Unreachable) as exc:  # that worker is lost: the next is asked as it was
+                # Not with take_over: nothing says the lost worker held the session. Its live holder
+                # may be another (detaching, its newest state not yet written), and a take-over would
+                # throw that state away; a lease the lost worker took goes stale in seconds.
                 log.info("worker lost while attaching a session; trying another", worker=member.name, error=str(exc))
                 refused.add(id(member))
                 self._roster.release(member, session=True)
                 self._roster.mark_failed(member)
-                take_over = True
                 continue
             except (SandboxSetupError, RequestError) as exc:
                 if isinstance(exc, RequestError) and exc.field != "attach":

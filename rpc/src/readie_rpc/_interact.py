@@ -380,7 +380,13 @@ class Interaction:
             self._stale_reply()
 
     def _send(self, event: pb.InteractEvent, timeout: float | None) -> bool:
-        return self._outbox.put(event, timeout)
+        if self._outbox.put(event, timeout):
+            return True
+        # The client stopped reading (or left): grpc's send of the events before holds the handler's
+        # thread for as long as the client keeps the stream open, after this stream gave its place
+        # back. Ending the RPC frees that thread; on an RPC over already, it does nothing.
+        self._context.cancel()
+        return False
 
     # -- host calls, on the driver's thread inside the job -------------------
 

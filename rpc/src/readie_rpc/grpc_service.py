@@ -97,6 +97,11 @@ MAX_MESSAGE_BYTES = max(MAX_ENVELOPE_BYTES, MAX_JOB_RESPONSE_BYTES) + MESSAGE_OV
 # every slot is busy and a few jobs wait for one. Calls beyond that wait in
 # grpc's own queue; a router that respects Capacity never sends them.
 RPC_HEADROOM_THREADS = 8
+# Health answers on threads of its own: a probe never queues behind the service's calls, and
+# callers that need no token (health is open: security.OPEN_METHODS) can hold only these. A
+# unary call's thread waits for its request as long as its caller keeps the call open.
+HEALTH_THREADS = 4
+_HEALTH_POOL = futures.ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="rpc_health")
 # A drain keeps the port open, answering NOT_SERVING, at least this long: the
 # interval of a balancer's or an orchestrator's readiness probe, so that it
 # moves its traffic before connections are refused.
@@ -368,6 +373,20 @@ class WorkerServer:
         log.info("drained", wall_ms=round((time.monotonic() - started) * 1000, 1))
 
 
+
+class _HealthServicer(health.HealthServicer):
+    """grpc's health service, its calls on ``_HEALTH_POOL`` (grpc's hook: a behaviour's
+    ``experimental_thread_pool``), one pool for every server of the process."""
+
+    def __init__(self) -> None:
+        super().__init__(experimental_thread_pool=_HEALTH_POOL)  # Watch's
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return super().Check(request, context)
+
+    Check.experimental_thread_pool = _HEALTH_POOL  # type: ignore[attr-defined]
+
+
 def serve(
     worker: ServedRunner,
     address: str,
@@ -413,7 +432,7 @@ def serve(
     name = name or f"{socket.gethostname()}:{port}"
     servicer = WorkerServicer(worker, name, max_streams, config, metrics)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = _HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for _, register in extra_services:  # e.g. the router's Pool service
         register(server)

@@ -182,19 +182,21 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+    """A handler that ends the call UNAUTHENTICATED without reading its request.
 
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    Streaming requests, whatever ``handler``'s kind: grpc reads a unary call's request before it
+    calls its handler, on a server thread, waiting as long as the caller keeps the call open. A
+    caller without the token that never sends its request would hold that thread, and enough of
+    them every thread. A streaming handler is called at once, and this one reads nothing.
+    """
+
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.set_trailing_metadata((("readie-error", "Unauthenticated"),))
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid 'authorization: Bearer <token>' is required")
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 @dataclass(frozen=True)
