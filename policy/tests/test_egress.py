@@ -89,8 +89,10 @@ def test_the_grammar_accepts_and_canonicalises(entry: str, canonical: str) -> No
                         "(ASCII letters, digits and inner hyphens, at most 63)"),
     ("-a.example.com", "allow_network: '-a.example.com' is not a destination: '-a' is not a DNS label (ASCII "
                        "letters, digits and inner hyphens, at most 63)"),
-    ("bücher.example", "allow_network: 'bücher.example' is not a destination: 'bücher' is not a DNS label "
-                       "(ASCII letters, digits and inner hyphens, at most 63)"),
+    ("bücher.example", "allow_network: 'bücher.example' is not a destination: 'bücher.example' is not ASCII; "
+                       "write an internationalised name in its xn-- form"),
+    ("api.\u212aey.com", "allow_network: 'api.\u212aey.com' is not a destination: 'api.\u212aey.com' is not ASCII; "
+                          "write an internationalised name in its xn-- form"),  # a Kelvin sign lowers to k
     (" api.example.com", "allow_network: ' api.example.com' is not a destination: ' api' is not a DNS label "
                          "(ASCII letters, digits and inner hyphens, at most 63)"),
     ("[::1]", "allow_network: '[::1]' is not a destination: brackets are for an IPv6 address with a port: "
@@ -126,7 +128,7 @@ def test_names_and_lists_are_bounded() -> None:
 @pytest.mark.parametrize("address", [
     "10.1.2.3", "172.16.0.1", "192.168.1.1", "100.64.0.1", "127.0.0.1", "169.254.169.254", "0.0.0.0",
     "224.0.0.1", "255.255.255.255", "::1", "::", "fe80::1", "fd00::1", "ff02::1", "::ffff:127.0.0.1",
-    "::ffff:169.254.169.254", "64:ff9b::a00:1", "2002:a00:1::1",
+    "::ffff:169.254.169.254", "64:ff9b::a00:1", "2002:a00:1::1", "168.63.129.16",
 ])
 def test_the_default_denied_ranges(address: str) -> None:
     assert default_denied(ip(address)) is not None

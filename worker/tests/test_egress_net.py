@@ -97,6 +97,20 @@ def test_public_opens_the_world_but_never_the_default_denied(egress, world):
         opened.remove()
 
 
+def test_a_public_sandboxs_answers_add_nothing_to_the_kernels_sets(egress, world, monkeypatch):
+    """Every address not denied is open to it already: a job resolving name after name in a zone
+    of its own would otherwise fill kernel memory for an hour a name."""
+    answered: list[object] = []
+    real_batch = _nft.answered_batch
+    monkeypatch.setattr(_nft, "answered_batch", lambda *args: answered.append(args) or real_batch(*args))
+    network = egress.wire(NetRules(public=True))  # nothing denied: the test world's addresses are private
+    try:
+        assert addresses(lookup(network, "allowed.test")) == [w.ALLOWED] and answered == []
+        assert connect(network, w.ALLOWED) == "ok"
+    finally:
+        network.remove()
+
+
 def test_broadcast_from_a_public_sandbox_reaches_no_listener_of_the_egress_netns(egress):
     listener = _netns.call_in(w.EGRESS, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
     listener.bind(("0.0.0.0", 9999))  # a wildcard UDP service of the egress netns (rpcbind, avahi...)

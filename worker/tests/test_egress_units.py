@@ -11,9 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
+import dns.rrset
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -334,3 +336,16 @@ def test_one_run_of_several_listings_is_split_into_its_documents_and_garbage_is_
     assert _nft.documents("  \n") == []
     with pytest.raises(SandboxSetupError):
         _nft.documents('{"nftables": []} not json')
+
+
+def test_a_reply_too_long_for_udp_goes_as_its_question_with_tc_set_and_whole_over_tcp():
+    name = dns.name.from_text(".".join(["a" * 60] * 4)[:240] + ".test")  # 16 addresses: over 512 bytes
+    query = dns.message.make_query(name, "A")
+    response = _resolver._response(query, dns.rcode.NOERROR)
+    response.answer.append(dns.rrset.from_text_list(name, 60, "IN", "A", [f"203.0.113.{i}" for i in range(16)]))
+    truncated = dns.message.from_wire(_resolver.udp_wire(response))
+    assert truncated.flags & dns.flags.TC and truncated.id == query.id and truncated.answer == []
+    assert [rrset.name for rrset in truncated.question] == [name]
+    assert len(response.to_wire(max_size=_resolver.MAX_TCP_REPLY_BYTES)) > _resolver.MAX_REPLY_BYTES
+    short = _resolver._response(dns.message.make_query("a.test", "A"), dns.rcode.NXDOMAIN)
+    assert not dns.message.from_wire(_resolver.udp_wire(short)).flags & dns.flags.TC

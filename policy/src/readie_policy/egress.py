@@ -73,6 +73,7 @@ DEFAULT_DENIED: tuple[tuple[Network, str], ...] = (
     (_net("169.254.0.0/16"), "link-local: the cloud metadata endpoint 169.254.169.254 holds the VM's credentials"),
     (_net("172.16.0.0/12"), "private (RFC 1918)"),
     (_net("192.0.0.0/24"), "IETF protocol assignments (RFC 6890): transition and relay addresses"),
+    (_net("168.63.129.16/32"), "Azure's platform address (WireServer): the VM agent's channel for its settings and certificates"),
     (_net("192.168.0.0/16"), "private (RFC 1918)"),
     (_net("198.18.0.0/15"), "benchmarking (RFC 2544): used for internal networks in practice"),
     (_net("224.0.0.0/4"), "multicast: a connection has one peer"),
@@ -235,6 +236,8 @@ def _host(entry: str, host: str, port: int | None) -> Destination:
         except ValueError as exc:
             raise ValueError(f"not an IP address or CIDR ({exc})") from None
         return Destination(entry, network=_unmapped_network(network), port=port)
+    if not host.isascii():  # before lower(): the Kelvin sign lowers to an ASCII k
+        raise ValueError(f"{shown(host)} is not ASCII; write an internationalised name in its xn-- form")
     name = host.lower()
     wildcard = name.startswith("*.")
     if wildcard:

@@ -46,6 +46,11 @@ IPv4Net = ipaddress.IPv4Network
 # The refused set holds this many distinct (address, port) pairs per sandbox; past it new
 # destinations are still refused, just not itemised. A result reports fewer (egress_net).
 REFUSED_SET_SIZE = 256
+# Addresses (and address-port pairs) a sandbox's lookups opened at once: 16 a lookup
+# (MAX_ANSWER_ADDRESSES) for a thousand live answers, a crawler's worth. Each holds kernel memory
+# for up to an hour, and a job under a wildcard over a zone it controls could otherwise add
+# without end; once full, a lookup that would open more is answered SERVFAIL.
+ANSWERED_SET_SIZE = 16384
 # What a listing may print for one refused set (256 elements of ~120 bytes, with room).
 MAX_NFT_JSON_BYTES = 1 << 20
 ALL_PORTS = "0-65535"
@@ -136,8 +141,8 @@ def _sets(table: str, key: str) -> list[tuple[str, str]]:
         # 0.0.0.0/0 when the policy is the public internet (what is denied was refused before).
         (f"public_{key}", "type ipv4_addr; flags interval;"),
         # Addresses the resolver answered for an allowed name, for as long as the answer's TTL.
-        (f"dns_{key}", "type ipv4_addr; flags timeout;"),
-        (f"dnsport_{key}", "type ipv4_addr . inet_service; flags timeout;"),
+        (f"dns_{key}", f"type ipv4_addr; size {ANSWERED_SET_SIZE}; flags timeout;"),
+        (f"dnsport_{key}", f"type ipv4_addr . inet_service; size {ANSWERED_SET_SIZE}; flags timeout;"),
         (f"refused_{key}", f"type ipv4_addr . inet_service; size {REFUSED_SET_SIZE}; flags dynamic; counter;"),
         # Its one source address, counting its tracked connections (ct count).
         (f"conns_{key}", "type ipv4_addr; size 1; flags dynamic;"),

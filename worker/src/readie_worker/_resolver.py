@@ -11,6 +11,7 @@ name may open, never what an address already answered may reach.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -20,7 +21,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import dns.exception
@@ -37,6 +37,7 @@ import structlog
 from readie_protocol.network import MAX_DNS_NAME_CHARS, MAX_REFUSED_NAMES
 
 from . import _netns
+from ._fair_threads import FairThreads
 from .errors import SandboxSetupError
 
 log = structlog.get_logger("readie.resolver")
@@ -55,6 +56,10 @@ MAX_IN_FLIGHT = 32
 MAX_IN_FLIGHT_PER_SANDBOX = 8
 # Threads forwarding upstream (blocking dnspython calls); few: lookups are rare and quick.
 FORWARDERS = 4
+# ... of which one sandbox's lookups take at most this many at once, in turn with the others'
+# (_fair_threads): one whose lookups hang (names whose servers never answer) holds its share, and
+# another sandbox's lookup waits for a turn, never behind its queue.
+FORWARDER_SHARE = FORWARDERS // 2
 # One upstream's answer, then the next upstream; glibc in the sandbox waits 5 s per try.
 UPSTREAM_TIMEOUT_S = 2.0
 # An answered address stays open this long at least (a TTL of 0 would close it before the
@@ -62,6 +67,9 @@ UPSTREAM_TIMEOUT_S = 2.0
 MIN_OPEN_S, MAX_OPEN_S = 30, 3600
 # A reply holds at most MAX_ANSWER_ADDRESSES records: it fits the classic UDP size.
 MAX_REPLY_BYTES = 512
+# Over TCP a reply's length is a 16-bit field: a long name with MAX_ANSWER_ADDRESSES addresses,
+# which a UDP reply cannot hold (it goes with TC set, and glibc asks again here), fits.
+MAX_TCP_REPLY_BYTES = 65535
 # Pending TCP connections per sandbox's listener; TCP lookups are rare (glibc's fallback).
 TCP_BACKLOG = 8
 # A TCP client has this long to send its whole query (one deadline, not one per read): a
@@ -122,7 +130,7 @@ class Resolver:
         self._pending: list[Callable[[], None]] = []
         self._closed = False
         # Forwarders live in the egress netns: their upstream sockets are made there.
-        self._forwarders = ThreadPoolExecutor(FORWARDERS, "resolver-forward", initializer=_netns.enter, initargs=(netns,))
+        self._forwarders = FairThreads(FORWARDERS, FORWARDER_SHARE, "resolver-forward", lambda: _netns.enter(netns))
         self._thread = threading.Thread(target=self._loop, name="resolver", daemon=True)
         self._thread.start()
 
@@ -218,7 +226,7 @@ class Resolver:
         self._closed = True
         os.write(self._wake_write, b"x")
         self._thread.join(5.0)
-        self._forwarders.shutdown(wait=True, cancel_futures=True)
+        self._forwarders.close()
         self._selector.close()
         os.close(self._wake_read)
         os.close(self._wake_write)
@@ -257,7 +265,7 @@ class Resolver:
             return
 
         def send(response: dns.message.Message) -> None:
-            served.sock.sendto(response.to_wire(max_size=MAX_REPLY_BYTES), peer)
+            served.sock.sendto(udp_wire(response), peer)
 
         decided = decide(served, wire)
         if isinstance(decided, dns.message.Message):
@@ -267,7 +275,7 @@ class Resolver:
                 _send_quietly(send, _response(decided[0], dns.rcode.SERVFAIL))
                 return
             try:
-                self._forwarders.submit(self._forward, served, send, *decided)
+                self._forwarders.submit(served.key, functools.partial(self._forward, served, send, *decided))
             except RuntimeError:  # shutting down
                 self._end(served)
 
@@ -314,7 +322,7 @@ class Resolver:
             decided = decide(served, query)
 
             def send(response: dns.message.Message) -> None:
-                wire = response.to_wire(max_size=MAX_REPLY_BYTES)
+                wire = response.to_wire(max_size=MAX_TCP_REPLY_BYTES)
                 connection.sendall(struct.pack(">H", len(wire)) + wire)
 
             if isinstance(decided, dns.message.Message):
@@ -368,6 +376,19 @@ class Resolver:
                 log.warning("upstream resolver failed", upstream=upstream, error=str(exc)[:300])
         return None
 
+
+
+def udp_wire(response: dns.message.Message) -> bytes:
+    """``response`` as a UDP reply: whole when it fits MAX_REPLY_BYTES, else its question alone with
+    TC set, which tells the client to ask again over TCP (RFC 1035) rather than get no reply."""
+    try:
+        return response.to_wire(max_size=MAX_REPLY_BYTES)
+    except dns.exception.TooBig:
+        truncated = dns.message.Message(id=response.id)
+        truncated.flags = response.flags | dns.flags.TC
+        truncated.set_rcode(response.rcode())
+        truncated.question = list(response.question)  # a name of at most 255 bytes: it fits
+        return truncated.to_wire(max_size=MAX_REPLY_BYTES)
 
 
 def _send_quietly(send: Callable[[dns.message.Message], None], response: dns.message.Message) -> None:

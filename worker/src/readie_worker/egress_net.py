@@ -216,11 +216,13 @@ class EgressGateway:
         if _netns.identity(self.config.netns) != self._netns_identity:
             raise SandboxSetupError("the egress namespace was made again since the worker started: "
                                     "no sandbox is wired into it until the worker restarts")
-        key = secrets.token_hex(KEY_HEX)
-        while int(key, 16) == 0:  # it is the conntrack mark of its connections, and 0 is no mark
-            key = secrets.token_hex(KEY_HEX)
-        network = SandboxNetwork(self, key, self.subnets.take(), rules)
         with self._lock:
+            # Not 0: it is the conntrack mark of its connections, and 0 is no mark. Not a key in use
+            # (one in 2^32 a wiring, but a failed wiring removes what its names name: that sandbox's).
+            key = secrets.token_hex(KEY_HEX)
+            while int(key, 16) == 0 or key in self._wired or _netns.present(f"{self.config.prefix}-{key}"):
+                key = secrets.token_hex(KEY_HEX)
+            network = SandboxNetwork(self, key, self.subnets.take(), rules)
             self._wired[network.key] = network
         try:
             network._create()
@@ -346,6 +348,8 @@ class SandboxNetwork:
         log.debug("sandbox network wired", key=self.key, address=str(self.address))
 
     def _open_answered(self, addresses: list[ipaddress.IPv4Address], ports: tuple[int | None, ...], ttl: int) -> None:
+        if self.rules.public:  # every address not denied is open on every port already: nothing to add
+            return
         self.egress.nft(_nft.answered_batch(self.egress.config.table, self.key, addresses, ports, ttl))
 
     def refused(self, limit: int = MAX_REFUSED_REPORTED) -> list[Refusal]:
