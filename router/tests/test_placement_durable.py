@@ -252,10 +252,10 @@ class PoolStream:
         return json.loads(next(self.call).line)
 
 
-def pool_service(cluster: Cluster, runner: object, name: str) -> WorkerServer:
+def pool_service(cluster: Cluster, runner: object, name: str, **options: int) -> WorkerServer:
     """A Pool service over ``runner`` (the placement, or a WorkerClient of the router) on loopback."""
     setup = PoolSetup(workers=2, checkpoint="base", runtime=RuntimeInfo.pool("3.11.2"), cwd=Path("/tmp"))
-    servicer = PoolServicer(setup, runner)  # type: ignore[arg-type]
+    servicer = PoolServicer(setup, runner, **options)  # type: ignore[arg-type]
     return serve(
         cluster.placement, "127.0.0.1:0", name=name,  # type: ignore[arg-type]
         extra_services=[(POOL_SERVICE, lambda grpc_server: pool_pb2_grpc.add_PoolServicer_to_server(servicer, grpc_server))],
@@ -285,6 +285,36 @@ def test_a_broken_pool_stream_detaches_its_sessions_and_a_half_closed_one_closes
     finally:
         channel.close()
         server.server.stop(0).wait()
+
+
+def test_pool_streams_past_the_bound_are_refused_at_once_and_one_ending_gives_its_place_back(cluster):
+    """Each Pool.Session stream holds a server thread while its client is connected, idle or not:
+    past the bound a stream is refused, so the router's other calls keep their threads."""
+    server = pool_service(cluster, cluster.placement, "router", max_streams=1)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pool_pb2_grpc.PoolStub(channel)
+        first = PoolStream(stub)
+        with pytest.raises(grpc.RpcError) as refused:
+            PoolStream(stub)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "pool streams open" in refused.value.details()
+        assert first.ask({"id": 1, "code": "a"})["exit"] == 0  # the first is served meanwhile
+        first._lines.put(None)
+        assert list(first.call) == []
+        assert wait_until(lambda: _served(stub))  # its engine done, its place is free again
+    finally:
+        channel.close()
+        server.server.stop(0).wait()
+
+
+def _served(stub: pool_pb2_grpc.PoolStub) -> bool:
+    try:
+        stream = PoolStream(stub)
+    except grpc.RpcError:
+        return False
+    stream._lines.put(None)
+    list(stream.call)
+    return True
 
 
 @pytest.mark.parametrize("through", ["router", "pool --router"])

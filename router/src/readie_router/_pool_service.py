@@ -25,7 +25,8 @@ import grpc
 import structlog
 from readie_protocol.cancel import NEVER, Cancellation
 
-from readie_rpc.grpc_service import CallLog
+from readie_protocol.errors import SandboxSetupError
+from readie_rpc.grpc_service import CallLog, grpc_errors
 from readie_rpc.stubs import pool_pb2 as pb
 from readie_rpc.stubs import pool_pb2_grpc as pb_grpc
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
@@ -46,6 +47,10 @@ MAX_UNREAD_LINES = 64
 # runs; a stream's end waits this long for that callback before it counts as a half-close.
 # Short: a client that half-closes waits this much longer for its stream to end.
 BREAK_NOTICE_S = 0.2
+# Session streams served at once: each a client's whole `readie pool --router`, holding a server
+# thread (the router's pool is sized for them) and its engine's threads while the client is
+# connected, idle or not, as a pool's stdin may idle. One past it is refused at once.
+MAX_POOL_STREAMS = 16
 _END = None
 
 
@@ -105,39 +110,69 @@ class _RequestSource:
 
 
 class _ResponseSink:
-    def __init__(self, lines: queue.Queue[bytes | None]) -> None:
+    """The engine's lines, for the handler to yield; waited for while the client is there (its
+    backpressure, MAX_UNREAD_LINES), dropped once the RPC has ended (nobody will read them)."""
+
+    def __init__(self, lines: queue.Queue[bytes | None], broken: threading.Event) -> None:
         self._lines = lines
+        self._broken = broken
 
     async def write(self, data: bytes) -> None:
-        await asyncio.to_thread(self._lines.put, data)
+        await asyncio.to_thread(self.put, data)
+
+    def put(self, line: bytes | None) -> None:
+        while not self._broken.is_set():
+            try:
+                self._lines.put(line, timeout=BREAK_NOTICE_S)
+                return
+            except queue.Full:
+                continue
 
 
 class PoolServicer(pb_grpc.PoolServicer):
-    def __init__(self, setup: PoolSetup, runner: JobRunner, metrics: Metrics | None = None) -> None:
+    """``max_streams``: the Session streams served at once (:data:`MAX_POOL_STREAMS`)."""
+
+    def __init__(self, setup: PoolSetup, runner: JobRunner, metrics: Metrics | None = None, *,
+                 max_streams: int = MAX_POOL_STREAMS) -> None:
         self._setup = setup
         self._runner = runner
         self._metrics = metrics  # the session stream counted with the Worker service's calls
+        self._places = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
 
     def Session(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext) -> Iterator[pb.PoolOutput]:
+        # A generator: the error mapping and the log line wrap its whole life, not its creation.
+        with grpc_errors(context), CallLog("Session", context, metrics=self._metrics):
+            if not self._places.acquire(blocking=False):
+                raise SandboxSetupError(f"this router has its {self._max_streams} pool streams open")
+            yield from self._serve(request_iterator, context)  # its engine's thread gives the place back
+
+    def _serve(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext) -> Iterator[pb.PoolOutput]:
         lines: queue.Queue[bytes | None] = queue.Queue(MAX_UNREAD_LINES)
 
         broken = threading.Event()  # the RPC terminated before the engine was done: a break, not a close
         if not context.add_callback(broken.set):
             broken.set()
 
+        sink = _ResponseSink(lines, broken)
+
         def serve() -> None:
-            backend = ThreadedBackend(_Shared(self._runner), self._setup.workers)
             try:
+                backend = ThreadedBackend(_Shared(self._runner), self._setup.workers)
                 engine = PoolEngine(self._setup, backend)
-                asyncio.run(engine.serve(_RequestSource(request_iterator, broken, engine), _ResponseSink(lines)))
+                asyncio.run(engine.serve(_RequestSource(request_iterator, broken, engine), sink))
             except Exception:
                 log.exception("pool session failed")
             finally:
-                lines.put(_END)
+                self._places.release()
+                sink.put(_END)
 
-        with CallLog("Session", context, metrics=self._metrics):
-            thread = threading.Thread(target=serve, name="pool-session", daemon=True)
+        thread = threading.Thread(target=serve, name="pool-session", daemon=True)
+        try:
             thread.start()
-            while (line := lines.get()) is not _END:
-                yield pb.PoolOutput(line=line)
-            thread.join()
+        except BaseException:
+            self._places.release()
+            raise
+        while (line := lines.get()) is not _END:
+            yield pb.PoolOutput(line=line)
+        thread.join()

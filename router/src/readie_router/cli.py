@@ -48,7 +48,7 @@ from ._discovery import DEFAULT_DNS_INTERVAL_S, Discovery, dns_name
 from readie_protocol.events import RuntimeInfo
 from ._placement import DEFAULT_ROUTER_SESSIONS, PROBE_INTERVAL_S, Placement
 from readie_pool import PoolSetup
-from ._pool_service import POOL_SERVICE, PoolServicer
+from ._pool_service import MAX_POOL_STREAMS, POOL_SERVICE, PoolServicer
 
 log = structlog.get_logger("readie.router")
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name or f"router:{args.listen}",
             # A session's stream holds a thread for its life; so does a job with host functions while it runs.
             max_streams=args.max_sessions + ROUTER_JOB_STREAMS,
-            threads=ROUTER_THREADS + args.max_sessions + ROUTER_JOB_STREAMS,
+            threads=ROUTER_THREADS + args.max_sessions + ROUTER_JOB_STREAMS + (MAX_POOL_STREAMS if setup is not None else 0),
             extra_services=extra_services,
             security=security,
             config=config,
