@@ -110,8 +110,9 @@ class _RequestSource:
 
 
 class _ResponseSink:
-    """The engine's lines, for the handler to yield; waited for while the client is there (its
-    backpressure, MAX_UNREAD_LINES), dropped once the RPC has ended (nobody will read them)."""
+    """The engine's lines, for the handler to yield. A full queue is waited on while the client is
+    there (its backpressure, MAX_UNREAD_LINES); once the RPC has ended, a line that finds it full
+    is dropped: the handler is gone from its reads, and nothing would ever take it."""
 
     def __init__(self, lines: queue.Queue[bytes | None], broken: threading.Event) -> None:
         self._lines = lines
@@ -121,12 +122,13 @@ class _ResponseSink:
         await asyncio.to_thread(self.put, data)
 
     def put(self, line: bytes | None) -> None:
-        while not self._broken.is_set():
+        while True:
             try:
                 self._lines.put(line, timeout=BREAK_NOTICE_S)
                 return
             except queue.Full:
-                continue
+                if self._broken.is_set():
+                    return
 
 
 class PoolServicer(pb_grpc.PoolServicer):
