@@ -95,6 +95,24 @@ def test_bad_files_are_refused_naming_the_field(files: dict[str, Any], words: st
     assert error.field == "files" and words in str(error), error
 
 
+@pytest.mark.parametrize(("fields", "field"), [
+    ('"code": "1", "collect": {deep}', "collect"),
+    ('"session": "s", "download": "a", "offset": {deep}', "offset"),
+    ('"session": "s", "upload": "a", "size": {deep}, "offset": 0, "data": ""', "size"),
+])
+def test_a_value_nested_past_pythons_depth_is_refused_naming_its_field_never_raised(fields: str, field: str) -> None:
+    """The strict parser takes any depth a line allows; the refusal's message must not recurse (a
+    RecursionError out of the parser ended the pool's intake: no later line was answered)."""
+    deep = "[" * 1000 + "]" * 1000  # 2 KB
+    line = ('{"id": 7, ' + fields.format(deep=deep) + "}").encode()
+    refused = parse_request(line)
+    assert isinstance(refused, Refused) and refused.id == 7 and refused.error.field == field
+    connection = PoolConnection(Role.POOL)
+    connection.receive_data(line + b"\n" + b'{"id": 8, "code": "1"}\n')
+    assert isinstance(connection.next_event(), Refused)
+    assert isinstance(connection.next_event(), JobRequest)  # the next line is read as ever
+
+
 def test_files_are_an_object_and_collect_an_array() -> None:
     assert refusal({"id": 1, "code": "x", "files": ["a"]}).field == "files"
     assert refusal({"id": 1, "code": "x", "collect": "out/*.png"}).field == "collect"

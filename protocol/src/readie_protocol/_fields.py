@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from .errors import PoolError
+from .wire import json_type
 
 __all__ = ["Fields", "broken", "short"]
 
@@ -51,7 +52,13 @@ class Fields:
 
 
 def short(value: Any, limit: int = 200) -> str:
-    text = repr(value)
+    """``value`` for an error message, cut to ``limit`` characters. A value nested past Python's
+    depth (the strict parser takes any depth a line's bound allows) is named by its type: its
+    repr would recurse out, and an error message must never be an error of its own."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"{json_type(value)} nested too deeply to show"
     return text if len(text) <= limit else text[:limit] + "..."
 
 

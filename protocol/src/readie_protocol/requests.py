@@ -192,6 +192,8 @@ def parse_request(line: bytes | str) -> Request | Refused:
         return _build(obj, rid)
     except RequestError as exc:
         return Refused(rid, exc)
+    except RecursionError:  # a check that recursed into a value nested past Python's depth
+        return Refused(rid, RequestError("a value is nested too deeply"))
 
 
 def parse_event(event: LineEvent) -> Request | Refused:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ._fields import short
 from ._values import Invalid, with_schema
 from .lines import MAX_LINE_BYTES
 from .wire import json_type
@@ -339,5 +340,4 @@ def encode_bytes(data: bytes) -> str:
 
 
 def _shown(path: Any) -> str:
-    text = repr(path)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return short(path, 77)
