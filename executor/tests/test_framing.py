@@ -11,14 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from readie_executor.framing import (
+    BYTES_PER_CHUNK,
     END_OF_STREAM,
     MAX_CHUNK_SIZE,
     MAX_MESSAGE_SIZE,
+    MIN_CHUNKS,
     NEED_DATA,
     PROTOCOL_VERSION,
     FramingError,
     Message,
     MessageReader,
+    TooManyChunks,
     encode_message,
     iter_frames,
 )
@@ -180,6 +183,21 @@ def test_message_of_exactly_the_limit_is_accepted() -> None:
     reader = MessageReader(max_message_size=11)
     reader.feed(encode_message(b"hello world", 6))
     assert reader.next_event() == Message(b"hello world")
+
+
+def test_a_message_cut_into_more_chunks_than_its_limit_allows_is_refused_at_the_header_past_them() -> None:
+    """Chunks of a byte or two cost the reader a loop turn each: one per BYTES_PER_CHUNK bytes of
+    the limit (MIN_CHUNKS at least) is any sender's chunking, and a flood of them is refused."""
+    limit = 64 * 1024 * BYTES_PER_CHUNK  # 65,536 chunks allowed
+    allowed = limit // BYTES_PER_CHUNK
+    reader = MessageReader(max_message_size=limit)
+    reader.feed(encode_message(b"x" * allowed, 1) + encode_message(b"y" * (allowed + 1), 1))
+    assert reader.next_event() == Message(b"x" * allowed)  # exactly as many: accepted
+    with pytest.raises(TooManyChunks):
+        reader.next_event()
+    small = MessageReader(max_message_size=10)
+    small.feed(encode_message(b"0123456789", 1))  # a small limit still allows MIN_CHUNKS
+    assert small.next_event() == Message(b"0123456789") and MIN_CHUNKS > 10
 
 
 def test_message_limit_applies_per_message() -> None:

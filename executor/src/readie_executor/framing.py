@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
+    "BYTES_PER_CHUNK",
     "DEFAULT_CHUNK_SIZE",
     "END_OF_STREAM",
     "MAX_CHUNK_SIZE",
     "MAX_MESSAGE_SIZE",
+    "MIN_CHUNKS",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "ChunkTooLarge",
@@ -25,6 +27,7 @@ __all__ = [
     "Message",
     "MessageReader",
     "MessageTooLarge",
+    "TooManyChunks",
     "TruncatedMessage",
     "encode_message",
     "iter_frames",
@@ -44,6 +47,12 @@ MAX_CHUNK_SIZE = 64 * 1024 * 1024
 MAX_MESSAGE_SIZE = 4 * 1024 * 1024 * 1024
 # Large enough that per-chunk overhead is noise, small enough to stream.
 DEFAULT_CHUNK_SIZE = 1024 * 1024
+# What a reader allows a message in chunks: one per this many bytes of its size limit, and
+# MIN_CHUNKS whatever the limit. Any chunking a sender would choose passes (writers use
+# DEFAULT_CHUNK_SIZE); a peer cutting a message into chunks of a byte or two, each a turn of the
+# reader's loop holding the receiving process's interpreter, does not.
+BYTES_PER_CHUNK = 64
+MIN_CHUNKS = 4096
 
 
 class FramingError(Exception):
@@ -61,6 +70,12 @@ class MessageTooLarge(FramingError):
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(f"message of at least {size} bytes exceeds the limit of {limit} bytes")
         self.size = size
+        self.limit = limit
+
+
+class TooManyChunks(FramingError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"message of more than {limit} chunks (at most one per {BYTES_PER_CHUNK} bytes of its limit)")
         self.limit = limit
 
 
@@ -127,19 +142,24 @@ class MessageReader:
     what is buffered and then reports ``END_OF_STREAM`` or raises
     :class:`TruncatedMessage`. Limits are checked on each header, before the
     chunk it announces is buffered.
+
+    ``max_message_size`` bounds a message's payload, and its chunks are
+    bounded with it (:data:`BYTES_PER_CHUNK`: :class:`TooManyChunks`); the
+    payload goes into one buffer, never an object per chunk.
     """
 
     def __init__(self, max_message_size: int = MAX_MESSAGE_SIZE) -> None:
         self._max_message_size = min(max_message_size, MAX_MESSAGE_SIZE)
         self._buffer = bytearray()
         self._closed = False
-        self._chunks: list[bytes] = []
-        self._payload_size = 0
+        self._max_chunks = max(MIN_CHUNKS, self._max_message_size // BYTES_PER_CHUNK)
+        self._payload = bytearray()
+        self._chunks = 0  # of this message so far
         self._chunk_length: int | None = None  # None while waiting for a header
 
     @property
     def in_message(self) -> bool:
-        return bool(self._chunks) or self._chunk_length is not None
+        return self._chunks > 0 or self._chunk_length is not None
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._closed:
@@ -162,15 +182,17 @@ class MessageReader:
                     return self._finish()
                 if length > MAX_CHUNK_SIZE:
                     raise ChunkTooLarge(length, MAX_CHUNK_SIZE)
-                if self._payload_size + length > self._max_message_size:
-                    raise MessageTooLarge(self._payload_size + length, self._max_message_size)
+                if len(self._payload) + length > self._max_message_size:
+                    raise MessageTooLarge(len(self._payload) + length, self._max_message_size)
+                if self._chunks >= self._max_chunks:
+                    raise TooManyChunks(self._max_chunks)
+                self._chunks += 1
                 self._chunk_length = length
             if len(self._buffer) < self._chunk_length:
                 return self._starved("a chunk", self._chunk_length)
             with memoryview(self._buffer) as view:
-                self._chunks.append(bytes(view[: self._chunk_length]))
+                self._payload += view[: self._chunk_length]
             del self._buffer[: self._chunk_length]
-            self._payload_size += self._chunk_length
             self._chunk_length = None
 
     def _starved(self, what: str, expected: int) -> Event:
@@ -178,12 +200,12 @@ class MessageReader:
             return NEED_DATA
         if not self.in_message and not self._buffer:
             return END_OF_STREAM
-        if what == "a length prefix" and self._chunks:
+        if what == "a length prefix" and self._payload:
             what = "a length prefix (no terminator yet)"
-        raise TruncatedMessage(what, expected, len(self._buffer), self._payload_size)
+        raise TruncatedMessage(what, expected, len(self._buffer), len(self._payload))
 
     def _finish(self) -> Message:
-        payload = b"".join(self._chunks)
-        self._chunks = []
-        self._payload_size = 0
+        payload = bytes(self._payload)
+        self._payload = bytearray()
+        self._chunks = 0
         return Message(payload)
