@@ -178,6 +178,24 @@ def test_the_hosts_slowness_counts_against_the_timeout(tmp_path):
     assert (lines[3]["id"], lines[3]["error"]["type"]) == (None, "RequestError")
 
 
+def test_a_call_made_after_its_tasks_deadline_is_answered_at_once_and_never_posted(tmp_path):
+    """Never a call event: the client may still be answering the task's last call, and a second
+    call of one request while it does is a break of the protocol's order."""
+
+    def late(job) -> list[HostCall]:  # the fake sets the job's deadline on its calls: past by then
+        time.sleep(0.1)
+        return [HostCall(1, "search", ("readie",), {})]
+
+    async def scenario(engine, source, sink, fake):
+        source.feed_lines({"id": "t", "functions": ["search"], "code": "late", "timeout": "20ms"})
+        await sink.wait_for(2)
+        source.end()
+
+    _, lines, _, fake, _ = serve(setup_for(tmp_path), scenario, FakeBackend(host_calls=late))
+    assert [line.get("event") for line in lines] == ["ready", None] and lines[1]["id"] == "t"
+    assert fake.replies == {"t": [HostReply(error="search: the task's timeout has passed")]}
+
+
 def test_eof_answers_a_waiting_call_with_an_error(tmp_path):
     async def scenario(engine, source, sink, fake):
         source.feed_lines({"id": "t", "functions": ["search"], "code": "call:search"})

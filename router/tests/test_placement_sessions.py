@@ -137,6 +137,8 @@ class FakeWorker:
         with self.busy():
             if job.code == "block":
                 self.release.wait(30)
+            if job.code == "fail":  # the worker's word that the job's sandbox failed
+                raise PoolWorkerError("the fake worker's sandbox failed under the job")
             return _ok(job.code)
 
     def open_session(self, job: CodeJob, job_id=None, host=None, cancel=None, output=None):
@@ -385,6 +387,8 @@ def test_a_worker_side_failure_ends_the_session_without_evicting_the_worker(clus
     assert not isinstance(caught.value, SessionLost)
     assert "ended" in str(caught.value)
     assert session.ended
+    # A job's too: or a tenant failing its own sandboxes would keep every worker out of placement.
+    assert c.placement.run_job(CodeJob("base", "fail")).error.type == "PoolWorkerError"
     assert c.member(0).healthy and c.member(1).healthy
     assert c.idle()
     assert wait_until(lambda: c.workers[0].sessions[0].closed.is_set())

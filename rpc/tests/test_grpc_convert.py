@@ -11,7 +11,7 @@ from readie_rpc import _client_wire, _convert
 from readie_rpc._convert import ANSWER_MARGIN_MS, call_payload, capacity_response, code_job, run_job_response, timeout_ms
 from readie_protocol.events import ErrorInfo
 from readie_rpc._proto.readie.v1 import worker_pb2 as pb
-from readie_rpc._status import DeadlineExpired, ResponseTooLarge, grpc_errors, readie_errors, status_for
+from readie_rpc._status import DeadlineExpired, ResponseTooLarge, WorkerLost, grpc_errors, readie_errors, status_for
 from readie_worker.core import Worker, WorkerConfig
 from readie_policy.egress import Egress, parse_destinations
 from readie_policy.jobs import Capacity
@@ -396,7 +396,11 @@ class _Failed(grpc.RpcError):
         ),
         (_Failed(grpc.StatusCode.UNAVAILABLE, "draining", (("readie-error", "SandboxSetupError"),)), SandboxSetupError, "draining"),
         (_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), ExecutorTimeout, "Deadline Exceeded"),
-        (_Failed(grpc.StatusCode.UNAVAILABLE, "reset"), PoolWorkerError, "worker call failed (UNAVAILABLE): reset"),
+        # No readie status: the worker's code never answered (a connection reset, the worker gone).
+        (_Failed(grpc.StatusCode.UNAVAILABLE, "reset"), WorkerLost, "worker call failed (UNAVAILABLE): reset"),
+        # The worker's own word that a job's sandbox failed: it says nothing against the worker.
+        (_Failed(grpc.StatusCode.INTERNAL, "sandbox crashed", (("readie-error", "PoolWorkerError"),)), PoolWorkerError,
+         "worker call failed (INTERNAL): sandbox crashed"),
     ],
 )
 def test_readie_errors_raises_a_failed_call_as_the_error_its_status_stands_for(failed, raised, message):

@@ -128,3 +128,20 @@ def test_nothing_is_sent_from_there_after_the_deadline_or_once_the_job_thread_to
     assert not closed(HostReply(result=1))
     assert closed.take_over(HostReply(error="the pool stopped")) == encode_reply(7, HostReply(error="the pool stopped"))
     assert sent == [] and encode.calls == 2  # each counted in the task's stats, the dropped one too
+
+
+def test_a_call_read_after_the_tasks_deadline_never_reaches_the_host():
+    """A job can write call frames ahead; read once its time is up, none is asked of the host: its
+    client may still be answering the last call, and a second call of one request is a break of
+    the pool protocol that no client takes."""
+    from readie_worker._host_answer import HostAnswer
+    from readie_worker._host_frames import HostConversation
+
+    asked: list[object] = []
+    frames = [b'{"call":{"call_id":%d,"function":"f","args":[],"kwargs":{}}}' % n for n in (1, 2)]
+    on_time = HostAnswer(HostConversation({"f"}), lambda call: asked.append(call) or HostReply(result=1),
+                         time.monotonic() + 60, None, lambda data: 0)
+    assert on_time(frames[0]) != NO_REPLY and len(asked) == 1
+    late = HostAnswer(HostConversation({"f"}), lambda call: asked.append(call) or HostReply(result=1),
+                      time.monotonic() - 0.001, None, lambda data: 0)
+    assert late(frames[0]) is NO_REPLY and len(asked) == 1

@@ -117,6 +117,10 @@ def test_a_refusal_or_a_file_past_transfer_bytes_is_the_requests_error():
     with pytest.raises(RequestError) as refused:
         parse_listing(answer({"refused": "no such directory"}), "gone", 10)
     assert refused.value.field == "list"
+    # A lone surrogate (JSON's \ud800) in the sandbox's reason: a message any writer can encode.
+    with pytest.raises(RequestError) as refused:
+        parse_listing(answer({"refused": "bad \ud800 name"}), "gone", 10)
+    str(refused.value).encode("utf-8")
 
 
 def test_an_upload_answer_must_count_exactly_what_was_sent():

@@ -166,6 +166,10 @@ def host_function(
     """
 
     def host(call: HostCall) -> HostReply:
+        if call.deadline is not None and time.monotonic() >= call.deadline:
+            # Never posted: the client may still be answering this task's last call, and a second
+            # call of one request while it does is one no client takes (the protocol's order).
+            return HostReply(error=f"{call.function}: the task's timeout has passed")
         waiting = WaitingCall(request_id, call)
         line = calls.post(waiting)
         if line is not None:

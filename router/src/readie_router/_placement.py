@@ -49,7 +49,7 @@ from readie_rpc.client import WorkerClient
 from readie_policy.jobs import Capacity
 from readie_worker.errors import Cancelled, ErrorType, PoolWorkerError, RequestError, SandboxSetupError
 from readie_worker.jobs import CodeJob, HostFunction, JobOutcome, OutputSink
-from readie_rpc.client import NotStarted, Unreachable
+from readie_rpc.client import NotStarted, Unreachable, WorkerLost
 from readie_rpc.remote_session import RemoteSession, StreamBroken
 from readie_rpc.security import ClientSecurity
 from readie_worker.sessions import StepOutcome
@@ -281,9 +281,12 @@ class Placement:
                 refused.add(id(member))
             except Cancelled:
                 raise  # our caller left: the worker is as healthy as it was
-            except PoolWorkerError:
+            except WorkerLost:  # no word from the worker: it may be gone until a probe says otherwise
                 self._roster.mark_failed(member)
                 raise  # it may have run: never retried
+            # Any other PoolWorkerError is the worker's word, or this router's refusal of what the
+            # worker relayed from a sandbox: the worker is as healthy as it was (a tenant's job must
+            # not be able to evict it), and the job, which may have run, is never retried.
             finally:
                 self._roster.release(member)
 

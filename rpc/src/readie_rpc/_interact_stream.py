@@ -28,7 +28,7 @@ from ._alarms import after
 from ._host_wire import call_from_message, output_from_message, reply_message
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
-from ._status import answered_by_readie, readie_errors
+from ._status import WorkerLost, answered_by_readie, readie_errors
 from readie_protocol.errors import PoolWorkerError
 from readie_policy.jobs import HostFunction, HostReply, OutputSink, ask_host, max_output_events
 
@@ -42,7 +42,7 @@ CLOSE_WAIT_S = 10.0
 _END = None
 
 
-class StreamBroken(PoolWorkerError):
+class StreamBroken(WorkerLost):
     """The stream ended without the worker's word: the connection or the worker process went away."""
 
 

@@ -74,6 +74,12 @@ class DeadlineExpired(ReadieError):
     """The caller's gRPC deadline left no time to run anything."""
 
 
+class WorkerLost(PoolWorkerError):
+    """A call ended without the worker's word: no readie status came back, so the connection or
+    the worker process went away. It may have run. Unlike the worker's own PoolWorkerError (a
+    job's sandbox failed, and the worker said so), it says something of the worker."""
+
+
 class Unreachable(NotStarted):
     """The call never left this process: its connection was refused (``never_sent``). Nothing
     ran, as for any NotStarted; unlike a draining server's refusal, nobody answered at all."""
@@ -215,4 +221,5 @@ def error_from_status(error: grpc.RpcError, unanswered: Callable[[grpc.RpcError]
         return SandboxSetupError(f"the worker does not implement this call (older protocol): {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ExecutorTimeout(details or "deadline exceeded")
-    return PoolWorkerError(f"worker call failed ({code.name}): {details}")
+    lost = WorkerLost if kind is None else PoolWorkerError
+    return lost(f"worker call failed ({code.name}): {details}")

@@ -27,7 +27,7 @@ from ._client_wire import attached_setup, job_outcome, run_job_request, step_out
 from ._proto.readie.v1 import worker_pb2 as pb
 from ._proto.readie.v1 import worker_pb2_grpc as pb_grpc
 from ._session_wire import session_key
-from ._status import NotStarted, Unreachable, readie_errors
+from ._status import NotStarted, Unreachable, WorkerLost, readie_errors
 from .grpc_service import FILES_PROTOCOL, MAX_MESSAGE_BYTES
 from readie_protocol.cancel import NEVER, Cancellation
 from readie_protocol.errors import Cancelled, PoolWorkerError, SandboxSetupError
@@ -35,7 +35,7 @@ from readie_policy.jobs import Capacity, CodeJob, HostFunction, JobOutcome, Outp
 from .remote_session import DEADLINE_MARGIN_S, SESSION_IMAGE_WAIT_S, InteractStream, Reconnect, RemoteSession
 from .security import ClientSecurity
 
-__all__ = ["NEVER", "Cancellation", "NotStarted", "Unreachable", "WorkerClient"]
+__all__ = ["NEVER", "Cancellation", "NotStarted", "Unreachable", "WorkerClient", "WorkerLost"]
 
 log = structlog.get_logger("readie.grpc")
 _T = TypeVar("_T")

@@ -115,6 +115,10 @@ class HostAnswer:
         event = self._conversation.receive(message)  # TooManyRefusedFrames ends the job
         if isinstance(event, RefusedFrame):
             return event.reply
+        if time.monotonic() >= self._deadline:
+            # The task's time is up, its code being stopped, its answer a TimeoutError: a call that
+            # comes now (frames it wrote ahead, read after the deadline) never reaches the host.
+            return NO_REPLY
         started = time.monotonic_ns()
 
         def encode(reply: HostReply) -> bytes:

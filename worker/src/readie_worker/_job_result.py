@@ -28,6 +28,7 @@ from readie_protocol.events import ErrorInfo, Value
 
 __all__ = [
     "INVALID_ERROR_TYPE",
+    "clean_text",
     "SandboxAnswer",
     "JobResultInvalid",
     "load_json",
@@ -249,7 +250,7 @@ class _Fields:
         return Value(
             text=text,
             truncated=fields.boolean("truncated") or cut,
-            data={mime: _clean(data[mime]) for mime in sorted(data)},
+            data={mime: clean_text(data[mime]) for mime in sorted(data)},
             omitted=omitted,
         )
 
@@ -290,7 +291,7 @@ class _Fields:
         if not isinstance(value, str):
             raise self._wrong(field, "a string", value)
         cut = len(value) > limit
-        return _clean(value[:limit]), cut
+        return clean_text(value[:limit]), cut
 
     def matching(self, field: str, pattern: re.Pattern[str], limit: int) -> str:
         text, cut = self.text(field, limit)
@@ -316,7 +317,7 @@ class _Fields:
         for index, item in enumerate(value):
             if not isinstance(item, str) or len(item) > max_length or not accept(item):
                 raise JobResultInvalid(f"{self._name(field)}[{index}] is not an acceptable entry")
-            items.append(_clean(item))
+            items.append(clean_text(item))
         return tuple(items)
 
     def integer(self, field: str, low: int, high: int) -> int:
@@ -352,9 +353,9 @@ def _is_module_name(name: str) -> bool:
     return all(part.isidentifier() for part in name.split("."))
 
 
-def _clean(text: str) -> str:
-    # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 writer
-    # downstream (logs, the pool's JSONL) can encode.
+def clean_text(text: str) -> str:
+    """``text`` from a sandbox as UTF-8 can carry it: JSON's \\ud800 escapes decode to lone
+    surrogates, which no writer downstream (logs, the pool's JSONL, protobuf) can encode."""
     return text.encode("utf-8", "replace").decode("utf-8")
 
 

@@ -30,7 +30,7 @@ from readie_protocol.workspace import (
     workspace_path,
 )
 
-from ._job_result import JobResultInvalid, load_json
+from ._job_result import JobResultInvalid, clean_text, load_json
 from .errors import PoolWorkerError, RequestError, shown
 
 __all__ = [
@@ -197,7 +197,7 @@ class _FilesAnswer:
         why = self.header["refused"]
         if not isinstance(why, str) or len(why) > MAX_REFUSAL_CHARS:
             raise self.invalid(f"refuses without saying why in at most {MAX_REFUSAL_CHARS} characters")
-        raise RequestError(f"the {what} was refused: {why}", field=field or self.what)
+        raise RequestError(f"the {what} was refused: {clean_text(why)}", field=field or self.what)
 
     def keys(self, *names: str) -> None:
         self.only(self.header, *names)
