@@ -11,11 +11,9 @@ destroyed: a runsc restore, a runsc cold start, a plain host process.
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +36,7 @@ from readie_policy.jobs import JOB_SUBPROCESSES  # what a job's spec sends, and 
 from readie_policy.policy import DEFAULT_MAX_OUTPUT  # what most jobs ask, and a warm-up prepares for
 
 from ._grant_fs import PathIdentity
+from ._handover import hand_over
 from ._sandbox_dir import SandboxDir
 from ._socket_wait import connect_executor, wait_for_socket
 from ._states import SandboxState, check_transition
@@ -439,14 +438,6 @@ def launch(
     ready_ms = (time.monotonic() - started) * 1000
     log.debug("sandbox ready", sandbox=sandbox_dir.id, launcher=launcher.name, ready_ms=round(ready_ms, 1))
     return Sandbox(sandbox_dir, launcher, launched, ready_ms, write_grants=grants.write_grants, mounts_held=mounts_held)
-
-
-def hand_over(process: subprocess.Popen[bytes], env: Mapping[str, str]) -> None:
-    """Give an executor waiting at its capture point the environment it wakes up to."""
-    assert process.stdin is not None
-    with host_failure(SandboxSetupError, "executor took no handover"):
-        process.stdin.write(json.dumps({"env": dict(env)}).encode() + b"\n")
-        process.stdin.flush()
 
 
 @dataclass(frozen=True)
