@@ -127,8 +127,10 @@ def test_the_machines_errors_never_remove_an_entry_or_lose_a_lease(store, tmp_pa
     generation = next(path.name for path in (store.root / entry_name(key)).iterdir() if path.name.startswith("g"))
     real_open = os.open
 
-    def exhausted(path, flags, *args, **kwargs):  # descriptors run out, for the entry's generation only
-        if path == generation:
+    failing = {generation}
+
+    def exhausted(path, flags, *args, **kwargs):  # descriptors run out, for these paths only
+        if path in failing:
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
         return real_open(path, flags, *args, **kwargs)
 
@@ -138,6 +140,11 @@ def test_the_machines_errors_never_remove_an_entry_or_lose_a_lease(store, tmp_pa
     assert "failed verification" not in str(failed.value)
     assert [info.state for info in store.entries()] == ["unreadable"]
     assert store.sweep() == []
+    failing.add(entry_name(key))  # the entry's own directory: a typed error, never an OSError
+    with pytest.raises(SandboxSetupError, match="could not be read"):
+        store.load(key)
+    assert [info.state for info in store.entries()] == ["unreadable"] and store.sweep() == []
+    failing.clear()
     monkeypatch.setattr(store_files.os, "open", real_open)
     assert store.load(key).step == 1  # kept, and sound
 

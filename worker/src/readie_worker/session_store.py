@@ -474,6 +474,8 @@ class SessionStore:
                 generations = generation_numbers(entry_fd)
         except UnsafeFile:
             return None
+        except OSError as exc:  # the machine's (_store_files): nothing is known of the entry
+            raise SandboxSetupError(f"the session store could not be read: {exc.strerror}") from None
         return f"g{max(generations)}" if generations else None
 
 
