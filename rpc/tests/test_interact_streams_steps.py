@@ -105,7 +105,7 @@ def test_a_host_call_nobody_answers_gets_an_error_reply_by_its_deadline(serve_fa
     assert 0.9 <= after_s < 1.0 + 0.5
 
 
-def test_a_client_that_replies_blind_but_never_reads_does_not_hold_host_calls_past_their_deadline(serve_fake):
+def test_a_client_that_replies_blind_but_never_reads_does_not_hold_host_calls_past_their_deadline(serve_fake, hang_ups):
     served = serve_fake()
     runner = served.runner
     calls, deadline_s = 40, 1.5
@@ -120,6 +120,7 @@ def test_a_client_that_replies_blind_but_never_reads_does_not_hold_host_calls_pa
     assert runner.replies[0][0].result == 1  # the blind replies were taken while events could still go out
     assert all("not reading" in reply.error or "deadline" in reply.error for reply, _ in errors)
     assert max(after_s for _, after_s in runner.replies) < deadline_s + 0.5
+    assert hang_ups == []  # a call's event that could not go failed that call alone, never the stream
 
 
 def test_a_client_that_stops_reading_has_its_rpc_ended_when_its_result_cannot_go(serve_fake, hang_ups, monkeypatch):

@@ -215,7 +215,7 @@ class Interaction:
                     job, self._job_id, host=self._relay, cancel=self._cancel, output=self._output(first.job.stream_output)
                 )
                 self._check_protocol()
-                self._send(pb.InteractEvent(result=run_job_response(outcome)), RESULT_SEND_S)
+                self._send_last(pb.InteractEvent(result=run_job_response(outcome)))
             elif kind == "open_session":
                 job = code_job(first.open_session, self._context.time_remaining(), *self._ceiling)
                 self._bind(kind="session", checkpoint=job.checkpoint, functions=len(job.functions))
@@ -283,7 +283,7 @@ class Interaction:
 
         while True:
             self._check_protocol()
-            if not self._send(answer, RESULT_SEND_S):
+            if not self._send_last(answer):
                 return  # the client is gone or stopped reading: the session ends
             self._bind(steps=steps)
             if self._ended:
@@ -301,7 +301,7 @@ class Interaction:
                 return
             if session.ended and keeps and self._handing_over.is_set():  # the runner's drain let go of it
                 self._released = True
-                self._send(pb.InteractEvent(handed_over=pb.SessionHandedOver(step=steps)), RESULT_SEND_S)
+                self._send_last(pb.InteractEvent(handed_over=pb.SessionHandedOver(step=steps)))
                 return
             if (kind in ("hibernate", "fork") or kind in FILE_EVENTS) and session.ended:  # as for a step: not the client's doing
                 raise PoolWorkerError(f"session {session.id} was closed by the worker")
@@ -353,7 +353,7 @@ class Interaction:
         self._released = True
         session.detach(NEVER)  # what it raises has ended the session: the stream ends with its status
         self._bind(handed_over=True)
-        self._send(pb.InteractEvent(handed_over=pb.SessionHandedOver(step=steps)), RESULT_SEND_S)
+        self._send_last(pb.InteractEvent(handed_over=pb.SessionHandedOver(step=steps)))
 
     def _fork(self, session: SessionHandle) -> pb.SessionForked:
         """Fork between steps: the fork waits in the server's table for the stream that attaches
@@ -380,11 +380,16 @@ class Interaction:
             self._stale_reply()
 
     def _send(self, event: pb.InteractEvent, timeout: float | None) -> bool:
-        if self._outbox.put(event, timeout):
+        return self._outbox.put(event, timeout)
+
+    def _send_last(self, event: pb.InteractEvent) -> bool:
+        """Send what ends the driver's work (a result, a hand-over); False when it could not go.
+        Then the client stopped reading (or left): grpc's send of the events before holds the
+        handler's thread for as long as the client keeps the stream open, after this stream gave
+        its place back. Ending the RPC frees that thread; on an RPC over already, it does nothing.
+        (A call's or output's event that cannot go is that event's failure alone: the task goes on.)"""
+        if self._send(event, RESULT_SEND_S):
             return True
-        # The client stopped reading (or left): grpc's send of the events before holds the handler's
-        # thread for as long as the client keeps the stream open, after this stream gave its place
-        # back. Ending the RPC frees that thread; on an RPC over already, it does nothing.
         self._context.cancel()
         return False
 
