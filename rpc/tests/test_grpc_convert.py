@@ -320,6 +320,14 @@ def test_only_a_call_refused_before_it_started_carries_the_unstarted_mark():
     assert not any(key == "readie-unstarted" for key, _ in status_for(SandboxSetupError("no sandbox")).metadata)
 
 
+def test_a_worker_lost_under_a_routers_call_is_a_pool_worker_error_to_the_routers_client():
+    from readie_rpc._interact_stream import SessionLost
+
+    for lost in (WorkerLost("worker call failed (UNAVAILABLE): reset"), SessionLost("the session's worker was lost")):
+        status = status_for(lost)  # the documented set of readie-error values, not how the router knew
+        assert status.code == grpc.StatusCode.INTERNAL and ("readie-error", "PoolWorkerError") in status.metadata
+
+
 def test_an_unexpected_error_is_internal_and_does_not_leak_its_message():
     status = status_for(KeyError("secret-value"))
     assert status.code == grpc.StatusCode.INTERNAL

@@ -72,3 +72,20 @@ def test_closed_it_refuses_new_tasks_and_drops_what_waits():
         pool.submit("a", dropped.set)
     with pytest.raises(ValueError):
         FairThreads(2, 3, "test")
+
+
+def test_with_no_thread_that_could_start_a_task_is_refused_not_queued_forever():
+    def cannot() -> None:
+        raise OSError("the namespace is gone")
+
+    pool = FairThreads(2, 1, "test", cannot)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            pool.submit("a", lambda: None)
+        except RuntimeError:
+            break
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="no thread could start"):
+        pool.submit("a", lambda: None)
+    pool.close()

@@ -163,3 +163,22 @@ def test_the_machines_errors_never_remove_an_entry_or_lose_a_lease(store, tmp_pa
     monkeypatch.setattr(os, "utime", io_error)
     store.leases.beat_now()
     assert not lost.is_set() and store.holds(held)
+
+
+def test_a_detach_that_meets_a_machine_error_keeps_the_sessions_entry(store, tmp_path, monkeypatch):
+    """A drain's detach asks whether the entry holds a generation before it lets go: a read the
+    machine failed is no answer, and the entry (the session's only copy) must stay for an attach."""
+    key = new_session_key()
+    lease = store.hold(key, lambda: None)
+    store.save(key, image(tmp_path / "img"), job=JOB, memory_limit=None, step=4)
+    import readie_worker.session_store as module
+
+    real_read = module.read_bounded
+
+    def io_error(*args: object) -> bytes:  # reading the metadata fails; removing would not
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(module, "read_bounded", io_error)
+    SessionImages(store, tmp_path / "scratch", shared=True).let_go(key, lease, keep=True)
+    monkeypatch.setattr(module, "read_bounded", real_read)
+    assert store.load(key).step == 4 and not store.holds(key)

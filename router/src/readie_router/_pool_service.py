@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -51,6 +52,9 @@ BREAK_NOTICE_S = 0.2
 # thread (the router's pool is sized for them) and its engine's threads while the client is
 # connected, idle or not, as a pool's stdin may idle. One past it is refused at once.
 MAX_POOL_STREAMS = 16
+# How long the engine, done, lets its handler send the lines left to a client that reads slowly;
+# then it ends the RPC: a client that stopped reading holds grpc's send, and with it the thread.
+LAST_LINES_SEND_S = 60.0
 _END = None
 
 
@@ -147,10 +151,17 @@ class PoolServicer(pb_grpc.PoolServicer):
         with grpc_errors(context), CallLog("Session", context, metrics=self._metrics):
             if not self._places.acquire(blocking=False):
                 raise SandboxSetupError(f"this router has its {self._max_streams} pool streams open")
-            yield from self._serve(request_iterator, context)  # its engine's thread gives the place back
+            # Held by this handler's thread and by its engine's: given back once both are done.
+            place = _Place(self._places, holders=2)
+            try:
+                yield from self._serve(request_iterator, context, place)
+            finally:
+                place.leave()
 
-    def _serve(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext) -> Iterator[pb.PoolOutput]:
+    def _serve(self, request_iterator: Iterator[pb.PoolInput], context: grpc.ServicerContext,
+               place: _Place) -> Iterator[pb.PoolOutput]:
         lines: queue.Queue[bytes | None] = queue.Queue(MAX_UNREAD_LINES)
+        taken = threading.Event()  # the handler took the last line (the end): nothing more to send
 
         broken = threading.Event()  # the RPC terminated before the engine was done: a break, not a close
         if not context.add_callback(broken.set):
@@ -166,15 +177,37 @@ class PoolServicer(pb_grpc.PoolServicer):
             except Exception:
                 log.exception("pool session failed")
             finally:
-                self._places.release()
                 sink.put(_END)
+                deadline = time.monotonic() + LAST_LINES_SEND_S
+                while not taken.wait(BREAK_NOTICE_S) and not broken.is_set():
+                    if time.monotonic() >= deadline:
+                        context.cancel()  # the client stopped reading: its lines never go, its thread comes back
+                        break
+                place.leave()
 
         thread = threading.Thread(target=serve, name="pool-session", daemon=True)
         try:
             thread.start()
         except BaseException:
-            self._places.release()
+            place.leave()  # the engine's share: it never ran
             raise
         while (line := lines.get()) is not _END:
             yield pb.PoolOutput(line=line)
+        taken.set()
         thread.join()
+
+
+class _Place:
+    """A stream's place, given back to ``places`` once each of its ``holders`` has left."""
+
+    def __init__(self, places: threading.BoundedSemaphore, holders: int) -> None:
+        self._places = places
+        self._holders = holders
+        self._lock = threading.Lock()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._places.release()

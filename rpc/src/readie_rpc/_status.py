@@ -128,7 +128,10 @@ def status_for(error: BaseException) -> Status:
         # A bug: its message could hold anything, so only its type leaves the worker.
         return Status(grpc.StatusCode.INTERNAL, str(internal_error(error)), ((ERROR_METADATA_KEY, "InternalError"),))
     code = next((code for cls, code in _STATUS_CODES if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
-    metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, type(error).__name__),)
+    # A worker lost under a router's call is, to the router's own client, the worker failing under
+    # it: the documented PoolWorkerError (docs/deploy.md), not the router's name for how it knew.
+    name = ErrorType.POOL_WORKER.value if isinstance(error, WorkerLost) else type(error).__name__
+    metadata: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, name),)
     if isinstance(error, RequestError) and error.field:
         metadata += ((FIELD_METADATA_KEY, _metadata_text(error.field)),)
     if isinstance(error, NotStarted):

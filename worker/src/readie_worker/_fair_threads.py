@@ -34,15 +34,16 @@ class FairThreads:
         self._turns: deque[Hashable] = deque()  # owners with tasks waiting, in turn order
         self._running: dict[Hashable, int] = {}
         self._closed = False
+        self._serving = threads  # threads alive to serve: one that cannot start (its initializer failed) is not
         self._threads = [threading.Thread(target=self._serve, name=f"{name}-{index}", daemon=True) for index in range(threads)]
         for thread in self._threads:
             thread.start()
 
     def submit(self, owner: Hashable, task: Callable[[], object]) -> None:
-        """Queue ``task`` as ``owner``'s; RuntimeError once closed."""
+        """Queue ``task`` as ``owner``'s; RuntimeError once closed, or with no thread left to run it."""
         with self._ready:
-            if self._closed:
-                raise RuntimeError("closed")
+            if self._closed or not self._serving:
+                raise RuntimeError("closed" if self._closed else "no thread could start")
             waiting = self._tasks.setdefault(owner, deque())
             if not waiting:
                 self._turns.append(owner)
@@ -81,6 +82,11 @@ class FairThreads:
             self._initializer()
         except Exception:  # this thread cannot serve (its namespace gone): the others do
             log.exception("a fair thread could not start")
+            with self._ready:
+                self._serving -= 1
+                if not self._serving:  # what waits would never run: its owners hear so as they submit next
+                    self._tasks.clear()
+                    self._turns.clear()
             return
         while True:
             with self._ready:

@@ -29,7 +29,7 @@ from .errors import RequestError, SandboxSetupError
 from .jobs import CodeJob
 from .paths import remove_tree
 from .sandbox import Sandbox
-from .session_store import LeaseLost, SessionStore, StoredSession
+from .session_store import LeaseLost, SessionStore, StoredSession, StoreUnreadable
 
 log = structlog.get_logger("readie.worker")
 
@@ -117,9 +117,12 @@ class SessionImages:
             log.warning("a session's store entry could not be let go; a sweep will take it", error=str(exc))
 
     def _stored(self, key: str) -> bool:
-        """Whether the store holds a generation of ``key`` that verifies."""
+        """Whether the store holds a generation of ``key`` that verifies, or may: one the machine
+        could not read now is kept for an attach, never removed as if it held nothing."""
         try:
             self.store.load(key)
+        except StoreUnreadable:
+            return True
         except (RequestError, SandboxSetupError):
             return False
         return True

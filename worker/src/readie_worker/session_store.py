@@ -71,7 +71,7 @@ from .paths import remove_tree
 
 __all__ = [
     "DEFAULT_STORE_BYTES", "DEFAULT_STORE_ENTRIES", "DEFAULT_STORE_TTL_S", "EntryInfo", "LeaseLost", "SessionStore",
-    "StoreBusy", "StoredSession", "entry_name", "new_session_key", "read_store_key",
+    "StoreBusy", "StoreUnreadable", "StoredSession", "entry_name", "new_session_key", "read_store_key",
 ]
 
 log = structlog.get_logger("readie.worker")
@@ -265,7 +265,7 @@ class SessionStore:
             except (UnsafeFile, ValueError) as exc:
                 self._refuse(entry, generation, str(exc))  # returns: a newer generation replaced it
             except OSError as exc:  # the machine's, not the entry's (_store_files): the entry is kept
-                raise SandboxSetupError(f"the stored session could not be read: {exc.strerror}") from None
+                raise StoreUnreadable(f"the stored session could not be read: {exc.strerror}") from None
         raise _kept_changing()
 
     def load_image(self, key: str, into: Path) -> StoredSession:
@@ -475,9 +475,14 @@ class SessionStore:
         except UnsafeFile:
             return None
         except OSError as exc:  # the machine's (_store_files): nothing is known of the entry
-            raise SandboxSetupError(f"the session store could not be read: {exc.strerror}") from None
+            raise StoreUnreadable(f"the session store could not be read: {exc.strerror}") from None
         return f"g{max(generations)}" if generations else None
 
+
+
+class StoreUnreadable(SandboxSetupError):
+    """The machine failed a read of the store (an I/O error, no descriptors left): nothing is known
+    of the entry, which is kept, and whoever would act on it as gone must not."""
 
 
 class _Replaced(SandboxSetupError):
